@@ -1,0 +1,55 @@
+# paged_kv: two commands do all the set-up.
+#   make lab    create .venv when missing, install everything, open JupyterLab on the course
+#   make test   create the same .venv when missing, then lint and run every test
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+LAB_ARGS ?=
+
+.PHONY: help venv lab test lint format test-lesson check-env constraints clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+# The environment: rebuilt when pyproject.toml or constraints.txt change.
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "paged_kv needs Python 3.11 or newer, found " + sys.version.split()[0]'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --constraint constraints.txt --editable '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv and install the pinned environment
+
+lab: $(STAMP) ## open the course in JupyterLab (extra flags: LAB_ARGS="--no-browser --port 8899")
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/lessons $(LAB_ARGS)
+
+test: $(STAMP) lint ## lint, then run every test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff: lint and formatting
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP) ## let ruff fix what it can and format the code
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test-lesson: $(STAMP) ## the tests of one lesson: make test-lesson LESSON=02
+	@test -n "$(LESSON)" || { echo "usage: make test-lesson LESSON=02"; exit 2; }
+	$(BIN)/python -m pytest -m lesson$(LESSON) $(PYTEST_ARGS)
+
+check-env: $(STAMP) ## print versions and OK/FAIL per requirement, for bug reports
+	$(BIN)/python -m paged_kv check-env
+
+constraints: $(STAMP) ## re-pin constraints.txt from the current .venv (after a deliberate upgrade)
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch==' ; echo 'torch==2.13.0'; } | sort -f -s -k1,1 > constraints.new
+	{ grep '^#' constraints.new; grep -v '^#' constraints.new; } > constraints.txt && rm constraints.new
+
+clean: ## remove .venv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,5 @@
+"""``python -m paged_kv``: see :mod:`paged_kv.cli`."""
+
+from .cli import main_entry
+
+main_entry()

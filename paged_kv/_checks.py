@@ -1,0 +1,21 @@
+"""Argument checks shared by the package: each raises ``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+import operator
+
+
+def check_count(name: str, value: object, *, minimum: int = 0) -> int:
+    """Return ``value`` as an ``int`` when it is an integer of at least ``minimum``.
+
+    Booleans are refused: ``True`` as a token count is always a bug.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {number}")
+    return number

@@ -1,0 +1,63 @@
+"""The two data structures of paging: a physical :class:`Block` and a sequence's :class:`BlockTable`.
+
+A KV cache is cut into ``num_blocks`` fixed-size blocks of ``block_size`` token slots each. A
+sequence does not own a contiguous region; it owns a *block table*, an ordered list of physical
+block ids, exactly like a process's page table: logical block ``i`` of the sequence lives in
+physical block ``block_ids[i]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``.
+
+    >>> [blocks_for_tokens(n, 16) for n in (0, 1, 16, 17, 33)]
+    [0, 1, 1, 2, 3]
+    """
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class Block:
+    """A handle to one physical block of the KV cache.
+
+    ``block_id`` is the block's index along dimension 0 of ``k_cache`` and ``v_cache``.
+    ``ref_count`` is the number of block tables that hold the block: 0 means the block is free,
+    more than 1 means sequences share it (a forked sequence or a cached prefix).
+    """
+
+    block_id: int
+    ref_count: int = 0
+
+
+@dataclass
+class BlockTable:
+    """A sequence's page table: logical block ``i`` lives in physical block ``block_ids[i]``.
+
+    Invariant kept by the allocator: ``num_tokens <= len(block_ids) * block_size``, so every token
+    of the sequence has a slot. The last block may be partly empty; that tail is the only place
+    paging wastes memory (internal fragmentation, less than one block per sequence).
+    """
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def append_block(self, block_id: int) -> None:
+        """Add a physical block at the end of the table (the next logical block)."""
+        self.block_ids.append(block_id)
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the table holds."""
+        return len(self.block_ids)
+
+    def capacity(self, block_size: int) -> int:
+        """How many tokens fit in the blocks the table holds."""
+        return len(self.block_ids) * block_size
+
+    def copy(self) -> BlockTable:
+        """An independent copy: changing it never changes this table."""
+        return BlockTable(list(self.block_ids), self.num_tokens)

@@ -1,0 +1,109 @@
+"""The command line: ``python -m paged_kv fragmentation | check-env``.
+
+Bad arguments print one line on stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .block import blocks_for_tokens
+from .env_check import report
+from .errors import OutOfBlocksError
+from .fragmentation import fragmentation_report
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``prog: error: message``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def _token_counts(text: str) -> list[int]:
+    counts = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated whole numbers such as 9,17,33, got {item.strip()!r}"
+            ) from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(
+                f"a request cannot hold a negative number of tokens, got {value}"
+            )
+        counts.append(value)
+    return counts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m paged_kv", description="Tools of the paged_kv course.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    fragmentation = commands.add_parser(
+        "fragmentation",
+        help="paged blocks against a contiguous fixed slot per request, as JSON",
+        description="Allocate each request in a paged cache and compare the waste with reserving "
+        "one contiguous slot as long as the longest request.",
+    )
+    fragmentation.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
+    fragmentation.add_argument(
+        "--total-blocks", type=_positive_int, default=64, help="blocks in the pool (64)"
+    )
+    fragmentation.add_argument(
+        "--request-tokens",
+        type=_token_counts,
+        default=[9, 17, 33, 5, 41, 12],
+        help="comma-separated token counts, one per request (9,17,33,5,41,12)",
+    )
+
+    commands.add_parser(
+        "check-env",
+        help="print versions and OK/FAIL per requirement, for bug reports",
+        description="Print the versions of Python, torch, ipywidgets, matplotlib, JupyterLab and nbval, "
+        "the device default_device() picks, and OK or FAIL for each requirement.",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check-env":
+        text, ok = report()
+        print(text)
+        return 0 if ok else 1
+    try:
+        result = fragmentation_report(args.request_tokens, args.block_size, args.total_blocks)
+    except OutOfBlocksError:
+        needed = sum(blocks_for_tokens(n, args.block_size) for n in args.request_tokens)
+        message = (
+            f"the requests need {needed} blocks of {args.block_size} tokens "
+            f"but --total-blocks is {args.total_blocks}"
+        )
+        parser.exit(USAGE_ERROR, f"{parser.prog} fragmentation: error: {message}\n")
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def main_entry() -> NoReturn:
+    """The ``paged-kv`` console script and ``python -m paged_kv``."""
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""``python -m paged_kv check-env``: the versions a bug report needs, and whether each is good enough.
+
+The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+# (distribution, minimum version, the extra of pyproject.toml that installs it)
+REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
+    ("torch", "2.4", "core"),
+    ("ipywidgets", "8.0", "course"),
+    ("matplotlib", "3.7", "course"),
+    ("jupyterlab", "4.0", "course"),
+    ("nbval", "0.11", "dev"),
+)
+MINIMUM_PYTHON = "3.11"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: a name, what was found, and whether it meets the minimum."""
+
+    name: str
+    found: str
+    ok: bool
+    note: str = ""
+
+    def line(self) -> str:
+        status = "OK" if self.ok else "FAIL"
+        note = f"  ({self.note})" if self.note else ""
+        return f"{self.name:<12} {self.found:<24} {status}{note}"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: ``'2.13.0+cpu'`` gives ``(2, 13, 0)``."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def check_python() -> Check:
+    found = platform.python_version()
+    ok = version_tuple(found) >= version_tuple(MINIMUM_PYTHON)
+    return Check("Python", found, ok, f"needs >= {MINIMUM_PYTHON}")
+
+
+def check_package(distribution: str, minimum: str, extra: str) -> Check:
+    install = "pip install -e ." if extra == "core" else f"pip install -e '.[{extra}]'"
+    try:
+        found = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return Check(distribution, "not installed", False, f"needs >= {minimum}: {install}")
+    ok = version_tuple(found) >= version_tuple(minimum)
+    return Check(distribution, found, ok, f"needs >= {minimum}" + ("" if ok else f": {install}"))
+
+
+def check_device() -> Check:
+    try:
+        import torch
+
+        from .device import default_device
+
+        device = default_device()
+    except (ImportError, ValueError) as error:
+        return Check("device", "none", False, str(error))
+    details = []
+    if torch.cuda.is_available():
+        details.append(f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+    else:
+        details.append("no CUDA GPU visible")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        details.append("Apple MPS available (opt in with PAGED_KV_DEVICE=mps)")
+    return Check("device", str(device), True, "; ".join(details))
+
+
+def run_checks() -> list[Check]:
+    """Every check, in report order."""
+    return [check_python(), *(check_package(*requirement) for requirement in REQUIREMENTS), check_device()]
+
+
+def report() -> tuple[str, bool]:
+    """The text to print and whether every check passed."""
+    checks = run_checks()
+    passed = sum(check.ok for check in checks)
+    lines = [
+        "paged_kv environment check",
+        f"{'platform':<12} {platform.platform()} ({platform.machine()})",
+        f"{'executable':<12} {sys.executable}",
+        *(check.line() for check in checks),
+        f"result: {'OK' if passed == len(checks) else 'FAIL'} ({passed}/{len(checks)} checks passed)",
+    ]
+    return "\n".join(lines), passed == len(checks)

@@ -1,0 +1,24 @@
+"""A frozen copy of an allocator's bookkeeping, for comparisons, traces and pictures."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .block import BlockTable
+
+
+@dataclass(frozen=True)
+class AllocatorSnapshot:
+    """Everything a :class:`~paged_kv.cache.PagedKVCacheAllocator` knows, except the K/V data.
+
+    Two snapshots are equal exactly when the allocators they were taken from would behave the same
+    from then on: same free list order, same ref counts, same sequences with the same tables. The
+    tables are copies, so a snapshot never changes after it is taken.
+    """
+
+    num_blocks: int
+    block_size: int
+    free_block_ids: tuple[int, ...]
+    ref_counts: tuple[int, ...]
+    tables: dict[Hashable, BlockTable] = field(default_factory=dict)

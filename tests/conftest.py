@@ -1,0 +1,31 @@
+"""Shared fixtures: the ``device`` every tensor test runs on, and the hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# "dev" keeps the edit-test loop quick; CI (HYPOTHESIS_PROFILE=ci) tries more examples.
+settings.register_profile("dev", max_examples=60, deadline=None)
+settings.register_profile(
+    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each tensor test runs on the CPU, and again on CUDA when a GPU is present."""
+    return torch.device(request.param)

@@ -1,0 +1,50 @@
+"""Helpers shared by the tests: building allocators, and proving a failed call changed nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from paged_kv import PagedKVCacheAllocator
+
+NUM_HEADS, HEAD_DIM = 2, 4
+
+
+def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.device = "cpu", **kw):
+    """A small allocator: two heads of dimension four."""
+    return PagedKVCacheAllocator(num_blocks, block_size, NUM_HEADS, HEAD_DIM, device=device, **kw)
+
+
+def kv_for(num_tokens: int, first: int = 0, device: str | torch.device = "cpu", dtype=torch.float32):
+    """K and V whose every element is distinct, so any misplaced value shows.
+
+    Element ``(t, h, d)`` of K is ``first*100 + t*100 + h*10 + d`` (scaled), and V is its negative.
+    """
+    t = torch.arange(first, first + num_tokens, dtype=torch.float64).view(-1, 1, 1) * 100
+    h = torch.arange(NUM_HEADS, dtype=torch.float64).view(1, -1, 1) * 10
+    d = torch.arange(HEAD_DIM, dtype=torch.float64).view(1, 1, -1)
+    k = (t + h + d + 1).to(dtype=dtype, device=device)
+    return k, -k
+
+
+@contextmanager
+def unchanged(cache: PagedKVCacheAllocator):
+    """Assert that the block ends with the cache exactly as it started: bookkeeping and K/V data."""
+    before = cache.snapshot()
+    k_before, v_before = cache.k_cache.clone(), cache.v_cache.clone()
+    yield
+    assert cache.snapshot() == before
+    assert torch.equal(cache.k_cache, k_before)
+    assert torch.equal(cache.v_cache, v_before)
+
+
+def fails_cleanly(
+    cache: PagedKVCacheAllocator, error: type[Exception], call: Callable[[], object], match=None
+) -> Exception:
+    """``call`` raises ``error`` (matching ``match``) and leaves ``cache`` untouched; return the error."""
+    with unchanged(cache), pytest.raises(error, match=match) as caught:
+        call()
+    return caught.value

@@ -1,0 +1,145 @@
+"""The command line: ``python -m paged_kv fragmentation`` and ``check-env``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paged_kv import env_check
+from paged_kv.cli import main
+
+from .test_fragmentation import SEED_REPORT
+
+pytestmark = pytest.mark.setup
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "paged_kv", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_fragmentation_prints_the_seeds_benchmark():
+    result = run_cli(
+        "fragmentation", "--block-size", "16", "--total-blocks", "64", "--request-tokens", "9,17,33,5,41,12"
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == SEED_REPORT
+    # Same fields in the same order as the seed: keys sorted, two-space indent.
+    assert result.stdout == json.dumps(SEED_REPORT, indent=2, sort_keys=True) + "\n"
+
+
+def test_fragmentation_defaults_are_the_seeds_arguments(capsys):
+    assert main(["fragmentation"]) == 0
+    assert json.loads(capsys.readouterr().out) == SEED_REPORT
+
+
+def test_fragmentation_accepts_spaces_and_zero_token_requests(capsys):
+    assert main(["fragmentation", "--block-size", "4", "--request-tokens", "0, 4 ,5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["request_tokens"] == [0, 4, 5]
+    assert report["block_usage"]["used_blocks"] == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--request-tokens", "9,-3"], "negative number of tokens, got -3"),
+        (["--request-tokens", "9,abc"], "expected comma-separated whole numbers"),
+        (["--request-tokens", "9,,3"], "expected comma-separated whole numbers"),
+        (["--request-tokens", "2.5"], "expected comma-separated whole numbers"),
+        (["--block-size", "0"], "--block-size: expected a number of at least 1"),
+        (["--total-blocks", "-2"], "--total-blocks: expected a number of at least 1"),
+        (["--total-blocks", "x"], "--total-blocks: expected a whole number"),
+        (
+            ["--total-blocks", "2", "--request-tokens", "40"],
+            "need 3 blocks of 16 tokens but --total-blocks is 2",
+        ),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fragmentation", *args])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("python -m paged_kv")
+    assert ": error: " in lines[0] and message in lines[0]
+
+
+def test_a_bad_argument_never_shows_a_traceback():
+    result = run_cli("fragmentation", "--total-blocks", "1", "--request-tokens", "17")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "python -m paged_kv fragmentation: error: "
+        "the requests need 2 blocks of 16 tokens but --total-blocks is 1\n"
+    )
+
+
+def test_a_missing_or_unknown_command_exits_2(capsys):
+    for args in ([], ["explode"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "fragmentation" in out and "check-env" in out
+
+
+def test_check_env_reports_every_requirement():
+    result = run_cli("check-env")
+    names = ["Python", "torch", "ipywidgets", "matplotlib", "jupyterlab", "nbval", "device"]
+    for name in names:
+        assert any(line.startswith(name) for line in result.stdout.splitlines()), name
+    # The test environment is the course's own, so every requirement is met.
+    assert result.returncode == 0, result.stdout
+    assert "result: OK (7/7 checks passed)" in result.stdout
+
+
+def test_check_env_marks_a_missing_package_as_fail():
+    check = env_check.check_package("no-such-distribution-xyz", "1.0", "dev")
+    assert not check.ok
+    assert check.found == "not installed"
+    assert "FAIL" in check.line() and "pip install -e '.[dev]'" in check.line()
+
+
+def test_check_env_marks_an_old_package_as_fail(monkeypatch):
+    monkeypatch.setattr(env_check.metadata, "version", lambda name: "1.13.1")
+    check = env_check.check_package("torch", "2.4", "core")
+    assert (check.ok, check.found) == (False, "1.13.1")
+    assert "needs >= 2.4: pip install -e ." in check.line()
+
+
+def test_report_fails_when_one_check_fails(monkeypatch):
+    failing = env_check.Check("nbval", "not installed", False)
+    monkeypatch.setattr(env_check, "run_checks", lambda: [env_check.check_python(), failing])
+    text, ok = env_check.report()
+    assert not ok
+    assert text.splitlines()[-1] == "result: FAIL (1/2 checks passed)"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2.13.0+cpu", (2, 13, 0)),
+        ("8.1.9", (8, 1, 9)),
+        ("0.11.0", (0, 11, 0)),
+        ("4.6.0rc1", (4, 6, 0)),
+        ("x", ()),
+    ],
+)
+def test_version_tuple(text, expected):
+    assert env_check.version_tuple(text) == expected
