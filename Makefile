@@ -47,8 +47,8 @@ check-env: $(STAMP) ## print versions and OK/FAIL per requirement, for bug repor
 	$(BIN)/python -m paged_kv check-env
 
 constraints: $(STAMP) ## re-pin constraints.txt from the current .venv (after a deliberate upgrade)
-	{ sed -n '/^#/p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch==' ; echo 'torch==2.13.0'; } | sort -f -s -k1,1 > constraints.new
-	{ grep '^#' constraints.new; grep -v '^#' constraints.new; } > constraints.txt && rm constraints.new
+	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f; } > constraints.new
+	mv constraints.new constraints.txt
 
 clean: ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

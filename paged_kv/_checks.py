@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
+from typing import TypeVar
+
+T = TypeVar("T", bound=Hashable)
 
 
 def check_count(name: str, value: object, *, minimum: int = 0) -> int:
@@ -19,3 +23,12 @@ def check_count(name: str, value: object, *, minimum: int = 0) -> int:
     if number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {number}")
     return number
+
+
+def check_hashable(name: str, value: T) -> T:
+    """Return ``value`` when it can be a dict key (a sequence id, say)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(f"{name} must be hashable, got {type(value).__name__}") from None
+    return value

@@ -7,7 +7,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from ._checks import check_count
+from ._checks import check_count, check_hashable
 from .block import BlockTable, blocks_for_tokens
 from .block_allocator import BlockAllocator
 from .errors import OutOfBlocksError, UnknownSequenceError
@@ -164,7 +164,7 @@ class PagedKVCacheAllocator:
             The ids of the blocks that went back to the free list, in table order (a block still
             held by another table stays in use).
         """
-        table = self._tables.pop(seq_id, None)
+        table = self._tables.pop(check_hashable("seq_id", seq_id), None)
         if table is None:
             return []
         return [block_id for block_id in table.block_ids if self._allocator.free(block_id)]
@@ -284,18 +284,12 @@ class PagedKVCacheAllocator:
 
     def _table(self, seq_id: Hashable) -> BlockTable:
         try:
-            return self._tables[seq_id]
+            return self._tables[check_hashable("seq_id", seq_id)]
         except KeyError:
             raise UnknownSequenceError(seq_id) from None
-        except TypeError:
-            raise ValueError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
 
     def _check_new_id(self, seq_id: Hashable) -> None:
-        try:
-            hash(seq_id)
-        except TypeError:
-            raise ValueError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
-        if seq_id in self._tables:
+        if check_hashable("seq_id", seq_id) in self._tables:
             raise ValueError(f"seq_id {seq_id!r} is already allocated; free it first or pick a new id")
 
     def _take_blocks(self, count: int, what: str) -> list[int]:
@@ -319,7 +313,7 @@ class PagedKVCacheAllocator:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
         tensor = tensor.reshape(-1).long()
         if tensor.numel():
-            low, high = int(tensor.min()), int(tensor.max())
+            low, high = torch.stack([tensor.min(), tensor.max()]).tolist()  # one device sync
             if low < 0 or high >= table.num_tokens:
                 bad = low if low < 0 else high
                 raise ValueError(

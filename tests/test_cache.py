@@ -99,6 +99,7 @@ def test_an_unhashable_seq_id_names_the_argument():
     cache = make_cache()
     fails_cleanly(cache, ValueError, lambda: cache.allocate_for_sequence([1], 3), match="seq_id")
     fails_cleanly(cache, ValueError, lambda: cache.append_tokens([1]), match="seq_id")
+    fails_cleanly(cache, ValueError, lambda: cache.free_sequence([1]), match="seq_id")
 
 
 def test_free_returns_the_blocks_to_the_tail_of_the_free_list():
