@@ -10,7 +10,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 LAB_ARGS ?=
 
-.PHONY: help venv lab test lint format test-lesson check-env constraints clean
+NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile
+LESSON_NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL)
+SOLUTION_NBVAL := --nbval-lax $(NBVAL)
+
+.PHONY: help venv lab test lint format test-lesson notebooks course check-env constraints clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -28,8 +32,13 @@ venv: $(STAMP) ## create .venv and install the pinned environment
 lab: $(STAMP) ## open the course in JupyterLab (extra flags: LAB_ARGS="--no-browser --port 8899")
 	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/lessons $(LAB_ARGS)
 
-test: $(STAMP) lint ## lint, then run every test
+test: $(STAMP) lint ## lint, then run every test: the package, the course tools, every notebook
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory notebooks
+
+notebooks: $(STAMP) ## run the lessons under nbval (outputs compared) and the solutions (must not fail)
+	$(BIN)/python -m pytest $(LESSON_NBVAL) lessons
+	$(BIN)/python -m pytest $(SOLUTION_NBVAL) solutions
 
 lint: $(STAMP) ## ruff: lint and formatting
 	$(BIN)/ruff check .
@@ -39,9 +48,14 @@ format: $(STAMP) ## let ruff fix what it can and format the code
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test-lesson: $(STAMP) ## the tests of one lesson: make test-lesson LESSON=02
+test-lesson: $(STAMP) ## the tests and notebooks of one lesson: make test-lesson LESSON=02
 	@test -n "$(LESSON)" || { echo "usage: make test-lesson LESSON=02"; exit 2; }
 	$(BIN)/python -m pytest -m lesson$(LESSON) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(LESSON_NBVAL) lessons/$(LESSON)_*.ipynb
+	$(BIN)/python -m pytest $(SOLUTION_NBVAL) solutions/$(LESSON)_*.ipynb
+
+course: $(STAMP) ## regenerate the notebooks from course/ (ONLY=03 for one lesson), executing the lessons
+	$(BIN)/python tools/build_course.py $(if $(ONLY),--only $(ONLY))
 
 check-env: $(STAMP) ## print versions and OK/FAIL per requirement, for bug reports
 	$(BIN)/python -m paged_kv check-env

@@ -1,0 +1,98 @@
+"""Checks of exercise 00: the waste arithmetic of paged and contiguous layouts."""
+
+from __future__ import annotations
+
+from ._core import Checker, task
+
+SEED_REQUESTS = [9, 17, 33, 5, 41, 12]
+CEILING_HINT = "ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b"
+
+
+@task("00.blocks_for_tokens", "blocks for a number of tokens")
+def _blocks_for_tokens(c: Checker, blocks_for_tokens) -> None:
+    for tokens, size, expected in [
+        (0, 16, 0),
+        (1, 16, 1),
+        (16, 16, 1),
+        (17, 16, 2),
+        (33, 16, 3),
+        (41, 16, 3),
+    ]:
+        c.equal(
+            f"blocks_for_tokens({tokens}, {size})",
+            lambda tokens=tokens, size=size: blocks_for_tokens(tokens, size),
+            expected,
+            CEILING_HINT,
+        )
+    c.equal(
+        "blocks_for_tokens(5, 1)",
+        lambda: blocks_for_tokens(5, 1),
+        5,
+        "with blocks of 1, every token is a block",
+    )
+    result = blocks_for_tokens(33, 16)
+    c.holds(
+        "type(blocks_for_tokens(33, 16))",
+        type(result) is int,
+        "int",
+        type(result).__name__,
+        "a count of blocks is an int; math.ceil(33 / 16) works but goes through a float",
+    )
+
+
+@task("00.paged_usage", "what a paged cache reserves and wastes")
+def _paged_usage(c: Checker, paged_usage) -> None:
+    c.equal(
+        f"paged_usage({SEED_REQUESTS}, 16)",
+        lambda: paged_usage(SEED_REQUESTS, 16),
+        {
+            "used_blocks": 11,
+            "reserved_tokens": 176,
+            "internal_fragmentation_tokens": 59,
+            "block_utilization": 117 / 176,
+        },
+        "each request holds blocks_for_tokens(tokens, 16) blocks; reserved = blocks * 16",
+    )
+    c.equal(
+        "paged_usage([9], 16)",
+        lambda: paged_usage([9], 16),
+        {
+            "used_blocks": 1,
+            "reserved_tokens": 16,
+            "internal_fragmentation_tokens": 7,
+            "block_utilization": 9 / 16,
+        },
+    )
+    c.equal(
+        "paged_usage([], 16)",
+        lambda: paged_usage([], 16),
+        {
+            "used_blocks": 0,
+            "reserved_tokens": 0,
+            "internal_fragmentation_tokens": 0,
+            "block_utilization": 0.0,
+        },
+        "with nothing reserved, utilisation is 0.0 (avoid dividing by zero)",
+    )
+
+
+@task("00.contiguous_usage", "what contiguous slots reserve and waste")
+def _contiguous_usage(c: Checker, contiguous_usage) -> None:
+    c.equal(
+        f"contiguous_usage({SEED_REQUESTS})",
+        lambda: contiguous_usage(SEED_REQUESTS),
+        {"reserved_tokens": 246, "internal_fragmentation_tokens": 129, "utilization": 117 / 246},
+        "by default every request reserves a slot as long as the longest one, 41 tokens",
+    )
+    c.equal(
+        "contiguous_usage([300, 5000, 70], slot_tokens=8000)",
+        lambda: contiguous_usage([300, 5000, 70], slot_tokens=8000),
+        {"reserved_tokens": 24000, "internal_fragmentation_tokens": 18630, "utilization": 5370 / 24000},
+        "when slot_tokens is given, every request reserves exactly that",
+    )
+    c.equal(
+        "contiguous_usage([])",
+        lambda: contiguous_usage([]),
+        {"reserved_tokens": 0, "internal_fragmentation_tokens": 0, "utilization": 0.0},
+        "max([]) fails: use max(request_tokens, default=0)",
+    )
