@@ -1,0 +1,260 @@
+"""Paged decode attention equals contiguous attention over each sequence's tokens (lesson 05)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.attention import paged_attention
+
+pytestmark = pytest.mark.lesson05
+
+# Paged against contiguous attention. Half and bfloat16 are compared with float32 SDPA over the same
+# (rounded) inputs, so the only error left is the final rounding of the output.
+TOLERANCES = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def scattered_cache(
+    lengths, block_size=4, num_heads=2, head_dim=8, device="cpu", dtype=torch.float32, seed=0
+):
+    """Sequences ``0 .. len(lengths) - 1`` holding random K/V in blocks taken in a random order.
+
+    Every block is first taken by a one-token filler, then the fillers are freed in a random order:
+    the FIFO free list hands the blocks out in that order. Unused slots hold random garbage too.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(blocks_for_tokens(n, block_size) for n in lengths) + 3
+    cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads, head_dim, dtype=dtype, device=device)
+    for block in range(num_blocks):
+        cache.allocate_for_sequence(("filler", block), 1)
+    for block in torch.randperm(num_blocks, generator=gen).tolist():
+        cache.free_sequence(("filler", block))
+    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=gen))
+    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen))
+    for seq_id, length in enumerate(lengths):
+        cache.allocate_for_sequence(seq_id, length)
+        k, v = (torch.randn(length, num_heads, head_dim, generator=gen) for _ in "kv")
+        cache.write_kv(seq_id, k.to(dtype=dtype, device=device), v.to(dtype=dtype, device=device))
+    return cache
+
+
+def random_query(cache, batch, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, cache.num_heads, cache.head_dim, generator=gen)
+    return query.to(dtype=cache.dtype, device=cache.device)
+
+
+def reference(cache, query, context_lens, scale=None):
+    """SDPA, one sequence at a time, over the contiguous K/V read back from the cache (in float32)."""
+    rows = []
+    for seq_id, context_len in enumerate(context_lens):
+        k, v = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        q = query[seq_id, :, None][None].float()  # (1, H, 1, D) against (1, H, T, D)
+        rows.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0, :, 0])
+    return torch.stack(rows)
+
+
+def run(cache, query, context_lens, **kw):
+    tables = cache.block_tables_tensor(range(len(context_lens)))
+    return paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, **kw)
+
+
+def test_one_sequence_in_scattered_blocks_matches_sdpa(device):
+    cache = scattered_cache([11], block_size=4, device=device)
+    assert cache.get_block_mapping(0) != sorted(cache.get_block_mapping(0))  # really scattered
+    query = random_query(cache, 1)
+    out = run(cache, query, torch.tensor([11], device=device))
+    assert out.shape == (1, cache.num_heads, cache.head_dim)
+    assert out.dtype == query.dtype and out.device == query.device
+    torch.testing.assert_close(out, reference(cache, query, [11]), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_a_batch_of_different_lengths_matches_sdpa_per_sequence(device, table_dtype):
+    # length 1, exact multiples of the block size, and lengths that end in a partial block
+    lengths = [1, 8, 13, 4, 7, 20]
+    cache = scattered_cache(lengths, block_size=4, num_heads=3, head_dim=16, device=device, seed=3)
+    tables = cache.block_tables_tensor(range(len(lengths))).to(table_dtype)
+    assert (tables == -1).any()  # the shorter rows are padded
+    query = random_query(cache, len(lengths))
+    context_lens = torch.tensor(lengths, device=device)
+    out = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens)
+    torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
+
+
+def test_context_lens_may_be_a_list_of_ints(device):
+    cache = scattered_cache([5, 2], device=device)
+    query = random_query(cache, 2)
+    as_tensor = torch.tensor([5, 2], device=device)
+    torch.testing.assert_close(run(cache, query, [5, 2]), run(cache, query, as_tensor))
+
+
+@given(
+    block_size=st.integers(1, 8),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    num_heads=st.integers(1, 3),
+    head_dim=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_paged_attention_equals_contiguous_attention(block_size, lengths, num_heads, head_dim, seed, data):
+    """Over any first ``context_len`` tokens of each sequence, not only all of them."""
+    cache = scattered_cache(lengths, block_size, num_heads, head_dim, seed=seed)
+    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
+    query = random_query(cache, len(lengths), seed=seed + 1)
+    out = run(cache, query, context_lens)
+    torch.testing.assert_close(out, reference(cache, query, context_lens), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("garbage", ["valid ids", "out of range"])
+def test_padding_values_never_matter(device, garbage):
+    lengths = [1, 9, 4, 16]
+    cache = scattered_cache(lengths, block_size=4, device=device)
+    tables = cache.block_tables_tensor(range(len(lengths)))
+    padding = tables == -1
+    assert padding.any()
+    if garbage == "valid ids":
+        filler = torch.randint(0, cache.num_blocks, tables.shape, generator=torch.Generator().manual_seed(5))
+    else:
+        filler = torch.tensor([[cache.num_blocks + 7, -100]]).repeat(len(lengths), tables.shape[1])
+        filler = filler[:, : tables.shape[1]]
+    garbled = torch.where(padding, filler.to(tables), tables)
+    query = random_query(cache, len(lengths))
+    context_lens = torch.tensor(lengths, device=device)
+    clean = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens)
+    assert torch.equal(paged_attention(query, cache.k_cache, cache.v_cache, garbled, context_lens), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_matches_within_a_looser_tolerance(device, dtype):
+    lengths = [3, 12, 1, 17]
+    cache = scattered_cache(lengths, block_size=4, head_dim=16, device=device, dtype=dtype, seed=7)
+    query = random_query(cache, len(lengths))
+    out = run(cache, query, lengths)
+    assert out.dtype == dtype and out.device == query.device
+    expected = reference(cache, query, lengths).to(dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_half_precision_scores_are_computed_in_float32(device):
+    """q · k of size ~1e5 overflows float16 (max 65504); after the small scale the logits are tame."""
+    lengths = [6, 11]
+    cache = scattered_cache(lengths, head_dim=16, device=device, dtype=torch.float16, seed=13)
+    cache.k_cache.mul_(300)
+    query = random_query(cache, len(lengths)) * 300
+    assert (query.float() @ cache.k_cache.flatten(0, 2).float().T).abs().max() > 65504
+    out = run(cache, query, lengths, scale=1e-4)
+    assert out.isfinite().all()
+    expected = reference(cache, query, lengths, scale=1e-4).half()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float16])
+
+
+def test_float64_stays_float64(device):
+    cache = scattered_cache([6, 3], device=device, dtype=torch.float64)
+    query = random_query(cache, 2)
+    out = run(cache, query, [6, 3])
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, reference(cache, query, [6, 3]).double(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
+def test_a_custom_scale_matches_sdpa_with_that_scale(device, scale):
+    lengths = [7, 2, 12]
+    cache = scattered_cache(lengths, device=device, seed=11)
+    query = random_query(cache, len(lengths))
+    expected = reference(cache, query, lengths, scale=scale)
+    torch.testing.assert_close(run(cache, query, lengths, scale=scale), expected, **TOLERANCES[torch.float32])
+
+
+def test_the_default_scale_is_one_over_sqrt_head_dim(device):
+    cache = scattered_cache([9], head_dim=16, device=device)
+    query = random_query(cache, 1)
+    torch.testing.assert_close(run(cache, query, [9]), run(cache, query, [9], scale=0.25))
+
+
+def test_an_empty_batch_gives_an_empty_output(device):
+    cache = scattered_cache([3], device=device)
+    query = torch.zeros(0, cache.num_heads, cache.head_dim, device=device)
+    tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
+    out = paged_attention(query, cache.k_cache, cache.v_cache, tables, [])
+    assert out.shape == (0, cache.num_heads, cache.head_dim)
+
+
+def test_the_inputs_are_not_modified(device):
+    lengths = [5, 1, 8]
+    cache = scattered_cache(lengths, device=device)
+    query = random_query(cache, len(lengths))
+    tables = cache.block_tables_tensor(range(len(lengths)))
+    context_lens = torch.tensor(lengths, device=device)
+    inputs = (query, cache.k_cache, cache.v_cache, tables, context_lens)
+    before = [t.clone() for t in inputs]
+    paged_attention(*inputs)
+    for tensor, original in zip(inputs, before, strict=True):
+        assert torch.equal(tensor, original)
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def good_inputs(device):
+    """A valid call: sequences of 5 and 2 tokens, block_size 4, tables [[b, b'], [b'', -1]]."""
+    cache = scattered_cache([5, 2], block_size=4, device=device)
+    return {
+        "query": random_query(cache, 2),
+        "k_cache": cache.k_cache,
+        "v_cache": cache.v_cache,
+        "block_tables": cache.block_tables_tensor([0, 1]),
+        "context_lens": torch.tensor([5, 2], device=device),
+    }
+
+
+BAD_INPUTS = {
+    "query not a tensor": ("query", lambda a: a["query"].tolist()),
+    "query 2-D": ("query", lambda a: a["query"][0]),
+    "query of ints": ("query", lambda a: a["query"].long()),
+    "k_cache 3-D": ("k_cache", lambda a: a["k_cache"][0]),
+    "k_cache other heads": ("k_cache", lambda a: a["k_cache"][:, :1]),
+    "k_cache other head_dim": ("k_cache", lambda a: a["k_cache"][..., :3]),
+    "k_cache other dtype": ("k_cache", lambda a: a["k_cache"].double()),
+    "v_cache other block_size": ("v_cache", lambda a: a["v_cache"][:, :, :2]),
+    "v_cache fewer blocks": ("v_cache", lambda a: a["v_cache"][:-1]),
+    "v_cache other dtype": ("v_cache", lambda a: a["v_cache"].half()),
+    "block_tables floats": ("block_tables", lambda a: a["block_tables"].float()),
+    "block_tables bools": ("block_tables", lambda a: a["block_tables"] > 0),
+    "block_tables 1-D": ("block_tables", lambda a: a["block_tables"][0]),
+    "block_tables other batch": ("block_tables", lambda a: a["block_tables"][:1]),
+    "block_tables id too large": ("block_tables", lambda a: a["block_tables"].fill_(a["k_cache"].shape[0])),
+    "context_lens floats": ("context_lens", lambda a: a["context_lens"].float()),
+    "context_lens not numbers": ("context_lens", lambda a: ["five", "two"]),
+    "context_lens other batch": ("context_lens", lambda a: a["context_lens"][:1]),
+    "context_lens 2-D": ("context_lens", lambda a: a["context_lens"][None]),
+    "context_len of 0": ("context_lens", lambda a: a["context_lens"] * 0),
+    "context_len negative": ("context_lens", lambda a: a["context_lens"] - 6),
+    "context_len past the padding": ("context_lens", lambda a: torch.tensor([5, 5]).to(a["context_lens"])),
+    "context_len past the row": ("context_lens", lambda a: torch.tensor([9, 2]).to(a["context_lens"])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_a_value_error_naming_the_argument(device, case):
+    inputs = good_inputs(device)
+    name, corrupt = BAD_INPUTS[case]
+    inputs[name] = corrupt({key: t.clone() for key, t in inputs.items()})
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        paged_attention(**inputs)
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "block_tables", "context_lens"])
+def test_a_tensor_on_another_device_names_the_argument(device, name):
+    inputs = good_inputs(device)
+    inputs[name] = torch.empty_like(inputs[name], device="meta")
+    with pytest.raises(ValueError, match=rf"^{name} is on meta"):
+        paged_attention(**inputs)
