@@ -1,4 +1,4 @@
-"""The command line: ``python -m paged_kv fragmentation | check-env``.
+"""The command line: ``python -m paged_kv fragmentation | simulate | check-env``.
 
 Bad arguments print one line on stderr and exit with status 2, never a traceback.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -15,6 +16,7 @@ from .block import blocks_for_tokens
 from .env_check import report
 from .errors import OutOfBlocksError
 from .fragmentation import fragmentation_report
+from .workload import WORKLOADS, compare_policies, format_table
 
 USAGE_ERROR = 2
 
@@ -33,6 +35,26 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
     return value
 
 
@@ -74,6 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated token counts, one per request (9,17,33,5,41,12)",
     )
 
+    simulate = commands.add_parser(
+        "simulate",
+        help="a concurrent workload: paged blocks against contiguous reservation, as a table",
+        description="Serve seeded synthetic requests with paged blocks and with contiguous reservation "
+        "at the maximum length, at the next power of two and at the exact final length (oracle), in "
+        "the same token budget, and print how many sequences run at once, the memory utilisation, "
+        "the steps to finish and the output tokens per step.",
+    )
+    simulate.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="sharegpt", help="the length distribution (sharegpt)"
+    )
+    simulate.add_argument("--num-requests", type=_positive_int, default=200, help="requests to serve (200)")
+    simulate.add_argument(
+        "--budget-tokens", type=_positive_int, default=32768, help="KV cache size in tokens (32768)"
+    )
+    simulate.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
+    simulate.add_argument(
+        "--arrival-rate",
+        type=_positive_float,
+        default=None,
+        help="mean requests arriving per step (default: all arrive at step 0)",
+    )
+    simulate.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (0)")
+
     commands.add_parser(
         "check-env",
         help="print versions and OK/FAIL per requirement, for bug reports",
@@ -91,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, ok = report()
         print(text)
         return 0 if ok else 1
+    if args.command == "simulate":
+        return _simulate(parser, args)
     try:
         result = fragmentation_report(args.request_tokens, args.block_size, args.total_blocks)
     except OutOfBlocksError:
@@ -101,6 +149,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         parser.exit(USAGE_ERROR, f"{parser.prog} fragmentation: error: {message}\n")
     print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    dist = WORKLOADS[args.workload]
+    if args.budget_tokens < dist.max_model_len:
+        message = (
+            f"--budget-tokens must hold one sequence of the maximum length, {dist.max_model_len} tokens "
+            f"for {dist.name}, got {args.budget_tokens}"
+        )
+        parser.exit(USAGE_ERROR, f"{parser.prog} simulate: error: {message}\n")
+    try:
+        results = compare_policies(
+            dist, args.num_requests, args.budget_tokens, args.seed, args.arrival_rate, args.block_size
+        )
+    except ValueError as error:  # a block larger than the budget, say
+        parser.exit(USAGE_ERROR, f"{parser.prog} simulate: error: {error}\n")
+    first = results[0]
+    arrivals = "all at step 0" if args.arrival_rate is None else f"{args.arrival_rate:g} per step"
+    print(
+        f"workload {dist.name}: {first.num_requests} requests (mean prompt "
+        f"{first.prompt_tokens / first.num_requests:.1f}, mean output "
+        f"{first.output_tokens / first.num_requests:.1f} tokens), budget {first.budget_tokens} tokens, "
+        f"arrivals {arrivals}, seed {args.seed}"
+    )
+    print(format_table(results))
     return 0
 
 

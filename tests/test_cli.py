@@ -1,4 +1,4 @@
-"""The command line: ``python -m paged_kv fragmentation`` and ``check-env``."""
+"""The command line: ``python -m paged_kv fragmentation``, ``simulate`` and ``check-env``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from paged_kv import env_check
 from paged_kv.cli import main
+from paged_kv.workload import compare_policies, format_table, sample_requests
 
 from .test_fragmentation import SEED_REPORT
 
@@ -96,7 +97,7 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "fragmentation" in out and "check-env" in out
+    assert "fragmentation" in out and "simulate" in out and "check-env" in out
 
 
 def test_check_env_reports_every_requirement():
@@ -143,3 +144,73 @@ def test_report_fails_when_one_check_fails(monkeypatch):
 )
 def test_version_tuple(text, expected):
     assert env_check.version_tuple(text) == expected
+
+
+# ------------------------------------------------------------------------ simulate (lesson 06)
+
+
+@pytest.mark.lesson06
+def test_simulate_prints_the_comparison_table():
+    result = run_cli("simulate")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    header, columns, rule, *rows = result.stdout.splitlines()
+    assert header.startswith("workload sharegpt: 200 requests (mean prompt ")
+    assert "budget 32768 tokens" in header and "seed 0" in header
+    assert columns.split("  ")[0] == "policy" and columns.split()[-1] == "preemptions"
+    assert set(rule) == {"-", " "}
+    assert [row.split()[0] for row in rows] == [
+        "paged/16",
+        "contiguous/max",
+        "contiguous/pow2",
+        "contiguous/oracle",
+    ]
+    # The table is what the package computes for the same arguments.
+    assert result.stdout.endswith(format_table(compare_policies("sharegpt", 200, 32768, 0)) + "\n")
+
+
+@pytest.mark.lesson06
+def test_simulate_passes_every_argument_through(capsys):
+    args = ["--workload", "alpaca", "--num-requests", "30", "--budget-tokens", "1024"]
+    args += ["--block-size", "8", "--arrival-rate", "0.5", "--seed", "3"]
+    assert main(["simulate", *args]) == 0
+    out = capsys.readouterr().out
+    requests = sample_requests("alpaca", 30, seed=3, arrival_rate=0.5)
+    mean_prompt = sum(r.prompt_tokens for r in requests) / 30
+    assert out.splitlines()[0].startswith(f"workload alpaca: 30 requests (mean prompt {mean_prompt:.1f}, ")
+    assert "arrivals 0.5 per step" in out.splitlines()[0]
+    expected = compare_policies("alpaca", 30, 1024, seed=3, arrival_rate=0.5, block_size=8)
+    assert out.endswith(format_table(expected) + "\n")
+    assert "paged/8" in out
+
+
+@pytest.mark.lesson06
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "wikipedia"], "argument --workload: invalid choice: 'wikipedia'"),
+        (["--num-requests", "0"], "--num-requests: expected a number of at least 1"),
+        (["--budget-tokens", "lots"], "--budget-tokens: expected a whole number"),
+        (["--block-size", "-16"], "--block-size: expected a number of at least 1"),
+        (["--arrival-rate", "0"], "--arrival-rate: expected a positive number"),
+        (["--arrival-rate", "nan"], "--arrival-rate: expected a positive number"),
+        (["--arrival-rate", "fast"], "--arrival-rate: expected a number"),
+        (["--seed", "-1"], "--seed: expected a number of at least 0"),
+        (["--seed", "1.5"], "--seed: expected a whole number"),
+        (
+            ["--budget-tokens", "1000"],
+            "--budget-tokens must hold one sequence of the maximum length, 2048 tokens for sharegpt",
+        ),
+        (["--block-size", "40000"], "budget_tokens 32768 cannot hold request 0 alone: paged/40000"),
+    ],
+)
+def test_simulate_bad_arguments_give_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", *args])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("python -m paged_kv simulate: error: ")
+    assert message in lines[0]

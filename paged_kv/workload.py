@@ -1,0 +1,525 @@
+"""A concurrent serving workload: paged blocks against contiguous reservation, step by step.
+
+Requests arrive, wait, are admitted, prefill, decode one token per step and finish; a finished
+sequence releases its memory at once (continuous batching). :func:`simulate` runs one memory
+policy over a list of requests and records, every step, how many sequences run and how much memory
+they hold and reserve. The policies:
+
+* :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a real
+  :class:`~paged_kv.cache.PagedKVCacheAllocator`; when decoding finds no free block, the most
+  recently admitted sequence is preempted by recompute.
+* :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
+  model length (``"max"``), the next power of two of its final length (``"pow2"``), or exactly its
+  final length (``"oracle"``, which no real engine can know in advance).
+
+:func:`sample_requests` draws seeded synthetic lengths shaped like ShareGPT or Alpaca, and
+:func:`compare_policies` with :func:`format_table` puts the four policies side by side.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from ._checks import check_count, check_hashable
+from .block import blocks_for_tokens
+from .cache import PagedKVCacheAllocator
+from .errors import OutOfBlocksError
+
+# ------------------------------------------------------------------------------------ the requests
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Log-normal prompt and output lengths, rounded and clipped to ``[1, max_prompt]``/``[1, max_output]``.
+
+    Clipping alone would pull the mean below its target (the long tail is cut off), so the
+    log-normal's location is solved for so that the *clipped* mean is ``mean_prompt`` or
+    ``mean_output``; rounding moves a sample's mean by a fraction of a token more. ``sigma`` is the
+    spread of the log of a length. ``max_prompt + max_output`` is the model's maximum length.
+    """
+
+    name: str
+    mean_prompt: float
+    mean_output: float
+    max_prompt: int
+    max_output: int
+    sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        for part in ("prompt", "output"):
+            high = check_count(f"max_{part}", getattr(self, f"max_{part}"), minimum=2)
+            mean = getattr(self, f"mean_{part}")
+            if not _is_real(mean) or not 1 < mean < high:
+                raise ValueError(
+                    f"mean_{part} must lie strictly between 1 and max_{part} ({high}), got {mean!r}"
+                )
+        if not _is_real(self.sigma) or not self.sigma > 0:
+            raise ValueError(f"sigma must be a positive number, got {self.sigma!r}")
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the workload can hold: ``max_prompt + max_output``."""
+        return self.max_prompt + self.max_output
+
+
+SHAREGPT = LengthDistribution("sharegpt", mean_prompt=161, mean_output=338, max_prompt=1024, max_output=1024)
+ALPACA = LengthDistribution("alpaca", mean_prompt=19, mean_output=58, max_prompt=256, max_output=256)
+WORKLOADS: dict[str, LengthDistribution] = {dist.name: dist for dist in (SHAREGPT, ALPACA)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: it arrives at ``arrival_step`` with a prompt and will generate ``output_tokens``."""
+
+    request_id: Hashable
+    arrival_step: int
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        check_hashable("request_id", self.request_id)
+        check_count("arrival_step", self.arrival_step)
+        check_count("prompt_tokens", self.prompt_tokens, minimum=1)
+        check_count("output_tokens", self.output_tokens, minimum=1)
+
+    @property
+    def total_tokens(self) -> int:
+        """The final length of the sequence: prompt plus output."""
+        return self.prompt_tokens + self.output_tokens
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _clipped_lognormal_mean(mu: float, sigma: float, low: float, high: float) -> float:
+    """``E[min(max(X, low), high)]`` for ``X = exp(mu + sigma * Z)``, ``Z`` standard normal."""
+    a, b = (math.log(low) - mu) / sigma, (math.log(high) - mu) / sigma
+    inside = math.exp(mu + sigma**2 / 2) * (_normal_cdf(b - sigma) - _normal_cdf(a - sigma))
+    return low * _normal_cdf(a) + inside + high * (1.0 - _normal_cdf(b))
+
+
+def _location_for_mean(mean: float, sigma: float, high: int) -> float:
+    """The ``mu`` whose log-normal, clipped to ``[1, high]``, has mean ``mean`` (by bisection)."""
+    lo, hi = -10.0 * sigma, math.log(high) + 10.0 * sigma
+    for _ in range(100):  # the clipped mean grows with mu, from 1 to high
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _clipped_lognormal_mean(mid, sigma, 1, high) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _workload(workload: LengthDistribution | str) -> LengthDistribution:
+    if isinstance(workload, LengthDistribution):
+        return workload
+    if isinstance(workload, str) and workload in WORKLOADS:
+        return WORKLOADS[workload]
+    raise ValueError(f"workload must be a LengthDistribution or one of {sorted(WORKLOADS)}, got {workload!r}")
+
+
+def sample_requests(
+    workload: LengthDistribution | str, num_requests: int, seed: int = 0, arrival_rate: float | None = None
+) -> list[Request]:
+    """Draw ``num_requests`` requests, ids ``0 .. num_requests - 1``, seeded by ``seed``.
+
+    Arrivals form a Poisson process of ``arrival_rate`` requests per step (exponential gaps; the
+    arrival step is the time rounded down); with ``arrival_rate=None`` every request arrives at
+    step 0. The same seed gives the same lengths whatever the arrival rate.
+    """
+    dist = _workload(workload)
+    num_requests = check_count("num_requests", num_requests)
+    seed = check_count("seed", seed)
+    if arrival_rate is not None and not (_is_real(arrival_rate) and 0 < arrival_rate < math.inf):
+        raise ValueError(
+            f"arrival_rate must be a positive number of requests per step or None, got {arrival_rate!r}"
+        )
+    rng, arrival_rng = random.Random(seed), random.Random(f"arrivals {seed}")  # two independent streams
+    mu_prompt = _location_for_mean(dist.mean_prompt, dist.sigma, dist.max_prompt)
+    mu_output = _location_for_mean(dist.mean_output, dist.sigma, dist.max_output)
+    requests, time = [], 0.0
+    for request_id in range(num_requests):
+        prompt = min(dist.max_prompt, max(1, round(rng.lognormvariate(mu_prompt, dist.sigma))))
+        output = min(dist.max_output, max(1, round(rng.lognormvariate(mu_output, dist.sigma))))
+        if arrival_rate is not None:
+            time += arrival_rng.expovariate(arrival_rate)
+        requests.append(Request(request_id, math.floor(time), prompt, output))
+    return requests
+
+
+# ------------------------------------------------------------------------------------ the policies
+
+
+@dataclass(frozen=True)
+class PagedPolicy:
+    """Blocks of ``block_size`` tokens, taken when a sequence's last block is full.
+
+    A sequence is admitted when the free blocks hold its prompt plus one block of headroom for
+    decoding (never more than its final length needs); only the prompt's blocks are taken.
+    """
+
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_count("block_size", self.block_size, minimum=1)
+
+    @property
+    def name(self) -> str:
+        return f"paged/{self.block_size}"
+
+    def peak_tokens(self, request: Request) -> int:
+        """The most slots the sequence ever reserves: its final length, rounded up to whole blocks."""
+        return blocks_for_tokens(request.total_tokens, self.block_size) * self.block_size
+
+    def capacity(self, budget_tokens: int) -> int:
+        """The slots of the ``budget_tokens // block_size`` whole blocks the budget holds."""
+        return budget_tokens // self.block_size * self.block_size
+
+    def _pool(self, budget_tokens: int) -> _PagedPool:
+        return _PagedPool(self.block_size, budget_tokens // self.block_size)
+
+
+CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two that is at least ``n`` (``n >= 1``)."""
+    return 1 << (check_count("n", n, minimum=1) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ContiguousPolicy:
+    """One contiguous slot per sequence, reserved whole at admission and held until it finishes.
+
+    ``kind`` is ``"max"`` (``max_model_len`` slots for everyone), ``"pow2"`` (the next power of two
+    of the final length, at most ``max_model_len`` when that is given) or ``"oracle"`` (exactly the
+    final length). ``"max"`` needs ``max_model_len``.
+    """
+
+    kind: str
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONTIGUOUS_KINDS:
+            raise ValueError(f"kind must be one of {CONTIGUOUS_KINDS}, got {self.kind!r}")
+        if self.max_model_len is not None:
+            check_count("max_model_len", self.max_model_len, minimum=1)
+        elif self.kind == "max":
+            raise ValueError("max_model_len is needed for kind 'max'")
+
+    @property
+    def name(self) -> str:
+        return f"contiguous/{self.kind}"
+
+    def reservation(self, request: Request) -> int:
+        """The slots reserved for ``request`` at admission."""
+        total = request.total_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} holds {total} tokens, over max_model_len")
+        if self.kind == "oracle":
+            return total
+        if self.kind == "pow2":
+            pow2 = next_power_of_two(total)
+            return pow2 if self.max_model_len is None else min(pow2, self.max_model_len)
+        return self.max_model_len  # type: ignore[return-value]  # set: __post_init__ checked it
+
+    def peak_tokens(self, request: Request) -> int:
+        """The most slots the sequence ever reserves: its reservation."""
+        return self.reservation(request)
+
+    def capacity(self, budget_tokens: int) -> int:
+        """The slots a contiguous policy may reserve: the whole budget."""
+        return budget_tokens
+
+    def _pool(self, budget_tokens: int) -> _ContiguousPool:
+        return _ContiguousPool(self, budget_tokens)
+
+
+Policy = PagedPolicy | ContiguousPolicy
+
+
+class _PagedPool:
+    """The paged policy's memory: the package's own allocator (one head of dimension one)."""
+
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
+
+    def can_admit(self, request: Request) -> bool:
+        size = self.cache.block_size
+        prompt_blocks = blocks_for_tokens(request.prompt_tokens, size)
+        needed = min(prompt_blocks + 1, blocks_for_tokens(request.total_tokens, size))
+        return needed <= self.cache.num_free_blocks
+
+    def admit(self, request: Request) -> None:
+        self.cache.allocate_for_sequence(request.request_id, request.prompt_tokens)
+
+    def grow(self, request: Request) -> bool:
+        try:
+            self.cache.append_tokens(request.request_id)
+        except OutOfBlocksError:  # the cache is unchanged
+            return False
+        return True
+
+    def release(self, request: Request) -> None:
+        self.cache.free_sequence(request.request_id)
+
+    def held_and_reserved(self) -> tuple[int, int]:
+        usage = self.cache.usage()
+        return usage.allocated_tokens, usage.reserved_tokens
+
+
+class _ContiguousPool:
+    """A contiguous policy's memory: a count of reserved and held slots per sequence."""
+
+    def __init__(self, policy: ContiguousPolicy, budget_tokens: int) -> None:
+        self.policy, self.budget_tokens = policy, budget_tokens
+        self.slots: dict[Hashable, list[int]] = {}  # request id -> [reserved, held]
+
+    def can_admit(self, request: Request) -> bool:
+        return self.held_and_reserved()[1] + self.policy.reservation(request) <= self.budget_tokens
+
+    def admit(self, request: Request) -> None:
+        self.slots[request.request_id] = [self.policy.reservation(request), request.prompt_tokens]
+
+    def grow(self, request: Request) -> bool:
+        self.slots[request.request_id][1] += 1  # the slot was reserved for the final length
+        return True
+
+    def release(self, request: Request) -> None:
+        del self.slots[request.request_id]
+
+    def held_and_reserved(self) -> tuple[int, int]:
+        return sum(held for _, held in self.slots.values()), sum(res for res, _ in self.slots.values())
+
+
+def sequences_that_fit(requests: Sequence[Request], policy: Policy, budget_tokens: int) -> int:
+    """How many of the first requests fit in ``budget_tokens`` at once, each at its final length."""
+    capacity, used = policy.capacity(check_count("budget_tokens", budget_tokens)), 0
+    for count, request in enumerate(requests):
+        used += policy.peak_tokens(request)
+        if used > capacity:
+            return count
+    return len(requests)
+
+
+# ---------------------------------------------------------------------------------- the simulation
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` saw: totals, and one entry per step in each series.
+
+    ``running``, ``held_tokens`` and ``reserved_tokens`` are measured during the step's forward
+    pass (finishing sequences included); ``waiting`` counts requests that have arrived but do not
+    run; ``finished`` counts requests done by the end of the step. Invariants:
+    ``held_tokens[t] <= reserved_tokens[t] <= budget_tokens`` and ``finished`` never decreases.
+    """
+
+    policy: str
+    budget_tokens: int
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    preemptions: int = 0
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    held_tokens: list[int] = field(default_factory=list)
+    reserved_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Steps simulated: until the last request finished, or ``max_steps``."""
+        return len(self.running)
+
+    @property
+    def all_finished(self) -> bool:
+        return self.num_requests == (self.finished[-1] if self.finished else 0)
+
+    @property
+    def utilization(self) -> list[float]:
+        """Held / reserved at each step, 0.0 when nothing is reserved."""
+        return [h / r if r else 0.0 for h, r in zip(self.held_tokens, self.reserved_tokens, strict=True)]
+
+    @property
+    def mean_running(self) -> float:
+        return sum(self.running) / self.steps if self.steps else 0.0
+
+    @property
+    def peak_running(self) -> int:
+        return max(self.running, default=0)
+
+    @property
+    def mean_utilization(self) -> float:
+        """Held / reserved averaged over the steps that reserve something."""
+        busy = [u for u, r in zip(self.utilization, self.reserved_tokens, strict=True) if r]
+        return sum(busy) / len(busy) if busy else 0.0
+
+    @property
+    def peak_reserved_tokens(self) -> int:
+        return max(self.reserved_tokens, default=0)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per step (a preempted sequence's recomputed tokens are not counted twice)."""
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    generated: int = 0  # output tokens whose K/V the sequence holds
+
+    @property
+    def done(self) -> bool:
+        return self.generated == self.request.output_tokens
+
+
+def simulate(
+    requests: Sequence[Request],
+    policy: Policy,
+    budget_tokens: int,
+    *,
+    max_steps: int = 1_000_000,
+    progress: bool = False,
+) -> SimulationResult:
+    """Serve ``requests`` with ``policy`` in ``budget_tokens`` token slots, one step at a time.
+
+    Each step, in this order:
+
+    1. requests whose ``arrival_step`` has come join the back of the waiting queue;
+    2. every running sequence decodes one token, oldest first. Paged: a sequence whose last block
+       is full takes a new one; when none is free, the most recently admitted sequence is
+       preempted by recompute (its blocks are freed, it goes back to the front of the queue and
+       will start over) and counted in ``preemptions``;
+    3. unless step 2 preempted, waiting requests are admitted first come first served while they
+       fit, stopping at the first that does not; an admitted request prefills: it holds its prompt;
+    4. the step is recorded; then a sequence that holds all its output tokens finishes and frees
+       its memory at once.
+
+    A request with ``o`` output tokens thus runs for ``o + 1`` steps if it is never preempted.
+    Runs until every request has finished, or for ``max_steps`` steps. ``progress=True`` shows a
+    tqdm bar of finished requests.
+
+    Raises:
+        ValueError: a bad argument, or a request that could not fit in ``budget_tokens`` alone.
+    """
+    budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
+    max_steps = check_count("max_steps", max_steps)
+    if not isinstance(policy, PagedPolicy | ContiguousPolicy):
+        raise ValueError(f"policy must be a PagedPolicy or a ContiguousPolicy, got {policy!r}")
+    requests = list(requests)
+    if not all(isinstance(r, Request) for r in requests):
+        raise ValueError("requests must all be Request objects")
+    if len({r.request_id for r in requests}) != len(requests):
+        raise ValueError("requests must have distinct request_id values")
+    for request in requests:  # a request that cannot fit alone would wait for ever
+        if policy.peak_tokens(request) > policy.capacity(budget_tokens):
+            raise ValueError(
+                f"budget_tokens {budget_tokens} cannot hold request {request.request_id!r} alone: "
+                f"{policy.name} needs {policy.peak_tokens(request)} token slots for it"
+            )
+
+    result = SimulationResult(
+        policy=policy.name,
+        budget_tokens=budget_tokens,
+        num_requests=len(requests),
+        prompt_tokens=sum(r.prompt_tokens for r in requests),
+        output_tokens=sum(r.output_tokens for r in requests),
+    )
+    pool = policy._pool(budget_tokens)
+    arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
+    waiting: deque[Request] = deque()
+    running: list[_Sequence] = []  # in admission order
+    finished = 0
+    bar = _progress_bar(len(requests), policy.name) if progress else None
+    for step in range(max_steps):
+        if finished == len(requests):
+            break
+        while arrivals and arrivals[0].arrival_step <= step:
+            waiting.append(arrivals.popleft())
+        preempted, i = 0, 0
+        while i < len(running):  # the victim is always the last: the loop never skips a sequence
+            if pool.grow(running[i].request):
+                running[i].generated += 1
+                i += 1
+            else:
+                victim = running.pop()
+                pool.release(victim.request)
+                waiting.appendleft(victim.request)
+                preempted += 1
+        result.preemptions += preempted
+        while not preempted and waiting and pool.can_admit(waiting[0]):
+            request = waiting.popleft()
+            pool.admit(request)
+            running.append(_Sequence(request))
+        held, reserved = pool.held_and_reserved()
+        result.running.append(len(running))
+        result.waiting.append(len(waiting))
+        result.held_tokens.append(held)
+        result.reserved_tokens.append(reserved)
+        done = [seq for seq in running if seq.done]
+        for seq in done:
+            pool.release(seq.request)
+        running = [seq for seq in running if not seq.done]
+        finished += len(done)
+        result.finished.append(finished)
+        if bar is not None:
+            bar.update(len(done))
+    if bar is not None:
+        bar.close()
+    return result
+
+
+def _progress_bar(total: int, name: str):
+    """A tqdm bar; tqdm is imported only when a bar is asked for."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=name, unit="request")
+
+
+# ---------------------------------------------------------------------------------- the comparison
+
+
+def compare_policies(
+    workload: LengthDistribution | str = "sharegpt",
+    num_requests: int = 200,
+    budget_tokens: int = 32768,
+    seed: int = 0,
+    arrival_rate: float | None = None,
+    block_size: int = 16,
+) -> list[SimulationResult]:
+    """Run paged blocks and the three contiguous reservations on the same sampled requests."""
+    dist = _workload(workload)
+    requests = sample_requests(dist, num_requests, seed, arrival_rate)
+    policies: list[Policy] = [PagedPolicy(block_size)]
+    policies += [ContiguousPolicy(kind, dist.max_model_len) for kind in CONTIGUOUS_KINDS]
+    return [simulate(requests, policy, budget_tokens) for policy in policies]
+
+
+def format_table(results: Sequence[SimulationResult]) -> str:
+    """The results as an aligned plain-text table, one policy per row."""
+    header = ["policy", "mean running", "peak running", "mean util %", "steps", "tokens/step", "preemptions"]
+    rows = [header] + [
+        [
+            r.policy,
+            f"{r.mean_running:.1f}",
+            str(r.peak_running),
+            f"{100 * r.mean_utilization:.1f}",
+            str(r.steps),
+            f"{r.throughput:.1f}",
+            str(r.preemptions),
+        ]
+        for r in results
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+    rows.insert(1, ["-" * width for width in widths])
+    justify = [str.ljust] + [str.rjust] * (len(header) - 1)  # the policy on the left, numbers right
+    return "\n".join("  ".join(j(c, w) for j, c, w in zip(justify, row, widths, strict=True)) for row in rows)

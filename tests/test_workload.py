@@ -1,0 +1,356 @@
+"""The concurrent workload simulator: paged blocks against contiguous reservation (lesson 06)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paged_kv import PagedKVCacheAllocator
+from paged_kv.workload import (
+    ALPACA,
+    SHAREGPT,
+    WORKLOADS,
+    ContiguousPolicy,
+    LengthDistribution,
+    PagedPolicy,
+    Request,
+    SimulationResult,
+    compare_policies,
+    format_table,
+    next_power_of_two,
+    sample_requests,
+    sequences_that_fit,
+    simulate,
+)
+
+pytestmark = pytest.mark.lesson06
+
+# ------------------------------------------------------------------------------------ the requests
+
+
+def test_the_presets():
+    assert WORKLOADS == {"sharegpt": SHAREGPT, "alpaca": ALPACA}
+    assert (SHAREGPT.mean_prompt, SHAREGPT.mean_output, SHAREGPT.max_model_len) == (161, 338, 2048)
+    assert (ALPACA.mean_prompt, ALPACA.mean_output, ALPACA.max_model_len) == (19, 58, 512)
+
+
+@pytest.mark.parametrize("dist", [SHAREGPT, ALPACA], ids=lambda d: d.name)
+def test_sample_means_match_the_targets(dist):
+    requests = sample_requests(dist, 5000, seed=1)
+    prompts = [r.prompt_tokens for r in requests]
+    outputs = [r.output_tokens for r in requests]
+    assert statistics.mean(prompts) == pytest.approx(dist.mean_prompt, rel=0.05)
+    assert statistics.mean(outputs) == pytest.approx(dist.mean_output, rel=0.05)
+    assert min(prompts) >= 1 and min(outputs) >= 1
+    assert max(prompts) <= dist.max_prompt and max(outputs) <= dist.max_output
+    # A long tail: the longest prompts are many times the mean, as in the real data sets.
+    assert max(prompts) > 4 * dist.mean_prompt
+
+
+def test_sampling_is_deterministic_for_a_seed():
+    first = sample_requests("sharegpt", 50, seed=7, arrival_rate=0.5)
+    assert first == sample_requests("sharegpt", 50, seed=7, arrival_rate=0.5)
+    assert first != sample_requests("sharegpt", 50, seed=8, arrival_rate=0.5)
+    assert [r.request_id for r in first] == list(range(50))
+
+
+def test_the_arrival_rate_changes_arrivals_not_lengths():
+    burst = sample_requests("alpaca", 2000, seed=3)
+    spread = sample_requests("alpaca", 2000, seed=3, arrival_rate=4.0)
+    assert {r.arrival_step for r in burst} == {0}
+    assert [(r.prompt_tokens, r.output_tokens) for r in burst] == [
+        (r.prompt_tokens, r.output_tokens) for r in spread
+    ]
+    steps = [r.arrival_step for r in spread]
+    assert steps == sorted(steps)
+    assert steps[-1] == pytest.approx(2000 / 4.0, rel=0.1)  # Poisson: about rate requests per step
+
+
+def test_next_power_of_two():
+    assert [next_power_of_two(n) for n in (1, 2, 3, 4, 5, 17, 1024, 1025)] == [1, 2, 4, 4, 8, 32, 1024, 2048]
+
+
+def test_contiguous_reservations():
+    request = Request("r", 0, prompt_tokens=100, output_tokens=200)  # 300 tokens in the end
+    assert ContiguousPolicy("max", 2048).reservation(request) == 2048
+    assert ContiguousPolicy("pow2", 2048).reservation(request) == 512
+    assert ContiguousPolicy("pow2", 400).reservation(request) == 400  # capped at the model's length
+    assert ContiguousPolicy("oracle").reservation(request) == 300
+    assert PagedPolicy(16).peak_tokens(request) == 304  # 19 blocks of 16
+
+
+# ---------------------------------------------------------------------- hand-computed scenarios
+
+# Three requests, all at step 0: A = 4 + 2, B = 3 + 5, C = 2 + 1 tokens (prompt + output), so final
+# lengths 6, 8 and 3. A sequence holds its prompt on its admission step, one more token each step
+# after, and finishes at the end of the step where it holds prompt + output.
+A, B, C = Request("A", 0, 4, 2), Request("B", 0, 3, 5), Request("C", 0, 2, 1)
+HAND = [A, B, C]
+
+
+def test_contiguous_max_runs_one_at_a_time():
+    # max_model_len 10 and a budget of 17: one 10-token slot at a time. A runs steps 0-2 (prefill,
+    # two decodes), B steps 3-8, C steps 9-10: 11 steps with one sequence each.
+    result = simulate(HAND, ContiguousPolicy("max", 10), budget_tokens=17)
+    assert result.steps == 11
+    assert result.running == [1] * 11
+    assert result.finished == [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 3]
+    assert result.reserved_tokens == [10] * 11
+    assert result.held_tokens == [4, 5, 6, 3, 4, 5, 6, 7, 8, 2, 3]
+    assert (result.peak_running, result.mean_running, result.preemptions) == (1, 1.0, 0)
+
+
+def test_contiguous_pow2_runs_two():
+    # Slots of 8, 8 and 4. Step 0: A + B reserve 16; C (20 > 17) waits, first come first served.
+    # A finishes at the end of step 2; C is admitted at step 3 (8 + 4 = 12) and finishes at 4; B at 5.
+    result = simulate(HAND, ContiguousPolicy("pow2", 10), budget_tokens=17)
+    assert result.running == [2, 2, 2, 2, 2, 1]
+    assert result.waiting == [1, 1, 1, 0, 0, 0]
+    assert result.finished == [0, 0, 1, 1, 2, 3]
+    assert result.held_tokens == [7, 9, 11, 8, 10, 8]
+    assert result.reserved_tokens == [16, 16, 16, 12, 12, 8]
+    assert result.peak_reserved_tokens == 16
+    assert result.throughput == pytest.approx(8 / 6)  # 2 + 5 + 1 output tokens in 6 steps
+
+
+def test_contiguous_oracle_runs_all_three():
+    # Slots of 6, 8 and 3 = 17: all three at step 0. C finishes at 1, A at 2, B at 5.
+    result = simulate(HAND, ContiguousPolicy("oracle"), budget_tokens=17)
+    assert result.running == [3, 3, 2, 1, 1, 1]
+    assert result.held_tokens == [9, 12, 11, 6, 7, 8]
+    assert result.reserved_tokens == [17, 17, 14, 8, 8, 8]
+    expected = [9 / 17, 12 / 17, 11 / 14, 6 / 8, 7 / 8, 8 / 8]
+    assert result.utilization == pytest.approx(expected)
+    assert result.mean_utilization == pytest.approx(sum(expected) / 6)
+    assert result.utilization[-1] == 1.0  # the oracle's slot is full when the sequence finishes
+
+
+def test_paged_runs_all_three_in_fewer_slots():
+    # Blocks of 4 and a budget of 17: 4 blocks. Admission needs the prompt's blocks plus one (at most
+    # the final length's): 2, 2 and 1 blocks, all free at step 0, so A, B and C each take 1 block.
+    # Step 1: A (4 tokens, block full) takes the 4th block; C finishes and frees its block.
+    # Step 2: B (4 tokens) takes it; A finishes and frees 2. Steps 3-5: B alone in 2 blocks.
+    result = simulate(HAND, PagedPolicy(block_size=4), budget_tokens=17)
+    assert result.running == [3, 3, 2, 1, 1, 1]
+    assert result.held_tokens == [9, 12, 11, 6, 7, 8]
+    assert result.reserved_tokens == [12, 16, 16, 8, 8, 8]
+    assert result.finished == [0, 1, 2, 2, 2, 3]
+    assert result.preemptions == 0
+
+
+class CountingAllocator(PagedKVCacheAllocator):
+    """The package's allocator, counting the calls the simulator makes."""
+
+    calls: dict[str, int]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"allocate": 0, "append": 0, "free": 0}
+        CountingAllocator.last = self
+
+    def allocate_for_sequence(self, seq_id, num_prompt_tokens):
+        self.calls["allocate"] += 1
+        return super().allocate_for_sequence(seq_id, num_prompt_tokens)
+
+    def append_tokens(self, seq_id, n=1):
+        new = super().append_tokens(seq_id, n)  # counts only appends that succeed
+        self.calls["append"] += 1
+        return new
+
+    def free_sequence(self, seq_id):
+        self.calls["free"] += 1
+        return super().free_sequence(seq_id)
+
+
+def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
+    # Blocks of 2 and a budget of 8: 4 blocks. A and B are 2 + 4 tokens each (3 blocks at the end).
+    # Step 0: both admitted (need 2 free blocks each, take 1). Step 1: both take a 2nd block: 0 free.
+    # Step 2: both fill it. Step 3: A needs a 3rd block, none is free: B, the newest, is preempted,
+    # its 2 blocks freed, and A takes one; no admission that step. Step 4: A finishes. B starts over
+    # at step 5 and finishes at step 9.
+    monkeypatch.setattr("paged_kv.workload.PagedKVCacheAllocator", CountingAllocator)
+    a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
+    result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
+    assert result.preemptions == 1
+    assert result.all_finished
+    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert result.held_tokens == [4, 6, 8, 5, 6, 2, 3, 4, 5, 6]
+    assert result.reserved_tokens == [4, 8, 8, 6, 6, 2, 4, 4, 6, 6]
+    # The real allocator did the bookkeeping: B was allocated twice and its 2 first decodes redone.
+    assert CountingAllocator.last.calls == {"allocate": 3, "append": 4 + 2 + 4, "free": 3}
+    assert CountingAllocator.last.num_free_blocks == 4
+
+
+def test_the_contiguous_oracle_never_preempts_the_same_workload():
+    a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
+    result = simulate([a, b], ContiguousPolicy("oracle"), budget_tokens=8)
+    assert (result.steps, result.preemptions, result.peak_running) == (10, 0, 1)
+
+
+def test_peak_concurrency_over_time_is_not_monotone_in_the_reservation():
+    # A scheduling anomaly: final lengths 14, 5, 3, 5 in a budget of 20. The oracle runs A + B at
+    # once (19), then A with C, then A with D: never 3. pow2 (slots 16, 8, 4, 8) runs A alone, and
+    # when A finishes B + C + D take exactly 20: a peak of 3. Per step, the oracle still wins.
+    requests = [Request(i, 0, p, o) for i, (p, o) in enumerate([(6, 8), (1, 4), (2, 1), (2, 3)])]
+    oracle = simulate(requests, ContiguousPolicy("oracle", 16), 20)
+    pow2 = simulate(requests, ContiguousPolicy("pow2", 16), 20)
+    assert (oracle.peak_running, pow2.peak_running) == (2, 3)
+    assert (oracle.running[0], pow2.running[0]) == (2, 1)
+    assert (oracle.steps, pow2.steps) == (11, 14)
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+MAX_LEN = 80  # every request below is at most 40 + 40 tokens
+
+
+@st.composite
+def workloads(draw):
+    lengths = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), max_size=10))
+    arrivals = draw(st.lists(st.integers(0, 15), min_size=len(lengths), max_size=len(lengths)))
+    requests = [Request(i, t, p, o) for i, ((p, o), t) in enumerate(zip(lengths, arrivals, strict=True))]
+    return requests, draw(st.integers(MAX_LEN, 400))
+
+
+def all_policies(block_size: int = 16):
+    return [PagedPolicy(block_size)] + [ContiguousPolicy(kind, MAX_LEN) for kind in ("max", "pow2", "oracle")]
+
+
+def check_invariants(result: SimulationResult, requests: list[Request]) -> None:
+    assert result.all_finished
+    assert result.finished[-1:] == ([len(requests)] if requests else [])
+    assert all(x <= y for x, y in zip(result.finished, result.finished[1:], strict=False))
+    for held, reserved in zip(result.held_tokens, result.reserved_tokens, strict=True):
+        assert 0 <= held <= reserved <= result.budget_tokens
+    done_before = [0, *result.finished][:-1]  # a sequence finishing at step t runs at step t
+    for running, waiting, done in zip(result.running, result.waiting, done_before, strict=True):
+        assert running + waiting + done <= len(requests)
+    # Nobody finishes before its prefill and output steps: the longest request bounds the run.
+    assert result.steps >= max((r.arrival_step + r.output_tokens + 1 for r in requests), default=0)
+
+
+@given(workloads(), st.sampled_from([1, 2, 4, 16]))
+def test_every_policy_keeps_the_invariants(workload, block_size):
+    requests, budget = workload
+    for policy in all_policies(block_size):
+        result = simulate(requests, policy, budget)
+        check_invariants(result, requests)
+        if isinstance(policy, ContiguousPolicy):
+            assert result.preemptions == 0  # the slot always holds the final length
+
+
+@given(workloads())
+def test_smaller_reservations_fit_more_sequences_at_once(workload):
+    requests, budget = workload
+    burst = [Request(r.request_id, 0, r.prompt_tokens, r.output_tokens) for r in requests]
+    results = {}
+    for kind in ("oracle", "pow2", "max"):
+        policy = ContiguousPolicy(kind, MAX_LEN)
+        results[kind] = simulate(burst, policy, budget)
+        # With everyone waiting at step 0, first come first served admits the longest prefix that fits.
+        assert results[kind].running[:1] == ([sequences_that_fit(burst, policy, budget)] if burst else [])
+    assert results["oracle"].running[:1] >= results["pow2"].running[:1] >= results["max"].running[:1]
+    assert results["oracle"].peak_running >= results["max"].peak_running
+    assert results["pow2"].peak_running >= results["max"].peak_running
+
+
+def test_a_simulation_is_deterministic():
+    assert compare_policies("alpaca", 40, 2048, seed=5, arrival_rate=1.0) == compare_policies(
+        "alpaca", 40, 2048, seed=5, arrival_rate=1.0
+    )
+
+
+# ------------------------------------------------------------------------------ the comparison
+
+
+def test_paged_fits_more_sequences_than_contiguous_max_on_sharegpt():
+    # 100 requests: more than any policy runs at once, so the budget decides.
+    paged, maximum, pow2, oracle = compare_policies("sharegpt", num_requests=100, budget_tokens=32768, seed=0)
+    assert [r.policy for r in (paged, maximum, pow2, oracle)] == [
+        "paged/16",
+        "contiguous/max",
+        "contiguous/pow2",
+        "contiguous/oracle",
+    ]
+    assert maximum.peak_running == 32768 // 2048
+    assert paged.mean_running > 2 * maximum.mean_running
+    assert paged.peak_running > maximum.peak_running
+    assert paged.mean_utilization > 0.9 > oracle.mean_utilization > pow2.mean_utilization
+    assert paged.steps < maximum.steps
+    requests = sample_requests("sharegpt", 100, seed=0)
+    assert sequences_that_fit(requests, PagedPolicy(16), 32768) > sequences_that_fit(
+        requests, ContiguousPolicy("max", 2048), 32768
+    )
+
+
+def test_format_table():
+    results = compare_policies("alpaca", num_requests=30, budget_tokens=1024, seed=0)
+    lines = format_table(results).splitlines()
+    assert lines[0].split("  ")[0] == "policy"
+    assert "mean util %" in lines[0] and "tokens/step" in lines[0] and "preemptions" in lines[0]
+    assert set(lines[1]) == {"-", " "}
+    assert [line.split()[0] for line in lines[2:]] == [r.policy for r in results]
+    assert len({len(line) for line in lines}) == 1  # aligned
+    assert lines[2].split()[-1] == str(results[0].preemptions)
+
+
+def test_progress_bar_and_max_steps(capsys):
+    requests = sample_requests("alpaca", 10, seed=0)
+    full = simulate(requests, PagedPolicy(), 4096, progress=True)
+    assert "10/10" in capsys.readouterr().err
+    cut = simulate(requests, PagedPolicy(), 4096, max_steps=3)
+    assert cut.steps == 3 and not cut.all_finished
+    assert cut.running == full.running[:3]
+
+
+def test_no_requests():
+    result = simulate([], PagedPolicy(), 64)
+    assert (result.steps, result.peak_running, result.peak_reserved_tokens) == (0, 0, 0)
+    assert (result.mean_running, result.mean_utilization, result.throughput) == (0.0, 0.0, 0.0)
+    assert result.all_finished
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: sample_requests("sharegpt", -1), "num_requests"),
+        (lambda: sample_requests("sharegpt", 5, seed=-1), "seed"),
+        (lambda: sample_requests("sharegpt", 5, arrival_rate=0), "arrival_rate"),
+        (lambda: sample_requests("sharegpt", 5, arrival_rate=math.nan), "arrival_rate"),
+        (lambda: sample_requests("sharegpt", 5, arrival_rate="1"), "arrival_rate"),
+        (lambda: sample_requests("wikipedia", 5), "workload"),
+        (lambda: compare_policies("wikipedia"), "workload"),
+        (lambda: LengthDistribution("x", 0.5, 10, 100, 100), "mean_prompt"),
+        (lambda: LengthDistribution("x", 10, 100, 100, 100), "mean_output"),
+        (lambda: LengthDistribution("x", 10, 10, 1, 100), "max_prompt"),
+        (lambda: LengthDistribution("x", 10, 10, 100, 100, sigma=0), "sigma"),
+        (lambda: Request(0, 0, 0, 5), "prompt_tokens"),
+        (lambda: Request(0, 0, 5, 0), "output_tokens"),
+        (lambda: Request(0, -1, 5, 5), "arrival_step"),
+        (lambda: Request([0], 0, 5, 5), "request_id"),
+        (lambda: PagedPolicy(0), "block_size"),
+        (lambda: ContiguousPolicy("exact"), "kind"),
+        (lambda: ContiguousPolicy("max"), "max_model_len"),
+        (lambda: ContiguousPolicy("max", 10).reservation(Request(0, 0, 8, 8)), "max_model_len"),
+        (lambda: next_power_of_two(0), "n"),
+        (lambda: simulate([A], PagedPolicy(), 0), "budget_tokens"),
+        (lambda: simulate([A], PagedPolicy(), 64, max_steps=-1), "max_steps"),
+        (lambda: simulate([A], "paged", 64), "policy"),
+        (lambda: simulate([A, A], PagedPolicy(), 64), "request_id"),
+        (lambda: simulate([(4, 2)], PagedPolicy(), 64), "requests"),
+        (lambda: simulate([A], PagedPolicy(16), 15), "budget_tokens"),  # not one whole block
+        (lambda: simulate([Request(0, 0, 5, 4)], ContiguousPolicy("pow2"), 15), "budget_tokens"),  # 16
+        (lambda: sequences_that_fit([A], PagedPolicy(), -1), "budget_tokens"),
+    ],
+)
+def test_bad_arguments_are_value_errors_naming_the_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
