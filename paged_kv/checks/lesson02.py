@@ -1,0 +1,268 @@
+"""Checks of exercise 02: the block allocator, then sequences on top of it."""
+
+from __future__ import annotations
+
+from paged_kv.errors import OutOfBlocksError
+
+from ._core import Checker, task
+
+FIFO_HINT = (
+    "allocate takes the head of the free list (deque.popleft()) and free appends to its tail; "
+    "popping from the tail (LIFO) hands out the most recently freed block first"
+)
+REF_COUNT_HINT = (
+    "free drops one holder: the block goes back to the free list (and free returns True) only when "
+    "its ref count reaches 0"
+)
+DOUBLE_FREE_HINT = (
+    "a block with ref count 0 is already free: freeing it again is a double free and must raise "
+    "ValueError, or the block lands on the free list twice"
+)
+RANGE_HINT = (
+    "check 0 <= block_id < num_blocks yourself and raise ValueError: a list raises IndexError past "
+    "the end, and quietly reads from the end for a negative id"
+)
+LEAK_HINT = (
+    "the failed call took blocks and kept them (a leak): check can_allocate(needed) and raise "
+    "OutOfBlocksError before taking any block"
+)
+
+
+@task("02.block_allocator", "free list and ref counts")
+def _block_allocator(c: Checker, allocator_class) -> None:
+    pool = c.run("pool = BlockAllocator(5)", lambda: allocator_class(5))
+    c.equal("pool.num_free_blocks", lambda: pool.num_free_blocks, 5, "a new pool has every block free")
+    c.equal(
+        "pool.free_block_ids",
+        lambda: tuple(pool.free_block_ids),
+        (0, 1, 2, 3, 4),
+        "a new pool's free list holds every id, in order: deque(range(num_blocks))",
+    )
+    c.equal("pool.ref_count(0)", lambda: pool.ref_count(0), 0, "a free block has no holder")
+    for n, expected in [(0, True), (5, True), (6, False)]:
+        c.equal(
+            f"pool.can_allocate({n})",
+            lambda n=n: pool.can_allocate(n),
+            expected,
+            "n blocks can be allocated when n <= num_free_blocks (off by one with <?)",
+        )
+
+    c.equal(
+        "[pool.allocate() for _ in range(3)]",
+        lambda: [pool.allocate() for _ in range(3)],
+        [0, 1, 2],
+        FIFO_HINT,
+    )
+    c.equal("pool.free_block_ids", lambda: tuple(pool.free_block_ids), (3, 4), FIFO_HINT)
+    c.equal("pool.num_free_blocks", lambda: pool.num_free_blocks, 2)
+    c.equal(
+        "pool.ref_count(0)",
+        lambda: pool.ref_count(0),
+        1,
+        "allocate gives the block its first holder: ref count 1",
+    )
+    c.equal("pool.can_allocate(2)", lambda: pool.can_allocate(2), True, "2 blocks are free")
+    c.equal("pool.can_allocate(3)", lambda: pool.can_allocate(3), False, "only 2 blocks are free")
+
+    c.equal(
+        "pool.free(0)", lambda: pool.free(0), True, "free returns True when the block went back to the pool"
+    )
+    c.equal("pool.ref_count(0)", lambda: pool.ref_count(0), 0, "a freed block has no holder left")
+    c.equal(
+        "pool.free_block_ids",
+        lambda: tuple(pool.free_block_ids),
+        (3, 4, 0),
+        "free puts the block at the tail of the free list (append), not at its head",
+    )
+    c.equal("pool.free(2)", lambda: pool.free(2), True)
+    c.equal(
+        "[pool.allocate() for _ in range(4)]",
+        lambda: [pool.allocate() for _ in range(4)],
+        [3, 4, 0, 2],
+        "first in, first out: the blocks that were already free come first, then 0 and 2 in the order "
+        "they were freed (allocate pops the head, free appends to the tail)",
+    )
+    error = c.raises(
+        "pool.allocate()  # every block is in use",
+        pool.allocate,
+        OutOfBlocksError,
+        "with an empty free list, raise OutOfBlocksError(needed=1, free=0) (a deque's IndexError is not it)",
+    )
+    c.equal(
+        "(error.needed, error.free)",
+        lambda: (error.needed, error.free),
+        (1, 0),
+        "raise OutOfBlocksError(needed=1, free=0)",
+    )
+    c.equal("pool.num_free_blocks", lambda: pool.num_free_blocks, 0, "a refused allocate changes nothing")
+
+    shared = c.run("pool = BlockAllocator(3)", lambda: allocator_class(3))
+    c.equal("pool.allocate()", shared.allocate, 0)
+    c.equal(
+        "pool.add_ref(0)", lambda: shared.add_ref(0), 2, "add_ref adds a holder and returns the new ref count"
+    )
+    c.equal("pool.ref_count(0)", lambda: shared.ref_count(0), 2)
+    c.equal("pool.free(0)  # one holder left", lambda: shared.free(0), False, REF_COUNT_HINT)
+    c.equal("pool.ref_count(0)", lambda: shared.ref_count(0), 1, REF_COUNT_HINT)
+    c.equal(
+        "pool.free_block_ids",
+        lambda: tuple(shared.free_block_ids),
+        (1, 2),
+        "block 0 still has a holder, so it must stay off the free list; " + REF_COUNT_HINT,
+    )
+    c.equal("pool.free(0)  # the last holder", lambda: shared.free(0), True, REF_COUNT_HINT)
+    c.equal("pool.free_block_ids", lambda: tuple(shared.free_block_ids), (1, 2, 0))
+
+    c.raises("pool.free(0)  # again", lambda: shared.free(0), ValueError, DOUBLE_FREE_HINT)
+    c.equal(
+        "pool.free_block_ids",
+        lambda: tuple(shared.free_block_ids),
+        (1, 2, 0),
+        "the refused double free must change nothing: raise before touching the free list",
+    )
+    c.equal(
+        "pool.ref_count(0)",
+        lambda: shared.ref_count(0),
+        0,
+        "the refused double free must change nothing: check the ref count before decreasing it",
+    )
+    c.raises("pool.free(1)  # never allocated", lambda: shared.free(1), ValueError, DOUBLE_FREE_HINT)
+    c.raises(
+        "pool.add_ref(1)  # a free block",
+        lambda: shared.add_ref(1),
+        ValueError,
+        "add_ref shares a block in use; a free block has no holder to share it with",
+    )
+
+    full = c.run("pool = BlockAllocator(3); take all 3 blocks", lambda: allocator_class(3))
+    c.run("pool.allocate() three times", lambda: [full.allocate() for _ in range(3)])
+    for call, thunk in [
+        ("pool.free(3)", lambda: full.free(3)),
+        ("pool.free(-1)", lambda: full.free(-1)),
+        ("pool.add_ref(3)", lambda: full.add_ref(3)),
+        ("pool.ref_count(-1)", lambda: full.ref_count(-1)),
+    ]:
+        c.raises(call, thunk, ValueError, RANGE_HINT)
+    c.equal(
+        "[pool.ref_count(b) for b in range(3)]",
+        lambda: [full.ref_count(b) for b in range(3)],
+        [1, 1, 1],
+        "a refused call must change nothing; " + RANGE_HINT,
+    )
+
+
+@task("02.sequence_allocator", "sequences, all or nothing")
+def _sequence_allocator(c: Checker, sequences_class) -> None:
+    seqs = c.run("seqs = SequenceAllocator(num_blocks=5, block_size=16)", lambda: sequences_class(5, 16))
+    c.equal(
+        'seqs.allocate_for_sequence("req-a", 33)',
+        lambda: seqs.allocate_for_sequence("req-a", 33),
+        [0, 1, 2],
+        "33 tokens need ceil(33 / 16) = 3 blocks, taken from the head of the free list",
+    )
+    c.equal('seqs.get_block_mapping("req-a")', lambda: seqs.get_block_mapping("req-a"), [0, 1, 2])
+    c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (3, 4))
+    c.equal(
+        'seqs.allocate_for_sequence("req-b", 16)',
+        lambda: seqs.allocate_for_sequence("req-b", 16),
+        [3],
+        "16 tokens fill exactly one block of 16 (off by one at the block boundary?)",
+    )
+
+    c.raises(
+        'seqs.allocate_for_sequence("req-a", 1)  # req-a is already allocated',
+        lambda: seqs.allocate_for_sequence("req-a", 1),
+        ValueError,
+        "a duplicate id must raise ValueError: accepting it replaces req-a's table and leaks its blocks",
+    )
+    c.equal(
+        "seqs.allocator.free_block_ids",
+        lambda: tuple(seqs.allocator.free_block_ids),
+        (4,),
+        "the refused duplicate took a block: check the id before taking any block",
+    )
+    c.equal(
+        'seqs.get_block_mapping("req-a")',
+        lambda: seqs.get_block_mapping("req-a"),
+        [0, 1, 2],
+        "the refused duplicate must leave req-a's table as it was",
+    )
+
+    error = c.raises(
+        'seqs.allocate_for_sequence("req-c", 17)  # needs 2 blocks, 1 is free',
+        lambda: seqs.allocate_for_sequence("req-c", 17),
+        OutOfBlocksError,
+        "when fewer than ceil(17 / 16) = 2 blocks are free, raise OutOfBlocksError(needed, free)",
+    )
+    c.equal(
+        "(error.needed, error.free)",
+        lambda: (error.needed, error.free),
+        (2, 1),
+        "raise OutOfBlocksError(needed=2, free=1) yourself, before taking blocks: the error a failing "
+        "allocate() raises halfway says needed=1",
+    )
+    c.equal("seqs.allocator.num_free_blocks", lambda: seqs.allocator.num_free_blocks, 1, LEAK_HINT)
+    c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (4,), LEAK_HINT)
+    c.raises(
+        'seqs.get_block_mapping("req-c")  # its allocation failed',
+        lambda: seqs.get_block_mapping("req-c"),
+        KeyError,
+        "the failed call left a half-built table for req-c: add the table only once all its blocks are taken",
+    )
+
+    mapping = c.run('mapping = seqs.get_block_mapping("req-a")', lambda: seqs.get_block_mapping("req-a"))
+    c.run("mapping.append(99)", lambda: mapping.append(99))
+    c.equal(
+        'seqs.get_block_mapping("req-a")',
+        lambda: seqs.get_block_mapping("req-a"),
+        [0, 1, 2],
+        "return a copy of the block ids, list(...), so that a caller cannot change the table",
+    )
+
+    c.equal(
+        'seqs.free_sequence("req-a")',
+        lambda: seqs.free_sequence("req-a"),
+        [0, 1, 2],
+        "free_sequence frees every block of the table and returns those that went back to the pool",
+    )
+    c.equal(
+        "seqs.allocator.free_block_ids",
+        lambda: tuple(seqs.allocator.free_block_ids),
+        (4, 0, 1, 2),
+        "req-a's blocks go to the tail of the free list, in table order",
+    )
+    c.raises(
+        'seqs.get_block_mapping("req-a")  # freed',
+        lambda: seqs.get_block_mapping("req-a"),
+        KeyError,
+        "free_sequence must drop the sequence's table",
+    )
+    unknown_hint = (
+        "a request may be cancelled before it was ever allocated: free_sequence of an unknown id is a "
+        "no-op that returns [] (use self.tables.pop(seq_id, None))"
+    )
+    c.equal('seqs.free_sequence("req-a")  # again', lambda: seqs.free_sequence("req-a"), [], unknown_hint)
+    c.equal('seqs.free_sequence("never-seen")', lambda: seqs.free_sequence("never-seen"), [], unknown_hint)
+    c.raises(
+        'seqs.get_block_mapping("never-seen")',
+        lambda: seqs.get_block_mapping("never-seen"),
+        KeyError,
+        "an unknown id is a KeyError",
+    )
+
+    c.equal(
+        'seqs.allocate_for_sequence("req-c", 40)',
+        lambda: seqs.allocate_for_sequence("req-c", 40),
+        [4, 0, 1],
+        "block 4 was at the head of the free list, then req-a's freed blocks",
+    )
+    c.run("seqs.allocator.add_ref(4)  # another table holds block 4 too", lambda: seqs.allocator.add_ref(4))
+    c.equal(
+        'seqs.free_sequence("req-c")',
+        lambda: seqs.free_sequence("req-c"),
+        [0, 1],
+        "block 4 has another holder, so it does not go back to the pool: return only the blocks for "
+        "which allocator.free(...) returned True",
+    )
+    c.equal("seqs.allocator.ref_count(4)", lambda: seqs.allocator.ref_count(4), 1, REF_COUNT_HINT)
+    c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (2, 0, 1))
