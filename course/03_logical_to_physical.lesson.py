@@ -1,0 +1,414 @@
+# %% [markdown]
+# # Lesson 03 · Logical to physical
+#
+# A sequence sees its tokens as positions 0, 1, 2, … in order. The cache stores them in blocks
+# scattered over a pool. Every time the engine stores a new token's key and value, and every time
+# attention reads them back, it has to turn a position into a place in the pool. This lesson follows
+# that translation step by step on the real K/V tensors, then writes it the way an engine must: one
+# tensor expression for all tokens at once, with no Python loop.
+#
+# **By the end of this lesson you can**
+#
+# 1. compute, for any position of a sequence, its logical block, its offset, its physical block and
+#    its flat slot;
+# 2. show where one token's key vector sits in `k_cache`, of shape
+#    `(num_blocks, num_heads, block_size, head_dim)`;
+# 3. write a sequence's K/V into scattered blocks and gather them back equal to the contiguous
+#    tensors;
+# 4. compute the slots of many tokens with one tensor expression, and explain why a per-token Python
+#    loop has no place on the hot path;
+# 5. read the padded block-table tensor that a batched kernel receives.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+import paged_kv
+from paged_kv import PagedKVCacheAllocator
+
+device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
+torch.manual_seed(0)
+print("paged_kv", paged_kv.__version__)
+
+# %% [markdown]
+# ## 1. A sequence in scattered blocks
+#
+# A fresh pool hands out blocks 0, 1, 2, … in order, which would make every block table look
+# contiguous and hide the point of this lesson. A busy server is never in that state: requests come
+# and go, and the free list holds the blocks of finished requests, in the order they were released.
+#
+# So we first keep the pool busy. Eight short requests, `r0` to `r7`, take one block each and fill
+# a pool of 8 blocks of 4 slots. Then `r5`, `r2` and `r7` finish, in that order, and their blocks
+# go back to the free list. A new sequence `s` with an 11-token prompt arrives and needs
+# `ceil(11 / 4) = 3` blocks.
+
+# %%
+BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 4, 2, 4
+cache = PagedKVCacheAllocator(
+    num_blocks=8, block_size=BLOCK_SIZE, num_heads=NUM_HEADS, head_dim=HEAD_DIM, device=device
+)
+for i in range(8):
+    cache.allocate_for_sequence(f"r{i}", 3)  # one block each, 3 of its 4 slots used
+for finished in ("r5", "r2", "r7"):
+    cache.free_sequence(finished)
+print("free list:", list(cache.snapshot().free_block_ids))
+
+table = cache.allocate_for_sequence("s", 11)
+print("s:", table)
+print("k_cache shape:", tuple(cache.k_cache.shape))
+
+# %% [markdown]
+# The block table of `s` is `[5, 2, 7]`: its logical block 0 (positions 0 to 3) lives in physical
+# block 5, logical block 1 (positions 4 to 7) in block 2, and logical block 2 (positions 8 to 10) in
+# block 7. This is a page table: the sequence's addresses are contiguous, the memory behind them is
+# not.
+#
+# The picture shows both views. On the left, the positions of `s` in its logical blocks. On the
+# right, the pool as the cache tensor lays it out: one row per physical block (the first axis of
+# `k_cache`), one column per offset inside the block (its third axis). Grey slots hold the tokens of
+# other requests; the hatched slot is reserved by `s` but still empty. The small number in each
+# slot's corner is its **flat slot** number, `block × 4 + offset`, which section 4 explains.
+
+# %%
+COLOURS = ["#0072B2", "#E69F00", "#009E73"]  # one Okabe-Ito colour per logical block of s
+tables = cache.snapshot().tables
+others = {block: t.num_tokens for seq, t in tables.items() if seq != "s" for block in t.block_ids}
+pool_x, rows = BLOCK_SIZE + 4, cache.num_blocks
+
+fig, ax = plt.subplots(figsize=(8, 4.8))
+
+
+def slot_box(x, y, fill=None, hatch=False, label="", corner=""):
+    """One token slot: a coloured, grey, hatched or empty square with its labels."""
+    if hatch:
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor="#DDDDDD", edgecolor="#888888", hatch="///", lw=0.5))
+    else:
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=fill or "white", edgecolor="none"))
+    ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="#444444", lw=0.8))
+    strong = fill not in (None, "#BBBBBB")
+    ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=10, weight="bold", color="white")
+    ax.text(
+        x + 0.95,
+        y + 0.05,
+        corner,
+        ha="right",
+        va="bottom",
+        fontsize=6,
+        color="white" if strong else "#555555",
+    )
+
+
+for block in range(rows):  # the pool: row = physical block, column = offset
+    y = rows - 1 - block
+    ax.text(pool_x - 0.2, y + 0.5, f"block {block}", ha="right", va="center", fontsize=9)
+    for offset in range(BLOCK_SIZE):
+        used = offset < others.get(block, 0)
+        slot_box(pool_x + offset, y, "#BBBBBB" if used else None, corner=str(block * BLOCK_SIZE + offset))
+for logical, block in enumerate(table.block_ids):  # s: each position in both views
+    left_y, pool_y = rows - 2 - 2 * logical, rows - 1 - block
+    ax.text(-0.2, left_y + 0.5, f"logical {logical}", ha="right", va="center", fontsize=9)
+    for offset in range(BLOCK_SIZE):
+        position = logical * BLOCK_SIZE + offset
+        held = position < table.num_tokens
+        for x, y in ((offset, left_y), (pool_x + offset, pool_y)):
+            corner = str(block * BLOCK_SIZE + offset) if x >= pool_x else ""
+            fill = COLOURS[logical] if held else None
+            slot_box(x, y, fill, hatch=not held, label=str(position) if held else "", corner=corner)
+    arrow = FancyArrowPatch(
+        (BLOCK_SIZE + 0.1, left_y + 0.5), (pool_x - 1.5, pool_y + 0.5), arrowstyle="-|>", mutation_scale=12
+    )
+    arrow.set_color(COLOURS[logical])
+    ax.add_patch(arrow)
+ax.text(0, rows + 0.3, "s: positions by logical block", fontsize=10)
+ax.text(pool_x - 1.5, rows + 0.3, "pool: row = block, column = offset", fontsize=10)
+ax.set_xlim(-2.2, pool_x + BLOCK_SIZE + 0.3)
+ax.set_ylim(-0.2, rows + 1)
+ax.set_aspect("equal")
+ax.set_axis_off()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 2. The translation in four steps
+#
+# To find position `p` of a sequence in the pool:
+#
+# 1. `logical_block_idx = p // block_size`: which of the sequence's blocks holds it;
+# 2. `offset = p % block_size`: where inside that block;
+# 3. `physical_block_id = block_table[logical_block_idx]`: the page-table look-up;
+# 4. its key is `k_cache[physical_block_id, :, offset, :]`, one vector of `head_dim` numbers per
+#    head, and its value sits at the same place in `v_cache`.
+#
+# Steps 1 and 2 are integer division and remainder, so no floating point is involved: `p / 4` would
+# give `1.5`, which cannot index a list or a tensor.
+#
+# **Predict, then run.** Position 6 of `s`: which logical block, which offset, which physical block?
+
+# %%
+p = 6
+logical_block_idx = p // BLOCK_SIZE
+offset = p % BLOCK_SIZE
+physical_block_id = table.block_ids[logical_block_idx]
+print(f"position {p}: logical block {logical_block_idx}, offset {offset}, physical block {physical_block_id}")
+print("cache.physical_location('s', 6) ->", cache.physical_location("s", 6))
+
+# %% [markdown]
+# Logical block 1, offset 2, physical block 2: in the picture, the orange 6 sits in row `block 2`,
+# column 2. `cache.physical_location` returns the same pair. Here is every position of `s`; each
+# block change in the table happens exactly where `p` crosses a multiple of 4.
+
+# %%
+print("position  logical  offset  physical block")
+for p in range(table.num_tokens):
+    logical, offset = p // BLOCK_SIZE, p % BLOCK_SIZE
+    block = table.block_ids[logical]
+    assert cache.physical_location("s", p) == (block, offset)
+    print(f"{p:>8} {logical:>8} {offset:>7} {block:>15}")
+
+# %% [markdown]
+# ## 3. Writing and gathering K/V on the tensors
+#
+# Now real data. We make K and V for the 11 tokens of `s` as contiguous tensors of shape
+# `(num_tokens, num_heads, head_dim)`, the shape a model layer produces, with a value that names its
+# place: element `(t, h, d)` of K is `100·t + 10·h + d`, so 613 is token 6, head 1, dimension 3.
+# V is the negative of K. Any value that lands in the wrong place will show.
+#
+# `cache.write_kv("s", k, v)` scatters them into the pool through the block table, and
+# `cache.read_kv("s")` gathers them back in position order.
+
+# %%
+t = torch.arange(table.num_tokens, device=device).view(-1, 1, 1)
+h = torch.arange(NUM_HEADS, device=device).view(1, -1, 1)
+d = torch.arange(HEAD_DIM, device=device).view(1, 1, -1)
+k = (100 * t + 10 * h + d).float()
+v = -k
+print("k shape:", tuple(k.shape))
+
+cache.write_kv("s", k, v)
+k_back, v_back = cache.read_kv("s")
+print("read_kv gives back K:", torch.equal(k_back, k))
+print("read_kv gives back V:", torch.equal(v_back, v))
+print("blocks holding data: ", cache.k_cache.flatten(1).ne(0).any(dim=1).nonzero().flatten().tolist())
+
+# %% [markdown]
+# The round trip is exact, and only the three blocks of `s` hold data; the other requests never wrote
+# any. Token 6 should sit at block 2, offset 2. Indexing `k_cache[2, :, 2, :]` picks that slot for
+# every head at once:
+
+# %%
+token_6 = cache.k_cache[2, :, 2, :]
+print("k_cache[2, :, 2, :] shape:", tuple(token_6.shape))
+print("k_cache[2, :, 2, :] =", token_6.long().tolist())
+print("equal to k[6]:", torch.equal(token_6, k[6]))
+
+# %% [markdown]
+# 600 to 603 for head 0, 610 to 613 for head 1: token 6. The `:` in the middle matters. The axes of
+# the cache are block, head, offset, dimension, so `k_cache[2, 2]` would pick *head* 2 of block 2,
+# not offset 2; with 2 heads, that is an index error, and with more heads it would silently be the
+# wrong data.
+#
+# `write_kv` and `read_kv` do all tokens at once. Steps 1 to 3 run on a tensor of positions, giving a
+# tensor of physical blocks and a tensor of offsets, and step 4 uses both as indices:
+# `k_cache[block_ids, :, offsets]`. When two index tensors surround a slice, PyTorch pairs them
+# element by element, `(block_ids[i], offsets[i])`, and puts that axis first, so the result has shape
+# `(num_tokens, num_heads, head_dim)`: exactly the contiguous layout. Assigning to it scatters;
+# reading it gathers.
+
+# %%
+positions = torch.arange(table.num_tokens, device=device)
+block_table = torch.tensor(table.block_ids, device=device)
+block_ids = block_table[positions // BLOCK_SIZE]
+offsets = positions % BLOCK_SIZE
+print("block_ids:", block_ids.tolist())
+print("offsets:  ", offsets.tolist())
+gathered = cache.k_cache[block_ids, :, offsets]
+print("k_cache[block_ids, :, offsets] shape:", tuple(gathered.shape))
+print("equal to k:", torch.equal(gathered, k))
+
+# %% [markdown]
+# ## 4. The flat slot
+#
+# A pair `(block, offset)` is two numbers per token. Kernels prefer one: number every token slot of
+# the pool, block by block, so that slot `block × block_size + offset` is offset `offset` of block
+# `block`. These are the small numbers in the corners of the picture. vLLM calls the list of slots
+# for the tokens it is about to store the **slot mapping**, and its kernel that writes new K/V into
+# the cache receives exactly that: one integer per token.
+#
+# **Predict, then run.** `s` holds 11 tokens in blocks `[5, 2, 7]` of 4 slots. Write down its 11
+# slots before you run the cell.
+
+# %%
+slots = cache.slot_mapping("s")
+print("slots of s:", slots.tolist())
+print("same as block_ids * 4 + offsets:", torch.equal(slots, block_ids * BLOCK_SIZE + offsets))
+print("back to blocks: ", (slots // BLOCK_SIZE).tolist())
+print("back to offsets:", (slots % BLOCK_SIZE).tolist())
+
+# %% [markdown]
+# Blocks 5, 2 and 7 start at slots 20, 8 and 28, and the slots run on from there. A slot carries
+# the same information as the pair: `slot // block_size` and `slot % block_size` give back the block
+# and the offset.
+#
+# The numbering treats the pool as one list of `num_blocks × block_size` token slots. In our layout
+# the heads axis sits between block and offset, so that list is not a view of `k_cache`; moving the
+# offset axis next to the block axis and merging the two builds it (as a copy). Indexing it with the
+# slots gives K back once more:
+
+# %%
+flat_k = cache.k_cache.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+print("pool as a list of slots:", tuple(flat_k.shape))
+print("flat_k[slots] equal to k:", torch.equal(flat_k[slots], k))
+
+# %% [markdown]
+# ## 5. No Python loop on the hot path
+#
+# The translation is one line of arithmetic per token, so a loop looks harmless:
+
+
+# %%
+def slot_mapping_loop(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
+    """One token at a time, in plain Python."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def slot_mapping_vectorised(
+    block_table: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """All tokens at once, with tensor indexing."""
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+print(slot_mapping_loop(table.block_ids, list(range(11)), BLOCK_SIZE))
+print(slot_mapping_vectorised(block_table, positions, BLOCK_SIZE).tolist())
+
+# %% [markdown]
+# Same answer. The difference is the work around the arithmetic. An engine computes slots at every
+# step for every token it processes: the whole prompt of each new request (thousands of tokens) and
+# one token for each of the hundreds of sequences that are decoding. The loop runs Python bytecode
+# per token, on the CPU, while the GPU waits for the result. A loop written over tensors is worse
+# still: each element it reads with `int()` or `.item()` is a copy from the GPU that waits for it,
+# and each small tensor operation inside the loop is a kernel launch of several microseconds. The
+# vectorised version is five tensor operations whatever the number of tokens, and each one is a
+# single kernel over all of them in parallel.
+#
+# Here are the two on a long sequence: 65,536 tokens in 4,096 blocks of 16, the blocks picked at
+# random from a pool of 8,192, so the table is thoroughly scattered.
+
+# %%
+LONG_BLOCK_SIZE, LONG_TOKENS = 16, 65536
+generator = torch.Generator().manual_seed(0)
+long_table = torch.randperm(8192, generator=generator)[: LONG_TOKENS // LONG_BLOCK_SIZE].to(device)
+long_positions = torch.arange(LONG_TOKENS, device=device)
+
+by_loop = slot_mapping_loop(long_table.tolist(), long_positions.tolist(), LONG_BLOCK_SIZE)
+by_tensor = slot_mapping_vectorised(long_table, long_positions, LONG_BLOCK_SIZE)
+print("first block ids:", long_table[:6].tolist())
+print("equal:", by_tensor.tolist() == by_loop)
+print("result dtype:", by_tensor.dtype, "| length:", len(by_tensor))
+
+# %% [markdown]
+# How much faster is one expression? The answer depends on the machine and on what else it is doing,
+# so this cell's output is the one the course's tests do not compare; run it a few times. The loop
+# is timed with what it needs around it, converting the tensors to lists and the result back to a
+# tensor, and both are timed on the first 4,096 tokens and on all 65,536.
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def best_time(fn, repeats=5):
+    """The fastest of a few runs, in seconds (waiting for the GPU when there is one)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+for n in (4096, LONG_TOKENS):
+    some = long_positions[:n]
+    loop_s = best_time(
+        lambda some=some: torch.tensor(
+            slot_mapping_loop(long_table.tolist(), some.tolist(), LONG_BLOCK_SIZE), device=device
+        )
+    )
+    tensor_s = best_time(lambda some=some: slot_mapping_vectorised(long_table, some, LONG_BLOCK_SIZE))
+    print(f"{n:>6} tokens: the tensor expression is {loop_s / tensor_s:5.1f}x faster than the loop")
+
+# %% [markdown]
+# The ratio grows with the number of tokens: the loop pays for every token, while most of the
+# expression's cost is a fixed price per operation. The more tokens a step processes, the wider the
+# gap.
+
+# %% [markdown]
+# ## 6. A batch: the padded block-table tensor
+#
+# A kernel serves a whole batch of sequences at once, and a kernel takes tensors, not a dict of
+# Python lists. The engine therefore packs the block tables of the batch into one integer tensor of
+# shape `(batch, max_blocks)`, one row per sequence, padding the shorter rows on the right. The
+# kernel also receives each sequence's length, and it reads only the entries that cover real
+# positions, so the padding is never used.
+#
+# **Predict, then run.** What shape does the tensor for the batch `r0`, `s`, `r3` have, and what is
+# in the row of `r0`?
+
+# %%
+batch = ["r0", "s", "r3"]
+tables_tensor = cache.block_tables_tensor(batch)  # padded with -1
+lengths = torch.tensor([cache.sequence_length(seq) for seq in batch], device=device)
+print("shape:", tuple(tables_tensor.shape), "| dtype:", tables_tensor.dtype)
+for seq, row in zip(batch, tables_tensor.tolist(), strict=True):
+    print(f"{seq:>2}: {row}")
+print("lengths:", lengths.tolist())
+
+# %% [markdown]
+# Shape `(3, 3)`: three sequences, and `s` holds the most blocks, 3. `r0` holds one block, so its row
+# is `[0, -1, -1]`.
+#
+# The slot mapping of the whole batch is still one expression. List every token of the batch as a
+# pair (row in the batch, position in its sequence); look up `tables_tensor[row, position // 4]`
+# instead of `block_table[position // 4]`. `torch.repeat_interleave` builds the row of each token,
+# and the positions restart at 0 for every sequence.
+
+# %%
+rows_of_tokens = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths)
+starts = torch.cumsum(lengths, dim=0) - lengths
+positions_in_seq = torch.arange(int(lengths.sum()), device=device) - starts[rows_of_tokens]
+entries = tables_tensor[rows_of_tokens, positions_in_seq // BLOCK_SIZE].long()  # one table entry per token
+batch_slots = entries * BLOCK_SIZE + positions_in_seq % BLOCK_SIZE
+print("row of each token:  ", rows_of_tokens.tolist())
+print("position in its seq:", positions_in_seq.tolist())
+print("slots:", batch_slots.tolist())
+print("padding read:", bool((entries < 0).any()))
+per_sequence = torch.cat([cache.slot_mapping(seq) for seq in batch])
+print("same as one slot_mapping per sequence:", torch.equal(batch_slots, per_sequence))
+
+# %% [markdown]
+# Seventeen tokens of three sequences, one expression, no loop over tokens, and no `-1` read: every
+# position is below its sequence's length, so every entry looked up is a real block. This pair of tensors, block tables and lengths, is
+# what the paged attention kernel of lesson 05 reads K and V through.
+
+# %% [markdown]
+# ## Recap
+#
+# * Position `p` lives in logical block `p // block_size`, at offset `p % block_size`; the block table
+#   turns the logical block into a physical one, and the key is `k_cache[block, :, offset, :]` (the
+#   heads axis sits between block and offset).
+# * On `s`, 11 tokens in blocks `[5, 2, 7]` of 4: position 6 is block 2, offset 2; its slots are
+#   20 to 23, 8 to 11 and 28 to 30.
+# * The flat slot `block × block_size + offset` (vLLM's slot mapping) is one integer per token, and
+#   `//` and `%` by `block_size` give the pair back.
+# * `write_kv` scatters and `read_kv` gathers with `k_cache[block_ids, :, offsets]`; the round trip
+#   gives back exactly the contiguous K and V.
+# * Slots are computed for thousands of tokens per step: one tensor expression, never a Python loop
+#   over tokens. A batch's block tables travel as one `(batch, max_blocks)` tensor padded with `-1`,
+#   with the lengths beside it.
+#
+# **Next, lesson 04:** sequences grow one token per decode step, and we work out exactly when a new
+# block is needed. The exercise for this lesson, `exercises/03_logical_to_physical.ipynb`, has you
+# write the translation, the vectorised slot mapping and the K/V scatter and gather yourself.

@@ -1,0 +1,319 @@
+"""Checks of exercise 04: the block boundary rule, a decode step for a batch, and free-and-admit."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+from ..cache import PagedKVCacheAllocator
+from ..errors import OutOfBlocksError
+from ._core import Checker, task
+
+RULE = (
+    "a new block is needed exactly when the blocks held are full: num_tokens == num_blocks_held * block_size"
+)
+OFF_BY_ONE = "the check (num_tokens + 1) % block_size == 0 is off by one"
+
+
+# ------------------------------------------------------------------------------- Task 1
+
+
+@task("04.needs_new_block", "the block boundary rule")
+def _needs_new_block(c: Checker, needs_new_block) -> None:
+    cases = [
+        (1, 1, 4, False, "1 token in a block of 4 leaves 3 slots free: the next token fits"),
+        (4, 1, 4, True, f"4 tokens fill the block of 4, so token 5 needs a new one; {OFF_BY_ONE}"),
+        (3, 1, 4, False, f"3 tokens in a block of 4 leave one slot for token 4; {OFF_BY_ONE}"),
+        (
+            0,
+            0,
+            4,
+            True,
+            "an empty sequence holds no block, so its first token needs one "
+            "(0 == 0 * block_size; the (n + 1) % block_size check never fires at n = 0)",
+        ),
+        (5, 2, 4, False, RULE),
+        (8, 2, 4, True, RULE),
+        (47, 3, 16, False, RULE),
+        (48, 3, 16, True, "48 tokens fill 3 blocks of 16: the 49th needs a 4th block"),
+        (1, 1, 1, True, "with blocks of 1, every token needs a new block"),
+        (
+            4,
+            2,
+            4,
+            False,
+            "2 blocks of 4 hold 8 tokens: the second block was reserved ahead and has room. Compare with "
+            "the capacity num_blocks_held * block_size, not only num_tokens % block_size",
+        ),
+        (0, 1, 4, False, "one empty block reserved ahead: the first token fits in it"),
+    ]
+    for tokens, blocks, size, expected, hint in cases:
+        c.equal(
+            f"needs_new_block({tokens}, {blocks}, {size})",
+            lambda tokens=tokens, blocks=blocks, size=size: needs_new_block(tokens, blocks, size),
+            expected,
+            hint,
+        )
+    result = needs_new_block(4, 1, 4)
+    c.holds(
+        "type(needs_new_block(4, 1, 4))",
+        type(result) is bool,
+        "bool",
+        type(result).__name__,
+        "return the comparison itself, True or False",
+    )
+
+
+# ------------------------------------------------------------------------------- Task 2
+
+
+def _cache(
+    num_blocks: int, block_size: int, sequences: list[tuple[Hashable, int, int]]
+) -> PagedKVCacheAllocator:
+    """A small cache holding ``(seq_id, tokens, spare_blocks)`` sequences, allocated in order."""
+    cache = PagedKVCacheAllocator(num_blocks, block_size, 1, 1)
+    for seq_id, tokens, spare in sequences:
+        cache.allocate_for_sequence(seq_id, tokens)
+        for _ in range(spare):
+            cache.append_block_to_sequence(seq_id)
+    return cache
+
+
+def _describe(cache: PagedKVCacheAllocator) -> str:
+    return "; ".join(
+        f"{seq_id!r} holds {cache.sequence_length(seq_id)} tokens in {cache.get_block_mapping(seq_id)}"
+        for seq_id in cache.seq_ids
+    )
+
+
+def _state(cache: PagedKVCacheAllocator) -> str:
+    return f"{_describe(cache)}; free list {list(cache.snapshot().free_block_ids)}"
+
+
+def _reference_step(cache: PagedKVCacheAllocator, seq_ids: list[Hashable]) -> dict[Hashable, int | None]:
+    taken = {}
+    for seq_id in seq_ids:
+        new = cache.append_tokens(seq_id, 1)
+        taken[seq_id] = new[0] if new else None
+    return taken
+
+
+def _step_hint(before: PagedKVCacheAllocator, got: object, expected: dict) -> str:
+    """Name the mistake behind a wrong decode step, from the state ``before`` it."""
+    if isinstance(got, dict) and set(got) == set(expected):
+        for seq_id in expected:
+            tokens, blocks = before.sequence_length(seq_id), len(before.get_block_mapping(seq_id))
+            held = f"{seq_id!r} holds {tokens} tokens in {blocks} block(s) of {before.block_size}"
+            if expected[seq_id] is not None and got[seq_id] is None:
+                if blocks == 0:
+                    return (
+                        f"{held}: its first token needs a block (the (n + 1) % block_size check never "
+                        "fires at n = 0). Take it with cache.append_block_to_sequence and return its id"
+                    )
+                return (
+                    f"{held}: they are full, so its token needs a new block. Take it with "
+                    "cache.append_block_to_sequence before append_tokens, and return its id"
+                )
+            if expected[seq_id] is None and got[seq_id] is not None:
+                if blocks * before.block_size - tokens >= before.block_size:
+                    return (
+                        f"{held}: a spare block was reserved ahead and has room, so it takes no block. "
+                        "Compare with the capacity, not only num_tokens % block_size"
+                    )
+                return f"{held}: a slot is still free, so it takes no block; {OFF_BY_ONE}"
+    return f"return {{seq_id: the block id taken, or None}} for every sequence; {RULE}"
+
+
+@task("04.decode_step", "one decode step for a batch, all or nothing")
+def _decode_step(c: Checker, decode_step) -> None:
+    scenarios = [
+        ("one sequence with a free slot", 8, 4, [("a", 3, 0)], ["a"]),
+        ("one sequence with a full block", 8, 4, [("b", 4, 0)], ["b"]),
+        ("an empty sequence (no block yet)", 8, 4, [("c", 0, 0)], ["c"]),
+        ("a full block and a spare block reserved ahead", 8, 4, [("d", 4, 1)], ["d"]),
+        ("a batch of three", 8, 4, [("a", 3, 0), ("b", 4, 0), ("c", 0, 0)], ["a", "b", "c"]),
+        ("blocks of 1", 8, 1, [("e", 2, 0)], ["e"]),
+    ]
+    for what, num_blocks, size, sequences, batch in scenarios:
+        cache = _cache(num_blocks, size, sequences)
+        expected_cache = _cache(num_blocks, size, sequences)
+        before = _describe(cache)
+        call = f"decode_step(cache, {batch}) with block_size {size} and {before} ({what})"
+        got = c.run(call, lambda cache=cache, batch=batch: decode_step(cache, batch))
+        expected = _reference_step(expected_cache, batch)
+        hint = _step_hint(_cache(num_blocks, size, sequences), got, expected)
+        c.equal(call, lambda got=got: got, expected, hint)
+        c.holds(
+            f"the cache after {call}",
+            cache.snapshot() == expected_cache.snapshot(),
+            _state(expected_cache),
+            _state(cache),
+            "every sequence gains exactly one token, and a block only when its blocks were full",
+        )
+
+    # Many steps on two sequences of different lengths.
+    cache = _cache(16, 4, [("x", 2, 0), ("y", 5, 0)])
+    expected_cache = _cache(16, 4, [("x", 2, 0), ("y", 5, 0)])
+    got_steps = c.run(
+        "[decode_step(cache, ['x', 'y']) for _ in range(8)] with x holding 2 tokens and y 5",
+        lambda: [decode_step(cache, ["x", "y"]) for _ in range(8)],
+    )
+    expected_steps = [_reference_step(expected_cache, ["x", "y"]) for _ in range(8)]
+    c.equal(
+        "[decode_step(cache, ['x', 'y']) for _ in range(8)] with x holding 2 tokens and y 5",
+        lambda: got_steps,
+        expected_steps,
+        f"x takes a block when it holds 4 and 8 tokens, y when it holds 8 and 12; {RULE}",
+    )
+
+    cache = _cache(8, 4, [("a", 3, 0)])
+    c.equal("decode_step(cache, [])", lambda: decode_step(cache, []), {}, "no sequences, nothing to do: {}")
+
+    # All or nothing: three sequences need a block, one is free.
+    cache = _cache(4, 4, [("a", 4, 0), ("b", 4, 0), ("c", 4, 0)])
+    before_snapshot, before = cache.snapshot(), _state(cache)
+    call = f"decode_step(cache, ['a', 'b', 'c']) with {before}"
+    error = c.raises(
+        call,
+        lambda: decode_step(cache, ["a", "b", "c"]),
+        OutOfBlocksError,
+        "three sequences need a block and only one is free: raise OutOfBlocksError(needed, free)",
+    )
+    c.holds(
+        f"the cache after {call}",
+        cache.snapshot() == before_snapshot,
+        f"unchanged: {before}",
+        _state(cache),
+        "all or nothing: count the blocks the batch needs and compare with cache.num_free_blocks "
+        "before you take any block or add any token",
+    )
+    c.holds(
+        f"(error.needed, error.free) after {call}",
+        (getattr(error, "needed", None), getattr(error, "free", None)) == (3, 1),
+        "(3, 1)",
+        (getattr(error, "needed", None), getattr(error, "free", None)),
+        "raise OutOfBlocksError(needed, free) with the counts of the whole batch",
+    )
+
+    # An unknown sequence: the cache's own error, before anything changes.
+    cache = _cache(8, 4, [("a", 3, 0), ("b", 4, 0)])
+    before_snapshot, before = cache.snapshot(), _state(cache)
+    call = f"decode_step(cache, ['a', 'b', 'ghost']) with {before}"
+    c.raises(
+        call,
+        lambda: decode_step(cache, ["a", "b", "ghost"]),
+        KeyError,
+        "ask the cache about every sequence first (cache.needs_new_block raises UnknownSequenceError)",
+    )
+    c.holds(
+        f"the cache after {call}",
+        cache.snapshot() == before_snapshot,
+        f"unchanged: {before}",
+        _state(cache),
+        "all or nothing: look at every sequence before changing any",
+    )
+
+
+# ------------------------------------------------------------------------------- Task 3
+
+
+def _pool() -> PagedKVCacheAllocator:
+    """6 blocks of 4: 'a' holds 8 tokens in [0, 1], 'b' 12 in [2, 3, 4]; block 5 is free."""
+    return _cache(6, 4, [("a", 8, 0), ("b", 12, 0)])
+
+
+@task("04.finish_and_admit", "free finished requests at once, admit waiting ones")
+def _finish_and_admit(c: Checker, finish_and_admit) -> None:
+    setup = "'a' holding 8 tokens in [0, 1], 'b' 12 in [2, 3, 4], block 5 free"
+    cases = [
+        # (finished, waiting, max_running, admitted, remaining, hint)
+        (
+            ["a"],
+            [],
+            4,
+            [],
+            [],
+            "free every finished sequence at once with cache.free_sequence",
+        ),
+        (
+            ["a"],
+            [("c", 6), ("d", 4)],
+            4,
+            ["c", "d"],
+            [],
+            "free first, then admit: a's two blocks and block 5 make room for c (2 blocks) and d (1)",
+        ),
+        (
+            [],
+            [("c", 4)],
+            4,
+            ["c"],
+            [],
+            "nothing finished, but block 5 is free: c's 4-token prompt fits in it",
+        ),
+        (
+            ["a"],
+            [("e", 20), ("f", 1)],
+            4,
+            [],
+            [("e", 20), ("f", 1)],
+            "serve in arrival order: e needs 5 blocks and 3 are free, so it waits, and f waits behind it",
+        ),
+        (
+            ["a"],
+            [("g", 13)],
+            4,
+            [],
+            [("g", 13)],
+            "a 13-token prompt needs ceil(13 / 4) = 4 blocks and 3 are free: use blocks_for_tokens",
+        ),
+        (
+            ["a", "b"],
+            [("h", 24)],
+            4,
+            ["h"],
+            [],
+            "free all the finished sequences before admitting: 6 blocks hold h's 24 tokens exactly",
+        ),
+        (
+            ["a"],
+            [("c", 1), ("d", 1), ("e", 1)],
+            3,
+            ["c", "d"],
+            [("e", 1)],
+            "at most max_running sequences run: b, c and d make 3, so e waits",
+        ),
+    ]
+    for finished, waiting_list, max_running, admitted, remaining, hint in cases:
+        cache, expected_cache = _pool(), _pool()
+        for seq_id in finished:
+            expected_cache.free_sequence(seq_id)
+        for seq_id, prompt in waiting_list[: len(admitted)]:
+            expected_cache.allocate_for_sequence(seq_id, prompt)
+        waiting = deque(waiting_list)
+        call = (
+            f"finish_and_admit(cache, {finished}, deque({waiting_list}), max_running={max_running}) "
+            f"with {setup}"
+        )
+        got = c.run(
+            call,
+            lambda cache=cache, waiting=waiting, f=finished, m=max_running: finish_and_admit(
+                cache, f, waiting, m
+            ),
+            hint,
+        )
+        c.equal(call, lambda got=got: got, admitted, hint)
+        c.holds(
+            f"the cache after {call}",
+            cache.snapshot() == expected_cache.snapshot(),
+            _state(expected_cache),
+            _state(cache),
+            hint,
+        )
+        c.holds(
+            f"waiting after {call}",
+            list(waiting) == remaining,
+            f"deque({remaining})",
+            f"deque({list(waiting)})",
+            "pop each admitted request from the left of the queue, and only those",
+        )
