@@ -1,0 +1,577 @@
+# %% [markdown]
+# # Lesson 05 · Paged attention
+#
+# Lessons 03 and 04 put every sequence's keys and values into blocks scattered over a shared pool.
+# That only pays off if attention, the one operation that reads them, can work from the blocks where
+# they lie. At every decode step each sequence has one new query, and it must attend to all the keys
+# and values the sequence holds, which are nowhere contiguous in memory. This lesson builds attention
+# that reads K and V through the block tables, the idea that gives vLLM's PagedAttention its name, and
+# shows that it computes exactly what ordinary attention computes on the same tokens held in one piece.
+#
+# **By the end of this lesson you can**
+#
+# 1. compute decode attention for one sequence by hand and show it equals PyTorch's
+#    `scaled_dot_product_attention` (SDPA);
+# 2. gather a sequence's K and V from `k_cache` and `v_cache` through its block table, cut at its
+#    context length, and show that attention over them is unchanged;
+# 3. build the batched, vectorised version, with the padding clamped and the positions past each
+#    context length masked, which is `paged_kv.paged_attention`;
+# 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
+# 5. explain how a real kernel differs: it reads each block in place and merges the blocks with an
+#    online softmax, for a 20 to 26 % kernel overhead that larger batches more than repay.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from matplotlib.patches import Rectangle
+
+import paged_kv
+from paged_kv import PagedKVCacheAllocator, paged_attention
+from paged_kv.plots import PALETTE, WASTE
+
+device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
+torch.manual_seed(0)
+print("paged_kv", paged_kv.__version__)
+
+# %% [markdown]
+# ## 1. Decode attention for one sequence
+#
+# During decode, a sequence produces one token per step. That token's query `q` has one vector per
+# head, shape `(num_heads, head_dim)`. Its key and value were just written to the cache, so the
+# sequence now holds `T` tokens of K and V, each of shape `(T, num_heads, head_dim)`, and the new
+# token attends to all of them. For every head `h`, separately:
+#
+# 1. **scores**: `scores[h, t] = q[h] · k[t, h] / sqrt(head_dim)`, one number per token;
+# 2. **weights**: a softmax over the tokens turns the scores into positive weights that sum to 1;
+# 3. **output**: `out[h] = Σ_t weights[h, t] · v[t, h]`, a weighted average of the values.
+#
+# The division by `sqrt(head_dim)` keeps the scores in a range where the softmax is not all on one
+# token. Below, `torch.einsum` writes each step as the indices it combines: `"hd,thd->ht"` multiplies
+# `q[h, d]` by `k[t, h, d]` and sums over `d`, leaving one score per head and token.
+#
+# Our sequence `a` holds 11 tokens, with 2 heads of dimension 8 (tiny, so that everything prints;
+# a 7B model has 32 heads of dimension 128).
+
+# %%
+NUM_HEADS, HEAD_DIM = 2, 8
+SCALE = HEAD_DIM**-0.5  # 1 / sqrt(head_dim)
+
+k_a = torch.randn(11, NUM_HEADS, HEAD_DIM, device=device)  # (tokens, heads, head_dim)
+v_a = torch.randn(11, NUM_HEADS, HEAD_DIM, device=device)
+q_a = torch.randn(NUM_HEADS, HEAD_DIM, device=device)  # (heads, head_dim): the new token's query
+
+scores = torch.einsum("hd,thd->ht", q_a, k_a) * SCALE  # (heads, tokens)
+weights = torch.softmax(scores, dim=-1)  # over the tokens, separately for each head
+out_by_hand = torch.einsum("ht,thd->hd", weights, v_a)  # (heads, head_dim)
+
+print("scores: ", tuple(scores.shape))
+print(
+    "weights:",
+    tuple(weights.shape),
+    "| each head's weights sum to 1:",
+    torch.allclose(weights.sum(-1), torch.ones(NUM_HEADS, device=device)),
+)
+print("output: ", tuple(out_by_hand.shape))
+
+# %% [markdown]
+# PyTorch has this operation built in: `torch.nn.functional.scaled_dot_product_attention`, SDPA for
+# short, which dispatches to fused kernels on a GPU. It expects `(batch, heads, queries, head_dim)` for
+# the query and `(batch, heads, tokens, head_dim)` for K and V, so we add a batch axis of 1, a query
+# axis of 1, and move the heads in front of the tokens. It is the reference we compare with for the
+# rest of the lesson.
+#
+# Two computations that add the same numbers in a different order can differ in the last bits, so we
+# compare with `torch.allclose` at a tolerance of `1e-5`, the same everywhere in this lesson.
+
+# %%
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's attention for one query: q (heads, dim) against k, v (tokens, heads, dim)."""
+    out = F.scaled_dot_product_attention(
+        q[None, :, None, :], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    )
+    return out[0, :, 0, :]  # (heads, head_dim)
+
+
+out_sdpa = sdpa_one(q_a, k_a, v_a)
+print("SDPA output:", tuple(out_sdpa.shape))
+print("by hand equals SDPA:", torch.allclose(out_by_hand, out_sdpa, **TOL))
+
+# %% [markdown]
+# ## 2. The same sequence, stored in blocks
+#
+# Now `a` lives in a paged cache, the way lessons 03 and 04 stored it. We make the pool look like a
+# busy server's: every block has already served an earlier request, those requests finished in a
+# random order, so the free list is shuffled, and their keys and values are still in the blocks
+# (freeing a block does not clear it). With stale data in every slot, reading a wrong slot gives a
+# wrong answer, as it would on a real server.
+#
+# Blocks of 4 token slots keep the pictures small; vLLM uses 16.
+
+# %%
+BLOCK_SIZE, NUM_BLOCKS = 4, 16
+cache = PagedKVCacheAllocator(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, device=device)
+for block in range(NUM_BLOCKS):  # earlier requests, one block each...
+    cache.allocate_for_sequence(f"old{block}", BLOCK_SIZE)
+for block in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist():
+    cache.free_sequence(f"old{block}")  # ...finished in a random order
+cache.k_cache.normal_()  # the K/V they left behind
+cache.v_cache.normal_()
+
+cache.allocate_for_sequence("a", 11)
+cache.write_kv("a", k_a, v_a)
+print("block table of a:", cache.get_block_mapping("a"))
+print("k_cache:", tuple(cache.k_cache.shape), "= (num_blocks, num_heads, block_size, head_dim)")
+
+# %% [markdown]
+# An attention kernel never receives `k_a` and `v_a`. It receives what the engine has: the whole
+# `k_cache` and `v_cache`, the sequence's block table, and its **context length**, the number of
+# tokens it holds (11). From these it must find the tokens itself.
+#
+# The simplest way is to gather a contiguous copy, using the translation of lesson 03 one whole block
+# at a time:
+#
+# * `k_cache[table]` picks the sequence's blocks in table order: `(blocks, heads, block_size, dim)`;
+# * `transpose(0, 1)` puts the heads first: `(heads, blocks, block_size, dim)`;
+# * `reshape` merges blocks and offsets into positions: `(heads, blocks × block_size, dim)`, where
+#   position `p` comes from block `table[p // block_size]` at offset `p % block_size`;
+# * `[:, :context_len]` drops the positions past the last token: the last block has room for 12
+#   tokens but holds 11.
+
+# %%
+table_a = torch.tensor(cache.get_block_mapping("a"), device=device)
+context_len = cache.sequence_length("a")
+
+per_block = cache.k_cache[table_a]
+by_head = per_block.transpose(0, 1)
+positions = by_head.reshape(NUM_HEADS, -1, HEAD_DIM)
+k_gathered = positions[:, :context_len]
+print("k_cache[table]:    ", tuple(per_block.shape))
+print("transpose(0, 1):   ", tuple(by_head.shape))
+print("reshape:           ", tuple(positions.shape))
+print("[:, :context_len]: ", tuple(k_gathered.shape))
+print("equal to k_a with the heads first:", torch.equal(k_gathered, k_a.transpose(0, 1)))
+
+# %% [markdown]
+# The gathered keys are exactly `k_a`, heads first. We wrap the gather in a function, and write
+# attention for this heads-first layout: the same three steps as in section 1, with the einsum indices
+# `p` for positions.
+
+
+# %%
+def gather(cache_tensor: torch.Tensor, table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's K (or V) from the pool, in position order: (heads, context_len, dim)."""
+    blocks = cache_tensor[table]  # (blocks, heads, block_size, dim)
+    heads, dim = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(heads, -1, dim)[:, :context_len]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q (heads, dim) over k, v (heads, positions, dim)."""
+    weights = torch.softmax(torch.einsum("hd,hpd->hp", q, k) * SCALE, dim=-1)
+    return torch.einsum("hp,hpd->hd", weights, v)
+
+
+out_paged = attend(q_a, gather(cache.k_cache, table_a, 11), gather(cache.v_cache, table_a, 11))
+print("paged equals SDPA over read_kv:", torch.allclose(out_paged, sdpa_one(q_a, *cache.read_kv("a")), **TOL))
+print("paged equals section 1:        ", torch.allclose(out_paged, out_sdpa, **TOL))
+
+# %% [markdown]
+# The reference here is SDPA over `cache.read_kv("a")`, the package's own gather of lesson 03, so the
+# comparison does not rely on our copy of `k_a`: the same data, read two different ways, gives the same
+# attention.
+#
+# **Predict, then run.** The gather produced 12 positions for 11 tokens. What does position 11 hold,
+# and how much does it matter if we forget to cut it off?
+
+# %%
+all_12 = gather(cache.k_cache, table_a, 12)
+print("position 11 is one of a's keys:", any(torch.equal(all_12[:, 11], k_a[t]) for t in range(11)))
+out_uncut = attend(q_a, all_12, gather(cache.v_cache, table_a, 12))
+print("attention over 12 positions equals SDPA:", torch.allclose(out_uncut, out_sdpa, **TOL))
+
+# %% [markdown]
+# Position 11 holds whatever the block's earlier owner left there. Attending to it adds a twelfth key
+# with its own weight, which takes weight away from the eleven real ones and mixes a stale value into
+# the output: the answer is wrong, and nothing raises an error.
+#
+# The order of the blocks matters for the same reason. Attention itself treats its keys as a set
+# (where a token sits in the sentence is already encoded in its `q` and `k`, by rotary embeddings for
+# instance), so shuffling whole positions, K and V together, changes nothing. What needs the order is
+# the cut at `context_len`: it must fall in the *last logical* block. Gather the blocks by sorted id
+# instead of table order and the cut removes the wrong slot:
+
+# %%
+shuffle = torch.randperm(11, generator=torch.Generator().manual_seed(2)).to(device)
+print(
+    "a's positions shuffled, K and V together, equals SDPA:",
+    torch.allclose(sdpa_one(q_a, k_a[shuffle], v_a[shuffle]), out_sdpa, **TOL),
+)
+
+sorted_table = torch.sort(table_a).values
+print("table order:", table_a.tolist(), "| sorted:", sorted_table.tolist())
+out_sorted = attend(q_a, gather(cache.k_cache, sorted_table, 11), gather(cache.v_cache, sorted_table, 11))
+print("sorted blocks, cut at 11, equals SDPA:", torch.allclose(out_sorted, out_sdpa, **TOL))
+
+# %% [markdown]
+# ## 3. A batch of sequences
+#
+# A server decodes many sequences in the same step, so the kernel takes a batch. Four more sequences
+# join `a`, of 4, 16, 6 and 1 tokens, and each gets its own keys, values and new query. The kernel
+# receives the block tables as one `(batch, max_blocks)` integer tensor, the shorter rows padded with
+# `-1` (lesson 03), and the context lengths as a `(batch,)` tensor.
+
+# %%
+batch = ["a", "b", "c", "d", "e"]
+for seq_id, length in zip(batch[1:], [4, 16, 6, 1], strict=True):
+    cache.allocate_for_sequence(seq_id, length)
+    k, v = torch.randn(2, length, NUM_HEADS, HEAD_DIM, device=device)
+    cache.write_kv(seq_id, k, v)
+
+block_tables = cache.block_tables_tensor(batch)  # (batch, max_blocks), padded with -1
+context_lens = torch.tensor([cache.sequence_length(s) for s in batch], device=device)
+query = torch.cat([q_a[None], torch.randn(len(batch) - 1, NUM_HEADS, HEAD_DIM, device=device)])
+print("query:", tuple(query.shape), "| block_tables:", tuple(block_tables.shape), block_tables.dtype)
+for seq_id, row, length in zip(batch, block_tables.tolist(), context_lens.tolist(), strict=True):
+    print(f"  {seq_id}: {row}  context_len {length:>2}")
+
+# %% [markdown]
+# A loop over the batch, calling `gather` and `attend` for each row, would work, but a GPU wants one
+# operation over the whole batch, not five small ones. To do everything at once, every row must have
+# the same shape, so every sequence gathers `max_blocks × block_size` = 16 positions. That raises two
+# problems, and each has a one-line fix:
+#
+# * **the padding is not a block.** `-1` names no block. `clamp(0, num_blocks - 1)` replaces it by a
+#   real block, any one; its data will not be used.
+# * **positions past the context length do not exist.** Those of the last block's empty tail, and now
+#   those of the padding blocks too. Before the softmax, we set their scores to `-inf`: `exp(-inf)` is
+#   exactly 0, so they get no weight at all, and the weights of the real positions still sum to 1.
+#   Every sequence holds at least one token, so no row is all `-inf` (which would give `NaN`).
+#
+# The mask compares each position with its sequence's length, `positions[None, :] >= context_lens[:,
+# None]`: a `(batch, positions)` table of booleans, built with broadcasting and no loop.
+
+
+# %%
+def paged_attention_by_hand(query, k_cache, v_cache, block_tables, context_lens, mask=True):
+    """Decode attention for a batch, reading K/V through the block tables: (batch, heads, dim)."""
+    batch, num_heads, head_dim = query.shape
+    num_blocks, _, block_size, _ = k_cache.shape
+    # 1. Padding becomes a real block (any one); the mask hides it in step 3.
+    blocks = block_tables.long().clamp(0, num_blocks - 1)  # (batch, max_blocks)
+    num_positions = blocks.shape[1] * block_size
+    # 2. Gather every row's blocks in table order: (batch, heads, positions, dim).
+    k = k_cache[blocks].transpose(1, 2).reshape(batch, num_heads, num_positions, head_dim)
+    v = v_cache[blocks].transpose(1, 2).reshape(batch, num_heads, num_positions, head_dim)
+    scores = torch.einsum("bhd,bhpd->bhp", query, k) * head_dim**-0.5
+    # 3. Positions at or past the context length get a score of -inf.
+    if mask:
+        beyond = torch.arange(num_positions, device=query.device)[None, :] >= context_lens[:, None]
+        scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
+    # 4. Softmax over positions, then the weighted sum of V.
+    return torch.einsum("bhp,bhpd->bhd", torch.softmax(scores, dim=-1), v)
+
+
+out_batch = paged_attention_by_hand(query, cache.k_cache, cache.v_cache, block_tables, context_lens)
+print("output:", tuple(out_batch.shape))
+
+# %% [markdown]
+# The reference is SDPA run separately on each sequence, over its K/V read back with `read_kv`. We
+# print whether the largest difference over the whole batch is below the tolerance.
+
+# %%
+expected = torch.stack([sdpa_one(query[i], *cache.read_kv(seq_id)) for i, seq_id in enumerate(batch)])
+difference = (out_batch - expected).abs().max().item()
+print(f"max |by hand - SDPA| < 1e-5 -> {difference < 1e-5}")
+print("each sequence:", [torch.allclose(out_batch[i], expected[i], **TOL) for i in range(len(batch))])
+
+packaged = paged_attention(query, cache.k_cache, cache.v_cache, block_tables, context_lens)
+print("paged_kv.paged_attention agrees:", torch.allclose(packaged, expected, **TOL))
+
+# %% [markdown]
+# All five sequences match. `paged_kv.paged_attention` is this same function, plus input checks and
+# float32 arithmetic for half-precision caches.
+#
+# **Predict, then run.** Run the same batch without the mask. Which of the five sequences still get
+# the right answer? (Their lengths are 11, 4, 16, 6 and 1; their rows are printed above.)
+
+# %%
+unmasked = paged_attention_by_hand(
+    query, cache.k_cache, cache.v_cache, block_tables, context_lens, mask=False
+)
+print("without the mask, allclose:", torch.allclose(unmasked, expected, **TOL))
+print("each sequence:", [torch.allclose(unmasked[i], expected[i], **TOL) for i in range(len(batch))])
+
+# %% [markdown]
+# Only `c` survives: its 16 tokens fill all four of its blocks exactly, so it has neither an empty
+# tail nor padding. Every other sequence attends to stale slots, either the tail of its last block or
+# the block that its clamped padding points to.
+#
+# **Predict, then run.** With the mask in place, does the padding value matter? Replace every `-1` by
+# `0`, by random block ids, or by a number far past the pool, and compare the outputs.
+
+# %%
+padding = block_tables == -1
+garbage = {
+    "0": torch.zeros_like(block_tables),
+    "random ids": torch.randint(0, NUM_BLOCKS, block_tables.shape, device=device, dtype=block_tables.dtype),
+    "1000": torch.full_like(block_tables, 1000),
+}
+for name, filler in garbage.items():
+    other = torch.where(padding, filler, block_tables)
+    same = torch.equal(
+        paged_attention_by_hand(query, cache.k_cache, cache.v_cache, other, context_lens), out_batch
+    )
+    print(f"padding {name:>10}: same output -> {same}")
+print(
+    "without the clamp, -1 reads the last block:",
+    torch.equal(cache.k_cache[-1], cache.k_cache[NUM_BLOCKS - 1]),
+)
+try:
+    cache.k_cache.cpu()[torch.tensor([1000])]  # on a CPU copy: a bad index on a GPU breaks the session
+except IndexError as error:
+    print("without the clamp, 1000 raises", type(error).__name__)
+
+# %% [markdown]
+# The output is identical whatever the padding holds: the clamp makes any value a valid block id, and
+# the mask throws away whatever that block contains. The last two lines show why the clamp is there
+# even though `-1` happens to run: PyTorch reads index `-1` as "the last block", silently, and `1000`
+# is an error. In a hand-written GPU kernel, either would read memory the cache does not own.
+#
+# One more test of the idea. An operating system may move a page to another frame; as long as it
+# updates the page table, the program never notices. Here we move *every* block of the pool to a new,
+# random place, rewrite the block tables to match, and run attention again.
+
+# %%
+new_place = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).to(device)
+moved_k, moved_v = torch.empty_like(cache.k_cache), torch.empty_like(cache.v_cache)
+moved_k[new_place], moved_v[new_place] = cache.k_cache, cache.v_cache  # block b moves to new_place[b]
+moved_tables = torch.where(
+    padding, block_tables, new_place[block_tables.long().clamp(min=0)].to(block_tables.dtype)
+)
+print("a's table before:", block_tables[0].tolist(), "| after:", moved_tables[0].tolist())
+
+out_moved = paged_attention(query, moved_k, moved_v, moved_tables, context_lens)
+difference = (out_moved - expected).abs().max().item()
+print(f"after moving every block: max |paged - SDPA| < 1e-5 -> {difference < 1e-5}")
+
+# %% [markdown]
+# ## 4. Where the attention goes
+#
+# The picture shows both halves of the story for sequence `a`. On the left, the block tables of the
+# batch as the kernel receives them: `a`'s row in colour, the padding hatched. On the right, the
+# weights that head 0 of `a`'s query gives to each of its positions, each bar in the colour of the
+# physical block the position lives in. Position 11 exists in the block but not in the sequence: it
+# is masked (hatched), and its weight is exactly 0.
+
+# %%
+all_k = gather(cache.k_cache, table_a, 3 * BLOCK_SIZE)  # all 12 slots of a's blocks
+scores_a = torch.einsum("hd,hpd->hp", q_a, all_k) * SCALE
+scores_a[:, context_len:] = float("-inf")
+weights_a = torch.softmax(scores_a, dim=-1)[0].cpu()  # head 0
+print("position 11 gets a weight of exactly 0:", weights_a[11].item() == 0.0)
+
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [1, 2]})
+rows = block_tables.tolist()
+for r, row in enumerate(rows):
+    for j, block_id in enumerate(row):
+        y = len(rows) - 1 - r
+        if block_id == -1:
+            left.add_patch(Rectangle((j, y), 1, 1, **WASTE))
+        else:
+            left.add_patch(
+                Rectangle((j, y), 1, 1, facecolor=PALETTE[j] if r == 0 else "#E8E8E8", edgecolor="#444444")
+            )
+        left.text(
+            j + 0.5,
+            y + 0.5,
+            str(block_id),
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="white" if r == 0 and block_id != -1 else "#222222",
+        )
+left.set_xlim(0, len(rows[0]))
+left.set_ylim(0, len(rows))
+left.set_xticks([j + 0.5 for j in range(len(rows[0]))], [str(j) for j in range(len(rows[0]))])
+left.set_yticks([len(rows) - 0.5 - r for r in range(len(rows))], batch)
+left.set_xlabel("logical block")
+left.set_title("block_tables (padding hatched)", loc="left", fontsize=10)
+
+top = weights_a.max().item() * 1.2
+right.bar(
+    range(context_len), weights_a[:context_len], color=[PALETTE[p // BLOCK_SIZE] for p in range(context_len)]
+)
+right.bar(range(context_len, 3 * BLOCK_SIZE), top, width=0.8, **WASTE)  # the masked slot, full height
+for boundary in range(BLOCK_SIZE, 3 * BLOCK_SIZE, BLOCK_SIZE):
+    right.axvline(boundary - 0.5, color="#888888", lw=0.8, ls=":")
+for logical, block_id in enumerate(table_a.tolist()):
+    right.text(
+        logical * BLOCK_SIZE + 1.5,
+        top * 0.9,
+        f"block {block_id}",
+        ha="center",
+        fontsize=9,
+        color=PALETTE[logical],
+    )
+right.text(11, top * 0.45, "masked: weight 0", rotation=90, ha="center", va="center", fontsize=9)
+right.set_ylim(0, top)
+right.set_xticks(range(3 * BLOCK_SIZE))
+right.set_xlabel("position in a")
+right.set_ylabel("attention weight (head 0)")
+right.set_title("a's weights, coloured by physical block", loc="left", fontsize=10)
+right.spines[["top", "right"]].set_visible(False)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The weights run over the positions in order, as if `a` were contiguous; only the colours, the
+# physical blocks, jump around the pool. That is the whole trick: the block table changes *where* each
+# key is read from, never *which* keys the softmax sees.
+
+# %% [markdown]
+# ## 5. What a real kernel does differently
+#
+# Our version is correct but wasteful in two ways, and vLLM's PagedAttention kernel avoids both.
+#
+# **It copies.** `k_cache[blocks]` builds a contiguous copy of every sequence's K and V, padding
+# included, before attention starts: K and V are read to copy them, the copy is written, then read again
+# to attend. That is three passes over K and V where one would do, and the speed of decode attention is
+# set by how fast it moves K and V through memory. A real kernel reads each block *in place*. For one
+# head, a block is `block_size × head_dim` numbers stored contiguously in the cache (with vLLM's 16
+# tokens and a head dimension of 128 in 16 bits, 4 KiB), so the kernel loads it as one efficient read,
+# then follows the block table to the next. No copy exists.
+
+# %%
+one_block = cache.k_cache[table_a[0], 0]  # block table_a[0], head 0
+print("one block of one head:", tuple(one_block.shape), "| contiguous:", one_block.is_contiguous())
+print(
+    "a view into k_cache, not a copy:",
+    one_block.untyped_storage().data_ptr() == cache.k_cache.untyped_storage().data_ptr(),
+)
+
+# %% [markdown]
+# **It materialises all the scores.** A softmax needs the maximum and the sum over *all* positions,
+# which seems to require every score before any weight. The way out is an **online softmax**: process
+# the blocks one at a time and keep, for each head, three running quantities:
+#
+# * `running_max`, the largest score seen so far (subtracting it keeps every `exp` at most 1, so
+#   nothing overflows);
+# * `running_sum`, the sum of `exp(score - running_max)` over the positions seen so far;
+# * `acc`, the sum of `exp(score - running_max) · v` over the same positions.
+#
+# When a new block brings a larger maximum `new_max`, everything accumulated so far was computed
+# relative to the old one, so `running_sum` and `acc` are multiplied by `exp(running_max - new_max)`
+# before the block's own terms are added. After the last block, the output is `acc / running_sum`.
+# Only one block's scores exist at any time.
+#
+# Here it is for sequence `a`, as a loop over its blocks (a kernel runs this loop for every sequence
+# and head in parallel; the loop is over blocks, never over tokens).
+
+
+# %%
+def online_softmax_attention(q, k_cache, v_cache, table, context_len):
+    """Attention of q (heads, dim) reading one block at a time, never holding all the scores."""
+    heads, dim = q.shape
+    block_size = k_cache.shape[2]
+    running_max = torch.full((heads,), float("-inf"), device=q.device)
+    running_sum = torch.zeros(heads, device=q.device)
+    acc = torch.zeros(heads, dim, device=q.device)
+    for logical, block in enumerate(table.tolist()):
+        n = min(block_size, context_len - logical * block_size)  # tokens in this block
+        k_block, v_block = k_cache[block, :, :n], v_cache[block, :, :n]  # read in place: (heads, n, dim)
+        s = torch.einsum("hd,hnd->hn", q, k_block) * SCALE
+        new_max = torch.maximum(running_max, s.max(dim=-1).values)
+        rescale = torch.exp(running_max - new_max)  # 0 on the first block, where running_max is -inf
+        p = torch.exp(s - new_max[:, None])
+        running_sum = running_sum * rescale + p.sum(dim=-1)
+        acc = acc * rescale[:, None] + torch.einsum("hn,hnd->hd", p, v_block)
+        running_max = new_max
+    return acc / running_sum[:, None]
+
+
+# %% [markdown]
+# **Predict, then run.** The first block's terms are computed before the kernel has seen the scores
+# of the other two blocks, and the last block is read only up to its 3 real tokens, with no mask.
+# Will the result equal SDPA, only roughly, or not at all?
+
+# %%
+out_online = online_softmax_attention(q_a, cache.k_cache, cache.v_cache, table_a, context_len)
+print("online softmax over blocks equals SDPA:", torch.allclose(out_online, out_sdpa, **TOL))
+print("and the gathered version:              ", torch.allclose(out_online, out_paged, **TOL))
+
+# %% [markdown]
+# Equal. The rescaling makes the running sums exactly what they would have been had the final maximum
+# been known from the start, so the only differences are rounding. This is the same technique as
+# FlashAttention, applied across the blocks of a block table.
+#
+# **What it costs.** The block-table look-ups, the branches for a partly filled last block and the
+# varying lengths in a batch are not free: the vLLM paper measures its paged attention kernel at
+# 20 to 26 % higher latency than FasterTransformer's kernel on contiguous memory. Attention is only a
+# part of each step, though, and paging lets many more sequences share the same memory (lesson 00):
+# the larger batches are where the paper's 2 to 4 times higher serving throughput comes from.
+#
+# Our gathered version pays for the copy, and runs as several separate operations where SDPA runs one
+# fused kernel. The cell below times it against SDPA on the same tokens held contiguously, for 32
+# sequences of 512 tokens in blocks of 16. The ratio depends on the machine, so the course's tests do
+# not compare this cell's output; expect the gathered version to be many times slower, which is why
+# real engines write a dedicated kernel.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+big = PagedKVCacheAllocator(32 * 512 // 16, 16, 8, 64, device=device)
+big.k_cache.normal_()
+big.v_cache.normal_()
+for s in range(32):
+    big.allocate_for_sequence(s, 512)
+big_tables, big_lens = big.block_tables_tensor(range(32)), torch.full((32,), 512, device=device)
+big_query = torch.randn(32, 8, 64, device=device)
+kv = [big.read_kv(s) for s in range(32)]  # the same tokens, contiguous: (32, heads, 512, dim)
+k_contig = torch.stack([k.transpose(0, 1) for k, _ in kv])
+v_contig = torch.stack([v.transpose(0, 1) for _, v in kv])
+
+
+def best_time(fn, repeats=5):
+    """The fastest of a few runs, in seconds (waiting for the GPU when there is one)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+paged_s = best_time(lambda: paged_attention(big_query, big.k_cache, big.v_cache, big_tables, big_lens))
+sdpa_s = best_time(lambda: F.scaled_dot_product_attention(big_query[:, :, None], k_contig, v_contig))
+print(f"gather-then-attend takes {paged_s / sdpa_s:.1f}x the time of SDPA on contiguous K/V")
+
+# %% [markdown]
+# ## Recap
+#
+# * Decode attention for one sequence: `softmax(q · kᵀ / sqrt(head_dim))` over its tokens, then the
+#   weighted sum of V, for each head; by hand it equals `scaled_dot_product_attention` (within `1e-5`).
+# * A paged kernel gets `k_cache`, `v_cache`, the block tables and the context lengths, never a
+#   contiguous K or V. `k_cache[table]` → `transpose` → `reshape` gives `(heads, blocks × block_size,
+#   dim)` in position order; the positions from `context_len` on must go.
+# * For a batch, rows padded with `-1` are clamped to a real block and every position at or past its
+#   `context_len` gets a score of `-inf`. Without the mask, 4 of our 5 sequences were wrong; with it,
+#   the padding value does not matter, and moving every block (with the tables updated) changes
+#   nothing. This is `paged_kv.paged_attention`.
+# * The order of the blocks matters only through the cut at `context_len`: gathering in sorted block
+#   order put a stale slot among `a`'s 11 positions.
+# * A real kernel (vLLM's) reads each block in place, 16 tokens × `head_dim` per head, and merges
+#   blocks with an online softmax (a running max, a running sum and an accumulator, rescaled when the
+#   max grows); the vLLM paper measures it 20 to 26 % slower than contiguous attention, and paging
+#   repays that with much larger batches.
+#
+# **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
+# times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,
+# `exercises/05_paged_attention.ipynb`, has you write the gather, decode attention and the batched,
+# masked paged attention yourself.
