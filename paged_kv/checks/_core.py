@@ -7,6 +7,7 @@ saying what was called, what was expected, what came back and a hint. A stub tha
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,21 +21,41 @@ class CheckFailed(AssertionError):
 
 @dataclass(frozen=True)
 class Task:
+    """A graded task: its check, the names it takes from an implementation, and its points.
+
+    ``needs`` are the names the exercise passes to ``check`` (``check("02.block_allocator",
+    BlockAllocator)`` needs ``("BlockAllocator",)``); the grader looks them up in whatever
+    implementation it grades.
+    """
+
     task_id: str
     title: str
     run: Callable[..., None]
+    needs: tuple[str, ...]
+    points: int = 10
+
+    @property
+    def lesson(self) -> str:
+        """The lesson number, the two digits before the dot."""
+        return self.task_id.split(".")[0]
 
 
 TASKS: dict[str, Task] = {}
 
 
-def task(task_id: str, title: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Register a check: ``@task("02.allocate", "allocate and free blocks")`` on ``def _(c, obj): ...``."""
+def task(
+    task_id: str, title: str, *, needs: tuple[str, ...] | None = None, points: int = 10
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a check: ``@task("02.allocate", "allocate and free blocks")`` on ``def _(c, obj): ...``.
+
+    ``needs`` defaults to the names of the check's parameters after the :class:`Checker`.
+    """
 
     def register(run: Callable[..., None]) -> Callable[..., None]:
         if task_id in TASKS:
             raise ValueError(f"task {task_id!r} is registered twice")
-        TASKS[task_id] = Task(task_id, title, run)
+        names = needs if needs is not None else tuple(inspect.signature(run).parameters)[1:]
+        TASKS[task_id] = Task(task_id, title, run, names, points)
         return run
 
     return register

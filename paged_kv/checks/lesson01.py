@@ -15,7 +15,7 @@ SHARED_DEFAULT_HINT = (
 LOOKUP_HINT = "the logical block is position // block_size (integer division); return block_ids[that]"
 
 
-@task("01.block", "a handle to one physical block")
+@task("01.block", "a handle to one physical block", needs=("Block",))
 def _block(c: Checker, block_class) -> None:
     c.equal("Block(3).block_id", lambda: block_class(3).block_id, 3, "the first field is block_id")
     c.equal(
@@ -64,7 +64,7 @@ def _block(c: Checker, block_class) -> None:
     )
 
 
-@task("01.block_table", "a sequence's page table")
+@task("01.block_table", "a sequence's page table", needs=("BlockTable",))
 def _block_table(c: Checker, table_class) -> None:
     c.equal(
         "BlockTable(block_ids=[0, 1, 2], num_tokens=33).block_ids",

@@ -28,7 +28,7 @@ LEAK_HINT = (
 )
 
 
-@task("02.block_allocator", "free list and ref counts")
+@task("02.block_allocator", "free list and ref counts", needs=("BlockAllocator",))
 def _block_allocator(c: Checker, allocator_class) -> None:
     pool = c.run("pool = BlockAllocator(5)", lambda: allocator_class(5))
     c.equal("pool.num_free_blocks", lambda: pool.num_free_blocks, 5, "a new pool has every block free")
@@ -151,7 +151,7 @@ def _block_allocator(c: Checker, allocator_class) -> None:
     )
 
 
-@task("02.sequence_allocator", "sequences, all or nothing")
+@task("02.sequence_allocator", "sequences, all or nothing", needs=("SequenceAllocator",))
 def _sequence_allocator(c: Checker, sequences_class) -> None:
     seqs = c.run("seqs = SequenceAllocator(num_blocks=5, block_size=16)", lambda: sequences_class(5, 16))
     c.equal(

@@ -22,7 +22,7 @@ EXACT_POWER_HINT = (
 ONE_HINT = "1 = 2**0 is a power of two, so the answer for 1 is 1 (a loop that starts at p = 2 is off by one)"
 
 
-@task("06.next_power_of_two", "the next power of two")
+@task("06.next_power_of_two", "the next power of two", needs=("next_power_of_two",))
 def _next_power_of_two(c: Checker, next_power_of_two_fn) -> None:
     for n, expected in [(3, 4), (5, 8), (17, 32), (300, 512)]:
         c.equal(f"next_power_of_two({n})", lambda n=n: next_power_of_two_fn(n), expected, POW2_HINT)
@@ -197,7 +197,7 @@ def _serve(batcher_class, requests: list[Request], reserve, budget: int, limit: 
     return running
 
 
-@task("06.continuous_batcher", "a continuous-batching scheduler")
+@task("06.continuous_batcher", "a continuous-batching scheduler", needs=("ContinuousBatcher",))
 def _continuous_batcher(c: Checker, batcher_class) -> None:
     a, b, request_c = Request("a", 0, 2, 1), Request("b", 0, 2, 4), Request("c", 0, 3, 1)
     batcher = c.run("ContinuousBatcher(10, final_length)", lambda: batcher_class(10, final_length))
