@@ -15,6 +15,27 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--impl",
+        default="package",
+        help="what tests/grading/test_graded_suite.py grades: 'package' (default), a notebook or a .py file",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from paged_kv.checks import TASKS
+
+    for task_id in TASKS:
+        config.addinivalue_line("markers", f"{task_marker(task_id)}: the graded task {task_id}")
+
+
+def task_marker(task_id: str) -> str:
+    """The marker of a graded task: ``02.block_allocator`` is ``task_02_block_allocator``."""
+    return "task_" + task_id.replace(".", "_")
+
+
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param(

@@ -1,0 +1,81 @@
+"""``python -m paged_kv.grade NOTEBOOK_OR_FILE``: grade an exercise, task by task.
+
+    python -m paged_kv.grade exercises/02_the_allocator.ipynb        # the lesson from the file name
+    python -m paged_kv.grade my_allocator.py --lesson 02
+    python -m paged_kv.grade package --lesson 02 --json              # the finished package, as JSON
+
+Prints a table of the tasks with their points and the total, then what went wrong in each task
+that lost points. Exits 0 only when every task passes, 1 otherwise, 2 when the input is unusable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cli import USAGE_ERROR, _Parser
+from .grading import PACKAGE, GradeReport, grade, lessons
+from .grading.runner import DEFAULT_TIME_LIMIT_S, STATUS_TEXT
+
+MARK = {"passed": "\N{CHECK MARK}"}
+
+
+def lesson_of(source: str) -> str | None:
+    """The lesson number at the start of a file name: ``02_the_allocator.ipynb`` gives ``02``."""
+    match = re.match(r"(\d\d)(?:_|\.|$)", Path(source).name)
+    return match.group(1) if match else None
+
+
+def format_report(report: GradeReport) -> str:
+    """The table of tasks and points, then the feedback of every task that lost points."""
+    width = max([len(r.task_id) for r in report.results] + [4])
+    lines = [f"grading {report.source} (lesson {report.lesson})", ""]
+    lines.append(f"{'task':<{width}}  {'points':>7}  result")
+    for result in report.results:
+        mark = MARK.get(result.status, "\N{BALLOT X}")
+        points = f"{result.points:>3} / {result.max_points:<2}"
+        lines.append(f"{result.task_id:<{width}}  {points} {mark} {STATUS_TEXT[result.status]}")
+    lines.append(f"{'total':<{width}}  {report.score:>3} / {report.max_score:<2}")
+    for result in report.results:
+        if not result.passed:
+            lines += ["", f"{result.task_id} · {result.title}: {STATUS_TEXT[result.status]}", result.message]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(
+        prog="python -m paged_kv.grade", description="Grade an exercise notebook, a .py file or the package."
+    )
+    parser.add_argument("source", help="an exercise notebook, a solution notebook, a .py file, or 'package'")
+    parser.add_argument(
+        "--lesson", help="the lesson to grade (default: the two digits the file name starts with)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the grade as JSON, for tools")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"seconds per task ({DEFAULT_TIME_LIMIT_S:g})",
+    )
+    args = parser.parse_args(argv)
+    lesson = args.lesson or (None if args.source == PACKAGE else lesson_of(args.source))
+    if lesson is None:
+        parser.error(
+            f"cannot tell the lesson from {args.source!r}: pass --lesson, one of {', '.join(lessons())}"
+        )
+    if not re.fullmatch(r"\d\d", lesson) or lesson not in lessons():
+        parser.error(f"--lesson must be one of {', '.join(lessons())}, got {lesson!r}")
+    if not args.time_limit > 0:
+        parser.error(f"--time-limit must be positive, got {args.time_limit:g}")
+    report = grade(args.source, lesson, args.time_limit)
+    if report.error:
+        parser.exit(USAGE_ERROR, f"{parser.prog}: error: {report.error}\n")
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The process that runs learner code: ``python -m paged_kv.grading.worker LESSON SOURCE TASK...``.
+
+It loads the implementation once, then runs each task's check and writes one JSON line per task to
+stdout (first a line for the load itself). Whatever the learner's code prints is swallowed. The
+grader reads the lines with a time limit per task and starts a new worker when one hangs or dies,
+so no learner code ever runs in the grader's own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import traceback
+
+from ..checks import TASKS, CheckFailed, check
+from .loader import Implementation, LoadError, load
+
+
+def run_task(implementation: Implementation, task_id: str) -> dict[str, object]:
+    """Grade one task: ``status`` is passed, failed, not_implemented or missing; ``message`` says why."""
+    task = TASKS[task_id]
+    objects = []
+    for name in task.needs:
+        problem = implementation.problems.get(name)
+        if problem is not None and problem.not_implemented:
+            message = f"task {task_id} ({task.title}) is not implemented yet: {problem.message}"
+            return {"status": "not_implemented", "message": message}
+        if problem is not None:
+            return {"status": "missing", "message": problem.message}
+        if name not in implementation.namespace:
+            return {"status": "missing", "message": f"{name} is not defined: write it in the task's cell"}
+        objects.append(implementation.namespace[name])
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            check(task_id, *objects)
+    except NotImplementedError as error:
+        return {"status": "not_implemented", "message": str(error)}
+    except CheckFailed as error:
+        return {"status": "failed", "message": str(error)}
+    except BaseException as error:  # learner code that escaped the check's own guards
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        return {"status": "failed", "message": _describe(error)}
+    return {"status": "passed", "message": output.getvalue().strip().splitlines()[-1]}
+
+
+def _describe(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    learner = [f for f in frames if f.filename.startswith(("cell ", "<")) or f.filename.endswith(".py")]
+    where = f" ({learner[-1].filename}, line {learner[-1].lineno})" if learner else ""
+    return f"your code raised {type(error).__name__}: {error}{where}"
+
+
+def main(argv: list[str]) -> int:
+    lesson, source, *task_ids = argv
+    out = sys.stdout
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            implementation = load(source, lesson)
+    except LoadError as error:
+        print(json.dumps({"load_error": str(error)}), file=out, flush=True)
+        return 0
+    print(json.dumps({"loaded": True}), file=out, flush=True)
+    for task_id in task_ids:
+        result = run_task(implementation, task_id)
+        print(json.dumps({"task_id": task_id, **result}), file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,205 @@
+"""The grader grades itself: solutions score full marks, untouched exercises zero, wrong code the right zero.
+
+The package's own full marks are the graded suite's default run (test_graded_suite.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from paged_kv.grade import lesson_of
+from paged_kv.grading import grade, tasks_of
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+WRONG = sorted((Path(__file__).parent / "wrong").glob("lesson*.py"))
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_solution_scores_full_marks(path):
+    report = grade(str(path), lesson_of(path.name))
+    assert report.passed, [(r.task_id, r.status, r.message) for r in report.results if not r.passed]
+    assert report.score == report.max_score > 0
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+def test_every_untouched_exercise_scores_zero_with_not_implemented_on_each_task(path):
+    report = grade(str(path), lesson_of(path.name))
+    assert report.score == 0
+    for result in report.results:
+        assert result.status == "not_implemented", (result.task_id, result.status, result.message)
+        assert "not implemented yet" in result.message
+
+
+def wrong_implementation(path: Path) -> tuple[str, str, str]:
+    """The lesson, the task a wrong file must break and the text its feedback must contain."""
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    return path.name[len("lesson") : len("lesson") + 2], constants["BREAKS"], constants["MESSAGE"]
+
+
+def test_every_lesson_has_wrong_implementations():
+    lessons = {wrong_implementation(path)[0] for path in WRONG}
+    assert lessons == {path.name[:2] for path in EXERCISES}
+
+
+@pytest.mark.parametrize("path", WRONG, ids=lambda p: p.stem)
+def test_a_wrong_implementation_loses_points_on_its_task_with_the_named_mistake(path):
+    lesson, breaks, message = wrong_implementation(path)
+    assert breaks in tasks_of(lesson)
+    report = grade(str(path), lesson)
+    for result in report.results:
+        if result.task_id == breaks:
+            assert result.status == "failed", (result.status, result.message)
+            assert result.points == 0
+            assert message in result.message, result.message
+        else:
+            assert result.passed, (result.task_id, result.status, result.message)
+
+
+# ------------------------------------------------------------------- robust against learner code
+
+REFERENCE = "from paged_kv.grading.reference.lesson00 import paged_usage, contiguous_usage\n"
+
+
+def write_notebook(path: Path, *cells: str) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nbformat.write(notebook, path)
+    return path
+
+
+def statuses(report) -> dict[str, str]:
+    return {result.task_id: result.status for result in report.results}
+
+
+def test_code_that_raises_fails_its_task_only(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(REFERENCE + "def blocks_for_tokens(n, b):\n    return n // 0\n")
+    report = grade(str(source), "00")
+    assert statuses(report) == {
+        "00.blocks_for_tokens": "failed",
+        "00.paged_usage": "passed",
+        "00.contiguous_usage": "passed",
+    }
+    assert "ZeroDivisionError" in report.result("00.blocks_for_tokens").message
+
+
+def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(
+        "from paged_kv.grading.reference.lesson00 import blocks_for_tokens, contiguous_usage\n"
+        "def paged_usage(request_tokens, block_size):\n    while True:\n        pass\n"
+    )
+    report = grade(str(source), "00", time_limit=3)
+    assert statuses(report) == {
+        "00.blocks_for_tokens": "passed",
+        "00.paged_usage": "timeout",
+        "00.contiguous_usage": "passed",
+    }
+    assert "did not finish within 3 s" in report.result("00.paged_usage").message
+
+
+def test_a_process_that_dies_is_reported_and_the_other_tasks_are_still_graded(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(REFERENCE + "import os\ndef blocks_for_tokens(n, b):\n    os._exit(3)\n")
+    report = grade(str(source), "00")
+    assert statuses(report)["00.blocks_for_tokens"] == "crashed"
+    assert "died" in report.result("00.blocks_for_tokens").message
+    assert report.result("00.paged_usage").passed and report.result("00.contiguous_usage").passed
+
+
+def test_a_syntax_error_costs_only_the_names_of_its_cell(tmp_path):
+    notebook = write_notebook(
+        tmp_path / "00_mine.ipynb", REFERENCE, "def blocks_for_tokens(n, b):\n    return (n +\n"
+    )
+    report = grade(str(notebook), "00")
+    assert statuses(report) == {
+        "00.blocks_for_tokens": "missing",
+        "00.paged_usage": "passed",
+        "00.contiguous_usage": "passed",
+    }
+    assert "cell 2 has a syntax error" in report.result("00.blocks_for_tokens").message
+
+
+def test_a_missing_name_is_named(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text("from paged_kv.grading.reference.lesson00 import blocks_for_tokens, paged_usage\n")
+    report = grade(str(source), "00")
+    assert statuses(report)["00.contiguous_usage"] == "missing"
+    assert "contiguous_usage is not defined" in report.result("00.contiguous_usage").message
+
+
+def test_demo_cells_magics_and_prints_are_not_run(tmp_path):
+    notebook = write_notebook(
+        tmp_path / "00_mine.ipynb",
+        "%matplotlib inline\n!echo hello\n" + REFERENCE,
+        "from paged_kv import blocks_for_tokens\nprint('defining')",
+        "raise SystemExit('a demo cell that must not run')",
+        "blocks_for_tokens(1, 0)",
+    )
+    assert grade(str(notebook), "00").passed
+
+
+def test_an_unreadable_source_is_an_error_not_a_crash(tmp_path):
+    assert "is not a file" in grade(str(tmp_path / "nothing.ipynb"), "00").error
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    assert "not a valid notebook" in grade(str(tmp_path / "broken.ipynb"), "00").error
+    assert "no graded tasks" in grade("package", "42").error
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def run_grade(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "paged_kv.grade", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+
+
+def test_the_command_prints_a_table_and_exits_1_until_every_task_passes():
+    result = run_grade("exercises/00_why_paging.ipynb")
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "grading exercises/00_why_paging.ipynb (lesson 00)"
+    assert "00.blocks_for_tokens    0 / 10 \N{BALLOT X} not implemented yet" in lines
+    assert "total                   0 / 30" in lines
+
+
+def test_the_command_exits_0_on_full_marks_and_speaks_json():
+    result = run_grade("solutions/01_block_and_block_table.ipynb", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert (report["lesson"], report["score"], report["max_score"], report["passed"]) == ("01", 30, 30, True)
+    assert [task["status"] for task in report["results"]] == ["passed"] * 3
+
+
+def test_the_command_takes_the_lesson_from_an_option(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text("from paged_kv.grading.reference.lesson00 import *\n")
+    assert run_grade(str(source), "--lesson", "00").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["mine.py"], "cannot tell the lesson"),
+        (["exercises/00_why_paging.ipynb", "--lesson", "42"], "--lesson must be one of"),
+        (["no_such_file.ipynb", "--lesson", "00"], "is not a file"),
+    ],
+)
+def test_the_command_refuses_unusable_input_in_one_line(args, message):
+    result = run_grade(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
