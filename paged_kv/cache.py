@@ -7,6 +7,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
+from . import mapping
 from ._checks import check_count, check_hashable
 from .block import BlockTable, blocks_for_tokens
 from .block_allocator import BlockAllocator
@@ -32,7 +33,9 @@ class PagedKVCacheAllocator:
       free list exactly when that count is 0;
     * used blocks + free blocks == ``num_blocks``.
 
-    Sequence ids can be any hashable value (ints or strings, say).
+    Sequence ids can be any hashable value (ints or strings, say). The translation and the
+    boundary rule themselves are the pure functions of :mod:`paged_kv.mapping`; the methods here
+    check their arguments, look the sequence up and delegate.
     """
 
     def __init__(
@@ -152,7 +155,7 @@ class PagedKVCacheAllocator:
     def needs_new_block(self, seq_id: Hashable) -> bool:
         """Whether the sequence's next token needs a new block: its blocks are all full."""
         table = self._table(seq_id)
-        return table.num_tokens == table.capacity(self.block_size)
+        return mapping.needs_new_block(table.num_tokens, table.num_blocks, self.block_size)
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
         """Drop a sequence and its references to its blocks.
@@ -198,9 +201,11 @@ class PagedKVCacheAllocator:
         """
         table = self._table(seq_id)
         if isinstance(position, numbers.Integral) and not isinstance(position, bool):
-            block_ids, offsets = self._translate(table, self._positions(table, [position], "position"))
-            return int(block_ids.item()), int(offsets.item())
-        return self._translate(table, self._positions(table, position, "position"))
+            if not 0 <= position < table.num_tokens:
+                raise ValueError(_out_of_range("position", position, table.num_tokens))
+            return mapping.physical_location(table.block_ids, position, self.block_size)
+        positions = self._positions(table, position, "position")
+        return mapping.physical_locations(self._block_table(table), positions, self.block_size)
 
     def slot_mapping(self, seq_id: Hashable, positions: Positions | None = None) -> torch.Tensor:
         """The flat slot ``block_id * block_size + offset`` of each position, as a ``LongTensor``.
@@ -209,8 +214,8 @@ class PagedKVCacheAllocator:
         tensor indexing, with no Python loop over tokens.
         """
         table = self._table(seq_id)
-        block_ids, offsets = self._translate(table, self._positions(table, positions, "positions"))
-        return block_ids * self.block_size + offsets
+        positions = self._positions(table, positions, "positions")
+        return mapping.slot_mapping(self._block_table(table), positions, self.block_size)
 
     def block_tables_tensor(self, seq_ids: Iterable[Hashable], pad: int = -1) -> torch.Tensor:
         """The block tables of a batch as one ``(batch, max_blocks)`` int32 tensor for kernels.
@@ -247,17 +252,12 @@ class PagedKVCacheAllocator:
                 f"start_position {start_position} + {k.shape[0]} tokens runs to position {end - 1}, "
                 f"but sequence {seq_id!r} holds {table.num_tokens} tokens; call append_tokens first"
             )
-        positions = torch.arange(start_position, end, device=self.device)
-        block_ids, offsets = self._translate(table, positions)
-        self.k_cache[block_ids, :, offsets] = k
-        self.v_cache[block_ids, :, offsets] = v
+        mapping.write_kv(self.k_cache, self.v_cache, self._block_table(table), k, v, start_position)
 
     def read_kv(self, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather the sequence's K and V back into contiguous ``(num_tokens, num_heads, head_dim)``."""
         table = self._table(seq_id)
-        positions = torch.arange(table.num_tokens, device=self.device)
-        block_ids, offsets = self._translate(table, positions)
-        return self.k_cache[block_ids, :, offsets], self.v_cache[block_ids, :, offsets]
+        return mapping.read_kv(self.k_cache, self.v_cache, self._block_table(table), table.num_tokens)
 
     # ------------------------------------------------------------------------------------ metrics
 
@@ -315,17 +315,12 @@ class PagedKVCacheAllocator:
         if tensor.numel():
             low, high = torch.stack([tensor.min(), tensor.max()]).tolist()  # one device sync
             if low < 0 or high >= table.num_tokens:
-                bad = low if low < 0 else high
-                raise ValueError(
-                    f"{name} {bad} is out of range: the sequence holds {table.num_tokens} tokens, "
-                    f"so positions run from 0 to {table.num_tokens - 1}"
-                )
+                raise ValueError(_out_of_range(name, low if low < 0 else high, table.num_tokens))
         return tensor
 
-    def _translate(self, table: BlockTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The translation itself: logical block, offset, then the table look-up, for all at once."""
-        block_table = torch.tensor(table.block_ids, dtype=torch.long, device=self.device)
-        return block_table[positions // self.block_size], positions % self.block_size
+    def _block_table(self, table: BlockTable) -> torch.Tensor:
+        """The table's block ids as a 1-D LongTensor on the cache's device, for :mod:`paged_kv.mapping`."""
+        return torch.tensor(table.block_ids, dtype=torch.long, device=self.device)
 
     def _check_kv(self, name: str, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -340,3 +335,11 @@ class PagedKVCacheAllocator:
             raise ValueError(f"{name} has dtype {tensor.dtype} but the cache holds {self.dtype}")
         if tensor.device != self.device:
             raise ValueError(f"{name} is on {tensor.device} but the cache is on {self.device}")
+
+
+def _out_of_range(name: str, bad: int, num_tokens: int) -> str:
+    """The message for a position outside a sequence of ``num_tokens`` tokens."""
+    return (
+        f"{name} {bad} is out of range: the sequence holds {num_tokens} tokens, "
+        f"so positions run from 0 to {num_tokens - 1}"
+    )

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.mapping import needs_new_block
 
 from .helpers import fails_cleanly, make_cache
 
@@ -115,3 +116,31 @@ def test_a_sequence_always_holds_exactly_the_blocks_its_tokens_need(prompt, step
         assert cache.sequence_length("s") == total
         assert len(cache.get_block_mapping("s")) == blocks_for_tokens(total, block_size)
     assert cache.usage().internal_fragmentation_tokens == (-total) % block_size
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_blocks_held", "block_size", "expected"),
+    [
+        (0, 0, 4, True),  # an empty sequence: its first token needs a block
+        (1, 1, 4, False),
+        (3, 1, 4, False),  # the last slot is still free: (n + 1) % block_size == 0 would be one early
+        (4, 1, 4, True),
+        (4, 2, 4, False),  # a block reserved ahead has room
+        (0, 1, 4, False),
+        (48, 3, 16, True),
+        (1, 1, 1, True),
+    ],
+)
+def test_the_pure_boundary_rule(num_tokens, num_blocks_held, block_size, expected):
+    assert needs_new_block(num_tokens, num_blocks_held, block_size) is expected
+
+
+@given(prompt=st.integers(0, 40), spare=st.integers(0, 2), block_size=st.integers(1, 8))
+def test_the_cache_applies_the_pure_boundary_rule(prompt, spare, block_size):
+    cache = PagedKVCacheAllocator(64, block_size, 1, 1)
+    cache.allocate_for_sequence("s", prompt)
+    for _ in range(spare):
+        cache.append_block_to_sequence("s")
+    held = len(cache.get_block_mapping("s"))
+    assert cache.needs_new_block("s") is needs_new_block(prompt, held, block_size)
+    assert len(cache.append_tokens("s")) == int(needs_new_block(prompt, held, block_size))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv import PagedKVCacheAllocator
+from paged_kv import PagedKVCacheAllocator, mapping
 
 from .helpers import HEAD_DIM, NUM_HEADS, fails_cleanly, kv_for, make_cache
 
@@ -211,3 +211,76 @@ def test_the_gather_works_in_half_precision(device):
     read_k, read_v = cache.read_kv("s")
     assert read_k.dtype == torch.float16
     assert torch.equal(read_k, k) and torch.equal(read_v, v)
+
+
+# ------------------------------------------------------------- the pure functions of paged_kv.mapping
+
+
+def test_physical_location_on_a_plain_table():
+    assert [mapping.physical_location([5, 2, 7], p, 4) for p in (0, 3, 4, 6, 11)] == [
+        (5, 0),
+        (5, 3),
+        (2, 0),
+        (2, 2),
+        (7, 3),
+    ]
+    assert mapping.physical_location([3, 0], 17, 16) == (0, 1)
+    block, offset = mapping.physical_location(torch.tensor([5, 2, 7]), 10, 4)
+    assert (block, offset) == (7, 2) and type(block) is int and type(offset) is int
+
+
+@pytest.mark.parametrize("position", [-1, 12, 100])
+def test_physical_location_refuses_a_position_outside_the_table(position):
+    with pytest.raises(ValueError, match="positions 0 to 11"):
+        mapping.physical_location([5, 2, 7], position, 4)
+
+
+@pytest.mark.parametrize(("position", "block_size"), [(1.0, 4), (True, 4), ("1", 4), (1, 0)])
+def test_physical_location_refuses_what_is_not_a_count(position, block_size):
+    with pytest.raises(ValueError, match="must be"):
+        mapping.physical_location([5, 2, 7], position, block_size)
+
+
+def test_slot_mapping_on_a_plain_tensor_table(device):
+    table = torch.tensor([5, 2, 7], device=device)
+    positions = torch.tensor([10, 0, 4, 5], device=device)
+    slots = mapping.slot_mapping(table, positions, 4)
+    assert slots.tolist() == [30, 20, 8, 9]
+    assert slots.dtype == torch.long and slots.device == positions.device
+    # An int32 table, as block_tables_tensor gives, still yields long slots.
+    assert mapping.slot_mapping(table.int(), positions, 4).dtype == torch.long
+    assert mapping.slot_mapping(table, positions[:0], 4).tolist() == []
+    blocks, offsets = mapping.physical_locations(table, positions, 4)
+    assert blocks.tolist() == [7, 5, 2, 2] and offsets.tolist() == [2, 0, 0, 1]
+
+
+def test_write_and_read_kv_on_raw_tensors(device):
+    k_cache = torch.zeros(8, NUM_HEADS, 4, HEAD_DIM, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.tensor([5, 2, 7], device=device)
+    k, v = kv_for(11, device=device)
+    mapping.write_kv(k_cache, v_cache, table, k[:8], v[:8])
+    mapping.write_kv(k_cache, v_cache, table, k[8:], v[8:], start_position=8)
+    for position in range(11):
+        block, offset = mapping.physical_location(table.tolist(), position, 4)
+        assert torch.equal(k_cache[block, :, offset, :], k[position])
+        assert torch.equal(v_cache[block, :, offset, :], v[position])
+    read_k, read_v = mapping.read_kv(k_cache, v_cache, table, 11)
+    assert torch.equal(read_k, k) and torch.equal(read_v, v)
+    read_k, read_v = mapping.read_kv(k_cache, v_cache, table, 5)
+    assert torch.equal(read_k, k[:5]) and torch.equal(read_v, v[:5])
+    assert mapping.read_kv(k_cache, v_cache, table, 0)[0].shape == (0, NUM_HEADS, HEAD_DIM)
+
+
+def test_the_cache_and_the_pure_functions_agree(device):
+    cache = seq_in_blocks(device, [5, 2, 7], num_tokens=11)
+    k, v = kv_for(11, device=device)
+    cache.write_kv("s", k, v)
+    table = torch.tensor(cache.get_block_mapping("s"), device=device)
+    positions = torch.arange(11, device=device)
+    assert torch.equal(cache.slot_mapping("s"), mapping.slot_mapping(table, positions, 4))
+    assert cache.physical_location("s", 6) == mapping.physical_location(table.tolist(), 6, 4)
+    for ours, theirs in zip(
+        cache.read_kv("s"), mapping.read_kv(cache.k_cache, cache.v_cache, table, 11), strict=True
+    ):
+        assert torch.equal(ours, theirs)
