@@ -8,7 +8,10 @@ physical block ``block_ids[i]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from . import mapping
+from ._checks import check_count
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -58,6 +61,29 @@ class BlockTable:
         """How many tokens fit in the blocks the table holds."""
         return len(self.block_ids) * block_size
 
+    def physical_block(self, position: int, block_size: int) -> int:
+        """The physical block that holds token ``position``: ``block_ids[position // block_size]``.
+
+        The table holds positions ``0 .. num_tokens - 1``; the look-up itself is
+        :func:`paged_kv.mapping.physical_location`'s.
+
+        >>> BlockTable([7, 2, 5], num_tokens=40).physical_block(16, 16)
+        2
+
+        Raises:
+            ValueError: ``position`` is not an integer in ``0 .. num_tokens - 1`` (a negative
+                position is refused, not read from the end of the table), the table has no block
+                for it, or ``block_size`` is not a positive integer.
+        """
+        position = check_count("position", position)
+        if position >= self.num_tokens:
+            raise ValueError(
+                f"position {position} is out of range: the table holds {self.num_tokens} tokens, "
+                f"so positions run from 0 to {self.num_tokens - 1}"
+            )
+        block_id, _offset = mapping.physical_location(self.block_ids, position, block_size)
+        return block_id
+
     def copy(self) -> BlockTable:
-        """An independent copy: changing it never changes this table."""
-        return BlockTable(list(self.block_ids), self.num_tokens)
+        """An independent copy, of the same class: changing it never changes this table."""
+        return replace(self, block_ids=list(self.block_ids))

@@ -2,7 +2,8 @@
 
 A contiguous engine must reserve, for every request, a slot as long as the longest request it may
 serve. Paging reserves whole blocks, so it wastes at most ``block_size - 1`` slots per request.
-:func:`fragmentation_report` puts both side by side for a list of request lengths.
+:func:`paged_usage` and :func:`contiguous_baseline` are the arithmetic of each layout;
+:func:`fragmentation_report` allocates the requests in a real paged cache and puts both side by side.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ._checks import check_count
+from .block import blocks_for_tokens
 from .cache import PagedKVCacheAllocator
+from .errors import OutOfBlocksError
+from .usage import BlockUsage
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,35 @@ class ContiguousUsage:
     reserved_tokens: int
     internal_fragmentation_tokens: int
     utilization: float
+
+
+def paged_usage(
+    request_tokens: Sequence[int], block_size: int = 16, total_blocks: int | None = None
+) -> BlockUsage:
+    """What paging reserves for the requests: each holds ``blocks_for_tokens(tokens, block_size)`` blocks.
+
+    The arithmetic of what a :class:`~paged_kv.cache.PagedKVCacheAllocator` of ``total_blocks``
+    blocks measures (its :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage`) once every request is
+    allocated, without building one. Blocks are rounded up per request, never for the total: a
+    block holds the tokens of one sequence only. ``total_blocks`` defaults to exactly the blocks
+    the requests use, so that no block is free.
+
+    >>> paged_usage([9, 17, 33, 5, 41, 12], block_size=16).internal_fragmentation_tokens
+    59
+
+    Raises:
+        ValueError: a count is negative or not an integer.
+        OutOfBlocksError: the requests need more than ``total_blocks`` blocks.
+    """
+    tokens = [check_count("request_tokens", n) for n in request_tokens]
+    block_size = check_count("block_size", block_size, minimum=1)
+    used = sum(blocks_for_tokens(n, block_size) for n in tokens)
+    total = used if total_blocks is None else check_count("total_blocks", total_blocks, minimum=1)
+    if used > total:
+        raise OutOfBlocksError(used, total, f"{len(tokens)} requests of {sum(tokens)} tokens")
+    return BlockUsage.measure(
+        used_blocks=used, free_blocks=total - used, allocated_tokens=sum(tokens), block_size=block_size
+    )
 
 
 def contiguous_baseline(request_tokens: Sequence[int], slot_tokens: int | None = None) -> ContiguousUsage:

@@ -14,6 +14,7 @@ from paged_kv import (
     contiguous_baseline,
     fragmentation_report,
 )
+from paged_kv.fragmentation import paged_usage
 
 pytestmark = pytest.mark.lesson00
 
@@ -64,6 +65,40 @@ def test_the_seeds_per_request_table(tokens, blocks, wasted):
     assert (usage.used_blocks, usage.reserved_tokens) == (blocks, 16 * blocks)
     assert usage.internal_fragmentation_tokens == wasted
     assert usage.block_utilization == tokens / (16 * blocks)
+
+
+def test_paged_usage_is_the_seeds_worked_example_without_a_cache():
+    assert paged_usage(SEED_REQUESTS, block_size=16) == BlockUsage(
+        used_blocks=11,
+        free_blocks=0,
+        allocated_tokens=117,
+        reserved_tokens=176,
+        internal_fragmentation_tokens=59,
+        block_utilization=117 / 176,
+    )
+    assert paged_usage(SEED_REQUESTS, block_size=16, total_blocks=64).free_blocks == 53
+
+
+def test_paged_usage_rounds_up_per_request_not_the_total():
+    # 9 + 9 tokens would fit in 2 blocks of 16 pooled, but each request holds its own block.
+    assert paged_usage([9, 9], block_size=16).used_blocks == 2
+    assert paged_usage([16], block_size=16).used_blocks == 1
+    assert paged_usage([], block_size=16) == BlockUsage(0, 0, 0, 0, 0, 0.0)
+
+
+def test_paged_usage_rejects_bad_input():
+    with pytest.raises(OutOfBlocksError):
+        paged_usage([16 * 64 + 1], block_size=16, total_blocks=64)
+    with pytest.raises(ValueError, match="request_tokens"):
+        paged_usage([3, -2])
+    with pytest.raises(ValueError, match="block_size"):
+        paged_usage([3], block_size=0)
+
+
+@given(requests=st.lists(st.integers(0, 200), max_size=12), block_size=st.sampled_from([1, 2, 8, 16, 32]))
+def test_paged_usage_is_what_a_real_cache_measures(requests, block_size):
+    report = fragmentation_report(requests, block_size=block_size, total_blocks=12 * 200)
+    assert paged_usage(requests, block_size, total_blocks=12 * 200).as_dict() == report["block_usage"]
 
 
 def test_the_contiguous_baseline_reserves_the_longest_request_for_everyone():
