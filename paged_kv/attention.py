@@ -7,6 +7,11 @@ reference implementation the course builds in lesson 05: it gathers every sequen
 advanced indexing, then runs ordinary attention with the positions past ``context_len`` masked out.
 A fast kernel such as vLLM's computes the same thing while reading the blocks in place, without the
 gathered copy.
+
+The two halves are public for one sequence as well: :func:`gather_kv` reads a sequence's K and V
+through its block table into contiguous tensors, and :func:`decode_attention` is the attention of
+one query token over them. :func:`paged_attention` does both for a whole batch at once, with the
+same gather and the same attention.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ._checks import check_count
+from .block import blocks_for_tokens
 
 
 def paged_attention(
@@ -45,33 +53,149 @@ def paged_attention(
             below 1 or needs blocks its row does not hold (the message names the argument).
     """
     context_lens = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
-    batch, num_heads, head_dim = query.shape
     num_blocks, _, block_size, _ = k_cache.shape
-    scale = head_dim**-0.5 if scale is None else scale
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
 
     # 1. Gather each sequence's blocks in table order. Padding is clamped to a real block (any one
-    #    will do) and masked out in step 3.
+    #    will do) and masked out in step 2.
     blocks = block_tables.long().clamp(0, num_blocks - 1)
-    num_positions = blocks.shape[1] * block_size
+    k, v = (_gather_blocks(cache, blocks).to(compute_dtype) for cache in (k_cache, v_cache))
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        per_block = cache[blocks].to(compute_dtype)  # (batch, max_blocks, heads, block_size, dim)
-        return per_block.transpose(1, 2).reshape(batch, num_heads, num_positions, head_dim)
-
-    k, v = gather(k_cache), gather(v_cache)
-
-    # 2. Scores of the query against every gathered position: (batch, heads, positions).
-    scores = torch.einsum("bhd,bhpd->bhp", query.to(compute_dtype), k) * scale
-
-    # 3. Positions at or past the context length do not exist: mask them before the softmax.
-    positions = torch.arange(num_positions, device=query.device)
+    # 2. Positions at or past the context length do not exist: the attention masks them out.
+    positions = torch.arange(blocks.shape[1] * block_size, device=query.device)
     beyond = positions[None, :] >= context_lens[:, None]  # (batch, positions)
-    scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
+    return _attend(query.to(compute_dtype), k, v, scale, beyond).to(query.dtype)
 
-    # 4. Softmax over positions, then the weighted sum of V.
-    weights = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhp,bhpd->bhd", weights, v).to(query.dtype)
+
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | Sequence[int],
+    context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, read through its block table into contiguous tensors.
+
+    Args:
+        k_cache, v_cache: ``(num_blocks, num_heads, block_size, head_dim)``.
+        block_table: the sequence's physical block ids in logical order, a list of ints or a 1-D
+            integer tensor (a row of ``block_tables_tensor``, say). Entries past the first
+            ``ceil(context_len / block_size)`` are padding (``-1`` by convention) and are never read.
+        context_len: the tokens to read, positions ``0 .. context_len - 1``.
+
+    Returns:
+        ``(k, v)``, each ``(context_len, num_heads, head_dim)`` on the caches' device, row ``p``
+        holding token ``p``: what :meth:`~paged_kv.cache.PagedKVCacheAllocator.read_kv` returns for
+        a sequence of ``context_len`` tokens.
+
+    Raises:
+        ValueError: a cache is not 4-D or the two differ in shape, ``context_len`` is not a
+            non-negative integer, ``block_table`` is not 1-D integers, or one of the entries read
+            is missing or not a block id below ``num_blocks`` (the message names the argument).
+
+    >>> k_cache = torch.arange(4.0).reshape(4, 1, 1, 1)  # 4 blocks of one token, K = block id
+    >>> k, v = gather_kv(k_cache, -k_cache, [2, 0, 3, -1], 3)
+    >>> k.flatten().tolist(), v.flatten().tolist()
+    ([2.0, 0.0, 3.0], [-2.0, -0.0, -3.0])
+    """
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (num_blocks, num_heads, block_size, head_dim)")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
+    context_len = check_count("context_len", context_len)
+    num_blocks, _, block_size, _ = k_cache.shape
+    needed = blocks_for_tokens(context_len, block_size)
+    try:
+        table = torch.as_tensor(block_table)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"block_table must be integers, got {block_table!r}") from None
+    table = table if table.numel() else table.long()  # [] makes floats
+    if (
+        table.dim() != 1
+        or table.dtype.is_floating_point
+        or table.dtype.is_complex
+        or table.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"block_table must be a 1-D list or tensor of ints, got {table.dtype} {tuple(table.shape)}"
+        )
+    ids = table[:needed].long()
+    if len(ids) < needed or ((ids < 0) | (ids >= num_blocks)).any():
+        raise ValueError(
+            f"block_table must hold {needed} block ids below {num_blocks} for {context_len} tokens in blocks "
+            f"of {block_size}, got {table.tolist()}"
+        )
+    blocks = ids.to(k_cache.device)[None]  # a batch of one
+    k, v = (_gather_blocks(cache, blocks)[0, :, :context_len].transpose(0, 1) for cache in (k_cache, v_cache))
+    return k.contiguous(), v.contiguous()
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of one sequence's new token over its K and V (one query, no mask).
+
+    For each head: the scores are ``q · k`` times ``scale``, the weights a softmax of the scores
+    over the tokens, and the output the weighted sum of V.
+
+    Args:
+        q: ``(num_heads, head_dim)``, the new token's query.
+        k, v: ``(num_tokens, num_heads, head_dim)``, what :func:`gather_kv` returns; at least one token.
+        scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``(num_heads, head_dim)``, with the dtype and device of ``q``; it equals
+        ``scaled_dot_product_attention`` of ``q`` over ``k`` and ``v``. Half and bfloat16 inputs
+        are computed in float32 and cast back.
+
+    Raises:
+        ValueError: an argument is not a float tensor of the right shape, dtype and device (the
+            message names it).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or not q.dtype.is_floating_point:
+        raise ValueError("q must be a 2-D float tensor (num_heads, head_dim)")
+    for name, tensor in (("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[1:] != q.shape:
+            raise ValueError(f"{name} must be a tensor of shape (num_tokens, {q.shape[0]}, {q.shape[1]})")
+        if tensor.dtype != q.dtype or tensor.device != q.device:
+            raise ValueError(f"{name} is {tensor.dtype} on {tensor.device} but q is {q.dtype} on {q.device}")
+    if v.shape != k.shape or k.shape[0] == 0:
+        raise ValueError(f"k and v must hold the same number of tokens, at least 1: {len(k)} and {len(v)}")
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    heads_first = [t.transpose(0, 1)[None].to(compute_dtype) for t in (k, v)]  # (1, heads, tokens, dim)
+    return _attend(q[None].to(compute_dtype), *heads_first, scale)[0].to(q.dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The slots of ``blocks`` (a ``(batch, n)`` LongTensor of block ids), in table order.
+
+    Returns ``(batch, num_heads, n * block_size, head_dim)``: position ``p`` of row ``b`` is offset
+    ``p % block_size`` of block ``blocks[b, p // block_size]``.
+    """
+    batch, n = blocks.shape
+    _, num_heads, block_size, head_dim = cache.shape
+    per_block = cache[blocks]  # (batch, n, heads, block_size, dim)
+    return per_block.transpose(1, 2).reshape(batch, num_heads, n * block_size, head_dim)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    beyond: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention for a batch: q ``(batch, heads, dim)``, k and v ``(batch, heads, positions, dim)``.
+
+    ``beyond`` is a ``(batch, positions)`` bool mask of the positions that do not exist; they get a
+    score of ``-inf`` before the softmax. Returns ``(batch, heads, dim)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bhd,bhpd->bhp", q, k) * scale
+    if beyond is not None:
+        scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # over the positions, for each head
+    return torch.einsum("bhp,bhpd->bhd", weights, v)
 
 
 def _check_inputs(query, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:

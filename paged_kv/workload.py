@@ -10,7 +10,11 @@ they hold and reserve. The policies:
   recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
   model length (``"max"``), the next power of two of its final length (``"pow2"``), or exactly its
-  final length (``"oracle"``, which no real engine can know in advance).
+  final length (``"oracle"``, which no real engine can know in advance); :func:`reserved_tokens`
+  is that size, and :class:`ContiguousPool` the memory of a budget of such slots.
+
+The engine loop itself is :class:`ContinuousBatcher`, one step at a time over either memory; the
+simulator drives it and records what each step holds.
 
 :func:`sample_requests` draws seeded synthetic lengths shaped like ShareGPT or Alpaca, and
 :func:`compare_policies` with :func:`format_table` puts the four policies side by side.
@@ -22,7 +26,7 @@ import math
 import numbers
 import random
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ._checks import check_count, check_hashable
@@ -190,8 +194,49 @@ CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
 
 
 def next_power_of_two(n: int) -> int:
-    """The smallest power of two that is at least ``n`` (``n >= 1``)."""
+    """The smallest power of two that is at least ``n`` (``n >= 1``): 16 stays 16, 17 gives 32, 1 gives 1."""
     return 1 << (check_count("n", n, minimum=1) - 1).bit_length()
+
+
+def _check_kind(kind: object) -> str:
+    if kind not in CONTIGUOUS_KINDS:
+        raise ValueError(f"kind must be one of {CONTIGUOUS_KINDS}, got {kind!r}")
+    return kind  # type: ignore[return-value]
+
+
+def reserved_tokens(
+    kind: str, prompt_tokens: int, output_tokens: int, max_model_len: int | None = None
+) -> int:
+    """The slots a contiguous reservation of ``kind`` takes for a request, once, at admission.
+
+    The slot cannot grow later, so it is sized for the final length ``prompt_tokens +
+    output_tokens``: ``"max"`` reserves ``max_model_len`` whatever the request, ``"pow2"`` the next
+    power of two of the final length (at most ``max_model_len`` when that is given) and
+    ``"oracle"`` exactly the final length.
+
+    >>> [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")]
+    [2048, 512, 300]
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`CONTIGUOUS_KINDS`; a length is not an integer
+            (``prompt_tokens`` at least 1, ``output_tokens`` at least 0); ``max_model_len`` is
+            missing for ``"max"``; or the final length is over ``max_model_len``.
+    """
+    kind = _check_kind(kind)
+    total = check_count("prompt_tokens", prompt_tokens, minimum=1) + check_count(
+        "output_tokens", output_tokens
+    )
+    if max_model_len is None:
+        if kind == "max":
+            raise ValueError("max_model_len is needed for kind 'max'")
+    elif total > check_count("max_model_len", max_model_len, minimum=1):
+        raise ValueError(f"{total} tokens (prompt + output) is more than max_model_len {max_model_len}")
+    if kind == "oracle":
+        return total
+    if kind == "pow2":
+        pow2 = next_power_of_two(total)
+        return pow2 if max_model_len is None else min(pow2, max_model_len)
+    return max_model_len  # type: ignore[return-value]  # "max" has one: checked above
 
 
 @dataclass(frozen=True)
@@ -207,8 +252,7 @@ class ContiguousPolicy:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in CONTIGUOUS_KINDS:
-            raise ValueError(f"kind must be one of {CONTIGUOUS_KINDS}, got {self.kind!r}")
+        _check_kind(self.kind)
         if self.max_model_len is not None:
             check_count("max_model_len", self.max_model_len, minimum=1)
         elif self.kind == "max":
@@ -219,16 +263,13 @@ class ContiguousPolicy:
         return f"contiguous/{self.kind}"
 
     def reservation(self, request: Request) -> int:
-        """The slots reserved for ``request`` at admission."""
-        total = request.total_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r} holds {total} tokens, over max_model_len")
-        if self.kind == "oracle":
-            return total
-        if self.kind == "pow2":
-            pow2 = next_power_of_two(total)
-            return pow2 if self.max_model_len is None else min(pow2, self.max_model_len)
-        return self.max_model_len  # type: ignore[return-value]  # set: __post_init__ checked it
+        """The slots reserved for ``request`` at admission: :func:`reserved_tokens` of its lengths."""
+        try:
+            return reserved_tokens(
+                self.kind, request.prompt_tokens, request.output_tokens, self.max_model_len
+            )
+        except ValueError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
 
     def peak_tokens(self, request: Request) -> int:
         """The most slots the sequence ever reserves: its reservation."""
@@ -238,18 +279,28 @@ class ContiguousPolicy:
         """The slots a contiguous policy may reserve: the whole budget."""
         return budget_tokens
 
-    def _pool(self, budget_tokens: int) -> _ContiguousPool:
-        return _ContiguousPool(self, budget_tokens)
+    def _pool(self, budget_tokens: int) -> ContiguousPool:
+        return ContiguousPool(budget_tokens, self.reservation)
 
 
 Policy = PagedPolicy | ContiguousPolicy
 
 
 class _PagedPool:
-    """The paged policy's memory: the package's own allocator (one head of dimension one)."""
+    """The paged policy's memory: the package's own allocator (one head of dimension one).
+
+    A pool, paged or contiguous, answers what :class:`ContinuousBatcher` asks: ``can_admit``,
+    ``admit``, ``grow`` (one more token; False when there is no room), ``release``, ``free_tokens``
+    and ``held_and_reserved``.
+    """
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
+
+    @property
+    def free_tokens(self) -> int:
+        """The slots of the free blocks."""
+        return self.cache.num_free_blocks * self.cache.block_size
 
     def can_admit(self, request: Request) -> bool:
         size = self.cache.block_size
@@ -275,27 +326,45 @@ class _PagedPool:
         return usage.allocated_tokens, usage.reserved_tokens
 
 
-class _ContiguousPool:
-    """A contiguous policy's memory: a count of reserved and held slots per sequence."""
+class ContiguousPool:
+    """``budget_tokens`` slots shared out as one contiguous reservation per sequence.
 
-    def __init__(self, policy: ContiguousPolicy, budget_tokens: int) -> None:
-        self.policy, self.budget_tokens = policy, budget_tokens
+    ``reserve(request)`` is the slots a request takes when it is admitted (a contiguous policy's
+    ``reservation``, or any function of the request); they stay reserved until it is released, and
+    the sequence holds its prompt at admission, one more token each time it grows.
+    """
+
+    def __init__(self, budget_tokens: int, reserve: Callable[[Request], int]) -> None:
+        self.budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
+        if not callable(reserve):
+            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
+        self.reserve = reserve
         self.slots: dict[Hashable, list[int]] = {}  # request id -> [reserved, held]
 
+    @property
+    def free_tokens(self) -> int:
+        """The slots no admitted sequence has reserved."""
+        return self.budget_tokens - self.held_and_reserved()[1]
+
     def can_admit(self, request: Request) -> bool:
-        return self.held_and_reserved()[1] + self.policy.reservation(request) <= self.budget_tokens
+        """Whether the request's reservation fits in the free slots."""
+        return self.reserve(request) <= self.free_tokens
 
     def admit(self, request: Request) -> None:
-        self.slots[request.request_id] = [self.policy.reservation(request), request.prompt_tokens]
+        """Reserve the request's slot; it holds its prompt."""
+        self.slots[request.request_id] = [self.reserve(request), request.prompt_tokens]
 
     def grow(self, request: Request) -> bool:
-        self.slots[request.request_id][1] += 1  # the slot was reserved for the final length
+        """One more token in the slot, which was reserved for the final length: always True."""
+        self.slots[request.request_id][1] += 1
         return True
 
     def release(self, request: Request) -> None:
+        """Give the request's whole reservation back."""
         del self.slots[request.request_id]
 
     def held_and_reserved(self) -> tuple[int, int]:
+        """The tokens the admitted sequences hold, and the slots reserved for them."""
         return sum(held for _, held in self.slots.values()), sum(res for res, _ in self.slots.values())
 
 
@@ -373,13 +442,94 @@ class SimulationResult:
 
 
 @dataclass
-class _Sequence:
+class RunningSequence:
+    """A request being served: it holds its prompt and the ``generated`` output tokens so far."""
+
     request: Request
     generated: int = 0  # output tokens whose K/V the sequence holds
 
     @property
     def done(self) -> bool:
+        """Whether the sequence holds all its output tokens."""
         return self.generated == self.request.output_tokens
+
+
+class ContinuousBatcher:
+    """Continuous batching over a memory pool, one engine step at a time; :func:`simulate` drives it.
+
+    ``pool`` is a :class:`ContiguousPool` or a paged policy's pool. ``waiting`` is a deque of
+    requests, the oldest at the front; ``running`` the :class:`RunningSequence` objects in admission
+    order. :meth:`step` is one step: :meth:`schedule` (arrivals, decode, admission), then
+    :meth:`finish`; the simulator calls the two halves to measure the step between them, during its
+    forward pass.
+    """
+
+    def __init__(self, pool: ContiguousPool | _PagedPool) -> None:
+        self.pool = pool
+        self.waiting: deque[Request] = deque()  # the oldest at the front
+        self.running: list[RunningSequence] = []  # in admission order
+
+    @property
+    def free_tokens(self) -> int:
+        """The pool's free slots."""
+        return self.pool.free_tokens
+
+    def step(self, arrivals: Iterable[Request] = ()) -> list[Hashable]:
+        """One engine step; returns the ids of the requests that finished in it, in admission order."""
+        self.schedule(arrivals)
+        return self.finish()
+
+    def schedule(self, arrivals: Iterable[Request] = ()) -> int:
+        """Phases 1 to 3 of a step: ``arrivals`` join the queue, the running decode, the queue is admitted.
+
+        Returns the sequences preempted while decoding; a step that preempts admits nobody.
+        """
+        self.waiting.extend(arrivals)
+        preempted = self.decode()
+        if not preempted:
+            self.admit()
+        return preempted
+
+    def decode(self) -> int:
+        """Every running sequence gains one token, oldest first; returns how many were preempted.
+
+        When the pool has no room for a sequence's token, the most recently admitted sequence is
+        preempted by recompute: its memory is released and it goes back to the front of the queue,
+        to start over.
+        """
+        preempted, i = 0, 0
+        while i < len(self.running):  # the victim is always the last: the loop never skips a sequence
+            if self.pool.grow(self.running[i].request):
+                self.running[i].generated += 1
+                i += 1
+            else:
+                victim = self.running.pop()
+                self.pool.release(victim.request)
+                self.waiting.appendleft(victim.request)
+                preempted += 1
+        return preempted
+
+    def admit(self) -> None:
+        """First come first served: admit from the front of the queue while the request there fits.
+
+        An admitted request prefills (it holds its prompt, ``generated`` 0). Admission stops at the
+        first request that does not fit, even if a later one would: no request jumps the queue.
+        """
+        while self.waiting and self.pool.can_admit(self.waiting[0]):
+            request = self.waiting.popleft()
+            self.pool.admit(request)
+            self.running.append(RunningSequence(request))
+
+    def finish(self) -> list[Hashable]:
+        """Phase 4: the sequences that hold all their output leave and release their memory at once.
+
+        Returns their request ids, in admission order.
+        """
+        done = [seq for seq in self.running if seq.done]
+        for seq in done:
+            self.pool.release(seq.request)
+        self.running = [seq for seq in self.running if not seq.done]
+        return [seq.request.request_id for seq in done]
 
 
 def simulate(
@@ -392,7 +542,7 @@ def simulate(
 ) -> SimulationResult:
     """Serve ``requests`` with ``policy`` in ``budget_tokens`` token slots, one step at a time.
 
-    Each step, in this order:
+    Each step is one :meth:`ContinuousBatcher.step` over the policy's memory, in this order:
 
     1. requests whose ``arrival_step`` has come join the back of the waiting queue;
     2. every running sequence decodes one token, oldest first. Paged: a sequence whose last block
@@ -434,41 +584,23 @@ def simulate(
         prompt_tokens=sum(r.prompt_tokens for r in requests),
         output_tokens=sum(r.output_tokens for r in requests),
     )
-    pool = policy._pool(budget_tokens)
+    batcher = ContinuousBatcher(policy._pool(budget_tokens))
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
-    waiting: deque[Request] = deque()
-    running: list[_Sequence] = []  # in admission order
     finished = 0
     bar = _progress_bar(len(requests), policy.name) if progress else None
     for step in range(max_steps):
         if finished == len(requests):
             break
+        arrived = []
         while arrivals and arrivals[0].arrival_step <= step:
-            waiting.append(arrivals.popleft())
-        preempted, i = 0, 0
-        while i < len(running):  # the victim is always the last: the loop never skips a sequence
-            if pool.grow(running[i].request):
-                running[i].generated += 1
-                i += 1
-            else:
-                victim = running.pop()
-                pool.release(victim.request)
-                waiting.appendleft(victim.request)
-                preempted += 1
-        result.preemptions += preempted
-        while not preempted and waiting and pool.can_admit(waiting[0]):
-            request = waiting.popleft()
-            pool.admit(request)
-            running.append(_Sequence(request))
-        held, reserved = pool.held_and_reserved()
-        result.running.append(len(running))
-        result.waiting.append(len(waiting))
+            arrived.append(arrivals.popleft())
+        result.preemptions += batcher.schedule(arrived)
+        held, reserved = batcher.pool.held_and_reserved()
+        result.running.append(len(batcher.running))
+        result.waiting.append(len(batcher.waiting))
         result.held_tokens.append(held)
         result.reserved_tokens.append(reserved)
-        done = [seq for seq in running if seq.done]
-        for seq in done:
-            pool.release(seq.request)
-        running = [seq for seq in running if not seq.done]
+        done = batcher.finish()
         finished += len(done)
         result.finished.append(finished)
         if bar is not None:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.attention import paged_attention
+from paged_kv.attention import decode_attention, gather_kv, paged_attention
 
 pytestmark = pytest.mark.lesson05
 
@@ -258,3 +258,150 @@ def test_a_tensor_on_another_device_names_the_argument(device, name):
     inputs[name] = torch.empty_like(inputs[name], device="meta")
     with pytest.raises(ValueError, match=rf"^{name} is on meta"):
         paged_attention(**inputs)
+
+
+# ------------------------------------------------------------------ one sequence: gather, attend
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["list", "int32 row"])
+def test_gather_kv_equals_read_kv(device, as_list):
+    lengths = [8, 11, 5, 1]
+    cache = scattered_cache(lengths, block_size=4, num_heads=3, head_dim=5, device=device, seed=21)
+    tables = cache.block_tables_tensor(range(len(lengths)))  # int32, padded with -1
+    for seq_id, length in enumerate(lengths):
+        table = cache.get_block_mapping(seq_id) if as_list else tables[seq_id]
+        k, v = gather_kv(cache.k_cache, cache.v_cache, table, length)
+        expected_k, expected_v = cache.read_kv(seq_id)
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+        assert k.is_contiguous() and k.device == cache.k_cache.device
+
+
+def test_gather_kv_reads_a_prefix_and_never_the_padding(device):
+    cache = scattered_cache([11], block_size=4, device=device)
+    table = cache.get_block_mapping(0)
+    expected_k, expected_v = cache.read_kv(0)
+    for context_len in range(12):
+        k, v = gather_kv(cache.k_cache, cache.v_cache, [*table, -1, 10**6], context_len)
+        assert k.shape == (context_len, cache.num_heads, cache.head_dim)
+        assert torch.equal(k, expected_k[:context_len]) and torch.equal(v, expected_v[:context_len])
+
+
+def test_gather_kv_follows_the_table_order():
+    k_cache = torch.arange(4.0).reshape(4, 1, 1, 1)  # 4 blocks of one token, K = block id
+    k, v = gather_kv(k_cache, -k_cache, [2, 0, 3, -1], 3)
+    assert k.flatten().tolist() == [2.0, 0.0, 3.0] and v.flatten().tolist() == [-2.0, -0.0, -3.0]
+
+
+def gather_inputs():
+    cache = scattered_cache([5], block_size=4)
+    return {
+        "k_cache": cache.k_cache,
+        "v_cache": cache.v_cache,
+        "block_table": cache.get_block_mapping(0),
+        "context_len": 5,
+    }
+
+
+BAD_GATHER_INPUTS = {
+    "k_cache 3-D": ("k_cache", lambda a: a["k_cache"][0]),
+    "k_cache not a tensor": ("k_cache", lambda a: a["k_cache"].tolist()),
+    "v_cache other shape": ("v_cache", lambda a: a["v_cache"][:, :, :2]),
+    "context_len negative": ("context_len", lambda a: -1),
+    "context_len a bool": ("context_len", lambda a: True),
+    "context_len a float": ("context_len", lambda a: 5.0),
+    "block_table floats": ("block_table", lambda a: torch.tensor(a["block_table"], dtype=torch.float32)),
+    "block_table 2-D": ("block_table", lambda a: torch.tensor([a["block_table"]])),
+    "block_table not numbers": ("block_table", lambda a: ["a", "b"]),
+    "block_table too short": ("block_table", lambda a: a["block_table"][:1]),
+    "block_table with padding read": ("block_table", lambda a: [a["block_table"][0], -1]),
+    "block_table id too large": ("block_table", lambda a: [a["block_table"][0], a["k_cache"].shape[0]]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GATHER_INPUTS))
+def test_gather_kv_bad_input_is_a_value_error_naming_the_argument(case):
+    inputs = gather_inputs()
+    name, corrupt = BAD_GATHER_INPUTS[case]
+    inputs[name] = corrupt(inputs)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        gather_kv(**inputs)
+
+
+def sdpa(q, k, v, scale=None):
+    """SDPA of q (heads, dim) over k, v (tokens, heads, dim), in float32."""
+    q, k, v = q.float()[None, :, None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)[0, :, 0]
+
+
+@pytest.mark.parametrize(("tokens", "scale"), [(1, None), (7, None), (7, 0.5), (30, 3.0)])
+def test_decode_attention_matches_sdpa(device, tokens, scale):
+    gen = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(*shape, generator=gen).to(device) for shape in [(3, 16), *[(tokens, 3, 16)] * 2])
+    out = decode_attention(q, k, v, scale)
+    assert out.shape == (3, 16) and out.dtype == q.dtype and out.device == q.device
+    torch.testing.assert_close(out, sdpa(q, k, v, scale), **TOLERANCES[torch.float32])
+    if tokens == 1:  # one token gets all the weight
+        torch.testing.assert_close(out, v[0])
+
+
+def test_decode_attention_survives_large_scores():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 16, generator=gen) * 100,
+        torch.randn(9, 2, 16, generator=gen) * 100,
+        torch.randn(9, 2, 16),
+    )
+    out = decode_attention(q, k, v)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, sdpa(q, k, v), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_in_half_precision_computes_in_float32(dtype):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for shape in [(2, 16), (5, 2, 16), (5, 2, 16)])
+    out = decode_attention(q, k, v)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, sdpa(q, k, v).to(dtype), **TOLERANCES[dtype])
+
+
+BAD_DECODE_INPUTS = {
+    "q 3-D": ("q", lambda a: a["q"][None]),
+    "q of ints": ("q", lambda a: a["q"].long()),
+    "k other heads": ("k", lambda a: a["k"][:, :1]),
+    "k 2-D": ("k", lambda a: a["k"][0]),
+    "k other dtype": ("k", lambda a: a["k"].double()),
+    "v other head_dim": ("v", lambda a: a["v"][..., :3]),
+    "v on meta": ("v", lambda a: torch.empty_like(a["v"], device="meta")),
+    "k and v of different lengths": ("k", lambda a: a["k"][:2]),
+    "no tokens": ("k", lambda a: a["k"][:0]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE_INPUTS))
+def test_decode_attention_bad_input_is_a_value_error_naming_the_argument(case):
+    inputs = {"q": torch.randn(2, 4), "k": torch.randn(3, 2, 4), "v": torch.randn(3, 2, 4)}
+    name, corrupt = BAD_DECODE_INPUTS[case]
+    inputs[name] = corrupt(inputs)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        decode_attention(**inputs)
+
+
+@given(
+    block_size=st.integers(1, 6),
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(block_size, lengths, seed, data):
+    cache = scattered_cache(lengths, block_size, num_heads=2, head_dim=4, seed=seed)
+    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
+    query = random_query(cache, len(lengths), seed=seed + 1)
+    tables = cache.block_tables_tensor(range(len(lengths)))
+    one_by_one = torch.stack(
+        [
+            decode_attention(query[b], *gather_kv(cache.k_cache, cache.v_cache, tables[b], n))
+            for b, n in enumerate(context_lens)
+        ]
+    )
+    torch.testing.assert_close(run(cache, query, context_lens), one_by_one, **TOLERANCES[torch.float32])

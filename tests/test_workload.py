@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.workload import (
     ALPACA,
+    CONTIGUOUS_KINDS,
     SHAREGPT,
     WORKLOADS,
     ContiguousPolicy,
+    ContiguousPool,
+    ContinuousBatcher,
     LengthDistribution,
     PagedPolicy,
     Request,
@@ -22,6 +25,7 @@ from paged_kv.workload import (
     compare_policies,
     format_table,
     next_power_of_two,
+    reserved_tokens,
     sample_requests,
     sequences_that_fit,
     simulate,
@@ -83,6 +87,28 @@ def test_contiguous_reservations():
     assert PagedPolicy(16).peak_tokens(request) == 304  # 19 blocks of 16
 
 
+def test_reserved_tokens_sizes_the_slot_for_the_final_length():
+    assert [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")] == [2048, 512, 300]
+    assert reserved_tokens("pow2", 200, 56, 2048) == 256  # a power of two is its own size class
+    assert reserved_tokens("pow2", 100, 200, 400) == 400  # capped at the model's length
+    assert reserved_tokens("pow2", 100, 200) == 512  # no cap without a model length
+    assert [reserved_tokens(kind, 1024, 1024, 2048) for kind in CONTIGUOUS_KINDS] == [
+        2048
+    ] * 3  # exactly fits
+    assert reserved_tokens("oracle", 7, 0) == 7  # a prompt alone
+
+
+@pytest.mark.parametrize("workload", ["sharegpt", "alpaca"])
+def test_contiguous_policies_reserve_what_reserved_tokens_says(workload):
+    max_model_len = WORKLOADS[workload].max_model_len
+    for kind in CONTIGUOUS_KINDS:
+        policy = ContiguousPolicy(kind, max_model_len)
+        for r in sample_requests(workload, 200, seed=2):
+            assert policy.reservation(r) == reserved_tokens(
+                kind, r.prompt_tokens, r.output_tokens, max_model_len
+            )
+
+
 # ---------------------------------------------------------------------- hand-computed scenarios
 
 # Three requests, all at step 0: A = 4 + 2, B = 3 + 5, C = 2 + 1 tokens (prompt + output), so final
@@ -140,6 +166,73 @@ def test_paged_runs_all_three_in_fewer_slots():
     assert result.reserved_tokens == [12, 16, 16, 8, 8, 8]
     assert result.finished == [0, 1, 2, 2, 2, 3]
     assert result.preemptions == 0
+
+
+# ---------------------------------------------------------------- the engine step by step
+
+
+def final_length(request):
+    return request.total_tokens
+
+
+def ids(batcher):
+    return [seq.request.request_id for seq in batcher.running], [r.request_id for r in batcher.waiting]
+
+
+def test_a_contiguous_pool_shares_out_its_budget():
+    pool = ContiguousPool(10, final_length)
+    a, b = Request("a", 0, 2, 1), Request("b", 0, 2, 6)
+    assert pool.free_tokens == 10 and pool.can_admit(a) and pool.can_admit(b)
+    pool.admit(b)
+    assert (pool.free_tokens, pool.held_and_reserved()) == (2, (2, 8))
+    assert not pool.can_admit(a)  # 3 slots, 2 free
+    assert pool.grow(b) and pool.held_and_reserved() == (3, 8)
+    pool.release(b)
+    assert (pool.free_tokens, pool.held_and_reserved()) == (10, (0, 0))
+
+
+def test_the_batcher_releases_a_finished_sequence_at_once():
+    # A budget of 10: a (2 + 1 tokens) and b (2 + 4) are admitted, c (3 + 1) waits. a finishes at step 1
+    # and its 3 slots come back although b still runs; c is admitted at step 2 (admission comes before
+    # release within a step), finishes at step 3, and b at step 4.
+    batcher = ContinuousBatcher(ContiguousPool(10, final_length))
+    a, b, c = Request("a", 0, 2, 1), Request("b", 0, 2, 4), Request("c", 0, 3, 1)
+    assert batcher.step([a, b, c]) == []
+    assert ids(batcher) == (["a", "b"], ["c"]) and batcher.free_tokens == 1
+    assert [seq.generated for seq in batcher.running] == [0, 0]  # they prefill at step 0
+    assert batcher.step() == ["a"]
+    assert ids(batcher) == (["b"], ["c"]) and batcher.free_tokens == 4
+    assert batcher.step() == []
+    assert ids(batcher) == (["b", "c"], []) and batcher.free_tokens == 0
+    assert [batcher.step(), batcher.step()] == [["c"], ["b"]]
+    assert ids(batcher) == ([], []) and batcher.free_tokens == 10
+
+
+def test_the_batcher_admits_first_come_first_served():
+    # x needs 8 of 10 slots: y (6) waits, and z (2) must not jump ahead of it; w arrives behind both.
+    x, y, z, w = Request("x", 0, 4, 4), Request("y", 0, 3, 3), Request("z", 0, 1, 1), Request("w", 1, 1, 1)
+    batcher = ContinuousBatcher(ContiguousPool(10, final_length))
+    batcher.step([x, y, z])
+    assert ids(batcher) == (["x"], ["y", "z"])
+    batcher.step([w])
+    assert ids(batcher) == (["x"], ["y", "z", "w"])
+    assert [batcher.step() for _ in range(3)] == [[], [], ["x"]]
+    batcher.step()
+    assert ids(batcher) == (["y", "z", "w"], [])
+
+
+@pytest.mark.parametrize("kind", CONTIGUOUS_KINDS)
+def test_simulate_runs_the_batcher(kind):
+    requests = sample_requests("alpaca", 40, seed=4, arrival_rate=1.0)
+    policy = ContiguousPolicy(kind, ALPACA.max_model_len)
+    expected = simulate(requests, policy, 2048)
+    batcher = ContinuousBatcher(ContiguousPool(2048, policy.reservation))
+    running, done = [], 0
+    for step in range(expected.steps):
+        finished = batcher.step([r for r in requests if r.arrival_step == step])
+        running.append(len(batcher.running) + len(finished))
+        done += len(finished)
+    assert running == expected.running and done == len(requests)
 
 
 class CountingAllocator(PagedKVCacheAllocator):
@@ -341,6 +434,14 @@ def test_no_requests():
         (lambda: ContiguousPolicy("max"), "max_model_len"),
         (lambda: ContiguousPolicy("max", 10).reservation(Request(0, 0, 8, 8)), "max_model_len"),
         (lambda: next_power_of_two(0), "n"),
+        (lambda: reserved_tokens("exact", 100, 200, 2048), "kind"),
+        (lambda: reserved_tokens("oracle", 10, 10, 16), "max_model_len"),
+        (lambda: reserved_tokens("max", 10, 10), "max_model_len"),
+        (lambda: reserved_tokens("max", 10, 10, 0), "max_model_len"),
+        (lambda: reserved_tokens("oracle", 0, 10), "prompt_tokens"),
+        (lambda: reserved_tokens("oracle", 10, -1), "output_tokens"),
+        (lambda: ContiguousPool(0, final_length), "budget_tokens"),
+        (lambda: ContiguousPool(10, 5), "reserve"),
         (lambda: simulate([A], PagedPolicy(), 0), "budget_tokens"),
         (lambda: simulate([A], PagedPolicy(), 64, max_steps=-1), "max_steps"),
         (lambda: simulate([A], "paged", 64), "policy"),
