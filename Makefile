@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n 2
 LAB_ARGS ?=
 
 NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile

@@ -10,33 +10,52 @@ CEILING_HINT = "ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b"
 
 @task("00.blocks_for_tokens", "blocks for a number of tokens")
 def _blocks_for_tokens(c: Checker, blocks_for_tokens) -> None:
-    for tokens, size, expected in [
-        (0, 16, 0),
-        (1, 16, 1),
-        (16, 16, 1),
-        (17, 16, 2),
-        (33, 16, 3),
-        (41, 16, 3),
+    result = c.run("blocks_for_tokens(33, 16)", lambda: blocks_for_tokens(33, 16), CEILING_HINT)
+    c.holds(
+        "type(blocks_for_tokens(33, 16))",
+        type(result) is int,
+        "int",
+        type(result).__name__,
+        "a count of blocks is an int, not a float: `/` is true division (33 / 16 is 2.0625) and "
+        "numpy's ceil returns a float; stay in integers with -(-n // b)",
+    )
+    for tokens, size, expected, hint in [
+        (
+            0,
+            16,
+            0,
+            "zero tokens need zero blocks: n // b + 1 is one block too many whenever n is a multiple "
+            "of b; " + CEILING_HINT,
+        ),
+        (1, 16, 1, CEILING_HINT),
+        (
+            16,
+            16,
+            1,
+            "16 tokens fill exactly one block of 16, the second block starts with the 17th token "
+            "(off by one at the block boundary?); " + CEILING_HINT,
+        ),
+        (
+            17,
+            16,
+            2,
+            "the 17th token needs a second block: n // b rounds down and leaves it without a slot; "
+            + CEILING_HINT,
+        ),
+        (33, 16, 3, CEILING_HINT),
+        (41, 16, 3, CEILING_HINT),
     ]:
         c.equal(
             f"blocks_for_tokens({tokens}, {size})",
             lambda tokens=tokens, size=size: blocks_for_tokens(tokens, size),
             expected,
-            CEILING_HINT,
+            hint,
         )
     c.equal(
         "blocks_for_tokens(5, 1)",
         lambda: blocks_for_tokens(5, 1),
         5,
         "with blocks of 1, every token is a block",
-    )
-    result = blocks_for_tokens(33, 16)
-    c.holds(
-        "type(blocks_for_tokens(33, 16))",
-        type(result) is int,
-        "int",
-        type(result).__name__,
-        "a count of blocks is an int; math.ceil(33 / 16) works but goes through a float",
     )
 
 
@@ -51,7 +70,8 @@ def _paged_usage(c: Checker, paged_usage) -> None:
             "internal_fragmentation_tokens": 59,
             "block_utilization": 117 / 176,
         },
-        "each request holds blocks_for_tokens(tokens, 16) blocks; reserved = blocks * 16",
+        "each request holds its own blocks_for_tokens(tokens, 16) blocks, rounded up per request "
+        "(not blocks_for_tokens of the total: a block holds one request's tokens); reserved = blocks * 16",
     )
     c.equal(
         "paged_usage([9], 16)",
@@ -82,7 +102,8 @@ def _contiguous_usage(c: Checker, contiguous_usage) -> None:
         f"contiguous_usage({SEED_REQUESTS})",
         lambda: contiguous_usage(SEED_REQUESTS),
         {"reserved_tokens": 246, "internal_fragmentation_tokens": 129, "utilization": 117 / 246},
-        "by default every request reserves a slot as long as the longest one, 41 tokens",
+        "by default every request reserves a slot as long as the longest one, 41 tokens, not as long as "
+        "itself",
     )
     c.equal(
         "contiguous_usage([300, 5000, 70], slot_tokens=8000)",

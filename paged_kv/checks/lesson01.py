@@ -12,7 +12,10 @@ SHARED_DEFAULT_HINT = (
     "a default of [] is created once, when the def runs, and shared by every table made without "
     "block_ids: default to None and create a new list in __init__"
 )
-LOOKUP_HINT = "the logical block is position // block_size (integer division); return block_ids[that]"
+LOOKUP_HINT = (
+    "the logical block is position // block_size (integer division: `/` gives a float, which cannot "
+    "index a list); return block_ids[that]"
+)
 
 
 @task("01.block", "a handle to one physical block", needs=("Block",))
@@ -119,7 +122,14 @@ def _block_table(c: Checker, table_class) -> None:
     c.equal("table.num_tokens", lambda: grown.num_tokens, 0, "append_block adds a block, not tokens")
 
     for block_ids, num_tokens, size, expected, hint in [
-        ([0, 1, 2], 33, 16, 48, "capacity is num_blocks * block_size: 3 blocks of 16 hold 48 tokens"),
+        (
+            [0, 1, 2],
+            33,
+            16,
+            48,
+            "capacity is num_blocks * block_size: 3 blocks of 16 hold 48 tokens, positions 0 to 47 "
+            "(off by one? the capacity counts slots, it is not the last position)",
+        ),
         ([], 0, 16, 0, "a table without blocks has room for nothing"),
         ([4], 16, 16, 16, "one full block of 16 holds exactly 16 tokens (off by one?)"),
         ([3, 8], 16, 16, 32, "capacity counts the blocks the table holds, not the blocks its tokens need"),
@@ -182,7 +192,12 @@ def _physical_block(c: Checker, physical_block) -> None:
     scattered = ReferenceTable([7, 2, 5], num_tokens=40)
     for position, expected, hint in [
         (0, 7, "return the physical block, block_ids[position // block_size], not the logical index"),
-        (15, 7, "positions 0 to 15 all live in logical block 0"),
+        (
+            15,
+            7,
+            "positions 0 to 15 all live in logical block 0: the index is position // block_size, "
+            "rounded down, not the count of blocks blocks_for_tokens(position, block_size)",
+        ),
         (16, 2, "position 16 is the first token of logical block 1: position // block_size, no + 1"),
         (31, 2, LOOKUP_HINT),
         (32, 5, LOOKUP_HINT),

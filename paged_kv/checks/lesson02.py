@@ -158,7 +158,8 @@ def _sequence_allocator(c: Checker, sequences_class) -> None:
         'seqs.allocate_for_sequence("req-a", 33)',
         lambda: seqs.allocate_for_sequence("req-a", 33),
         [0, 1, 2],
-        "33 tokens need ceil(33 / 16) = 3 blocks, taken from the head of the free list",
+        "33 tokens need ceil(33 / 16) = 3 blocks (33 // 16 rounds down to 2 and leaves token 32 "
+        "without a slot), taken from the head of the free list",
     )
     c.equal('seqs.get_block_mapping("req-a")', lambda: seqs.get_block_mapping("req-a"), [0, 1, 2])
     c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (3, 4))
@@ -199,7 +200,7 @@ def _sequence_allocator(c: Checker, sequences_class) -> None:
         lambda: (error.needed, error.free),
         (2, 1),
         "raise OutOfBlocksError(needed=2, free=1) yourself, before taking blocks: the error a failing "
-        "allocate() raises halfway says needed=1",
+        "allocate() raises halfway says needed=1, and the blocks taken before it leak",
     )
     c.equal("seqs.allocator.num_free_blocks", lambda: seqs.allocator.num_free_blocks, 1, LEAK_HINT)
     c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (4,), LEAK_HINT)

@@ -313,6 +313,29 @@ def _rows_difference(name: str, got: object, expected: torch.Tensor) -> tuple[st
     return f"{where} {_describe(expected[row, head])}", f"{where} {_describe(got[row, head])}"
 
 
+def _reordered(got: object, expected: torch.Tensor) -> bool:
+    """Whether ``got`` holds exactly the rows of ``expected``, in another order."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.shape[0] < 2:
+        return False
+    rows, wanted = got.cpu().flatten(1), expected.cpu().flatten(1)
+    if torch.equal(rows, wanted):
+        return False
+    matches = (rows[:, None, :] == wanted[None, :, :]).all(dim=-1)  # matches[i, j]: got row i is token j
+    return bool(matches.any(dim=1).all() and matches.any(dim=0).all())
+
+
+def _gather_hint(got: object, expected: torch.Tensor) -> str:
+    """Name a gather in the wrong order (physical block order, say), or state where token p lives."""
+    where = "each from k_cache[block_table[p // block_size], :, p % block_size, :]"
+    if _reordered(got, expected):
+        return (
+            "the right tokens in the wrong order: row p must be token p, so gather positions "
+            f"0 .. num_tokens - 1 in logical order through the table ({where}), not the blocks or "
+            "slots in physical order"
+        )
+    return f"row p is token p: gather positions 0 .. num_tokens - 1 in order, {where}"
+
+
 @task("03.write_read_kv", "write and gather K/V through a block table")
 def _write_read_kv(c: Checker, write_kv, read_kv) -> None:
     device = default_device()
@@ -410,8 +433,7 @@ def _write_read_kv(c: Checker, write_kv, read_kv) -> None:
                     *(difference or ("", "")),
                     "K and V are swapped: return (k, v), read from k_cache and v_cache"
                     if swapped
-                    else "row p is token p: gather positions 0 .. num_tokens - 1 in order, "
-                    "each from k_cache[block_table[p // block_size], :, p % block_size, :]",
+                    else _gather_hint(got_t, expected),
                 )
 
     # No Python loop over tokens: the number of tensor operations must not grow with them.

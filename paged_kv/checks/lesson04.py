@@ -12,7 +12,14 @@ from ._core import Checker, task
 RULE = (
     "a new block is needed exactly when the blocks held are full: num_tokens == num_blocks_held * block_size"
 )
-OFF_BY_ONE = "the check (num_tokens + 1) % block_size == 0 is off by one"
+OFF_BY_ONE = (
+    "the check (num_tokens + 1) % block_size == 0 is off by one: it takes the block one token early, "
+    "while the last slot is still free"
+)
+LATE = (
+    "a check like num_tokens % block_size == 1 is off by one the other way: it takes the block one token "
+    "late, so the token after a full block finds no slot"
+)
 
 
 # ------------------------------------------------------------------------------- Task 1
@@ -21,7 +28,7 @@ OFF_BY_ONE = "the check (num_tokens + 1) % block_size == 0 is off by one"
 @task("04.needs_new_block", "the block boundary rule")
 def _needs_new_block(c: Checker, needs_new_block) -> None:
     cases = [
-        (1, 1, 4, False, "1 token in a block of 4 leaves 3 slots free: the next token fits"),
+        (1, 1, 4, False, f"1 token in a block of 4 leaves 3 slots free: the next token fits; {LATE}"),
         (4, 1, 4, True, f"4 tokens fill the block of 4, so token 5 needs a new one; {OFF_BY_ONE}"),
         (3, 1, 4, False, f"3 tokens in a block of 4 leave one slot for token 4; {OFF_BY_ONE}"),
         (
@@ -171,7 +178,7 @@ def _decode_step(c: Checker, decode_step) -> None:
 
     # All or nothing: three sequences need a block, one is free.
     cache = _cache(4, 4, [("a", 4, 0), ("b", 4, 0), ("c", 4, 0)])
-    before_snapshot, before = cache.snapshot(), _state(cache)
+    before_snapshot, before, before_free = cache.snapshot(), _state(cache), cache.num_free_blocks
     call = f"decode_step(cache, ['a', 'b', 'c']) with {before}"
     error = c.raises(
         call,
@@ -184,7 +191,13 @@ def _decode_step(c: Checker, decode_step) -> None:
         cache.snapshot() == before_snapshot,
         f"unchanged: {before}",
         _state(cache),
-        "all or nothing: count the blocks the batch needs and compare with cache.num_free_blocks "
+        (
+            f"the step took {before_free - cache.num_free_blocks} block(s) before it ran out and kept them "
+            "(a leak). "
+            if cache.num_free_blocks < before_free
+            else ""
+        )
+        + "all or nothing: count the blocks the batch needs and compare with cache.num_free_blocks "
         "before you take any block or add any token",
     )
     c.holds(
@@ -220,6 +233,32 @@ def _decode_step(c: Checker, decode_step) -> None:
 def _pool() -> PagedKVCacheAllocator:
     """6 blocks of 4: 'a' holds 8 tokens in [0, 1], 'b' 12 in [2, 3, 4]; block 5 is free."""
     return _cache(6, 4, [("a", 8, 0), ("b", 12, 0)])
+
+
+def _admit_hint(got: object, waiting: list[tuple[Hashable, int]], admitted: list, hint: str) -> str:
+    """Name a request that skipped ahead of an older one, else the case's own hint."""
+    if isinstance(got, list) and got != admitted:
+        order = [seq_id for seq_id, _ in waiting]
+        for later in got:
+            if later in order:
+                older = [seq_id for seq_id in order[: order.index(later)] if seq_id not in got]
+                if older:
+                    return (
+                        f"{later!r} skipped ahead of {older[0]!r}, which arrived first and still waits; "
+                        f"stop at the first request that does not fit ({hint})"
+                    )
+    return hint
+
+
+def _freed_hint(cache: PagedKVCacheAllocator, finished: list[Hashable], hint: str) -> str:
+    """Name a finished sequence that still holds its blocks, else the case's own hint."""
+    for seq_id in finished:
+        if seq_id in cache:
+            return (
+                f"finished sequence {seq_id!r} still holds its blocks {cache.get_block_mapping(seq_id)}: "
+                "free every finished sequence with cache.free_sequence, before admitting anyone"
+            )
+    return hint
 
 
 @task("04.finish_and_admit", "free finished requests at once, admit waiting ones")
@@ -302,13 +341,13 @@ def _finish_and_admit(c: Checker, finish_and_admit) -> None:
             ),
             hint,
         )
-        c.equal(call, lambda got=got: got, admitted, hint)
+        c.equal(call, lambda got=got: got, admitted, _admit_hint(got, waiting_list, admitted, hint))
         c.holds(
             f"the cache after {call}",
             cache.snapshot() == expected_cache.snapshot(),
             _state(expected_cache),
             _state(cache),
-            hint,
+            _freed_hint(cache, finished, hint),
         )
         c.holds(
             f"waiting after {call}",

@@ -4,6 +4,11 @@ Every case runs on scattered blocks of a pool whose unused slots hold stale rand
 slot read gives a visibly wrong answer. When a result is wrong, the check also computes the classic
 mistakes (K and V swapped, a missing or wrong scale, a softmax over heads, blocks in sorted order,
 no mask) and, when the result matches one, the hint names it.
+
+While the learner's code runs, what the check compares with and the package's own answers
+(``paged_kv.paged_attention``, and ``gather_kv``, ``decode_attention`` and ``paged_attention`` of
+:mod:`paged_kv.attention`) raise when called through their modules. The package is graded through
+:mod:`paged_kv.grading.reference.lesson05`, which binds those functions at import, so it still passes.
 """
 
 from __future__ import annotations
@@ -200,6 +205,12 @@ def _forbidden(module: object, name: str, why: str) -> Iterator[None]:
         setattr(module, name, original)
 
 
+def _package(name: str) -> tuple[object, str, str]:
+    """The package's own ``paged_kv.attention.<name>``, refused while the learner's code runs."""
+    why = f"write your own: paged_kv.attention.{name} is the package's answer to this exercise"
+    return (paged_kv.attention, name, why)
+
+
 def _run_without(c: Checker, call: str, thunk: Callable[[], object], hint: str, *forbidden) -> object:
     """Run the learner's code with each ``(module, name, why)`` of ``forbidden`` made to raise."""
     __tracebackhide__ = True
@@ -251,8 +262,12 @@ def _gather_kv(c: Checker, gather_kv) -> None:
     ]
     for table, shown, seq_id, context_len, hint in cases:
         call = f"gather_kv(k_cache, v_cache, {shown}, {context_len})"
-        result = c.run(
-            call, lambda t=table, n=context_len: gather_kv(cache.k_cache, cache.v_cache, t, n), hint
+        result = _run_without(
+            c,
+            call,
+            lambda t=table, n=context_len: gather_kv(cache.k_cache, cache.v_cache, t, n),
+            hint,
+            _package("gather_kv"),
         )
         c.holds(
             call,
@@ -351,7 +366,14 @@ def _decode_attention(c: Checker, decode_attention) -> None:
         v = _randn(tokens, heads, dim, seed=700 + seed)
         arguments = "q, k, v" if scale is None else f"q, k, v, scale={scale}"
         call = f"decode_attention({arguments})  # {name}: q {tuple(q.shape)}, k and v {tuple(k.shape)}"
-        got = _run_without(c, call, lambda q=q, k=k, v=v, s=scale: decode_attention(q, k, v, s), hint, sdpa)
+        got = _run_without(
+            c,
+            call,
+            lambda q=q, k=k, v=v, s=scale: decode_attention(q, k, v, s),
+            hint,
+            sdpa,
+            _package("decode_attention"),
+        )
         mistakes = [
             (SWAPPED, lambda q=q, k=k, v=v, s=scale: _sdpa(q, v, k, s)),
             (OVER_HEADS, lambda q=q, k=k, v=v, s=scale: _attention(q, k, v, s, over_heads=True)),
@@ -436,6 +458,8 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
             hint,
             (paged_kv, "paged_attention", answer),
             (paged_kv.attention, "paged_attention", answer),
+            _package("gather_kv"),
+            _package("decode_attention"),
         )
 
         def wrong(cache=cache, query=query, lengths=lengths, on_cpu=on_cpu, **mistake):

@@ -57,8 +57,8 @@ def _next_power_of_two(c: Checker, next_power_of_two_fn) -> None:
 
 
 PROMPT_ONLY_HINT = (
-    "a contiguous slot is reserved once, at admission, for the final length prompt + output: it "
-    "cannot grow later (only the paged policy starts with the prompt's blocks)"
+    "a contiguous slot is reserved once, at admission, for the final length prompt + output, not for "
+    "the prompt alone: it cannot grow later (only the paged policy starts with the prompt's blocks)"
 )
 
 

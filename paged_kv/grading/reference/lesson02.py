@@ -1,0 +1,36 @@
+"""Lesson 02's names over the package: ``BlockAllocator`` is :class:`paged_kv.block_allocator.BlockAllocator`
+itself, and ``SequenceAllocator(num_blocks, block_size)`` is a
+:class:`paged_kv.cache.PagedKVCacheAllocator` with one head of dimension one (its bookkeeping, with
+tensors too small to matter) that exposes its pool as ``allocator`` and its tables as ``tables``,
+like the exercise's class, and returns the block ids from ``allocate_for_sequence`` rather than a
+copy of the table.
+"""
+
+from collections.abc import Hashable as _Hashable
+
+from paged_kv.block import BlockTable as _BlockTable
+from paged_kv.block_allocator import BlockAllocator
+from paged_kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
+
+__all__ = ["BlockAllocator", "SequenceAllocator"]
+
+
+class SequenceAllocator(_PagedKVCacheAllocator):
+    """Block tables for many sequences on one BlockAllocator: the package's cache as the exercise's class."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size, num_heads=1, head_dim=1)
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The pool: its free list and ref counts."""
+        return self._allocator
+
+    @property
+    def tables(self) -> dict[_Hashable, _BlockTable]:
+        """The live block tables, by sequence id (the cache's own dict, not a copy)."""
+        return self._tables
+
+    def allocate_for_sequence(self, seq_id: _Hashable, num_prompt_tokens: int) -> list[int]:
+        """Give a new sequence the blocks for its prompt and return their ids, all or nothing."""
+        return super().allocate_for_sequence(seq_id, num_prompt_tokens).block_ids

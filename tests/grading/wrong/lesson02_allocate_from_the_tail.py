@@ -1,0 +1,16 @@
+"""Allocating with pop() from the tail of the free list (LIFO) instead of popleft() from its head."""
+
+from paged_kv import OutOfBlocksError
+from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+
+BREAKS = "02.block_allocator"
+MESSAGE = "popping from the tail (LIFO)"
+
+
+class BlockAllocator(BlockAllocator):
+    def allocate(self):
+        if not self._free:
+            raise OutOfBlocksError(needed=1, free=0)
+        block_id = self._free.pop()
+        self._blocks[block_id].ref_count = 1
+        return block_id

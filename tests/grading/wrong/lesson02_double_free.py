@@ -1,0 +1,16 @@
+"""Accepting free() of a block that is already free, which puts it on the free list twice."""
+
+from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+
+BREAKS = "02.block_allocator"
+MESSAGE = "a double free"
+
+
+class BlockAllocator(BlockAllocator):
+    def free(self, block_id):
+        block = self._block(block_id)  # the range check, but no check that the block is in use
+        block.ref_count = max(block.ref_count - 1, 0)
+        if block.ref_count == 0:
+            self._free.append(block_id)
+            return True
+        return False
