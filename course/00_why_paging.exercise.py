@@ -9,6 +9,10 @@
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished package has its own versions of these functions
 # (`paged_kv.blocks_for_tokens`, `paged_kv.fragmentation_report`); try without looking first.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/00_why_paging.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 from paged_kv.checks import check

@@ -10,6 +10,10 @@
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished versions are `paged_kv.Block` and `paged_kv.BlockTable`;
 # try without looking first.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/01_block_and_block_table.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 from dataclasses import dataclass

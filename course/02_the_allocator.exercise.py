@@ -11,6 +11,10 @@
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished versions live in `paged_kv/block_allocator.py` and
 # `paged_kv/cache.py`; try without looking first.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/02_the_allocator.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 from collections import deque

@@ -12,6 +12,10 @@
 # landed where. The tensors live on `paged_kv.default_device()`: the CPU, or a GPU when there is one.
 # The package has its own versions (`PagedKVCacheAllocator.physical_location`, `slot_mapping`,
 # `write_kv`, `read_kv`); try without looking first.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/03_logical_to_physical.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 import torch

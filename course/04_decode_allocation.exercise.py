@@ -11,6 +11,10 @@
 # `sequence_length`, `get_block_mapping`, `append_block_to_sequence`, `append_tokens`,
 # `free_sequence`, `allocate_for_sequence`, `num_free_blocks`, `block_size` and `seq_ids`. The cache
 # has its own `needs_new_block`; Task 1 has you write the rule yourself, so use yours.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/04_decode_allocation.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 from collections import deque

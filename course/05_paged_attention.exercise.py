@@ -15,6 +15,10 @@
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished package has its own version of task 3,
 # `paged_kv.paged_attention`; try without looking first (the check will not let your code call it).
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
+# `.venv/bin/python -m paged_kv.grade exercises/05_paged_attention.ipynb` prints each task's points and what
+# went wrong where a task lost them.
 
 # %%
 import torch
