@@ -13,6 +13,7 @@ from .block import BlockTable, blocks_for_tokens
 from .block_allocator import BlockAllocator
 from .errors import OutOfBlocksError, UnknownSequenceError
 from .snapshot import AllocatorSnapshot
+from .trace import TraceFrame, allocate_caption, block_caption, free_caption, start_caption, token_caption
 from .usage import BlockUsage
 
 Positions = int | Sequence[int] | torch.Tensor
@@ -36,6 +37,11 @@ class PagedKVCacheAllocator:
     Sequence ids can be any hashable value (ints or strings, say). The translation and the
     boundary rule themselves are the pure functions of :mod:`paged_kv.mapping`; the methods here
     check their arguments, look the sequence up and delegate.
+
+    With ``record=True`` the allocator also keeps :attr:`trace`, a list of
+    :class:`~paged_kv.trace.TraceFrame`: the empty pool, then one snapshot with a caption after every
+    successful allocate, free and appended block, and after *each token* of ``append_tokens``, so an
+    animation can step token by token. Recording never changes what the allocator does.
     """
 
     def __init__(
@@ -46,6 +52,7 @@ class PagedKVCacheAllocator:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        record: bool = False,
     ) -> None:
         self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self.block_size = check_count("block_size", block_size, minimum=1)
@@ -61,6 +68,8 @@ class PagedKVCacheAllocator:
             raise ValueError(f"device {device!r} cannot hold the cache: {error}") from None
         self._allocator = BlockAllocator(self.num_blocks)
         self._tables: dict[Hashable, BlockTable] = {}
+        self._trace: list[TraceFrame] | None = [] if record else None
+        self._record("start", None, start_caption(self.num_blocks, self.block_size), ())
 
     def __repr__(self) -> str:
         return (
@@ -97,6 +106,11 @@ class PagedKVCacheAllocator:
         """How many block tables hold ``block_id``."""
         return self._allocator.ref_count(block_id)
 
+    @property
+    def trace(self) -> list[TraceFrame]:
+        """The recorded frames, oldest first (a new list); empty unless built with ``record=True``."""
+        return list(self._trace or ())
+
     # ------------------------------------------------------------------------ the life of a sequence
 
     def allocate_for_sequence(self, seq_id: Hashable, num_prompt_tokens: int) -> BlockTable:
@@ -115,6 +129,7 @@ class PagedKVCacheAllocator:
         block_ids = self._take_blocks(needed, f"sequence {seq_id!r} ({num_prompt_tokens} tokens)")
         table = BlockTable(block_ids, num_prompt_tokens)
         self._tables[seq_id] = table
+        self._record("allocate", seq_id, allocate_caption(seq_id, num_prompt_tokens, block_ids), block_ids)
         return table.copy()
 
     def append_tokens(self, seq_id: Hashable, n: int = 1) -> list[int]:
@@ -135,7 +150,10 @@ class PagedKVCacheAllocator:
         n = check_count("n", n)
         new_total = table.num_tokens + n
         missing = max(0, blocks_for_tokens(new_total, self.block_size) - table.num_blocks)
-        new_ids = self._take_blocks(missing, f"appending {n} tokens to sequence {seq_id!r}")
+        what = f"appending {n} tokens to sequence {seq_id!r}"
+        if self._trace is not None:
+            return self._append_recorded(seq_id, table, n, missing, what)
+        new_ids = self._take_blocks(missing, what)
         table.block_ids.extend(new_ids)
         table.num_tokens = new_total
         return new_ids
@@ -150,6 +168,7 @@ class PagedKVCacheAllocator:
         table = self._table(seq_id)
         (block_id,) = self._take_blocks(1, f"a new block for sequence {seq_id!r}")
         table.append_block(block_id)
+        self._record("new_block", seq_id, block_caption(seq_id, block_id), (block_id,))
         return block_id
 
     def needs_new_block(self, seq_id: Hashable) -> bool:
@@ -170,7 +189,9 @@ class PagedKVCacheAllocator:
         table = self._tables.pop(check_hashable("seq_id", seq_id), None)
         if table is None:
             return []
-        return [block_id for block_id in table.block_ids if self._allocator.free(block_id)]
+        freed = [block_id for block_id in table.block_ids if self._allocator.free(block_id)]
+        self._record("free", seq_id, free_caption(seq_id, table.block_ids, freed), table.block_ids)
+        return freed
 
     # ------------------------------------------------------------------------------- look-ups
 
@@ -293,9 +314,40 @@ class PagedKVCacheAllocator:
             raise ValueError(f"seq_id {seq_id!r} is already allocated; free it first or pick a new id")
 
     def _take_blocks(self, count: int, what: str) -> list[int]:
+        self._check_free(count, what)
+        return self._allocator.allocate_blocks(count)
+
+    def _check_free(self, count: int, what: str) -> None:
         if not self._allocator.can_allocate(count):
             raise OutOfBlocksError(count, self._allocator.num_free_blocks, what)
-        return self._allocator.allocate_blocks(count)
+
+    # ------------------------------------------------------------------------------ recording
+
+    def _record(self, event: str, seq_id: Hashable | None, caption: str, highlight: Iterable[int]) -> None:
+        """Append a frame with a snapshot taken now; a no-op unless built with ``record=True``."""
+        if self._trace is not None:
+            self._trace.append(TraceFrame(self.snapshot(), caption, event, seq_id, tuple(highlight)))
+
+    def _append_recorded(
+        self, seq_id: Hashable, table: BlockTable, n: int, missing: int, what: str
+    ) -> list[int]:
+        """``append_tokens`` one token at a time, a frame each: the same blocks, in the same order.
+
+        The free-block check comes first, so a failed call still changes nothing; the blocks then come
+        off the head of the free list one by one, exactly as ``allocate_blocks(missing)`` takes them.
+        """
+        self._check_free(missing, what)
+        new_ids: list[int] = []
+        for _ in range(n):
+            new_block = mapping.needs_new_block(table.num_tokens, table.num_blocks, self.block_size)
+            if new_block:
+                new_ids.append(self._allocator.allocate())
+                table.append_block(new_ids[-1])
+            table.num_tokens += 1
+            block_id = table.block_ids[(table.num_tokens - 1) // self.block_size]
+            caption = token_caption(seq_id, table.num_tokens, block_id, new_block)
+            self._record("new_block" if new_block else "append", seq_id, caption, (block_id,))
+        return new_ids
 
     def _positions(self, table: BlockTable, positions: Positions | None, name: str) -> torch.Tensor:
         """Positions as a 1-D LongTensor on the cache's device, each in ``[0, num_tokens)``."""

@@ -1,0 +1,73 @@
+"""A recorded trace of the allocator: one :class:`TraceFrame` per event, for animations.
+
+``PagedKVCacheAllocator(..., record=True)`` keeps ``cache.trace``: a "start" frame of the empty
+pool, then one frame after every successful call that changes the bookkeeping. Each frame holds a
+snapshot taken right after the event, a one-line caption, the event's name, the sequence it
+concerns and the blocks it touched (the ones a picture outlines). The caption helpers below are
+the only place the wording lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from .snapshot import AllocatorSnapshot
+
+EVENTS = ("start", "allocate", "append", "new_block", "free")
+
+
+@dataclass(frozen=True)
+class TraceFrame:
+    """One step of a recorded trace: the allocator's state right after ``event``.
+
+    Fields:
+        snapshot: the bookkeeping after the event (a frozen copy; later calls never change it).
+        caption: one line, such as ``"seq B, token 17: block 5 appended"``.
+        event: ``"start"``, ``"allocate"``, ``"append"``, ``"new_block"`` or ``"free"``.
+        seq_id: the sequence the event concerns; ``None`` for ``"start"``.
+        highlight: the ids of the blocks the event touched, in table order.
+    """
+
+    snapshot: AllocatorSnapshot
+    caption: str
+    event: str
+    seq_id: Hashable | None
+    highlight: tuple[int, ...]
+
+
+def start_caption(num_blocks: int, block_size: int) -> str:
+    """``"empty pool: 64 blocks of 16 slots, all free"``."""
+    return f"empty pool: {num_blocks} blocks of {block_size} slots, all free"
+
+
+def allocate_caption(seq_id: Hashable, num_tokens: int, block_ids: Sequence[int]) -> str:
+    """``"seq A: 9-token prompt takes blocks [0]"`` (``takes no block`` for an empty prompt)."""
+    taken = f"takes blocks {list(block_ids)}" if block_ids else "takes no block"
+    return f"seq {seq_id}: {num_tokens}-token prompt {taken}"
+
+
+def token_caption(seq_id: Hashable, token: int, block_id: int, new_block: bool) -> str:
+    """``"seq B, token 17: block 5 appended"`` or ``"seq B, token 18 fits in block 5"`` (1-based)."""
+    if new_block:
+        return f"seq {seq_id}, token {token}: block {block_id} appended"
+    return f"seq {seq_id}, token {token} fits in block {block_id}"
+
+
+def block_caption(seq_id: Hashable, block_id: int) -> str:
+    """``"seq B: block 5 appended ahead of its next token"``: a block taken without a token."""
+    return f"seq {seq_id}: block {block_id} appended ahead of its next token"
+
+
+def free_caption(seq_id: Hashable, block_ids: Sequence[int], freed: Sequence[int]) -> str:
+    """``"seq A finished: blocks [0, 3] back to the free list"``, naming blocks still shared.
+
+    ``block_ids`` is the finished sequence's table, ``freed`` the blocks whose ref count reached 0.
+    """
+    freed_set = set(freed)
+    kept = [block_id for block_id in block_ids if block_id not in freed_set]
+    caption = f"seq {seq_id} finished: "
+    caption += f"blocks {list(freed)} back to the free list" if freed else "no block back to the free list"
+    if kept:
+        caption += f", blocks {list(kept)} still held by another sequence"
+    return caption

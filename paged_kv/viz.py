@@ -1,0 +1,516 @@
+"""A picture of the allocator, drawn as one inline SVG from an :class:`AllocatorSnapshot`.
+
+:func:`render_allocator` is a pure function: the same snapshot, caption, highlight and width always
+give the same HTML string, with no JavaScript, no external resource, no random id and no timestamp.
+From top to bottom it draws:
+
+* **the physical pool**, a grid of blocks (16 to a row at the default width). A used block has a
+  band in its owner's colour holding the owner's short label, so colour is never the only cue, and
+  under it a bar filled in that colour in proportion to the tokens the block holds; the unused tail
+  of the bar is grey and hatched (wasted slots). A free block is white with a light border. The
+  block id sits under each block (with its ref count when tables share it), and the blocks an event
+  touched (``highlight``) get a thick dark outline here and in the sections below;
+* **the block tables**, one row per sequence: its label, its logical blocks L0, L1, ... in order,
+  each a box in the owner's colour showing the physical block id, and the number of tokens;
+* **the free list** in order, head first, eliding the middle when it does not fit the width;
+* **a usage gauge**: a bar of used against free blocks, the utilisation (tokens held / slots
+  reserved) and the fragmentation (slots reserved but empty), as
+  :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once:
+  :func:`snapshot_usage`);
+* the caption, under the picture, in its own ``<div>``.
+
+Colours are the Okabe-Ito palette of :mod:`paged_kv.plots`. A sequence keeps its colour from one
+frame of an animation to the next because the colour comes from its id, not from its position: a
+trailing number or letter picks the palette entry (``A``, ``B``, ``C`` and ``req-0``, ``req-1``,
+``req-2`` get consecutive colours, cycling after eight), any other id a stable hash. Labels on dark
+fills are white and on light fills black.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import math
+import re
+import zlib
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from ._checks import check_count
+from .plots import FREE, PALETTE, WASTE
+from .snapshot import AllocatorSnapshot
+from .usage import BlockUsage
+
+__all__ = ["block_tokens", "render_allocator", "seq_colour", "short_label", "snapshot_usage", "text_colour"]
+
+FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
+OUTLINE = "#333333"
+HIGHLIGHT = "#000000"
+USED_GAUGE = "#666666"
+MARGIN = 12
+MIN_LAYOUT_WIDTH = 320  # narrower pictures are laid out at this width and scaled down
+BLOCKS_PER_ROW = 16
+POOL_LABEL_CHARS = 6
+BAND_H, BAR_H, POOL_ROW_H = 15.0, 19.0, 50.0  # a pool block: label band, fill bar, row pitch
+TABLE_LABEL_CHARS = 12
+TABLE_BOX_W, TABLE_BOX_H = 30.0, 20.0  # a logical block in a block table
+
+
+# ------------------------------------------------------------------------------ public helpers
+
+
+def snapshot_usage(snapshot: AllocatorSnapshot) -> BlockUsage:
+    """The pool's metrics from a snapshot, counted block by block.
+
+    Used blocks are the blocks off the free list; the tokens are those the used blocks hold, and a
+    block shared by several tables (a fork, a cached prefix) counts once, with the most tokens any
+    of its holders keeps in it. Without sharing this is exactly
+    :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage`, whose token count sums the sequences'
+    lengths; with sharing, counting each stored token once keeps the utilisation at most 100 % and
+    the wasted slots at least 0.
+    """
+    free = len(snapshot.free_block_ids)
+    return BlockUsage.measure(
+        used_blocks=snapshot.num_blocks - free,
+        free_blocks=free,
+        allocated_tokens=sum(block_tokens(snapshot).values()),
+        block_size=snapshot.block_size,
+    )
+
+
+def block_tokens(snapshot: AllocatorSnapshot) -> dict[int, int]:
+    """How many tokens each block held by a table stores: the most any of its holders keeps there.
+
+    >>> from paged_kv.block import BlockTable
+    >>> block_tokens(AllocatorSnapshot(4, 16, (3,), (1, 1, 1, 0), {"A": BlockTable([2, 0, 1], 40)}))
+    {2: 16, 0: 16, 1: 8}
+    """
+    size = snapshot.block_size
+    tokens: dict[int, int] = {}
+    for table in snapshot.tables.values():
+        for logical, block_id in enumerate(table.block_ids):
+            held = min(size, max(0, table.num_tokens - logical * size))
+            tokens[block_id] = max(held, tokens.get(block_id, 0))
+    return tokens
+
+
+def seq_colour(seq_id: Hashable) -> str:
+    """The palette colour of a sequence, fixed by its id (so it never changes between frames).
+
+    An ``int`` id, or a string ending in digits, picks entry ``number % 8``; a string ending in a
+    letter picks its place in the alphabet; anything else a CRC-32 of its text.
+
+    >>> [seq_colour(x) == seq_colour(y) for x, y in [("A", 0), ("req-b", "B"), ("seq-9", 1), ("A", "B")]]
+    [True, True, True, False]
+    """
+    text = str(seq_id)
+    if isinstance(seq_id, int) and not isinstance(seq_id, bool):
+        index = seq_id
+    elif match := re.search(r"(\d+)$", text):
+        index = int(match.group(1)[-6:])
+    elif text and text[-1].isascii() and text[-1].isalpha():
+        index = ord(text[-1].lower()) - ord("a")
+    else:
+        index = zlib.crc32(text.encode("utf-8", "replace"))
+    return PALETTE[index % len(PALETTE)]
+
+
+def text_colour(fill: str) -> str:
+    """White or black, whichever contrasts more with ``fill`` (``#RRGGBB``), by WCAG luminance."""
+
+    def channel(hex_pair: str) -> float:
+        c = int(hex_pair, 16) / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(fill[i : i + 2]) for i in (1, 3, 5))
+    luminance = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    return "#FFFFFF" if 1.05 / (luminance + 0.05) > (luminance + 0.05) / 0.05 else "#000000"
+
+
+def short_label(seq_id: Hashable, limit: int = POOL_LABEL_CHARS) -> str:
+    """The id as text, at most ``limit`` characters: the middle of a longer one becomes ``…``.
+
+    Both ends are kept, since ids often differ only at the end (``req-17``, ``req-18``).
+
+    >>> short_label("A"), short_label("request-17"), short_label("request-17", 12)
+    ('A', 're…-17', 'request-17')
+    """
+    text = _printable(str(seq_id))
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
+
+
+# ------------------------------------------------------------------------------ the picture
+
+
+def render_allocator(
+    snapshot: AllocatorSnapshot, *, caption: str = "", highlight: Iterable[int] = (), width: int = 760
+) -> str:
+    """A self-contained HTML string picturing the snapshot.
+
+    The string is a ``<div>`` holding one inline ``<svg>`` and the caption below it.
+
+    Args:
+        snapshot: what to draw, usually ``cache.snapshot()`` or a trace frame's ``snapshot``.
+        caption: one line shown under the picture (HTML-escaped).
+        highlight: ids of blocks to outline, such as the blocks the last event touched.
+        width: the picture's width in pixels; the height grows with the rows it needs.
+
+    Raises:
+        ValueError: ``width`` is not a positive integer, or a highlighted id is not a block of the pool.
+    """
+    width = check_count("width", width, minimum=1)
+    marked = frozenset(check_count("highlight", b) for b in highlight)
+    outside = sorted(b for b in marked if b >= snapshot.num_blocks)
+    if outside:
+        raise ValueError(f"highlight holds {outside}, not blocks of a pool of {snapshot.num_blocks}")
+    scene = _Scene(snapshot, marked, max(width, MIN_LAYOUT_WIDTH))
+    # The ids of the hatch pattern and the CSS scope come from a hash of the picture and caption:
+    # the output stays deterministic, and different pictures on one page never share an id (a
+    # hidden frame's pattern, found first by id, could otherwise blank the hatching of a shown one).
+    drawn = _svg(scene, "pkv", width) + "\0" + caption
+    scope = "pkv-" + hashlib.sha1(drawn.encode("utf-8", "replace")).hexdigest()[:10]
+    caption_text = _esc(caption)
+    return (
+        f'<div class="pkv {scope}" style="width:{width}px;max-width:100%">'
+        + _svg(scene, scope, width)
+        + f'<div class="{scope}-caption" style="font:13px/1.4 {FONT};color:#222222;'
+        f'min-height:1.4em;padding:2px {MARGIN}px 4px">{caption_text}</div></div>'
+    )
+
+
+@dataclass(frozen=True)
+class _Scene:
+    """What every section needs: the snapshot, the outlined blocks, the layout width, the owners."""
+
+    snapshot: AllocatorSnapshot
+    marked: frozenset[int]
+    width: int
+
+    @property
+    def inner(self) -> float:
+        return self.width - 2 * MARGIN
+
+    def owners(self) -> dict[int, list[Hashable]]:
+        """Each used block's holders, in table order."""
+        owners: dict[int, list[Hashable]] = {}
+        for seq_id, table in self.snapshot.tables.items():
+            for block_id in table.block_ids:
+                owners.setdefault(block_id, []).append(seq_id)
+        return owners
+
+    def tokens_in(self, seq_id: Hashable, logical: int) -> int:
+        """How many of the sequence's tokens its ``logical``-th block holds."""
+        size = self.snapshot.block_size
+        return min(size, max(0, self.snapshot.tables[seq_id].num_tokens - logical * size))
+
+
+def _svg(scene: _Scene, scope: str, width: int) -> str:
+    """The ``<svg>`` element: the four sections stacked, each returning its elements and height."""
+    parts: list[str] = []
+    y = 6.0
+    for section in (_pool, _tables, _free_list, _gauge):
+        elements, height = section(scene, scope, y)
+        parts += elements
+        y += height + 14
+    height = math.ceil(y)
+    usage = snapshot_usage(scene.snapshot)
+    label = (
+        f"KV cache pool: {usage.used_blocks} of {scene.snapshot.num_blocks} blocks used "
+        f"by {len(scene.snapshot.tables)} sequences"
+    )
+    scale = width / scene.width
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{math.ceil(height * scale)}" '
+        f'viewBox="0 0 {scene.width} {height}" role="img" aria-label="{label}" style="display:block">'
+        f"<title>{label}</title>{_defs(scope)}" + "".join(parts) + "</svg>"
+    )
+
+
+def _defs(scope: str) -> str:
+    """The hatch pattern of wasted slots and the text styles, both scoped by ``scope``."""
+    style = (
+        f".{scope} text{{font-family:{FONT}}}"
+        f".{scope} .{scope}-title{{font-size:12px;font-weight:bold;fill:#222222}}"
+        f".{scope} .{scope}-note{{font-size:11px;fill:#222222}}"
+        f".{scope} .{scope}-small{{font-size:9px;fill:#555555}}"
+        f".{scope} .{scope}-label{{font-size:10px;font-weight:bold}}"
+        f".{scope} .{scope}-label-long{{font-size:9px;font-weight:bold}}"
+    )
+    return (
+        f"<defs><style>{style}</style>"
+        f'<pattern id="{scope}-hatch" patternUnits="userSpaceOnUse" width="5" height="5" '
+        f'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="5" '
+        f'stroke="{WASTE["edgecolor"]}" stroke-width="1.6"/></pattern></defs>'
+    )
+
+
+# ------------------------------------------------------------------------------ the sections
+
+
+def _pool(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
+    """The physical pool as a grid, ``BLOCKS_PER_ROW`` blocks a row (fewer in a narrow picture)."""
+    snap = scene.snapshot
+    cols = BLOCKS_PER_ROW if scene.inner / BLOCKS_PER_ROW >= 34 else max(4, int(scene.inner // 34))
+    pitch = scene.inner / cols
+    title = f"physical pool · {snap.num_blocks} blocks of {snap.block_size} slots"
+    out = [_text(MARGIN, top + 12, title, scope, "title")]
+    legend, legend_h = _legend(scene, scope, top + 20)
+    out += legend
+    grid_top = top + 26 + legend_h
+    owners, stored = scene.owners(), block_tokens(snap)
+    for block_id in range(snap.num_blocks):
+        x = MARGIN + (block_id % cols) * pitch
+        y = grid_top + (block_id // cols) * POOL_ROW_H
+        holders = owners.get(block_id, [])
+        out.append(_pool_block(scene, scope, block_id, x, y, pitch - 5, holders, stored.get(block_id, 0)))
+    rows = math.ceil(snap.num_blocks / cols)
+    return out, grid_top - top + rows * POOL_ROW_H - 6
+
+
+def _pool_block(
+    scene: _Scene,
+    scope: str,
+    block_id: int,
+    x: float,
+    y: float,
+    w: float,
+    holders: list[Hashable],
+    tokens: int,
+) -> str:
+    """One block: the first holder's band and label over a bar of the tokens it holds, or white when free.
+
+    The id (and the ref count, when tables share the block) goes under it; a marked block is outlined.
+    """
+    snap = scene.snapshot
+    height = BAND_H + BAR_H
+    refs = snap.ref_counts[block_id] if block_id < len(snap.ref_counts) else len(holders)
+    if holders:
+        fill = seq_colour(holders[0])
+        label = short_label(holders[0], max(2, min(POOL_LABEL_CHARS, int(w // 6))))  # 6px a character
+        kind = "label" if len(label) <= 4 else "label-long"  # a smaller font keeps 6 characters inside
+        tip = f"block {block_id}: seq {short_label(holders[0], 40)}, {tokens} / {snap.block_size} slots used"
+        body = [
+            _rect(x, y, w, BAND_H, fill),
+            _text(x + w / 2, y + 11, label, scope, kind, "middle", text_colour(fill)),
+            *_bar(x, y + BAND_H + 1, w, BAR_H - 1, tokens / snap.block_size, fill, scope),
+            _rect(x, y, w, height, "none", OUTLINE, 0.8),
+        ]
+    elif refs:  # held by something other than a table (a cache of prefixes, say)
+        tip = f"block {block_id}: in use, held by no table"
+        body = [_rect(x, y, w, height, WASTE["facecolor"], OUTLINE, 0.8)]
+    else:
+        tip = f"block {block_id}: free"
+        body = [_rect(x, y, w, height, FREE["facecolor"], FREE["edgecolor"], 1)]
+    shared = f" \u00d7{refs}" if refs > 1 else ""
+    body.append(_text(x + w / 2, y + height + 10, f"{block_id}{shared}", scope, "small", "middle"))
+    if block_id in scene.marked:
+        body.append(_outline(x, y, w, height))
+    return f'<g class="{scope}-block" data-block="{block_id}"><title>{_esc(tip)}</title>{"".join(body)}</g>'
+
+
+def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
+    """What the fills and the outline mean, on as many lines as the width needs; returns its height."""
+    entries = [
+        ("held", "tokens held (colour and label: the sequence)"),
+        ("waste", "reserved, empty: wasted"),
+        ("free", "free"),
+        ("mark", "touched by this step"),
+    ]
+    x, y, out = float(MARGIN), top, []
+    for kind, words in entries:
+        advance = 18 + 4.8 * len(words) + 16
+        if x > MARGIN and x + advance > scene.width - MARGIN:
+            x, y = float(MARGIN), y + 16
+        if kind == "held":
+            out += [_rect(x, y + 2, 7, 10, PALETTE[0]), _rect(x + 7, y + 2, 7, 10, PALETTE[1])]
+        elif kind == "waste":
+            out += _bar(x, y + 2, 14, 10, 0.0, "none", scope)
+        elif kind == "free":
+            out.append(_rect(x, y + 2, 14, 10, FREE["facecolor"], FREE["edgecolor"], 1))
+        else:
+            out.append(_rect(x, y + 2, 14, 10, "none", HIGHLIGHT, 2.5))
+        out.append(_text(x + 18, y + 11, words, scope, "small"))
+        x += advance
+    return out, y - top + 16
+
+
+def _tables(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
+    """One row per sequence: label, logical blocks L0, L1, ... as boxes of physical ids, tokens."""
+    snap = scene.snapshot
+    out = [_text(MARGIN, top + 12, "block tables · logical block → physical block", scope, "title")]
+    if not snap.tables:
+        out.append(_text(MARGIN, top + 32, "no sequences: every block is free", scope, "note"))
+        return out, 38
+    label_w, tokens_w, pitch, line_h = 104.0, 78.0, TABLE_BOX_W + 3, 26.0
+    per_line = max(1, int((scene.inner - label_w - tokens_w) // pitch))
+    longest = max(table.num_blocks for table in snap.tables.values())
+    x0 = MARGIN + label_w
+    for logical in range(min(longest, per_line)):
+        out.append(
+            _text(x0 + logical * pitch + TABLE_BOX_W / 2, top + 30, f"L{logical}", scope, "small", "middle")
+        )
+    y = top + 36
+    for seq_id, table in snap.tables.items():
+        fill = seq_colour(seq_id)
+        out += [
+            _rect(MARGIN, y + 4, 12, 12, fill, OUTLINE, 0.6),
+            _text(MARGIN + 17, y + 14, short_label(seq_id, TABLE_LABEL_CHARS), scope, "note"),
+        ]
+        lines = max(1, math.ceil(table.num_blocks / per_line))
+        for logical in range(table.num_blocks):
+            line, col = divmod(logical, per_line)
+            if col == 0 and line:
+                out.append(_text(x0 - 6, y + line * line_h + 14, f"L{logical} →", scope, "small", "end"))
+            out.append(_table_block(scene, scope, seq_id, logical, x0 + col * pitch, y + line * line_h))
+        end_col = table.num_blocks - (lines - 1) * per_line
+        tx = x0 + (end_col * pitch if table.num_blocks else 0) + 4
+        words = f"{table.num_tokens} token{'' if table.num_tokens == 1 else 's'}"
+        if not table.num_blocks:
+            words += " · no block"
+        out.append(_text(tx, y + (lines - 1) * line_h + 14, words, scope, "note"))
+        y += lines * line_h + 4
+    return out, y - top
+
+
+def _table_block(scene: _Scene, scope: str, seq_id: Hashable, logical: int, x: float, y: float) -> str:
+    """Logical block ``logical`` of a sequence: a box in its colour showing the physical block id.
+
+    A block the sequence has not filled gets a hatched strip along the bottom, as long as its tail.
+    """
+    block_id = scene.snapshot.tables[seq_id].block_ids[logical]
+    fill, w, h = seq_colour(seq_id), TABLE_BOX_W, TABLE_BOX_H
+    box = [
+        _rect(x, y, w, h, fill),
+        _text(x + w / 2, y + 13, str(block_id), scope, "label", "middle", text_colour(fill)),
+    ]
+    used = w * scene.tokens_in(seq_id, logical) / scene.snapshot.block_size
+    if used < w:
+        box += _bar(x + used, y + h - 5, w - used, 5, 0.0, "none", scope)
+    box.append(_rect(x, y, w, h, "none", OUTLINE, 0.8))
+    if block_id in scene.marked:
+        box.append(_outline(x, y, w, h))
+    tip = f"seq {short_label(seq_id, 40)}: logical block {logical} → physical block {block_id}"
+    return f"<g><title>{_esc(tip)}</title>{''.join(box)}</g>"
+
+
+def _free_list(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
+    """The free list in order, head first; the middle elided ("… 29 more …") when it does not fit."""
+    free = scene.snapshot.free_block_ids
+    if not free:
+        title = "free list · empty: every block is in use"
+        return [_text(MARGIN, top + 12, title, scope, "title")], 16
+    out = [_text(MARGIN, top + 12, f"free list · head first · {len(free)} blocks", scope, "title")]
+    box_w, box_h, pitch = 26.0, 18.0, 29.0
+    fit = int((scene.inner + pitch - box_w) // pitch)
+    if len(free) <= fit:
+        shown: list[int | None] = list(free)
+        gap_slots = 0
+    else:
+        keep = (fit - 3) // 2
+        shown = [*free[:keep], None, *free[len(free) - keep :]]
+        gap_slots = fit - 2 * keep
+    x, y = float(MARGIN), top + 20
+    for block_id in shown:
+        if block_id is None:
+            gap_w = gap_slots * pitch - (pitch - box_w)
+            hidden = len(free) - (len(shown) - 1)
+            out.append(_text(x + gap_w / 2, y + 13, f"… {hidden} more …", scope, "note", "middle"))
+            x += gap_w + (pitch - box_w)
+            continue
+        out += [
+            _rect(x, y, box_w, box_h, FREE["facecolor"], FREE["edgecolor"], 1),
+            _text(x + box_w / 2, y + 13, str(block_id), scope, "note", "middle"),
+        ]
+        if block_id in scene.marked:
+            out.append(_outline(x, y, box_w, box_h))
+        x += pitch
+    out += [
+        _text(MARGIN + box_w / 2, y + box_h + 11, "head", scope, "small", "middle"),
+        _text(x - pitch + box_w / 2, y + box_h + 11, "tail", scope, "small", "middle")
+        if len(free) > 1
+        else "",
+    ]
+    return out, y - top + box_h + 12
+
+
+def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
+    """A bar of used against free blocks, with utilisation and fragmentation in words."""
+    snap = scene.snapshot
+    usage = snapshot_usage(snap)
+    used_w = scene.inner * usage.used_blocks / snap.num_blocks
+    y = top + 20
+    lines = [
+        f"used {usage.used_blocks} / {snap.num_blocks} blocks · {usage.free_blocks} free",
+        f"utilisation {100 * usage.block_utilization:.1f} % · {usage.allocated_tokens} of "
+        f"{usage.reserved_tokens} reserved slots hold a token",
+        f"fragmentation {usage.internal_fragmentation_tokens} slots wasted (empty tails of blocks)",
+    ]
+    out = [
+        _text(MARGIN, top + 12, "usage", scope, "title"),
+        _rect(MARGIN, y, scene.inner, 14, FREE["facecolor"], FREE["edgecolor"], 1),
+        _rect(MARGIN, y, used_w, 14, USED_GAUGE) if usage.used_blocks else "",
+        _rect(MARGIN, y, scene.inner, 14, "none", OUTLINE, 0.8),
+    ]
+    for i, line in enumerate(lines):
+        out.append(_text(MARGIN, y + 30 + 15 * i, line, scope, "note"))
+    return out, y - top + 30 + 15 * (len(lines) - 1) + 4
+
+
+# ------------------------------------------------------------------------------ SVG elements
+
+
+def _num(value: float) -> str:
+    """A coordinate with at most two decimals, trailing zeros dropped: compact and deterministic."""
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: whitespace becomes a space, other control characters ``�``."""
+    return "".join(
+        c if c.isprintable() else " " if c.isspace() else "\N{REPLACEMENT CHARACTER}" for c in text
+    )
+
+
+def _esc(text: str) -> str:
+    """``text`` made safe for an SVG or HTML text node or attribute value."""
+    return html.escape(_printable(text))
+
+
+def _rect(
+    x: float, y: float, w: float, h: float, fill: str, stroke: str = "none", stroke_width: float = 0
+) -> str:
+    stroke_attrs = f' stroke="{stroke}" stroke-width="{_num(stroke_width)}"' if stroke != "none" else ""
+    return (
+        f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(max(w, 0))}" height="{_num(h)}" '
+        f'fill="{fill}"{stroke_attrs}/>'
+    )
+
+
+def _bar(x: float, y: float, w: float, h: float, frac: float, fill: str, scope: str) -> list[str]:
+    """A bar filled with ``fill`` over ``frac`` of its width; the rest grey and hatched (wasted)."""
+    used = w * min(max(frac, 0.0), 1.0)
+    out = [] if used <= 0 else [_rect(x, y, used, h, fill)]
+    if used < w:
+        out += [
+            _rect(x + used, y, w - used, h, WASTE["facecolor"]),
+            _rect(x + used, y, w - used, h, f"url(#{scope}-hatch)"),
+        ]
+    return out
+
+
+def _outline(x: float, y: float, w: float, h: float) -> str:
+    """The thick dark frame of a highlighted block, just outside it so any fill shows inside."""
+    return _rect(x - 2.5, y - 2.5, w + 5, h + 5, "none", HIGHLIGHT, 2.5).replace("/>", ' rx="2"/>')
+
+
+def _text(
+    x: float, y: float, text: str, scope: str, kind: str, anchor: str = "start", fill: str | None = None
+) -> str:
+    anchor_attr = f' text-anchor="{anchor}"' if anchor != "start" else ""
+    fill_attr = f' fill="{fill}"' if fill else ""
+    position = f'x="{_num(x)}" y="{_num(y)}" class="{scope}-{kind}"'
+    return f"<text {position}{anchor_attr}{fill_attr}>{_esc(text)}</text>"

@@ -1,0 +1,295 @@
+"""The allocator's picture: render_allocator draws pool, block tables, free list and usage as one SVG."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paged_kv import AllocatorSnapshot, BlockTable, PagedKVCacheAllocator
+from paged_kv.plots import PALETTE
+from paged_kv.viz import block_tokens, render_allocator, seq_colour, short_label, snapshot_usage, text_colour
+
+pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04]
+
+SVG = "{http://www.w3.org/2000/svg}"
+BLOG_SEED = dict(zip("ABCDEF", (9, 17, 33, 5, 41, 12), strict=True))
+
+
+def cache_with(num_blocks: int, block_size: int, prompts: dict) -> PagedKVCacheAllocator:
+    cache = PagedKVCacheAllocator(num_blocks, block_size, 1, 1)
+    for seq_id, num_tokens in prompts.items():
+        cache.allocate_for_sequence(seq_id, num_tokens)
+    return cache
+
+
+def blog_seed() -> AllocatorSnapshot:
+    """The six requests of the blog post in 64 blocks of 16: 11 blocks used, 117 tokens."""
+    return cache_with(64, 16, BLOG_SEED).snapshot()
+
+
+def twelve_sequences() -> AllocatorSnapshot:
+    """12 sequences in a 64-block pool, two of the first ones finished so the blocks scatter."""
+    cache = cache_with(64, 16, {f"seq-{i}": 5 + 7 * i for i in range(14)})
+    cache.free_sequence("seq-1")
+    cache.free_sequence("seq-4")
+    cache.append_tokens("seq-0", 40)
+    return cache.snapshot()
+
+
+def parse(markup: str) -> ET.Element:
+    """The picture as XML: it must be well formed, whatever the ids and captions held."""
+    return ET.fromstring(markup)
+
+
+def texts(root: ET.Element) -> list[str]:
+    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
+
+
+def pool_blocks(root: ET.Element) -> list[ET.Element]:
+    return [g for g in root.iter(f"{SVG}g") if g.get("data-block") is not None]
+
+
+def band(block: ET.Element) -> tuple[str, str | None]:
+    """A pool block's first rect fill and its label (``None`` for a block with no label)."""
+    rect = block.find(f"{SVG}rect")
+    label = block.find(f"{SVG}text[@fill]")
+    return rect.get("fill"), None if label is None else label.text
+
+
+def outlined(element: ET.Element) -> bool:
+    return any(r.get("stroke-width") == "2.5" and r.get("fill") == "none" for r in element.iter(f"{SVG}rect"))
+
+
+# ------------------------------------------------------------------------------ the pool
+
+
+def test_each_used_block_has_its_owners_colour_and_label_and_free_blocks_are_white():
+    snapshot = blog_seed()
+    blocks = pool_blocks(parse(render_allocator(snapshot)))
+    assert [int(b.get("data-block")) for b in blocks] == list(range(64))
+    for seq_id, table in snapshot.tables.items():
+        owned = [b for b in blocks if band(b) == (seq_colour(seq_id), seq_id)]
+        assert sorted(int(b.get("data-block")) for b in owned) == table.block_ids
+    free = [b for b in blocks if band(b) == ("white", None)]
+    assert [int(b.get("data-block")) for b in free] == list(range(11, 64))
+
+
+def test_a_blocks_bar_is_filled_in_proportion_to_its_tokens_and_the_tail_is_hatched():
+    # A holds 9 of 16 slots in block 0: a coloured bar 9/16 of the block, then a hatched tail.
+    root = parse(render_allocator(blog_seed()))
+    block = pool_blocks(root)[0]
+    rects = block.findall(f"{SVG}rect")
+    width = float(rects[0].get("width"))
+    bar = rects[1]
+    assert bar.get("fill") == seq_colour("A")
+    assert float(bar.get("width")) == pytest.approx(width * 9 / 16, abs=0.01)
+    assert any(r.get("fill", "").startswith("url(#") for r in rects)
+    full = pool_blocks(root)[1]  # B's first block: 16 of 16, no tail
+    assert not any(r.get("fill", "").startswith("url(#") for r in full.findall(f"{SVG}rect"))
+
+
+def test_a_shared_block_counts_once_and_shows_its_ref_count():
+    snapshot = AllocatorSnapshot(
+        num_blocks=4,
+        block_size=4,
+        free_block_ids=(2, 3),
+        ref_counts=(2, 1, 0, 0),
+        tables={"A": BlockTable([0, 1], 8), "B": BlockTable([0], 4)},
+    )
+    markup = render_allocator(snapshot)
+    assert "0 \u00d72" in texts(parse(markup))
+    assert block_tokens(snapshot) == {0: 4, 1: 4}
+    usage = snapshot_usage(snapshot)
+    assert (usage.used_blocks, usage.allocated_tokens, usage.internal_fragmentation_tokens) == (2, 8, 0)
+    assert "utilisation 100.0 %" in markup
+
+
+def test_twelve_sequences_in_64_blocks_keep_twelve_distinct_labels():
+    snapshot = twelve_sequences()
+    assert len(snapshot.tables) == 12
+    root = parse(render_allocator(snapshot))
+    labels = {band(b)[1] for b in pool_blocks(root)} - {None}
+    assert len(labels) == 12
+    # colours cycle after eight, so the label (not only the colour) tells sequences apart
+    pairs = {band(b) for b in pool_blocks(root) if band(b)[1]}
+    assert len(pairs) == 12 and len({fill for fill, _ in pairs}) == len(PALETTE)
+
+
+# ------------------------------------------------------------------------------ tables, free list, gauge
+
+
+def test_the_block_tables_list_each_sequences_physical_blocks_in_logical_order():
+    cache = cache_with(6, 4, {"a": 6, "b": 3})
+    cache.free_sequence("a")
+    cache.allocate_for_sequence("c", 13)  # [3, 4, 5, 0]: scattered
+    all_texts = texts(parse(render_allocator(cache.snapshot())))
+    start = all_texts.index("c", all_texts.index("block tables · logical block → physical block"))
+    assert all_texts[start : start + 6] == ["c", "3", "4", "5", "0", "13 tokens"]
+    assert [t for t in all_texts if re.fullmatch(r"L\d+", t)] == ["L0", "L1", "L2", "L3"]
+
+
+def test_the_free_list_is_drawn_head_first():
+    cache = cache_with(6, 4, {"a": 6, "b": 3})
+    cache.free_sequence("a")  # free list (3, 4, 5, 0, 1)
+    all_texts = texts(parse(render_allocator(cache.snapshot())))
+    start = all_texts.index("free list · head first · 5 blocks")
+    assert all_texts[start + 1 : start + 6] == ["3", "4", "5", "0", "1"]
+    assert all_texts[start + 6 : start + 8] == ["head", "tail"]
+
+
+def test_a_long_free_list_elides_its_middle_and_says_how_many():
+    all_texts = texts(parse(render_allocator(blog_seed())))
+    start = all_texts.index("free list · head first · 53 blocks")
+    shown = all_texts[start + 1 : all_texts.index("head")]
+    gap = shown.index("… 31 more …")
+    assert shown[:gap] == [str(b) for b in range(11, 11 + gap)]
+    assert shown[gap + 1 :] == [str(b) for b in range(64 - gap, 64)]
+    assert len(shown) - 1 + 31 == 53
+
+
+def test_the_gauge_of_the_blog_seed():
+    # 117 tokens in 11 blocks of 16: 176 slots reserved, 59 empty, 66.5 % used.
+    markup = render_allocator(blog_seed())
+    assert "used 11 / 64 blocks · 53 free" in markup
+    assert "utilisation 66.5 % · 117 of 176 reserved slots hold a token" in markup
+    assert "fragmentation 59 slots wasted" in markup
+
+
+@given(st.lists(st.integers(0, 40), max_size=10))
+def test_snapshot_usage_is_the_caches_usage_when_nothing_is_shared(prompts):
+    cache = PagedKVCacheAllocator(32, 4, 1, 1)
+    for i, num_tokens in enumerate(prompts):
+        if cache.num_free_blocks * 4 >= num_tokens:
+            cache.allocate_for_sequence(i, num_tokens)
+    assert snapshot_usage(cache.snapshot()) == cache.usage()
+
+
+# ------------------------------------------------------------------------------ highlight and caption
+
+
+def test_highlighted_blocks_get_a_thick_outline_in_every_section():
+    cache = cache_with(8, 4, {"A": 5, "B": 2})
+    cache.free_sequence("B")  # block 2 is free again, at the tail
+    root = parse(render_allocator(cache.snapshot(), highlight=[1, 2]))
+    assert [int(b.get("data-block")) for b in pool_blocks(root) if outlined(b)] == [1, 2]
+    frames = [r for r in root.iter(f"{SVG}rect") if r.get("stroke-width") == "2.5" and r.get("rx")]
+    assert len(frames) == 4  # pool 1 and 2, A's logical block 1, block 2 on the free list
+    assert not any(outlined(b) for b in pool_blocks(parse(render_allocator(cache.snapshot()))))
+
+
+@pytest.mark.parametrize("bad", [[8], [-1], ["1"], [True]])
+def test_a_highlight_outside_the_pool_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="highlight"):
+        render_allocator(cache_with(8, 4, {}).snapshot(), highlight=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 7.5, "760"])
+def test_the_width_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="width"):
+        render_allocator(cache_with(8, 4, {}).snapshot(), width=bad)
+
+
+def test_the_caption_sits_under_the_picture_escaped():
+    root = parse(render_allocator(blog_seed(), caption="seq B, token 17: block 5 appended <b>&"))
+    assert root.tag == "div"
+    svg, caption = list(root)
+    assert svg.tag == f"{SVG}svg"
+    assert caption.tag == "div" and caption.text == "seq B, token 17: block 5 appended <b>&"
+
+
+def test_sequence_ids_and_captions_are_escaped():
+    evil = '<script>alert("x")</script>'
+    cache = cache_with(8, 4, {evil: 5, "a\x00b\nc": 1, "q\"&'": 2})
+    markup = render_allocator(cache.snapshot(), caption=evil + "\n<img src=x onerror=alert(1)>")
+    assert "<script" not in markup and "<img" not in markup
+    assert "&lt;script&gt;" in markup
+    root = parse(markup)  # control characters removed, quotes escaped: still well formed
+    assert "".join(list(root)[1].itertext()).startswith('<script>alert("x")</script> <img')
+
+
+# ------------------------------------------------------------------------------ the HTML itself
+
+
+def test_the_output_is_deterministic():
+    first = render_allocator(twelve_sequences(), caption="c", highlight=[5, 3])
+    again = render_allocator(twelve_sequences(), caption="c", highlight={3, 5})
+    assert first == again
+    assert first != render_allocator(twelve_sequences(), caption="c")
+
+
+def test_self_contained_one_svg_no_script_no_external_resource():
+    markup = render_allocator(twelve_sequences(), caption="x")
+    assert markup.count("<svg") == 1
+    for forbidden in ("<script", "javascript:", "href", "<img", "<link", "@import", "http://", "https://"):
+        assert forbidden not in markup.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_ids_and_css_are_scoped_so_two_pictures_never_clash():
+    one, two = render_allocator(cache_with(8, 4, {}).snapshot()), render_allocator(blog_seed())
+    scopes = [re.match(r'<div class="pkv (pkv-[0-9a-f]{10})"', m).group(1) for m in (one, two)]
+    assert scopes[0] != scopes[1]
+    assert render_allocator(blog_seed(), caption="a")[:40] != render_allocator(blog_seed(), caption="b")[:40]
+    for markup, scope in zip((one, two), scopes, strict=True):
+        assert set(re.findall(r'id="([^"]+)"', markup)) == {f"{scope}-hatch"}
+        classes = set(re.findall(r'class="([^"]+)"', markup))
+        assert all(c.startswith(f"{scope}-") for c in classes - {f"pkv {scope}"})
+        rules = re.search(r"<style>(.*)</style>", markup).group(1)
+        assert all(rule.startswith(f".{scope} ") for rule in rules.split("}") if rule)
+
+
+def test_the_picture_is_as_wide_as_asked_and_grows_with_the_rows():
+    def size(markup):
+        svg = parse(markup).find(f"{SVG}svg")
+        return int(svg.get("width")), int(svg.get("height"))
+
+    small, large = size(render_allocator(blog_seed())), size(render_allocator(twelve_sequences()))
+    assert small[0] == large[0] == 760
+    assert large[1] > small[1]
+    assert (
+        size(render_allocator(cache_with(256, 16, {}).snapshot()))[1] > size(render_allocator(blog_seed()))[1]
+    )
+    narrow = render_allocator(twelve_sequences(), width=200)
+    assert size(narrow)[0] == 200 and len({band(b)[1] for b in pool_blocks(parse(narrow))} - {None}) == 12
+
+
+def test_an_empty_and_a_full_pool():
+    empty = render_allocator(cache_with(8, 4, {}).snapshot())
+    assert "no sequences: every block is free" in empty
+    assert "used 0 / 8 blocks · 8 free" in empty and "utilisation 0.0 %" in empty
+    assert all(band(b) == ("white", None) for b in pool_blocks(parse(empty)))
+    full = render_allocator(cache_with(4, 4, {"x": 16}).snapshot())
+    assert "free list · empty: every block is in use" in full and "fragmentation 0 slots wasted" in full
+
+
+def test_a_sequence_with_no_block_still_has_its_row():
+    all_texts = texts(parse(render_allocator(cache_with(8, 4, {"idle": 0}).snapshot())))
+    assert all_texts[all_texts.index("idle") + 1] == "0 tokens · no block"
+
+
+# ------------------------------------------------------------------------------ colours and labels
+
+
+def test_a_sequence_keeps_its_colour_from_its_id():
+    assert [seq_colour(c) for c in "ABCDEFGH"] == list(PALETTE)
+    assert [seq_colour(i) for i in range(8)] == list(PALETTE)
+    assert seq_colour("req-3") == seq_colour(3) == seq_colour("D")
+    assert seq_colour("I") == seq_colour("A")  # the palette cycles after eight
+    assert seq_colour(("any", "id")) in PALETTE and seq_colour(("any", "id")) == seq_colour(("any", "id"))
+
+
+def test_label_text_contrasts_with_its_fill():
+    assert text_colour("#000000") == "#FFFFFF" and text_colour("#0072B2") == "#FFFFFF"
+    assert text_colour("#F0E442") == "#000000" and text_colour("#E69F00") == "#000000"
+
+
+def test_short_labels_keep_both_ends():
+    assert short_label("A") == "A"
+    assert short_label("request-17") == "re…-17"
+    assert short_label("request-17", 5) == "re…17"
+    assert short_label("request-17", 12) == "request-17"
+    assert short_label(12345678) == "12…678"
+    assert short_label("tab\there") == "ta…ere"
