@@ -33,6 +33,7 @@ from ._checks import check_count, check_hashable
 from .block import blocks_for_tokens
 from .cache import PagedKVCacheAllocator
 from .errors import OutOfBlocksError
+from .trace import TraceFrame
 
 # ------------------------------------------------------------------------------------ the requests
 
@@ -186,8 +187,8 @@ class PagedPolicy:
         """The slots of the ``budget_tokens // block_size`` whole blocks the budget holds."""
         return budget_tokens // self.block_size * self.block_size
 
-    def _pool(self, budget_tokens: int) -> _PagedPool:
-        return _PagedPool(self.block_size, budget_tokens // self.block_size)
+    def _pool(self, budget_tokens: int, record: bool = False) -> _PagedPool:
+        return _PagedPool(self.block_size, budget_tokens // self.block_size, record)
 
 
 CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
@@ -279,7 +280,7 @@ class ContiguousPolicy:
         """The slots a contiguous policy may reserve: the whole budget."""
         return budget_tokens
 
-    def _pool(self, budget_tokens: int) -> ContiguousPool:
+    def _pool(self, budget_tokens: int, record: bool = False) -> ContiguousPool:
         return ContiguousPool(budget_tokens, self.reservation)
 
 
@@ -294,8 +295,8 @@ class _PagedPool:
     and ``held_and_reserved``.
     """
 
-    def __init__(self, block_size: int, num_blocks: int) -> None:
-        self.cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
+    def __init__(self, block_size: int, num_blocks: int, record: bool = False) -> None:
+        self.cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1, record=record)
 
     @property
     def free_tokens(self) -> int:
@@ -397,6 +398,7 @@ class SimulationResult:
     prompt_tokens: int
     output_tokens: int
     preemptions: int = 0
+    trace: list[TraceFrame] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
@@ -539,6 +541,7 @@ def simulate(
     *,
     max_steps: int = 1_000_000,
     progress: bool = False,
+    record: bool = False,
 ) -> SimulationResult:
     """Serve ``requests`` with ``policy`` in ``budget_tokens`` token slots, one step at a time.
 
@@ -556,7 +559,9 @@ def simulate(
 
     A request with ``o`` output tokens thus runs for ``o + 1`` steps if it is never preempted.
     Runs until every request has finished, or for ``max_steps`` steps. ``progress=True`` shows a
-    tqdm bar of finished requests.
+    tqdm bar of finished requests. ``record=True`` keeps the paged allocator's frames in
+    ``result.trace``, one per allocation, token and release, for an animation (the contiguous
+    policies record nothing).
 
     Raises:
         ValueError: a bad argument, or a request that could not fit in ``budget_tokens`` alone.
@@ -584,7 +589,7 @@ def simulate(
         prompt_tokens=sum(r.prompt_tokens for r in requests),
         output_tokens=sum(r.output_tokens for r in requests),
     )
-    batcher = ContinuousBatcher(policy._pool(budget_tokens))
+    batcher = ContinuousBatcher(policy._pool(budget_tokens, record))
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
     finished = 0
     bar = _progress_bar(len(requests), policy.name) if progress else None
@@ -607,6 +612,8 @@ def simulate(
             bar.update(len(done))
     if bar is not None:
         bar.close()
+    if isinstance(batcher.pool, _PagedPool):
+        result.trace = batcher.pool.cache.trace
     return result
 
 

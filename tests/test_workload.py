@@ -455,3 +455,17 @@ def test_no_requests():
 def test_bad_arguments_are_value_errors_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_a_recorded_paged_run_keeps_one_frame_per_event():
+    requests = [Request("a", 0, 4, 2), Request("b", 1, 5, 1)]
+    plain = simulate(requests, PagedPolicy(block_size=4), budget_tokens=16)
+    recorded = simulate(requests, PagedPolicy(block_size=4), budget_tokens=16, record=True)
+    assert plain.trace == []
+    assert recorded.running == plain.running and recorded.held_tokens == plain.held_tokens
+    events = [frame.event for frame in recorded.trace]
+    # start, a's prompt, a's two tokens (the 5th takes a block), b's prompt, b's token, two frees
+    assert events.count("allocate") == 2 and events.count("free") == 2
+    assert events[0] == "start" and recorded.trace[-1].snapshot.tables == {}
+    assert "seq a: 4-token prompt takes blocks [0]" in [frame.caption for frame in recorded.trace]
+    assert simulate(requests, ContiguousPolicy("oracle"), budget_tokens=16, record=True).trace == []
