@@ -181,6 +181,23 @@ print(f"{'blocks used / free':<32}{paged['used_blocks']:>4} / {paged['free_block
 print("tokens saved by paging:", report["fragmentation_tokens_saved_vs_contiguous"])
 
 # %% [markdown]
+# **Watch it happen.** The same six requests, allocated one after another in a smaller pool of 16
+# blocks. `record=True` makes the allocator keep a picture after every call, and `AllocationPlayer`
+# plays them back: the pool (each used block in its request's colour, filled as far as its tokens
+# go, the empty tail hatched), each request's block table, the free list and a usage gauge. Press
+# **Play**, drag the slider, or step with the arrows of the frame number; the blocks a step touched
+# are outlined. The animation runs in the browser, so it also plays in a copy of this notebook
+# exported to HTML.
+
+# %%
+from paged_kv.widgets import AllocationPlayer
+
+recorded = PagedKVCacheAllocator(num_blocks=16, block_size=16, num_heads=1, head_dim=1, record=True)
+for name, tokens in zip("ABCDEF", requests, strict=True):
+    recorded.allocate_for_sequence(name, tokens)
+AllocationPlayer(recorded.trace)
+
+# %% [markdown]
 # The metrics, which the rest of the course keeps using:
 #
 # | metric | meaning |

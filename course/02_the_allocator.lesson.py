@@ -238,6 +238,23 @@ ax.set_title("the pool after each step (5 blocks of 16 slots)", loc="left", font
 plt.show()
 
 # %% [markdown]
+# The same steps as an animation. `PagedKVCacheAllocator(..., record=True)` keeps a frame after
+# every successful call, and `AllocationPlayer` plays them back with the whole picture: the pool,
+# each block table, the free list in order and a usage gauge. Press **Play**, drag the slider, or
+# step with the arrows of the frame number; the blocks a step touched are outlined. The animation
+# runs in the browser, so it also plays in this notebook exported to HTML.
+
+# %%
+from paged_kv.widgets import AllocationPlayer, AllocatorPlayground
+
+replay = PagedKVCacheAllocator(num_blocks=5, block_size=16, num_heads=1, head_dim=1, record=True)
+replay.allocate_for_sequence("req-a", 33)
+replay.allocate_for_sequence("req-b", 16)
+replay.free_sequence("req-a")
+replay.allocate_for_sequence("req-c", 40)
+AllocationPlayer(replay.trace)
+
+# %% [markdown]
 # ## 5. Errors that change nothing
 #
 # Requests are refused for ordinary reasons: the pool is full, a client retries with an id that is
@@ -341,6 +358,23 @@ print("free_block_ids:", list(pool.free_block_ids))
 # %% [markdown]
 # The same request is refused with the right numbers, 3 needed and 2 free, and blocks 3 and 4 are
 # still on the free list for a request that fits.
+
+# %% [markdown]
+# ## 7. Explore: the allocator playground
+#
+# The playground is a live allocator of 16 blocks of 4 slots. Choose a prompt length and add
+# sequences; a decode step adds one token to every sequence; finish a sequence and watch its blocks
+# join the tail of the free list; reset to start over. Things to try:
+#
+# * fill the pool, then add one more sequence: the allocation is refused with the numbers, and
+#   nothing changes;
+# * finish a sequence in the middle, then add a longer one: its blocks are not neighbours;
+# * decode until a step cannot get the blocks it needs.
+#
+# Unlike the player, the playground's buttons run Python, so it needs a running kernel.
+
+# %%
+AllocatorPlayground(num_blocks=16, block_size=4)
 
 # %% [markdown]
 # ## Recap

@@ -126,6 +126,25 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# The animation records a smaller run token by token: `a` with a 6-token prompt and `b` with a
+# 3-token prompt decode side by side in 12 blocks of 4, then `a` finishes. Step through it and watch
+# the captions: a frame says a block was appended exactly when a sequence's blocks were full, and
+# every other token fits in the last block. (Press **Play** or step with the frame number's arrows;
+# it also plays in this notebook exported to HTML.)
+
+# %%
+from paged_kv.widgets import AllocationPlayer, AllocatorPlayground
+
+recorded = PagedKVCacheAllocator(num_blocks=12, block_size=BLOCK_SIZE, num_heads=1, head_dim=1, record=True)
+recorded.allocate_for_sequence("a", 6)
+recorded.allocate_for_sequence("b", 3)
+for _ in range(6):
+    recorded.append_tokens("a", 1)
+    recorded.append_tokens("b", 1)
+recorded.free_sequence("a")
+AllocationPlayer(recorded.trace)
+
+# %% [markdown]
 # ## 3. The boundary rule, and a check that is off by one
 #
 # A sequence that holds `n` tokens in `b` blocks has `b × block_size` slots. The next token goes to
@@ -403,6 +422,18 @@ plt.show()
 
 # %% [markdown]
 # A later update of this lesson adds an animation of this allocation.
+
+# %% [markdown]
+# ## 6. Explore: decode in the playground
+#
+# A live allocator of 16 blocks of 4 slots. Add a few sequences with different prompt lengths, then
+# press **decode step** again and again: every sequence grows by one token, and a sequence takes a
+# block only on the step after its blocks fill up. Finish one to free its blocks at once, add a new
+# one into them, and decode until the pool runs out: the step is refused as a whole, with the number
+# of blocks it needed, and nothing changes (lesson 08 shows what a real engine does then).
+
+# %%
+AllocatorPlayground(num_blocks=16, block_size=4)
 
 # %% [markdown]
 # ## Recap

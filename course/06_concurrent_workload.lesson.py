@@ -118,6 +118,17 @@ print("static batching:     all done after", first_batch + second_batch, "steps"
 # lengths: one 1,000-token answer would hold a whole static batch hostage.
 
 # %% [markdown]
+# The same run, animated. `simulate(..., record=True)` keeps the paged allocator's picture after
+# every allocation, token and release. Watch `late-2` wait while the pool is full, then take the
+# blocks `short-0` gives back.
+
+# %%
+from paged_kv.widgets import AllocationPlayer
+
+recorded = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=16, record=True)
+AllocationPlayer(recorded.trace)
+
+# %% [markdown]
 # ## 2. Four memory policies
 #
 # Before it admits a request, the scheduler must know where that request's keys and values will
