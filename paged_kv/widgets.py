@@ -104,7 +104,12 @@ class AllocationPlayer(widgets.VBox):
         self.forward_button = _small_button("▶", "next frame")
         self.slider = widgets.IntSlider(value=0, min=0, max=last, readout=False)
         self.frame_number = widgets.BoundedIntText(
-            value=0, min=0, max=last, description="frame", layout=widgets.Layout(width="9em")
+            value=0,
+            min=0,
+            max=last,
+            description="frame",
+            style={"description_width": "3.5em"},
+            layout=widgets.Layout(width="10em"),
         )
         self.links = (
             widgets.jslink((self.play, "value"), (self.slider, "value")),
