@@ -14,7 +14,7 @@ NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile
 LESSON_NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL)
 SOLUTION_NBVAL := --nbval-lax $(NBVAL)
 
-.PHONY: help venv lab test lint format test-lesson notebooks course check-env constraints clean
+.PHONY: help venv lab test lint format test-lesson notebooks course check-env screenshots constraints clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ course: $(STAMP) ## regenerate the notebooks from course/ (ONLY=03 for one lesso
 
 check-env: $(STAMP) ## print versions and OK/FAIL per requirement, for bug reports
 	$(BIN)/python -m paged_kv check-env
+
+screenshots: $(STAMP) ## redraw docs/images/player.png and playground.png (needs chromium and npm)
+	$(BIN)/python tools/screenshots.py
 
 constraints: $(STAMP) ## re-pin constraints.txt from the current .venv (after a deliberate upgrade)
 	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f; } > constraints.new

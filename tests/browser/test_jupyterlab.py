@@ -1,0 +1,117 @@
+"""In a live JupyterLab, the lesson's widgets render and the playground answers its buttons.
+
+JupyterLab serves a copy of the notebook from a temporary root directory on a free loopback port
+(its autosave never touches the repository). The test opens it, waits for the kernel, runs all
+cells through the Run menu, waits for the player and the playground, then clicks "add sequence":
+the click goes to the kernel, and the playground's picture must change.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.browser import harness
+
+pytestmark = [pytest.mark.browser, pytest.mark.lesson04]
+
+RUN_ALL_S = 90
+# The notebook is on screen and connected to its kernel, which is idle. The kernel name is checked
+# too: before the session starts, the toolbar says "No Kernel" and the indicator may already read
+# idle, and a Run All clicked then runs nothing.
+KERNEL_READY = """() => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    if (!panel || !panel.querySelector('.jp-CodeCell')) return false;
+    const name = panel.querySelector('.jp-Toolbar-kernelName')?.textContent.trim();
+    const status = panel.querySelector('.jp-Notebook-ExecutionIndicator')?.dataset.status;
+    return Boolean(name) && name !== 'No Kernel' && status === 'idle';
+}"""
+# What the notebook shows while Run All goes on: the prompts ("[*]:" pending, "[3]:" done,
+# "[ ]:" not run; textContent, which cells scrolled out of view keep too), error outputs, a dialog.
+NOTEBOOK_STATE = """() => ({
+    prompts: [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+        .map(p => p.textContent.trim()),
+    errors: [...document.querySelectorAll(
+        '.jp-Notebook .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+        .map(e => e.textContent).filter(text => text.includes('Traceback')),
+    dialog: document.querySelector('.jp-Dialog')?.textContent ?? null,
+    idle: document.querySelector(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator[data-status='idle']") !== null,
+})"""
+
+
+def run_all_cells(page):
+    """Run > Run All Cells, through the menu as a reader would."""
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+
+def run_all_and_wait(page, name, screenshot):
+    """Run all cells and wait until every code cell has run; fail on the first error output."""
+    run_all_cells(page)
+    deadline = time.monotonic() + RUN_ALL_S
+    while True:
+        state = page.evaluate(NOTEBOOK_STATE)
+        if state["errors"]:
+            shot = screenshot(page, "error")
+            raise AssertionError(
+                f"a cell of {name} failed in JupyterLab ({shot}):\n{state['errors'][0][-2000:]}"
+            )
+        if state["dialog"]:
+            shot = screenshot(page, "dialog")
+            raise AssertionError(f"JupyterLab shows a dialog over {name} ({shot}): {state['dialog'][:300]}")
+        done = [bool(re.fullmatch(r"\[\d+\]:", prompt)) for prompt in state["prompts"]]
+        if state["idle"] and done and all(done):
+            return
+        if time.monotonic() > deadline:
+            shot = screenshot(page, "run-all")
+            raise AssertionError(
+                f"Run All Cells did not finish for {name} within {RUN_ALL_S} s ({shot}); "
+                f"prompts {state['prompts']}"
+            )
+        page.wait_for_timeout(200)
+
+
+def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
+    page, jupyterlab, widget_notebook, screenshot
+):
+    _notebook, name = widget_notebook
+    page.goto(f"{jupyterlab}/lab/tree/widgets.ipynb")
+    try:
+        page.wait_for_function(KERNEL_READY, timeout=60_000, polling=200)
+    except Exception as error:
+        shot = screenshot(page, "no-kernel")
+        raise AssertionError(f"the kernel of {name} never became idle in JupyterLab ({shot})") from error
+    screenshot(page, "opened")
+
+    run_all_and_wait(page, name, screenshot)
+
+    player = harness.player(page)
+    player.scroll_into_view_if_needed()
+    player.locator(harness.PLAY).wait_for(state="visible")
+    player.locator(harness.FRAME_HTML).first.wait_for(state="visible")
+    player.locator(harness.PLAY).scroll_into_view_if_needed()
+    frame, frame_html = harness.player_frame(player)
+    screenshot(page, "player")
+    assert frame == 0
+    assert "<svg" in frame_html, f"the player of {name} shows no SVG picture: {frame_html[:300]!r}"
+    assert player.locator(".widget-slider").count() >= 1, "the player has no slider"
+
+    playground = harness.playground(page)
+    playground.scroll_into_view_if_needed()
+    add = playground.get_by_role("button", name=harness.ADD_SEQUENCE, exact=True)
+    add.wait_for(state="visible")
+    before = harness.wait_until(page, lambda: harness.picture_html(playground), "the playground's picture")
+    screenshot(page, "playground-before")
+
+    add.click()
+    after = harness.wait_until(
+        page,
+        lambda: html if (html := harness.picture_html(playground)) != before else None,
+        f"the playground of {name} to redraw its picture after 'add sequence'",
+    )
+    screenshot(page, "playground-after")
+    assert "<svg" in after
+    assert harness.caption(after) != harness.caption(before)
