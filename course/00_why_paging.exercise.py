@@ -80,8 +80,8 @@ check("00.paged_usage", paged_usage)
 # `reserved_tokens`, `internal_fragmentation_tokens` and `utilization` (0.0 when nothing is
 # reserved).
 #
-# **Checked:** the lesson's six requests (246 slots, 129 wasted), the blog example of requests of
-# 300, 5,000 and 70 tokens in 8,000-token slots, and an empty list.
+# **Checked:** the lesson's six requests (246 slots, 129 wasted), the three requests of 300, 5,000
+# and 70 tokens in 8,000-token slots from the lesson's section 2, and an empty list.
 
 
 # %%

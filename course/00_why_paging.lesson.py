@@ -40,8 +40,8 @@ print("paged_kv", paged_kv.__version__)
 #
 # $$\text{bytes per token} = 2 \times \text{layers} \times \text{kv heads} \times \text{head dim} \times \text{bytes per number}$$
 #
-# where the 2 counts K and V. For a 7B-parameter model in the style of Llama 2 (32 layers, 32 heads
-# of dimension 128, 16-bit numbers):
+# where the 2 counts K and V. For a 7B-parameter model in the style of Llama 2 (32 layers, 32 KV
+# heads of dimension 128, 16-bit numbers):
 
 
 # %%
@@ -97,13 +97,14 @@ print(f"used:     {baseline.utilization:.1%}")
 # %% [markdown]
 # Under a quarter. The waste has three sources, and contiguous allocation suffers from all of them:
 #
-# * **reservation**: slots set aside for tokens that may never be generated (A and C above);
-# * **internal fragmentation**: the unused end of a region once a request finishes early;
+# * **reservation**: slots set aside for tokens a request will generate later, idle until then;
+# * **internal fragmentation**: slots for tokens that are never generated, because the request stops
+#   before the maximum length (almost all of A's and C's 8,000);
 # * **external fragmentation**: when regions of different sizes come and go, the free memory splits
 #   into holes, none big enough for the next request even when their sum would be.
 #
-# The vLLM paper measured that existing systems used only 20 to 40 % of their KV cache memory for
-# actual token states.
+# The PagedAttention paper, which introduced vLLM, measured that in earlier serving systems only
+# 20.4 % to 38.2 % of the KV cache memory held actual token states; with vLLM the waste was near zero.
 
 # %% [markdown]
 # ## 3. The paged way: fixed-size blocks, allocated on demand
@@ -113,8 +114,8 @@ print(f"used:     {baseline.utilization:.1%}")
 # the process's contiguous addresses to pages scattered anywhere in physical memory.
 #
 # A paged KV cache does exactly this. The cache is cut into **blocks** of `block_size` token slots
-# (16 in vLLM). A request takes blocks only as its tokens need them, and a **block table** records
-# which physical block holds each run of 16 tokens. Three consequences:
+# (vLLM's default is 16). A request takes blocks only as its tokens need them, and a **block table**
+# records which physical block holds each run of `block_size` tokens. Three consequences:
 #
 # * no reservation: a request holding `n` tokens holds `ceil(n / block_size)` blocks, no more;
 # * internal fragmentation shrinks to the unused tail of the *last* block, fewer than `block_size`
@@ -182,12 +183,12 @@ print("tokens saved by paging:", report["fragmentation_tokens_saved_vs_contiguou
 
 # %% [markdown]
 # **Watch it happen.** The same six requests, allocated one after another in a smaller pool of 16
-# blocks. `record=True` makes the allocator keep a picture after every call, and `AllocationPlayer`
-# plays them back: the pool (each used block in its request's colour, filled as far as its tokens
-# go, the empty tail hatched), each request's block table, the free list and a usage gauge. Press
-# **Play**, drag the slider, or step with the arrows of the frame number; the blocks a step touched
-# are outlined. The animation runs in the browser, so it also plays in a copy of this notebook
-# exported to HTML.
+# blocks. `record=True` makes the allocator keep a picture of the empty pool and one after every
+# call, and `AllocationPlayer` plays them back: the pool (each used block in its request's colour,
+# filled as far as its tokens go, the empty tail hatched), each request's block table, the free list
+# and a usage gauge. Press **Play**, drag the slider, or step with the arrows of the frame number; the
+# blocks a step touched are outlined. The animation runs in the browser, so it also plays in a copy of
+# this notebook exported to HTML.
 
 # %%
 from paged_kv.widgets import AllocationPlayer
@@ -208,17 +209,17 @@ AllocationPlayer(recorded.trace)
 # | `internal_fragmentation_tokens` | reserved slots with no token, `reserved - allocated` |
 # | `block_utilization` | `allocated / reserved` |
 #
-# Paging saves 70 slots here, 28 % of the contiguous reservation, and that is the *kind* case for the
-# baseline: it reserved only 41 tokens because it knew the longest request in advance. A real server
-# must reserve its maximum length (thousands of tokens), which is where the 20 to 40 % utilisation of
-# section 2 comes from.
+# Paging saves 70 slots here, about 28 % of the contiguous reservation, and that is the *kind* case
+# for the baseline: it reserved only 41 tokens because it knew the longest request in advance. A real
+# server must reserve its maximum length (thousands of tokens), which is how the earlier systems of
+# section 2 ended up using only 20.4 % to 38.2 % of their KV cache.
 
 # %% [markdown]
 # ## 5. How big should a block be?
 #
 # The worst case wastes `block_size - 1` slots per request, so smaller blocks waste less. But each
 # block is one more entry in every block table and one more separate read for the attention kernel,
-# and tiny blocks make those reads inefficient on a GPU. vLLM settled on 16 tokens.
+# and tiny blocks make those reads inefficient on a GPU. vLLM's default is 16 tokens.
 #
 # **Predict, then run.** For the six requests above, how does the waste change from blocks of 1 to
 # blocks of 64 tokens? Sketch the curve before you look.
@@ -246,7 +247,9 @@ plt.show()
 # %% [markdown]
 # With blocks of 32 or 64 tokens the paged cache wastes more than the contiguous baseline: when blocks are
 # as large as the requests, every request pays for a mostly empty block. Block size is a trade-off between
-# fragmentation and bookkeeping, and 16 sits at the knee for realistic request lengths.
+# fragmentation and bookkeeping. The PagedAttention authors found 16 large enough to use the GPU
+# efficiently and small enough to avoid significant internal fragmentation in most workloads, which is
+# why it is vLLM's default.
 
 # %% [markdown]
 # ## Recap

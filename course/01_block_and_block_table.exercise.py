@@ -70,7 +70,8 @@ check("01.block", Block)
 # **Checked:** req-a's table, `BlockTable(block_ids=[0, 1, 2], num_tokens=33)`, has 3 blocks and a
 # capacity of 48 in blocks of 16; `BlockTable()` is empty; two new tables do not share a list;
 # `append_block` appends in order; the capacity of an empty table, of one full block, of a table whose
-# last block is still empty, and with blocks of 1; and that a copy is equal but independent.
+# last block is still empty, and with blocks of 1; and that a copy has the same blocks and tokens but
+# shares no list with the original.
 
 
 # %%

@@ -67,8 +67,8 @@ print("free:", block.ref_count == 0)
 # ## 2. A block table lists a sequence's blocks in order
 #
 # A sequence's tokens are numbered by **position**, 0, 1, 2 and so on. Cut those positions into runs of
-# `block_size`: **logical block** 0 holds positions 0 to 15, logical block 1 holds 16 to 31, and so on.
-# The block table says where each logical block lives:
+# `block_size`: with blocks of 16, **logical block** 0 holds positions 0 to 15, logical block 1 holds
+# 16 to 31, and so on. The block table says where each logical block lives:
 #
 # $$\text{logical block } i \;\longrightarrow\; \text{physical block } \texttt{block\_ids}[i]$$
 #

@@ -114,7 +114,7 @@ class BlockAllocator:
         Raises:
             ValueError: block_id is out of range, or the block is already free (a double free).
         """
-        ### BEGIN SOLUTION: check the id, refuse a block with ref count 0, subtract 1, append to the free list at 0
+        ### BEGIN SOLUTION: check the id, refuse a block with ref count 0, subtract 1; when it reaches 0, append to the free list
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is already free (a double free)")

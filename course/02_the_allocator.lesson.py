@@ -238,11 +238,11 @@ ax.set_title("the pool after each step (5 blocks of 16 slots)", loc="left", font
 plt.show()
 
 # %% [markdown]
-# The same steps as an animation. `PagedKVCacheAllocator(..., record=True)` keeps a frame after
-# every successful call, and `AllocationPlayer` plays them back with the whole picture: the pool,
-# each block table, the free list in order and a usage gauge. Press **Play**, drag the slider, or
-# step with the arrows of the frame number; the blocks a step touched are outlined. The animation
-# runs in the browser, so it also plays in this notebook exported to HTML.
+# The same steps as an animation. `PagedKVCacheAllocator(..., record=True)` keeps a frame of the new
+# pool, then one after every successful call, and `AllocationPlayer` plays them back with the whole
+# picture: the pool, each block table, the free list in order and a usage gauge. Press **Play**, drag
+# the slider, or step with the arrows of the frame number; the blocks a step touched are outlined.
+# The animation runs in the browser, so it also plays in this notebook exported to HTML.
 
 # %%
 from paged_kv.widgets import AllocationPlayer, AllocatorPlayground

@@ -29,7 +29,7 @@ device = paged_kv.default_device()
 # ## Task 1 · A position's physical block and offset
 #
 # Write `physical_location(block_table, position, block_size)` for a block table given as a list of
-# physical block ids. Return the pair `(physical_block_id, offset)` as two ints, in four steps: the
+# physical block ids. Return the pair `(physical_block_id, offset)` as two ints, in three steps: the
 # logical block is `position // block_size`, the offset `position % block_size`, and the table turns
 # the logical block into the physical one. A position outside the table's capacity (negative, or
 # `len(block_table) * block_size` and above) raises `ValueError`.

@@ -16,7 +16,7 @@
 # 3. write a sequence's K/V into scattered blocks and gather them back equal to the contiguous
 #    tensors;
 # 4. compute the slots of many tokens with one tensor expression, and explain why a per-token Python
-#    loop has no place on the hot path;
+#    loop has no place on the hot path, the code the engine runs at every step;
 # 5. read the padded block-table tensor that a batched kernel receives.
 
 # %%
@@ -142,7 +142,7 @@ plt.show()
 # 4. its key is `k_cache[physical_block_id, :, offset, :]`, one vector of `head_dim` numbers per
 #    head, and its value sits at the same place in `v_cache`.
 #
-# Steps 1 and 2 are integer division and remainder, so no floating point is involved: `p / 4` would
+# Steps 1 and 2 are integer division and remainder, so no floating point is involved: `6 / 4` would
 # give `1.5`, which cannot index a list or a tensor.
 #
 # **Predict, then run.** Position 6 of `s`: which logical block, which offset, which physical block?
@@ -390,8 +390,9 @@ print("same as one slot_mapping per sequence:", torch.equal(batch_slots, per_seq
 
 # %% [markdown]
 # Seventeen tokens of three sequences, one expression, no loop over tokens, and no `-1` read: every
-# position is below its sequence's length, so every entry looked up is a real block. This pair of tensors, block tables and lengths, is
-# what the paged attention kernel of lesson 05 reads K and V through.
+# position is below its sequence's length, so every entry looked up is a real block. This pair of
+# tensors, block tables and lengths, is what the paged attention kernel of lesson 05 reads K and V
+# through.
 
 # %% [markdown]
 # ## Recap
