@@ -5,8 +5,8 @@
 # nobody knows in advance how long the answer will be. A paged cache therefore gives a request the
 # blocks for its prompt, then one more block each time its last block fills up during decoding, and
 # takes all of them back the moment the request finishes. This lesson pins down exactly when that
-# new block is needed (a popular check gets it wrong by one token) and runs a small server loop in
-# which requests come and go.
+# new block is needed (a check that is easy to write gets it wrong by one token) and runs a small
+# server loop in which requests come and go.
 #
 # **By the end of this lesson you can**
 #
@@ -156,7 +156,7 @@ AllocationPlayer(recorded.trace)
 # the rule becomes `n % block_size == 0`. That includes `n = 0`: a sequence with no tokens holds no
 # block, and its first token needs one.
 #
-# A popular tutorial writes the check before generating each token like this:
+# A tempting way to write the check, which you may meet in tutorials, runs before each new token:
 #
 # ```python
 # if (current_length + 1) % block_size == 0:
@@ -175,7 +175,7 @@ def boundary_rule(n: int, block_size: int) -> bool:
 
 
 def tutorial_rule(n: int, block_size: int) -> bool:
-    """The popular check: off by one."""
+    """The tempting check: off by one."""
     return (n + 1) % block_size == 0
 
 
@@ -186,10 +186,10 @@ for n in range(10):
     print(f"{n:>2} {blocks:>7} {free:>11} {boundary_rule(n, 4)!s:>14} {tutorial_rule(n, 4)!s:>14}")
 
 # %% [markdown]
-# The right rule fires at `n` = 0, 4 and 8, where the free slots are 0. The tutorial's fires at 3
-# and 7, where one slot is still free, and never where the blocks are full. Its author was thinking
-# "the block is about to fill", but the check runs *before* the new token: it should ask whether the
-# `n` tokens already fill the blocks, not whether `n + 1` will.
+# The boundary rule fires at `n` = 0, 4 and 8, where the free slots are 0. The tutorial rule fires at
+# 3 and 7, where one slot is still free, and never where the blocks are full. It reads as "the block
+# is about to fill", but the check runs *before* the new token: it should ask whether the `n` tokens
+# already fill the blocks, not whether `n + 1` will.
 #
 # What goes wrong depends on where the sequence starts. Here is the bookkeeping alone, with plain
 # integers: the tutorial's rule after a prompt of 5 tokens and after a prompt of 4, then the boundary
@@ -230,9 +230,9 @@ grow_with(boundary_rule, prompt=4, steps=4)
 # physical block to give it.
 #
 # The package follows the boundary rule. Growing a sequence from 0 tokens one at a time, it needs a
-# block at the same lengths as the right column of the table; a sequence of 3 tokens takes nothing
-# for its 4th. And the example of the blog post this course started from: a sequence of 48 tokens in
-# 3 blocks of 16 takes a 4th block for its 49th token.
+# block at the same lengths as the boundary-rule column of the table, 0, 4 and 8; a sequence of 3
+# tokens takes nothing for its 4th. And with vLLM's default of 16 slots a block: a sequence of 48
+# tokens in 3 blocks of 16 takes a 4th block for its 49th token.
 
 # %%
 checker = PagedKVCacheAllocator(num_blocks=8, block_size=4, num_heads=1, head_dim=1, device=device)
@@ -287,15 +287,17 @@ print("c:", cache.get_block_table("c"))
 #
 # A server decodes many sequences together, one token each per step. With **static batching** a
 # batch runs until its longest request is done, and requests that finish early sit idle while new
-# ones wait. **Continuous batching** (vLLM's scheduler works this way) re-forms the batch at every
-# step: the moment a request finishes, its blocks go back to the free list, and a waiting request
-# joins the batch with them. Paging is what makes that cheap: the freed blocks are the same size as
-# every other, so any request can use them, wherever they are in the pool.
+# ones wait. **Continuous batching** (iteration-level scheduling, introduced by the Orca system;
+# vLLM's scheduler works this way too) re-forms the batch at every step: the moment a request
+# finishes, its blocks go back to the free list, and a waiting request joins the batch with them.
+# Paging is what makes that cheap: the freed blocks are the same size as every other, so any request
+# can use them, wherever they are in the pool.
 #
 # Five requests wait, each with its prompt length and the number of tokens it will generate (a real
 # server learns the second only when the model emits an end token). The pool has 10 blocks of 4, and
-# the batch has room for 3 sequences; that is enough blocks for any three of these requests at full
-# length, so the pool never runs dry here (lesson 08 handles the case where it does). Every step:
+# the batch has room for 3 sequences. The pool is tight: A, C and D at their full lengths would need
+# 11 blocks, but in this run the requests finish in time and the pool never runs dry (lesson 08
+# handles the case where it does). Every step:
 #
 # 1. each running sequence decodes one token (`append_tokens`, which takes a block when the boundary
 #    rule says so);
@@ -364,8 +366,9 @@ while pool.seq_ids:
 
 # %% [markdown]
 # B finishes at step 4 and frees blocks 2 and 6. D, next in line, joins in the same step and takes
-# block 9, the one block that was already free, and block 2: the free list hands out blocks in the
-# order they were freed. At step 6, C frees four blocks and E joins with block 6, another of B's. The
+# block 9, the one block that was already free, and block 2: the free list is a first-in, first-out
+# queue, so block 9, at its front, goes first, and B's blocks, which joined at the back in the order B
+# freed them, come next. At step 6, C frees four blocks and E joins with block 6, another of B's. The
 # pool, nine blocks of ten in use at the peak, ends empty: every block came back.
 #
 # No request waited for a whole batch to finish. With static batches of three, D and E could start
@@ -419,9 +422,6 @@ for ax in (top, bottom):
     ax.spines[["top", "right"]].set_visible(False)
 fig.tight_layout()
 plt.show()
-
-# %% [markdown]
-# A later update of this lesson adds an animation of this allocation.
 
 # %% [markdown]
 # ## 6. Explore: decode in the playground

@@ -169,8 +169,8 @@ check("05.paged_decode_attention", paged_decode_attention)
 #
 # With all three tasks done, this stores three sequences in a shuffled pool, then computes their
 # attention twice: one sequence at a time with `gather_kv` and `decode_attention`, and the whole batch
-# at once with `paged_decode_attention`. Try other lengths and block sizes, or set `context_lens` below
-# the lengths to attend to a prefix only.
+# at once with `paged_decode_attention`. Try other lengths and block sizes, or pass context lengths
+# below the sequence lengths (to both computations) to attend to a prefix only.
 
 # %%
 device = paged_kv.default_device()

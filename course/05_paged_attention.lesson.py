@@ -17,8 +17,9 @@
 # 3. build the batched, vectorised version, with the padding clamped and the positions past each
 #    context length masked, which is `paged_kv.paged_attention`;
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
-# 5. explain how a real kernel differs: it reads each block in place and merges the blocks with an
-#    online softmax, for a 20 to 26 % kernel overhead that larger batches more than repay.
+# 5. explain how a dedicated kernel differs: it reads each block in place and can merge the blocks
+#    with an online softmax; the vLLM paper measures a 20 to 26 % kernel overhead, which larger
+#    batches more than repay.
 
 # %%
 import time
@@ -140,8 +141,8 @@ print("k_cache:", tuple(cache.k_cache.shape), "= (num_blocks, num_heads, block_s
 # * `transpose(0, 1)` puts the heads first: `(heads, blocks, block_size, dim)`;
 # * `reshape` merges blocks and offsets into positions: `(heads, blocks × block_size, dim)`, where
 #   position `p` comes from block `table[p // block_size]` at offset `p % block_size`;
-# * `[:, :context_len]` drops the positions past the last token: the last block has room for 12
-#   tokens but holds 11.
+# * `[:, :context_len]` drops the positions past the last token: the three blocks have room for 12
+#   tokens but hold 11.
 
 # %%
 table_a = torch.tensor(cache.get_block_mapping("a"), device=device)
@@ -437,7 +438,7 @@ plt.show()
 # %% [markdown]
 # ## 5. What a real kernel does differently
 #
-# Our version is correct but wasteful in two ways, and vLLM's PagedAttention kernel avoids both.
+# Our version is correct but wasteful in two ways, and a dedicated paged attention kernel avoids them.
 #
 # **It copies.** `k_cache[blocks]` builds a contiguous copy of every sequence's K and V, padding
 # included, before attention starts: K and V are read to copy them, the copy is written, then read again
@@ -468,7 +469,9 @@ print(
 # When a new block brings a larger maximum `new_max`, everything accumulated so far was computed
 # relative to the old one, so `running_sum` and `acc` are multiplied by `exp(running_max - new_max)`
 # before the block's own terms are added. After the last block, the output is `acc / running_sum`.
-# Only one block's scores exist at any time.
+# Only one block's scores exist at any time. (vLLM's first PagedAttention kernel instead kept one
+# sequence's scores in the GPU's fast on-chip memory; its second version, and the FlashAttention-style
+# kernels vLLM uses today, merge pieces of the context with this same rescaling.)
 #
 # Here it is for sequence `a`, as a loop over its blocks (a kernel runs this loop for every sequence
 # and head in parallel; the loop is over blocks, never over tokens).
@@ -508,13 +511,15 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 # %% [markdown]
 # Equal. The rescaling makes the running sums exactly what they would have been had the final maximum
 # been known from the start, so the only differences are rounding. This is the same technique as
-# FlashAttention, applied across the blocks of a block table.
+# FlashAttention (a fused attention kernel that works through the keys one tile at a time), applied
+# across the blocks of a block table.
 #
 # **What it costs.** The block-table look-ups, the branches for a partly filled last block and the
 # varying lengths in a batch are not free: the vLLM paper measures its paged attention kernel at
-# 20 to 26 % higher latency than FasterTransformer's kernel on contiguous memory. Attention is only a
-# part of each step, though, and paging lets many more sequences share the same memory (lesson 00):
-# the larger batches are where the paper's 2 to 4 times higher serving throughput comes from.
+# 20 to 26 % higher latency than the kernel of FasterTransformer (NVIDIA's optimised inference
+# library) on contiguous memory. Attention is only a part of each step, though, and paging lets many
+# more sequences share the same memory (lesson 00): the larger batches are where the paper's 2 to 4
+# times higher serving throughput comes from.
 #
 # Our gathered version pays for the copy, and runs as several separate operations where SDPA runs one
 # fused kernel. The cell below times it against SDPA on the same tokens held contiguously, for 32
@@ -566,10 +571,10 @@ print(f"gather-then-attend takes {paged_s / sdpa_s:.1f}x the time of SDPA on con
 #   nothing. This is `paged_kv.paged_attention`.
 # * The order of the blocks matters only through the cut at `context_len`: gathering in sorted block
 #   order put a stale slot among `a`'s 11 positions.
-# * A real kernel (vLLM's) reads each block in place, 16 tokens × `head_dim` per head, and merges
-#   blocks with an online softmax (a running max, a running sum and an accumulator, rescaled when the
-#   max grows); the vLLM paper measures it 20 to 26 % slower than contiguous attention, and paging
-#   repays that with much larger batches.
+# * A dedicated kernel reads each block in place (16 tokens × `head_dim` per head in vLLM) and can
+#   merge the blocks with an online softmax (a running max, a running sum and an accumulator,
+#   rescaled when the max grows); the vLLM paper measures its kernel 20 to 26 % slower than
+#   contiguous attention, and paging repays that with much larger batches.
 #
 # **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
 # times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,

@@ -64,7 +64,7 @@ check("06.next_power_of_two", next_power_of_two)
 #
 # **Checked:** a request of 100 + 200 tokens with `max_model_len` 2,048 (2,048, 512 and 300 slots);
 # 200 + 56 tokens under `"pow2"` (256); 100 + 200 tokens under `"pow2"` with `max_model_len` 400
-# (400); a request of exactly `max_model_len`; the two errors; and agreement with
+# (400), and 250 + 250 with 500 (500); a request of exactly `max_model_len`; the two errors; and agreement with
 # `paged_kv.workload.ContiguousPolicy(kind, max_model_len).reservation(request)` for 200 sampled
 # ShareGPT-shaped and 200 Alpaca-shaped requests.
 
@@ -116,7 +116,7 @@ check("06.reserved_tokens", reserved_tokens)
 #    sequences keep running.
 #
 # Return the ids of the requests that finished in this step, in admission order. A request with
-# `o` output tokens thus runs for `o + 1` steps, and memory released at step 4 is free for the next
+# `o` output tokens thus runs for `o + 1` steps, and memory released in part 4 is free for the next
 # step's admissions, as in `paged_kv.workload.simulate`.
 #
 # **Checked**, with `reserve` giving each request its final length:

@@ -211,8 +211,8 @@ plt.show()
 # %% [markdown]
 # ## 3. Two workloads
 #
-# How much each policy wastes depends on the lengths of the requests. The vLLM paper measured two
-# data sets:
+# How much each policy wastes depends on the lengths of the requests. The vLLM paper's experiments
+# use two data sets:
 #
 # * **ShareGPT**, conversations that users shared from ChatGPT: long prompts and long answers,
 #   161 and 338 tokens on average;
@@ -375,8 +375,9 @@ plt.show()
 
 # %% [markdown]
 # While requests keep arriving, each policy stays in its own band: paged just under 1, the oracle
-# around 0.6 (a sequence is about half full on average over its life), powers of two around 0.4, the
-# maximum around 0.2. Towards the end, the last sequences run alone and fill their slots, so the
+# a little above 0.5 (a sequence starts with its prompt and fills its slot one token at a time, so
+# over its life it is a little more than half full), powers of two around 0.4, the maximum around
+# 0.2. Towards the end, the last sequences run alone and fill their slots, so the
 # contiguous lines climb: the oracle's reaches 1, since its last sequence ends exactly full. (The
 # first 9 steps reserve nothing: the first request arrives at step 9.)
 #
@@ -485,10 +486,10 @@ plt.show()
 # %% [markdown]
 # ## 7. Back to lesson 00: how much of the reservation holds tokens
 #
-# Lesson 00 ended with the vLLM paper's measurement: existing systems, which reserve contiguous
-# memory, used only 20 to 40 % of their KV cache for token states, and the paper reports about 96 %
-# with PagedAttention. Those are the paper's figures, measured on real systems. The simulator gives
-# its own, as the mean utilisation of each policy on the two streams of section 5:
+# Lesson 00 quoted the vLLM paper's measurement: in earlier serving systems, which reserve
+# contiguous memory, only 20.4 % to 38.2 % of the KV cache held actual token states, while with vLLM
+# the waste was near zero. Those are the paper's figures, measured on real systems. The simulator
+# gives its own, as the mean utilisation of each policy on the two streams of section 5:
 
 # %%
 print(f"{'policy':<20}{'sharegpt':>10}{'alpaca':>10}")
@@ -496,10 +497,11 @@ for on_sharegpt, on_alpaca in zip(sharegpt, alpaca, strict=True):
     print(f"{on_sharegpt.policy:<20}{on_sharegpt.mean_utilization:>10.1%}{on_alpaca.mean_utilization:>10.1%}")
 
 # %% [markdown]
-# Reserving the maximum uses 25 % and 17 %: the bottom of the paper's range, or below it.
-# Powers of two reach about 39 %, the oracle 60 to 64 %, and paging 98 % and 91 %, in line with
-# the paper's 96 %. The simulator is kind to the contiguous policies: it only counts their slots, and
-# never finds the free memory cut into holes too small for the next request (the external
+# Reserving the maximum uses 25 % and 17 %: in the lower part of the paper's range, or below it.
+# Powers of two reach about 39 % and the oracle 60 to 64 %, above the paper's range, and paging 98 %
+# and 91 %: little waste, as the paper found, though Alpaca's short sequences feel the empty tail of
+# their last block more. The simulator is kind to the contiguous policies: it only counts their
+# slots, and never finds the free memory cut into holes too small for the next request (the external
 # fragmentation of lesson 00), which real contiguous systems suffer.
 #
 # Lesson 00 promised that a paged sequence wastes less than one block. The simulator checks it at
@@ -542,7 +544,8 @@ print("block size:", 16)
 #   compare mean running and tokens per step.
 # * Utilisation: paging 98 % (ShareGPT) and 91 % (Alpaca), with less than one block wasted per
 #   sequence; contiguous reservation from 17 % (maximum, Alpaca) to 64 % (oracle, ShareGPT). The
-#   vLLM paper reports 20 to 40 % for contiguous systems and about 96 % with paging.
+#   vLLM paper reports 20.4 % to 38.2 % for earlier, contiguous systems and near-zero waste with
+#   paging.
 #
 # **Next, lesson 07:** sharing, where several sequences point at the same blocks: forking a
 # sequence with reference counts and copy-on-write, and prefix caching by block hash. The exercise
