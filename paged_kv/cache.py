@@ -150,10 +150,9 @@ class PagedKVCacheAllocator:
         n = check_count("n", n)
         new_total = table.num_tokens + n
         missing = max(0, blocks_for_tokens(new_total, self.block_size) - table.num_blocks)
-        what = f"appending {n} tokens to sequence {seq_id!r}"
         if self._trace is not None:
-            return self._append_recorded(seq_id, table, n, missing, what)
-        new_ids = self._take_blocks(missing, what)
+            return self._append_recorded(seq_id, table, n, missing, _appending(n, seq_id))
+        new_ids = self._take_blocks(missing, _appending(n, seq_id)) if missing else []
         table.block_ids.extend(new_ids)
         table.num_tokens = new_total
         return new_ids
@@ -395,3 +394,8 @@ def _out_of_range(name: str, bad: int, num_tokens: int) -> str:
         f"{name} {bad} is out of range: the sequence holds {num_tokens} tokens, "
         f"so positions run from 0 to {num_tokens - 1}"
     )
+
+
+def _appending(n: int, seq_id: Hashable) -> str:
+    """What an append that runs out of blocks was doing, for its error message."""
+    return f"appending {n} tokens to sequence {seq_id!r}"

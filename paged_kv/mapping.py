@@ -82,8 +82,12 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     >>> slot_mapping(torch.tensor([5, 2, 7]), torch.arange(6), 4).tolist()
     [20, 21, 22, 23, 8, 9]
     """
-    block_ids, offsets = physical_locations(block_table, positions, block_size)
-    return block_ids * block_size + offsets
+    # The slots of the whole table in logical order, then one gather: the same numbers as
+    # block_table[p // block_size] * block_size + p % block_size, without an integer division and
+    # a modulo per position (about twice as fast on a CPU; bench/bench_slot_mapping.py).
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = (block_table.long()[:, None] * block_size + offsets).reshape(-1)
+    return slots[positions]
 
 
 def write_kv(
