@@ -1,0 +1,132 @@
+"""Shared helpers of the bench scripts: a timer, the result row, the tables and the machine's description.
+
+Every benchmark measures the package against a baseline *in the same run* and reports the ratio, so
+a slow or busy machine shifts both sides alike. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a benchmark table.
+
+    ``measured`` and ``baseline`` are in ``unit``; ``ratio`` is what ``target`` speaks of (a
+    speed-up ``baseline / measured`` or a growth factor, as the name says); ``met`` is ``None``
+    for a row with no target (shown for information).
+    """
+
+    name: str
+    measured: float
+    baseline: float
+    ratio: float
+    target: str
+    met: bool | None
+    unit: str = "µs"
+
+
+def median_time(fn: Callable[[], object], repeats: int = 15, warmup: int = 2, number: int = 1) -> float:
+    """The median over ``repeats`` samples of the seconds one call of ``fn`` takes.
+
+    Each sample times ``number`` calls in a row and divides, so very short calls rise above the
+    timer's resolution; ``warmup`` untimed calls come first.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def _met(met: bool | None) -> str:
+    return "—" if met is None else ("yes" if met else "**no**")
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+HEADER = ("benchmark", "measured", "baseline", "unit", "ratio", "target", "met")
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    return (
+        row.name,
+        _number(row.measured),
+        _number(row.baseline),
+        row.unit,
+        f"{row.ratio:.2f}x",
+        row.target,
+        _met(row.met).replace("**", ""),
+    )
+
+
+def text_table(rows: list[Row]) -> str:
+    """The rows as an aligned plain-text table, for the terminal."""
+    lines = [HEADER, *(_cells(row) for row in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    out = []
+    for index, line in enumerate(lines):
+        pairs = enumerate(zip(line, widths, strict=True))
+        cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in pairs]
+        out.append("  ".join(cells))
+        if index == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The rows as a Markdown table; a missed target is shown in bold."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 4 + "---|---|"]
+    for row in rows:
+        cells = list(_cells(row))
+        cells[-1] = _met(row.met)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo where there is one, else what ``platform`` says."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_description() -> dict[str, str]:
+    """Platform, CPU model, cores, Python and torch versions, and the CUDA device when there is one."""
+    import torch
+
+    cores = os.cpu_count() or 0
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = cores
+    description = {
+        "platform": platform.platform(),
+        "CPU": cpu_model(),
+        "cores": f"{usable} usable of {cores}" if usable != cores else str(cores),
+        "Python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch threads": str(torch.get_num_threads()),
+        "CUDA device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+    return description

@@ -1,0 +1,221 @@
+"""The allocator's hot paths against straightforward baselines, measured in the same run.
+
+1. A decode step: append one token to each of 256 sequences (block size 16) with
+   ``paged_kv.PagedKVCacheAllocator``, against :class:`BlogStyleBlockManager`, a small manager in
+   the style of the blog post this course grew from (per-request token counts, the block count
+   recomputed with ``ceil`` on every append, a snapshot of the table returned).
+2. ``BlockAllocator.allocate()`` + ``free()`` at 1,000 and at 100,000 blocks: the cost must stay
+   flat (O(1)), where a free list kept as a Python list popped with ``pop(0)`` (O(n)) grows.
+
+    .venv/bin/python bench/bench_allocator.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import Row, median_time, text_table
+
+from paged_kv import BlockAllocator, PagedKVCacheAllocator
+
+FLAT_LIMIT = 1.5  # allocate/free at 100k blocks may cost at most this many times its cost at 1k
+
+
+class BlogStyleBlockManager:
+    """A straightforward block manager, in the style of the blog seed's ``KVBlockManager``.
+
+    A FIFO pool of free block ids (a deque, as in the blog), a token count and a list of block ids
+    per request; ``append_tokens`` recomputes how many blocks the old and the new token counts need
+    with ``ceil`` and takes the difference, and every call returns a snapshot (a copy) of the table.
+    """
+
+    def __init__(self, total_blocks: int, block_size: int = 16) -> None:
+        if total_blocks < 1 or block_size < 1:
+            raise ValueError("total_blocks and block_size must be at least 1")
+        self.block_size = block_size
+        self.free_block_ids: deque[int] = deque(range(total_blocks))
+        self.token_counts: dict[object, int] = {}
+        self.block_tables: dict[object, list[int]] = {}
+
+    def _blocks_for_tokens(self, token_count: int) -> int:
+        return math.ceil(token_count / self.block_size)
+
+    def _take_blocks(self, count: int) -> list[int]:
+        if count > len(self.free_block_ids):
+            raise RuntimeError(f"need {count} blocks, only {len(self.free_block_ids)} free")
+        return [self.free_block_ids.popleft() for _ in range(count)]
+
+    def allocate(self, request_id: object, token_count: int) -> list[int]:
+        if request_id in self.block_tables:
+            raise ValueError(f"request already has allocated blocks: {request_id}")
+        if token_count < 0:
+            raise ValueError("token_count must be non-negative")
+        self.block_tables[request_id] = self._take_blocks(self._blocks_for_tokens(token_count))
+        self.token_counts[request_id] = token_count
+        return list(self.block_tables[request_id])
+
+    def append_tokens(self, request_id: object, token_count: int = 1) -> list[int]:
+        if token_count < 0:
+            raise ValueError("token_count must be non-negative")
+        if request_id not in self.block_tables:
+            raise KeyError(f"request has no allocated blocks: {request_id}")
+        old_count = self.token_counts[request_id]
+        new_count = old_count + token_count
+        additional = self._blocks_for_tokens(new_count) - self._blocks_for_tokens(old_count)
+        self.block_tables[request_id].extend(self._take_blocks(additional))
+        self.token_counts[request_id] = new_count
+        return list(self.block_tables[request_id])
+
+    def release(self, request_id: object) -> list[int]:
+        table = self.block_tables.pop(request_id)
+        del self.token_counts[request_id]
+        self.free_block_ids.extend(table)
+        return list(table)
+
+
+class PopFrontAllocator:
+    """The naive free list: a Python list, allocated from the front with ``pop(0)``, which is O(n)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free_block_ids = list(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    def allocate(self) -> int:
+        if not self.free_block_ids:
+            raise RuntimeError("no free block")
+        block_id = self.free_block_ids.pop(0)
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def free(self, block_id: int) -> bool:
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_block_ids.append(block_id)
+            return True
+        return False
+
+
+def prompt_lengths(num_seqs: int, max_prompt: int, seed: int = 0) -> list[int]:
+    """Seeded random prompt lengths in ``[1, max_prompt]``."""
+    rng = random.Random(seed)
+    return [rng.randint(1, max_prompt) for _ in range(num_seqs)]
+
+
+def decode_step_times(
+    num_seqs: int = 256, block_size: int = 16, max_prompt: int = 512, repeats: int = 20
+) -> tuple[float, float]:
+    """Median seconds of one decode step: (PagedKVCacheAllocator, BlogStyleBlockManager).
+
+    Both hold the same sequences; each sample appends one token to every sequence, so the
+    sequences grow across samples, crossing block boundaries as a real decode does.
+    """
+    lengths = prompt_lengths(num_seqs, max_prompt)
+    steps = repeats + 2  # the warm-up steps grow the sequences too
+    num_blocks = sum(math.ceil((n + steps) / block_size) for n in lengths) + num_seqs
+    cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
+    blog = BlogStyleBlockManager(num_blocks, block_size)
+    for seq_id, length in enumerate(lengths):
+        cache.allocate_for_sequence(seq_id, length)
+        blog.allocate(seq_id, length)
+    seq_ids = range(num_seqs)
+
+    def package_step() -> None:
+        for seq_id in seq_ids:
+            cache.append_tokens(seq_id, 1)
+
+    def blog_step() -> None:
+        for seq_id in seq_ids:
+            blog.append_tokens(seq_id, 1)
+
+    package = median_time(package_step, repeats=repeats, warmup=2)
+    baseline = median_time(blog_step, repeats=repeats, warmup=2)
+    return package, baseline
+
+
+def allocate_free_time(allocator: BlockAllocator | PopFrontAllocator, pairs: int, repeats: int) -> float:
+    """Median seconds of one ``allocate()`` + ``free()`` pair on a pool whose blocks are all free."""
+
+    def pairs_loop() -> None:
+        allocate, free = allocator.allocate, allocator.free
+        for _ in range(pairs):
+            free(allocate())
+
+    return median_time(pairs_loop, repeats=repeats, warmup=1) / pairs
+
+
+def run(
+    num_seqs: int = 256,
+    block_size: int = 16,
+    max_prompt: int = 512,
+    decode_repeats: int = 20,
+    pool_sizes: tuple[int, int] = (1_000, 100_000),
+    pairs: int = 2_000,
+    repeats: int = 9,
+) -> list[Row]:
+    """Measure both benchmarks and return their rows (times in µs, rates in pairs per µs)."""
+    package, baseline = decode_step_times(num_seqs, block_size, max_prompt, decode_repeats)
+    rows = [
+        Row(
+            f"decode step: append 1 token to {num_seqs} seqs (block {block_size}) vs blog-style manager",
+            package * 1e6,
+            baseline * 1e6,
+            baseline / package,
+            "—",
+            None,
+        )
+    ]
+    small, large = pool_sizes
+    times: dict[str, dict[int, float]] = {"package": {}, "naive": {}}
+    for size in pool_sizes:
+        times["package"][size] = allocate_free_time(BlockAllocator(size), pairs, repeats)
+        times["naive"][size] = allocate_free_time(PopFrontAllocator(size), pairs, repeats)
+    for size in pool_sizes:
+        rows.append(
+            Row(
+                f"allocate+free at {size:,} blocks: pairs/s, BlockAllocator vs list pop(0)",
+                1 / times["package"][size],
+                1 / times["naive"][size],
+                times["naive"][size] / times["package"][size],
+                "—",
+                None,
+                unit="pairs/s",
+            )
+        )
+    for key, label in (("package", "BlockAllocator (deque)"), ("naive", "list pop(0), for contrast")):
+        growth = times[key][large] / times[key][small]
+        is_package = key == "package"
+        rows.append(
+            Row(
+                f"allocate+free cost {large:,} / {small:,} blocks: {label}",
+                times[key][large] * 1e9,
+                times[key][small] * 1e9,
+                growth,
+                f"<= {FLAT_LIMIT}x (flat)" if is_package else "—",
+                growth <= FLAT_LIMIT if is_package else None,
+                unit="ns/pair",
+            )
+        )
+    return rows
+
+
+# Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
+QUICK = {
+    "num_seqs": 8,
+    "max_prompt": 40,
+    "decode_repeats": 3,
+    "pool_sizes": (100, 1_000),
+    "pairs": 50,
+    "repeats": 3,
+}
+
+
+if __name__ == "__main__":
+    print(text_table(run()))
