@@ -1,0 +1,165 @@
+"""The tiny GPT end to end: the same tokens and logits with a contiguous or a paged KV cache (lesson 09)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_kv import OutOfBlocksError, blocks_for_tokens
+from paged_kv.model import (
+    ContiguousKVCache,
+    GPTConfig,
+    PagedKVCache,
+    TinyGPT,
+    decode,
+    encode,
+    generate,
+)
+
+pytestmark = pytest.mark.lesson09
+
+# The two caches compute the same float32 attention in a different order: logits agree to this.
+TOLERANCES = {"rtol": 1e-4, "atol": 1e-4}
+PROMPT_LENGTHS = (5, 17, 33)
+BLOCK_SIZE = 4  # small, so every prompt and every few decode steps cross a block boundary
+NEW_TOKENS = 10
+
+
+def prompts(lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+def make_cache(kind: str, model: TinyGPT, device: torch.device, **paged):
+    if kind == "contiguous":
+        return ContiguousKVCache(model.config, device)
+    return PagedKVCache(model.config, device=device, **{"num_blocks": 64, "block_size": BLOCK_SIZE, **paged})
+
+
+def test_the_same_seed_gives_the_same_weights_on_any_device(device):
+    a, b, other = TinyGPT(seed=3), TinyGPT(seed=3), TinyGPT(seed=4)
+    on_device = TinyGPT(seed=3).to(device)
+    for (name, pa), pb, po, pd in zip(
+        a.named_parameters(), b.parameters(), other.parameters(), on_device.parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+        assert torch.equal(pa, pd.cpu()), name
+        if "norm" not in name and not name.endswith("bias"):
+            assert not torch.equal(pa, po), name
+
+
+def test_building_a_model_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    TinyGPT(seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_encode_and_decode_are_byte_level():
+    assert encode("héllo") == [104, 195, 169, 108, 108, 111]
+    assert decode(encode("héllo")) == "héllo"
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_prefill_then_decode_matches_the_full_forward(device, kind):
+    model = TinyGPT(seed=0).to(device)
+    tokens = torch.tensor(prompts((14,))[0], device=device)
+    cache, prompt_len = make_cache(kind, model, device), 6
+    with torch.no_grad():
+        full = model(tokens[None])[0]  # (14, vocab), no cache
+        cache.add_sequence("s", prompt_len)
+        got = [model.prefill(tokens[:prompt_len], "s", cache)]
+        for position in range(prompt_len, len(tokens)):  # teacher forcing, one token at a time
+            got.append(model.decode_step(tokens[position : position + 1], ["s"], cache))
+    torch.testing.assert_close(torch.cat(got), full, **TOLERANCES)
+
+
+def test_greedy_generation_is_identical_with_either_cache(device):
+    model = TinyGPT(seed=0).to(device)
+    batch = prompts()
+    contiguous = generate(model, batch, NEW_TOKENS, cache="contiguous")
+    paged = generate(model, batch, NEW_TOKENS, cache="paged", block_size=BLOCK_SIZE)
+    assert paged.tokens == contiguous.tokens
+    assert [len(t) for t in paged.tokens] == [NEW_TOKENS] * len(batch)
+    assert paged.logits.shape == (NEW_TOKENS, len(batch), model.config.vocab_size)
+    torch.testing.assert_close(paged.logits, contiguous.logits, **TOLERANCES)
+    # And both agree with running each finished sequence through the model with no cache.
+    with torch.no_grad():
+        for i, (prompt, new) in enumerate(zip(batch, paged.tokens, strict=True)):
+            full = model(torch.tensor([prompt + new[:-1]], device=device))[0, len(prompt) - 1 :]
+            torch.testing.assert_close(paged.logits[:, i], full, **TOLERANCES)
+
+
+def test_the_paged_cache_takes_blocks_on_demand_and_frees_them():
+    model, batch = TinyGPT(seed=0), prompts()
+    cache = make_cache("paged", model, torch.device("cpu"), record=True)
+    generate(model, batch, NEW_TOKENS, cache=cache)
+    traces = [allocator.trace for allocator in cache.allocators]
+    for trace in traces[1:]:  # every layer's allocator made the same decisions
+        assert [(f.event, f.seq_id, f.highlight) for f in trace] == [
+            (f.event, f.seq_id, f.highlight) for f in traces[0]
+        ]
+    for i, prompt in enumerate(batch):
+        seq_id, held = f"prompt-{i}", len(prompt) + NEW_TOKENS - 1  # the last token is never fed back
+        frames = [f for f in traces[0] if f.seq_id == seq_id]
+        allocate, *decode_frames, free = frames
+        assert len(allocate.highlight) == blocks_for_tokens(len(prompt), BLOCK_SIZE)
+        # One token per decode step, and a new block exactly when the token opens a block.
+        lengths = [f.snapshot.tables[seq_id].num_tokens for f in decode_frames]
+        assert lengths == list(range(len(prompt) + 1, held + 1))
+        for frame, length in zip(decode_frames, lengths, strict=True):
+            assert (frame.event == "new_block") is (length % BLOCK_SIZE == 1), (seq_id, length)
+        assert free.event == "free" and len(free.highlight) == blocks_for_tokens(held, BLOCK_SIZE)
+    for allocator in cache.allocators:
+        assert allocator.seq_ids == () and allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_scattered_blocks_give_the_same_tokens(device):
+    model, batch = TinyGPT(seed=0).to(device), prompts()
+    cache = make_cache("paged", model, device, record=True)
+    for allocator in cache.allocators:  # fragment the pool: the free list ends up out of order
+        for n in range(8):
+            allocator.allocate_for_sequence(f"other-{n}", 1 + 3 * n)
+        for n in range(0, 8, 2):
+            allocator.free_sequence(f"other-{n}")
+    paged = generate(model, batch, NEW_TOKENS, cache=cache)
+    contiguous = generate(model, batch, NEW_TOKENS, cache="contiguous")
+    assert paged.tokens == contiguous.tokens
+    torch.testing.assert_close(paged.logits, contiguous.logits, **TOLERANCES)
+    tables = [f.highlight for f in cache.allocators[0].trace if f.event == "free" and f.seq_id[0] == "p"]
+    assert any(list(t) != list(range(t[0], t[0] + len(t))) for t in tables), tables
+    assert cache.allocators[0].seq_ids == tuple(f"other-{n}" for n in range(1, 8, 2))
+
+
+def test_running_out_of_blocks_raises_and_frees_the_batch():
+    model = TinyGPT(seed=0)
+    cache = make_cache("paged", model, torch.device("cpu"), num_blocks=6)
+    with pytest.raises(OutOfBlocksError):
+        generate(model, prompts((5, 9)), 12, cache=cache)
+    assert all(a.num_free_blocks == a.num_blocks for a in cache.allocators)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"prompts": []}, "prompts"),
+        ({"prompts": [[1], []]}, r"prompts\[1\]"),
+        ({"prompts": [[1, 256]]}, r"prompts\[0\]"),
+        ({"prompts": [[1, "a"]]}, r"prompts\[0\]"),
+        ({"prompts": [[1] * 60]}, "max_len"),
+        ({"cache": "ring"}, "cache"),
+        ({"device": "meta"}, "device"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs, named):
+    model = TinyGPT(GPTConfig(max_len=64))
+    arguments = {"prompts": [[1, 2, 3]], "max_new_tokens": 5, **kwargs}
+    with pytest.raises(ValueError, match=named):
+        generate(model, **arguments)
+
+
+def test_a_bad_config_raises_value_error_naming_the_field():
+    with pytest.raises(ValueError, match="num_heads"):
+        GPTConfig(num_heads=0)
