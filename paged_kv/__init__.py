@@ -4,7 +4,7 @@ The companion package of the paged_kv course. The names below are the API that l
 exercises, grader and tests share.
 """
 
-from .attention import paged_attention
+from .attention import paged_attention, paged_prefill_attention
 from .block import Block, BlockTable, blocks_for_tokens
 from .block_allocator import BlockAllocator
 from .cache import PagedKVCacheAllocator
@@ -31,4 +31,5 @@ __all__ = [
     "default_device",
     "fragmentation_report",
     "paged_attention",
+    "paged_prefill_attention",
 ]

@@ -1,4 +1,4 @@
-"""Paged decode attention: one query token per sequence, attending to K/V kept in blocks.
+"""Paged attention: decode (one query token per sequence) and prefill, attending to K/V kept in blocks.
 
 The kernel never sees a contiguous K or V. It follows each sequence's block table: logical block
 ``j`` of sequence ``b`` is physical block ``block_tables[b, j]`` of the cache, so token ``p`` sits
@@ -11,7 +11,9 @@ gathered copy.
 The two halves are public for one sequence as well: :func:`gather_kv` reads a sequence's K and V
 through its block table into contiguous tensors, and :func:`decode_attention` is the attention of
 one query token over them. :func:`paged_attention` does both for a whole batch at once, with the
-same gather and the same attention.
+same gather and the same attention. :func:`paged_prefill_attention` is the prefill counterpart:
+several new tokens per sequence, packed, each attending causally to its sequence's tokens up to its
+own position; it reuses the same gather and the same attention, with a causal mask instead.
 """
 
 from __future__ import annotations
@@ -52,19 +54,79 @@ def paged_attention(
         ValueError: an argument has the wrong type, shape, dtype or device, or a context length is
             below 1 or needs blocks its row does not hold (the message names the argument).
     """
-    context_lens = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
-    num_blocks, _, block_size, _ = k_cache.shape
+    context_lens, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
 
-    # 1. Gather each sequence's blocks in table order. Padding is clamped to a real block (any one
-    #    will do) and masked out in step 2.
-    blocks = block_tables.long().clamp(0, num_blocks - 1)
-    k, v = (_gather_blocks(cache, blocks).to(compute_dtype) for cache in (k_cache, v_cache))
+    # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
 
     # 2. Positions at or past the context length do not exist: the attention masks them out.
-    positions = torch.arange(blocks.shape[1] * block_size, device=query.device)
     beyond = positions[None, :] >= context_lens[:, None]  # (batch, positions)
     return _attend(query.to(compute_dtype), k, v, scale, beyond).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor | Sequence[int],
+    query_lens: torch.Tensor | Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal prefill attention for a batch of sequences whose K/V live in a paged cache.
+
+    Sequence ``b`` holds ``context_lens[b]`` tokens in the cache, of which the last
+    ``query_lens[b]`` are new: their queries are packed into ``query``, sequence after sequence.
+    New token ``i`` of sequence ``b`` sits at position ``context_lens[b] - query_lens[b] + i`` and
+    attends to positions ``0`` through its own (causal). A fresh prompt has ``query_lens ==
+    context_lens``; ``query_lens`` of ones is decode, what :func:`paged_attention` computes; in
+    between is a chunk of a prompt whose earlier chunks are cached. The K/V of the new tokens must
+    already be written into the cache.
+
+    Args:
+        query: ``(total_new_tokens, num_heads, head_dim)`` with ``total_new_tokens ==
+            sum(query_lens)``; rows ``sum(query_lens[:b]) ..`` are sequence ``b``'s, in order.
+        k_cache, v_cache: ``(num_blocks, num_heads, block_size, head_dim)``.
+        block_tables: ``(batch, max_blocks)`` integer tensor of physical block ids; entries past
+            the blocks a sequence needs are padding (``-1`` by convention, any value works).
+        context_lens: ``(batch,)`` integers, the tokens each sequence holds (new ones included),
+            each in ``1 .. needed_blocks * block_size`` as for :func:`paged_attention`.
+        query_lens: ``(batch,)`` integers, each in ``0 .. context_lens[b]``.
+        scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``(total_new_tokens, num_heads, head_dim)``, packed like ``query``, with its dtype and
+        device. Each row equals contiguous attention of that query over positions ``0 ..`` its
+        own position of its sequence. Half and bfloat16 inputs are computed in float32 and cast back.
+
+    Raises:
+        ValueError: as :func:`paged_attention`, or ``query_lens`` has the wrong type or shape, a
+            query length is outside ``0 .. context_lens[b]``, or they do not sum to the rows of
+            ``query`` (the message names the argument).
+
+    The new tokens are padded to the longest query length, so the batch is one gather and one
+    masked attention, with no Python loop over sequences; the padding rows are dropped at the end.
+    """
+    context_lens, query_lens = _check_inputs(query, k_cache, v_cache, block_tables, context_lens, query_lens)
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    device, (total, num_heads, head_dim), batch = query.device, query.shape, block_tables.shape[0]
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
+
+    # Unpack: packed row t is new token index[t] of sequence seq[t]. Pad to (batch, max_q, ...).
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=total)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    index = torch.arange(total, device=device) - starts[seq]
+    max_q = int(query_lens.max()) if batch else 0  # the padded width is a shape: one sync
+    padded = torch.zeros(batch, max_q, num_heads, head_dim, dtype=compute_dtype, device=device)
+    padded[seq, index] = query.to(compute_dtype)
+
+    # Slot i of row b is position context_lens[b] - query_lens[b] + i and sees positions up to its
+    # own. Padding slots (i >= query_lens[b]) lie past the context: what they see is dropped below.
+    query_positions = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
+    beyond = positions[None, None, :] > query_positions[:, :, None]  # (batch, max_q, positions)
+    out = _attend(padded.transpose(1, 2), k, v, scale, beyond)  # (batch, heads, max_q, dim)
+    return out.transpose(1, 2)[seq, index].to(query.dtype)
 
 
 def gather_kv(
@@ -178,6 +240,21 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return per_block.transpose(1, 2).reshape(batch, num_heads, n * block_size, head_dim)
 
 
+def _gather_batch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's K and V in table order, in ``dtype``, and the positions they hold.
+
+    Returns ``k`` and ``v`` of shape ``(batch, num_heads, max_blocks * block_size, head_dim)`` and
+    ``positions = arange(max_blocks * block_size)``. Padding entries are clamped to a real block
+    (any one will do): the caller masks out the positions they hold.
+    """
+    num_blocks, _, block_size, _ = k_cache.shape
+    blocks = block_tables.long().clamp(0, num_blocks - 1)
+    k, v = (_gather_blocks(cache, blocks).to(dtype) for cache in (k_cache, v_cache))
+    return k, v, torch.arange(blocks.shape[1] * block_size, device=k.device)
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,21 +262,28 @@ def _attend(
     scale: float | None,
     beyond: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention for a batch: q ``(batch, heads, dim)``, k and v ``(batch, heads, positions, dim)``.
+    """Attention for a batch: q ``(batch, heads, [queries,] dim)``, k, v ``(batch, heads, positions, dim)``.
 
-    ``beyond`` is a ``(batch, positions)`` bool mask of the positions that do not exist; they get a
-    score of ``-inf`` before the softmax. Returns ``(batch, heads, dim)``.
+    Decode has one query per row and no ``queries`` axis; prefill has one. ``beyond`` is a
+    ``(batch, [queries,] positions)`` bool mask of the positions a query must not see; they get a
+    score of ``-inf`` before the softmax. Returns q's shape.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bhd,bhpd->bhp", q, k) * scale
+    scores = torch.einsum("bh...d,bhpd->bh...p", q, k) * scale
     if beyond is not None:
-        scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # over the positions, for each head
-    return torch.einsum("bhp,bhpd->bhd", weights, v)
+        scores = scores.masked_fill(beyond[:, None], float("-inf"))  # the same for every head
+    weights = torch.softmax(scores, dim=-1)  # over the positions, for each head (and query)
+    return torch.einsum("bh...p,bhpd->bh...d", weights, v)
 
 
-def _check_inputs(query, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
-    """Raise ``ValueError`` naming the bad argument; return ``context_lens`` as a LongTensor."""
+def _check_inputs(
+    query, k_cache, v_cache, block_tables, context_lens, query_lens=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raise ``ValueError`` naming the bad argument; return ``context_lens``, ``query_lens`` as LongTensors.
+
+    Decode (``query_lens`` None): ``query`` has one row per sequence. Prefill: ``block_tables``
+    gives the batch and ``query`` holds ``sum(query_lens)`` packed rows.
+    """
     named = {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
@@ -216,25 +300,30 @@ def _check_inputs(query, k_cache, v_cache, block_tables, context_lens) -> torch.
     for name in ("k_cache", "v_cache"):
         if named[name].dtype != query.dtype:
             raise ValueError(f"{name} has dtype {named[name].dtype} but query has {query.dtype}")
-    if not isinstance(context_lens, torch.Tensor):
-        try:
-            context_lens = torch.as_tensor(context_lens, device=query.device)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"context_lens must be integers, got {context_lens!r}") from None
-        context_lens = context_lens if context_lens.numel() else context_lens.long()  # [] makes floats
-    named["context_lens"] = context_lens
+    lengths = {"context_lens": context_lens, "query_lens": query_lens}
+    if query_lens is None:  # decode
+        del lengths["query_lens"]
+    for name, value in lengths.items():
+        named[name] = _as_tensor(name, value, query.device)
     for name, tensor in named.items():
         if tensor.device != query.device:
             raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
-    for name in ("block_tables", "context_lens"):
+    for name in ("block_tables", *lengths):
         dtype = named[name].dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {dtype}")
-    batch = query.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be ({batch}, max_blocks), got {tuple(block_tables.shape)}")
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must have shape ({batch},), got {tuple(context_lens.shape)}")
+    if query_lens is None:  # decode: one query row per sequence
+        batch = query.shape[0]
+        if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+            raise ValueError(f"block_tables must be ({batch}, max_blocks), got {tuple(block_tables.shape)}")
+    else:  # prefill: the table rows are the sequences
+        if block_tables.dim() != 2:
+            raise ValueError(f"block_tables must be 2-D (batch, max_blocks), got {tuple(block_tables.shape)}")
+        batch = block_tables.shape[0]
+    for name in lengths:
+        if named[name].shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},), got {tuple(named[name].shape)}")
+    context_lens = named["context_lens"]
 
     # The values: one copy to the CPU, then every sequence checked at once.
     lens, table = context_lens.long().cpu(), block_tables.long().cpu()
@@ -252,4 +341,27 @@ def _check_inputs(query, k_cache, v_cache, block_tables, context_lens) -> torch.
     if bad_id.any():
         b, j = bad_id.nonzero()[0].tolist()
         raise ValueError(f"block_tables[{b}, {j}] = {int(table[b, j])} is not a block id below {num_blocks}")
-    return context_lens.long()
+    if query_lens is None:
+        return context_lens.long(), None
+    query_lens = named["query_lens"].long()
+    new = query_lens.cpu()
+    bad_new = (new < 0) | (new > lens)
+    if bad_new.any():
+        b = int(bad_new.nonzero()[0])
+        raise ValueError(
+            f"query_lens[{b}] = {int(new[b])} must be in 0 .. context_lens[{b}] = {int(lens[b])}"
+        )
+    if int(new.sum()) != query.shape[0]:
+        raise ValueError(f"query_lens must sum to the {query.shape[0]} rows of query, got {int(new.sum())}")
+    return context_lens.long(), query_lens
+
+
+def _as_tensor(name: str, value: object, device: torch.device) -> torch.Tensor:
+    """``value`` if a tensor, else ``torch.as_tensor`` of it on ``device``; a ``ValueError`` naming it."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        tensor = torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be integers, got {value!r}") from None
+    return tensor if tensor.numel() else tensor.long()  # [] makes floats

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.attention import decode_attention, gather_kv, paged_attention
+from paged_kv.attention import decode_attention, gather_kv, paged_attention, paged_prefill_attention
 
 pytestmark = pytest.mark.lesson05
 
@@ -405,3 +405,221 @@ def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(block_s
         ]
     )
     torch.testing.assert_close(run(cache, query, context_lens), one_by_one, **TOLERANCES[torch.float32])
+
+
+# ------------------------------------------------------------------------------ prefill (causal)
+
+
+def prefill_query(cache, query_lens, seed=1):
+    """Packed queries: ``sum(query_lens)`` rows, sequence after sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(sum(query_lens), cache.num_heads, cache.head_dim, generator=gen)
+    return query.to(dtype=cache.dtype, device=cache.device)
+
+
+def causal_mask(context_len, query_len, device="cpu"):
+    """``(query_len, context_len)``: new token i sits at ``context_len - query_len + i`` and sees up to it.
+
+    Built explicitly: SDPA's ``is_causal`` aligns the mask top-left, which is wrong when
+    ``query_len < context_len`` (the new tokens are the last ones, not the first).
+    """
+    query_positions = torch.arange(context_len - query_len, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= query_positions[:, None]
+
+
+def prefill_reference(cache, query, context_lens, query_lens, scale=None):
+    """SDPA, one sequence at a time, over its contiguous K/V (in float32), packed like ``query``."""
+    rows, start = [], 0
+    for seq_id, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
+        k, v = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        q = query[start : start + query_len].transpose(0, 1)[None].float()  # (1, H, Q, D)
+        mask = causal_mask(context_len, query_len, query.device)
+        rows.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+        start += query_len
+    return torch.cat(rows) if rows else query.float()
+
+
+def run_prefill(cache, query, context_lens, query_lens, **kw):
+    tables = cache.block_tables_tensor(range(len(context_lens)))
+    return paged_prefill_attention(
+        query, cache.k_cache, cache.v_cache, tables, context_lens, query_lens, **kw
+    )
+
+
+def test_the_reference_mask_is_sdpa_is_causal_for_a_fresh_prompt():
+    cache = scattered_cache([9])
+    query = prefill_query(cache, [9])
+    k, v = (t.transpose(0, 1)[None] for t in cache.read_kv(0))
+    causal = F.scaled_dot_product_attention(query.transpose(0, 1)[None], k, v, is_causal=True)
+    torch.testing.assert_close(prefill_reference(cache, query, [9], [9]), causal[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_prefill_of_a_ragged_batch_matches_sdpa_per_sequence(device, table_dtype):
+    # a fresh prompt, a chunk after a cached prefix, one new token, a chunk ending mid-block
+    context_lens, query_lens = [9, 13, 6, 20, 1], [9, 5, 1, 7, 1]
+    cache = scattered_cache(context_lens, block_size=4, num_heads=3, head_dim=16, device=device, seed=3)
+    tables = cache.block_tables_tensor(range(len(context_lens))).to(table_dtype)
+    assert (tables == -1).any()
+    assert cache.get_block_mapping(3) != sorted(cache.get_block_mapping(3))  # really scattered
+    query = prefill_query(cache, query_lens)
+    out = paged_prefill_attention(
+        query, cache.k_cache, cache.v_cache, tables, torch.tensor(context_lens, device=device), query_lens
+    )
+    assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device
+    expected = prefill_reference(cache, query, context_lens, query_lens)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_prefill_of_fresh_prompts_is_sdpa_is_causal(device):
+    lengths = [5, 12, 1]
+    cache = scattered_cache(lengths, block_size=4, device=device, seed=4)
+    query = prefill_query(cache, lengths)
+    out = run_prefill(cache, query, lengths, lengths)
+    start = 0
+    for seq_id, n in enumerate(lengths):
+        k, v = (t.transpose(0, 1)[None] for t in cache.read_kv(seq_id))
+        q = query[start : start + n].transpose(0, 1)[None]
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start : start + n], expected, **TOLERANCES[torch.float32])
+        start += n
+
+
+def test_prefill_of_one_token_per_sequence_is_decode(device):
+    lengths = [1, 8, 13, 4]
+    cache = scattered_cache(lengths, block_size=4, device=device, seed=5)
+    query = random_query(cache, len(lengths))
+    decode = run(cache, query, lengths)
+    torch.testing.assert_close(run_prefill(cache, query, lengths, [1] * len(lengths)), decode)
+
+
+def test_a_sequence_with_no_new_tokens_contributes_no_rows(device):
+    context_lens, query_lens = [6, 9, 3], [2, 0, 3]
+    cache = scattered_cache(context_lens, device=device, seed=6)
+    query = prefill_query(cache, query_lens)
+    out = run_prefill(cache, query, context_lens, query_lens)
+    assert out.shape == (5, cache.num_heads, cache.head_dim)
+    torch.testing.assert_close(
+        out, prefill_reference(cache, query, context_lens, query_lens), **TOLERANCES[torch.float32]
+    )
+
+
+@given(
+    block_size=st.integers(1, 6),
+    lengths=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+    num_heads=st.integers(1, 3),
+    head_dim=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_paged_prefill_equals_causal_contiguous_attention(
+    block_size, lengths, num_heads, head_dim, seed, data
+):
+    """Any context length up to what a sequence holds, any number of new tokens up to it (0 included)."""
+    cache = scattered_cache(lengths, block_size, num_heads, head_dim, seed=seed)
+    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
+    query_lens = [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(context_lens)]
+    query = prefill_query(cache, query_lens, seed=seed + 1)
+    out = run_prefill(cache, query, context_lens, query_lens)
+    expected = prefill_reference(cache, query, context_lens, query_lens)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("garbage", ["valid ids", "out of range"])
+def test_prefill_padding_values_never_matter(device, garbage):
+    context_lens, query_lens = [1, 9, 4, 16], [1, 3, 4, 2]
+    cache = scattered_cache(context_lens, block_size=4, device=device)
+    tables = cache.block_tables_tensor(range(len(context_lens)))
+    padding = tables == -1
+    assert padding.any()
+    if garbage == "valid ids":
+        filler = torch.randint(0, cache.num_blocks, tables.shape, generator=torch.Generator().manual_seed(5))
+    else:
+        filler = torch.full(tables.shape, cache.num_blocks + 7)
+    garbled = torch.where(padding, filler.to(tables), tables)
+    query = prefill_query(cache, query_lens)
+    args = (torch.tensor(context_lens, device=device), torch.tensor(query_lens, device=device))
+    clean = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, *args)
+    assert torch.equal(paged_prefill_attention(query, cache.k_cache, cache.v_cache, garbled, *args), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_in_half_precision_matches_within_a_looser_tolerance(device, dtype):
+    context_lens, query_lens = [3, 12, 17], [3, 4, 1]
+    cache = scattered_cache(context_lens, head_dim=16, device=device, dtype=dtype, seed=7)
+    query = prefill_query(cache, query_lens)
+    out = run_prefill(cache, query, context_lens, query_lens)
+    assert out.dtype == dtype
+    expected = prefill_reference(cache, query, context_lens, query_lens).to(dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_prefill_half_precision_scores_are_computed_in_float32(device):
+    context_lens, query_lens = [6, 11], [6, 3]
+    cache = scattered_cache(context_lens, head_dim=16, device=device, dtype=torch.float16, seed=13)
+    cache.k_cache.mul_(300)
+    query = prefill_query(cache, query_lens) * 300
+    out = run_prefill(cache, query, context_lens, query_lens, scale=1e-4)
+    assert out.isfinite().all()
+    expected = prefill_reference(cache, query, context_lens, query_lens, scale=1e-4).half()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float16])
+
+
+@pytest.mark.parametrize("scale", [None, 0.05, 3.0])
+def test_prefill_with_a_custom_scale_matches_sdpa(device, scale):
+    context_lens, query_lens = [7, 12], [3, 12]
+    cache = scattered_cache(context_lens, device=device, seed=11)
+    query = prefill_query(cache, query_lens)
+    expected = prefill_reference(cache, query, context_lens, query_lens, scale=scale)
+    out = run_prefill(cache, query, context_lens, query_lens, scale=scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_prefill_of_an_empty_batch_gives_an_empty_output(device):
+    cache = scattered_cache([3], device=device)
+    query = torch.zeros(0, cache.num_heads, cache.head_dim, device=device)
+    tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
+    out = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, [], [])
+    assert out.shape == (0, cache.num_heads, cache.head_dim)
+
+
+def good_prefill_inputs(device):
+    """Sequences of 5 and 2 tokens, of which 3 and 2 are new: 5 packed query rows."""
+    inputs = good_inputs(device)
+    query = inputs["query"]
+    inputs["query"] = torch.randn(5, *query.shape[1:], generator=torch.Generator().manual_seed(2)).to(query)
+    inputs["query_lens"] = torch.tensor([3, 2], device=device)
+    return inputs
+
+
+BAD_PREFILL_INPUTS = {
+    "query 2-D": ("query", lambda a: a["query"][0]),
+    "query of ints": ("query", lambda a: a["query"].long()),
+    "k_cache other heads": ("k_cache", lambda a: a["k_cache"][:, :1]),
+    "block_tables 1-D": ("block_tables", lambda a: a["block_tables"][0]),
+    "context_lens other batch": ("context_lens", lambda a: a["context_lens"][:1]),
+    "context_len of 0": ("context_lens", lambda a: a["context_lens"] * 0),
+    "query_lens not a sequence of ints": ("query_lens", lambda a: ["three", "two"]),
+    "query_lens floats": ("query_lens", lambda a: a["query_lens"].float()),
+    "query_lens other batch": ("query_lens", lambda a: a["query_lens"][:1]),
+    "query_lens 2-D": ("query_lens", lambda a: a["query_lens"][None]),
+    "query_len negative": ("query_lens", lambda a: torch.tensor([3, -1]).to(a["query_lens"])),
+    "query_len past the context": ("query_lens", lambda a: torch.tensor([2, 3]).to(a["query_lens"])),
+    "query_lens not the rows of query": ("query_lens", lambda a: torch.tensor([2, 2]).to(a["query_lens"])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PREFILL_INPUTS))
+def test_prefill_bad_input_is_a_value_error_naming_the_argument(device, case):
+    inputs = good_prefill_inputs(device)
+    name, corrupt = BAD_PREFILL_INPUTS[case]
+    inputs[name] = corrupt({key: t.clone() for key, t in inputs.items()})
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        paged_prefill_attention(**inputs)
+
+
+def test_prefill_query_lens_on_another_device_names_it(device):
+    inputs = good_prefill_inputs(device)
+    inputs["query_lens"] = torch.empty_like(inputs["query_lens"], device="meta")
+    with pytest.raises(ValueError, match=r"^query_lens is on meta"):
+        paged_prefill_attention(**inputs)
