@@ -16,11 +16,15 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_allocator  # noqa: E402
+import bench_attention  # noqa: E402
+import bench_engine  # noqa: E402
 import bench_slot_mapping  # noqa: E402
 import run_all  # noqa: E402
 
 from paged_kv import BlockAllocator, PagedKVCacheAllocator  # noqa: E402
+from paged_kv.attention import gather_kv  # noqa: E402
 from paged_kv.mapping import slot_mapping  # noqa: E402
+from paged_kv.model import GPTConfig, TinyGPT, generate  # noqa: E402
 
 
 @pytest.mark.lesson02
@@ -88,18 +92,18 @@ def test_loop_slot_mapping_equals_the_vectorised_one(num_tokens, block_size):
 def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
     output = tmp_path / "RESULTS.md"
     assert run_all.main(["--quick", "--output", str(output)]) == 0
-    assert {"bench_allocator", "bench_slot_mapping"} <= set(run_all.bench_modules())
-    expected_rows = [
-        row.name for module in (bench_allocator, bench_slot_mapping) for row in module.run(**module.QUICK)
-    ]
-    assert len(expected_rows) >= 6
+    modules = (bench_allocator, bench_attention, bench_engine, bench_slot_mapping)
+    assert {module.__name__ for module in modules} <= set(run_all.bench_modules())
+    expected_rows = [row.name for module in modules for row in module.run(**module.QUICK)]
+    assert len(expected_rows) >= 11
     text = output.read_text(encoding="utf-8")
     printed = capsys.readouterr().out
     for name in expected_rows:
         assert f"| {name} |" in text
         assert name in printed
     assert "## Machine" in text and "- CPU: " in text and f"- torch: {torch.__version__}" in text
-    assert "## bench_allocator" in text and "## bench_slot_mapping" in text
+    for module in modules:
+        assert f"## {module.__name__}" in text
 
 
 @pytest.mark.lesson02
@@ -107,5 +111,57 @@ def test_rows_carry_ratios_and_targets():
     rows = bench_allocator.run(**bench_allocator.QUICK)
     flat = [row for row in rows if row.met is not None]
     assert len(flat) == 1 and flat[0].met == (flat[0].ratio <= bench_allocator.FLAT_LIMIT)
+    for row in rows:
+        assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+
+
+@pytest.mark.lesson05
+@pytest.mark.parametrize(("context", "block_size"), [(1, 16), (37, 4), (64, 16), (50, 7)])
+def test_attention_bench_holds_the_same_kv_paged_and_contiguous(context, block_size):
+    case = bench_attention.make_case(3, 2, 8, context, block_size, seed=context)
+    tables = case["block_tables"]
+    assert sorted(tables.flatten().tolist()) == list(range(len(case["k_cache"])))  # every block, once
+    for b in range(3):
+        k, v = gather_kv(case["k_cache"], case["v_cache"], tables[b], context)
+        assert torch.equal(k, case["k"][b].transpose(0, 1)) and torch.equal(v, case["v"][b].transpose(0, 1))
+    gathered_k, gathered_v = bench_attention.gather_only(case)
+    assert torch.equal(gathered_k[:, :, :context], case["k"]) and torch.equal(
+        gathered_v[:, :, :context], case["v"]
+    )
+    torch.testing.assert_close(bench_attention.paged(case), bench_attention.contiguous(case))
+    bench_attention.check_equal(case)  # what the bench runs before timing
+
+
+@pytest.mark.lesson05
+def test_attention_bench_check_catches_a_wrong_cache():
+    case = bench_attention.make_case(2, 2, 8, 20, 4)
+    case["k_cache"] = case["k_cache"].flip(0)  # the blocks no longer where the tables say
+    with pytest.raises(AssertionError, match="differs"):
+        bench_attention.check_equal(case)
+
+
+@pytest.mark.lesson09
+def test_engine_bench_modes_generate_identical_tokens():
+    config = GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64)
+    requests = bench_engine.scaled_requests(8, scale=32, max_len=64, seed=1)
+    assert all(len(r.prompt) + r.max_new_tokens <= 64 for r in requests)
+    runs = bench_engine.serve(requests, config, num_blocks=32, block_size=4)
+    paged, contiguous = runs["paged"][0], runs["contiguous"][0]
+    assert paged.tokens == contiguous.tokens
+    assert [len(tokens) for tokens in paged.tokens.values()] == [r.max_new_tokens for r in requests]
+    model = TinyGPT(config, seed=0).eval()
+    first = requests[0]
+    alone = generate(model, [first.prompt], first.max_new_tokens).tokens[0]
+    assert paged.tokens[first.request_id] == alone
+    assert contiguous.peak_running <= 32 * 4 // 64
+
+
+@pytest.mark.lesson09
+def test_engine_bench_rows_report_concurrency_against_the_target():
+    rows = bench_engine.run(**bench_engine.QUICK)
+    mean = rows[0]
+    assert "mean concurrent" in mean.name and "ShareGPT-shaped" in mean.name
+    assert mean.ratio == pytest.approx(mean.measured / mean.baseline)
+    assert mean.met == (mean.ratio >= bench_engine.TARGET_CONCURRENCY)
     for row in rows:
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
