@@ -25,6 +25,8 @@ import torch
 from ._checks import check_count
 from .block import blocks_for_tokens
 
+STRATEGIES = ("auto", "gather", "in_place")
+
 
 def paged_attention(
     query: torch.Tensor,
@@ -33,6 +35,8 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor | Sequence[int],
     scale: float | None = None,
+    *,
+    strategy: str = "auto",
 ) -> torch.Tensor:
     """Decode attention for a batch of sequences whose K/V live in a paged cache.
 
@@ -44,6 +48,13 @@ def paged_attention(
         context_lens: ``(batch,)`` integers, the tokens each sequence holds, each in
             ``1 .. needed_blocks * block_size`` where its first ``needed_blocks`` entries are valid.
         scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
+        strategy: how the blocks are read, with the same result either way.
+            ``"gather"`` copies each sequence's blocks into a contiguous batch first (the
+            reference; any tables). ``"in_place"`` reads the cache where it lies, block by block in
+            physical order, with each block's owner's query, and never copies K or V: it needs every
+            block a sequence reads to belong to one sequence of the batch. ``"auto"`` (default)
+            reads in place when the blocks are distinct, the caches are already in the compute
+            dtype and the batch reads at least half the pool, and gathers otherwise.
 
     Returns:
         ``(batch, num_heads, head_dim)``, with the dtype and device of ``query``. Row ``b`` equals
@@ -56,6 +67,15 @@ def paged_attention(
     """
     context_lens, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy != "gather":
+        owners = _block_owners(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
+        in_place = owners is not None and k_cache.dtype == compute_dtype
+        if strategy == "in_place" and owners is None:
+            raise ValueError("strategy 'in_place' needs every block read to belong to one sequence")
+        if in_place and (strategy == "in_place" or 2 * len(owners[0]) >= k_cache.shape[0]):
+            return _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, owners)
 
     # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
     k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
@@ -226,6 +246,55 @@ def decode_attention(
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     heads_first = [t.transpose(0, 1)[None].to(compute_dtype) for t in (k, v)]  # (1, heads, tokens, dim)
     return _attend(q[None].to(compute_dtype), *heads_first, scale)[0].to(q.dtype)
+
+
+def _block_owners(
+    num_blocks: int, block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The blocks the batch reads and, for each, the row that reads it; ``None`` if a block is shared."""
+    needed = (context_lens + block_size - 1) // block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device) < needed[:, None]
+    blocks = block_tables.long()[used]  # row by row, in table order
+    rows = torch.arange(len(block_tables), device=block_tables.device)[:, None].expand_as(used)[used]
+    if torch.unique(blocks).numel() != blocks.numel():
+        return None
+    return blocks, rows
+
+
+def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, owners) -> torch.Tensor:
+    """Decode attention that reads every block where it lies, never copying K or V.
+
+    Each physical block meets its owner's query once: scores for the whole pool come from one
+    batched product in physical order, and so do the per-block partial outputs. Only the small
+    score and weight tensors move between the block layout ``(num_blocks, heads, block_size)`` and
+    each sequence's table order, where the softmax runs. (On a CPU, copying the blocks of a batch
+    costs several times the attention itself; bench/bench_attention.py measures it.)
+    """
+    blocks, rows = owners
+    num_blocks, num_heads, block_size, head_dim = k_cache.shape
+    batch, width = block_tables.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    q = query.to(k_cache.dtype)
+
+    # Row `batch` is a dummy: blocks nobody reads belong to it, and so do padding entries.
+    owner = torch.full((num_blocks,), batch, dtype=torch.long, device=q.device)
+    owner[blocks] = rows
+    padded_q = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
+    scores = torch.matmul(padded_q[owner].unsqueeze(-2), k_cache.transpose(-1, -2)).squeeze(-2) * scale
+
+    positions = torch.arange(width * block_size, device=q.device)
+    read = positions[::block_size][None, :] < context_lens[:, None]  # (batch, width): entries read
+    table = torch.where(read, block_tables.long(), num_blocks)  # padding -> the dummy block
+    in_order = torch.cat([scores, scores.new_zeros(1, num_heads, block_size)])[table]
+    in_order = in_order.permute(0, 2, 1, 3).reshape(batch, num_heads, width * block_size)
+    in_order = in_order.masked_fill((positions[None, :] >= context_lens[:, None])[:, None], float("-inf"))
+    weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, width, block_size).permute(0, 2, 1, 3)
+
+    per_block = scores.new_zeros(num_blocks + 1, num_heads, block_size)
+    per_block[table] = weights  # back to physical order; padding lands on the dummy block
+    partial = torch.matmul(per_block[:num_blocks].unsqueeze(-2), v_cache).squeeze(-2)
+    out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)
+    return out[:batch].to(query.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -623,3 +623,56 @@ def test_prefill_query_lens_on_another_device_names_it(device):
     inputs["query_lens"] = torch.empty_like(inputs["query_lens"], device="meta")
     with pytest.raises(ValueError, match=r"^query_lens is on meta"):
         paged_prefill_attention(**inputs)
+
+
+# ------------------------------------------------------------- the two ways of reading the blocks
+
+
+@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto"])
+def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strategy):
+    lengths = [1, 8, 13, 4, 7, 20]
+    cache = scattered_cache(lengths, block_size=4, device=device)
+    query = random_query(cache, len(lengths))
+    # Stale garbage, even NaN, in blocks nobody reads must not reach the output.
+    unread = sorted(
+        set(range(cache.num_blocks)) - {b for s in range(len(lengths)) for b in cache.get_block_mapping(s)}
+    )
+    cache.k_cache[unread] = float("nan")
+    cache.v_cache[unread] = float("nan")
+    out = run(cache, query, torch.tensor(lengths, device=device), strategy=strategy)
+    torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
+
+
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    block_size=st.integers(1, 6),
+    cut=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_reading_in_place_equals_gathering(lengths, block_size, cut, seed):
+    cache = scattered_cache(lengths, block_size=block_size, seed=seed)
+    query = random_query(cache, len(lengths), seed=seed + 1)
+    context_lens = torch.tensor([max(1, n - cut) for n in lengths])  # attend to a prefix, too
+    in_place = run(cache, query, context_lens, strategy="in_place")
+    gathered = run(cache, query, context_lens, strategy="gather")
+    torch.testing.assert_close(in_place, gathered, **TOLERANCES[torch.float32])
+
+
+def test_a_shared_block_is_read_by_gathering():
+    cache = scattered_cache([8, 8], block_size=4)
+    query = random_query(cache, 2)
+    tables = cache.block_tables_tensor([0, 1])
+    tables[1, 0] = tables[0, 0]  # sequence 1 reads sequence 0's first block too
+    with pytest.raises(
+        ValueError, match="strategy 'in_place' needs every block read to belong to one sequence"
+    ):
+        paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8], strategy="in_place")
+    auto = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8])
+    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8], strategy="gather")
+    assert torch.equal(auto, gathered)
+
+
+def test_an_unknown_strategy_names_the_argument():
+    cache = scattered_cache([4])
+    with pytest.raises(ValueError, match="strategy must be one of auto, gather, in_place"):
+        run(cache, random_query(cache, 1), [4], strategy="fast")
