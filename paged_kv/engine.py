@@ -32,8 +32,8 @@ import torch
 
 from ._checks import check_count, check_hashable
 from .block import blocks_for_tokens
-from .model import ContiguousKVCache, PagedKVCache, TinyGPT, _is_token
-from .workload import _progress_bar
+from .model import ContiguousKVCache, PagedKVCache, TinyGPT, is_token
+from .progress import progress_bar
 
 MODES = ("paged", "contiguous")
 
@@ -191,7 +191,7 @@ class Engine:
         arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
         waiting: deque[EngineRequest] = deque()
         running: list[_Running] = []  # in admission order
-        bar = _progress_bar(len(requests), f"engine ({self.mode})") if progress else None
+        bar = progress_bar(len(requests), f"engine ({self.mode})") if progress else None
         step = 0
         try:
             with torch.no_grad():
@@ -241,7 +241,7 @@ class Engine:
             raise ValueError("requests must have distinct request_id values")
         vocab = self.model.config.vocab_size
         for r in requests:
-            if not all(_is_token(t, vocab) for t in r.prompt):
+            if not all(is_token(t, vocab) for t in r.prompt):
                 raise ValueError(f"prompt of request {r.request_id!r} must hold token ids in [0, {vocab})")
             total = len(r.prompt) + r.max_new_tokens
             if total > self.max_model_len:

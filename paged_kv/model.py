@@ -325,7 +325,7 @@ def generate(
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id lists")
     for i, prompt in enumerate(prompts):
-        if not prompt or not all(_is_token(t, config.vocab_size) for t in prompt):
+        if not prompt or not all(is_token(t, config.vocab_size) for t in prompt):
             raise ValueError(f"prompts[{i}] must be non-empty token ids in [0, {config.vocab_size})")
         if len(prompt) + max_new_tokens > config.max_len:
             raise ValueError(
@@ -361,6 +361,6 @@ def generate(
     return GenerationResult(tokens=logits.argmax(dim=-1).T.tolist(), logits=logits)
 
 
-def _is_token(value: object, vocab_size: int) -> bool:
+def is_token(value: object, vocab_size: int) -> bool:
     """Whether ``value`` is an integer token id below ``vocab_size`` (booleans are not)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab_size

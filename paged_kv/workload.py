@@ -33,6 +33,7 @@ from ._checks import check_count, check_hashable
 from .block import blocks_for_tokens
 from .cache import PagedKVCacheAllocator
 from .errors import OutOfBlocksError
+from .progress import progress_bar
 from .trace import TraceFrame
 
 # ------------------------------------------------------------------------------------ the requests
@@ -592,7 +593,7 @@ def simulate(
     batcher = ContinuousBatcher(policy._pool(budget_tokens, record))
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
     finished = 0
-    bar = _progress_bar(len(requests), policy.name) if progress else None
+    bar = progress_bar(len(requests), policy.name) if progress else None
     for step in range(max_steps):
         if finished == len(requests):
             break
@@ -615,13 +616,6 @@ def simulate(
     if isinstance(batcher.pool, _PagedPool):
         result.trace = batcher.pool.cache.trace
     return result
-
-
-def _progress_bar(total: int, name: str):
-    """A tqdm bar; tqdm is imported only when a bar is asked for."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=name, unit="request")
 
 
 # ---------------------------------------------------------------------------------- the comparison

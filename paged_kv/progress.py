@@ -1,0 +1,10 @@
+"""Progress bars for long runs: tqdm, imported only when a bar is asked for (it is a course dependency)."""
+
+from __future__ import annotations
+
+
+def progress_bar(total: int, name: str, unit: str = "request"):
+    """A ``tqdm.auto`` bar of ``total`` items: a widget in a notebook, text in a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=name, unit=unit)
