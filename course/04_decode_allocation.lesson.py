@@ -25,6 +25,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.plots import plot_held_and_reserved
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -103,25 +104,11 @@ for _ in range(22):
 print("tokens held:   ", held)
 print("slots reserved:", reserved)
 
-steps = range(len(held))
 fig, ax = plt.subplots(figsize=(7, 3))
-ax.fill_between(
-    steps,
-    held,
-    reserved,
-    step="post",
-    facecolor="#DDDDDD",
-    edgecolor="#888888",
-    hatch="///",
-    lw=0,
-    label="reserved, empty",
+plot_held_and_reserved(
+    held, reserved, ax=ax, xlabel="decode step", reserved_label="slots reserved (blocks × 4)"
 )
-ax.step(steps, reserved, where="post", color="#D55E00", label="slots reserved (blocks × 4)")
-ax.step(steps, held, where="post", color="#0072B2", label="tokens held")
-ax.set_xlabel("decode step")
-ax.set_ylabel("token slots")
 ax.legend(frameon=False, loc="upper left")
-ax.spines[["top", "right"]].set_visible(False)
 fig.tight_layout()
 plt.show()
 
@@ -402,21 +389,7 @@ top.set_ylim(0, pool.num_blocks + 1.5)
 top.legend(frameon=False, ncol=5, loc="upper left", fontsize=9)
 tokens = [held for _, held, _ in history]
 slots = [reserved for _, _, reserved in history]
-bottom.fill_between(
-    steps,
-    tokens,
-    slots,
-    step="mid",
-    facecolor="#DDDDDD",
-    edgecolor="#888888",
-    hatch="///",
-    lw=0,
-    label="reserved, empty",
-)
-bottom.step(steps, slots, where="mid", color="#D55E00", label="slots reserved")
-bottom.step(steps, tokens, where="mid", color="#0072B2", label="tokens held")
-bottom.set_xlabel("step")
-bottom.set_ylabel("token slots")
+plot_held_and_reserved(tokens, slots, ax=bottom, where="mid")
 bottom.legend(frameon=False, loc="upper right", fontsize=9)
 for ax in (top, bottom):
     ax.spines[["top", "right"]].set_visible(False)

@@ -154,3 +154,29 @@ def plot_block_tables(
     if title:
         ax.set_title(title, loc="left", fontsize=11)
     return ax
+
+
+def plot_held_and_reserved(
+    held: Sequence[int],
+    reserved: Sequence[int],
+    *,
+    ax: Axes | None = None,
+    where: str = "post",
+    xlabel: str = "step",
+    reserved_label: str = "slots reserved",
+) -> Axes:
+    """Tokens held and slots reserved over steps, the gap between them hatched as waste.
+
+    With on-demand blocks this is a staircase: the tokens grow by one a step, the reserved slots
+    jump by a block when the tokens reach them, and the hatched gap never reaches a whole block.
+    """
+    ax = _axes(ax, (7, 3))
+    steps = range(len(held))
+    waste = {key: WASTE[key] for key in ("facecolor", "edgecolor", "hatch")}
+    ax.fill_between(steps, held, reserved, step=where, lw=0, label="reserved, empty", **waste)
+    ax.step(steps, reserved, where=where, color=PALETTE[5], label=reserved_label)
+    ax.step(steps, held, where=where, color=PALETTE[0], label="tokens held")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("token slots")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
