@@ -25,17 +25,21 @@ tokens :func:`~paged_kv.model.generate` gives its prompt alone.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ._checks import check_count, check_hashable
 from .block import blocks_for_tokens
-from .model import ContiguousKVCache, PagedKVCache, TinyGPT, is_token
+from .model import ContiguousKVCache, GPTConfig, PagedKVCache, TinyGPT, is_token
 from .progress import progress_bar
 
 MODES = ("paged", "contiguous")
+
+# Builds the paged mode's cache: (config, num_blocks, block_size, device, dtype) -> cache. Besides
+# the KVCache methods, the cache has a ``num_free_blocks`` property and ``needs_new_block(seq_id)``.
+CacheFactory = Callable[[GPTConfig, int, int, torch.device, torch.dtype], PagedKVCache]
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class Engine:
 
     ``max_model_len`` (default: the model's ``max_len``) bounds prompt plus output of any request
     and is the slot size of the contiguous mode. ``device`` defaults to the model's and must be it.
+    ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.PagedKVCache`);
+    lesson 09 plugs in a cache of the learner's own through it.
 
     Raises:
         ValueError: a bad argument, named in the message.
@@ -134,6 +140,7 @@ class Engine:
         mode: str = "paged",
         max_model_len: int | None = None,
         device: str | torch.device | None = None,
+        cache_factory: CacheFactory | None = None,
     ) -> None:
         if not isinstance(model, TinyGPT):
             raise ValueError(f"model must be a TinyGPT, got {type(model).__name__}")
@@ -143,6 +150,11 @@ class Engine:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        if cache_factory is not None and not callable(cache_factory):
+            raise ValueError(f"cache_factory must be callable, got {cache_factory!r}")
+        if cache_factory is not None and mode != "paged":
+            raise ValueError("cache_factory builds the paged mode's cache: use it with mode='paged'")
+        self.cache_factory = PagedKVCache if cache_factory is None else cache_factory
         limit = model.config.max_len
         self.max_model_len = (
             limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
@@ -182,7 +194,7 @@ class Engine:
         """
         requests = self._check_requests(requests)
         if self.mode == "paged":
-            cache = PagedKVCache(
+            cache = self.cache_factory(
                 self.model.config, self.num_blocks, self.block_size, self.device, self.model.head.weight.dtype
             )
         else:
@@ -266,7 +278,7 @@ class Engine:
         if self.mode == "contiguous":
             return (num_running + 1) * self.max_model_len <= self.budget_tokens
         headroom = num_running + 1  # one block per sequence for the next decode step
-        free = cache.allocators[0].num_free_blocks
+        free = cache.num_free_blocks
         return blocks_for_tokens(len(request.prompt), self.block_size) + headroom <= free
 
     def _make_room(self, cache, decoding, running, waiting, result) -> list[_Running]:
@@ -276,10 +288,7 @@ class Engine:
         """
         if self.mode == "contiguous":
             return decoding
-        allocator = cache.allocators[0]  # every layer's allocator holds the same tables
-        while (
-            sum(allocator.needs_new_block(s.request.request_id) for s in decoding) > allocator.num_free_blocks
-        ):
+        while sum(cache.needs_new_block(s.request.request_id) for s in decoding) > cache.num_free_blocks:
             victim = running.pop()  # never the oldest alone: _check_requests made sure it fits
             cache.free(victim.request.request_id)
             waiting.appendleft(victim.request)
@@ -290,7 +299,7 @@ class Engine:
     def _record(self, cache, running: list[_Running], num_waiting: int, result: EngineResult) -> None:
         held = sum(seq.held for seq in running)
         if self.mode == "paged":
-            used = self.num_blocks - cache.allocators[0].num_free_blocks
+            used = self.num_blocks - cache.num_free_blocks
             reserved = used * self.block_size
         else:
             reserved = len(running) * self.max_model_len

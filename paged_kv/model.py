@@ -253,6 +253,15 @@ class PagedKVCache(KVCache):
         ]
         self.block_size, self.device = block_size, self.allocators[0].device
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, the same in every layer's pool."""
+        return self.allocators[0].num_free_blocks
+
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        """Whether the sequence's next token starts a new block (it is exactly at a block boundary)."""
+        return self.allocators[0].needs_new_block(seq_id)
+
     def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
         for allocator in self.allocators:
             allocator.allocate_for_sequence(seq_id, num_tokens)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged_kv.engine import Engine, EngineRequest, EngineResult, plot_metrics
-from paged_kv.model import GPTConfig, TinyGPT, generate
+from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
 
 pytestmark = pytest.mark.lesson09
 
@@ -113,21 +113,18 @@ def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_a
     assert result.tokens == {"a": alone(model, a), "b": alone(model, b)}
 
 
-def test_all_memory_is_free_after_a_run(model: TinyGPT, monkeypatch: pytest.MonkeyPatch) -> None:
-    import paged_kv.engine as engine_module
+def test_all_memory_is_free_after_a_run_with_a_plugged_in_cache(model: TinyGPT) -> None:
+    caches: list[PagedKVCache] = []
 
-    caches = []
+    def spy(*args) -> PagedKVCache:
+        caches.append(PagedKVCache(*args))
+        return caches[-1]
 
-    class Spy(engine_module.PagedKVCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            caches.append(self)
-
-    monkeypatch.setattr(engine_module, "PagedKVCache", Spy)
     requests = random_requests(6, seed=9)
-    engine = Engine(model, num_blocks=10, block_size=4)
-    engine.run(requests)
+    engine = Engine(model, num_blocks=10, block_size=4, cache_factory=spy)
+    result = engine.run(requests)
     (cache,) = caches
+    assert result.tokens == Engine(model, num_blocks=10, block_size=4).run(requests).tokens
     for allocator in cache.allocators:
         assert allocator.num_free_blocks == engine.num_blocks
         assert allocator.seq_ids == ()
@@ -160,6 +157,8 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
         ({"num_blocks": 4, "max_model_len": 1000}, "max_model_len"),
         ({"num_blocks": 1, "block_size": 4, "mode": "contiguous", "max_model_len": 8}, "max_model_len"),
         ({"num_blocks": 4, "device": "meta"}, "device"),
+        ({"num_blocks": 4, "cache_factory": 3}, "cache_factory"),
+        ({"num_blocks": 4, "mode": "contiguous", "cache_factory": PagedKVCache}, "cache_factory"),
     ],
 )
 def test_bad_engine_arguments_raise_value_error_naming_them(model: TinyGPT, kwargs: dict, name: str) -> None:
