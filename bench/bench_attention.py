@@ -5,10 +5,11 @@ has its K/V in a paged cache whose blocks are scattered over the pool (a random 
 the same K/V as contiguous ``(batch, heads, tokens, head_dim)`` tensors. One decode step (one query
 token per sequence) is computed both ways; they must agree (``allclose``) before anything is timed.
 The target on the CPU is paged no more than 1.5 times slower than contiguous
-``scaled_dot_product_attention`` (the vLLM paper reports 20 to 26 % kernel overhead on a GPU); the
-package's reference kernel gathers every block into a contiguous copy first, so it is not expected
-to meet it: the gather alone is timed as well, for information. On CUDA (when there is one) both are
-timed too, with a synchronize inside each timed call.
+``scaled_dot_product_attention`` (the vLLM paper reports 20 to 26 % kernel overhead on a GPU). The
+package reads the blocks in place here (its ``"auto"`` strategy); the gather a copying kernel would
+start with is timed alone as well, for information. On CUDA (when there is one) they are timed too,
+with a synchronize inside each timed call, and so is the FlexAttention path (``strategy="flex"``,
+compiled), after it is checked against SDPA.
 
     .venv/bin/python bench/bench_attention.py
 """
@@ -75,6 +76,14 @@ def paged(case: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
+def flex(case: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The optional CUDA path: FlexAttention over the pool with a block mask, ``(batch, heads, dim)``."""
+    return paged_attention(
+        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["context_lens"],
+        strategy="flex",
+    )  # fmt: skip
+
+
 def contiguous(case: dict[str, torch.Tensor]) -> torch.Tensor:
     """The baseline: ``scaled_dot_product_attention`` of one query over the contiguous K/V."""
     return F.scaled_dot_product_attention(case["query"][:, :, None], case["k"], case["v"])[:, :, 0]
@@ -138,7 +147,12 @@ def run(
         cuda_sdpa = median_time(synchronized(contiguous), repeats=repeats * 2, warmup=5, number=10)
         cuda_paged = median_time(synchronized(paged), repeats=repeats * 2, warmup=5, number=10)
         cuda_gather = median_time(synchronized(gather_only), repeats=repeats * 2, warmup=5, number=10)
+        if not torch.allclose(flex(on_cuda), contiguous(on_cuda), atol=1e-4, rtol=1e-4):
+            raise AssertionError("the FlexAttention path differs from scaled_dot_product_attention")
+        cuda_flex = median_time(synchronized(flex), repeats=repeats * 2, warmup=5, number=10)
         rows += [
+            Row(f"{name}: CUDA (synchronized), FlexAttention compiled", cuda_flex * 1e3,
+                cuda_sdpa * 1e3, cuda_flex / cuda_sdpa, "—", None, "ms"),
             Row(f"{name}: CUDA (synchronized)", cuda_paged * 1e3, cuda_sdpa * 1e3,
                 cuda_paged / cuda_sdpa, "—", None, "ms"),
             Row(f"{name}: CUDA (synchronized), the gather alone", cuda_gather * 1e3,

@@ -24,8 +24,9 @@ import torch
 
 from ._checks import check_count
 from .block import blocks_for_tokens
+from .flex import flex_decode
 
-STRATEGIES = ("auto", "gather", "in_place")
+STRATEGIES = ("auto", "gather", "in_place", "flex")
 
 
 def paged_attention(
@@ -54,7 +55,10 @@ def paged_attention(
             physical order, with each block's owner's query, and never copies K or V: it needs every
             block a sequence reads to belong to one sequence of the batch. ``"auto"`` (default)
             reads in place when the blocks are distinct, the caches are already in the compute
-            dtype and the batch reads at least half the pool, and gathers otherwise.
+            dtype and the batch reads at least half the pool, and gathers otherwise. ``"flex"``
+            runs FlexAttention over the whole pool with a block mask built from the tables
+            (:mod:`paged_kv.flex`; torch 2.5 or later): compiled into one kernel on CUDA, unfused
+            and slow elsewhere. ``"auto"`` never picks it.
 
     Returns:
         ``(batch, num_heads, head_dim)``, with the dtype and device of ``query``. Row ``b`` equals
@@ -69,6 +73,9 @@ def paged_attention(
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "flex":
+        out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
+        return out.to(query.dtype)
     if strategy != "gather":
         owners = _block_owners(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
         in_place = owners is not None and k_cache.dtype == compute_dtype

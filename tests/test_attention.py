@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
 from paged_kv.attention import decode_attention, gather_kv, paged_attention, paged_prefill_attention
+from paged_kv.flex import flex_available
 
 pytestmark = pytest.mark.lesson05
 
@@ -674,5 +675,69 @@ def test_a_shared_block_is_read_by_gathering():
 
 def test_an_unknown_strategy_names_the_argument():
     cache = scattered_cache([4])
-    with pytest.raises(ValueError, match="strategy must be one of auto, gather, in_place"):
+    with pytest.raises(ValueError, match="strategy must be one of auto, gather, in_place, flex"):
         run(cache, random_query(cache, 1), [4], strategy="fast")
+
+
+# ------------------------------------------------------------- FlexAttention, the optional CUDA path
+
+needs_flex = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention (torch < 2.5)")
+
+
+@needs_flex
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_matches_sdpa_on_ragged_scattered_batches(device):
+    """On CUDA this runs the compiled kernel; on a CPU the unfused reference of FlexAttention."""
+    lengths = [1, 8, 13, 4, 7, 20]
+    cache = scattered_cache(lengths, block_size=4, device=device)
+    query = random_query(cache, len(lengths))
+    unread = sorted(
+        set(range(cache.num_blocks)) - {b for s in range(len(lengths)) for b in cache.get_block_mapping(s)}
+    )
+    cache.k_cache[unread] = 1e4  # large stale values in blocks nobody reads must not reach the output
+    cache.v_cache[unread] = -1e4
+    out = run(cache, query, torch.tensor(lengths, device=device), strategy="flex")
+    torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
+
+
+@needs_flex
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    block_size=st.integers(1, 6),
+    cut=st.integers(0, 5),
+    share=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_flex_equals_gathering_also_with_shared_blocks(lengths, block_size, cut, share, seed):
+    cache = scattered_cache(lengths, block_size=block_size, seed=seed)
+    query = random_query(cache, len(lengths), seed=seed + 1)
+    context_lens = torch.tensor([max(1, n - cut) for n in lengths])
+    tables = cache.block_tables_tensor(range(len(lengths)))
+    if share and len(lengths) > 1:
+        tables[-1, 0] = tables[0, 0]  # the last row reads the first row's first block, as after a fork
+    flex = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="flex")
+    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="gather")
+    torch.testing.assert_close(flex, gathered, **TOLERANCES[torch.float32])
+
+
+@needs_flex
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flex_in_half_precision_matches_within_a_looser_tolerance(device, dtype):
+    lengths = [5, 16, 9]
+    cache = scattered_cache(lengths, block_size=4, device=device, dtype=dtype)
+    query = random_query(cache, len(lengths))
+    out = run(cache, query, lengths, strategy="flex")
+    assert out.dtype == dtype and out.device == query.device
+    torch.testing.assert_close(out, reference(cache, query, lengths).to(dtype), **TOLERANCES[dtype])
+
+
+def test_flex_on_an_old_torch_is_a_value_error_naming_the_strategy(monkeypatch):
+    import paged_kv.flex
+
+    monkeypatch.setattr(paged_kv.flex, "flex_available", lambda: False)
+    cache = scattered_cache([4])
+    with pytest.raises(ValueError, match=r"strategy 'flex' needs torch 2\.5"):
+        run(cache, random_query(cache, 1), [4], strategy="flex")
