@@ -189,7 +189,7 @@ def run(
                 unit="pairs/s",
             )
         )
-    for key, label in (("package", "BlockAllocator (deque)"), ("naive", "list pop(0), for contrast")):
+    for key, label in (("package", "BlockAllocator (linked list)"), ("naive", "list pop(0), for contrast")):
         growth = times[key][large] / times[key][small]
         is_package = key == "package"
         rows.append(

@@ -3,15 +3,131 @@
 :class:`BlockAllocator` answers one question, "which physical block can I use next?", in O(1).
 It knows nothing about sequences or K/V data; :class:`~paged_kv.cache.PagedKVCacheAllocator`
 builds on it.
+
+The free list is a :class:`FreeBlockQueue`, a doubly linked list threaded through two arrays
+indexed by block id (as vLLM v1's ``FreeKVCacheBlockQueue``): besides taking the head and adding at
+the tail, it can take one particular block out of the middle in O(1), which prefix caching needs
+when a request reuses a cached block that sits on the free list.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator
 
 from ._checks import check_count
 from .block import Block
 from .errors import OutOfBlocksError
+
+DETACHED = -1
+"""The ``prev``/``next`` link of a block that is not on a :class:`FreeBlockQueue`."""
+
+
+class FreeBlockQueue:
+    """A FIFO queue of block ids ``0 .. num_blocks - 1``, each at most once, with O(1) removal anywhere.
+
+    The list is a ring through a sentinel node, index ``num_blocks``: ``next[sentinel]`` is the
+    head, ``prev[sentinel]`` the tail, and an empty queue is the sentinel linked to itself. A block
+    id is its own node, so finding a block costs nothing.
+
+    Invariants, true after every call (and unchanged by a call that raises):
+
+    * walking ``next`` from the sentinel visits every queued block once and comes back to the
+      sentinel after ``len(queue)`` steps; walking ``prev`` visits the same blocks in reverse;
+    * for every queued block ``b``: ``next[prev[b]] == b`` and ``prev[next[b]] == b``;
+    * a block that is not queued has both links equal to :data:`DETACHED`.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        """A queue of all ``num_blocks`` blocks, in id order: block 0 is the head."""
+        num_blocks = check_count("num_blocks", num_blocks, minimum=1)
+        self._sentinel = num_blocks
+        # Node i links to i - 1 and i + 1; the sentinel closes the ring at both ends.
+        self._next = [*range(1, num_blocks + 1), 0]
+        self._prev = [num_blocks, *range(num_blocks)]
+        self._len = num_blocks
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        """The queued blocks from head to tail."""
+        node = self._next[self._sentinel]
+        while node != self._sentinel:
+            yield node
+            node = self._next[node]
+
+    def __reversed__(self) -> Iterator[int]:
+        """The queued blocks from tail to head (walking the ``prev`` links)."""
+        node = self._prev[self._sentinel]
+        while node != self._sentinel:
+            yield node
+            node = self._prev[node]
+
+    def __contains__(self, block_id: object) -> bool:
+        return (
+            isinstance(block_id, int)
+            and not isinstance(block_id, bool)
+            and 0 <= block_id < self._sentinel
+            and self._next[block_id] != DETACHED
+        )
+
+    def __repr__(self) -> str:
+        return f"FreeBlockQueue({list(self)})"
+
+    def append(self, block_id: int) -> None:
+        """Put a block that is not queued at the tail.
+
+        Raises:
+            ValueError: ``block_id`` is not a block id of the queue, or the block is already queued
+                (nothing changes).
+        """
+        block_id = self._block_id(block_id)
+        if self._next[block_id] != DETACHED:
+            raise ValueError(f"block_id {block_id} is already on the free list")
+        tail = self._prev[self._sentinel]
+        self._next[tail] = block_id
+        self._prev[block_id] = tail
+        self._next[block_id] = self._sentinel
+        self._prev[self._sentinel] = block_id
+        self._len += 1
+
+    def popleft(self) -> int:
+        """Take the head off the queue and return it.
+
+        Raises:
+            IndexError: the queue is empty.
+        """
+        head = self._next[self._sentinel]
+        if head == self._sentinel:
+            raise IndexError("pop from an empty FreeBlockQueue")
+        self._unlink(head)
+        return head
+
+    def remove(self, block_id: int) -> None:
+        """Take one queued block out, wherever it is: O(1), its neighbours are linked together.
+
+        Raises:
+            ValueError: ``block_id`` is not a block id of the queue, or the block is not queued
+                (nothing changes).
+        """
+        block_id = self._block_id(block_id)
+        if self._next[block_id] == DETACHED:
+            raise ValueError(f"block_id {block_id} is not on the free list")
+        self._unlink(block_id)
+
+    def _block_id(self, block_id: object) -> int:
+        """``block_id`` as an int in ``0 .. num_blocks - 1``, else a ``ValueError`` naming it."""
+        block_id = check_count("block_id", block_id)
+        if block_id >= self._sentinel:
+            raise ValueError(f"block_id must be below num_blocks={self._sentinel}, got {block_id}")
+        return block_id
+
+    def _unlink(self, block_id: int) -> None:
+        before, after = self._prev[block_id], self._next[block_id]
+        self._next[before] = after
+        self._prev[after] = before
+        self._prev[block_id] = self._next[block_id] = DETACHED
+        self._len -= 1
 
 
 class BlockAllocator:
@@ -24,13 +140,16 @@ class BlockAllocator:
     * a block returns to the free list only when its ref count drops to 0.
 
     ``allocate`` takes the block at the head of the free list and ``free`` puts a released block
-    at its tail, so both are O(1) whatever the pool size.
+    at its tail; ``take`` removes one particular free block from wherever it sits. All three are
+    O(1) whatever the pool size. Every block that ``allocate_blocks`` hands out goes through
+    ``allocate``, so a subclass can watch the head of the free list by overriding that one method
+    (prefix caching evicts there).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self._num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self._blocks = [Block(block_id) for block_id in range(self._num_blocks)]
-        self._free: deque[int] = deque(range(self._num_blocks))
+        self._free = FreeBlockQueue(self._num_blocks)
 
     def __repr__(self) -> str:
         return f"BlockAllocator(free={self.num_free_blocks}/{self._num_blocks})"
@@ -65,9 +184,10 @@ class BlockAllocator:
         Raises:
             OutOfBlocksError: no block is free.
         """
-        if not self._free:
-            raise OutOfBlocksError(needed=1, free=0)
-        block_id = self._free.popleft()
+        try:
+            block_id = self._free.popleft()
+        except IndexError:
+            raise OutOfBlocksError(needed=1, free=0) from None
         self._blocks[block_id].ref_count = 1
         return block_id
 
@@ -81,6 +201,24 @@ class BlockAllocator:
         if num_blocks > len(self._free):
             raise OutOfBlocksError(needed=num_blocks, free=len(self._free))
         return [self.allocate() for _ in range(num_blocks)]
+
+    def take(self, block_id: int) -> None:
+        """Take one particular free block off the free list, wherever it sits, with ref count 1.
+
+        This is how a prefix-cache hit revives a cached block that no sequence holds: O(1), the
+        rest of the free list keeps its order.
+
+        Raises:
+            ValueError: ``block_id`` is out of range or the block is in use (nothing changes).
+        """
+        block = self._block(block_id)
+        if block.ref_count:
+            raise ValueError(
+                f"block_id {block.block_id} is in use (ref count {block.ref_count}), not on the free "
+                "list; use add_ref to share a used block"
+            )
+        self._free.remove(block.block_id)
+        block.ref_count = 1
 
     def add_ref(self, block_id: int) -> int:
         """Record one more holder of a used block (sharing) and return its new ref count."""

@@ -12,8 +12,18 @@ from ._checks import check_count, check_hashable
 from .block import BlockTable, blocks_for_tokens
 from .block_allocator import BlockAllocator
 from .errors import OutOfBlocksError, UnknownSequenceError
+from .prefix_cache import CachingBlockAllocator, PrefixCacheStats, check_token_ids
 from .snapshot import AllocatorSnapshot
-from .trace import TraceFrame, allocate_caption, block_caption, free_caption, start_caption, token_caption
+from .trace import (
+    TraceFrame,
+    allocate_caption,
+    block_caption,
+    copy_caption,
+    fork_caption,
+    free_caption,
+    start_caption,
+    token_caption,
+)
 from .usage import BlockUsage
 
 Positions = int | Sequence[int] | torch.Tensor
@@ -32,7 +42,11 @@ class PagedKVCacheAllocator:
     * every sequence has ``num_tokens <= len(block_ids) * block_size``;
     * a block's ref count equals the number of block tables that hold it, and a block is on the
       free list exactly when that count is 0;
-    * used blocks + free blocks == ``num_blocks``.
+    * used blocks + free blocks == ``num_blocks``;
+    * no sequence writes into a block another sequence holds: a block with a ref count above 1
+      (after :meth:`fork`) is never written; the sequence about to write into it (``append_tokens``
+      or ``write_kv``, checked in :meth:`_shared_blocks`) first gets its own copy
+      (:meth:`_copy_on_write`). So every holder of a shared block holds the same tokens in it.
 
     Sequence ids can be any hashable value (ints or strings, say). The translation and the
     boundary rule themselves are the pure functions of :mod:`paged_kv.mapping`; the methods here
@@ -40,8 +54,15 @@ class PagedKVCacheAllocator:
 
     With ``record=True`` the allocator also keeps :attr:`trace`, a list of
     :class:`~paged_kv.trace.TraceFrame`: the empty pool, then one snapshot with a caption after every
-    successful allocate, free and appended block, and after *each token* of ``append_tokens``, so an
-    animation can step token by token. Recording never changes what the allocator does.
+    successful allocate, fork, free and appended block, after *each token* of ``append_tokens``, so an
+    animation can step token by token, and after a ``write_kv`` that copied shared blocks.
+    Recording never changes what the allocator does.
+
+    With ``enable_prefix_caching=True``, a prompt allocated with its ``token_ids`` reuses the blocks
+    of its longest prefix already in the cache (full blocks only, checked token by token, see
+    :mod:`paged_kv.prefix_cache`); freed blocks stay cached on the free list until they are needed,
+    least recently freed first. :meth:`num_cached_tokens` says how much of a prompt needs no
+    computing, and :attr:`prefix_cache_stats` counts queries and hits in tokens.
     """
 
     def __init__(
@@ -53,6 +74,7 @@ class PagedKVCacheAllocator:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         record: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self.block_size = check_count("block_size", block_size, minimum=1)
@@ -60,15 +82,20 @@ class PagedKVCacheAllocator:
         self.head_dim = check_count("head_dim", head_dim, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         shape = (self.num_blocks, self.num_heads, self.block_size, self.head_dim)
         try:
             self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, AssertionError, TypeError) as error:
             raise ValueError(f"device {device!r} cannot hold the cache: {error}") from None
-        self._allocator = BlockAllocator(self.num_blocks)
+        pool = CachingBlockAllocator if enable_prefix_caching else BlockAllocator
+        self._allocator: BlockAllocator = pool(self.num_blocks)
+        self._cached_tokens: dict[Hashable, int] = {}
         self._tables: dict[Hashable, BlockTable] = {}
         self._trace: list[TraceFrame] | None = [] if record else None
+        self._last_copies: list[tuple[int, int]] = []
         self._record("start", None, start_caption(self.num_blocks, self.block_size), ())
 
     def __repr__(self) -> str:
@@ -113,49 +140,84 @@ class PagedKVCacheAllocator:
 
     # ------------------------------------------------------------------------ the life of a sequence
 
-    def allocate_for_sequence(self, seq_id: Hashable, num_prompt_tokens: int) -> BlockTable:
+    def allocate_for_sequence(
+        self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> BlockTable:
         """Give a new sequence the blocks for its prompt: ``ceil(num_prompt_tokens / block_size)``.
+
+        With prefix caching (``enable_prefix_caching=True``) and the prompt's ``token_ids``, the
+        leading full blocks of the prompt that an earlier prompt already holds or left cached are
+        reused instead of fresh ones (see :mod:`paged_kv.prefix_cache`), and
+        :meth:`num_cached_tokens` says how many leading tokens they cover. Their K/V are already in
+        the cache: the caller computes and writes only the rest of the prompt,
+        ``write_kv(seq_id, k[c:], v[c:], start_position=c)`` with ``c = num_cached_tokens(seq_id)``,
+        and must never write into the first ``c`` positions, which other sequences read. At least
+        the last prompt token is always left to compute. The prompt's fresh full blocks are cached
+        for later prompts, so write their K/V before allocating another sequence that may reuse them.
+        Without prefix caching, ``token_ids`` are checked and otherwise ignored.
 
         Returns:
             A copy of the sequence's new block table.
 
         Raises:
-            ValueError: ``seq_id`` is already allocated, or ``num_prompt_tokens`` is negative.
-            OutOfBlocksError: too few blocks are free (nothing is allocated).
+            ValueError: ``seq_id`` is already allocated, ``num_prompt_tokens`` is negative, or
+                ``token_ids`` is not ``num_prompt_tokens`` non-negative integers.
+            OutOfBlocksError: too few blocks are free (nothing is allocated, and nothing is
+                counted in :attr:`prefix_cache_stats`). Cached blocks that sit on the free list
+                count among the blocks the prompt takes.
         """
         self._check_new_id(seq_id)
         num_prompt_tokens = check_count("num_prompt_tokens", num_prompt_tokens)
-        needed = blocks_for_tokens(num_prompt_tokens, self.block_size)
-        block_ids = self._take_blocks(needed, f"sequence {seq_id!r} ({num_prompt_tokens} tokens)")
+        if token_ids is not None:
+            token_ids = check_token_ids(token_ids, num_prompt_tokens)
+        what = f"sequence {seq_id!r} ({num_prompt_tokens} tokens)"
+        if isinstance(self._allocator, CachingBlockAllocator) and token_ids is not None:
+            block_ids, cached = self._allocator.allocate_prompt(token_ids, self.block_size, what)
+            self._cached_tokens[seq_id] = cached
+        else:
+            block_ids = self._take_blocks(blocks_for_tokens(num_prompt_tokens, self.block_size), what)
         table = BlockTable(block_ids, num_prompt_tokens)
         self._tables[seq_id] = table
         self._record("allocate", seq_id, allocate_caption(seq_id, num_prompt_tokens, block_ids), block_ids)
         return table.copy()
 
     def append_tokens(self, seq_id: Hashable, n: int = 1) -> list[int]:
-        """Grow a sequence by ``n`` tokens, taking new blocks only when its last block is full.
+        """Grow a sequence by ``n`` tokens, taking new blocks only when its last block is full or shared.
 
         A sequence holding ``t`` tokens in full blocks (``t % block_size == 0``) needs a new block
         before token ``t + 1``; in any other case the next token fits in the last block.
 
+        Copy-on-write, lazily as in vLLM: when a new token lands in a block another sequence also
+        holds (after :meth:`fork`; the shared block is then partly full, or reserved ahead and
+        empty), the sequence first gets a fresh block holding a copy of the shared block's K and V,
+        made on the device, in the shared block's place in its table; the shared block loses one
+        reference and stays, unchanged, with its other holders. Full shared blocks take no new token
+        and stay shared. :attr:`last_copies` lists the ``(shared block, copy)`` pairs.
+
         Returns:
-            The ids of the blocks appended to the table (often none).
+            The ids of the blocks the sequence took, in table order: the copies of shared blocks,
+            then the blocks appended (often none). A sequence that shares nothing takes copies never.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
             ValueError: ``n`` is negative.
-            OutOfBlocksError: too few blocks are free (the sequence does not grow at all).
+            OutOfBlocksError: too few blocks are free for the copies and the new blocks together
+                (the sequence does not grow at all and nothing is copied).
         """
         table = self._table(seq_id)
         n = check_count("n", n)
         new_total = table.num_tokens + n
+        shared = self._shared_blocks(table, table.num_tokens, new_total)
         missing = max(0, blocks_for_tokens(new_total, self.block_size) - table.num_blocks)
+        self._check_free(len(shared) + missing, _appending(n, seq_id))
         if self._trace is not None:
-            return self._append_recorded(seq_id, table, n, missing, _appending(n, seq_id))
-        new_ids = self._take_blocks(missing, _appending(n, seq_id)) if missing else []
-        table.block_ids.extend(new_ids)
+            return self._append_recorded(seq_id, table, n)
+        copies = self._copy_on_write(table, shared)
+        appended = self._allocator.allocate_blocks(missing)
+        table.block_ids.extend(appended)
         table.num_tokens = new_total
-        return new_ids
+        self._last_copies = copies
+        return [copy for _, copy in copies] + appended
 
     def append_block_to_sequence(self, seq_id: Hashable) -> int:
         """Append one free block to a sequence's table without adding tokens (the low-level step).
@@ -171,9 +233,42 @@ class PagedKVCacheAllocator:
         return block_id
 
     def needs_new_block(self, seq_id: Hashable) -> bool:
-        """Whether the sequence's next token needs a new block: its blocks are all full."""
+        """Whether the sequence's next token takes a free block: exactly when ``append_tokens(seq_id)`` would.
+
+        That is when its blocks are all full, or when the block the token lands in is shared with
+        another sequence (it is copied first, see :meth:`append_tokens`).
+        """
         table = self._table(seq_id)
-        return mapping.needs_new_block(table.num_tokens, table.num_blocks, self.block_size)
+        full = mapping.needs_new_block(table.num_tokens, table.num_blocks, self.block_size)
+        return full or bool(self._shared_blocks(table, table.num_tokens, table.num_tokens + 1))
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> BlockTable:
+        """Start sequence ``child_id`` as a copy of ``parent_id`` that shares all of its blocks.
+
+        For parallel sampling or beam search: the child's block table holds the same block ids and
+        the same number of tokens as the parent's, and each of those blocks gains one reference.
+        Nothing is copied, on the host or on the device: O(the parent's blocks). The two then read
+        the same K/V for their common prefix; the first append or write into a shared block copies it
+        for the writer alone (see :meth:`append_tokens` and :meth:`write_kv`). Freeing either leaves
+        the other's blocks and K/V intact.
+
+        Returns:
+            A copy of the child's new block table.
+
+        Raises:
+            UnknownSequenceError: ``parent_id`` is not allocated.
+            ValueError: ``child_id`` is already allocated (``parent_id`` itself included), or an id
+                is not hashable. Nothing changes.
+        """
+        parent = self._table(check_hashable("parent_id", parent_id))
+        if check_hashable("child_id", child_id) in self._tables:
+            raise ValueError(f"child_id {child_id!r} is already allocated; fork into a new id")
+        for block_id in parent.block_ids:
+            self._allocator.add_ref(block_id)
+        child = parent.copy()
+        self._tables[child_id] = child
+        self._record("fork", child_id, fork_caption(parent_id, child_id, child.block_ids), child.block_ids)
+        return child.copy()
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
         """Drop a sequence and its references to its blocks.
@@ -181,16 +276,68 @@ class PagedKVCacheAllocator:
         An unknown id is a no-op that returns ``[]``: a request may be cancelled before it was ever
         allocated.
 
+        With prefix caching, the blocks that hold a prompt's hash keep it on the free list: they
+        stay cached, for a later prompt to reuse, until ``allocate`` hands them out again.
+
         Returns:
-            The ids of the blocks that went back to the free list, in table order (a block still
-            held by another table stays in use).
+            The ids of the blocks that went back to the free list (a block still held by another
+            table stays in use), in the order they were appended to it: table order, or, with
+            prefix caching, reverse table order, so that the last block of a cached prefix is
+            evicted before its first (a cached block is only found after its whole prefix).
         """
         table = self._tables.pop(check_hashable("seq_id", seq_id), None)
         if table is None:
             return []
-        freed = [block_id for block_id in table.block_ids if self._allocator.free(block_id)]
+        self._cached_tokens.pop(seq_id, None)
+        order = reversed(table.block_ids) if self.enable_prefix_caching else table.block_ids
+        freed = [block_id for block_id in order if self._allocator.free(block_id)]
         self._record("free", seq_id, free_caption(seq_id, table.block_ids, freed), table.block_ids)
         return freed
+
+    # ------------------------------------------------------------------------- prefix caching
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether prompts given with ``token_ids`` reuse cached blocks (set when the cache is built)."""
+        return isinstance(self._allocator, CachingBlockAllocator)
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """How many leading prompt tokens of the sequence came from the prefix cache.
+
+        A multiple of ``block_size``; 0 without prefix caching, without ``token_ids``, or for a
+        sequence that was not allocated by ``allocate_for_sequence`` (a fork).
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+        """
+        self._table(seq_id)
+        return self._cached_tokens.get(seq_id, 0)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompts, prompt tokens looked up and prompt tokens found; all 0 without prefix caching."""
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.stats
+        return PrefixCacheStats()
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Each block that holds a prompt's hash (used or free), with the token ids it holds."""
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.cached_blocks()
+        return {}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash and zero :attr:`prefix_cache_stats` (after new model weights, say).
+
+        Live sequences keep their blocks and K/V; later prompts just cannot reuse them. The free
+        list keeps its order.
+
+        Returns:
+            How many blocks held a hash (0 without prefix caching).
+        """
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.reset()
+        return 0
 
     # ------------------------------------------------------------------------------- look-ups
 
@@ -255,10 +402,15 @@ class PagedKVCacheAllocator:
         ``k`` and ``v`` have shape ``(num_tokens, num_heads, head_dim)`` and the cache's dtype and
         device. The positions must already belong to the sequence (allocate or append first).
 
+        A block the positions fall in that another sequence also holds (after :meth:`fork`) is
+        copied first, as in :meth:`append_tokens`: the write lands in the sequence's own copy and
+        the other holders keep reading the old K/V. :attr:`last_copies` lists the copies.
+
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
             ValueError: a tensor has the wrong shape, dtype or device, or the positions run past the
                 sequence's length (nothing is written).
+            OutOfBlocksError: too few blocks are free for the copies (nothing is copied or written).
         """
         table = self._table(seq_id)
         start_position = check_count("start_position", start_position)
@@ -272,6 +424,12 @@ class PagedKVCacheAllocator:
                 f"start_position {start_position} + {k.shape[0]} tokens runs to position {end - 1}, "
                 f"but sequence {seq_id!r} holds {table.num_tokens} tokens; call append_tokens first"
             )
+        shared = self._shared_blocks(table, start_position, end)
+        self._check_free(len(shared), f"copying the shared blocks sequence {seq_id!r} writes into")
+        copies = self._copy_on_write(table, shared)
+        if copies:
+            self._record("copy_on_write", seq_id, copy_caption(seq_id, copies), _flat(copies))
+        self._last_copies = copies
         mapping.write_kv(self.k_cache, self.v_cache, self._block_table(table), k, v, start_position)
 
     def read_kv(self, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,13 +440,26 @@ class PagedKVCacheAllocator:
     # ------------------------------------------------------------------------------------ metrics
 
     def usage(self) -> BlockUsage:
-        """The pool's metrics: blocks used and free, tokens held and reserved, waste, utilisation."""
-        return BlockUsage.measure(
-            used_blocks=self._allocator.num_used_blocks,
+        """The pool's metrics: blocks used, free and shared, tokens held and reserved, waste, utilisation.
+
+        A shared block (after :meth:`fork`) counts once among the used blocks and its tokens once
+        among the tokens held; see :class:`~paged_kv.usage.BlockUsage`.
+        """
+        return BlockUsage.of_tables(
+            self._tables.values(),
+            num_blocks=self.num_blocks,
             free_blocks=self._allocator.num_free_blocks,
-            allocated_tokens=sum(table.num_tokens for table in self._tables.values()),
             block_size=self.block_size,
         )
+
+    @property
+    def last_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write of the last successful ``append_tokens`` or ``write_kv``, as a new list.
+
+        One ``(shared block, its copy)`` pair per block copied, in table order; empty when that call
+        copied nothing. Calls that fail, and other methods, leave it as it was.
+        """
+        return list(self._last_copies)
 
     def snapshot(self) -> AllocatorSnapshot:
         """A frozen copy of the bookkeeping (free list, ref counts, tables), without K/V data."""
@@ -320,6 +491,44 @@ class PagedKVCacheAllocator:
         if not self._allocator.can_allocate(count):
             raise OutOfBlocksError(count, self._allocator.num_free_blocks, what)
 
+    # ------------------------------------------------------------------------- copy-on-write
+
+    def _shared_blocks(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """The logical blocks of ``table`` holding positions ``start .. end - 1`` that another table holds.
+
+        The one place a write into a shared block is caught: ``append_tokens`` and ``write_kv`` ask
+        it before touching anything. Positions past the table's blocks (blocks yet to append) are
+        not shared.
+        """
+        if end <= start:
+            return []
+        last = min(table.num_blocks, blocks_for_tokens(end, self.block_size))
+        logical = range(start // self.block_size, last)
+        return [i for i in logical if self._allocator.ref_count(table.block_ids[i]) > 1]
+
+    def _copy_on_write(self, table: BlockTable, logical_blocks: Sequence[int]) -> list[tuple[int, int]]:
+        """Give ``table`` its own copy of each shared block in ``logical_blocks``; return the pairs.
+
+        The caller has checked that enough blocks are free. Each copy is a fresh block from the head
+        of the free list; one indexing operation per tensor copies all the shared blocks' K and V
+        on the device, whole blocks (the slots past the sequence's tokens are never read, and a whole
+        block is one contiguous piece of memory). The copy takes the shared block's place in the
+        table, and the shared block drops one reference: it stays in use, with its other holders.
+        """
+        if not logical_blocks:
+            return []
+        sources = [table.block_ids[i] for i in logical_blocks]
+        copies = self._allocator.allocate_blocks(len(sources))
+        source_index = torch.tensor(sources, dtype=torch.long, device=self.device)
+        copy_index = torch.tensor(copies, dtype=torch.long, device=self.device)
+        self.k_cache[copy_index] = self.k_cache[source_index]
+        self.v_cache[copy_index] = self.v_cache[source_index]
+        for logical, copy in zip(logical_blocks, copies, strict=True):
+            table.block_ids[logical] = copy
+        for source in sources:
+            self._allocator.free(source)  # shared, so it keeps at least one holder
+        return list(zip(sources, copies, strict=True))
+
     # ------------------------------------------------------------------------------ recording
 
     def _record(self, event: str, seq_id: Hashable | None, caption: str, highlight: Iterable[int]) -> None:
@@ -327,26 +536,33 @@ class PagedKVCacheAllocator:
         if self._trace is not None:
             self._trace.append(TraceFrame(self.snapshot(), caption, event, seq_id, tuple(highlight)))
 
-    def _append_recorded(
-        self, seq_id: Hashable, table: BlockTable, n: int, missing: int, what: str
-    ) -> list[int]:
+    def _append_recorded(self, seq_id: Hashable, table: BlockTable, n: int) -> list[int]:
         """``append_tokens`` one token at a time, a frame each: the same blocks, in the same order.
 
-        The free-block check comes first, so a failed call still changes nothing; the blocks then come
-        off the head of the free list one by one, exactly as ``allocate_blocks(missing)`` takes them.
+        The caller has checked the free blocks, so a failed call still changes nothing. A token that
+        lands in a shared block copies it (a ``copy_on_write`` frame for that token); the shared
+        blocks all come before the blocks to append, so the blocks come off the head of the free
+        list in the order the bulk path takes them: the copies, then the appended blocks.
         """
-        self._check_free(missing, what)
-        new_ids: list[int] = []
+        copies: list[tuple[int, int]] = []
+        appended: list[int] = []
         for _ in range(n):
+            token = table.num_tokens + 1  # 1-based, as in the captions
             new_block = mapping.needs_new_block(table.num_tokens, table.num_blocks, self.block_size)
+            copied = self._copy_on_write(table, self._shared_blocks(table, token - 1, token))
             if new_block:
-                new_ids.append(self._allocator.allocate())
-                table.append_block(new_ids[-1])
-            table.num_tokens += 1
-            block_id = table.block_ids[(table.num_tokens - 1) // self.block_size]
-            caption = token_caption(seq_id, table.num_tokens, block_id, new_block)
-            self._record("new_block" if new_block else "append", seq_id, caption, (block_id,))
-        return new_ids
+                appended.append(self._allocator.allocate())
+                table.append_block(appended[-1])
+            table.num_tokens = token
+            block_id = table.block_ids[(token - 1) // self.block_size]
+            if copied:
+                copies += copied
+                self._record("copy_on_write", seq_id, copy_caption(seq_id, copied, token), _flat(copied))
+            else:
+                caption = token_caption(seq_id, token, block_id, new_block)
+                self._record("new_block" if new_block else "append", seq_id, caption, (block_id,))
+        self._last_copies = copies
+        return [copy for _, copy in copies] + appended
 
     def _positions(self, table: BlockTable, positions: Positions | None, name: str) -> torch.Tensor:
         """Positions as a 1-D LongTensor on the cache's device, each in ``[0, num_tokens)``."""
@@ -394,6 +610,11 @@ def _out_of_range(name: str, bad: int, num_tokens: int) -> str:
         f"{name} {bad} is out of range: the sequence holds {num_tokens} tokens, "
         f"so positions run from 0 to {num_tokens - 1}"
     )
+
+
+def _flat(copies: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The blocks of ``(shared, copy)`` pairs, each shared block followed by its copy: a frame's highlight."""
+    return tuple(block_id for pair in copies for block_id in pair)
 
 
 def _appending(n: int, seq_id: Hashable) -> str:

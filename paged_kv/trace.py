@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .snapshot import AllocatorSnapshot
 
-EVENTS = ("start", "allocate", "append", "new_block", "free")
+EVENTS = ("start", "allocate", "append", "new_block", "free", "fork", "copy_on_write")
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class TraceFrame:
     Fields:
         snapshot: the bookkeeping after the event (a frozen copy; later calls never change it).
         caption: one line, such as ``"seq B, token 17: block 5 appended"``.
-        event: ``"start"``, ``"allocate"``, ``"append"``, ``"new_block"`` or ``"free"``.
-        seq_id: the sequence the event concerns; ``None`` for ``"start"``.
+        event: ``"start"``, ``"allocate"``, ``"append"``, ``"new_block"``, ``"free"``, ``"fork"`` or
+            ``"copy_on_write"`` (a shared block copied for the sequence about to write into it).
+        seq_id: the sequence the event concerns (for ``"fork"``, the new child); ``None`` for ``"start"``.
         highlight: the ids of the blocks the event touched, in table order.
     """
 
@@ -71,3 +72,23 @@ def free_caption(seq_id: Hashable, block_ids: Sequence[int], freed: Sequence[int
     if kept:
         caption += f", blocks {list(kept)} still held by another sequence"
     return caption
+
+
+def fork_caption(parent_id: Hashable, child_id: Hashable, block_ids: Sequence[int]) -> str:
+    """``"seq B forks from A: shares blocks [0, 1, 2]"`` (``shares no block`` for an empty parent)."""
+    shared = f"shares blocks {list(block_ids)}" if block_ids else "shares no block"
+    return f"seq {child_id} forks from {parent_id}: {shared}"
+
+
+def copy_caption(seq_id: Hashable, copies: Sequence[tuple[int, int]], token: int | None = None) -> str:
+    """A copy-on-write: ``"seq B, token 11: block 2 copied to block 5"`` (``token`` is 1-based).
+
+    Without a token the copies were made for a write into shared blocks:
+    ``"seq A, before a write: blocks [0, 1] copied to blocks [4, 5]"``.
+    """
+    where = f"seq {seq_id}, token {token}" if token is not None else f"seq {seq_id}, before a write"
+    if len(copies) == 1:
+        ((source, copy),) = copies
+        return f"{where}: block {source} copied to block {copy}"
+    sources, targets = [s for s, _ in copies], [c for _, c in copies]
+    return f"{where}: blocks {sources} copied to blocks {targets}"

@@ -8,15 +8,18 @@ From top to bottom it draws:
   band in its owner's colour holding the owner's short label, so colour is never the only cue, and
   under it a bar filled in that colour in proportion to the tokens the block holds; the unused tail
   of the bar is grey and hatched (wasted slots). A free block is white with a light border. The
-  block id sits under each block (with its ref count when tables share it), and the blocks an event
-  touched (``highlight``) get a thick dark outline here and in the sections below;
+  block id sits under each block (with its ref count, ``\u00d72``, when tables share it), and the blocks
+  an event touched (``highlight``) get a thick dark outline here and in the sections below. A
+  shared block (after a fork) has a dashed frame, here and in every table that holds it, and the
+  label of its first holder followed by how many more (``A+1``);
 * **the block tables**, one row per sequence: its label, its logical blocks L0, L1, ... in order,
-  each a box in the owner's colour showing the physical block id, and the number of tokens;
+  each a box in the owner's colour showing the physical block id, and the number of tokens; a
+  shared block appears in the row of every sequence that holds it;
 * **the free list** in order, head first, eliding the middle when it does not fit the width;
 * **a usage gauge**: a bar of used against free blocks, the utilisation (tokens held / slots
   reserved) and the fragmentation (slots reserved but empty), as
-  :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once:
-  :func:`snapshot_usage`);
+  :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once,
+  and the gauge says how many are shared: :func:`snapshot_usage`);
 * the caption, under the picture, in its own ``<div>``.
 
 Colours are the Okabe-Ito palette of :mod:`paged_kv.plots`. A sequence keeps its colour from one
@@ -40,6 +43,7 @@ from ._checks import check_count
 from .plots import FREE, PALETTE, WASTE
 from .snapshot import AllocatorSnapshot
 from .usage import BlockUsage
+from .usage import block_tokens as tokens_per_block
 
 __all__ = ["block_tokens", "render_allocator", "seq_colour", "short_label", "snapshot_usage", "text_colour"]
 
@@ -60,20 +64,15 @@ TABLE_BOX_W, TABLE_BOX_H = 30.0, 20.0  # a logical block in a block table
 
 
 def snapshot_usage(snapshot: AllocatorSnapshot) -> BlockUsage:
-    """The pool's metrics from a snapshot, counted block by block.
+    """The pool's metrics from a snapshot: exactly what the allocator's ``usage()`` measured then.
 
-    Used blocks are the blocks off the free list; the tokens are those the used blocks hold, and a
-    block shared by several tables (a fork, a cached prefix) counts once, with the most tokens any
-    of its holders keeps in it. Without sharing this is exactly
-    :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage`, whose token count sums the sequences'
-    lengths; with sharing, counting each stored token once keeps the utilisation at most 100 % and
-    the wasted slots at least 0.
+    Used blocks are the blocks off the free list; a block shared by several tables (a fork, a
+    cached prefix) counts once, and so do the tokens it holds (:meth:`BlockUsage.of_tables`).
     """
-    free = len(snapshot.free_block_ids)
-    return BlockUsage.measure(
-        used_blocks=snapshot.num_blocks - free,
-        free_blocks=free,
-        allocated_tokens=sum(block_tokens(snapshot).values()),
+    return BlockUsage.of_tables(
+        snapshot.tables.values(),
+        num_blocks=snapshot.num_blocks,
+        free_blocks=len(snapshot.free_block_ids),
         block_size=snapshot.block_size,
     )
 
@@ -85,13 +84,7 @@ def block_tokens(snapshot: AllocatorSnapshot) -> dict[int, int]:
     >>> block_tokens(AllocatorSnapshot(4, 16, (3,), (1, 1, 1, 0), {"A": BlockTable([2, 0, 1], 40)}))
     {2: 16, 0: 16, 1: 8}
     """
-    size = snapshot.block_size
-    tokens: dict[int, int] = {}
-    for table in snapshot.tables.values():
-        for logical, block_id in enumerate(table.block_ids):
-            held = min(size, max(0, table.num_tokens - logical * size))
-            tokens[block_id] = max(held, tokens.get(block_id, 0))
-    return tokens
+    return tokens_per_block(snapshot.tables.values(), snapshot.block_size)
 
 
 def seq_colour(seq_id: Hashable) -> str:
@@ -201,6 +194,15 @@ class _Scene:
                 owners.setdefault(block_id, []).append(seq_id)
         return owners
 
+    def refs(self, block_id: int) -> int:
+        """The block's ref count (0 when the snapshot has none for it)."""
+        counts = self.snapshot.ref_counts
+        return counts[block_id] if block_id < len(counts) else 0
+
+    def any_shared(self) -> bool:
+        """Whether some block has more than one holder."""
+        return any(refs > 1 for refs in self.snapshot.ref_counts)
+
     def tokens_in(self, seq_id: Hashable, logical: int) -> int:
         """How many of the sequence's tokens its ``logical``-th block holds."""
         size = self.snapshot.block_size
@@ -283,20 +285,27 @@ def _pool_block(
     """One block: the first holder's band and label over a bar of the tokens it holds, or white when free.
 
     The id (and the ref count, when tables share the block) goes under it; a marked block is outlined.
+    A block several tables share gets a dashed frame and the label ``A+1`` (its first holder and how
+    many more); the tooltip names every holder.
     """
     snap = scene.snapshot
     height = BAND_H + BAR_H
-    refs = snap.ref_counts[block_id] if block_id < len(snap.ref_counts) else len(holders)
+    refs = scene.refs(block_id) or len(holders)
     if holders:
         fill = seq_colour(holders[0])
-        label = short_label(holders[0], max(2, min(POOL_LABEL_CHARS, int(w // 6))))  # 6px a character
+        more = f"+{len(holders) - 1}" if len(holders) > 1 else ""
+        room = max(2, min(POOL_LABEL_CHARS, int(w // 6)) - len(more))  # 6px a character
+        label = short_label(holders[0], room) + more
         kind = "label" if len(label) <= 4 else "label-long"  # a smaller font keeps 6 characters inside
-        tip = f"block {block_id}: seq {short_label(holders[0], 40)}, {tokens} / {snap.block_size} slots used"
+        names = ", ".join(short_label(h, 40) for h in holders)
+        tip = f"block {block_id}: seq {names}, {tokens} / {snap.block_size} slots used"
+        if len(holders) > 1:
+            tip += f" (shared by {len(holders)} sequences)"
         body = [
             _rect(x, y, w, BAND_H, fill),
             _text(x + w / 2, y + 11, label, scope, kind, "middle", text_colour(fill)),
             *_bar(x, y + BAND_H + 1, w, BAR_H - 1, tokens / snap.block_size, fill, scope),
-            _rect(x, y, w, height, "none", OUTLINE, 0.8),
+            _dashed(x, y, w, height) if refs > 1 else _rect(x, y, w, height, "none", OUTLINE, 0.8),
         ]
     elif refs:  # held by something other than a table (a cache of prefixes, say)
         tip = f"block {block_id}: in use, held by no table"
@@ -319,6 +328,8 @@ def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
         ("free", "free"),
         ("mark", "touched by this step"),
     ]
+    if scene.any_shared():
+        entries.append(("shared", "shared by several sequences (\u00d7n: how many)"))
     x, y, out = float(MARGIN), top, []
     for kind, words in entries:
         advance = 18 + 4.8 * len(words) + 16
@@ -330,6 +341,8 @@ def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
             out += _bar(x, y + 2, 14, 10, 0.0, "none", scope)
         elif kind == "free":
             out.append(_rect(x, y + 2, 14, 10, FREE["facecolor"], FREE["edgecolor"], 1))
+        elif kind == "shared":
+            out.append(_dashed(x, y + 2, 14, 10))
         else:
             out.append(_rect(x, y + 2, 14, 10, "none", HIGHLIGHT, 2.5))
         out.append(_text(x + 18, y + 11, words, scope, "small"))
@@ -389,10 +402,13 @@ def _table_block(scene: _Scene, scope: str, seq_id: Hashable, logical: int, x: f
     used = w * scene.tokens_in(seq_id, logical) / scene.snapshot.block_size
     if used < w:
         box += _bar(x + used, y + h - 5, w - used, 5, 0.0, "none", scope)
-    box.append(_rect(x, y, w, h, "none", OUTLINE, 0.8))
+    refs = scene.refs(block_id)
+    box.append(_dashed(x, y, w, h) if refs > 1 else _rect(x, y, w, h, "none", OUTLINE, 0.8))
     if block_id in scene.marked:
         box.append(_outline(x, y, w, h))
     tip = f"seq {short_label(seq_id, 40)}: logical block {logical} → physical block {block_id}"
+    if refs > 1:
+        tip += f", shared \u00d7{refs}"
     return f"<g><title>{_esc(tip)}</title>{''.join(box)}</g>"
 
 
@@ -442,8 +458,9 @@ def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     usage = snapshot_usage(snap)
     used_w = scene.inner * usage.used_blocks / snap.num_blocks
     y = top + 20
+    shared = f" · {usage.shared_blocks} shared, each counted once" if usage.shared_blocks else ""
     lines = [
-        f"used {usage.used_blocks} / {snap.num_blocks} blocks · {usage.free_blocks} free",
+        f"used {usage.used_blocks} / {snap.num_blocks} blocks · {usage.free_blocks} free{shared}",
         f"utilisation {100 * usage.block_utilization:.1f} % · {usage.allocated_tokens} of "
         f"{usage.reserved_tokens} reserved slots hold a token",
         f"fragmentation {usage.internal_fragmentation_tokens} slots wasted (empty tails of blocks)",
@@ -500,6 +517,11 @@ def _bar(x: float, y: float, w: float, h: float, frac: float, fill: str, scope: 
             _rect(x + used, y, w - used, h, f"url(#{scope}-hatch)"),
         ]
     return out
+
+
+def _dashed(x: float, y: float, w: float, h: float) -> str:
+    """The dashed dark frame of a block that several sequences share."""
+    return _rect(x, y, w, h, "none", OUTLINE, 1.6).replace("/>", ' stroke-dasharray="3 2"/>')
 
 
 def _outline(x: float, y: float, w: float, h: float) -> str:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(BENCH))
 import bench_allocator  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_engine  # noqa: E402
+import bench_prefix_cache  # noqa: E402
 import bench_slot_mapping  # noqa: E402
 import run_all  # noqa: E402
 
@@ -92,7 +93,7 @@ def test_loop_slot_mapping_equals_the_vectorised_one(num_tokens, block_size):
 def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
     output = tmp_path / "RESULTS.md"
     assert run_all.main(["--quick", "--output", str(output)]) == 0
-    modules = (bench_allocator, bench_attention, bench_engine, bench_slot_mapping)
+    modules = (bench_allocator, bench_attention, bench_engine, bench_prefix_cache, bench_slot_mapping)
     assert {module.__name__ for module in modules} <= set(run_all.bench_modules())
     expected_rows = [row.name for module in modules for row in module.run(**module.QUICK)]
     assert len(expected_rows) >= 11
@@ -163,5 +164,54 @@ def test_engine_bench_rows_report_concurrency_against_the_target():
     assert "mean concurrent" in mean.name and "ShareGPT-shaped" in mean.name
     assert mean.ratio == pytest.approx(mean.measured / mean.baseline)
     assert mean.met == (mean.ratio >= bench_engine.TARGET_CONCURRENCY)
+    for row in rows:
+        assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+
+
+@pytest.mark.lesson07
+def test_deque_free_list_takes_and_frees_like_block_allocator():
+    package, baseline = BlockAllocator(8), bench_prefix_cache.DequeFreeList(8)
+    for block_id in (3, 5, 0, 7):
+        package.take(block_id)
+        baseline.take(block_id)
+    for block_id in (5, 0):
+        assert package.free(block_id) == baseline.free(block_id)
+    package.take(6)
+    baseline.take(6)
+    assert list(baseline.free_block_ids) == list(package.free_block_ids) == [1, 2, 4, 5, 0]
+    with pytest.raises(ValueError):
+        baseline.take(3)
+    middle = bench_prefix_cache.middle_blocks(100, 50)
+    assert all(25 <= b < 75 for b in middle)
+
+
+@pytest.mark.lesson07
+def test_prefix_cache_bench_serves_the_same_prompts_with_and_without_caching():
+    requests = bench_prefix_cache.system_prompt_requests(10, system_tokens=20, seed=3, scale=8)
+    assert all(prompt[:20] == requests[0][0][:20] for prompt, _ in requests)
+    assert len({tuple(prompt[20:]) for prompt, _ in requests}) == 10
+    without = bench_prefix_cache.serve(requests, num_blocks=200, block_size=4, max_running=3, caching=False)
+    assert without.cached_tokens == 0
+    assert without.computed_tokens == without.prompt_tokens == sum(len(p) for p, _ in requests)
+    cached = bench_prefix_cache.serve(requests, num_blocks=200, block_size=4, max_running=3, caching=True)
+    assert cached.prompt_tokens == without.prompt_tokens
+    # Every request but the first finds the system prompt's 5 full blocks, and nothing else.
+    assert cached.cached_tokens == 9 * 20
+    # Short of blocks (old requests finish early to make room) or one request at a time, the system
+    # prompt stays cached: a live request holds it, or it waits at the far end of the free list.
+    for num_blocks, max_running in ((40, 3), (200, 1)):
+        served = bench_prefix_cache.serve(
+            requests, num_blocks, block_size=4, max_running=max_running, caching=True
+        )
+        assert served.cached_tokens == 9 * 20
+
+
+@pytest.mark.lesson07
+def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
+    rows = bench_prefix_cache.run(**bench_prefix_cache.QUICK)
+    flat = [row for row in rows if "(flat)" in row.target]
+    assert len(flat) == 1 and flat[0].met == (flat[0].ratio <= bench_prefix_cache.FLAT_LIMIT)
+    hit = next(row for row in rows if "hit rate" in row.name)
+    assert hit.ratio == pytest.approx(hit.measured / hit.baseline) and hit.met
     for row in rows:
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0

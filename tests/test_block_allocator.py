@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv import BlockAllocator, OutOfBlocksError
+from paged_kv.block_allocator import DETACHED, FreeBlockQueue
 
 pytestmark = pytest.mark.lesson02
 
@@ -187,3 +188,131 @@ class BlockAllocatorMachine(RuleBasedStateMachine):
 
 
 TestBlockAllocatorMachine = BlockAllocatorMachine.TestCase
+
+
+# ------------------------------------------------------------- the doubly linked free list
+
+
+def links_are_consistent(queue: FreeBlockQueue) -> None:
+    """The structural invariants of a FreeBlockQueue, checked by walking its links both ways."""
+    forward, backward = list(queue), list(reversed(queue))
+    assert forward == backward[::-1]
+    assert len(forward) == len(set(forward)) == len(queue)
+    num_blocks = queue._sentinel
+    for block_id in range(num_blocks):
+        if block_id in forward:
+            assert queue._next[queue._prev[block_id]] == block_id
+            assert queue._prev[queue._next[block_id]] == block_id
+        else:
+            assert queue._prev[block_id] == queue._next[block_id] == DETACHED
+            assert block_id not in queue
+
+
+def test_a_new_queue_holds_every_block_in_order():
+    queue = FreeBlockQueue(4)
+    assert list(queue) == [0, 1, 2, 3]
+    assert list(reversed(queue)) == [3, 2, 1, 0]
+    assert len(queue) == 4 and 2 in queue
+    assert repr(queue) == "FreeBlockQueue([0, 1, 2, 3])"
+    links_are_consistent(queue)
+
+
+@pytest.mark.parametrize(("removed", "left"), [(0, [1, 2, 3, 4]), (2, [0, 1, 3, 4]), (4, [0, 1, 2, 3])])
+def test_remove_takes_a_block_from_the_head_the_middle_or_the_tail(removed, left):
+    queue = FreeBlockQueue(5)
+    queue.remove(removed)
+    assert list(queue) == left
+    assert removed not in queue
+    links_are_consistent(queue)
+    queue.append(removed)  # back at the tail
+    assert list(queue) == [*left, removed]
+    links_are_consistent(queue)
+
+
+def test_popleft_and_append_keep_fifo_order_until_empty():
+    queue = FreeBlockQueue(3)
+    queue.remove(1)
+    queue.append(1)
+    assert [queue.popleft() for _ in range(3)] == [0, 2, 1]
+    assert len(queue) == 0 and list(queue) == [] and list(reversed(queue)) == []
+    links_are_consistent(queue)
+    with pytest.raises(IndexError, match="empty"):
+        queue.popleft()
+    queue.append(2)
+    assert list(queue) == [2]
+    links_are_consistent(queue)
+
+
+def test_removing_the_only_block_leaves_an_empty_ring():
+    queue = FreeBlockQueue(1)
+    queue.remove(0)
+    assert list(queue) == [] and len(queue) == 0
+    queue.append(0)
+    assert queue.popleft() == 0
+    links_are_consistent(queue)
+
+
+def test_queue_errors_name_the_block_and_change_nothing():
+    queue = FreeBlockQueue(4)
+    queue.remove(1)
+    with pytest.raises(ValueError, match="block_id 2 is already on the free list"):
+        queue.append(2)
+    with pytest.raises(ValueError, match="block_id 1 is not on the free list"):
+        queue.remove(1)
+    for bad in (-1, 4, True, 1.0, "0"):
+        for method in (queue.append, queue.remove):
+            with pytest.raises(ValueError, match="block_id"):
+                method(bad)
+        assert bad not in queue
+    assert list(queue) == [0, 2, 3]
+    links_are_consistent(queue)
+
+
+def test_take_removes_a_free_block_from_the_middle_and_keeps_the_order():
+    pool = BlockAllocator(6)
+    pool.take(3)
+    assert pool.free_block_ids == (0, 1, 2, 4, 5)
+    assert pool.ref_count(3) == 1 and not pool.is_free(3)
+    assert pool.num_used_blocks == 1
+    assert pool.allocate() == 0
+    assert pool.free(3) is True
+    assert pool.free_block_ids == (1, 2, 4, 5, 3)
+    pool.take(5)
+    assert pool.free_block_ids == (1, 2, 4, 3)
+
+
+def test_take_of_a_used_or_unknown_block_is_an_error_and_changes_nothing():
+    pool = BlockAllocator(3)
+    used = pool.allocate()
+    with pytest.raises(ValueError, match="block_id 0 is in use"):
+        pool.take(used)
+    for bad in (-1, 3, True):
+        with pytest.raises(ValueError, match="block_id"):
+            pool.take(bad)
+    assert pool.free_block_ids == (1, 2)
+    assert [pool.ref_count(b) for b in range(3)] == [1, 0, 0]
+
+
+class BlockAllocatorWithTakeMachine(BlockAllocatorMachine):
+    """The machine above plus ``take`` (removal from anywhere in the free list) and the link invariants."""
+
+    @precondition(lambda self: bool(self.free_list))
+    @rule(data=st.data())
+    def take(self, data):
+        block = data.draw(st.sampled_from(self.free_list))
+        self.free_list.remove(block)
+        self.refs[block] = 1
+        self.pool.take(block)
+
+    @rule(block=st.integers(0, BlockAllocatorMachine.NUM_BLOCKS - 1))
+    def take_a_used_block(self, block):
+        if self.refs[block]:
+            with pytest.raises(ValueError):
+                self.pool.take(block)
+
+    @invariant()
+    def the_links_hold(self):
+        links_are_consistent(self.pool._free)
+
+
+TestBlockAllocatorWithTakeMachine = BlockAllocatorWithTakeMachine.TestCase

@@ -1,24 +1,36 @@
-"""The whole allocator under random workloads: allocate, append, write, free, and bad calls.
+"""The whole allocator under random workloads: allocate, append, write, fork, free, and bad calls.
 
 A hypothesis state machine drives a small PagedKVCacheAllocator and keeps a simple reference: the
-contiguous K/V each live sequence should hold. After every step it checks the invariants: each
-block is free or owned, never both; free + used == total; no block in two sequences; every live
-sequence reads back exactly what was written to it. Every call that must fail is checked to change
-nothing.
+contiguous K/V each live sequence should hold. Forks share blocks, and appends and writes into
+shared blocks copy them first (copy-on-write). After every step it checks the invariants: each
+block is free or held, never both; a block's ref count equals the number of tables that hold it;
+free + used == total; tokens share a slot only inside a shared block; every live sequence reads
+back exactly what was written to it. Each append and write also checks that no block another live
+sequence holds changed. Every call that must fail is checked to change nothing.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceError, blocks_for_tokens
+from paged_kv import (
+    BlockTable,
+    OutOfBlocksError,
+    PagedKVCacheAllocator,
+    UnknownSequenceError,
+    blocks_for_tokens,
+)
 
 from .helpers import fails_cleanly, unchanged
 
-pytestmark = [pytest.mark.lesson02, pytest.mark.lesson03, pytest.mark.lesson04]
+pytestmark = [pytest.mark.lesson02, pytest.mark.lesson03, pytest.mark.lesson04, pytest.mark.lesson07]
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 12, 4, 2, 3
 
@@ -52,6 +64,34 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def pick(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.expected)), label="seq_id")
 
+    def holders(self) -> Counter[int]:
+        """How many block tables hold each block, counted from the tables themselves."""
+        tables = self.cache.snapshot().tables.values()
+        return Counter(block_id for table in tables for block_id in table.block_ids)
+
+    def shared_blocks(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """The logical blocks of positions ``start .. end - 1`` that other tables also hold."""
+        holders = self.holders()
+        touched = range(start // BLOCK_SIZE, blocks_for_tokens(end, BLOCK_SIZE)) if end > start else ()
+        return [i for i in touched if i < table.num_blocks and holders[table.block_ids[i]] > 1]
+
+    @contextmanager
+    def others_untouched(self, seq_id: int) -> Iterator[None]:
+        """Assert that the code in the ``with`` changes no K/V in any block another live sequence holds."""
+        others = self.cache.snapshot().tables
+        held = sorted({b for s, table in others.items() if s != seq_id for b in table.block_ids})
+        index = torch.tensor(held, dtype=torch.long, device=self.device)
+        k_before, v_before = self.cache.k_cache[index].clone(), self.cache.v_cache[index].clone()
+        yield
+        assert torch.equal(self.cache.k_cache[index], k_before), "a write landed in another sequence's block"
+        assert torch.equal(self.cache.v_cache[index], v_before), "a write landed in another sequence's block"
+
+    def expected_copies(
+        self, table: BlockTable, shared: list[int], taken: list[int]
+    ) -> list[tuple[int, int]]:
+        """The ``(shared block, copy)`` pairs when the copies are the first blocks ``taken``."""
+        return [(table.block_ids[i], copy) for i, copy in zip(shared, taken, strict=False)]
+
     # -------------------------------------------------------------------------------- the rules
 
     @rule(num_tokens=st.integers(0, 4 * BLOCK_SIZE + 1))
@@ -79,18 +119,45 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def append(self, data: st.DataObject, n: int) -> None:
         seq_id = self.pick(data)
         table = self.cache.get_block_table(seq_id)
+        shared = self.shared_blocks(table, table.num_tokens, table.num_tokens + n)
         missing = max(0, blocks_for_tokens(table.num_tokens + n, BLOCK_SIZE) - table.num_blocks)
-        if missing > self.cache.num_free_blocks:
+        if len(shared) + missing > self.cache.num_free_blocks:
             fails_cleanly(self.cache, OutOfBlocksError, lambda: self.cache.append_tokens(seq_id, n))
             return
-        new_blocks = self.cache.append_tokens(seq_id, n)
-        assert len(new_blocks) == missing
-        assert self.cache.get_block_mapping(seq_id) == table.block_ids + new_blocks
-        # Decode: the new tokens' K/V are written after the old ones.
-        k, v = self.fresh_kv(n)
-        self.cache.write_kv(seq_id, k, v, start_position=table.num_tokens)
+        free_before = self.cache.snapshot().free_block_ids
+        with self.others_untouched(seq_id):
+            new_blocks = self.cache.append_tokens(seq_id, n)
+            # The copies first, then the appended blocks, all from the head of the free list.
+            assert new_blocks == list(free_before[: len(shared) + missing])
+            assert self.cache.last_copies == self.expected_copies(table, shared, new_blocks)
+            mapping = list(table.block_ids)
+            for logical, copy in zip(shared, new_blocks, strict=False):
+                mapping[logical] = copy
+            assert self.cache.get_block_mapping(seq_id) == mapping + new_blocks[len(shared) :]
+            # Decode: the new tokens' K/V are written after the old ones, in blocks now private.
+            k, v = self.fresh_kv(n)
+            self.cache.write_kv(seq_id, k, v, start_position=table.num_tokens)
+            assert self.cache.last_copies == []
         old_k, old_v = self.expected[seq_id]
         self.expected[seq_id] = (torch.cat([old_k, k]), torch.cat([old_v, v]))
+
+    @precondition(has_sequences)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = self.pick(data)
+        child = self.next_seq_id
+        self.next_seq_id += 1
+        before = self.cache.snapshot()
+        k_cache, v_cache = self.cache.k_cache.clone(), self.cache.v_cache.clone()
+        assert self.cache.fork(parent, child) == before.tables[parent]
+        after = self.cache.snapshot()
+        assert after.tables == {**before.tables, child: before.tables[parent]}
+        assert after.free_block_ids == before.free_block_ids  # nothing taken
+        shared = set(before.tables[parent].block_ids)
+        assert after.ref_counts == tuple(r + (b in shared) for b, r in enumerate(before.ref_counts))
+        assert torch.equal(self.cache.k_cache, k_cache) and torch.equal(self.cache.v_cache, v_cache)
+        parent_k, parent_v = self.expected[parent]
+        self.expected[child] = (parent_k.clone(), parent_v.clone())
 
     @precondition(has_sequences)
     @rule(data=st.data())
@@ -112,7 +179,17 @@ class PagedCacheMachine(RuleBasedStateMachine):
         start = data.draw(st.integers(0, length - 1), label="start")
         n = data.draw(st.integers(1, length - start), label="n")
         k, v = self.fresh_kv(n)
-        self.cache.write_kv(seq_id, k, v, start_position=start)
+        table = self.cache.get_block_table(seq_id)
+        shared = self.shared_blocks(table, start, start + n)
+        write = lambda: self.cache.write_kv(seq_id, k, v, start_position=start)  # noqa: E731
+        if len(shared) > self.cache.num_free_blocks:
+            fails_cleanly(self.cache, OutOfBlocksError, write)
+            return
+        free_before = self.cache.snapshot().free_block_ids
+        with self.others_untouched(seq_id):
+            write()
+        copies = self.expected_copies(table, shared, list(free_before[: len(shared)]))
+        assert self.cache.last_copies == copies
         old_k, old_v = self.expected[seq_id]
         old_k[start : start + n], old_v[start : start + n] = k, v
 
@@ -120,10 +197,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = self.pick(data)
-        blocks = self.cache.get_block_mapping(seq_id)
-        free_before = self.cache.snapshot().free_block_ids
-        assert self.cache.free_sequence(seq_id) == blocks
-        assert self.cache.snapshot().free_block_ids == free_before + tuple(blocks)
+        before = self.cache.snapshot()
+        # Only the blocks no other table holds go back; the others keep their K/V.
+        alone = [b for b in before.tables[seq_id].block_ids if before.ref_counts[b] == 1]
+        assert self.cache.free_sequence(seq_id) == alone
+        assert self.cache.snapshot().free_block_ids == before.free_block_ids + tuple(alone)
         del self.expected[seq_id]
 
     # ------------------------------------------------------------------- calls that must fail
@@ -149,7 +227,10 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def reuse_a_live_id(self, data: st.DataObject) -> None:
         seq_id = self.pick(data)
+        other = self.pick(data)
         fails_cleanly(self.cache, ValueError, lambda: self.cache.allocate_for_sequence(seq_id, 1))
+        fails_cleanly(self.cache, ValueError, lambda: self.cache.fork(other, seq_id), match="child_id")
+        fails_cleanly(self.cache, UnknownSequenceError, lambda: self.cache.fork(-1, self.next_seq_id))
 
     @precondition(has_sequences)
     @rule(data=st.data(), extra=st.integers(1, 3))
@@ -172,22 +253,28 @@ class PagedCacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------------------- invariants
 
     @invariant()
-    def each_block_is_free_or_owned_by_one_sequence(self) -> None:
+    def a_blocks_ref_count_is_the_number_of_tables_that_hold_it(self) -> None:
         snapshot = self.cache.snapshot()
-        owned = [b for table in snapshot.tables.values() for b in table.block_ids]
+        holders = self.holders()
         free = snapshot.free_block_ids
-        assert len(set(owned)) == len(owned), "a block is in two sequences"
+        for table in snapshot.tables.values():
+            assert len(set(table.block_ids)) == len(table.block_ids), "a block is in a table twice"
         assert len(set(free)) == len(free), "a block is on the free list twice"
-        assert set(owned).isdisjoint(free), "a block is both free and owned"
-        assert set(owned) | set(free) == set(range(NUM_BLOCKS)), "a block leaked"
+        assert set(holders).isdisjoint(free), "a block is both free and held"
+        assert set(holders) | set(free) == set(range(NUM_BLOCKS)), "a block leaked"
         for block_id in range(NUM_BLOCKS):
-            assert snapshot.ref_counts[block_id] == owned.count(block_id)
+            assert snapshot.ref_counts[block_id] == holders[block_id]
 
     @invariant()
     def the_counts_add_up(self) -> None:
         usage = self.cache.usage()
+        holders = self.holders()
         assert usage.used_blocks + usage.free_blocks == NUM_BLOCKS
-        assert usage.allocated_tokens == sum(k.shape[0] for k, _ in self.expected.values())
+        assert usage.used_blocks == len(holders)
+        assert usage.shared_blocks == sum(1 for count in holders.values() if count > 1)
+        # A token in a shared block is stored once: count the distinct slots that hold a token.
+        slots = {slot for s in self.expected for slot in self.cache.slot_mapping(s).tolist()}
+        assert usage.allocated_tokens == len(slots)
         assert usage.internal_fragmentation_tokens >= 0
         for seq_id in self.expected:
             table = self.cache.get_block_table(seq_id)
@@ -201,9 +288,24 @@ class PagedCacheMachine(RuleBasedStateMachine):
             assert torch.equal(read_v, v), f"V of sequence {seq_id} differs"
 
     @invariant()
-    def no_two_tokens_share_a_slot(self) -> None:
-        slots = torch.cat([self.cache.slot_mapping(s) for s in self.expected] or [torch.zeros(0)])
-        assert slots.unique().numel() == slots.numel()
+    def tokens_share_a_slot_only_in_a_shared_block_at_the_same_position(self) -> None:
+        position_of: dict[int, int] = {}
+        for seq_id in self.expected:
+            slots = self.cache.slot_mapping(seq_id).tolist()
+            assert len(set(slots)) == len(slots), f"two tokens of sequence {seq_id} share a slot"
+            for position, slot in enumerate(slots):
+                if slot in position_of:
+                    assert position_of[slot] == position
+                    assert self.cache.ref_count(slot // BLOCK_SIZE) > 1
+                position_of[slot] = position
+        # Every holder of a shared block holds the same tokens in it.
+        tables = self.cache.snapshot().tables.values()
+        in_block: dict[int, set[int]] = {}
+        for table in tables:
+            for logical, block_id in enumerate(table.block_ids):
+                held = min(BLOCK_SIZE, max(0, table.num_tokens - logical * BLOCK_SIZE))
+                in_block.setdefault(block_id, set()).add(held)
+        assert all(len(counts) == 1 for counts in in_block.values())
 
 
 TestPagedCacheOnCPU = PagedCacheMachine.TestCase

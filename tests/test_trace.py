@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import BlockTable, OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceError
 from paged_kv.trace import EVENTS, TraceFrame
 
-from .helpers import fails_cleanly, make_cache
+from .helpers import fails_cleanly, kv_for, make_cache
 
-pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04]
+pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04, pytest.mark.lesson07]
 
 
 def scripted() -> PagedKVCacheAllocator:
@@ -140,19 +141,53 @@ def test_failed_calls_and_no_ops_record_nothing():
     assert cache.trace == before
 
 
+def test_a_fork_frame_and_the_copy_frames_of_a_write():
+    cache = make_cache(num_blocks=8, block_size=4, record=True)
+    cache.allocate_for_sequence("P", 0)
+    cache.fork("P", "Q")
+    cache.allocate_for_sequence("A", 6)  # [0, 1]
+    cache.fork("A", "B")
+    k, v = kv_for(6)
+    cache.write_kv("B", k, v)  # both blocks shared: copied to [2, 3] before the write
+    cache.write_kv("B", k, v)  # now B's own: no frame
+    assert [(f.event, f.seq_id, f.highlight, f.caption) for f in cache.trace[2:]] == [
+        ("fork", "Q", (), "seq Q forks from P: shares no block"),
+        ("allocate", "A", (0, 1), "seq A: 6-token prompt takes blocks [0, 1]"),
+        ("fork", "B", (0, 1), "seq B forks from A: shares blocks [0, 1]"),
+        ("copy_on_write", "B", (0, 2, 1, 3), "seq B, before a write: blocks [0, 1] copied to blocks [2, 3]"),
+    ]
+    assert cache.trace[-1].snapshot.tables["B"] == BlockTable([2, 3], 6)
+
+
+def test_a_failed_fork_or_copy_records_nothing():
+    cache = make_cache(num_blocks=2, block_size=4, record=True)
+    cache.allocate_for_sequence("A", 6)
+    cache.fork("A", "B")
+    before = cache.trace
+    k, v = kv_for(1)
+    fails_cleanly(cache, OutOfBlocksError, lambda: cache.append_tokens("B"))
+    fails_cleanly(cache, OutOfBlocksError, lambda: cache.write_kv("B", k, v))
+    fails_cleanly(cache, ValueError, lambda: cache.fork("A", "B"))
+    fails_cleanly(cache, UnknownSequenceError, lambda: cache.fork("ghost", "C"))
+    assert cache.trace == before
+
+
 def test_trace_frames_compare_by_value():
     assert scripted().trace == scripted().trace
     frame = scripted().trace[1]
     assert isinstance(frame, TraceFrame) and frame == dataclasses.replace(frame)
 
 
-# A random workload: each step allocates, appends n tokens, appends a block, or frees.
+# A random workload: each step allocates, appends n tokens, appends a block, frees, forks into
+# sequence n, or writes one token at position n.
 steps = st.lists(
     st.one_of(
         st.tuples(st.just("allocate"), st.integers(0, 5), st.integers(0, 14)),
         st.tuples(st.just("append"), st.integers(0, 5), st.integers(0, 9)),
         st.tuples(st.just("block"), st.integers(0, 5), st.just(0)),
         st.tuples(st.just("free"), st.integers(0, 5), st.just(0)),
+        st.tuples(st.just("fork"), st.integers(0, 5), st.integers(0, 5)),
+        st.tuples(st.just("write"), st.integers(0, 5), st.integers(0, 9)),
     ),
     max_size=30,
 )
@@ -161,11 +196,14 @@ steps = st.lists(
 def run(cache: PagedKVCacheAllocator, step: tuple[str, int, int]) -> object:
     """One step; returns its result, or the type of the error it raised."""
     kind, seq_id, n = step
+    k, v = kv_for(1, first=n)
     call = {
         "allocate": lambda: cache.allocate_for_sequence(seq_id, n),
         "append": lambda: cache.append_tokens(seq_id, n),
         "block": lambda: cache.append_block_to_sequence(seq_id),
         "free": lambda: cache.free_sequence(seq_id),
+        "fork": lambda: cache.fork(seq_id, n),
+        "write": lambda: (cache.write_kv(seq_id, k, v, start_position=n), cache.last_copies),
     }[kind]
     try:
         return call()
@@ -183,15 +221,20 @@ def test_recording_never_changes_what_the_allocator_does(workload):
         result = run(recorded, step)
         assert run(plain, step) == result
         assert recorded.snapshot() == plain.snapshot()
+        assert recorded.last_copies == plain.last_copies
+        assert torch.equal(recorded.k_cache, plain.k_cache) and torch.equal(recorded.v_cache, plain.v_cache)
         failed = isinstance(result, type) or (step[0] == "free" and not known)
         added = 0 if failed else step[2] if step[0] == "append" else 1
+        if step[0] == "write":  # a frame only when shared blocks were copied
+            added = 1 if added and result[1] else 0
         assert len(recorded.trace) == frames + added
         if added:
             assert recorded.trace[-1].snapshot == recorded.snapshot()
-            assert recorded.trace[-1].seq_id == step[1]
+            concerns = step[2] if step[0] == "fork" else step[1]  # a fork's frame is the child's
+            assert recorded.trace[-1].seq_id == concerns
     for frame in recorded.trace:  # every frame is a consistent pool
         snap = frame.snapshot
         held = [b for table in snap.tables.values() for b in table.block_ids]
-        assert sorted(held + list(snap.free_block_ids)) == list(range(6))
+        assert sorted([*set(held), *snap.free_block_ids]) == list(range(6))  # free or held, never both
         assert all(snap.ref_counts[b] == held.count(b) for b in range(6))
         assert set(frame.highlight) <= set(range(6))

@@ -108,6 +108,59 @@ def test_a_shared_block_counts_once_and_shows_its_ref_count():
     assert "utilisation 100.0 %" in markup
 
 
+def forked() -> AllocatorSnapshot:
+    """A of 10 tokens in [0, 1, 2], B forked from it and grown by one: B holds [0, 1, 3]."""
+    cache = cache_with(8, 4, {"A": 10})
+    cache.fork("A", "B")
+    cache.append_tokens("B")
+    return cache.snapshot()
+
+
+def dashed(element: ET.Element) -> bool:
+    return any(r.get("stroke-dasharray") for r in element.iter(f"{SVG}rect"))
+
+
+def test_a_forked_pool_shows_its_shared_blocks_in_the_pool_and_in_every_table():
+    snapshot = forked()
+    markup = render_allocator(snapshot)
+    root = parse(markup)
+    blocks = pool_blocks(root)
+    assert [int(b.get("data-block")) for b in blocks if dashed(b)] == [0, 1]  # the shared blocks
+    assert [band(b) for b in blocks[:4]] == [
+        (seq_colour("A"), "A+1"),
+        (seq_colour("A"), "A+1"),
+        (seq_colour("A"), "A"),
+        (seq_colour("B"), "B"),
+    ]
+    all_texts = texts(root)
+    assert (
+        all_texts[: all_texts.index("block tables · logical block → physical block")].count("0 \u00d72") == 1
+    )
+    assert "1 \u00d72" in all_texts and "2 \u00d72" not in all_texts
+    # Each table lists block 0 and 1, drawn dashed in both rows.
+    tables = [
+        g for g in root.iter(f"{SVG}g") if g.get("data-block") is None and g.find(f"{SVG}title") is not None
+    ]
+    shared_boxes = [g.find(f"{SVG}title").text for g in tables if dashed(g)]
+    assert shared_boxes == [
+        "seq A: logical block 0 → physical block 0, shared \u00d72",
+        "seq A: logical block 1 → physical block 1, shared \u00d72",
+        "seq B: logical block 0 → physical block 0, shared \u00d72",
+        "seq B: logical block 1 → physical block 1, shared \u00d72",
+    ]
+    assert "block 0: seq A, B, 4 / 4 slots used (shared by 2 sequences)" in markup
+    assert "shared by several sequences (\u00d7n: how many)" in all_texts
+    # The gauge counts blocks 0 and 1 once: 4 blocks, 13 tokens (4 + 4 + 2 + 3) in 16 slots.
+    assert "used 4 / 8 blocks · 4 free · 2 shared, each counted once" in markup
+    assert "utilisation 81.2 % · 13 of 16 reserved slots hold a token" in markup
+    assert render_allocator(forked()) == markup
+
+
+def test_an_unshared_pool_has_no_dashes_and_no_shared_legend():
+    markup = render_allocator(blog_seed())
+    assert "stroke-dasharray" not in markup and "shared" not in markup
+
+
 def test_twelve_sequences_in_64_blocks_keep_twelve_distinct_labels():
     snapshot = twelve_sequences()
     assert len(snapshot.tables) == 12
@@ -159,12 +212,18 @@ def test_the_gauge_of_the_blog_seed():
     assert "fragmentation 59 slots wasted" in markup
 
 
-@given(st.lists(st.integers(0, 40), max_size=10))
-def test_snapshot_usage_is_the_caches_usage_when_nothing_is_shared(prompts):
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 6)), max_size=10))
+def test_snapshot_usage_is_the_caches_usage(steps):
+    # Each step allocates a prompt, then forks the sequence and grows the fork (sharing, copying).
     cache = PagedKVCacheAllocator(32, 4, 1, 1)
-    for i, num_tokens in enumerate(prompts):
-        if cache.num_free_blocks * 4 >= num_tokens:
-            cache.allocate_for_sequence(i, num_tokens)
+    for i, (num_tokens, forks, grow) in enumerate(steps):
+        if cache.num_free_blocks * 4 < num_tokens:
+            continue
+        cache.allocate_for_sequence(i, num_tokens)
+        for j in range(forks):
+            cache.fork(i, (i, j))
+            if cache.num_free_blocks >= 3:
+                cache.append_tokens((i, j), grow)
     assert snapshot_usage(cache.snapshot()) == cache.usage()
 
 

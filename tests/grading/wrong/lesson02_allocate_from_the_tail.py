@@ -1,5 +1,7 @@
 """Allocating with pop() from the tail of the free list (LIFO) instead of popleft() from its head."""
 
+from collections import deque
+
 from paged_kv import OutOfBlocksError
 from paged_kv.grading.reference.lesson02 import *  # every other task stays right
 
@@ -8,6 +10,10 @@ MESSAGE = "popping from the tail (LIFO)"
 
 
 class BlockAllocator(BlockAllocator):
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self._free = deque(self._free)  # the exercise's deque free list, where the mistake is made
+
     def allocate(self):
         if not self._free:
             raise OutOfBlocksError(needed=1, free=0)

@@ -1,0 +1,318 @@
+"""Prefix caching: a new prompt reuses the K/V blocks of a prefix that an earlier prompt computed.
+
+The K/V of a token depend on the token and on every token before it, so a block of a prompt is
+identified by its own token ids *and* the whole prefix before it. As vLLM does, the identity is a
+chain of hashes, one per **full** block of the prompt::
+
+    hash_0 = block_hash(ROOT_HASH, tokens of block 0)
+    hash_i = block_hash(hash_{i-1}, tokens of block i)
+
+Only full blocks are hashed and shared; the partly full last block of a prompt is always private
+(the sequence keeps writing into it during decode).
+
+A hash is only a hint: two different prefixes can hash alike. :class:`PrefixCache` therefore keeps,
+for each cached block, its token ids and the cached block it follows (its parent), and a hit must
+match both: the block's tokens equal the prompt's, and its parent is the very cached block the
+previous hit found. By induction the whole prefix matches, so a collision can cost a hit but never
+shares a block that holds the wrong data, whatever order blocks are evicted in (a block cached after
+a parent that was since evicted, and whose hash a colliding block took over, matches no more).
+
+:class:`CachingBlockAllocator` is a :class:`~paged_kv.block_allocator.BlockAllocator` with a
+prefix cache. A freed block keeps its hash and its K/V: it sits on the free list, *cached*, until
+``allocate`` takes it from the head of the list for other data, and only then is its hash dropped
+(evicted). The head is the block freed longest ago, so eviction is least recently used first and
+O(1). A hit on a cached block that is on the free list takes it out of the middle of the list, also
+in O(1); a hit on a block that live sequences hold adds a reference.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ._checks import check_count
+from .block import blocks_for_tokens
+from .block_allocator import BlockAllocator
+from .errors import OutOfBlocksError
+
+TokenIds = tuple[int, ...]
+
+ROOT_HASH = 0
+"""The parent hash of a prompt's first block.
+
+An int, not ``None``: Python 3.11 hashes ``None`` by its address, which changes from run to run.
+"""
+
+
+def block_hash(parent_hash: int, token_ids: TokenIds) -> int:
+    """The hash of one full block: its parent's hash (:data:`ROOT_HASH` for the first block) and its tokens.
+
+    Python hashes ints and tuples of ints the same way in every process (hash randomisation only
+    applies to strings and bytes), so the chain is reproducible run to run.
+    """
+    return hash((parent_hash, token_ids))
+
+
+def full_blocks(token_ids: Sequence[int], block_size: int) -> list[TokenIds]:
+    """The token ids of each *full* block, in order; a partly full last block is left out.
+
+    >>> full_blocks([5, 6, 7, 8, 9], 2)
+    [(5, 6), (7, 8)]
+    """
+    starts = range(0, len(token_ids) - block_size + 1, block_size)
+    return [tuple(token_ids[start : start + block_size]) for start in starts]
+
+
+def chain_hashes(blocks: Sequence[TokenIds]) -> list[int]:
+    """The chained hash of each block: ``hash_i = block_hash(hash_{i-1}, blocks[i])``.
+
+    The first block's parent hash is :data:`ROOT_HASH`.
+    """
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for tokens in blocks:
+        parent = block_hash(parent, tokens)
+        hashes.append(parent)
+    return hashes
+
+
+def check_token_ids(token_ids: object, num_prompt_tokens: int) -> TokenIds:
+    """``token_ids`` as a tuple of ints, when it holds ``num_prompt_tokens`` non-negative integers.
+
+    A list, tuple or range of ints (numpy integer scalars too) or a 1-D integer tensor is accepted.
+
+    Raises:
+        ValueError: naming ``token_ids``: not a sequence of integers, a negative or boolean id, or
+            a length other than ``num_prompt_tokens``.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+            raise ValueError(
+                f"token_ids must be a 1-D integer tensor, got shape {tuple(token_ids.shape)} "
+                f"and dtype {token_ids.dtype}"
+            )
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
+        raise ValueError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
+    if len(token_ids) != num_prompt_tokens:
+        raise ValueError(
+            f"token_ids must hold one id per prompt token: num_prompt_tokens is {num_prompt_tokens}, "
+            f"but token_ids has {len(token_ids)}"
+        )
+    for index, token in enumerate(token_ids):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"token_ids must be non-negative integers, got {token!r} at index {index}")
+    return tuple(int(token) for token in token_ids)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """What the prefix cache found, counted in prompt tokens (as vLLM's metrics are).
+
+    Only successful allocations with ``token_ids`` count: a refused allocation counts nothing.
+    """
+
+    requests: int = 0
+    """Prompts looked up."""
+    queries: int = 0
+    """Prompt tokens looked up."""
+    hits: int = 0
+    """Prompt tokens found in the cache, whose K/V the caller need not compute."""
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries``, or 0.0 before any query."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class CachedBlock:
+    """One block in the prefix cache: which physical block, its chained hash, tokens and parent.
+
+    ``eq=False``: two entries are the same only when they are the same object, so a block that is
+    evicted and cached again gets a new identity, and the children cached under its old contents
+    no longer match it.
+    """
+
+    block_id: int
+    block_hash: int
+    token_ids: TokenIds
+    parent: CachedBlock | None = field(repr=False)
+
+
+class PrefixCache:
+    """The maps of prefix caching, and its counters: no blocks are taken or freed here.
+
+    Invariants:
+
+    * ``hash -> entry`` and ``block id -> entry`` hold the same entries: a block holds at most one
+      hash and a hash names at most one block;
+    * every entry's parent is ``None`` (the first block of a prompt) or was cached before it, and
+      its hash is ``block_hash(parent's hash, its tokens)`` over its prompt's blocks.
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[int, CachedBlock] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self._stats = PrefixCacheStats()
+
+    def __len__(self) -> int:
+        return len(self._by_block)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """The counters since the cache was built or reset."""
+        return self._stats
+
+    def cached_blocks(self) -> dict[int, TokenIds]:
+        """Every cached block id and the token ids it holds (a new dict)."""
+        return {block_id: entry.token_ids for block_id, entry in self._by_block.items()}
+
+    def entry(self, block_id: int) -> CachedBlock | None:
+        """The cache entry of a block, or ``None`` when the block holds no hash."""
+        return self._by_block.get(block_id)
+
+    def match(self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int) -> list[CachedBlock]:
+        """The longest run of leading blocks found in the cache, at most ``max_blocks``.
+
+        Block ``i`` is a hit when an entry has its hash, its tokens, and as parent the entry that
+        matched block ``i - 1``; the first miss ends the run (a block is only useful after its
+        whole prefix).
+        """
+        hits: list[CachedBlock] = []
+        parent = None
+        for tokens, block_hash_ in zip(blocks[:max_blocks], hashes, strict=False):
+            entry = self._by_hash.get(block_hash_)
+            if entry is None or entry.parent is not parent or entry.token_ids != tokens:
+                break
+            hits.append(entry)
+            parent = entry
+        return hits
+
+    def insert(
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        block_ids: Sequence[int],
+        hits: list[CachedBlock],
+    ) -> int:
+        """Cache the full blocks after the hits: block ``i`` of the prompt lives in ``block_ids[i]``.
+
+        A block whose hash is already taken (by an equal block that the hit limit skipped, or by a
+        collision) stays private, and so do the blocks after it, which would have no cached parent.
+        The blocks in ``block_ids`` past the hits must hold no hash (fresh from ``allocate``).
+
+        Returns:
+            How many blocks were cached.
+        """
+        parent = hits[-1] if hits else None
+        cached = 0
+        for index in range(len(hits), len(blocks)):
+            if hashes[index] in self._by_hash:
+                break
+            entry = CachedBlock(block_ids[index], hashes[index], blocks[index], parent)
+            self._by_hash[entry.block_hash] = entry
+            self._by_block[entry.block_id] = entry
+            parent = entry
+            cached += 1
+        return cached
+
+    def evict(self, block_id: int) -> bool:
+        """Forget the hash a block holds, if any (its K/V are about to be overwritten).
+
+        Returns:
+            Whether the block held a hash.
+        """
+        entry = self._by_block.pop(block_id, None)
+        if entry is None:
+            return False
+        del self._by_hash[entry.block_hash]
+        return True
+
+    def record(self, queries: int, hits: int) -> None:
+        """Count one prompt of ``queries`` tokens, ``hits`` of them found in the cache."""
+        self._stats = replace(
+            self._stats,
+            requests=self._stats.requests + 1,
+            queries=self._stats.queries + queries,
+            hits=self._stats.hits + hits,
+        )
+
+    def reset(self) -> int:
+        """Forget every hash and zero the counters; return how many blocks were cached."""
+        dropped = len(self._by_block)
+        self._by_hash.clear()
+        self._by_block.clear()
+        self._stats = PrefixCacheStats()
+        return dropped
+
+
+class CachingBlockAllocator(BlockAllocator):
+    """A :class:`BlockAllocator` whose blocks can hold a prompt prefix for later prompts to reuse.
+
+    Everything :class:`BlockAllocator` guarantees still holds, and also:
+
+    * a block is evicted (its hash forgotten) exactly when ``allocate`` hands it out for new data,
+      which takes the head of the free list: the block freed longest ago goes first;
+    * ``allocate_prompt`` is all or nothing: when it raises, no ref count, free list entry, hash or
+      counter has changed.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self._prefix_cache = PrefixCache()
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The hash maps and the counters (read them; the allocator changes them)."""
+        return self._prefix_cache
+
+    def allocate(self) -> int:
+        """Take the head of the free list for new data, evicting the hash it held."""
+        block_id = super().allocate()
+        self._prefix_cache.evict(block_id)
+        return block_id
+
+    def allocate_prompt(self, token_ids: TokenIds, block_size: int, what: str) -> tuple[list[int], int]:
+        """The blocks of a new prompt: cached ones for its longest cached prefix, fresh ones after.
+
+        At most ``len(token_ids) - 1`` tokens come from the cache: the caller always computes the
+        last prompt token, whose output is needed to sample the next token (as vLLM does). So a
+        prompt of exactly ``n`` full blocks can reuse ``n - 1`` of them.
+
+        The cached blocks are taken first (out of the free list, or one more reference), then the
+        fresh ones from the head of the free list, which evicts whatever they held. The fresh full
+        blocks are then cached under the prompt's hashes: the caller must write their K/V before
+        another prompt can reuse them.
+
+        Returns:
+            The prompt's block ids, in table order, and how many leading tokens were cached (a
+            multiple of ``block_size``).
+
+        Raises:
+            OutOfBlocksError: the fresh blocks plus the cached blocks that sit on the free list
+                are more than the free blocks (nothing changes, nothing is counted).
+        """
+        block_size = check_count("block_size", block_size, minimum=1)
+        blocks = full_blocks(token_ids, block_size)
+        hashes = chain_hashes(blocks)
+        max_hits = max(0, (len(token_ids) - 1) // block_size)
+        hits = self._prefix_cache.match(blocks, hashes, max_hits)
+        hit_ids = [entry.block_id for entry in hits]
+        num_fresh = blocks_for_tokens(len(token_ids), block_size) - len(hits)
+        revived = [block_id for block_id in hit_ids if self.is_free(block_id)]
+        if num_fresh + len(revived) > self.num_free_blocks:
+            raise OutOfBlocksError(num_fresh + len(revived), self.num_free_blocks, what)
+        for block_id in hit_ids:
+            if self.is_free(block_id):
+                self.take(block_id)
+            else:
+                self.add_ref(block_id)
+        block_ids = hit_ids + self.allocate_blocks(num_fresh)
+        self._prefix_cache.insert(blocks, hashes, block_ids, hits)
+        num_cached_tokens = len(hits) * block_size
+        self._prefix_cache.record(len(token_ids), num_cached_tokens)
+        return block_ids, num_cached_tokens

@@ -1,0 +1,710 @@
+"""Prefix caching: chained block hashes, reuse of cached blocks, LRU eviction, counters (lesson 07).
+
+The scenarios follow the style of vLLM's prefix-caching design document: a small block size, a
+few blocks, one request at a time, the free list and the cache checked after every step. Every
+sequence writes only the K/V the cache did not already hold (from ``num_cached_tokens`` on), and
+the K/V of a position is a function of the whole prefix up to it, as in a real model: reading a
+sequence back equal to :func:`kv_of` its tokens proves that every shared block held the right data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from paged_kv import (
+    OutOfBlocksError,
+    PagedKVCacheAllocator,
+    UnknownSequenceError,
+    blocks_for_tokens,
+    prefix_cache,
+)
+from paged_kv.prefix_cache import (
+    ROOT_HASH,
+    CachingBlockAllocator,
+    PrefixCache,
+    PrefixCacheStats,
+    chain_hashes,
+    check_token_ids,
+    full_blocks,
+)
+
+from .helpers import HEAD_DIM, NUM_HEADS, make_cache, unchanged
+
+pytestmark = pytest.mark.lesson07
+
+BLOCK = 4  # the scenarios' block size
+
+
+def kv_of(tokens, device="cpu"):
+    """K and V of a sequence whose K/V at position ``p`` depend on ``tokens[: p + 1]``, as in a model.
+
+    A rolling hash of the prefix below 2**20, spread over heads and dims: every value is an exact
+    float32 integer, and two positions share values only when their prefixes hash alike.
+    """
+    rows, rolling = [], 0
+    for token in tokens:
+        rolling = (rolling * 1_000_003 + token + 1) % 1_048_573
+        rows.append(rolling * 8)
+    base = torch.tensor(rows, dtype=torch.float64).view(-1, 1, 1)
+    offsets = torch.arange(NUM_HEADS * HEAD_DIM, dtype=torch.float64).view(1, NUM_HEADS, HEAD_DIM) + 1
+    k = (base + offsets).to(dtype=torch.float32, device=device)
+    return k, -k
+
+
+def write_prompt(cache, seq_id, tokens, device="cpu"):
+    """Prefill: write the K/V of the prompt from the first uncached position on, as a caller must."""
+    cached = cache.num_cached_tokens(seq_id)
+    k, v = kv_of(tokens, device)
+    if cached < len(tokens):
+        cache.write_kv(seq_id, k[cached:], v[cached:], start_position=cached)
+
+
+def reads_back(cache, seq_id, tokens, device="cpu"):
+    k, v = kv_of(tokens, device)
+    read_k, read_v = cache.read_kv(seq_id)
+    return torch.equal(read_k, k) and torch.equal(read_v, v)
+
+
+def caching(num_blocks=8, device="cpu", **kw):
+    return make_cache(num_blocks, BLOCK, device=device, enable_prefix_caching=True, **kw)
+
+
+def free_list(cache):
+    return list(cache.snapshot().free_block_ids)
+
+
+def refs(cache):
+    return list(cache.snapshot().ref_counts)
+
+
+@contextmanager
+def nothing_changes(cache):
+    """Assert that the block changes nothing: bookkeeping, K/V, cached blocks and counters."""
+    before = (cache.cached_blocks(), cache.prefix_cache_stats)
+    with unchanged(cache):
+        yield
+    assert (cache.cached_blocks(), cache.prefix_cache_stats) == before
+
+
+X = list(range(100, 108))  # two full blocks: X0 = 100..103, X1 = 104..107
+
+
+# ----------------------------------------------------------------------------- the hash chain
+
+
+def test_full_blocks_leave_out_the_partial_last_block():
+    assert full_blocks([5, 6, 7, 8, 9], 2) == [(5, 6), (7, 8)]
+    assert full_blocks([5, 6, 7], 4) == []
+    assert full_blocks([], 4) == []
+    assert full_blocks(list(range(8)), 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_a_block_hash_depends_on_its_whole_prefix():
+    a = chain_hashes(full_blocks([1, 2, 3, 4, 5, 6], 2))
+    b = chain_hashes(full_blocks([1, 2, 9, 9, 5, 6], 2))
+    assert len(a) == 3 and len(set(a)) == 3
+    assert a[0] == b[0]  # same first block
+    assert a[1] != b[1] and a[2] != b[2]  # the same tokens (5, 6) after a different prefix
+    assert chain_hashes([(5, 6)]) != [a[2]]  # the same block at another depth
+    assert chain_hashes(full_blocks([1, 2, 3, 4, 5, 6, 7], 2)) == a  # a partial block adds nothing
+
+
+@given(st.lists(st.integers(0, 50_000), max_size=40), st.integers(1, 8))
+def test_chain_hashes_follow_the_recurrence(tokens, block_size):
+    blocks = full_blocks(tokens, block_size)
+    assert len(blocks) == len(tokens) // block_size
+    assert [t for block in blocks for t in block] == tokens[: len(blocks) * block_size]
+    hashes = chain_hashes(blocks)
+    parent = ROOT_HASH
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        assert block_hash == hash((parent, block))
+        parent = block_hash
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    code = "from paged_kv.prefix_cache import chain_hashes; print(chain_hashes([(1, 2), (3, 4), (5, 6)]))"
+    outputs = set()
+    for seed in ("0", "random"):  # PYTHONHASHSEED randomises str and bytes; ASLR moves None
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        outputs.add(result.stdout)
+    assert outputs == {f"{chain_hashes([(1, 2), (3, 4), (5, 6)])}\n"}
+
+
+# ------------------------------------------------------------------------------- token ids
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [
+        [3, 0, 7],
+        (3, 0, 7),
+        torch.tensor([3, 0, 7]),
+        torch.tensor([3, 0, 7], dtype=torch.int32),
+        [np.int64(3), np.int32(0), 7],
+    ],
+)
+def test_token_ids_can_be_a_list_a_tuple_or_a_tensor(token_ids):
+    assert check_token_ids(token_ids, 3) == (3, 0, 7)
+    assert all(type(t) is int for t in check_token_ids(token_ids, 3))
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "match"),
+    [
+        ([1, 2], "num_prompt_tokens is 3, but token_ids has 2"),
+        ([1, 2, 3, 4], "token_ids has 4"),
+        ([1, -2, 3], "non-negative integers, got -2 at index 1"),
+        ([1, True, 3], "got True at index 1"),
+        ([1, 2.0, 3], "got 2.0 at index 1"),
+        ([1, "2", 3], "got '2' at index 1"),
+        ("abc", "list of integers, got str"),
+        (7, "list of integers, got int"),
+        ({1, 2, 3}, "list of integers, got set"),
+        (torch.tensor([[1, 2, 3]]), "1-D integer tensor"),
+        (torch.tensor([1.0, 2.0, 3.0]), "1-D integer tensor"),
+        (torch.tensor([True, False, True]), "got True at index 0"),
+        (np.array([1, 2, 3]), "list of integers, got ndarray"),
+    ],
+)
+def test_bad_token_ids_are_value_errors_naming_them(token_ids, match):
+    with pytest.raises(ValueError, match="token_ids") as caught:
+        check_token_ids(token_ids, 3)
+    assert caught.match(match)
+
+
+def test_allocate_with_bad_token_ids_changes_nothing():
+    for enabled in (True, False):
+        cache = make_cache(8, BLOCK, enable_prefix_caching=enabled)
+        cache.allocate_for_sequence("a", 9, [*X, 1])
+        with nothing_changes(cache), pytest.raises(ValueError, match="token_ids"):
+            cache.allocate_for_sequence("b", 9, X)
+        with nothing_changes(cache), pytest.raises(ValueError, match="token_ids"):
+            cache.allocate_for_sequence("b", 3, [0, -1, 2])
+        assert "b" not in cache
+
+
+def test_enable_prefix_caching_must_be_a_bool():
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        make_cache(enable_prefix_caching="yes")
+    assert make_cache().enable_prefix_caching is False
+    assert caching().enable_prefix_caching is True
+
+
+# ------------------------------------------------------------------------------- scenarios
+
+
+def test_a_shared_prefix_is_computed_once(device):
+    cache = caching(8, device)
+    # Request 0: 10 tokens in blocks [0, 1, 2]. Blocks 0 and 1 are full and get cached; block 2
+    # holds 2 tokens and stays private.
+    r0 = [*X, 1, 2]
+    assert cache.allocate_for_sequence("r0", 10, r0).block_ids == [0, 1, 2]
+    assert cache.num_cached_tokens("r0") == 0
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}
+    write_prompt(cache, "r0", r0, device)
+    # Request 1 shares the first 8 tokens: it takes blocks 0 and 1 (one more reference each) and
+    # a fresh block for its own tail, and computes only positions 8..10.
+    r1 = [*X, 7, 8, 9]
+    assert cache.allocate_for_sequence("r1", 11, r1).block_ids == [0, 1, 3]
+    assert cache.num_cached_tokens("r1") == 8
+    assert refs(cache) == [2, 2, 1, 1, 0, 0, 0, 0]
+    assert free_list(cache) == [4, 5, 6, 7]
+    write_prompt(cache, "r1", r1, device)
+    assert reads_back(cache, "r0", r0, device) and reads_back(cache, "r1", r1, device)
+    assert cache.prefix_cache_stats == PrefixCacheStats(requests=2, queries=21, hits=8)
+    assert cache.prefix_cache_stats.hit_rate == pytest.approx(8 / 21)
+
+
+def test_a_freed_prefix_stays_cached_and_is_revived_from_the_middle_of_the_free_list(device):
+    cache = caching(8, device)
+    r0, r1 = [*X, 1, 2], [*X, 7, 8, 9]
+    for seq_id, tokens in (("r0", r0), ("r1", r1)):
+        cache.allocate_for_sequence(seq_id, len(tokens), tokens)
+        write_prompt(cache, seq_id, tokens, device)
+    # Blocks 0 and 1 are still held by r1: only r0's private block goes back.
+    assert cache.free_sequence("r0") == [2]
+    # r1 frees its blocks last block first: the end of a cached chain is evicted before its start.
+    assert cache.free_sequence("r1") == [3, 1, 0]
+    assert free_list(cache) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}  # freed, still cached
+    # Request 2 repeats r0's prompt: blocks 0 and 1 leave the free list from where they sit, the
+    # rest of the list keeps its order, and the tail block comes from the head.
+    assert cache.allocate_for_sequence("r2", 10, r0).block_ids == [0, 1, 4]
+    assert cache.num_cached_tokens("r2") == 8
+    assert free_list(cache) == [5, 6, 7, 2, 3]
+    assert refs(cache)[:2] == [1, 1]
+    write_prompt(cache, "r2", r0, device)  # positions 8 and 9 only
+    assert reads_back(cache, "r2", r0, device)
+
+
+def test_eviction_takes_the_least_recently_freed_block_and_forgets_its_hash(device):
+    cache = caching(4, device)
+    y = list(range(200, 208))
+    for seq_id, tokens in (("x", X), ("y", y)):
+        cache.allocate_for_sequence(seq_id, 8, tokens)
+        write_prompt(cache, seq_id, tokens, device)
+        cache.free_sequence(seq_id)
+    # x freed [1, 0], then y freed [3, 2]: every block is free and cached.
+    assert free_list(cache) == [1, 0, 3, 2]
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:]), 2: tuple(y[:4]), 3: tuple(y[4:])}
+    # A 3-token prompt needs one fresh block: the head, block 1 (X1, freed longest ago), is evicted.
+    assert cache.allocate_for_sequence("z", 3, [7, 7, 7]).block_ids == [1]
+    assert 1 not in cache.cached_blocks() and set(cache.cached_blocks()) == {0, 2, 3}
+    write_prompt(cache, "z", [7, 7, 7], device)
+    # X again, with one more token: X0 is still cached, X1 no longer.
+    assert cache.allocate_for_sequence("x2", 9, [*X, 5]).block_ids == [0, 3, 2]
+    assert cache.num_cached_tokens("x2") == 4
+    # Blocks 3 and 2 were taken fresh from the head: y's blocks are evicted too, X1 is cached anew.
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 3: tuple(X[4:])}
+    write_prompt(cache, "x2", [*X, 5], device)
+    assert reads_back(cache, "x2", [*X, 5], device) and reads_back(cache, "z", [7, 7, 7], device)
+
+
+def test_a_decode_block_also_evicts_from_the_head(device):
+    cache = caching(3, device)
+    cache.allocate_for_sequence("x", 9, [*X, 1])
+    cache.free_sequence("x")
+    assert free_list(cache) == [2, 1, 0]
+    cache.allocate_for_sequence("a", 3, [5, 5, 5])  # block 2, which held no hash
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}
+    assert cache.append_tokens("a", 2) == [1]  # the 5th token needs a block: block 1 is evicted
+    assert cache.cached_blocks() == {0: tuple(X[:4])}
+
+
+def test_the_last_prompt_token_is_always_computed(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 8, X)
+    write_prompt(cache, "a", X, device)
+    # The whole prompt is cached, but its last token must run through the model to sample the next
+    # one: only X0 is reused, and X1 is computed again in a private block.
+    assert cache.allocate_for_sequence("b", 8, X).block_ids == [0, 2]
+    assert cache.num_cached_tokens("b") == 4
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}  # block 2 duplicates X1: private
+    write_prompt(cache, "b", X, device)
+    assert reads_back(cache, "b", X, device)
+    # A prompt shorter than one block, or empty, finds nothing.
+    assert cache.allocate_for_sequence("c", 4, X[:4]).block_ids == [3]
+    assert cache.num_cached_tokens("c") == 0
+    assert cache.allocate_for_sequence("d", 0, []).block_ids == []
+    assert cache.prefix_cache_stats == PrefixCacheStats(requests=4, queries=20, hits=4)
+
+
+def test_the_first_miss_ends_the_match(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    write_prompt(cache, "a", [*X, 1], device)
+    # Same second block, different first block: X1's K/V depend on X0, so nothing is reused.
+    other = [9, 9, 9, 9, *X[4:], 1]
+    assert cache.allocate_for_sequence("b", 9, other).block_ids == [3, 4, 5]
+    assert cache.num_cached_tokens("b") == 0
+    write_prompt(cache, "b", other, device)
+    assert reads_back(cache, "b", other, device) and reads_back(cache, "a", [*X, 1], device)
+    assert len(cache.cached_blocks()) == 4  # both chains, side by side
+
+
+def test_a_refused_allocation_counts_the_cached_blocks_it_would_take_off_the_free_list():
+    cache = caching(5)
+    cache.allocate_for_sequence("x", 9, [*X, 1])  # blocks 0, 1, 2
+    cache.free_sequence("x")
+    cache.allocate_for_sequence("y", 8, list(range(8)))  # blocks 3, 4
+    assert free_list(cache) == [2, 1, 0]
+    # X plus 5 tokens: 4 blocks, 2 of them cached but free. 2 fresh + 2 revived = 4 > 3 free.
+    with nothing_changes(cache), pytest.raises(OutOfBlocksError) as caught:
+        cache.allocate_for_sequence("big", 13, [*X, 1, 2, 3, 4, 5])
+    assert (caught.value.needed, caught.value.free) == (4, 3)
+    assert "sequence 'big' (13 tokens)" in str(caught.value)
+    assert "big" not in cache
+    # X plus 1 token: 1 fresh + 2 revived = 3: it fits exactly.
+    assert cache.allocate_for_sequence("fits", 9, [*X, 1]).block_ids == [0, 1, 2]
+    assert free_list(cache) == []
+    assert cache.prefix_cache_stats == PrefixCacheStats(requests=3, queries=26, hits=8)
+
+
+def test_without_prefix_caching_token_ids_are_checked_and_ignored(device):
+    cache = make_cache(8, BLOCK, device=device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    write_prompt(cache, "a", [*X, 1], device)
+    assert cache.allocate_for_sequence("b", 9, [*X, 1]).block_ids == [3, 4, 5]
+    assert cache.num_cached_tokens("b") == 0
+    assert cache.cached_blocks() == {}
+    assert cache.prefix_cache_stats == PrefixCacheStats()
+    assert cache.free_sequence("a") == [0, 1, 2]  # table order, as always without caching
+    assert cache.reset_prefix_cache() == 0
+
+
+def test_without_token_ids_a_caching_cache_allocates_as_usual():
+    cache = caching(8)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    assert cache.allocate_for_sequence("b", 9).block_ids == [3, 4, 5]
+    assert cache.num_cached_tokens("b") == 0
+    assert len(cache.cached_blocks()) == 2
+    assert cache.prefix_cache_stats.requests == 1
+
+
+def test_num_cached_tokens_of_an_unknown_sequence_is_a_key_error():
+    cache = caching()
+    with pytest.raises(UnknownSequenceError):
+        cache.num_cached_tokens("nobody")
+    cache.allocate_for_sequence("a", 8, X)
+    cache.free_sequence("a")
+    with pytest.raises(UnknownSequenceError):
+        cache.num_cached_tokens("a")
+
+
+def test_reset_forgets_every_hash_and_zeroes_the_counters(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    cache.allocate_for_sequence("b", 9, [*X, 2])
+    cache.free_sequence("b")
+    free_before = free_list(cache)
+    assert cache.reset_prefix_cache() == 2
+    assert cache.cached_blocks() == {} and cache.prefix_cache_stats == PrefixCacheStats()
+    assert free_list(cache) == free_before and cache.get_block_mapping("a") == [0, 1, 2]
+    assert cache.allocate_for_sequence("c", 9, [*X, 3]).block_ids == [4, 5, 6]
+    assert cache.num_cached_tokens("c") == 0
+
+
+def test_a_write_into_a_shared_cached_block_is_copied_first(device):
+    """A caller that writes into a cached block another sequence holds gets its own copy of it."""
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    write_prompt(cache, "a", [*X, 1], device)
+    cache.allocate_for_sequence("b", 9, [*X, 2])
+    write_prompt(cache, "b", [*X, 2], device)
+    assert cache.get_block_mapping("b")[:2] == [0, 1]
+    k, v = kv_of([0], device)
+    cache.write_kv("b", k, v, start_position=0)  # into block 0, shared by a and b
+    assert cache.get_block_mapping("b")[0] not in (0, 1)
+    assert reads_back(cache, "a", [*X, 1], device)
+    cache.allocate_for_sequence("c", 9, [*X, 3])  # block 0 is still X0, intact
+    write_prompt(cache, "c", [*X, 3], device)
+    assert cache.num_cached_tokens("c") == 8 and reads_back(cache, "c", [*X, 3], device)
+
+
+# ------------------------------------------------------------------------------ collisions
+
+
+@pytest.fixture
+def constant_hash(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent_hash, token_ids: 0)
+
+
+@pytest.mark.usefixtures("constant_hash")
+def test_a_hash_collision_never_shares_a_block_with_other_tokens(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("x", 9, [*X, 1])
+    write_prompt(cache, "x", [*X, 1], device)
+    # Every block hashes to 0: X0 takes the hash, X1 finds it taken and stays private.
+    assert cache.cached_blocks() == {0: tuple(X[:4])}
+    y = [*range(200, 208), 1]
+    assert cache.allocate_for_sequence("y", 9, y).block_ids == [3, 4, 5]
+    assert cache.num_cached_tokens("y") == 0
+    write_prompt(cache, "y", y, device)
+    assert cache.allocate_for_sequence("x2", 9, [*X, 2]).block_ids[0] == 0
+    assert cache.num_cached_tokens("x2") == 4
+    write_prompt(cache, "x2", [*X, 2], device)
+    for seq_id, tokens in (("x", [*X, 1]), ("y", y), ("x2", [*X, 2])):
+        assert reads_back(cache, seq_id, tokens, device)
+
+
+def test_a_block_matches_only_under_the_very_parent_it_was_cached_after(monkeypatch):
+    # A weak hash: only the sum of a block's tokens counts, so (1, 2) and (2, 1) collide.
+    monkeypatch.setattr(
+        prefix_cache, "block_hash", lambda parent_hash, token_ids: hash((parent_hash, sum(token_ids)))
+    )
+    cache = PrefixCache()
+    first = [(1, 2), (5, 5)]
+    hashes = chain_hashes(first)
+    assert cache.insert(first, hashes, [10, 11], []) == 2
+    # Block 10 is evicted and (2, 1) is cached there: same hash, new contents.
+    assert cache.evict(10) and not cache.evict(10)
+    other = [(2, 1), (5, 5)]
+    assert chain_hashes(other) == hashes
+    assert cache.match(other, hashes, 2) == []
+    assert cache.insert(other, hashes, [10, 12], []) == 1  # the (5, 5) hash is taken by block 11
+    # Block 11 holds (5, 5) after (1, 2), not after (2, 1): the parent check refuses it.
+    assert [entry.block_id for entry in cache.match(other, hashes, 2)] == [10]
+    assert [entry.block_id for entry in cache.match(first, hashes, 2)] == []
+    assert cache.cached_blocks() == {10: (2, 1), 11: (5, 5)}
+
+
+def test_prefix_cache_maps_stay_in_step():
+    cache = PrefixCache()
+    blocks = [(1,), (2,), (3,)]
+    hashes = chain_hashes(blocks)
+    assert cache.insert(blocks, hashes, [4, 5, 6], []) == 3 and len(cache) == 3
+    hits = cache.match(blocks, hashes, 3)
+    assert [entry.block_id for entry in hits] == [4, 5, 6]
+    assert [entry.token_ids for entry in hits] == blocks
+    assert hits[1].parent is hits[0] and hits[0].parent is None
+    assert cache.entry(5) is hits[1] and cache.entry(7) is None
+    assert [entry.block_id for entry in cache.match(blocks, hashes, 1)] == [4]
+    cache.record(queries=3, hits=2)
+    assert cache.stats == PrefixCacheStats(1, 3, 2)
+    assert cache.evict(5) and cache.cached_blocks() == {4: (1,), 6: (3,)}
+    assert [entry.block_id for entry in cache.match(blocks, hashes, 3)] == [4]
+    assert cache.reset() == 2 and len(cache) == 0 and cache.stats == PrefixCacheStats()
+
+
+def test_prefix_cache_stats_hit_rate():
+    assert PrefixCacheStats().hit_rate == 0.0
+    assert PrefixCacheStats(requests=2, queries=40, hits=10).hit_rate == 0.25
+
+
+def test_caching_block_allocator_evicts_only_what_allocate_hands_out():
+    pool = CachingBlockAllocator(3)
+    block_ids, cached = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
+    assert (block_ids, cached) == ([0, 1, 2], 0)
+    assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
+    for block_id in reversed(block_ids):
+        pool.free(block_id)
+    assert pool.free_block_ids == (2, 1, 0)
+    pool.take(0)  # a hit takes a cached block: it keeps its hash
+    assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
+    assert pool.allocate() == 2 and pool.allocate() == 1
+    assert pool.prefix_cache.cached_blocks() == {0: (1, 2)}
+
+
+# ------------------------------------------------------------------------- the state machine
+
+MACHINE_BLOCKS, MACHINE_BLOCK_SIZE, MAX_LIVE = 12, 2, 3
+SYSTEM_PROMPTS = [(), (0, 1, 2, 0), (0, 1, 2, 1, 1)]
+prompts = st.builds(
+    lambda system, tail: [*system, *tail],
+    st.sampled_from(SYSTEM_PROMPTS),
+    st.lists(st.integers(0, 2), max_size=6),
+)
+
+
+def weak_block_hash(parent_hash, token_ids):
+    """A hash that collides often: only the sum of a block's tokens counts."""
+    return hash((parent_hash, sum(token_ids)))
+
+
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """Prefix-cached allocation, decode, free and eviction against a reference model.
+
+    The model keeps the free list (a list), the ref counts, and the cache as a dict from a whole
+    prefix (a tuple of tokens ending at a block boundary) to its block: no hashes, so no collisions.
+    ``exact`` machines check that the allocator matches the model step by step. The weak-hash machine
+    patches ``block_hash`` to collide often, where the model cannot predict what gets cached; it
+    still checks that nothing unsafe ever happens: every block a prompt reuses holds exactly its
+    prefix, and every sequence reads back its own K/V.
+    """
+
+    device = "cpu"
+    exact = True
+    hash_function = None  # a replacement for prefix_cache.block_hash
+
+    @initialize()
+    def start(self) -> None:
+        self.saved_hash = prefix_cache.block_hash
+        if self.hash_function is not None:
+            prefix_cache.block_hash = type(self).hash_function
+        self.cache = PagedKVCacheAllocator(
+            MACHINE_BLOCKS,
+            MACHINE_BLOCK_SIZE,
+            NUM_HEADS,
+            HEAD_DIM,
+            device=self.device,
+            enable_prefix_caching=True,
+        )
+        self.tokens: dict[int, list[int]] = {}
+        self.next_seq_id = 0
+        self.free = list(range(MACHINE_BLOCKS))
+        self.refs = [0] * MACHINE_BLOCKS
+        self.cached: dict[tuple[int, ...], int] = {}  # whole prefix -> block
+        self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> whole prefix, for cached blocks
+        self.written: dict[int, tuple[int, ...]] = {}  # block -> the prefix whose last block it holds
+        self.stats = [0, 0, 0]
+
+    def teardown(self) -> None:
+        if hasattr(self, "saved_hash"):
+            prefix_cache.block_hash = self.saved_hash
+
+    # ---------------------------------------------------------------------------- the model
+
+    def take_fresh(self, count: int) -> list[int]:
+        taken, self.free = self.free[:count], self.free[count:]
+        for block_id in taken:
+            self.refs[block_id] = 1
+            prefix = self.prefix_of.pop(block_id, None)
+            if prefix is not None:
+                del self.cached[prefix]
+        return taken
+
+    def expected_hits(self, tokens: list[int]) -> list[int]:
+        hits = []
+        for i in range(max(0, (len(tokens) - 1) // MACHINE_BLOCK_SIZE)):
+            block_id = self.cached.get(tuple(tokens[: (i + 1) * MACHINE_BLOCK_SIZE]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def pick(self, data: st.DataObject) -> int:
+        return data.draw(st.sampled_from(sorted(self.tokens)), label="seq_id")
+
+    def attempt(self, call):
+        """``call()``'s result, or ``None`` when it ran out of blocks and changed nothing at all."""
+        cache = self.cache
+        before = (cache.snapshot(), cache.k_cache.clone(), cache.v_cache.clone())
+        counters = (cache.cached_blocks(), cache.prefix_cache_stats)
+        try:
+            return call()
+        except OutOfBlocksError:
+            assert cache.snapshot() == before[0]
+            assert torch.equal(cache.k_cache, before[1]) and torch.equal(cache.v_cache, before[2])
+            assert (cache.cached_blocks(), cache.prefix_cache_stats) == counters
+            return None
+
+    # ---------------------------------------------------------------------------- the rules
+
+    @precondition(lambda self: len(self.tokens) < MAX_LIVE)  # keep the pool cycling: free, reuse, evict
+    @rule(tokens=prompts)
+    def allocate(self, tokens: list[int]) -> None:
+        seq_id, n, size = self.next_seq_id, len(tokens), MACHINE_BLOCK_SIZE
+        self.next_seq_id += 1
+        expected_hits = self.expected_hits(tokens)
+        table = self.attempt(lambda: self.cache.allocate_for_sequence(seq_id, n, tokens))
+        if self.exact:
+            fresh = blocks_for_tokens(n, size) - len(expected_hits)
+            revived = [b for b in expected_hits if self.refs[b] == 0]
+            assert (table is None) == (fresh + len(revived) > len(self.free))
+        if table is None:
+            return
+        cached = self.cache.num_cached_tokens(seq_id)
+        assert cached % size == 0 and cached <= max(0, n - 1)
+        num_hits = cached // size
+        # Safety, whatever the hash: every reused block holds exactly this prompt's prefix.
+        for i, block_id in enumerate(table.block_ids[:num_hits]):
+            assert self.written.get(block_id) == tuple(tokens[: (i + 1) * size]), "a block was shared wrongly"
+        # The model follows: the hits leave the free list or gain a reference, fresh blocks come
+        # off its head and evict, the new full blocks are cached unless their prefix already is.
+        hits = table.block_ids[:num_hits]
+        if self.exact:
+            assert hits == expected_hits
+        for block_id in hits:
+            if self.refs[block_id] == 0:
+                self.free.remove(block_id)
+            self.refs[block_id] += 1
+        block_ids = hits + self.take_fresh(blocks_for_tokens(n, size) - num_hits)
+        assert table.block_ids == block_ids
+        for i in range(num_hits, n // size):
+            prefix = tuple(tokens[: (i + 1) * size])
+            if prefix in self.cached:
+                break
+            self.cached[prefix] = block_ids[i]
+            self.prefix_of[block_ids[i]] = prefix
+        self.stats = [self.stats[0] + 1, self.stats[1] + n, self.stats[2] + cached]
+        # Prefill: only the uncached tail is written.
+        write_prompt(self.cache, seq_id, tokens, self.device)
+        for i, block_id in enumerate(block_ids[num_hits:], start=num_hits):
+            if i < n // size:
+                self.written[block_id] = tuple(tokens[: (i + 1) * size])
+            else:
+                self.written.pop(block_id, None)  # the partly full last block: never cached
+        self.tokens[seq_id] = list(tokens)
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=2 * MACHINE_BLOCK_SIZE + 1))
+    def decode(self, data: st.DataObject, new: list[int]) -> None:
+        seq_id = self.pick(data)
+        old = self.tokens[seq_id]
+        table = self.cache.get_block_table(seq_id)
+        missing = max(0, blocks_for_tokens(len(old) + len(new), MACHINE_BLOCK_SIZE) - table.num_blocks)
+        appended = self.attempt(lambda: self.cache.append_tokens(seq_id, len(new)))
+        assert (appended is None) == (missing > len(self.free))
+        if appended is None:
+            return
+        assert appended == self.take_fresh(missing)
+        tokens = old + new
+        k, v = kv_of(tokens, self.device)
+        self.cache.write_kv(seq_id, k[len(old) :], v[len(old) :], start_position=len(old))
+        for block_id in self.cache.get_block_mapping(seq_id)[len(old) // MACHINE_BLOCK_SIZE :]:
+            self.written.pop(block_id, None)  # partly written: not a prompt's full block
+        self.tokens[seq_id] = tokens
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def free_sequence(self, data: st.DataObject) -> None:
+        seq_id = self.pick(data)
+        freed = []
+        for block_id in reversed(self.cache.get_block_mapping(seq_id)):
+            self.refs[block_id] -= 1
+            if self.refs[block_id] == 0:
+                self.free.append(block_id)
+                freed.append(block_id)
+        assert self.cache.free_sequence(seq_id) == freed
+        del self.tokens[seq_id]
+
+    @rule()
+    def reset(self) -> None:
+        dropped = len(self.cache.cached_blocks())
+        assert self.cache.reset_prefix_cache() == dropped
+        assert self.cache.cached_blocks() == {}
+        self.cached.clear()
+        self.prefix_of.clear()
+        self.stats = [0, 0, 0]
+
+    # ---------------------------------------------------------------------------- invariants
+
+    @invariant()
+    def ref_counts_count_the_tables_and_free_plus_used_is_total(self) -> None:
+        snapshot = self.cache.snapshot()
+        held = [b for table in snapshot.tables.values() for b in table.block_ids]
+        assert list(snapshot.ref_counts) == [held.count(b) for b in range(MACHINE_BLOCKS)] == self.refs
+        assert list(snapshot.free_block_ids) == self.free
+        usage = self.cache.usage()
+        assert usage.used_blocks + usage.free_blocks == MACHINE_BLOCKS
+        assert set(held).isdisjoint(snapshot.free_block_ids)
+
+    @invariant()
+    def cached_blocks_hold_what_their_hash_says(self) -> None:
+        cached = self.cache.cached_blocks()
+        for block_id, tokens in cached.items():
+            prefix = self.written[block_id]
+            assert prefix[-MACHINE_BLOCK_SIZE:] == tokens
+            entry = self.cache._allocator.prefix_cache.entry(block_id)
+            assert entry.block_hash == chain_hashes(full_blocks(prefix, MACHINE_BLOCK_SIZE))[-1]
+        assert self.cache.prefix_cache_stats == PrefixCacheStats(*self.stats)
+        if self.exact:
+            assert cached == {b: prefix[-MACHINE_BLOCK_SIZE:] for prefix, b in self.cached.items()}
+
+    @invariant()
+    def every_sequence_reads_back_its_own_kv(self) -> None:
+        for seq_id, tokens in self.tokens.items():
+            assert reads_back(self.cache, seq_id, tokens, self.device), f"sequence {seq_id} reads wrong K/V"
+
+
+TestPrefixCachingOnCPU = PrefixCachingMachine.TestCase
+
+
+class WeakHashPrefixCachingMachine(PrefixCachingMachine):
+    exact = False
+    hash_function = staticmethod(weak_block_hash)
+
+
+TestPrefixCachingWithCollisions = WeakHashPrefixCachingMachine.TestCase
+
+
+class PrefixCachingOnCUDAMachine(PrefixCachingMachine):
+    device = "cuda"
+
+
+TestPrefixCachingOnCUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"
+)(PrefixCachingOnCUDAMachine.TestCase)
