@@ -150,6 +150,7 @@ class BlockAllocator:
         self._num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self._blocks = [Block(block_id) for block_id in range(self._num_blocks)]
         self._free = FreeBlockQueue(self._num_blocks)
+        self._num_shared = 0  # blocks with a ref count above 1
 
     def __repr__(self) -> str:
         return f"BlockAllocator(free={self.num_free_blocks}/{self._num_blocks})"
@@ -168,6 +169,11 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         """How many blocks have a ref count above 0."""
         return self._num_blocks - len(self._free)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """How many blocks have more than one holder (kept up to date in O(1))."""
+        return self._num_shared
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
@@ -224,6 +230,8 @@ class BlockAllocator:
         """Record one more holder of a used block (sharing) and return its new ref count."""
         block = self._used_block(block_id)
         block.ref_count += 1
+        if block.ref_count == 2:
+            self._num_shared += 1
         return block.ref_count
 
     def free(self, block_id: int) -> bool:
@@ -238,6 +246,8 @@ class BlockAllocator:
         """
         block = self._used_block(block_id)
         block.ref_count -= 1
+        if block.ref_count == 1:
+            self._num_shared -= 1
         if block.ref_count == 0:
             self._free.append(block.block_id)
             return True

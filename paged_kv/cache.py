@@ -204,20 +204,24 @@ class PagedKVCacheAllocator:
             OutOfBlocksError: too few blocks are free for the copies and the new blocks together
                 (the sequence does not grow at all and nothing is copied).
         """
+        # The hot path of every decode step: plain arithmetic, and the error message is only built
+        # when the call fails.
         table = self._table(seq_id)
         n = check_count("n", n)
         new_total = table.num_tokens + n
         shared = self._shared_blocks(table, table.num_tokens, new_total)
-        missing = max(0, blocks_for_tokens(new_total, self.block_size) - table.num_blocks)
-        self._check_free(len(shared) + missing, _appending(n, seq_id))
+        missing = max(0, -(-new_total // self.block_size) - len(table.block_ids))
+        if len(shared) + missing > self._allocator.num_free_blocks:
+            self._check_free(len(shared) + missing, _appending(n, seq_id))
         if self._trace is not None:
             return self._append_recorded(seq_id, table, n)
-        copies = self._copy_on_write(table, shared)
-        appended = self._allocator.allocate_blocks(missing)
-        table.block_ids.extend(appended)
+        copies = self._copy_on_write(table, shared) if shared else []
+        appended = self._allocator.allocate_blocks(missing) if missing else []
+        if appended:
+            table.block_ids.extend(appended)
         table.num_tokens = new_total
         self._last_copies = copies
-        return [copy for _, copy in copies] + appended
+        return [copy for _, copy in copies] + appended if copies else appended
 
     def append_block_to_sequence(self, seq_id: Hashable) -> int:
         """Append one free block to a sequence's table without adding tokens (the low-level step).
@@ -475,9 +479,12 @@ class PagedKVCacheAllocator:
 
     def _table(self, seq_id: Hashable) -> BlockTable:
         try:
-            return self._tables[check_hashable("seq_id", seq_id)]
+            return self._tables[seq_id]
         except KeyError:
             raise UnknownSequenceError(seq_id) from None
+        except TypeError:  # not hashable: the same message as everywhere else
+            check_hashable("seq_id", seq_id)
+            raise
 
     def _check_new_id(self, seq_id: Hashable) -> None:
         if check_hashable("seq_id", seq_id) in self._tables:
@@ -500,7 +507,7 @@ class PagedKVCacheAllocator:
         it before touching anything. Positions past the table's blocks (blocks yet to append) are
         not shared.
         """
-        if end <= start:
+        if end <= start or not self._allocator.num_shared_blocks:
             return []
         last = min(table.num_blocks, blocks_for_tokens(end, self.block_size))
         logical = range(start // self.block_size, last)

@@ -185,6 +185,7 @@ class BlockAllocatorMachine(RuleBasedStateMachine):
         assert [self.pool.ref_count(b) for b in range(self.NUM_BLOCKS)] == self.refs
         assert self.pool.num_free_blocks + self.pool.num_used_blocks == self.NUM_BLOCKS
         assert self.pool.num_used_blocks == len(self.used())
+        assert self.pool.num_shared_blocks == sum(r > 1 for r in self.refs)
 
 
 TestBlockAllocatorMachine = BlockAllocatorMachine.TestCase
@@ -316,3 +317,21 @@ class BlockAllocatorWithTakeMachine(BlockAllocatorMachine):
 
 
 TestBlockAllocatorWithTakeMachine = BlockAllocatorWithTakeMachine.TestCase
+
+
+def test_num_shared_blocks_counts_blocks_with_more_than_one_holder():
+    pool = BlockAllocator(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.num_shared_blocks == 0
+    pool.add_ref(a)
+    pool.add_ref(a)  # three holders: still one shared block
+    pool.add_ref(b)
+    assert pool.num_shared_blocks == 2
+    pool.free(a)
+    assert pool.num_shared_blocks == 2  # a keeps two holders
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_shared_blocks == 0
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(pool.allocate() + 1)  # a free block: nothing changes
+    assert pool.num_shared_blocks == 0
