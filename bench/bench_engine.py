@@ -7,6 +7,11 @@ token slots; contiguous mode reserves ``max_model_len`` slots per sequence, page
 as sequences grow. Both must generate identical tokens before anything is reported. The target is at
 least 2 times the mean concurrent sequences; tokens per second are shown for information.
 
+A second section runs out of blocks on purpose: a burst of long generations on a tight paged
+budget, served once preempting by recompute (the baseline) and once by swap, which must generate
+identical tokens. It reports the steps each needs and tokens per second, for information (here the
+swap copies go from CPU to CPU; on a GPU they cross PCIe).
+
     .venv/bin/python bench/bench_engine.py
 """
 
@@ -23,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
-from paged_kv.engine import Engine, EngineRequest, EngineResult
+from paged_kv.engine import Engine, EngineRequest, EngineResult, min_num_blocks
 from paged_kv.model import GPTConfig, TinyGPT
 from paged_kv.workload import SHAREGPT, sample_requests
 
@@ -45,20 +50,54 @@ def scaled_requests(num_requests: int, scale: int, max_len: int, seed: int = 0) 
     return requests
 
 
+def burst_requests(num_requests: int, max_len: int, seed: int = 0) -> list[EngineRequest]:
+    """A burst at step 0 of short prompts (4 to ``max_len // 8`` tokens) asking for long outputs
+    (``max_len // 4`` to ``3 * max_len // 4`` tokens): the sequences outgrow a tight budget."""
+    rng = random.Random(seed)
+    return [
+        EngineRequest(
+            f"burst-{i}",
+            [rng.randrange(256) for _ in range(rng.randint(4, max(4, max_len // 8)))],
+            rng.randint(max_len // 4, 3 * max_len // 4),
+        )
+        for i in range(num_requests)
+    ]
+
+
+def timed_runs(
+    requests: list[EngineRequest], config: GPTConfig, settings: dict[str, dict]
+) -> dict[str, tuple[EngineResult, float]]:
+    """One engine per named ``settings`` (Engine keyword arguments) on the same model and requests:
+    name -> (result, seconds); raises if any two generated different tokens."""
+    model = TinyGPT(config, seed=0).eval()
+    runs = {}
+    for name, kwargs in settings.items():
+        engine = Engine(model, **kwargs)
+        start = time.perf_counter()
+        result = engine.run(requests)
+        runs[name] = (result, time.perf_counter() - start)
+    first, *others = runs
+    for name in others:
+        if runs[name][0].tokens != runs[first][0].tokens:
+            raise AssertionError(f"{first} and {name} generated different tokens")
+    return runs
+
+
 def serve(
     requests: list[EngineRequest], config: GPTConfig, num_blocks: int, block_size: int
 ) -> dict[str, tuple[EngineResult, float]]:
     """Both modes on ``requests``: mode -> (result, seconds); raises if their tokens differ."""
-    model = TinyGPT(config, seed=0).eval()
-    runs = {}
-    for mode in ("paged", "contiguous"):
-        engine = Engine(model, num_blocks=num_blocks, block_size=block_size, mode=mode)
-        start = time.perf_counter()
-        result = engine.run(requests)
-        runs[mode] = (result, time.perf_counter() - start)
-    if runs["paged"][0].tokens != runs["contiguous"][0].tokens:
-        raise AssertionError("paged and contiguous modes generated different tokens")
-    return runs
+    budget = {"num_blocks": num_blocks, "block_size": block_size}
+    return timed_runs(requests, config, {mode: {**budget, "mode": mode} for mode in ("paged", "contiguous")})
+
+
+def preempt(
+    requests: list[EngineRequest], config: GPTConfig, num_blocks: int, block_size: int
+) -> dict[str, tuple[EngineResult, float]]:
+    """The paged mode with each preemption on ``requests``: preemption -> (result, seconds);
+    raises if their tokens differ."""
+    budget = {"num_blocks": num_blocks, "block_size": block_size}
+    return timed_runs(requests, config, {p: {**budget, "preemption": p} for p in ("recompute", "swap")})
 
 
 def run(
@@ -71,10 +110,14 @@ def run(
     head_dim: int = 16,
     max_len: int = 256,
     threads: int = 1,
+    burst: int = 48,
+    burst_blocks: int | None = None,
 ) -> list[Row]:
     """Serve the same requests in both modes with a budget of ``slots_per_budget`` contiguous slots.
 
     The budget is ``slots_per_budget * max_len`` token slots, ``num_blocks = budget / block_size``.
+    Then serve ``burst`` long generations on ``burst_blocks`` blocks (default: twice the smallest
+    budget that can serve them) preempting by recompute and by swap.
     Runs with ``threads`` torch threads (1 by default: the tiny model's ops are too small to share).
     """
     saved = torch.get_num_threads()
@@ -84,6 +127,9 @@ def run(
         requests = scaled_requests(num_requests, scale, max_len)
         num_blocks = -(-slots_per_budget * max_len // block_size)
         runs = serve(requests, config, num_blocks, block_size)
+        bursty = burst_requests(burst, max_len)
+        burst_blocks = burst_blocks or 2 * min_num_blocks(bursty, block_size)
+        preempted = preempt(bursty, config, burst_blocks, block_size)
     finally:
         torch.set_num_threads(saved)
     (paged, paged_s), (contiguous, contiguous_s) = runs["paged"], runs["contiguous"]
@@ -103,11 +149,42 @@ def run(
             paged.peak_running / contiguous.peak_running, "—", None, "seqs"),
         Row(f"{name}: generated tokens per second, CPU, {thread_note} ({paged.preemptions} preemptions)",
             paged_speed, contiguous_speed, paged_speed / contiguous_speed, "—", None, "tokens/s"),
+        *preemption_rows(preempted, bursty, burst_blocks * block_size, thread_note),
+    ]  # fmt: skip
+
+
+def preemption_rows(
+    runs: dict[str, tuple[EngineResult, float]], requests: list[EngineRequest], budget: int, thread_note: str
+) -> list[Row]:
+    """Swap against recompute on the burst: steps to serve it all, and generated tokens per second."""
+    (recompute, recompute_s), (swap, swap_s) = runs["recompute"], runs["swap"]
+    outputs = [r.max_new_tokens for r in requests]
+    name = (
+        f"engine, a burst of {len(requests)} long generations ({min(outputs)} to {max(outputs)} tokens), "
+        f"paged on {budget:,} tokens, swap vs recompute ({swap.preemptions} vs {recompute.preemptions} "
+        f"preemptions, {swap.blocks_swapped_out} blocks swapped out vs {recompute.recomputed_tokens} "
+        f"tokens recomputed)"
+    )
+    generated = sum(outputs)
+    swap_speed, recompute_speed = generated / swap_s, generated / recompute_s
+    return [
+        Row(f"{name}: steps to serve every request", swap.steps, recompute.steps,
+            recompute.steps / swap.steps, "—", None, "steps"),
+        Row(f"{name}: generated tokens per second, CPU, {thread_note}", swap_speed, recompute_speed,
+            swap_speed / recompute_speed, "—", None, "tokens/s"),
     ]  # fmt: skip
 
 
 # Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
-QUICK = {"num_requests": 6, "slots_per_budget": 2, "scale": 32, "block_size": 4, "max_len": 64, "head_dim": 8}
+QUICK = {
+    "num_requests": 6,
+    "slots_per_budget": 2,
+    "scale": 32,
+    "block_size": 4,
+    "max_len": 64,
+    "head_dim": 8,
+    "burst": 6,
+}
 
 
 if __name__ == "__main__":

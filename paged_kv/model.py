@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import swap
 from ._checks import check_count
 from .attention import paged_attention
 from .block import blocks_for_tokens
@@ -292,6 +293,14 @@ class PagedKVCache(KVCache):
     def free(self, seq_id: Hashable) -> None:
         for allocator in self.allocators:
             allocator.free_sequence(seq_id)
+
+    def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
+        """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 08)."""
+        return swap.swap_out(self.allocators, seq_id)
+
+    def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
+        """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 08)."""
+        swap.swap_in(self.allocators, seq_id, saved)
 
 
 @dataclass(frozen=True)

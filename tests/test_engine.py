@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 
 import pytest
 import torch
+from hypothesis import event, given, target
+from hypothesis import strategies as st
 
-from paged_kv.engine import Engine, EngineRequest, EngineResult, plot_metrics
+from paged_kv.engine import (
+    Engine,
+    EngineRequest,
+    EngineResult,
+    min_num_blocks,
+    plot_metrics,
+    sweep_budgets,
+)
 from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
 
 pytestmark = pytest.mark.lesson09
@@ -39,10 +50,42 @@ def alone(model: TinyGPT, request: EngineRequest) -> list[int]:
     return generate(model, [request.prompt], request.max_new_tokens, cache="contiguous").tokens[0]
 
 
+class SpyCache(PagedKVCache):
+    """A PagedKVCache that checks at each admission that the engine left its headroom and watermark free."""
+
+    def __init__(self, *args, keep_free: int = 0) -> None:
+        super().__init__(*args)
+        self.keep_free = keep_free
+
+    def add_sequence(self, seq_id, num_tokens: int) -> None:
+        super().add_sequence(seq_id, num_tokens)
+        assert self.num_free_blocks >= 1 + self.keep_free, (seq_id, self.num_free_blocks)
+
+    def all_free(self) -> bool:
+        return all(a.num_free_blocks == a.num_blocks and a.seq_ids == () for a in self.allocators)
+
+
+def spy(keep_free: int = 0):
+    """A cache factory of :class:`SpyCache`, and the list of the caches it built."""
+    caches: list[SpyCache] = []
+
+    def factory(*args) -> SpyCache:
+        caches.append(SpyCache(*args, keep_free=keep_free))
+        return caches[-1]
+
+    return factory, caches
+
+
 def check_invariants(engine: Engine, result: EngineResult, requests: list[EngineRequest]) -> None:
     assert list(result.tokens) == [r.request_id for r in requests]
     assert set(result.finished_step) == {r.request_id for r in requests}
-    for series in (result.waiting, result.used_blocks, result.held_tokens, result.reserved_tokens):
+    for series in (
+        result.waiting,
+        result.swapped,
+        result.used_blocks,
+        result.held_tokens,
+        result.reserved_tokens,
+    ):
         assert len(series) == result.steps
     assert all(0.0 <= u <= 1.0 for u in result.utilisation)
     assert all(
@@ -52,6 +95,16 @@ def check_invariants(engine: Engine, result: EngineResult, requests: list[Engine
     assert all(u <= engine.num_blocks for u in result.used_blocks)
     assert result.peak_running == max(result.running)
     assert result.mean_running == pytest.approx(sum(result.running) / result.steps)
+    assert result.preemptions == sum(result.preemptions_by_reason.values())
+    assert result.blocks_swapped_in == result.blocks_swapped_out  # all that went out came back
+    assert result.swapped[-1] == 0
+    other = {"recompute": "swap", "swap": "recompute"}[engine.preemption]
+    assert result.preemptions_by_reason[other] == 0
+    if engine.preemption == "swap":
+        assert result.recomputed_tokens == 0
+        assert len(result.admitted_step) == len(requests)  # admitted once, never again
+    else:
+        assert result.blocks_swapped_out == 0 and not any(result.swapped)
 
 
 @pytest.mark.parametrize("mode", ["paged", "contiguous"])
@@ -71,15 +124,30 @@ def test_engine_generates_what_each_prompt_generates_alone(
         model.to("cpu")
 
 
-def test_preemption_by_recompute_keeps_the_text(model: TinyGPT) -> None:
-    # Each sequence ends at 3 + 10 - 1 = 12 tokens, 3 blocks: three admitted at once outgrow 6 blocks.
-    requests = [EngineRequest(i, [7 * i + 1, 2, 3], 10) for i in range(5)]
-    engine = Engine(model, num_blocks=6, block_size=4)
-    result = engine.run(requests)
-    assert result.preemptions > 0
-    check_invariants(engine, result, requests)
-    for request in requests:
-        assert result.tokens[request.request_id] == alone(model, request)
+@pytest.mark.lesson08
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_keeps_the_text_and_frees_all_memory(
+    model: TinyGPT, preemption: str, device: torch.device
+) -> None:
+    # Each sequence ends at 3 + 14 - 1 = 16 tokens, 4 blocks: three admitted at once outgrow 6 blocks.
+    requests = [EngineRequest(i, [7 * i + 1, 2, 3], 14) for i in range(8)]
+    model = model.to(device)
+    try:
+        factory, caches = spy()
+        engine = Engine(model, num_blocks=6, block_size=4, preemption=preemption, cache_factory=factory)
+        result = engine.run(requests)
+        assert result.preemptions_by_reason[preemption] >= 5  # many
+        check_invariants(engine, result, requests)
+        (cache,) = caches
+        assert cache.all_free()
+        for request in requests:
+            assert result.tokens[request.request_id] == alone(model, request)
+    finally:
+        model.to("cpu")
+    if preemption == "swap":
+        assert result.blocks_swapped_out > 0
+    else:
+        assert result.recomputed_tokens > 0
 
 
 def test_paged_runs_more_sequences_than_contiguous_on_the_same_budget(model: TinyGPT) -> None:
@@ -114,20 +182,13 @@ def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_a
 
 
 def test_all_memory_is_free_after_a_run_with_a_plugged_in_cache(model: TinyGPT) -> None:
-    caches: list[PagedKVCache] = []
-
-    def spy(*args) -> PagedKVCache:
-        caches.append(PagedKVCache(*args))
-        return caches[-1]
-
+    factory, caches = spy()
     requests = random_requests(6, seed=9)
-    engine = Engine(model, num_blocks=10, block_size=4, cache_factory=spy)
+    engine = Engine(model, num_blocks=10, block_size=4, cache_factory=factory)
     result = engine.run(requests)
     (cache,) = caches
     assert result.tokens == Engine(model, num_blocks=10, block_size=4).run(requests).tokens
-    for allocator in cache.allocators:
-        assert allocator.num_free_blocks == engine.num_blocks
-        assert allocator.seq_ids == ()
+    assert cache.all_free()
 
 
 def test_contiguous_mode_reserves_one_max_length_slot_per_sequence(model: TinyGPT) -> None:
@@ -159,6 +220,15 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
         ({"num_blocks": 4, "device": "meta"}, "device"),
         ({"num_blocks": 4, "cache_factory": 3}, "cache_factory"),
         ({"num_blocks": 4, "mode": "contiguous", "cache_factory": PagedKVCache}, "cache_factory"),
+        ({"num_blocks": 4, "preemption": "drop"}, "preemption"),
+        ({"num_blocks": 4, "preemption": None}, "preemption"),
+        ({"num_blocks": 4, "watermark": -0.1}, "watermark"),
+        ({"num_blocks": 4, "watermark": 1.0}, "watermark"),
+        ({"num_blocks": 4, "watermark": float("nan")}, "watermark"),
+        ({"num_blocks": 4, "watermark": True}, "watermark"),
+        ({"num_blocks": 4, "watermark": "0.1"}, "watermark"),
+        ({"num_blocks": 4, "mode": "contiguous", "max_model_len": 64, "preemption": "swap"}, "preemption"),
+        ({"num_blocks": 4, "mode": "contiguous", "max_model_len": 64, "watermark": 0.1}, "watermark"),
     ],
 )
 def test_bad_engine_arguments_raise_value_error_naming_them(model: TinyGPT, kwargs: dict, name: str) -> None:
@@ -196,4 +266,298 @@ def test_plot_metrics_draws(model: TinyGPT) -> None:
     ax = plot_metrics(result)
     assert ax.get_xlabel() == "step"
     assert len(ax.get_lines()) == 2
+    plt.close("all")
+
+
+# ------------------------------------------------------------------ lesson 08: running out of blocks
+
+
+def two_growing_requests() -> list[EngineRequest]:
+    # Block size 2, 4 blocks: each ends holding 2 + 4 - 1 = 5 tokens (3 blocks); together they outgrow 4.
+    return [EngineRequest("a", [1, 2], 4), EngineRequest("b", [3, 4], 4)]
+
+
+@pytest.mark.lesson08
+def test_swap_brings_the_preempted_sequence_back_where_it_stopped(model: TinyGPT) -> None:
+    requests = two_growing_requests()
+    engine = Engine(model, num_blocks=4, block_size=2, preemption="swap")
+    result = engine.run(requests)
+    # Steps 0-2: both hold 2, 3, 4 tokens (4 blocks). Step 3: both need a block, none is free: b goes
+    # out with its 4 tokens (2 blocks), a decodes its last token and leaves. Step 4: b comes back,
+    # decodes its last token, done: it was admitted once and recomputed nothing.
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.swapped == [0, 0, 0, 1, 0]
+    assert result.waiting == [0] * 5
+    assert result.used_blocks == [2, 4, 4, 3, 3]
+    assert result.admitted_step == {"a": 0, "b": 0}
+    assert result.finished_step == {"a": 3, "b": 4}
+    assert result.preemptions_by_reason == {"recompute": 0, "swap": 1}
+    assert result.preemptions == 1
+    assert (result.blocks_swapped_out, result.blocks_swapped_in, result.recomputed_tokens) == (2, 2, 0)
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+
+
+@pytest.mark.lesson08
+def test_recompute_drops_the_preempted_output_and_starts_over(model: TinyGPT) -> None:
+    requests = two_growing_requests()
+    result = Engine(model, num_blocks=4, block_size=2, preemption="recompute").run(requests)
+    # The same step 3, but b's 4 tokens are thrown away: it is admitted again at step 4 and needs
+    # a prefill and three decode steps, finishing at step 7 instead of 4.
+    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert result.swapped == [0] * 8
+    assert result.admitted_step == {"a": 0, "b": 4}
+    assert result.finished_step == {"a": 3, "b": 7}
+    assert result.preemptions_by_reason == {"recompute": 1, "swap": 0}
+    assert (result.blocks_swapped_out, result.blocks_swapped_in, result.recomputed_tokens) == (0, 0, 4)
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+
+
+@pytest.mark.lesson08
+def test_swapped_sequences_come_back_before_new_requests_are_admitted(model: TinyGPT) -> None:
+    # 6 blocks of 2. a (1 + 6 tokens) and b (3 + 6) run; c (1 + 1) arrives at step 2 and waits.
+    # Step 4: a and b both need a block, none is free: b goes out with 6 tokens (3 blocks), 4 free.
+    # Step 5: b needs 3 blocks + 2 of headroom next to a: it stays out, and so c, which would fit
+    # (1 + 2), is not admitted either. a finishes. Step 6: b comes back, then c is admitted.
+    requests = [
+        EngineRequest("a", [1], 6),
+        EngineRequest("b", [2, 2, 2], 6),
+        EngineRequest("c", [3], 1, arrival_step=2),
+    ]
+    engine = Engine(model, num_blocks=6, block_size=2, preemption="swap")
+    result = engine.run(requests)
+    assert result.swapped == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert result.waiting == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert result.running == [2, 2, 2, 2, 1, 1, 2, 1]
+    assert result.admitted_step == {"a": 0, "b": 0, "c": 6}
+    assert result.finished_step == {"a": 5, "b": 7, "c": 6}
+    check_invariants(engine, result, requests)
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+
+
+@pytest.mark.lesson08
+def test_swapped_sequences_come_back_oldest_first(model: TinyGPT) -> None:
+    # 6 blocks of 2; a, b and c are admitted at step 0. Step 3: c, the newest, goes out (3 tokens,
+    # 2 blocks). Step 5: b goes out too (6 tokens, 3 blocks) and a finishes. Step 6: the older, b,
+    # comes back first; c (2 blocks + 2 of headroom next to b) waits for step 7.
+    requests = [EngineRequest("a", [1], 6), EngineRequest("b", [2, 2], 6), EngineRequest("c", [3], 4)]
+    engine = Engine(model, num_blocks=6, block_size=2, preemption="swap")
+    result = engine.run(requests)
+    assert result.swapped == [0, 0, 0, 1, 1, 2, 1, 0]
+    assert result.running == [3, 3, 3, 2, 2, 1, 1, 1]
+    assert result.finished_step == {"a": 5, "b": 6, "c": 7}
+    assert (result.preemptions, result.blocks_swapped_out, result.blocks_swapped_in) == (2, 5, 5)
+    check_invariants(engine, result, requests)
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize(
+    ("watermark", "kept_free", "admitted_at_once"), [(0.0, 0, 4), (0.25, 2, 3), (0.5, 4, 2)]
+)
+def test_the_watermark_keeps_blocks_free_at_admission(
+    model: TinyGPT, watermark: float, kept_free: int, admitted_at_once: int
+) -> None:
+    # 8 blocks of 4; each prompt takes 1 block. The n-th admission needs 1 + n blocks of headroom
+    # + the watermark free: 4 fit with none kept, 3 when 2 are kept, 2 when 4 are kept.
+    requests = [EngineRequest(i, [i + 1] * 4, 2) for i in range(4)]
+    factory, caches = spy(keep_free=kept_free)
+    engine = Engine(model, num_blocks=8, block_size=4, watermark=watermark, cache_factory=factory)
+    assert engine.watermark_blocks == kept_free
+    result = engine.run(requests)
+    assert result.running[0] == admitted_at_once
+    assert sorted(result.admitted_step.values()).count(0) == admitted_at_once
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+    assert caches[0].all_free()
+
+
+@pytest.mark.lesson08
+def test_a_high_watermark_trades_concurrency_for_no_preemptions(model: TinyGPT) -> None:
+    requests = [EngineRequest(i, [7 * i + 1, 2, 3], 10) for i in range(5)]
+    low = Engine(model, num_blocks=6, block_size=4).run(requests)
+    high = Engine(model, num_blocks=6, block_size=4, watermark=0.5).run(requests)
+    assert low.preemptions > 0 and high.preemptions == 0
+    assert high.peak_running == 1 < low.peak_running
+    assert high.tokens == low.tokens
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize(
+    ("watermark", "num_blocks", "expected"),
+    [(0.0, 8, 0), (0.1, 8, 1), (0.25, 8, 2), (0.3, 10, 3), (0.99, 5, 5)],
+)
+def test_watermark_blocks_rounds_up(model: TinyGPT, watermark: float, num_blocks: int, expected: int) -> None:
+    assert Engine(model, num_blocks=num_blocks, watermark=watermark).watermark_blocks == expected
+
+
+@pytest.mark.lesson08
+def test_a_request_admissible_only_without_the_watermark_is_refused(model: TinyGPT) -> None:
+    request = EngineRequest("x", [1] * 4, 2)  # needs 1 prompt block + 1 headroom: 2 of 3
+    assert Engine(model, num_blocks=3, block_size=4).run([request]).tokens["x"] == alone(model, request)
+    with pytest.raises(ValueError, match=r"num_blocks 3 .*'x'.*2 that watermark 0.5 keeps free"):
+        Engine(model, num_blocks=3, block_size=4, watermark=0.5).run([request])
+
+
+@functools.cache
+def alone_cached(model: TinyGPT, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    return generate(model, [list(prompt)], max_new_tokens, cache="contiguous").tokens[0]
+
+
+@st.composite
+def workloads(draw) -> list[EngineRequest]:
+    n = draw(st.integers(2, 7))  # several at once, so that tight budgets preempt
+    return [
+        EngineRequest(
+            i,
+            draw(st.lists(st.integers(0, 255), min_size=1, max_size=8)),
+            draw(st.integers(1, 12)),
+            arrival_step=draw(st.integers(0, 2)),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@given(
+    requests=workloads(),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 4),
+    watermark=st.sampled_from([0.0, 0.2, 0.5]),
+)
+def test_any_workload_on_any_budget_gets_the_text_of_each_prompt_alone(
+    model: TinyGPT, requests, block_size: int, extra_blocks: int, preemption: str, watermark: float
+) -> None:
+    smallest = min_num_blocks(requests, block_size, watermark)
+    num_blocks = smallest + extra_blocks
+    factory, caches = spy(keep_free=math.ceil(watermark * num_blocks))
+    engine = Engine(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        preemption=preemption,
+        watermark=watermark,
+        cache_factory=factory,
+    )
+    result = engine.run(requests)  # ends: no deadlock, no livelock
+    event(f"{preemption}: {'preempted' if result.preemptions else 'no preemption'}")
+    target(float(result.preemptions), label="preemptions")  # steer towards tight, busy runs
+    check_invariants(engine, result, requests)
+    for request in requests:
+        expected = alone_cached(model, tuple(request.prompt), request.max_new_tokens)
+        assert result.tokens[request.request_id] == expected, request.request_id
+    assert caches[0].all_free()
+    if smallest > 1:  # one block fewer is refused up front
+        with pytest.raises(ValueError, match="num_blocks"):
+            Engine(model, num_blocks=smallest - 1, block_size=block_size, watermark=watermark).run(requests)
+
+
+@pytest.mark.lesson08
+def test_min_num_blocks_counts_the_admission_the_peak_and_the_watermark() -> None:
+    request = EngineRequest("x", [1, 2, 3], 10)  # admission: 1 + 1 blocks; at its longest 12 tokens: 3
+    assert min_num_blocks([request], block_size=4) == 3
+    assert min_num_blocks([request], block_size=4, watermark=0.5) == 4  # 2 + ceil(0.5 * 4) <= 4
+    assert min_num_blocks([request], block_size=16, watermark=0.5) == 4  # 2 + 2 <= 4; 2 + 2 > 3
+    long_prompt = EngineRequest("y", [1] * 9, 1)  # admission: 3 + 1 blocks; at its longest 9 tokens: 3
+    assert min_num_blocks([request, long_prompt], block_size=4) == 4
+    with pytest.raises(ValueError, match="requests"):
+        min_num_blocks([], block_size=4)
+    with pytest.raises(ValueError, match="requests"):
+        min_num_blocks([("x", [1], 1)], block_size=4)
+    with pytest.raises(ValueError, match="block_size"):
+        min_num_blocks([request], block_size=0)
+    with pytest.raises(ValueError, match="watermark"):
+        min_num_blocks([request], block_size=4, watermark=1)
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_sweep_budgets_gives_one_row_per_budget_as_the_engine_measures_it(
+    model: TinyGPT, preemption: str
+) -> None:
+    requests = [EngineRequest(i, [7 * i + 1, 2, 3], 10) for i in range(5)]
+    budgets = [min_num_blocks(requests, 4), 6, 9, 20]
+    rows = sweep_budgets(model, requests, budgets, block_size=4, preemption=preemption, progress=True)
+    assert [row["num_blocks"] for row in rows] == budgets
+    for row, num_blocks in zip(rows, budgets, strict=True):
+        result = Engine(model, num_blocks=num_blocks, block_size=4, preemption=preemption).run(requests)
+        assert row == {
+            "num_blocks": num_blocks,
+            "budget_tokens": num_blocks * 4,
+            "steps": result.steps,
+            "preemptions": result.preemptions,
+            "recomputed_tokens": result.recomputed_tokens,
+            "blocks_swapped_out": result.blocks_swapped_out,
+            "peak_running": result.peak_running,
+            "mean_running": result.mean_running,
+            "mean_utilisation": result.mean_utilisation,
+        }
+    assert rows[0]["preemptions"] == 0 and rows[0]["peak_running"] == 1  # 3 blocks: one at a time
+    assert rows[1]["preemptions"] > 0  # 6 blocks: two or three admitted, and they outgrow the budget
+    assert rows[-1]["preemptions"] == 0  # 20 blocks hold all five at their longest (15) plus headroom
+    assert rows[0]["steps"] > rows[1]["steps"] > rows[-1]["steps"]
+
+
+@pytest.mark.lesson08
+def test_sweep_budgets_refuses_bad_arguments(model: TinyGPT) -> None:
+    requests = [EngineRequest("x", [1, 2, 3], 10)]
+    with pytest.raises(ValueError, match="num_blocks_list"):
+        sweep_budgets(model, requests, 8)
+    with pytest.raises(ValueError, match="num_blocks"):
+        sweep_budgets(model, requests, [8, 0])
+    with pytest.raises(ValueError, match="num_blocks 2 cannot hold"):
+        sweep_budgets(model, requests, [8, 2], block_size=4)
+    with pytest.raises(ValueError, match="preemption"):
+        sweep_budgets(model, requests, [8], preemption="drop")
+
+
+class NoSwapCache:
+    """A plugged-in cache with the KVCache methods and the free-block count, but no swap."""
+
+    def __init__(self, *args) -> None:
+        self.inner = PagedKVCache(*args)
+        for name in ("add_sequence", "write_prompt", "append", "attend", "free", "needs_new_block"):
+            setattr(self, name, getattr(self.inner, name))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.inner.num_free_blocks
+
+
+@pytest.mark.lesson08
+def test_swap_needs_a_cache_that_can_swap(model: TinyGPT) -> None:
+    requests = two_growing_requests()
+    recompute = Engine(model, num_blocks=4, block_size=2, cache_factory=NoSwapCache).run(requests)
+    assert recompute.preemptions == 1  # the cache serves recompute preemption
+    engine = Engine(model, num_blocks=4, block_size=2, cache_factory=NoSwapCache, preemption="swap")
+    with pytest.raises(ValueError, match=r"preemption='swap' needs a cache with swap_out.*NoSwapCache"):
+        engine.run(requests)
+
+
+class BlindCache(PagedKVCache):
+    """A cache whose free-block count is wrong: it never sees a free block."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return 0
+
+
+@pytest.mark.lesson08
+def test_a_cache_that_reports_no_free_blocks_raises_instead_of_hanging(model: TinyGPT) -> None:
+    engine = Engine(model, num_blocks=4, block_size=2, cache_factory=BlindCache)
+    with pytest.raises(RuntimeError, match=r"step 0: nothing runs.*0 free blocks.*out of 4"):
+        engine.run(two_growing_requests())
+
+
+@pytest.mark.lesson08
+def test_plot_metrics_shows_the_swapped_sequences_when_there_are_some(model: TinyGPT) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = Engine(model, num_blocks=4, block_size=2, preemption="swap").run(two_growing_requests())
+    ax = plot_metrics(result)
+    assert [line.get_label() for line in ax.get_lines()] == ["running", "waiting", "swapped"]
+    assert "1 preemptions (1 by swap)" in ax.get_title()
     plt.close("all")
