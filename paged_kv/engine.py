@@ -494,11 +494,19 @@ def sweep_budgets(
     return rows
 
 
+def admits(num_free_blocks: int, blocks: int, num_running: int, keep_free: int = 0) -> bool:
+    """The paged admission rule: can a sequence taking ``blocks`` blocks now join ``num_running`` others?
+
+    Yes when its blocks, one block of headroom per running sequence (itself included: the most the
+    next decode step can take) and ``keep_free`` blocks (the watermark) are all free.
+    """
+    headroom = num_running + 1
+    return blocks + headroom + keep_free <= num_free_blocks
+
+
 def _fits(cache, blocks: int, num_running: int, keep_free: int = 0) -> bool:
-    """Paged: whether a sequence taking ``blocks`` now can join ``num_running`` others and leave one
-    block of headroom per sequence (itself included) plus ``keep_free`` blocks free."""
-    headroom = num_running + 1  # one block per sequence for the next decode step
-    return blocks + headroom + keep_free <= cache.num_free_blocks
+    """:func:`admits` on the cache's free blocks."""
+    return admits(cache.num_free_blocks, blocks, num_running, keep_free)
 
 
 def _check_watermark(watermark: object) -> float:

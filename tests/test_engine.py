@@ -15,6 +15,7 @@ from paged_kv.engine import (
     Engine,
     EngineRequest,
     EngineResult,
+    admits,
     min_num_blocks,
     plot_metrics,
     sweep_budgets,
@@ -561,3 +562,20 @@ def test_plot_metrics_shows_the_swapped_sequences_when_there_are_some(model: Tin
     assert [line.get_label() for line in ax.get_lines()] == ["running", "waiting", "swapped"]
     assert "1 preemptions (1 by swap)" in ax.get_title()
     plt.close("all")
+
+
+@pytest.mark.parametrize(
+    ("free", "blocks", "running", "keep_free", "expected"),
+    [
+        (3, 2, 0, 0, True),  # two prompt blocks and its own headroom block
+        (2, 2, 0, 0, False),
+        (5, 2, 2, 0, True),  # two more headroom blocks for the two running sequences
+        (4, 2, 2, 0, False),
+        (6, 2, 2, 1, True),  # and one more the watermark keeps free
+        (5, 2, 2, 1, False),
+    ],
+)
+def test_admits_is_the_prompt_blocks_plus_one_block_per_sequence_plus_the_watermark(
+    free: int, blocks: int, running: int, keep_free: int, expected: bool
+) -> None:
+    assert admits(free, blocks, running, keep_free) is expected

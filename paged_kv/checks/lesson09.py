@@ -1,0 +1,744 @@
+"""Checks of exercise 09: the engine's admission rule, the slots of a decode step, a paged cache of one's own.
+
+The admission rule is checked on examples at the boundary, then against what
+:class:`~paged_kv.engine.Engine` actually does. The slots are compared with the package's
+:meth:`~paged_kv.cache.PagedKVCacheAllocator.slot_mapping` on a twin allocator, in pools whose free
+lists are shuffled, so that a slot is never the position itself. The cache is checked call by call
+against attention over the same tokens held contiguously, then end to end: in
+:func:`~paged_kv.model.generate` and in the engine, against the contiguous cache. Every pool starts
+full of stale random K/V, so a slot written or read in the wrong place gives a visibly wrong answer.
+When an answer is wrong, the check looks for the classic mistakes and names the one it finds.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..block import blocks_for_tokens
+from ..cache import PagedKVCacheAllocator
+from ..device import default_device
+from ..engine import Engine, EngineRequest
+from ..errors import OutOfBlocksError
+from ..model import GPTConfig, TinyGPT, generate
+from ._core import Checker, task
+
+# A GPT small enough for the checks to run in a blink, with two layers so that "every layer" matters.
+CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
+# The paged and the contiguous caches sum the same products in a different order.
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _one_thread(check: Callable[..., None]) -> Callable[..., None]:
+    """Run a check with one torch thread: its models are tiny, and on a busy 2-core machine two
+    threads fighting over them made the checks about ten times slower."""
+
+    @functools.wraps(check)
+    def run(*args: object) -> None:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            check(*args)
+        finally:
+            torch.set_num_threads(saved)
+
+    return run
+
+
+# ------------------------------------------------------------------------------- Task 1
+
+RULE = (
+    "admit when blocks_for_tokens(prompt_tokens, block_size) + num_running + 1 <= num_free_blocks: the "
+    "prompt's blocks plus one block of headroom per running sequence, the new one included"
+)
+
+
+def _rounded_down(free: int, prompt: int, running: int, size: int) -> bool:
+    return prompt // size + running + 1 <= free
+
+
+def _no_own_headroom(free: int, prompt: int, running: int, size: int) -> bool:
+    return blocks_for_tokens(prompt, size) + running <= free
+
+
+def _no_headroom(free: int, prompt: int, running: int, size: int) -> bool:
+    return blocks_for_tokens(prompt, size) <= free
+
+
+def _strict(free: int, prompt: int, running: int, size: int) -> bool:
+    return blocks_for_tokens(prompt, size) + running + 1 < free
+
+
+ADMISSION_MISTAKES: list[tuple[Callable[[int, int, int, int], bool], str]] = [
+    (
+        _rounded_down,
+        "the prompt's blocks are rounded down: 5 tokens in blocks of 4 fill 2 blocks, so round up "
+        "(blocks_for_tokens, or -(-prompt_tokens // block_size))",
+    ),
+    (
+        _no_own_headroom,
+        "the new sequence has no headroom of its own: it decodes in the next step too, so the headroom "
+        "is num_running + 1 blocks",
+    ),
+    (
+        _no_headroom,
+        "no headroom at all: the next decode step can need one new block per running sequence, the new "
+        "one included, so num_running + 1 blocks must stay free besides the prompt's",
+    ),
+    (_strict, "exactly enough free blocks is enough: compare with <=, not <"),
+]
+
+
+def _admission_hint(can_admit: Callable[..., object]) -> str:
+    """The classic mistake that ``can_admit`` makes on a grid of cases, else the rule."""
+    grid = [(f, p, r, b) for f in range(9) for p in range(1, 13) for r in range(4) for b in (1, 4)]
+    try:
+        answers = [bool(can_admit(*case)) for case in grid]
+    except Exception:  # the learner's bug; the case at hand reports it
+        return RULE
+    for mistake, hint in ADMISSION_MISTAKES:
+        if answers == [mistake(*case) for case in grid]:
+            return hint
+    return RULE
+
+
+def _admitted_at_once(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:
+    """Whether the engine admits a request at step 0, behind ``running`` one-block requests.
+
+    The pool has ``free + running`` blocks; the running requests each take one block for a prompt of
+    ``block_size`` tokens (admitted first, as long as ``free >= running``), leaving ``free`` blocks.
+    """
+    requests = [EngineRequest(("running", i), [1] * block_size, 1) for i in range(running)]
+    requests.append(EngineRequest("new", [2] * prompt_tokens, 1))
+    result = Engine(model, num_blocks=free + running, block_size=block_size).run(requests)
+    return result.admitted_step["new"] == 0
+
+
+def _engine_cases(block_size: int = 4) -> list[tuple[int, int, int]]:
+    """``(free, prompt_tokens, running)`` on both sides of the rule: one block short, and exactly enough.
+
+    Only the cases the engine can set up: at least ``running`` free blocks (the running requests are
+    admitted first, each with its own headroom) and a request that fits the pool alone.
+    """
+    cases = []
+    for running in range(4):
+        for prompt in (1, 4, 5, 9):
+            needed = blocks_for_tokens(prompt, block_size) + running + 1
+            for free in (needed - 1, needed):
+                if free >= running and blocks_for_tokens(prompt, block_size) + 1 <= free + running:
+                    cases.append((free, prompt, running))
+    return cases
+
+
+@task("09.can_admit", "the engine's admission rule", needs=("can_admit",))
+@_one_thread
+def _can_admit(c: Checker, can_admit) -> None:
+    hint = _admission_hint(can_admit)
+    cases = [
+        (7, 9, 2, 4, True),
+        (6, 9, 2, 4, True),
+        (5, 9, 2, 4, False),
+        (5, 8, 2, 4, True),
+        (2, 1, 0, 4, True),
+        (1, 1, 0, 4, False),
+        (2, 4, 0, 4, True),
+        (2, 5, 0, 4, False),
+        (3, 5, 0, 4, True),
+    ]
+    for free, prompt, running, size, expected in cases:
+        needed = f"{blocks_for_tokens(prompt, size)} prompt block(s) + {running + 1} of headroom"
+        c.equal(
+            f"can_admit({free}, {prompt}, {running}, {size})  # needs {needed}",
+            lambda free=free, prompt=prompt, running=running, size=size: bool(
+                can_admit(free, prompt, running, size)
+            ),
+            expected,
+            hint,
+        )
+    result = c.run("can_admit(6, 9, 2, 4)", lambda: can_admit(6, 9, 2, 4))
+    c.holds(
+        "type(can_admit(6, 9, 2, 4))",
+        type(result) is bool,
+        "bool",
+        type(result).__name__,
+        "return the comparison itself, True or False",
+    )
+    model = TinyGPT(GPTConfig(num_layers=1, num_heads=1, head_dim=4, max_len=32), seed=0).to(default_device())
+    for free, prompt, running in _engine_cases():
+        call = f"can_admit({free}, {prompt}, {running}, 4)"
+        got = c.run(
+            call, lambda free=free, prompt=prompt, running=running: bool(can_admit(free, prompt, running, 4))
+        )
+        engine = _admitted_at_once(model, free, prompt, running, 4)
+        c.holds(
+            f"{call}  # an Engine with {free} free blocks of 4 and {running} running sequence(s)",
+            got == engine,
+            f"{engine} (the engine {'admits' if engine else 'refuses'} a {prompt}-token prompt at once)",
+            got,
+            hint,
+        )
+
+
+# ------------------------------------------------------------------------------- Task 2
+
+
+def _shuffled_pool(num_blocks: int, block_size: int, seed: int) -> PagedKVCacheAllocator:
+    """An empty allocator on the default device whose free list is in a seeded random order."""
+    allocator = PagedKVCacheAllocator(num_blocks, block_size, 1, 1, device=default_device())
+    for block in range(num_blocks):
+        allocator.allocate_for_sequence(("old", block), 1)
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    for block in order:
+        allocator.free_sequence(("old", block))
+    return allocator
+
+
+def _allocator(
+    num_blocks: int, block_size: int, sequences: Sequence[tuple[Hashable, int]], seed: int
+) -> PagedKVCacheAllocator:
+    """A shuffled pool holding ``(seq_id, tokens)`` sequences, allocated in order."""
+    allocator = _shuffled_pool(num_blocks, block_size, seed)
+    for seq_id, tokens in sequences:
+        allocator.allocate_for_sequence(seq_id, tokens)
+    return allocator
+
+
+def _state(allocator: PagedKVCacheAllocator) -> str:
+    held = "; ".join(
+        f"{s!r} holds {allocator.sequence_length(s)} tokens in {allocator.get_block_mapping(s)}"
+        for s in allocator.seq_ids
+    )
+    return f"{held}; free list {list(allocator.snapshot().free_block_ids)}"
+
+
+def _expected_slots(twin: PagedKVCacheAllocator, seq_ids: Sequence[Hashable]) -> list[int]:
+    """One decode step on ``twin`` the package's way: the slot of each sequence's new last position."""
+    slots = []
+    for seq_id in seq_ids:
+        twin.append_tokens(seq_id, 1)
+        position = twin.sequence_length(seq_id) - 1
+        slots.append(int(twin.slot_mapping(seq_id, [position])))
+    return slots
+
+
+def _slot_of(allocator: PagedKVCacheAllocator, seq_id: Hashable, position: int) -> int | None:
+    """The slot of ``position`` in the sequence's table as it is now, or None when the table is too short."""
+    table, size = allocator.get_block_mapping(seq_id), allocator.block_size
+    if not 0 <= position < len(table) * size:
+        return None
+    return table[position // size] * size + position % size
+
+
+def _slots_hint(
+    after: PagedKVCacheAllocator, seq_ids: Sequence[Hashable], got: object, expected: list[int]
+) -> str:
+    """Name the mistake behind wrong slots, from the state of the correct twin after the step."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        return "return one slot per sequence of seq_ids, in their order, as a 1-D LongTensor"
+    size = after.block_size
+    for seq_id, slot, right in zip(seq_ids, got, expected, strict=True):
+        if slot == right:
+            continue
+        n = after.sequence_length(seq_id) - 1  # the new token's position
+        block, offset = divmod(n, size)
+        physical = after.get_block_mapping(seq_id)[block]
+        if slot == n:
+            return (
+                f"the new token of {seq_id!r} is at position {n}, its slot is {right}: you returned the "
+                "position itself. Translate it through the block table: "
+                "block_table[position // block_size] * block_size + position % block_size "
+                "(allocator.physical_location gives both parts)"
+            )
+        if slot == _slot_of(after, seq_id, n + 1):
+            return (
+                f"you returned the slot of position {n + 1}, the sequence's length after the append: its "
+                f"new token is at position {n}, length - 1"
+            )
+        if slot == _slot_of(after, seq_id, n - 1):
+            return (
+                f"you returned the slot of position {n - 1}, the token before the new one: after the append "
+                f"the sequence holds {n + 1} tokens, and the new one is at position {n}"
+            )
+        if slot == offset * size + physical:
+            return "block and offset are swapped: the slot is block_id * block_size + offset"
+        return (
+            f"the new token of {seq_id!r} is at position {n}, in block {physical} at offset {offset}: slot "
+            f"{physical} * {size} + {offset} = {right}"
+        )
+    return (
+        "the slots are right but the tensor is not: return torch.tensor(slots, dtype=torch.long, device=...)"
+    )
+
+
+NEW_POSITION = (
+    "after allocator.append_tokens(seq_id, 1) a sequence holds length tokens, positions 0 to length - 1: "
+    "its new token is at position length - 1 (a position at or past the length is out of range)"
+)
+
+
+def _as_list(got: object) -> object:
+    return got.tolist() if isinstance(got, torch.Tensor) and got.dim() == 1 else got
+
+
+@task("09.decode_slots", "the slots of a decode step, all or nothing")
+def _decode_slots(c: Checker, decode_slots) -> None:
+    scenarios = [  # what, num_blocks, block_size, sequences, batch
+        ("a free slot in its last block", 8, 4, [("a", 3)], ["a"]),
+        ("its blocks full: a new block", 8, 4, [("b", 4)], ["b"]),
+        ("a batch of three", 12, 4, [("a", 3), ("b", 4), ("c", 5)], ["a", "b", "c"]),
+        ("the batch in another order", 12, 4, [("a", 3), ("b", 4), ("c", 5)], ["c", "a", "b"]),
+        ("blocks of 1", 8, 1, [("e", 2)], ["e"]),
+    ]
+    for seed, (what, num_blocks, size, sequences, batch) in enumerate(scenarios):
+        allocator = _allocator(num_blocks, size, sequences, seed)
+        twin = _allocator(num_blocks, size, sequences, seed)
+        before = _state(allocator)
+        call = f"decode_slots(allocator, {batch})  # block_size {size}, {before} ({what})"
+        got = c.run(
+            call, lambda allocator=allocator, batch=batch: decode_slots(allocator, batch), NEW_POSITION
+        )
+        expected = _expected_slots(twin, batch)
+        c.holds(
+            call,
+            isinstance(got, torch.Tensor) and _as_list(got) == expected,
+            f"tensor({expected})",
+            repr(got),
+            _slots_hint(twin, batch, _as_list(got), expected),
+        )
+        c.holds(
+            f"the allocator after {call}",
+            allocator.snapshot() == twin.snapshot(),
+            _state(twin),
+            _state(allocator),
+            "each sequence gains exactly one token (allocator.append_tokens(seq_id, 1)), and a new block "
+            "only when its blocks were full",
+        )
+        c.holds(
+            f"decode_slots(...).dtype  # {what}",
+            got.dtype == torch.long,
+            "torch.int64",
+            got.dtype,
+            "slots index the pool's token slots: make a LongTensor (torch.tensor(slots, dtype=torch.long))",
+        )
+        c.holds(
+            f"decode_slots(...).device  # {what}",
+            got.device == allocator.device,
+            str(allocator.device),
+            str(got.device),
+            "put the slots on the allocator's device: torch.tensor(..., device=allocator.device)",
+        )
+
+    # Eight steps of two sequences, crossing several block boundaries.
+    allocator = _allocator(16, 4, [("x", 2), ("y", 5)], seed=7)
+    twin = _allocator(16, 4, [("x", 2), ("y", 5)], seed=7)
+    call = "[decode_slots(allocator, ['x', 'y']).tolist() for _ in range(8)]  # x holds 2 tokens, y 5"
+    got_steps = c.run(
+        call, lambda: [_as_list(decode_slots(allocator, ["x", "y"])) for _ in range(8)], NEW_POSITION
+    )
+    expected_steps = [_expected_slots(twin, ["x", "y"]) for _ in range(8)]
+    c.equal(
+        call,
+        lambda: got_steps,
+        expected_steps,
+        "x takes a block when it holds 4 and 8 tokens, y when it holds 8 and 12; each slot is "
+        "allocator.slot_mapping(seq_id, [length - 1]) after the append",
+    )
+    c.holds(
+        f"the allocator after {call}",
+        allocator.snapshot() == twin.snapshot(),
+        _state(twin),
+        _state(allocator),
+        "each call adds exactly one token to each sequence",
+    )
+
+    # All or nothing: three sequences need a block, one is free.
+    allocator = _allocator(4, 4, [("a", 4), ("b", 4), ("c", 4)], seed=11)
+    snapshot, before, free = allocator.snapshot(), _state(allocator), allocator.num_free_blocks
+    call = f"decode_slots(allocator, ['a', 'b', 'c'])  # {before}"
+    error = c.raises(
+        call,
+        lambda: decode_slots(allocator, ["a", "b", "c"]),
+        OutOfBlocksError,
+        "three sequences need a block and only one is free: raise OutOfBlocksError(needed, free)",
+    )
+    leaked = free - allocator.num_free_blocks
+    c.holds(
+        f"the allocator after {call}",
+        allocator.snapshot() == snapshot,
+        f"unchanged: {before}",
+        _state(allocator),
+        (f"the step took {leaked} block(s) before it ran out and kept them (a leak). " if leaked else "")
+        + "All or nothing: count the blocks the batch needs (allocator.needs_new_block) and compare with "
+        "allocator.num_free_blocks before you append any token",
+    )
+    c.holds(
+        f"(error.needed, error.free) after {call}",
+        (getattr(error, "needed", None), getattr(error, "free", None)) == (3, 1),
+        "(3, 1)",
+        (getattr(error, "needed", None), getattr(error, "free", None)),
+        "raise OutOfBlocksError(needed, free) with the counts of the whole batch",
+    )
+
+
+# ------------------------------------------------------------------------------- Task 3
+
+EVERY_LAYER_ADD = (
+    "layer l's attention keeps its K and V in self.allocators[l]: add_sequence must allocate the "
+    "sequence in every layer's allocator"
+)
+EVERY_LAYER_FREE = (
+    "free must give the sequence's blocks back in every layer's allocator, not only the first: the other "
+    "layers' pools would fill up with finished sequences"
+)
+SWAPPED = "K and V are swapped: k goes to the allocator's k_cache, v to its v_cache"
+POSITION = (
+    "the position of the new token is the sequence's length before the append (a sequence of 6 tokens "
+    "holds positions 0 to 5, so its new token is at position 6); the model embeds it"
+)
+ATTEND = (
+    "after storing k and v, return paged_attention(q, allocator.k_cache, allocator.v_cache, "
+    "allocator.block_tables_tensor(seq_ids), lengths) of this layer, with the lengths after the append"
+)
+
+
+def _stale(cache: object, seed: int) -> None:
+    """Fill every layer's pool with random K/V, as if old sequences had used every block."""
+    generator = torch.Generator().manual_seed(seed)
+    for allocator in cache.allocators:
+        for pool in (allocator.k_cache, allocator.v_cache):
+            pool.copy_(torch.randn(pool.shape, generator=generator))
+
+
+def _randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(default_device())
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q (heads, dim) over k, v (tokens, heads, dim): (heads, dim)."""
+    out = F.scaled_dot_product_attention(q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    return out[0, :, 0]
+
+
+def _stored_hint(allocator: PagedKVCacheAllocator, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Why the new token's K/V are not where they belong (position length - 1)."""
+    got_k, got_v = (t[-1] for t in allocator.read_kv(seq_id))
+    if torch.equal(got_k, v) and torch.equal(got_v, k):
+        return SWAPPED
+    length, size = allocator.sequence_length(seq_id), allocator.block_size
+    table = allocator.get_block_mapping(seq_id)
+    if length < len(table) * size:
+        block, offset = table[length // size], length % size
+        if torch.equal(allocator.k_cache[block, :, offset], k):
+            return (
+                f"you wrote the new token at position {length}, the length after the append: the sequence "
+                f"holds {length} tokens, positions 0 to {length - 1}, so the new one is at length - 1"
+            )
+    return (
+        "store the new token's k and v at its slot (the slots your append computed with decode_slots, in "
+        "self.new_slots[layer]): k_cache[slot // block_size, :, slot % block_size] = k"
+    )
+
+
+def _engine_workloads() -> list[tuple[str, list[EngineRequest], dict, bool]]:
+    """``(what, requests, engine sizes, whether paged mode preempts)``: a random stream, and a burst."""
+    rng = random.Random(9)
+    stream = [
+        EngineRequest(
+            f"r{i}",
+            [rng.randrange(256) for _ in range(rng.randint(1, 12))],
+            rng.randint(1, 10),
+            arrival_step=rng.randrange(6),
+        )
+        for i in range(8)
+    ]
+    # Each ends at 3 + 10 - 1 = 12 tokens, 3 blocks: three admitted at once outgrow 6 blocks.
+    burst = [EngineRequest(i, [7 * i + 1, 2, 3], 10) for i in range(5)]
+    return [
+        (
+            "8 random requests, 12 blocks of 4",
+            stream,
+            {"num_blocks": 12, "block_size": 4, "max_model_len": 24},
+            False,
+        ),
+        (
+            "5 requests at once, 6 blocks of 4",
+            burst,
+            {"num_blocks": 6, "block_size": 4, "max_model_len": 13},
+            True,
+        ),
+    ]
+
+
+@task("09.paged_cache", "your own paged cache, in the model and in the engine", needs=("MyPagedCache",))
+@_one_thread
+def _paged_cache(c: Checker, cache_class) -> None:
+    device = default_device()
+    heads, dim, layers = CONFIG.num_heads, CONFIG.head_dim, CONFIG.num_layers
+    generator = torch.Generator().manual_seed(90)
+    call_new = "cache = MyPagedCache(config, 16, 4, device, torch.float32)  # 2 layers, 2 heads of 8"
+    cache = c.run(call_new, lambda: cache_class(CONFIG, 16, 4, device, torch.float32))
+    c.run("cache.allocators  # made by the __init__ you were given", lambda: _stale(cache, seed=91))
+    c.equal(
+        "cache.num_free_blocks  # a new cache", lambda: cache.num_free_blocks, 16, "all 16 blocks are free"
+    )
+
+    # add_sequence, needs_new_block
+    c.run("cache.add_sequence('a', 6)", lambda: cache.add_sequence("a", 6))
+    c.equal(
+        "cache.num_free_blocks after cache.add_sequence('a', 6)",
+        lambda: cache.num_free_blocks,
+        14,
+        "6 tokens in blocks of 4 take 2 blocks: allocate_for_sequence in each layer's allocator",
+    )
+    c.equal(
+        "[allocator.sequence_length('a') for allocator in cache.allocators]",
+        lambda: [allocator.sequence_length("a") for allocator in cache.allocators],
+        [6] * layers,
+        EVERY_LAYER_ADD,
+    )
+    c.run("cache.add_sequence('b', 8)", lambda: cache.add_sequence("b", 8))
+    c.equal(
+        "cache.needs_new_block('a')  # 6 tokens in 2 blocks of 4",
+        lambda: cache.needs_new_block("a"),
+        False,
+        "'a' has 2 free slots in its last block: ask an allocator's needs_new_block",
+    )
+    c.equal(
+        "cache.needs_new_block('b')  # 8 tokens in 2 blocks of 4",
+        lambda: cache.needs_new_block("b"),
+        True,
+        "'b' fills its 2 blocks: its next token needs a new one (ask an allocator's needs_new_block)",
+    )
+
+    # write_prompt
+    prompt = {
+        (layer, seq_id): (
+            _randn(n, heads, dim, generator=generator),
+            _randn(n, heads, dim, generator=generator),
+        )
+        for layer in range(layers)
+        for seq_id, n in (("a", 6), ("b", 8))
+    }
+    for (layer, seq_id), (k, v) in prompt.items():
+        c.run(
+            f"cache.write_prompt({layer}, {seq_id!r}, k, v)",
+            lambda layer=layer, seq_id=seq_id, k=k, v=v: cache.write_prompt(layer, seq_id, k, v),
+        )
+    for (layer, seq_id), (k, v) in prompt.items():
+        call = (
+            f"cache.allocators[{layer}].read_kv({seq_id!r})  # after write_prompt({layer}, {seq_id!r}, k, v)"
+        )
+        got_k, got_v = c.run(call, lambda layer=layer, seq_id=seq_id: cache.allocators[layer].read_kv(seq_id))
+        swapped = torch.equal(got_k, v) and torch.equal(got_v, k)
+        c.holds(
+            call,
+            torch.equal(got_k, k) and torch.equal(got_v, v),
+            "(k, v)",
+            "(v, k)" if swapped else "other tensors",
+            SWAPPED if swapped else f"store layer {layer}'s prompt in self.allocators[{layer}] with write_kv",
+        )
+
+    # append
+    positions = c.run("cache.append(['a', 'b'])", lambda: cache.append(["a", "b"]))
+    c.holds(
+        "type(cache.append(['a', 'b']))",
+        isinstance(positions, torch.Tensor),
+        "torch.Tensor",
+        type(positions).__name__,
+        "return the positions as a tensor on self.device: the model adds their embeddings",
+    )
+    got = positions.tolist()
+    c.holds(
+        "cache.append(['a', 'b'])  # 'a' held 6 tokens, 'b' 8",
+        got == [6, 8],
+        "tensor([6, 8])",
+        f"tensor({got})",
+        POSITION,
+    )
+    c.holds(
+        "cache.append(['a', 'b']).dtype",
+        not positions.dtype.is_floating_point and positions.dtype != torch.bool,
+        "an integer dtype (torch.int64)",
+        positions.dtype,
+        "positions index the position embedding: make them integers (torch.long)",
+    )
+    c.holds(
+        "cache.append(['a', 'b']).device",
+        positions.device == cache.allocators[0].device,
+        str(cache.allocators[0].device),
+        str(positions.device),
+        "make the positions on self.device, the model's",
+    )
+    c.equal(
+        "[[allocator.sequence_length(s) for s in ('a', 'b')] for allocator in cache.allocators]",
+        lambda: [[allocator.sequence_length(s) for s in ("a", "b")] for allocator in cache.allocators],
+        [[7, 9]] * layers,
+        "append grows each sequence by one token in every layer: decode_slots(allocator, seq_ids) for each "
+        "of self.allocators",
+    )
+    c.equal(
+        "cache.num_free_blocks after cache.append(['a', 'b'])",
+        lambda: cache.num_free_blocks,
+        11,
+        "'b' crossed a block boundary and took a third block; 'a' fits its 7th token in its second block",
+    )
+
+    # attend
+    for layer in range(layers):
+        q, k, v = (_randn(2, heads, dim, generator=generator) for _ in range(3))
+        call = f"cache.attend({layer}, ['a', 'b'], q, k, v)  # after the append: 'a' holds 7 tokens, 'b' 9"
+        out = c.run(call, lambda layer=layer, q=q, k=k, v=v: cache.attend(layer, ["a", "b"], q, k, v))
+        allocator = cache.allocators[layer]
+        for b, seq_id in enumerate(("a", "b")):
+            read = f"the last K and V of cache.allocators[{layer}].read_kv({seq_id!r}) after {call}"
+            got_k, got_v = (t[-1] for t in c.run(read, lambda a=allocator, s=seq_id: a.read_kv(s)))
+            c.holds(
+                read,
+                torch.equal(got_k, k[b]) and torch.equal(got_v, v[b]),
+                f"k[{b}] and v[{b}], the new token's",
+                "other values",
+                _stored_hint(allocator, seq_id, k[b], v[b]),
+            )
+        expected = torch.stack(
+            [
+                _sdpa(
+                    q[b],
+                    torch.cat([prompt[layer, s][0], k[b : b + 1]]),
+                    torch.cat([prompt[layer, s][1], v[b : b + 1]]),
+                )
+                for b, s in enumerate(("a", "b"))
+            ]
+        )
+        without_new = torch.stack(
+            [_sdpa(q[b], prompt[layer, s][0], prompt[layer, s][1]) for b, s in enumerate(("a", "b"))]
+        )
+        right = (
+            isinstance(out, torch.Tensor)
+            and out.shape == expected.shape
+            and torch.allclose(out, expected, **TOL)
+        )
+        hint = ATTEND
+        if (
+            isinstance(out, torch.Tensor)
+            and out.shape == expected.shape
+            and torch.allclose(out, without_new, **TOL)
+        ):
+            hint = "the new token attends to itself too: pass the lengths after the append, not length - 1"
+        c.holds(
+            call,
+            right,
+            f"a tensor of shape {tuple(expected.shape)}: attention over prompt and new token, within 1e-4",
+            f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else repr(out),
+            hint,
+        )
+
+    # free
+    c.run("cache.free('a')", lambda: cache.free("a"))
+    c.equal(
+        "[allocator.num_free_blocks for allocator in cache.allocators] after cache.free('a')",
+        lambda: [allocator.num_free_blocks for allocator in cache.allocators],
+        [13] * layers,
+        EVERY_LAYER_FREE,
+    )
+    c.equal(
+        "['a' in allocator for allocator in cache.allocators] after cache.free('a')",
+        lambda: ["a" in allocator for allocator in cache.allocators],
+        [False] * layers,
+        EVERY_LAYER_FREE,
+    )
+    c.run("cache.free('b')", lambda: cache.free("b"))
+
+    # generate, in a shuffled pool of stale blocks
+    model = TinyGPT(CONFIG, seed=1).to(device)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 17, 11)]
+    expected_run = generate(model, prompts, 12, cache="contiguous")
+    pool = c.run(
+        "pool = MyPagedCache(config, 40, 4, device, torch.float32)",
+        lambda: cache_class(CONFIG, 40, 4, device, torch.float32),
+    )
+    _stale(pool, seed=92)
+    order = list(range(40))
+    random.Random(93).shuffle(order)
+
+    def shuffle() -> None:
+        for block in range(40):
+            pool.add_sequence(("old", block), 4)
+        for block in order:
+            pool.free(("old", block))
+
+    c.run("pool.add_sequence(('old', i), 4) for 40 blocks, then pool.free in a shuffled order", shuffle)
+    call = "generate(model, prompts, 12, cache=pool)  # prompts of 5, 17 and 11 tokens, blocks of 4, shuffled"
+    got_run = c.run(call, lambda: generate(model, prompts, 12, cache=pool))
+    c.equal(
+        f"{call}.tokens",
+        lambda: got_run.tokens,
+        expected_run.tokens,
+        "the tokens differ from the contiguous cache's: check append's positions and attend's lengths",
+    )
+    c.holds(
+        f"{call}.logits",
+        torch.allclose(got_run.logits, expected_run.logits, **TOL),
+        "the contiguous cache's logits, within 1e-4",
+        "logits that differ",
+        ATTEND,
+    )
+    c.equal(
+        f"[allocator.num_free_blocks for allocator in pool.allocators] after {call}",
+        lambda: [allocator.num_free_blocks for allocator in pool.allocators],
+        [40] * layers,
+        "generate frees every sequence at the end: " + EVERY_LAYER_FREE,
+    )
+
+    # The engine, with the cache plugged in
+    for what, requests, sizes, preempts in _engine_workloads():
+        caches: list[object] = []
+
+        def factory(*args, caches=caches):
+            caches.append(cache_class(*args))
+            return caches[-1]
+
+        arguments = ", ".join(f"{name}={value}" for name, value in sizes.items())
+        call = f"Engine(model, {arguments}, cache_factory=MyPagedCache).run(requests)  # {what}"
+        paged = c.run(
+            call,
+            lambda requests=requests, sizes=sizes, factory=factory: Engine(
+                model, cache_factory=factory, **sizes
+            ).run(requests),
+            "the engine asks num_free_blocks and needs_new_block to admit and to make room for each decode "
+            "step, then calls add_sequence, write_prompt, append, attend and free",
+        )
+        contiguous = Engine(model, mode="contiguous", **sizes).run(requests)
+        c.equal(
+            f"{call}.tokens",
+            lambda paged=paged: paged.tokens,
+            contiguous.tokens,
+            "every request gets the tokens of the contiguous engine: the text never depends on the cache",
+        )
+        c.holds(
+            f"{call}.peak_running",
+            paged.peak_running > contiguous.peak_running,
+            f"more than the contiguous engine's {contiguous.peak_running}",
+            paged.peak_running,
+            "the paged cache takes blocks as sequences grow, so more sequences fit at once: check "
+            "num_free_blocks",
+        )
+        (engine_cache,) = caches
+        c.equal(
+            f"[allocator.num_free_blocks for allocator in cache.allocators] after {call}",
+            lambda engine_cache=engine_cache: [a.num_free_blocks for a in engine_cache.allocators],
+            [sizes["num_blocks"]] * layers,
+            "a finished request frees its blocks: " + EVERY_LAYER_FREE,
+        )
+        if preempts:
+            c.holds(
+                f"{call}.preemptions",
+                paged.preemptions > 0,
+                "at least one preemption (three sequences of 3 blocks outgrow 6 blocks)",
+                paged.preemptions,
+                "needs_new_block must tell the engine which sequences need a block in the next step",
+            )

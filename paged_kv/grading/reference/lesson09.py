@@ -1,0 +1,33 @@
+"""Exercise 09 graded on the package: ``decode_slots`` is lesson 04's all-or-nothing decode step
+(:func:`paged_kv.scheduling.decode_step`) followed by the slot mapping of each new token's position
+(:meth:`~paged_kv.cache.PagedKVCacheAllocator.slot_mapping`), and ``MyPagedCache`` is
+:class:`paged_kv.model.PagedKVCache`, the cache the engine uses by default (its ``__init__`` takes
+the exercise's arguments). ``can_admit`` is the engine's admission rule,
+:func:`paged_kv.engine.admits` (with the default watermark of 0), given the prompt's tokens.
+"""
+
+from collections.abc import Hashable as _Hashable
+from collections.abc import Iterable as _Iterable
+
+import torch as _torch
+
+from paged_kv.block import blocks_for_tokens as _blocks_for_tokens
+from paged_kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
+from paged_kv.engine import admits as _admits
+from paged_kv.model import PagedKVCache as MyPagedCache
+from paged_kv.scheduling import decode_step as _decode_step
+
+__all__ = ["MyPagedCache", "can_admit", "decode_slots"]
+
+
+def can_admit(num_free_blocks: int, prompt_tokens: int, num_running: int, block_size: int) -> bool:
+    """The prompt's blocks plus one block of headroom per running sequence, the new one included, are free."""
+    return _admits(num_free_blocks, _blocks_for_tokens(prompt_tokens, block_size), num_running)
+
+
+def decode_slots(allocator: _PagedKVCacheAllocator, seq_ids: _Iterable[_Hashable]) -> _torch.Tensor:
+    """Grow each sequence by one token, all or nothing; the slot of each new token, a LongTensor."""
+    seq_ids = list(seq_ids)
+    _decode_step(allocator, seq_ids)
+    slots = [allocator.slot_mapping(seq_id, [allocator.sequence_length(seq_id) - 1]) for seq_id in seq_ids]
+    return _torch.cat(slots) if slots else _torch.zeros(0, dtype=_torch.long, device=allocator.device)

@@ -1,0 +1,20 @@
+"""The new token stored but left out of its own attention: the kernel gets the lengths before the append."""
+
+import torch
+
+from paged_kv import paged_attention
+from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+
+BREAKS = "09.paged_cache"
+MESSAGE = "the new token attends to itself too"
+
+
+class MyPagedCache(MyPagedCache):
+    def attend(self, layer, seq_ids, q, k, v):
+        super().attend(layer, seq_ids, q, k, v)  # stores k and v where they belong
+        allocator = self.allocators[layer]
+        tables = allocator.block_tables_tensor(seq_ids)
+        lengths = torch.tensor([allocator.sequence_length(s) - 1 for s in seq_ids], device=self.device)
+        return paged_attention(
+            q, allocator.k_cache, allocator.v_cache, tables, lengths
+        )  # the mistake: length - 1
