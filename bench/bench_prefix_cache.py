@@ -8,7 +8,8 @@
 2. A serving workload where every request starts with the same 256-token system prompt, followed
    by a ShareGPT-shaped user prompt (block size 16): prefill tokens computed with prefix caching
    against without, the hit rate in tokens against the ideal (every request but the first finds
-   the whole system prompt), and the allocator's time per request, hashing included.
+   the whole system prompt), and the allocator's time per request, hashing included. The workload
+   and the serving loop are :mod:`paged_kv.sharing`'s, which lesson 07 also runs.
 
     .venv/bin/python bench/bench_prefix_cache.py
 """
@@ -18,15 +19,14 @@ from __future__ import annotations
 import random
 import sys
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
-from paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCacheAllocator
-from paged_kv.workload import SHAREGPT, sample_requests
+from paged_kv import BlockAllocator
+from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
 
 FLAT_LIMIT = 1.5  # removal from the middle at 100k blocks may cost at most this many times its cost at 1k
 HIT_RATE_TARGET = 0.99  # the share of the ideal hit rate the workload must reach
@@ -97,77 +97,6 @@ def allocate_free_time(pool: BlockAllocator | DequeFreeList, pairs: int, repeats
             free(allocate())
 
     return median_time(loop, repeats=repeats, warmup=1) / pairs
-
-
-@dataclass(frozen=True)
-class ServeResult:
-    """What one pass of the shared-system-prompt workload computed and found."""
-
-    prompt_tokens: int
-    cached_tokens: int
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prefill tokens the model must compute: the prompts less what the cache held."""
-        return self.prompt_tokens - self.cached_tokens
-
-
-def system_prompt_requests(
-    num_requests: int, system_tokens: int, seed: int = 0, scale: int = 1
-) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) per request: one shared system prompt, then a user prompt.
-
-    User prompt and output lengths come from ``sample_requests(SHAREGPT, ...)`` (divided by
-    ``scale``, at least 1); token ids are seeded random, so user prompts share nothing but by chance.
-    """
-    rng = random.Random(seed)
-    system = [rng.randrange(32_000) for _ in range(system_tokens)]
-    requests = []
-    for r in sample_requests(SHAREGPT, num_requests, seed):
-        user = [rng.randrange(32_000) for _ in range(max(1, r.prompt_tokens // scale))]
-        requests.append((system + user, max(1, r.output_tokens // scale)))
-    return requests
-
-
-def serve(
-    requests: list[tuple[list[int], int]], num_blocks: int, block_size: int, max_running: int, caching: bool
-) -> ServeResult:
-    """Admit the requests in order, at most ``max_running`` at once, oldest finishing first.
-
-    Each request allocates its prompt (with its token ids) and then reserves its output tokens with
-    ``append_tokens``; when the window is full, or blocks run short, the oldest running request
-    finishes and frees its blocks (which stay cached when ``caching`` is on).
-    """
-    cache = PagedKVCacheAllocator(num_blocks, block_size, 1, 1, enable_prefix_caching=caching)
-    running: deque[int] = deque()
-    cached = 0
-
-    def make_room(seq_id: int) -> None:
-        if not running:
-            raise RuntimeError(f"request {seq_id} alone does not fit in {num_blocks} blocks")
-        cache.free_sequence(running.popleft())
-
-    for seq_id, (prompt, output) in enumerate(requests):
-        if len(running) == max_running:
-            cache.free_sequence(running.popleft())
-        while True:
-            try:
-                cache.allocate_for_sequence(seq_id, len(prompt), prompt)
-                break
-            except OutOfBlocksError:
-                make_room(seq_id)
-        cached += cache.num_cached_tokens(seq_id)
-        while True:
-            try:
-                cache.append_tokens(seq_id, output)
-                break
-            except OutOfBlocksError:
-                make_room(seq_id)
-        running.append(seq_id)
-    stats = cache.prefix_cache_stats
-    if caching and (stats.hits, stats.requests) != (cached, len(requests)):
-        raise AssertionError(f"prefix_cache_stats {stats} disagree with num_cached_tokens ({cached})")
-    return ServeResult(sum(len(p) for p, _ in requests), cached)
 
 
 def run(
@@ -241,7 +170,7 @@ def run(
         f"{num_requests} requests: a shared {system_tokens}-token system prompt + a {user}, "
         f"block {block_size}, {num_blocks:,} blocks, {max_running} running"
     )
-    ideal_hits = (num_requests - 1) * (system_tokens // block_size * block_size)
+    ideal_hits = ideal_cached_tokens(requests, block_size)
     hit_rate, ideal_rate = (
         with_cache.cached_tokens / with_cache.prompt_tokens,
         ideal_hits / with_cache.prompt_tokens,
