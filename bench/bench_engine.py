@@ -12,6 +12,10 @@ budget, served once preempting by recompute (the baseline) and once by swap, whi
 identical tokens. It reports the steps each needs and tokens per second, for information (here the
 swap copies go from CPU to CPU; on a GPU they cross PCIe).
 
+A third section serves requests that all start with the same system prompt, on the paged budget
+of the first, with prefix caching on and off (the baseline), which must generate identical tokens:
+the prompt tokens the prefills computed, the steps the run takes, and its wall time, for information.
+
     .venv/bin/python bench/bench_engine.py
 """
 
@@ -64,6 +68,19 @@ def burst_requests(num_requests: int, max_len: int, seed: int = 0) -> list[Engin
     ]
 
 
+def shared_prefix_requests(
+    num_requests: int, system_tokens: int, scale: int, max_len: int, seed: int = 0
+) -> list[EngineRequest]:
+    """:func:`scaled_requests` fitted into ``max_len - system_tokens``, each prompt after one shared
+    system prompt of ``system_tokens`` seeded random bytes."""
+    rng = random.Random(seed + 1)  # not the user prompts' generator: the system prompt is new bytes
+    system = [rng.randrange(256) for _ in range(system_tokens)]
+    return [
+        EngineRequest(r.request_id, system + r.prompt, r.max_new_tokens)
+        for r in scaled_requests(num_requests, scale, max_len - system_tokens, seed)
+    ]
+
+
 def timed_runs(
     requests: list[EngineRequest], config: GPTConfig, settings: dict[str, dict]
 ) -> dict[str, tuple[EngineResult, float]]:
@@ -100,6 +117,16 @@ def preempt(
     return timed_runs(requests, config, {p: {**budget, "preemption": p} for p in ("recompute", "swap")})
 
 
+def prefix_caching(
+    requests: list[EngineRequest], config: GPTConfig, num_blocks: int, block_size: int
+) -> dict[str, tuple[EngineResult, float]]:
+    """The paged mode with and without prefix caching on ``requests``: ``"on"`` / ``"off"`` ->
+    (result, seconds); raises if their tokens differ."""
+    budget = {"num_blocks": num_blocks, "block_size": block_size}
+    settings = {name: {**budget, "enable_prefix_caching": on} for name, on in (("on", True), ("off", False))}
+    return timed_runs(requests, config, settings)
+
+
 def run(
     num_requests: int = 160,
     slots_per_budget: int = 12,
@@ -112,12 +139,15 @@ def run(
     threads: int = 1,
     burst: int = 48,
     burst_blocks: int | None = None,
+    system_tokens: int = 96,
 ) -> list[Row]:
     """Serve the same requests in both modes with a budget of ``slots_per_budget`` contiguous slots.
 
     The budget is ``slots_per_budget * max_len`` token slots, ``num_blocks = budget / block_size``.
     Then serve ``burst`` long generations on ``burst_blocks`` blocks (default: twice the smallest
-    budget that can serve them) preempting by recompute and by swap.
+    budget that can serve them) preempting by recompute and by swap. Then serve ``num_requests``
+    requests sharing a system prompt of ``system_tokens`` on the first budget, with and without
+    prefix caching.
     Runs with ``threads`` torch threads (1 by default: the tiny model's ops are too small to share).
     """
     saved = torch.get_num_threads()
@@ -130,6 +160,8 @@ def run(
         bursty = burst_requests(burst, max_len)
         burst_blocks = burst_blocks or 2 * min_num_blocks(bursty, block_size)
         preempted = preempt(bursty, config, burst_blocks, block_size)
+        shared = shared_prefix_requests(num_requests, system_tokens, scale, max_len)
+        cached = prefix_caching(shared, config, num_blocks, block_size)
     finally:
         torch.set_num_threads(saved)
     (paged, paged_s), (contiguous, contiguous_s) = runs["paged"], runs["contiguous"]
@@ -150,6 +182,7 @@ def run(
         Row(f"{name}: generated tokens per second, CPU, {thread_note} ({paged.preemptions} preemptions)",
             paged_speed, contiguous_speed, paged_speed / contiguous_speed, "—", None, "tokens/s"),
         *preemption_rows(preempted, bursty, burst_blocks * block_size, thread_note),
+        *prefix_caching_rows(cached, system_tokens, scale, budget, block_size, thread_note),
     ]  # fmt: skip
 
 
@@ -175,6 +208,31 @@ def preemption_rows(
     ]  # fmt: skip
 
 
+def prefix_caching_rows(
+    runs: dict[str, tuple[EngineResult, float]],
+    system_tokens: int,
+    scale: int,
+    budget: int,
+    block_size: int,
+    thread_note: str,
+) -> list[Row]:
+    """Prefix caching on against off: prefill tokens computed, steps, and the wall time of the run."""
+    (on, on_s), (off, off_s) = runs["on"], runs["off"]
+    name = (
+        f"engine, {len(on.tokens)} requests sharing a {system_tokens}-token system prompt + a "
+        f"ShareGPT-shaped user prompt (lengths / {scale}), paged (block {block_size}) on {budget:,} "
+        f"tokens, prefix caching vs none (hit rate {on.hit_rate:.0%}, {on.preemptions} vs "
+        f"{off.preemptions} preemptions)"
+    )
+    return [
+        Row(f"{name}: prefill tokens computed", on.prefill_tokens_computed, off.prefill_tokens_computed,
+            off.prefill_tokens_computed / on.prefill_tokens_computed, "—", None, "tokens"),
+        Row(f"{name}: steps to serve every request (shared blocks leave room for more sequences)",
+            on.steps, off.steps, off.steps / on.steps, "—", None, "steps"),
+        Row(f"{name}: wall time of the run, CPU, {thread_note}", on_s, off_s, off_s / on_s, "—", None, "s"),
+    ]  # fmt: skip
+
+
 # Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
 QUICK = {
     "num_requests": 6,
@@ -184,6 +242,7 @@ QUICK = {
     "max_len": 64,
     "head_dim": 8,
     "burst": 6,
+    "system_tokens": 12,
 }
 
 

@@ -22,6 +22,16 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
     come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
     headroom, and no new request is admitted while any is still swapped out.
 
+  With ``enable_prefix_caching=True`` the paged cache keeps the blocks of prompt prefixes it has
+  computed (:mod:`paged_kv.prefix_cache`). Admission passes the prompt's token ids; a prompt whose
+  leading full blocks are cached (held by a running sequence, or freed by a finished or preempted
+  one and not yet reused: freed blocks count as free and are evicted least recently freed first)
+  reuses them, and its prefill computes only the uncached tail, ``c .. n - 1`` for ``c`` cached
+  tokens out of ``n`` (``c`` is a multiple of ``block_size`` and at most ``n - 1``). Admission still
+  counts every block of the prompt as needed, as if nothing were cached. Preemption is unchanged: a
+  recomputed request queries the cache again when it is admitted again, and may find its own
+  blocks; a swapped-in sequence gets fresh blocks and all its K/V back, sharing nothing.
+
 * ``"contiguous"``: a :class:`~paged_kv.model.ContiguousKVCache`, with one slot of ``max_model_len``
   tokens reserved per sequence at admission, out of the same budget; a request is admitted while
   one more slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
@@ -32,6 +42,7 @@ gets exactly the tokens :func:`~paged_kv.model.generate` gives its prompt alone.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections import deque
@@ -51,6 +62,9 @@ PREEMPTIONS = ("recompute", "swap")
 # Builds the paged mode's cache: (config, num_blocks, block_size, device, dtype) -> cache. Besides
 # the KVCache methods, the cache has a ``num_free_blocks`` property and ``needs_new_block(seq_id)``;
 # ``preemption="swap"`` also needs ``swap_out(seq_id) -> saved`` and ``swap_in(seq_id, saved)``.
+# ``enable_prefix_caching=True`` calls the factory with the keyword ``enable_prefix_caching=True``
+# as well, and the cache needs ``add_sequence(seq_id, num_tokens, token_ids)``,
+# ``num_cached_tokens(seq_id) -> int`` and ``attend_prefill`` (see :class:`~paged_kv.model.KVCache`).
 CacheFactory = Callable[[GPTConfig, int, int, torch.device, torch.dtype], PagedKVCache]
 
 
@@ -93,6 +107,15 @@ class EngineResult:
     :attr:`preemptions` is their total. ``recomputed_tokens`` counts the tokens whose K/V a
     recompute preemption threw away, to be computed again; ``blocks_swapped_out`` and
     ``blocks_swapped_in`` count the blocks' worth of K/V copied to host memory and back.
+
+    ``prefill_tokens_computed`` counts the prompt tokens that prefills ran through the model (a
+    request admitted again after a recompute preemption counts again). With prefix caching,
+    ``prefix_cache_queries`` counts the prompt tokens looked up in the cache (every admission's
+    whole prompt), ``prefix_cache_hits`` those served from it, and :attr:`hit_rate` is their ratio;
+    ``prefill_tokens_computed == prefix_cache_queries - prefix_cache_hits``. Without it, both are 0.
+    With prefix caching, running sequences can share blocks, which count once among the
+    ``used_blocks`` and ``reserved_tokens`` but once per sequence among the ``held_tokens``, so the
+    ``utilisation`` can exceed 1.0: the blocks serve more tokens than they hold.
     """
 
     mode: str
@@ -111,6 +134,15 @@ class EngineResult:
     recomputed_tokens: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    prefill_tokens_computed: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits per prompt token looked up, ``prefix_cache_hits / prefix_cache_queries``
+        (0.0 when nothing was looked up)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def preemptions(self) -> int:
@@ -164,7 +196,8 @@ class Engine:
     ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.PagedKVCache`);
     lesson 09 plugs in a cache of the learner's own through it. ``preemption`` (``"recompute"`` or
     ``"swap"``) and ``watermark`` (a fraction in ``[0, 1)`` of the blocks that admission keeps free)
-    are settings of the paged mode.
+    are settings of the paged mode, and so is ``enable_prefix_caching`` (see the module docstring),
+    which a ``cache_factory`` must accept as a keyword argument.
 
     Raises:
         ValueError: a bad argument, named in the message.
@@ -182,6 +215,7 @@ class Engine:
         cache_factory: CacheFactory | None = None,
         preemption: str = "recompute",
         watermark: float = 0.0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if not isinstance(model, TinyGPT):
             raise ValueError(f"model must be a TinyGPT, got {type(model).__name__}")
@@ -204,6 +238,16 @@ class Engine:
             raise ValueError(
                 "preemption and watermark are settings of the paged mode: the contiguous mode never preempts"
             )
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if enable_prefix_caching and mode != "paged":
+            raise ValueError("enable_prefix_caching is a setting of the paged mode: use it with mode='paged'")
+        if enable_prefix_caching and not _accepts_prefix_caching(self.cache_factory):
+            raise ValueError(
+                f"enable_prefix_caching=True calls cache_factory with the keyword argument "
+                f"enable_prefix_caching=True, which {self.cache_factory!r} does not accept"
+            )
+        self.enable_prefix_caching = enable_prefix_caching
         limit = model.config.max_len
         self.max_model_len = (
             limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
@@ -247,9 +291,12 @@ class Engine:
         Raises:
             ValueError: a request that is not an :class:`EngineRequest`, a repeated ``request_id``,
                 a bad token id, a request too long for ``max_model_len`` or for the budget alone,
-                or ``preemption="swap"`` with a cache that has no ``swap_out`` / ``swap_in``.
+                or ``preemption="swap"`` with a cache that has no ``swap_out`` / ``swap_in``, or
+                ``enable_prefix_caching=True`` with one that has no ``num_cached_tokens`` /
+                ``attend_prefill``.
             RuntimeError: nothing runs while requests wait that do not fit: the cache reports fewer
-                free blocks than it has (a plugged-in cache whose ``num_free_blocks`` is wrong).
+                free blocks than it has (a plugged-in cache whose ``num_free_blocks`` is wrong); or
+                the cache reports cached tokens outside ``0 .. len(prompt) - 1``.
         """
         requests = self._check_requests(requests)
         cache = self._new_cache()
@@ -278,13 +325,20 @@ class Engine:
         if self.mode == "contiguous":
             return ContiguousKVCache(self.model.config, self.device)
         dtype = self.model.head.weight.dtype
-        cache = self.cache_factory(self.model.config, self.num_blocks, self.block_size, self.device, dtype)
-        if self.preemption == "swap" and not all(
-            callable(getattr(cache, name, None)) for name in ("swap_out", "swap_in")
-        ):
+        args = (self.model.config, self.num_blocks, self.block_size, self.device, dtype)
+        if self.enable_prefix_caching:
+            cache = self.cache_factory(*args, enable_prefix_caching=True)
+        else:
+            cache = self.cache_factory(*args)
+        if self.preemption == "swap" and not _has_methods(cache, "swap_out", "swap_in"):
             raise ValueError(
                 f"preemption='swap' needs a cache with swap_out(seq_id) and swap_in(seq_id, saved), "
                 f"but {type(cache).__name__} lacks them; use preemption='recompute'"
+            )
+        if self.enable_prefix_caching and not _has_methods(cache, "num_cached_tokens", "attend_prefill"):
+            raise ValueError(
+                f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
+                f"attend_prefill(...), but {type(cache).__name__} lacks them"
             )
         return cache
 
@@ -371,11 +425,28 @@ class Engine:
             if not fits:
                 return
             queues.waiting.popleft()
-            cache.add_sequence(request.request_id, len(request.prompt))
+            cached = self._add_sequence(cache, request, result)
             prompt = torch.tensor(request.prompt, device=self.device)
-            logits = self.model.prefill(prompt, request.request_id, cache)
+            logits = self.model.prefill(prompt, request.request_id, cache, start=cached)
+            result.prefill_tokens_computed += len(logits)  # one row per position the prefill ran
             queues.running.append(_Running(request, [int(logits[-1].argmax())]))
             result.admitted_step[request.request_id] = step
+
+    def _add_sequence(self, cache, request: EngineRequest, result: EngineResult) -> int:
+        """Give a request's prompt its blocks; return how many leading tokens the prefix cache served."""
+        if not self.enable_prefix_caching:
+            cache.add_sequence(request.request_id, len(request.prompt))
+            return 0
+        cache.add_sequence(request.request_id, len(request.prompt), token_ids=request.prompt)
+        cached = cache.num_cached_tokens(request.request_id)
+        if not 0 <= cached < len(request.prompt):
+            raise RuntimeError(
+                f"the cache reports {cached} cached tokens for request {request.request_id!r}, whose "
+                f"prompt has {len(request.prompt)}: expected 0 .. {len(request.prompt) - 1}"
+            )
+        result.prefix_cache_queries += len(request.prompt)
+        result.prefix_cache_hits += cached
+        return cached
 
     def _make_room(
         self, cache, decoding: list[_Running], queues: _Queues, result: EngineResult
@@ -509,6 +580,24 @@ def _fits(cache, blocks: int, num_running: int, keep_free: int = 0) -> bool:
     return admits(cache.num_free_blocks, blocks, num_running, keep_free)
 
 
+def _has_methods(cache: object, *names: str) -> bool:
+    return all(callable(getattr(cache, name, None)) for name in names)
+
+
+def _accepts_prefix_caching(factory: Callable) -> bool:
+    """Whether ``factory(config, num_blocks, block_size, device, dtype, enable_prefix_caching=True)``
+    binds to its signature (a factory whose signature cannot be read gets the benefit of the doubt)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(None, 1, 1, None, None, enable_prefix_caching=True)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_watermark(watermark: object) -> float:
     if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
         raise ValueError(f"watermark must be a fraction of the blocks in [0, 1), got {watermark!r}")
@@ -553,7 +642,7 @@ def plot_metrics(result: EngineResult, ax=None):
     )
     twin = ax.twinx()
     twin.plot(steps, result.utilisation, label="utilisation", color="#009E73", linestyle=":")
-    twin.set_ylim(0, 1.05)
+    twin.set_ylim(0, 1.05 * max([1.0, *result.utilisation]))  # above 1 only when blocks are shared
     twin.set_ylabel("utilisation (held / reserved)")
     lines = ax.get_lines() + twin.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")

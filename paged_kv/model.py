@@ -21,6 +21,13 @@ The attention layers only see the small :class:`KVCache` interface, with two bac
   ``append_tokens`` (a new block only at a block boundary), scatters the batch's new K/V into their
   slots in one indexing operation, and attends with :func:`~paged_kv.attention.paged_attention`
   through ``block_tables_tensor``: no per-sequence loop beyond the bookkeeping.
+
+  With ``enable_prefix_caching=True`` the allocators reuse the blocks of a prompt prefix that an
+  earlier prompt computed (:mod:`paged_kv.prefix_cache`): ``add_sequence(seq_id, n, token_ids)``
+  looks the prompt up, :meth:`PagedKVCache.num_cached_tokens` says how many leading tokens ``c``
+  need no computing, and ``prefill(prompt, seq_id, cache, start=c)`` runs only positions
+  ``c .. n - 1``, writing their K/V after the cached ones and attending over both with
+  :func:`~paged_kv.attention.paged_prefill_attention`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from torch import nn
 
 from . import swap
 from ._checks import check_count
-from .attention import paged_attention
+from .attention import paged_attention, paged_prefill_attention
 from .block import blocks_for_tokens
 from .cache import PagedKVCacheAllocator
 
@@ -142,18 +149,44 @@ class TinyGPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.run(tokens, positions, lambda layer, q, k, v: causal_attention(q, k, v))
 
-    def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache) -> torch.Tensor:
-        """Run one prompt ``(tokens,)``, storing its K/V in ``cache``; logits ``(tokens, vocab)``.
+    def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
+        """Run one prompt ``(tokens,)`` from position ``start`` on, storing its K/V in ``cache``.
 
-        ``cache.add_sequence(seq_id, len(prompt))`` must come first.
+        ``cache.add_sequence(seq_id, len(prompt))`` must come first. With ``start == 0`` (the
+        default) the whole prompt runs with causal attention over its own K/V, which the cache
+        stores. With ``start > 0`` the cache already holds the K/V of positions ``0 .. start - 1``
+        (a prefix cache hit: ``cache.add_sequence(seq_id, len(prompt), token_ids)`` came first,
+        and ``start`` is ``cache.num_cached_tokens(seq_id)``): only positions
+        ``start .. len(prompt) - 1`` run, their K/V are stored after the cached ones
+        (:meth:`KVCache.attend_prefill`) and each attends to every position up to its own, cached
+        or new.
+
+        Returns:
+            The logits of the positions that ran, ``(len(prompt) - start, vocab)``: the last row
+            predicts the next token either way.
+
+        Raises:
+            ValueError: ``start`` is not an integer in ``0 .. len(prompt) - 1``.
         """
+        start = check_count("start", start)
+        if start >= len(prompt):
+            raise ValueError(
+                f"start must be below the prompt's {len(prompt)} tokens (the last one is always "
+                f"computed), got {start}"
+            )
+        if start == 0:
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write_prompt(layer, seq_id, k[0], v[0])
-            return causal_attention(q, k, v)
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                cache.write_prompt(layer, seq_id, k[0], v[0])
+                return causal_attention(q, k, v)
 
-        positions = torch.arange(len(prompt), device=prompt.device)
-        return self.run(prompt[None], positions[None], attend)[0]
+        else:
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return cache.attend_prefill(layer, seq_id, q[0], k[0], v[0], start)[None]
+
+        positions = torch.arange(start, len(prompt), device=prompt.device)
+        return self.run(prompt[None, start:], positions[None], attend)[0]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one new token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
@@ -174,6 +207,17 @@ class KVCache:
 
     def write_prompt(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a prompt's K and V for one layer."""
+        raise NotImplementedError
+
+    def attend_prefill(
+        self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Store the K/V of prompt positions ``start ..`` (the prompt's last ``len(k)``) for one layer
+        and attend causally with their ``q`` over the whole prompt, cached positions included.
+
+        Only a cache with prefix caching needs it: :meth:`TinyGPT.prefill` calls it when
+        ``start > 0``. Returns ``(len(q), heads, dim)``.
+        """
         raise NotImplementedError
 
     def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
@@ -235,6 +279,9 @@ class PagedKVCache(KVCache):
     """One :class:`~paged_kv.cache.PagedKVCacheAllocator` per layer, all with identical block tables.
 
     ``record=True`` makes every allocator keep its trace, to watch blocks arrive at the boundaries.
+    ``enable_prefix_caching=True`` builds every allocator with prefix caching: a prompt added with
+    its ``token_ids`` reuses the cached blocks of its longest cached prefix in every layer (the
+    layers get the same calls, so they find the same blocks; :meth:`num_cached_tokens` checks it).
     """
 
     def __init__(
@@ -245,14 +292,27 @@ class PagedKVCache(KVCache):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         record: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.allocators = [
             PagedKVCacheAllocator(
-                num_blocks, block_size, config.num_heads, config.head_dim, dtype, device, record
+                num_blocks,
+                block_size,
+                config.num_heads,
+                config.head_dim,
+                dtype,
+                device,
+                record,
+                enable_prefix_caching=enable_prefix_caching,
             )
             for _ in range(config.num_layers)
         ]
         self.block_size, self.device = block_size, self.allocators[0].device
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether prompts added with ``token_ids`` reuse cached blocks (set when the cache is built)."""
+        return self.allocators[0].enable_prefix_caching
 
     @property
     def num_free_blocks(self) -> int:
@@ -263,12 +323,72 @@ class PagedKVCache(KVCache):
         """Whether the sequence's next token starts a new block (it is exactly at a block boundary)."""
         return self.allocators[0].needs_new_block(seq_id)
 
-    def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
+    def add_sequence(
+        self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> None:
+        """Allocate the prompt's blocks in every layer; with prefix caching and ``token_ids``, the
+        cached prefix's blocks are reused (see :meth:`num_cached_tokens`)."""
         for allocator in self.allocators:
-            allocator.allocate_for_sequence(seq_id, num_tokens)
+            allocator.allocate_for_sequence(seq_id, num_tokens, token_ids)
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not in the cache.
+            RuntimeError: the layers disagree (their allocators did not get the same calls).
+        """
+        counts = [allocator.num_cached_tokens(seq_id) for allocator in self.allocators]
+        if len(set(counts)) != 1:
+            raise RuntimeError(
+                f"the layers' allocators disagree on the cached tokens of sequence {seq_id!r}: "
+                f"{counts}; every layer must get the same calls"
+            )
+        return counts[0]
 
     def write_prompt(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.allocators[layer].write_kv(seq_id, k, v)
+        """Store a whole prompt's K and V for one layer.
+
+        Raises:
+            ValueError: part of the prompt came from the prefix cache: those blocks hold K/V that
+                other sequences may read, so only the rest is written, with :meth:`attend_prefill`.
+        """
+        allocator = self.allocators[layer]
+        cached = allocator.num_cached_tokens(seq_id)
+        if cached:
+            raise ValueError(
+                f"the first {cached} tokens of sequence {seq_id!r} come from the prefix cache: "
+                f"prefill from start={cached} (attend_prefill) instead of writing the whole prompt"
+            )
+        allocator.write_kv(seq_id, k, v)
+
+    def attend_prefill(
+        self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Store the K/V of prompt positions ``start ..`` for one layer; attend causally over the prompt.
+
+        The positions are the prompt's uncached tail: ``start`` is :meth:`num_cached_tokens` and
+        ``len(k)`` the tokens after it, so the cached blocks are never written and no position is
+        left unwritten. Attention is :func:`~paged_kv.attention.paged_prefill_attention` over the
+        sequence's blocks.
+
+        Raises:
+            ValueError: ``start`` is not the sequence's cached tokens, ``start + len(k)`` is not
+                its length, or ``q`` has another shape than ``k``; or ``k``, ``v`` are bad as for
+                ``write_kv``. Nothing is written.
+        """
+        allocator = self.allocators[layer]
+        length, cached = allocator.sequence_length(seq_id), allocator.num_cached_tokens(seq_id)
+        if start != cached or start + len(k) != length:
+            raise ValueError(
+                f"start {start} and {len(k)} new tokens must be the uncached tail of sequence "
+                f"{seq_id!r}: its {length} tokens from the {cached} cached ones on"
+            )
+        if q.shape != k.shape:
+            raise ValueError(f"q must have the shape of k, {tuple(k.shape)}, got {tuple(q.shape)}")
+        allocator.write_kv(seq_id, k, v, start_position=start)
+        tables = allocator.block_tables_tensor([seq_id])
+        return paged_prefill_attention(q, allocator.k_cache, allocator.v_cache, tables, [length], [len(k)])
 
     def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         positions = [self.allocators[0].sequence_length(s) for s in seq_ids]

@@ -186,27 +186,6 @@ def test_deque_free_list_takes_and_frees_like_block_allocator():
 
 
 @pytest.mark.lesson07
-def test_prefix_cache_bench_serves_the_same_prompts_with_and_without_caching():
-    requests = bench_prefix_cache.system_prompt_requests(10, system_tokens=20, seed=3, scale=8)
-    assert all(prompt[:20] == requests[0][0][:20] for prompt, _ in requests)
-    assert len({tuple(prompt[20:]) for prompt, _ in requests}) == 10
-    without = bench_prefix_cache.serve(requests, num_blocks=200, block_size=4, max_running=3, caching=False)
-    assert without.cached_tokens == 0
-    assert without.computed_tokens == without.prompt_tokens == sum(len(p) for p, _ in requests)
-    cached = bench_prefix_cache.serve(requests, num_blocks=200, block_size=4, max_running=3, caching=True)
-    assert cached.prompt_tokens == without.prompt_tokens
-    # Every request but the first finds the system prompt's 5 full blocks, and nothing else.
-    assert cached.cached_tokens == 9 * 20
-    # Short of blocks (old requests finish early to make room) or one request at a time, the system
-    # prompt stays cached: a live request holds it, or it waits at the far end of the free list.
-    for num_blocks, max_running in ((40, 3), (200, 1)):
-        served = bench_prefix_cache.serve(
-            requests, num_blocks, block_size=4, max_running=max_running, caching=True
-        )
-        assert served.cached_tokens == 9 * 20
-
-
-@pytest.mark.lesson07
 def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
     rows = bench_prefix_cache.run(**bench_prefix_cache.QUICK)
     flat = [row for row in rows if "(flat)" in row.target]
@@ -215,3 +194,19 @@ def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
     assert hit.ratio == pytest.approx(hit.measured / hit.baseline) and hit.met
     for row in rows:
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+
+
+@pytest.mark.lesson09
+def test_engine_bench_prefix_caching_computes_only_what_the_cache_lacks():
+    requests = bench_engine.shared_prefix_requests(8, system_tokens=12, scale=32, max_len=64, seed=1)
+    assert all(r.prompt[:12] == requests[0].prompt[:12] for r in requests)
+    assert all(len(r.prompt) > 12 and len(r.prompt) + r.max_new_tokens <= 64 for r in requests)
+    config = GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64)
+    runs = bench_engine.prefix_caching(requests, config, num_blocks=64, block_size=4)
+    on, off = runs["on"][0], runs["off"][0]
+    assert on.tokens == off.tokens
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    assert (off.prefill_tokens_computed, off.prefix_cache_queries) == (prompt_tokens, 0)
+    # Every request but the first finds the system prompt's three full blocks of 4, and nothing more.
+    assert (on.prefix_cache_queries, on.prefix_cache_hits) == (prompt_tokens, 7 * 12)
+    assert on.prefill_tokens_computed == prompt_tokens - 7 * 12

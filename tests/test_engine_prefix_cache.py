@@ -1,0 +1,477 @@
+"""Prefix caching in the tiny GPT and its engine: a cached prefix is read, never recomputed or rewritten.
+
+With ``enable_prefix_caching=True`` a request whose prompt starts with full blocks that an earlier
+prompt computed reuses them, and its prefill computes only the rest. The text must not change: every
+request gets the tokens of its prompt generated alone, with or without preemption.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import event, given, target
+from hypothesis import strategies as st
+
+from paged_kv.engine import Engine, EngineRequest, EngineResult, min_num_blocks, plot_metrics
+from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
+
+pytestmark = pytest.mark.lesson09
+
+CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=128)
+TOLERANCES = {"rtol": 1e-4, "atol": 1e-4}
+SYSTEM = [100, 101, 102, 103, 104, 105, 106, 107, 108]  # 9 tokens: two full blocks of 4, and one more
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyGPT:
+    return TinyGPT(CONFIG, seed=1)
+
+
+@functools.cache
+def alone(model: TinyGPT, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    return generate(model, [list(prompt)], max_new_tokens, cache="contiguous").tokens[0]
+
+
+def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequest]) -> None:
+    for request in requests:
+        expected = alone(model, tuple(request.prompt), request.max_new_tokens)
+        assert result.tokens[request.request_id] == expected, request.request_id
+
+
+class SpyCache(PagedKVCache):
+    """A PagedKVCache that keeps, per admission, the cached tokens every layer reported."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cached: dict[object, list[int]] = {}
+
+    def add_sequence(self, seq_id, num_tokens, token_ids=None) -> None:
+        super().add_sequence(seq_id, num_tokens, token_ids)
+        counts = [a.num_cached_tokens(seq_id) for a in self.allocators]
+        self.cached.setdefault(seq_id, []).append(counts[0])
+        assert len(set(counts)) == 1, counts  # the layers found the same blocks
+
+    def all_free(self) -> bool:
+        return all(a.num_free_blocks == a.num_blocks and a.seq_ids == () for a in self.allocators)
+
+
+def spy():
+    """A cache factory of :class:`SpyCache`, and the list of the caches it built."""
+    caches: list[SpyCache] = []
+
+    def factory(*args, **kwargs) -> SpyCache:
+        caches.append(SpyCache(*args, **kwargs))
+        return caches[-1]
+
+    return factory, caches
+
+
+def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRequest]) -> None:
+    """The engine's prefix-cache counts agree with every layer's allocator, and memory is all free."""
+    assert cache.enable_prefix_caching
+    for allocator in cache.allocators:
+        stats = allocator.prefix_cache_stats
+        assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
+    prompts = {r.request_id: len(r.prompt) for r in requests}
+    admissions = [prompts[seq_id] for seq_id, counts in cache.cached.items() for _ in counts]
+    assert result.prefix_cache_queries == sum(admissions)  # every admission, re-admissions included
+    assert result.prefix_cache_hits == sum(sum(counts) for counts in cache.cached.values())
+    assert result.prefill_tokens_computed == result.prefix_cache_queries - result.prefix_cache_hits
+    assert result.hit_rate == pytest.approx(result.prefix_cache_hits / result.prefix_cache_queries)
+    assert list(result.tokens) == [r.request_id for r in requests]
+    assert all(used <= cache.allocators[0].num_blocks for used in result.used_blocks)
+    assert cache.all_free()  # cached blocks count as free
+
+
+# ------------------------------------------------------------------------------- the model
+
+
+def shared_prompts() -> tuple[list[int], list[int]]:
+    """Two prompts sharing their first 9 tokens: in blocks of 4, two full blocks in common."""
+    generator = torch.Generator().manual_seed(5)
+    first = SYSTEM + torch.randint(0, 256, (5,), generator=generator).tolist()  # 14 tokens
+    second = SYSTEM + torch.randint(0, 256, (4,), generator=generator).tolist()  # 13 tokens
+    return first, second
+
+
+def test_a_prefill_from_the_cache_gives_the_logits_and_kv_of_a_full_prefill(device: torch.device) -> None:
+    model = TinyGPT(CONFIG, seed=1).to(device)
+    first, second = shared_prompts()
+    cache = PagedKVCache(CONFIG, 16, 4, device, enable_prefix_caching=True)
+    plain = PagedKVCache(CONFIG, 16, 4, device)
+    tokens = torch.tensor(second, device=device)
+    with torch.no_grad():
+        cache.add_sequence("a", len(first), token_ids=first)
+        assert cache.num_cached_tokens("a") == 0
+        model.prefill(torch.tensor(first, device=device), "a", cache)
+        shared = cache.allocators[0].get_block_mapping("a")[:2]
+        before = [(a.k_cache[shared].clone(), a.v_cache[shared].clone()) for a in cache.allocators]
+
+        cache.add_sequence("b", len(second), token_ids=second)
+        assert cache.num_cached_tokens("b") == 8  # SYSTEM's two full blocks; the 9th token is computed
+        cached_logits = model.prefill(tokens, "b", cache, start=8)
+        plain.add_sequence("b", len(second))
+        full_logits = model.prefill(tokens, "b", plain)
+        full = model(tokens[None])[0]
+
+    assert cached_logits.shape == (len(second) - 8, CONFIG.vocab_size)
+    torch.testing.assert_close(cached_logits, full_logits[8:], **TOLERANCES)
+    torch.testing.assert_close(cached_logits, full[8:], **TOLERANCES)
+    for layer, (allocator, reference) in enumerate(zip(cache.allocators, plain.allocators, strict=True)):
+        # b reads a's two blocks, which nobody wrote again, and holds its own K/V after them.
+        assert allocator.get_block_mapping("b")[:2] == shared
+        assert all(allocator.ref_count(block) == 2 for block in shared)
+        k_before, v_before = before[layer]
+        assert torch.equal(allocator.k_cache[shared], k_before)
+        assert torch.equal(allocator.v_cache[shared], v_before)
+        k, v = allocator.read_kv("b")
+        k_full, v_full = reference.read_kv("b")
+        torch.testing.assert_close(k, k_full, **TOLERANCES)
+        torch.testing.assert_close(v, v_full, **TOLERANCES)
+
+
+def test_decoding_after_a_prefill_from_the_cache_matches_the_full_forward(device: torch.device) -> None:
+    model = TinyGPT(CONFIG, seed=1).to(device)
+    first, second = shared_prompts()
+    cache = PagedKVCache(CONFIG, 16, 4, device, enable_prefix_caching=True)
+    sequence = torch.tensor([*second, 7, 8, 9, 10, 11], device=device)  # the prompt, then 5 tokens
+    with torch.no_grad():
+        cache.add_sequence("a", len(first), token_ids=first)
+        model.prefill(torch.tensor(first, device=device), "a", cache)
+        cache.add_sequence("b", len(second), token_ids=second)
+        got = [model.prefill(sequence[: len(second)], "b", cache, start=cache.num_cached_tokens("b"))]
+        for position in range(len(second), len(sequence)):  # crosses the block boundary at 16
+            got.append(model.decode_step(sequence[position : position + 1], ["b"], cache))
+        full = model(sequence[None])[0]
+    torch.testing.assert_close(torch.cat(got), full[8:], **TOLERANCES)
+
+
+@pytest.mark.parametrize("start", [-1, True, 13, 20, 1.0])
+def test_prefill_refuses_a_start_outside_the_prompt(model: TinyGPT, start) -> None:
+    cache = PagedKVCache(CONFIG, 16, 4, enable_prefix_caching=True)
+    _, second = shared_prompts()
+    cache.add_sequence("b", len(second), token_ids=second)
+    with pytest.raises(ValueError, match="start"):
+        model.prefill(torch.tensor(second), "b", cache, start=start)
+
+
+def test_the_cache_refuses_to_rewrite_or_skip_cached_positions(model: TinyGPT) -> None:
+    first, second = shared_prompts()
+    cache = PagedKVCache(CONFIG, 16, 4, enable_prefix_caching=True)
+    with torch.no_grad():
+        cache.add_sequence("a", len(first), token_ids=first)
+        model.prefill(torch.tensor(first), "a", cache)
+        cache.add_sequence("b", len(second), token_ids=second)
+        snapshots = [a.snapshot() for a in cache.allocators]
+        k_before = [a.k_cache.clone() for a in cache.allocators]
+        # The whole prompt from position 0 would rewrite a's blocks: refused, and nothing is written.
+        with pytest.raises(ValueError, match=r"first 8 tokens .* start=8"):
+            model.prefill(torch.tensor(second), "b", cache)
+        for start in (4, 9):  # rewrites a cached block; leaves position 8 unwritten
+            with pytest.raises(ValueError, match=f"start {start}"):
+                model.prefill(torch.tensor(second), "b", cache, start=start)
+        q = torch.zeros(5, CONFIG.num_heads, CONFIG.head_dim)
+        with pytest.raises(ValueError, match="q must have the shape of k"):
+            cache.attend_prefill(0, "b", q[:4], q, q, 8)
+        with pytest.raises(ValueError, match="start"):
+            cache.attend_prefill(0, "b", q, q, q, -8)
+    assert [a.snapshot() for a in cache.allocators] == snapshots
+    assert all(torch.equal(a.k_cache, k) for a, k in zip(cache.allocators, k_before, strict=True))
+
+
+def test_the_layers_must_agree_on_the_cached_tokens(model: TinyGPT) -> None:
+    first, second = shared_prompts()
+    cache = PagedKVCache(CONFIG, 16, 4, enable_prefix_caching=True)
+    with torch.no_grad():
+        cache.add_sequence("a", len(first), token_ids=first)
+        model.prefill(torch.tensor(first), "a", cache)
+    cache.allocators[1].reset_prefix_cache()  # layer 1 forgets what layer 0 still finds
+    cache.add_sequence("b", len(second), token_ids=second)
+    with pytest.raises(RuntimeError, match=r"disagree on the cached tokens of sequence 'b': \[8, 0\]"):
+        cache.num_cached_tokens("b")
+
+
+def test_without_prefix_caching_token_ids_change_nothing(model: TinyGPT) -> None:
+    first, _ = shared_prompts()
+    cache = PagedKVCache(CONFIG, 16, 4)
+    assert not cache.enable_prefix_caching
+    for seq_id in ("a", "b"):
+        cache.add_sequence(seq_id, len(first), token_ids=first)
+        assert cache.num_cached_tokens(seq_id) == 0
+    assert set(cache.allocators[0].get_block_mapping("a")).isdisjoint(
+        cache.allocators[0].get_block_mapping("b")
+    )
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+def system_requests(max_new_tokens: int = 2) -> list[EngineRequest]:
+    """Four prompts: the 9-token SYSTEM, then 3 tokens of their own (12 tokens, 3 blocks of 4)."""
+    return [EngineRequest(i, [*SYSTEM, i, i + 1, i + 2], max_new_tokens) for i in range(4)]
+
+
+def test_a_shared_system_prompt_is_computed_once_and_hit_by_every_later_request(
+    model: TinyGPT, device: torch.device
+) -> None:
+    requests = system_requests()
+    model = model.to(device)
+    try:
+        factory, caches = spy()
+        result = Engine(
+            model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=factory
+        ).run(requests)
+        plain = Engine(model, num_blocks=32, block_size=4).run(requests)
+        assert_alone(model, result, requests)
+    finally:
+        model.to("cpu")
+    (cache,) = caches
+    # All four are admitted at step 0, one after another. Request 0 finds nothing; each later one
+    # finds SYSTEM's two full blocks (8 tokens), not the third, which holds its own tokens.
+    assert cache.cached == {0: [0], 1: [8], 2: [8], 3: [8]}
+    assert (result.prefix_cache_queries, result.prefix_cache_hits) == (4 * 12, 3 * 8)
+    assert result.prefill_tokens_computed == 12 + 3 * 4
+    assert result.hit_rate == 0.5
+    # Without caching: every prompt token is computed, nothing is looked up.
+    assert (plain.prefill_tokens_computed, plain.prefix_cache_queries, plain.prefix_cache_hits) == (48, 0, 0)
+    assert plain.hit_rate == 0.0
+    # Blocks: 3 + 1 + 1 + 1 at step 0 (12 without), then each takes a block for its 13th token.
+    assert result.used_blocks == [6, 10] and plain.used_blocks == [12, 16]
+    assert result.held_tokens == plain.held_tokens == [48, 52]
+    assert result.utilisation == [48 / 24, 52 / 40]  # the two shared blocks serve four sequences
+    assert result.tokens == plain.tokens
+    check_metrics(result, cache, requests)
+
+
+def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute(model: TinyGPT) -> None:
+    # "b" is SYSTEM's first 8 tokens: two full blocks, both cached, but its last token must be
+    # computed, so only the first block is a hit.
+    requests = [EngineRequest("a", SYSTEM, 3), EngineRequest("b", SYSTEM[:8], 3)]
+    factory, caches = spy()
+    result = Engine(
+        model, num_blocks=16, block_size=4, enable_prefix_caching=True, cache_factory=factory
+    ).run(requests)
+    assert caches[0].cached == {"a": [0], "b": [4]}
+    assert result.prefill_tokens_computed == 9 + 4
+    assert_alone(model, result, requests)
+    check_metrics(result, caches[0], requests)
+
+
+@pytest.mark.parametrize(
+    ("other_new_tokens", "hits"),
+    [
+        (1, 4),  # c's prompt takes the never used block and a's last two: a's first block survives
+        (5, 0),  # c also decodes into a's first block: nothing of a is left
+    ],
+)
+def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first(
+    model: TinyGPT, other_new_tokens: int, hits: int
+) -> None:
+    # 4 blocks of 4. a (12 tokens, 3 blocks) finishes at step 0 and frees its blocks last to
+    # first, so SYSTEM's first block is the last to be evicted. c (12 other tokens) runs next,
+    # then b, which shares SYSTEM with a, arrives after c has finished.
+    a = EngineRequest("a", [*SYSTEM, 1, 2, 3], 1)
+    c = EngineRequest("c", list(range(50, 62)), other_new_tokens, arrival_step=1)
+    b = EngineRequest("b", [*SYSTEM, 4, 5, 6], 1, arrival_step=other_new_tokens + 1)
+    factory, caches = spy()
+    engine = Engine(model, num_blocks=4, block_size=4, enable_prefix_caching=True, cache_factory=factory)
+    result = engine.run([a, c, b])
+    assert result.finished_step["c"] < result.admitted_step["b"]
+    assert caches[0].cached == {"a": [0], "c": [0], "b": [hits]}
+    assert_alone(model, result, [a, c, b])
+    check_metrics(result, caches[0], [a, c, b])
+
+
+def test_a_request_arriving_after_the_first_finished_reuses_its_freed_blocks(model: TinyGPT) -> None:
+    first, second = (EngineRequest(i, SYSTEM + [i] * 5, 2, arrival_step=10 * i) for i in range(2))
+    factory, caches = spy()
+    result = Engine(model, num_blocks=8, block_size=4, enable_prefix_caching=True, cache_factory=factory).run(
+        [first, second]
+    )
+    assert result.finished_step[0] < result.admitted_step[1] == 10
+    assert caches[0].cached == {0: [0], 1: [8]}
+    assert result.used_blocks[10] == 4  # the cached blocks came off the free list: 4 of 14 tokens
+    assert_alone(model, result, [first, second])
+    check_metrics(result, caches[0], [first, second])
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_with_prefix_caching_keeps_the_text(
+    model: TinyGPT, preemption: str, device: torch.device
+) -> None:
+    # Eight requests sharing SYSTEM, each ending at 12 + 10 - 1 = 21 tokens (6 blocks of 4): on 8
+    # blocks, two admitted together outgrow the pool even with SYSTEM's two blocks shared.
+    requests = system_requests(max_new_tokens=10) + [
+        EngineRequest(i, [*SYSTEM, i, 1, i], 10, arrival_step=i % 3) for i in range(4, 8)
+    ]
+    model = model.to(device)
+    try:
+        factory, caches = spy()
+        engine = Engine(
+            model,
+            num_blocks=8,
+            block_size=4,
+            preemption=preemption,
+            enable_prefix_caching=True,
+            cache_factory=factory,
+        )
+        result = engine.run(requests)
+        assert_alone(model, result, requests)
+    finally:
+        model.to("cpu")
+    assert result.preemptions_by_reason[preemption] >= 3
+    assert result.prefix_cache_hits >= 7 * 8  # every request but the first found SYSTEM at least once
+    check_metrics(result, caches[0], requests)
+    if preemption == "swap":
+        assert result.blocks_swapped_in == result.blocks_swapped_out > 0
+        assert len(caches[0].cached) == len(requests) and all(len(c) == 1 for c in caches[0].cached.values())
+    else:
+        assert any(len(counts) > 1 for counts in caches[0].cached.values())  # admitted again
+
+
+@st.composite
+def shared_prefix_workloads(draw) -> list[EngineRequest]:
+    """2 to 7 requests, each one of up to 3 shared prefixes (0 to 10 tokens) and its own 1 to 6 tokens,
+    asking for up to 16 tokens: long enough to outgrow a tight budget."""
+    prefixes = draw(st.lists(st.lists(st.integers(0, 255), max_size=10), min_size=1, max_size=3))
+    n = draw(st.integers(2, 7))
+    return [
+        EngineRequest(
+            i,
+            draw(st.sampled_from(prefixes)) + draw(st.lists(st.integers(0, 255), min_size=1, max_size=6)),
+            draw(st.integers(1, 16)),
+            arrival_step=draw(st.integers(0, 2)),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.lesson08
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@given(
+    requests=shared_prefix_workloads(),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 2),
+    watermark=st.sampled_from([0.0, 0.2]),
+)
+def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
+    model: TinyGPT, requests, block_size: int, extra_blocks: int, preemption: str, watermark: float
+) -> None:
+    num_blocks = min_num_blocks(requests, block_size, watermark) + extra_blocks
+    factory, caches = spy()
+    engine = Engine(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        preemption=preemption,
+        watermark=watermark,
+        enable_prefix_caching=True,
+        cache_factory=factory,
+    )
+    result = engine.run(requests)
+    event(f"{preemption}: {'preempted' if result.preemptions else 'no preemption'}")
+    event(f"hits: {'some' if result.prefix_cache_hits else 'none'}")
+    target(float(result.preemptions), label="preemptions")  # steer towards tight, busy runs
+    assert_alone(model, result, requests)
+    check_metrics(result, caches[0], requests)
+    assert result.prefix_cache_hits % block_size == 0
+    for request in requests:
+        assert all(0 <= c < len(request.prompt) for c in caches[0].cached[request.request_id])
+
+
+def test_prefix_caching_is_off_by_default(model: TinyGPT) -> None:
+    requests = system_requests()
+    built: list[PagedKVCache] = []
+
+    def factory(*args) -> PagedKVCache:  # takes no enable_prefix_caching: fine while it is off
+        built.append(PagedKVCache(*args))
+        return built[-1]
+
+    engine = Engine(model, num_blocks=32, block_size=4, cache_factory=factory)
+    assert engine.enable_prefix_caching is False
+    result = engine.run(requests)
+    assert not built[0].enable_prefix_caching
+    assert all(a.prefix_cache_stats.requests == 0 for a in built[0].allocators)
+    assert result.prefill_tokens_computed == 48 and result.prefix_cache_queries == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
+        (
+            {"enable_prefix_caching": True, "mode": "contiguous", "max_model_len": 64},
+            "enable_prefix_caching is a setting of the paged mode",
+        ),
+        (
+            {"enable_prefix_caching": True, "cache_factory": lambda *args: PagedKVCache(*args)},
+            "enable_prefix_caching=True calls cache_factory with the keyword",
+        ),
+    ],
+)
+def test_bad_prefix_caching_arguments_raise_value_error_naming_them(model: TinyGPT, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        Engine(model, num_blocks=32, block_size=4, **kwargs)
+
+
+class NoPrefixCache:
+    """A plugged-in cache that takes the keyword but cannot prefill from the cache."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.inner = PagedKVCache(*args)
+        for name in ("add_sequence", "write_prompt", "append", "attend", "free", "needs_new_block"):
+            setattr(self, name, getattr(self.inner, name))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.inner.num_free_blocks
+
+
+class LyingCache(PagedKVCache):
+    """A cache that claims the whole prompt was cached."""
+
+    def num_cached_tokens(self, seq_id) -> int:
+        return self.allocators[0].sequence_length(seq_id)
+
+
+def test_a_cache_that_cannot_do_prefix_caching_is_refused(model: TinyGPT) -> None:
+    requests = system_requests()
+    engine = Engine(
+        model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=NoPrefixCache
+    )
+    with pytest.raises(ValueError, match=r"needs a cache with num_cached_tokens.*NoPrefixCache"):
+        engine.run(requests)
+    engine = Engine(model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=LyingCache)
+    with pytest.raises(RuntimeError, match=r"reports 12 cached tokens for request 0.*0 \.\. 11"):
+        engine.run(requests)
+
+
+def test_plot_metrics_shows_a_utilisation_above_one(model: TinyGPT) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = Engine(model, num_blocks=32, block_size=4, enable_prefix_caching=True).run(system_requests())
+    assert max(result.utilisation) == 2.0
+    ax = plot_metrics(result)
+    twin = next(other for other in ax.figure.axes if other is not ax)
+    assert twin.get_ylim()[1] == pytest.approx(2.1)
+    plt.close("all")
+
+
+def test_prompts_that_share_no_full_block_hit_nothing(model: TinyGPT) -> None:
+    rng = random.Random(4)
+    requests = [EngineRequest(i, [rng.randrange(256) for _ in range(9)], 3) for i in range(5)]
+    factory, caches = spy()
+    result = Engine(
+        model, num_blocks=20, block_size=4, enable_prefix_caching=True, cache_factory=factory
+    ).run(requests)
+    assert result.prefix_cache_hits == 0 and result.prefill_tokens_computed == 45
+    assert_alone(model, result, requests)
+    check_metrics(result, caches[0], requests)
