@@ -453,9 +453,10 @@ for mode, r in results.items():
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
 #   a step costs the same for more sequences.
 #
-# **Where next.** The engine here only ever preempts in an emergency, and every sequence owns its
-# blocks alone. Lesson 07 lets sequences *share* blocks (a common prompt prefix, or a sequence forked
-# into several samples, with copy-on-write), and lesson 08 deals with running out of blocks:
-# preemption by recompute or by swapping to host memory, and a watermark that makes it rare. The
+# **Where next.** The engine above runs with its defaults: it preempts by recompute, only in an
+# emergency, and every sequence owns its blocks alone. The machinery of lessons 07 and 08 is one
+# argument away: `Engine(..., enable_prefix_caching=True)` lets prompts share cached blocks and
+# prefills only what the cache lacks, and `preemption="swap"` and `watermark=0.1` are lesson 08's
+# policies. Try them on this stream and compare the steps, the preemptions and the hit rate. The
 # exercise for this lesson, `exercises/09_end_to_end.ipynb`, has you write the admission rule, the
 # slots of a decode step and your own paged cache, and plug that cache into the engine.

@@ -274,7 +274,7 @@ class Engine:
     @property
     def watermark_blocks(self) -> int:
         """The blocks admission keeps free, ``ceil(watermark * num_blocks)``."""
-        return _watermark_blocks(self.watermark, self.num_blocks)
+        return watermark_blocks(self.watermark, self.num_blocks)
 
     def run(self, requests: Sequence[EngineRequest], progress: bool = False) -> EngineResult:
         """Serve ``requests`` until every one has finished; ``progress=True`` shows a tqdm bar.
@@ -604,8 +604,12 @@ def _check_watermark(watermark: object) -> float:
     return float(watermark)
 
 
-def _watermark_blocks(watermark: float, num_blocks: int) -> int:
-    return math.ceil(watermark * num_blocks)
+def watermark_blocks(watermark: float, num_blocks: int) -> int:
+    """The blocks an admission ``watermark`` (a fraction of the pool) keeps free: rounded up.
+
+    Rounding up means any watermark above 0 keeps at least one block free (vLLM V0 rounded down).
+    """
+    return math.ceil(_check_watermark(watermark) * check_count("num_blocks", num_blocks, minimum=1))
 
 
 def _blocks_alone(request: EngineRequest, block_size: int) -> tuple[int, int]:
@@ -618,7 +622,7 @@ def _blocks_alone(request: EngineRequest, block_size: int) -> tuple[int, int]:
 def _serves_alone(request: EngineRequest, num_blocks: int, block_size: int, watermark: float) -> bool:
     """Whether ``num_blocks`` can admit ``request`` alone, watermark kept, and hold it at its longest."""
     admit, peak = _blocks_alone(request, block_size)
-    return admit + _watermark_blocks(watermark, num_blocks) <= num_blocks and peak <= num_blocks
+    return admit + watermark_blocks(watermark, num_blocks) <= num_blocks and peak <= num_blocks
 
 
 def plot_metrics(result: EngineResult, ax=None):

@@ -19,6 +19,7 @@ from paged_kv.engine import (
     min_num_blocks,
     plot_metrics,
     sweep_budgets,
+    watermark_blocks,
 )
 from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
 
@@ -579,3 +580,11 @@ def test_admits_is_the_prompt_blocks_plus_one_block_per_sequence_plus_the_waterm
     free: int, blocks: int, running: int, keep_free: int, expected: bool
 ) -> None:
     assert admits(free, blocks, running, keep_free) is expected
+
+
+def test_watermark_blocks_is_public_rounds_up_and_checks_its_arguments() -> None:
+    assert [watermark_blocks(w, 22) for w in (0.0, 0.01, 0.1, 0.5)] == [0, 1, 3, 11]
+    with pytest.raises(ValueError, match="watermark"):
+        watermark_blocks(1.0, 22)
+    with pytest.raises(ValueError, match="num_blocks"):
+        watermark_blocks(0.1, 0)

@@ -1,0 +1,438 @@
+# %% [markdown]
+# # Lesson 08 · Running out of blocks
+#
+# Paging lets an engine admit a request with only the blocks of its prompt and hand out the rest one
+# block at a time, as the sequence grows. That is where its concurrency comes from (lesson 06: 34.1
+# sequences running on average against 14.4 with maximum-length slots, in the same memory), and it
+# is also a promise the engine cannot always keep: the sequences it admitted keep growing, and the
+# blocks they will need may not be there. Lesson 06's burst showed the result, 189 preemptions,
+# without looking into them. This lesson is about that moment: what an engine can do about it, what
+# each answer costs, and how to make it rare.
+#
+# **By the end of this lesson you can**
+#
+# 1. explain why a paged engine runs out of blocks in the middle of a decode step, and why vLLM
+#    then preempts whole sequences, the most recently admitted first;
+# 2. compare the two ways to preempt, recompute and swap, by what each costs (tokens computed again,
+#    blocks copied to host memory and back), and show that neither changes the generated text;
+# 3. explain the admission watermark and measure how it trades running sequences for preemptions;
+# 4. read the preemptions, steps and running sequences of a workload against the memory budget,
+#    from the smallest budget that can serve it to one where nothing is ever preempted.
+#
+# Everything runs on a laptop CPU in a few seconds; a GPU is used when there is one.
+
+# %%
+import random
+
+import matplotlib.pyplot as plt
+import torch
+
+import paged_kv
+from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.engine import Engine, EngineRequest, admits, min_num_blocks, plot_metrics, sweep_budgets
+from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, encode, generate
+from paged_kv.plots import PALETTE, plot_block_tables
+from paged_kv.preemption import choose_victims
+from paged_kv.scheduling import decode_step
+
+device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
+torch.manual_seed(0)
+torch.set_num_threads(1)  # the tiny model's operations are too small to share between threads
+config = GPTConfig()
+model = TinyGPT(config, seed=0).to(device).eval()
+print("paged_kv", paged_kv.__version__)
+
+# %% [markdown]
+# ## 1. Why blocks run out, even with paging
+#
+# A contiguous cache decides everything at admission: a request gets its slot of `max_model_len`
+# tokens or waits, and once admitted it can never run short. A paged cache decides at admission
+# only about the prompt. The admission rule of the course's engine (`paged_kv.engine.admits`)
+# admits a request when its prompt's blocks plus **one block of headroom per running sequence, the
+# new one included**, are free. That guarantees the *next* decode step (each sequence takes at most
+# one new block per step) and nothing after it. Admission is a bet that, by the time the running
+# sequences need more blocks, others will have finished and freed theirs. An operating system makes
+# the same bet when it promises processes more virtual memory than it has physical pages.
+#
+# Here is the bet failing on the bookkeeping alone: three requests, `a`, `b` and `c`, each with a
+# 3-token prompt, in a pool of 8 blocks of 4 tokens. Each is admitted under that rule, and then
+# every decode step adds one token to each of them with lesson 04's all-or-nothing `decode_step`.
+#
+# **Predict, then run.** After admission, 5 of the 8 blocks are free. Each sequence takes a new
+# block when it holds a multiple of 4 tokens. In which decode step does the pool run out?
+
+# %%
+pool = PagedKVCacheAllocator(num_blocks=8, block_size=4, num_heads=1, head_dim=1)  # bookkeeping only
+for running, seq_id in enumerate("abc"):
+    fits = admits(pool.num_free_blocks, 1, running)
+    print(f"admit {seq_id}: 1 prompt block + {running + 1} of headroom, {pool.num_free_blocks} free: {fits}")
+    pool.allocate_for_sequence(seq_id, 3)
+for step in range(1, 10):
+    needed = sum(pool.needs_new_block(s) for s in "abc")
+    try:
+        decode_step(pool, "abc")
+    except OutOfBlocksError as error:
+        print(f"decode step {step}: {error}")
+        break
+    print(
+        f"decode step {step}: {needed} new block(s), each sequence now holds {pool.sequence_length('a')} "
+        f"tokens, {pool.num_free_blocks} blocks free"
+    )
+
+# %% [markdown]
+# Step 6. Step 2 took three blocks at once, when the 5th tokens started a second block in every
+# sequence, and left 2 free. Steps 3 to 5 filled those second blocks, and step 6 needs a third
+# block for each sequence: 3 blocks, 2 free. The step fails as a whole and changes nothing (lesson
+# 04), so the engine is still free to choose what to do. Here is the pool at that moment:
+
+# %%
+plot_block_tables(pool.snapshot(), blocks_per_row=8, title="decode step 6 needs 3 new blocks; 2 are free")
+plt.show()
+
+# %% [markdown]
+# What can an engine do?
+#
+# * **Refuse**: fail a request that needs a block. Its user gets an error for a request the server
+#   had accepted, and all the work done on it is lost.
+# * **Wait**: pause the sequences that need a block until one frees up. Here all three need one, and
+#   none can finish without growing first, so none will ever free a block: a deadlock.
+# * **Preempt**: take the blocks of some sequence back, so that the others can go on, and resume
+#   that sequence later.
+#
+# vLLM preempts, with two rules (section 4.5 of the PagedAttention paper). **All or nothing per
+# sequence**: every decode step attends over all of a sequence's tokens, so a sequence with some of
+# its blocks taken away could not run anyway; it loses all of them. **The most recently admitted
+# first**: requests are served first come, first served, so the newest one gives way and the
+# oldest ones finish first. The victims are taken one at a time, newest first, until the step fits.
+# Each victim helps twice: its blocks become free, and it no longer needs a block in this step.
+# `paged_kv.preemption.choose_victims` is that rule on plain numbers: the running sequences, oldest
+# first, as `(seq_id, blocks held, needs a block)`, and the free blocks.
+
+# %%
+candidates = [(s, len(pool.get_block_mapping(s)), pool.needs_new_block(s)) for s in pool.seq_ids]
+print("running, oldest first:", candidates)
+victims = choose_victims(candidates, pool.num_free_blocks)
+print("victims:", victims)
+for seq_id in victims:
+    pool.free_sequence(seq_id)
+decode_step(pool, [s for s in "abc" if s not in victims])
+print(
+    "after the step:",
+    {s: pool.sequence_length(s) for s in pool.seq_ids},
+    f"{pool.num_free_blocks} blocks free",
+)
+
+# %% [markdown]
+# Preempting `c` frees its 2 blocks and drops its need: 2 blocks needed, 4 free, and the step runs.
+# The oldest sequence is never a victim: with nothing left running, no sequence would ever finish.
+# That is safe because the engine refuses, up front, any request that could not run alone at its
+# full length in the whole pool. `paged_kv.engine.min_num_blocks(requests, block_size)` is that
+# smallest pool, and section 4 starts from it.
+
+# %% [markdown]
+# ## 2. Recompute or swap
+#
+# A preempted sequence must come back later with its K/V. There are two ways to get it back.
+#
+# **Recompute.** Free the victim's blocks, drop its K/V and put the request back at the *front* of
+# the waiting queue: it was admitted before every request still waiting. When it fits again, its
+# K/V is computed again from its tokens. Greedy decoding is deterministic, so the text does not
+# change. The cost is computation: every token whose K/V was dropped is processed again. vLLM
+# does it in one prefill over the prompt and the tokens generated so far, which a GPU runs far
+# faster than the decode steps that first produced them. This course's engine does the simplest
+# thing: the request starts over from its prompt and regenerates its tokens one step at a time, so
+# here recompute also costs steps. The operating-system analogue is dropping a clean page of a
+# program's code: it is never written to disk, because it can always be read from the file again.
+#
+# **Swap.** Copy the victim's K/V to host memory, free its blocks, and when enough blocks are free
+# again, give it fresh ones (whichever are free: the block table changes, the content does not) and
+# copy the K/V back. Nothing is computed again; the sequence continues exactly where it stopped. The
+# cost is the copies: on a GPU, every swapped block crosses the PCIe bus twice. This is the
+# operating system's swap: dirty pages written to disk and read back on the next fault.
+#
+# To see both on real K/V we need a model. `TinyGPT` is a two-layer GPT whose tokens are bytes
+# (`encode` gives a text's UTF-8 bytes) and whose weights come from a seeded random generator: its
+# text is noise, but deterministic noise, which is all a test of "the same text" needs. Its
+# `PagedKVCache` gives every layer a `PagedKVCacheAllocator`, all with the same block tables;
+# `model.prefill` runs a prompt through the model and stores its K/V, `model.decode_step` feeds one
+# token per sequence and returns the logits of the next (lesson 09 takes both apart). A token's K
+# and V take `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes for this model.
+# `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a sequence, every layer at once
+# (`paged_kv.swap`; the exercise builds them for one allocator).
+#
+# The whole round trip by hand: a prompt is prefilled and decodes 4 tokens in blocks of 4, is
+# swapped out, another sequence takes two blocks, and the prompt comes back and decodes 5 more.
+
+# %%
+cache = PagedKVCache(config, num_blocks=6, block_size=4, device=device)
+layer0 = cache.allocators[0]
+prompt = encode("Swap me")
+tokens = []  # the greedy tokens, fed back one step at a time
+with torch.no_grad():
+    cache.add_sequence("s", len(prompt))
+    tokens.append(int(model.prefill(torch.tensor(prompt, device=device), "s", cache)[-1].argmax()))
+    for _ in range(4):
+        tokens.append(
+            int(model.decode_step(torch.tensor(tokens[-1:], device=device), ["s"], cache)[0].argmax())
+        )
+    print(f"before: 's' holds {layer0.sequence_length('s')} tokens in blocks {layer0.get_block_mapping('s')}")
+    k_before, v_before = layer0.read_kv("s")
+    saved = cache.swap_out("s")
+    on_host = all(t.device.type == "cpu" for t in saved.k + saved.v)
+    print(f"swapped out: {saved.num_tokens} tokens, {saved.nbytes:,} bytes in host memory: {on_host}")
+    print(f"free blocks while 's' is out: {cache.num_free_blocks} of 6")
+    cache.add_sequence("other", 8)
+    cache.swap_in("s", saved)
+    print(f"after:  's' holds {layer0.sequence_length('s')} tokens in blocks {layer0.get_block_mapping('s')}")
+    k_after, v_after = layer0.read_kv("s")
+    print("same K and V:", torch.equal(k_before, k_after) and torch.equal(v_before, v_after))
+    for _ in range(5):
+        tokens.append(
+            int(model.decode_step(torch.tensor(tokens[-1:], device=device), ["s"], cache)[0].argmax())
+        )
+never_swapped = generate(model, [prompt], len(tokens), cache="contiguous").tokens[0]
+print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens == never_swapped)
+
+# %% [markdown]
+# The prompt of 7 bytes and 4 decoded tokens make 11 tokens in 3 blocks, blocks 0 to 2. Swapped out,
+# they take 11 × 1,024 = 11,264 bytes of host memory, and all 6 blocks are free. `other` takes
+# blocks 3 and 4, so `s` comes back in blocks 5, 0 and 1: other blocks, the same keys and values,
+# and the next 5 tokens are the ones it would have generated had it never left.
+#
+# Now both ways on a workload that runs out, served by `paged_kv.engine.Engine`: lesson 06's
+# continuous batching with the tiny GPT behind it. It serves `EngineRequest(request_id, prompt,
+# max_new_tokens)`s (greedy, no end-of-sequence token: each gets exactly `max_new_tokens` tokens) in
+# a pool of `num_blocks` blocks. Each step it admits waiting requests first come, first served,
+# while `admits` says they fit, and prefills them; then every running sequence decodes one token,
+# once the newest have been preempted if the step needs it, by `choose_victims`' rule
+# (`preemption="recompute"` or `"swap"`); finished requests free their blocks at once.
+#
+# Twelve requests arrive at once, each a prompt of 4 to 12 random bytes asking for 17 to 37 tokens,
+# in blocks of 4. `min_num_blocks` gives the smallest pool that can serve them; the engine gets
+# twice that.
+
+# %%
+BLOCK_SIZE = 4
+rng = random.Random(0)
+requests = [
+    EngineRequest(f"r{i}", [rng.randrange(256) for _ in range(rng.randint(4, 12))], rng.randint(16, 40))
+    for i in range(12)
+]
+smallest = min_num_blocks(requests, BLOCK_SIZE)
+at_longest = sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens - 1, BLOCK_SIZE) for r in requests)
+print(
+    f"{len(requests)} requests; prompts of {min(len(r.prompt) for r in requests)} to "
+    f"{max(len(r.prompt) for r in requests)} tokens, outputs of {min(r.max_new_tokens for r in requests)} to "
+    f"{max(r.max_new_tokens for r in requests)}"
+)
+print(f"smallest pool that serves them: {smallest} blocks; all of them at their longest: {at_longest} blocks")
+NUM_BLOCKS = 2 * smallest
+
+# %% [markdown]
+# Eleven blocks is what the longest request needs on its own: 6 prompt tokens and 37 new ones, of
+# which the last is never fed back, so 42 tokens held, 11 blocks of 4. Holding all twelve at their
+# longest would take 99 blocks. With 22, the engine must bet.
+#
+# **Predict, then run.** Recompute throws work away and redoes it; swap keeps it. Which of the two
+# finishes the burst in fewer steps, and does either change a single generated token?
+
+# %%
+alone = {
+    r.request_id: generate(model, [r.prompt], r.max_new_tokens, cache="contiguous").tokens[0]
+    for r in requests
+}
+runs = {
+    way: Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption=way).run(requests)
+    for way in ("recompute", "swap")
+}
+print(f"{NUM_BLOCKS} blocks of {BLOCK_SIZE}")
+print("preemption  steps  preemptions  recomputed tokens  blocks out / in  mean running  same text as alone")
+for way, r in runs.items():
+    print(
+        f"{way:<10}{r.steps:>7}{r.preemptions:>13}{r.recomputed_tokens:>19}"
+        f"{r.blocks_swapped_out:>11} / {r.blocks_swapped_in:<4}{r.mean_running:>13.1f}  {r.tokens == alone}"
+    )
+bytes_per_block = 2 * config.num_layers * config.d_model * 4 * BLOCK_SIZE  # K and V, float32
+print(
+    f"swap copied {runs['swap'].blocks_swapped_out * bytes_per_block:,} bytes each way "
+    f"({bytes_per_block:,} bytes per block)"
+)
+
+# %% [markdown]
+# Swap finishes in 88 steps, recompute in 115, and the text is the same either way, token for token
+# the text each request gets alone. Recompute preempted 12 times and threw away the K/V of 177
+# tokens, all of which were computed again: the prompts in one prefill each, the generated tokens
+# one decode step at a time. That is where its extra 27 steps go. Swap preempted 9 times and moved
+# 39 blocks out and the same 39 back in, 159,744 bytes each way. Both ran 3.4 sequences at once on
+# average.
+#
+# On a real model the bytes are what matter. A 7B model's block of 16 tokens holds 8 MiB of K/V
+# (lesson 00: half a mebibyte per token), and a PCIe 4.0 link moves roughly 25 GB/s, so a
+# 1,000-token sequence takes about 20 ms to swap out and as long to come back. The PagedAttention
+# paper compares the two ways on a GPU: swapping suffers with small blocks, because many small
+# copies cannot use the bus's bandwidth; recomputation costs the same whatever the block size; for
+# blocks of 16 to 64 tokens the two perform about the same. vLLM's current engine (V1) preempts by
+# recomputation, which needs no host memory at all.
+#
+# Step by step, `plot_metrics` draws the sequences running, waiting and (for swap) swapped out, and
+# the utilisation, tokens held per slot reserved, on a second axis: the recompute run above, the
+# swap run below. The titles count the preemptions.
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+for ax, r in zip(axes, runs.values(), strict=True):
+    plot_metrics(r, ax=ax)
+    ax.set_ylim(0, 12.5)
+    ax.get_legend().set_loc("center right")  # the utilisation runs along the top
+axes[0].set_xlabel("")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Both start alike: the burst is admitted as far as the headroom allows, and the first preemptions
+# come as the sequences outgrow the pool. Then they part. A recomputed request returns to the
+# *waiting* queue and is admitted again like any other, when its prompt and headroom fit. A swapped
+# sequence waits in its own queue, the *swapped* line, which comes before the waiting one: it comes
+# back first, as soon as its blocks and the headroom fit, and no new request is admitted while any
+# sequence is still swapped out, so that the oldest work finishes first. Utilisation stays high in
+# both: paging wastes little of what it holds, however often it preempts.
+
+# %% [markdown]
+# ## 3. The admission watermark
+#
+# Preemptions happen because admission looks only one step ahead. The **watermark** looks a little
+# further: admission keeps a fraction `watermark` of *all* the pool's blocks free, on top of the
+# prompt and the headroom, rounded up to whole blocks, `ceil(watermark * num_blocks)`. The reserve
+# absorbs the growth of the running sequences for a while, at the price of admitting fewer of them.
+# vLLM's earlier (V0) block manager kept a watermark of 1 % of the blocks, "to avoid frequent cache
+# eviction" as its comment says. It rounded down (`int(watermark * num_gpu_blocks)`), so a pool of
+# fewer than 100 blocks kept none; the course's engine rounds up, so that any watermark above zero
+# keeps at least one block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks
+# free.
+#
+# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 12 times. How many
+# preemptions are left with a 20 % watermark (5 blocks kept free), and what does that cost?
+
+# %%
+watermarks = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+engines = {w: Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, watermark=w) for w in watermarks}
+marked = {w: engine.run(requests) for w, engine in engines.items()}
+print(f"recompute, {NUM_BLOCKS} blocks of {BLOCK_SIZE}")
+print("watermark  kept free  preemptions  mean running  steps")
+for w, r in marked.items():
+    print(f"{w:>9.0%}{engines[w].watermark_blocks:>11}{r.preemptions:>13}{r.mean_running:>14.2f}{r.steps:>7}")
+
+# %% [markdown]
+# A 20 % watermark cuts the preemptions from 12 to 4, and the price is concurrency: 2.86 sequences
+# running on average instead of 3.40, since 5 of the 22 blocks are off limits to admission. The
+# steps barely move (118 against 115): fewer preemptions mean less work redone, fewer running
+# sequences mean less work per step, and here the two nearly cancel. From 30 % on, the preemptions
+# dwindle (3, 2, 1) while the concurrency keeps falling (2.69, 2.61, 2.46). On a GPU a decode step
+# reads all the model's weights whatever the batch, so a step costs about the same for 3 sequences
+# as for 2, and fewer running sequences means fewer tokens per second. A watermark is worth what the
+# preemptions it avoids cost; a small one, as vLLM's 1 %, catches the worst of them.
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+percent = [100 * w for w in watermarks]
+left.plot(percent, [r.preemptions for r in marked.values()], "o-", color=PALETTE[5])
+left.set_ylabel("preemptions")
+left.set_ylim(bottom=0)
+right.plot(percent, [r.mean_running for r in marked.values()], "o-", color=PALETTE[0])
+right.set_ylabel("mean running sequences")
+right.set_ylim(bottom=0)
+for ax in (left, right):
+    ax.set_xlabel("watermark (% of the blocks kept free)")
+    ax.spines[["top", "right"]].set_visible(False)
+fig.suptitle(
+    f"recompute, {NUM_BLOCKS} blocks of {BLOCK_SIZE}: the watermark trades concurrency for preemptions",
+    fontsize=10,
+)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 4. Preemptions against the memory budget
+#
+# The watermark moves the bet; memory changes the odds. `sweep_budgets(model, requests,
+# num_blocks_list, block_size, preemption)` serves the same requests once per budget and returns a
+# row per budget: steps, preemptions, recomputed tokens, blocks swapped out, running sequences. The
+# sweep runs from `min_num_blocks`, 11, to 99, where every request fits at its longest and nothing
+# can be preempted, both ways.
+
+# %%
+budgets = [smallest, 14, 18, NUM_BLOCKS, 33, 44, 66, at_longest]
+sweeps = {
+    way: sweep_budgets(model, requests, budgets, BLOCK_SIZE, preemption=way) for way in ("recompute", "swap")
+}
+print("blocks    recompute: preemptions  steps  mean running    swap: preemptions  steps  mean running")
+for a, b in zip(sweeps["recompute"], sweeps["swap"], strict=True):
+    print(
+        f"{a['num_blocks']:>6}{a['preemptions']:>24}{a['steps']:>7}{a['mean_running']:>14.2f}"
+        f"{b['preemptions']:>19}{b['steps']:>7}{b['mean_running']:>14.2f}"
+    )
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+for way, colour in (("recompute", PALETTE[5]), ("swap", PALETTE[3])):
+    rows = sweeps[way]
+    for ax, key in zip(axes, ("preemptions", "steps", "mean_running"), strict=True):
+        ax.plot(
+            [row["num_blocks"] for row in rows], [row[key] for row in rows], "o-", color=colour, label=way
+        )
+for ax, label in zip(
+    axes, ("preemptions", "steps to serve the burst", "mean running sequences"), strict=True
+):
+    ax.axvline(smallest, color="#555555", linestyle="--", linewidth=1)
+    ax.axvline(at_longest, color="#555555", linestyle=":", linewidth=1)
+    ax.set_xlabel("num_blocks (blocks of 4)")
+    ax.set_ylabel(label)
+    ax.set_ylim(bottom=0)
+    ax.spines[["top", "right"]].set_visible(False)
+axes[0].text(smallest + 2, 1, f"min_num_blocks = {smallest}", fontsize=8, color="#555555")
+axes[0].text(at_longest - 2, 1, "all at their longest", fontsize=8, color="#555555", ha="right")
+axes[0].legend(frameon=False)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# At the smallest budget the engine mostly thrashes: recompute preempts 23 times and needs 274
+# steps, swap 13 times and 182 steps, with fewer than 2 sequences running on average. Each added
+# block helps, fast at first: at 22 blocks (twice the minimum) the steps are down to 115 and 88, and
+# at 44 to 59 and 54. The preemptions fall less smoothly (swap preempts 9 times at 22 blocks, once
+# more than at 18): one preemption more or less depends on which sequences happen to cross a block
+# boundary together. So does the mean running of recompute, which dips at 66 blocks (5.77 against
+# 6.22 at 44): a long request preempted early starts over and finishes alone, long after the others.
+# At 99 blocks nothing is preempted either way, both take 37 steps (the longest output) and run 7.97
+# sequences on average. Swap needs fewer steps than recompute at every budget below that, since this
+# engine's recompute regenerates what it threw away one step at a time.
+#
+# The two vertical lines, dashed and dotted, bound the range where preemption matters. Below
+# `min_num_blocks` some request cannot run at all; above "all at their longest" the bet cannot fail.
+# A real server sits in between, much nearer the left line than the right: holding every sequence
+# at its longest is exactly the waste that paging set out to avoid.
+
+# %% [markdown]
+# ## Recap
+#
+# * A paged engine admits a request with only its prompt's blocks and one block of headroom per
+#   running sequence: enough for the next decode step, a bet on the ones after it. Three 3-token
+#   sequences in 8 blocks of 4 run out at decode step 6, needing 3 blocks with 2 free.
+# * Refusing loses work and waiting can deadlock, so vLLM **preempts**: whole sequences, all their
+#   blocks, the most recently admitted first, until the step fits; a victim frees its blocks and
+#   drops its own need. The oldest is never preempted, and `min_num_blocks` makes sure it always
+#   fits.
+# * **Recompute** drops the victim's K/V and requeues it at the front; **swap** copies it to host
+#   memory and back into other blocks. Neither changes the text. On 12 requests in 22 blocks of 4:
+#   recompute preempted 12 times and redid 177 tokens in 115 steps, swap preempted 9 times and moved
+#   39 blocks (159,744 bytes) each way in 88 steps.
+# * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission: 20 % cut the
+#   preemptions from 12 to 4 for 2.86 sequences running on average instead of 3.40.
+# * Against the budget: from 23 preemptions (recompute) and 13 (swap) at the smallest pool, 11
+#   blocks, to none at 99, where every request fits at its longest.
+#
+# **Next, lesson 09:** end to end. The tiny GPT and the engine taken apart: prefill and decode
+# through the cache, the engine's loop step by step, and a ShareGPT-shaped stream served with paged
+# blocks and with contiguous slots in the same memory. The exercise for this lesson,
+# `exercises/08_running_out_of_blocks.ipynb`, has you write the watermark rule, the choice of
+# victims and their requeueing, and the swap of a sequence out to host memory and back.
