@@ -19,6 +19,7 @@ own position; it reuses the same gather and the same attention, with a causal ma
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,11 +52,13 @@ def paged_attention(
         scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
         strategy: how the blocks are read, with the same result either way.
             ``"gather"`` copies each sequence's blocks into a contiguous batch first (the
-            reference; any tables). ``"in_place"`` reads the cache where it lies, block by block in
-            physical order, with each block's owner's query, and never copies K or V: it needs every
-            block a sequence reads to belong to one sequence of the batch. ``"auto"`` (default)
-            reads in place when the blocks are distinct, the caches are already in the compute
-            dtype and the batch reads at least half the pool, and gathers otherwise. ``"flex"``
+            reference). ``"in_place"`` reads the cache where it lies, block by block in physical
+            order, with the query of the one row that reads each block; blocks read by several rows
+            (after a fork, or from a prefix cache) are copied once each and met by every row's query
+            at once. It computes in the caches' dtype, so half-precision caches are gathered instead.
+            ``"auto"`` (default) reads in place when the caches are in the compute dtype, the batch
+            reads at least half the pool, and shared blocks, if any, are read by at least a quarter
+            of the rows on average; it gathers otherwise. ``"flex"``
             runs FlexAttention over the whole pool with a block mask built from the tables
             (:mod:`paged_kv.flex`; torch 2.5 or later): compiled into one kernel on CUDA, unfused
             and slow elsewhere. ``"auto"`` never picks it.
@@ -76,13 +79,10 @@ def paged_attention(
     if strategy == "flex":
         out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
         return out.to(query.dtype)
-    if strategy != "gather":
-        owners = _block_owners(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
-        in_place = owners is not None and k_cache.dtype == compute_dtype
-        if strategy == "in_place" and owners is None:
-            raise ValueError("strategy 'in_place' needs every block read to belong to one sequence")
-        if in_place and (strategy == "in_place" or 2 * len(owners[0]) >= k_cache.shape[0]):
-            return _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, owners)
+    if strategy != "gather" and k_cache.dtype == compute_dtype:
+        reads = _BlockReads.of(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
+        if strategy == "in_place" or reads.worth_reading_in_place(k_cache.shape[0], len(query)):
+            return _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, reads)
 
     # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
     k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
@@ -255,53 +255,96 @@ def decode_attention(
     return _attend(q[None].to(compute_dtype), *heads_first, scale)[0].to(q.dtype)
 
 
-def _block_owners(
-    num_blocks: int, block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The blocks the batch reads and, for each, the row that reads it; ``None`` if a block is shared."""
-    needed = (context_lens + block_size - 1) // block_size
-    used = torch.arange(block_tables.shape[1], device=block_tables.device) < needed[:, None]
-    blocks = block_tables.long()[used]  # row by row, in table order
-    rows = torch.arange(len(block_tables), device=block_tables.device)[:, None].expand_as(used)[used]
-    if torch.unique(blocks).numel() != blocks.numel():
-        return None
-    return blocks, rows
+@dataclass(frozen=True)
+class _BlockReads:
+    """Which rows of a decode batch read which physical blocks.
 
-
-def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, owners) -> torch.Tensor:
-    """Decode attention that reads every block where it lies, never copying K or V.
-
-    Each physical block meets its owner's query once: scores for the whole pool come from one
-    batched product in physical order, and so do the per-block partial outputs. Only the small
-    score and weight tensors move between the block layout ``(num_blocks, heads, block_size)`` and
-    each sequence's table order, where the softmax runs. (On a CPU, copying the blocks of a batch
-    costs several times the attention itself; bench/bench_attention.py measures it.)
+    ``blocks`` and ``rows`` list every table entry the batch reads (row by row, in table order);
+    ``shared`` holds the distinct blocks that more than one entry reads, and ``shared_entries``
+    how many entries read them.
     """
-    blocks, rows = owners
+
+    blocks: torch.Tensor
+    rows: torch.Tensor
+    shared: torch.Tensor
+    shared_entries: int
+
+    @classmethod
+    def of(
+        cls, num_blocks: int, block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> _BlockReads:
+        needed = (context_lens + block_size - 1) // block_size
+        used = torch.arange(block_tables.shape[1], device=block_tables.device) < needed[:, None]
+        blocks = block_tables.long()[used]
+        rows = torch.arange(len(block_tables), device=block_tables.device)[:, None].expand_as(used)[used]
+        readers = torch.bincount(blocks, minlength=num_blocks)
+        shared = torch.nonzero(readers > 1).flatten()
+        return cls(blocks, rows, shared, int(readers[shared].sum()))
+
+    def worth_reading_in_place(self, num_blocks: int, batch: int) -> bool:
+        """``"auto"``'s choice: the batch reads at least half the pool (the in-place products cover
+        all of it), and the shared blocks are not so thinly shared that meeting every row's query
+        wastes more than four times the work."""
+        distinct = len(self.blocks) - self.shared_entries + len(self.shared)
+        thin = batch * len(self.shared) > 4 * self.shared_entries
+        return 2 * distinct >= num_blocks and not thin
+
+
+def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, reads) -> torch.Tensor:
+    """Decode attention that reads the blocks where they lie.
+
+    Each block only one row reads meets that row's query once: scores for the whole pool come from
+    one batched product in physical order, and so do the per-block partial outputs, without copying
+    K or V. The blocks several rows read (``reads.shared``, typically a shared prompt prefix) are
+    copied once each, and every row's query meets them in one dense product. Only the small score
+    and weight tensors move to each sequence's table order, where the softmax runs, and back. (On a
+    CPU, copying every block of a batch costs several times the attention itself;
+    bench/bench_attention.py measures it.)
+    """
     num_blocks, num_heads, block_size, head_dim = k_cache.shape
     batch, width = block_tables.shape
     scale = head_dim**-0.5 if scale is None else scale
     q = query.to(k_cache.dtype)
+    num_shared = len(reads.shared)
 
-    # Row `batch` is a dummy: blocks nobody reads belong to it, and so do padding entries.
+    # Scores of every block with its one reader; row `batch` is a zero dummy, the "reader" of
+    # blocks nobody reads and of shared blocks (their scores come from a dense product below).
     owner = torch.full((num_blocks,), batch, dtype=torch.long, device=q.device)
-    owner[blocks] = rows
-    padded_q = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
-    scores = torch.matmul(padded_q[owner].unsqueeze(-2), k_cache.transpose(-1, -2)).squeeze(-2) * scale
-
     positions = torch.arange(width * block_size, device=q.device)
     read = positions[::block_size][None, :] < context_lens[:, None]  # (batch, width): entries read
-    table = torch.where(read, block_tables.long(), num_blocks)  # padding -> the dummy block
-    in_order = torch.cat([scores, scores.new_zeros(1, num_heads, block_size)])[table]
-    in_order = in_order.permute(0, 2, 1, 3).reshape(batch, num_heads, width * block_size)
+    table = torch.where(read, block_tables.long(), num_blocks)  # padding -> the dummy
+    if num_shared:
+        shared_index = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=q.device)
+        shared_index[reads.shared] = torch.arange(num_shared, device=q.device)
+        alone = shared_index[reads.blocks] < 0
+        owner[reads.blocks[alone]] = reads.rows[alone]
+    else:
+        owner[reads.blocks] = reads.rows
+    padded_q = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
+    scores = torch.matmul(padded_q[owner].unsqueeze(-2), k_cache.transpose(-1, -2)).squeeze(-2) * scale
+    parts = [scores, scores.new_zeros(1, num_heads, block_size)]
+    index = table
+    if num_shared:  # every row's query against each shared block, copied once: (batch, shared, ...)
+        k_shared, v_shared = k_cache[reads.shared], v_cache[reads.shared]
+        parts.append((torch.einsum("bhd,shpd->bshp", q, k_shared) * scale).flatten(0, 1))
+        # A shared entry finds its scores in its own (row, shared block) row, after the dummy.
+        row_start = num_blocks + 1 + torch.arange(batch, device=q.device)[:, None] * num_shared
+        entry_shared = shared_index[table]
+        index = torch.where(entry_shared >= 0, row_start + entry_shared, table)
+    source = torch.cat(parts)  # `index` is distinct for every entry read
+
+    in_order = source[index].permute(0, 2, 1, 3).reshape(batch, num_heads, width * block_size)
     in_order = in_order.masked_fill((positions[None, :] >= context_lens[:, None])[:, None], float("-inf"))
     weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, width, block_size).permute(0, 2, 1, 3)
 
-    per_block = scores.new_zeros(num_blocks + 1, num_heads, block_size)
-    per_block[table] = weights  # back to physical order; padding lands on the dummy block
-    partial = torch.matmul(per_block[:num_blocks].unsqueeze(-2), v_cache).squeeze(-2)
-    out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)
-    return out[:batch].to(query.dtype)
+    per_source = source.new_zeros(source.shape)
+    per_source[index] = weights  # back where the scores came from; padding lands on the dummy
+    partial = torch.matmul(per_source[:num_blocks].unsqueeze(-2), v_cache).squeeze(-2)
+    out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)[:batch]
+    if num_shared:
+        shared_weights = per_source[num_blocks + 1 :].view(batch, num_shared, num_heads, block_size)
+        out += torch.einsum("bshp,shpd->bhd", shared_weights, v_shared)
+    return out.to(query.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,23 @@ def kv_for(num_tokens: int, first: int = 0, device: str | torch.device = "cpu", 
     return k, -k
 
 
+def kv_of(tokens, device="cpu"):
+    """K and V of a sequence whose K/V at position ``p`` depend on ``tokens[: p + 1]``, as in a model.
+
+    A rolling hash of the prefix below 2**20, spread over heads and dims: every value is an exact
+    float32 integer, and two positions share values only when their prefixes hash alike. Prefix
+    caching is correct exactly when a block is shared by prompts with the same prefix up to it.
+    """
+    rows, rolling = [], 0
+    for token in tokens:
+        rolling = (rolling * 1_000_003 + token + 1) % 1_048_573
+        rows.append(rolling * 8)
+    base = torch.tensor(rows, dtype=torch.float64).view(-1, 1, 1)
+    offsets = torch.arange(NUM_HEADS * HEAD_DIM, dtype=torch.float64).view(1, NUM_HEADS, HEAD_DIM) + 1
+    k = (base + offsets).to(dtype=torch.float32, device=device)
+    return k, -k
+
+
 @contextmanager
 def unchanged(cache: PagedKVCacheAllocator):
     """Assert that the block ends with the cache exactly as it started: bookkeeping and K/V data."""

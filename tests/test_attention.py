@@ -648,29 +648,54 @@ def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strateg
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
     block_size=st.integers(1, 6),
     cut=st.integers(0, 5),
+    shared_prefix=st.integers(0, 3),
     seed=st.integers(0, 2**16),
 )
-def test_reading_in_place_equals_gathering(lengths, block_size, cut, seed):
+def test_reading_in_place_equals_gathering(lengths, block_size, cut, shared_prefix, seed):
     cache = scattered_cache(lengths, block_size=block_size, seed=seed)
     query = random_query(cache, len(lengths), seed=seed + 1)
     context_lens = torch.tensor([max(1, n - cut) for n in lengths])  # attend to a prefix, too
-    in_place = run(cache, query, context_lens, strategy="in_place")
-    gathered = run(cache, query, context_lens, strategy="gather")
+    tables = cache.block_tables_tensor(range(len(lengths)))
+    for row in range(1, len(lengths)):  # the first blocks of row 0, shared by every row long enough
+        width = min(shared_prefix, blocks_for_tokens(int(context_lens[row]), block_size), tables.shape[1])
+        width = min(width, blocks_for_tokens(int(context_lens[0]), block_size))
+        tables[row, :width] = tables[0, :width]
+    args = (query, cache.k_cache, cache.v_cache, tables, context_lens)
+    in_place = paged_attention(*args, strategy="in_place")
+    gathered = paged_attention(*args, strategy="gather")
     torch.testing.assert_close(in_place, gathered, **TOLERANCES[torch.float32])
 
 
-def test_a_shared_block_is_read_by_gathering():
-    cache = scattered_cache([8, 8], block_size=4)
-    query = random_query(cache, 2)
-    tables = cache.block_tables_tensor([0, 1])
-    tables[1, 0] = tables[0, 0]  # sequence 1 reads sequence 0's first block too
-    with pytest.raises(
-        ValueError, match="strategy 'in_place' needs every block read to belong to one sequence"
-    ):
-        paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8], strategy="in_place")
-    auto = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8])
-    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8], strategy="gather")
-    assert torch.equal(auto, gathered)
+def test_shared_blocks_are_read_in_place_by_every_row_that_holds_them():
+    cache = scattered_cache([8, 8, 8], block_size=4)
+    query = random_query(cache, 3)
+    tables = cache.block_tables_tensor([0, 1, 2])
+    tables[1, 0] = tables[2, 0] = tables[0, 0]  # rows 1 and 2 read row 0's first block too, as after a fork
+    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8, 8], strategy="gather")
+    for strategy in ("in_place", "auto"):
+        out = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8, 8], strategy=strategy)
+        torch.testing.assert_close(out, gathered, **TOLERANCES[torch.float32])
+
+
+def test_auto_gathers_when_shared_blocks_are_thinly_shared():
+    """One block shared by 2 of 16 rows: meeting all 16 queries would waste 8 times the work."""
+    from paged_kv.attention import _BlockReads
+
+    lengths = [12] * 16
+    cache = scattered_cache(lengths, block_size=4)
+    tables = cache.block_tables_tensor(range(16))
+
+    def in_place():
+        reads = _BlockReads.of(cache.num_blocks, 4, tables, torch.tensor(lengths))
+        return reads.worth_reading_in_place(cache.num_blocks, len(lengths))
+
+    assert in_place()
+    tables[1, 0] = tables[0, 0]
+    reads = _BlockReads.of(cache.num_blocks, 4, tables, torch.tensor(lengths))
+    assert reads.shared.tolist() == [int(tables[0, 0])] and reads.shared_entries == 2
+    assert not in_place()
+    tables[2:, 0] = tables[0, 0]  # every row reads it: in place again
+    assert in_place()
 
 
 def test_an_unknown_strategy_names_the_argument():

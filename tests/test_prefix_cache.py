@@ -38,27 +38,11 @@ from paged_kv.prefix_cache import (
     full_blocks,
 )
 
-from .helpers import HEAD_DIM, NUM_HEADS, make_cache, unchanged
+from .helpers import HEAD_DIM, NUM_HEADS, kv_of, make_cache, unchanged
 
 pytestmark = pytest.mark.lesson07
 
 BLOCK = 4  # the scenarios' block size
-
-
-def kv_of(tokens, device="cpu"):
-    """K and V of a sequence whose K/V at position ``p`` depend on ``tokens[: p + 1]``, as in a model.
-
-    A rolling hash of the prefix below 2**20, spread over heads and dims: every value is an exact
-    float32 integer, and two positions share values only when their prefixes hash alike.
-    """
-    rows, rolling = [], 0
-    for token in tokens:
-        rolling = (rolling * 1_000_003 + token + 1) % 1_048_573
-        rows.append(rolling * 8)
-    base = torch.tensor(rows, dtype=torch.float64).view(-1, 1, 1)
-    offsets = torch.arange(NUM_HEADS * HEAD_DIM, dtype=torch.float64).view(1, NUM_HEADS, HEAD_DIM) + 1
-    k = (base + offsets).to(dtype=torch.float32, device=device)
-    return k, -k
 
 
 def write_prompt(cache, seq_id, tokens, device="cpu"):
