@@ -403,8 +403,8 @@ plt.show()
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
 # step of attention (32 sequences, 8 heads of dimension 64, contexts of 1,024 tokens in scattered
-# blocks of 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.3
-# times** as long on the CPU. Gathering the blocks into a contiguous copy first, the simple way of
+# blocks of 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.3 to
+# 2 times** as long on the CPU (the ratio moves from one run to the next on a small machine). Gathering the blocks into a contiguous copy first, the simple way of
 # lesson 05, would cost more than 15 times the whole of SDPA for the copy alone, which is why
 # `paged_attention` reads the blocks where they lie. On GPUs, the vLLM paper measures its
 # PagedAttention kernel at **20 to 26 %** more latency than FasterTransformer's contiguous kernel.
@@ -416,8 +416,8 @@ plt.show()
 # step of 10: more sequences per step means more tokens per second. That is how the vLLM paper gets
 # 2 to 4 times the throughput of earlier systems at the same latency, a much bigger gain than the
 # attention kernel's overhead. The tiny model on a CPU is a poor stand-in for that: its weights are
-# tiny, each step's cost grows with the batch, and the benchmark measures only 1.05 times the
-# tokens per second of the contiguous engine. What it does show, on any machine, is the work done
+# tiny, each step's cost grows with the batch, and the benchmark measures about the same tokens
+# per second as the contiguous engine (1.0 to 1.05 times). What it does show, on any machine, is the work done
 # per step, output tokens divided by steps:
 
 # %%
@@ -449,7 +449,7 @@ for mode, r in results.items():
 # * On 96 ShareGPT-shaped requests in 2,048 slots: 17.3 sequences running on average against 7.2
 #   (2.4 times), 226 steps against 544, utilisation 89 % against 24 %, the same tokens. The
 #   benchmark's burst of 160 requests gives 2.5 times.
-# * The costs: `paged_attention` at 1.3 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
+# * The costs: `paged_attention` at 1.3 to 2 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
 #   a step costs the same for more sequences.
 #
