@@ -50,6 +50,39 @@ def median_time(fn: Callable[[], object], repeats: int = 15, warmup: int = 2, nu
     return statistics.median(samples)
 
 
+FLAT_LIMIT = 1.5
+"""An O(1) operation may cost at most this many times more on the large pool than on the small one."""
+
+
+def flatness_rows(
+    what: str,
+    times: dict[str, dict[int, float]],
+    small: int,
+    large: int,
+    labels: dict[str, str],
+    package: str,
+) -> list[Row]:
+    """One row per key of ``times`` (seconds per pair, by pool size): its cost on the ``large`` pool
+    over its cost on the ``small`` one, in ns per pair. Only the ``package`` key has the target
+    (at most :data:`FLAT_LIMIT`); the others are shown for contrast."""
+    rows = []
+    for key, label in labels.items():
+        growth = times[key][large] / times[key][small]
+        is_package = key == package
+        rows.append(
+            Row(
+                f"{what} cost {large:,} / {small:,} blocks: {label}",
+                times[key][large] * 1e9,
+                times[key][small] * 1e9,
+                growth,
+                f"<= {FLAT_LIMIT}x (flat)" if is_package else "—",
+                growth <= FLAT_LIMIT if is_package else None,
+                unit="ns/pair",
+            )
+        )
+    return rows
+
+
 def _met(met: bool | None) -> str:
     return "—" if met is None else ("yes" if met else "**no**")
 

@@ -20,11 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Row, median_time, text_table
+from _timing import Row, flatness_rows, median_time, text_table
 
 from paged_kv import BlockAllocator, PagedKVCacheAllocator
-
-FLAT_LIMIT = 1.5  # allocate/free at 100k blocks may cost at most this many times its cost at 1k
 
 
 class BlogStyleBlockManager:
@@ -189,20 +187,8 @@ def run(
                 unit="pairs/s",
             )
         )
-    for key, label in (("package", "BlockAllocator (linked list)"), ("naive", "list pop(0), for contrast")):
-        growth = times[key][large] / times[key][small]
-        is_package = key == "package"
-        rows.append(
-            Row(
-                f"allocate+free cost {large:,} / {small:,} blocks: {label}",
-                times[key][large] * 1e9,
-                times[key][small] * 1e9,
-                growth,
-                f"<= {FLAT_LIMIT}x (flat)" if is_package else "—",
-                growth <= FLAT_LIMIT if is_package else None,
-                unit="ns/pair",
-            )
-        )
+    labels = {"package": "BlockAllocator (linked list)", "naive": "list pop(0), for contrast"}
+    rows += flatness_rows("allocate+free", times, small, large, labels, package="package")
     return rows
 
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Row, median_time, text_table
+from _timing import Row, flatness_rows, median_time, text_table
 
 from paged_kv import BlockAllocator
 from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
 
-FLAT_LIMIT = 1.5  # removal from the middle at 100k blocks may cost at most this many times its cost at 1k
 HIT_RATE_TARGET = 0.99  # the share of the ideal hit rate the workload must reach
 
 
@@ -145,20 +144,8 @@ def run(
             unit="pairs/s",
         )
     )
-    for key, label in (("linked", "BlockAllocator (doubly linked)"), ("deque", "deque.remove, for contrast")):
-        growth = times[key][large] / times[key][small]
-        is_package = key == "linked"
-        rows.append(
-            Row(
-                f"take+free from the middle, cost {large:,} / {small:,} blocks: {label}",
-                times[key][large] * 1e9,
-                times[key][small] * 1e9,
-                growth,
-                f"<= {FLAT_LIMIT}x (flat)" if is_package else "—",
-                growth <= FLAT_LIMIT if is_package else None,
-                unit="ns/pair",
-            )
-        )
+    labels = {"linked": "BlockAllocator (doubly linked)", "deque": "deque.remove, for contrast"}
+    rows += flatness_rows("take+free from the middle,", times, small, large, labels, package="linked")
 
     requests = system_prompt_requests(num_requests, system_tokens, scale=scale)
     results = {

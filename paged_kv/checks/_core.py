@@ -126,6 +126,28 @@ class Checker:
         raise AssertionError("unreachable")
 
 
+def classic_mistake(
+    fn: Callable[..., object],
+    cases: list[tuple],
+    mistakes: list[tuple[Callable[..., bool], str]],
+    default: str,
+) -> str:
+    """The hint of the first known mistake that ``fn`` repeats on every case, else ``default``.
+
+    Each mistake is a ``(wrong_rule, hint)`` pair; ``fn`` makes it when ``bool(fn(*case))`` equals
+    ``wrong_rule(*case)`` for all ``cases``. An ``fn`` that raises gets ``default``: the failing
+    expectation reports the error itself.
+    """
+    try:
+        answers = [bool(fn(*case)) for case in cases]
+    except Exception:  # the learner's bug; the case at hand reports it
+        return default
+    for mistake, hint in mistakes:
+        if answers == [mistake(*case) for case in cases]:
+            return hint
+    return default
+
+
 def _same(got: object, expected: object) -> bool:
     try:
         import torch

@@ -24,7 +24,7 @@ from ..device import default_device
 from ..engine import admits, watermark_blocks
 from ..errors import OutOfBlocksError
 from ..preemption import choose_victims as package_victims
-from ._core import Checker, task
+from ._core import Checker, classic_mistake, task
 
 # ------------------------------------------------------------------------------- Task 1
 
@@ -114,15 +114,7 @@ def _grid() -> list[tuple[int, int, int, int, float]]:
 
 def _admission_hint(admit: Callable[..., object]) -> str:
     """The classic mistake that ``admit`` makes on the grid, else the rule."""
-    grid = _grid()
-    try:
-        answers = [bool(admit(*case)) for case in grid]
-    except Exception:  # the learner's bug; the case at hand reports it
-        return RULE
-    for mistake, hint in ADMISSION_MISTAKES:
-        if answers == [mistake(*case) for case in grid]:
-            return hint
-    return RULE
+    return classic_mistake(admit, _grid(), ADMISSION_MISTAKES, RULE)
 
 
 @task("08.admit_with_watermark", "admission with a watermark", needs=("admit_with_watermark",))

@@ -25,7 +25,7 @@ from ..device import default_device
 from ..engine import Engine, EngineRequest
 from ..errors import OutOfBlocksError
 from ..model import GPTConfig, TinyGPT, generate
-from ._core import Checker, task
+from ._core import Checker, classic_mistake, task
 
 # A GPT small enough for the checks to run in a blink, with two layers so that "every layer" matters.
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
@@ -96,14 +96,7 @@ ADMISSION_MISTAKES: list[tuple[Callable[[int, int, int, int], bool], str]] = [
 def _admission_hint(can_admit: Callable[..., object]) -> str:
     """The classic mistake that ``can_admit`` makes on a grid of cases, else the rule."""
     grid = [(f, p, r, b) for f in range(9) for p in range(1, 13) for r in range(4) for b in (1, 4)]
-    try:
-        answers = [bool(can_admit(*case)) for case in grid]
-    except Exception:  # the learner's bug; the case at hand reports it
-        return RULE
-    for mistake, hint in ADMISSION_MISTAKES:
-        if answers == [mistake(*case) for case in grid]:
-            return hint
-    return RULE
+    return classic_mistake(can_admit, grid, ADMISSION_MISTAKES, RULE)
 
 
 def _admitted_at_once(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:
