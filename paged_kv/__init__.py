@@ -11,6 +11,7 @@ from .cache import PagedKVCacheAllocator
 from .device import default_device
 from .errors import OutOfBlocksError, UnknownSequenceError
 from .fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
+from .prefix_cache import PrefixCacheStats
 from .snapshot import AllocatorSnapshot
 from .usage import BlockUsage
 
@@ -25,6 +26,7 @@ __all__ = [
     "ContiguousUsage",
     "OutOfBlocksError",
     "PagedKVCacheAllocator",
+    "PrefixCacheStats",
     "UnknownSequenceError",
     "blocks_for_tokens",
     "contiguous_baseline",
