@@ -154,6 +154,9 @@ class PagedKVCacheAllocator:
         and must never write into the first ``c`` positions, which other sequences read. At least
         the last prompt token is always left to compute. The prompt's fresh full blocks are cached
         for later prompts, so write their K/V before allocating another sequence that may reuse them.
+        Once written, a cached block is immutable, as in vLLM: :meth:`write_kv` copies a block
+        another sequence holds before writing, but overwrites in place a cached block that only this
+        sequence holds, and the cache would then serve the new K/V for the old tokens.
         Without prefix caching, ``token_ids`` are checked and otherwise ignored.
 
         Returns:
