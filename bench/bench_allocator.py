@@ -139,7 +139,8 @@ def decode_step_times(
 
 
 def allocate_free_time(allocator: BlockAllocator | PopFrontAllocator, pairs: int, repeats: int) -> float:
-    """Median seconds of one ``allocate()`` + ``free()`` pair on a pool whose blocks are all free."""
+    """Median seconds of one ``allocate()`` + ``free()`` pair on a pool whose blocks are all free: the
+    head and tail operations of the free list alone."""
 
     def pairs_loop() -> None:
         allocate, free = allocator.allocate, allocator.free

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, flatness_rows, median_time, text_table
+from bench_allocator import PopFrontAllocator, allocate_free_time
 
 from paged_kv import BlockAllocator
 from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
@@ -31,7 +32,7 @@ from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
 HIT_RATE_TARGET = 0.99  # the share of the ideal hit rate the workload must reach
 
 
-class DequeFreeList:
+class DequeFreeList(PopFrontAllocator):
     """The baseline: a FIFO free list kept in a ``deque`` and ref counts in a list.
 
     ``allocate`` pops the head and ``free`` appends at the tail in O(1), each one C call; ``take``
@@ -39,8 +40,8 @@ class DequeFreeList:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.ref_counts = [0] * num_blocks
+        super().__init__(num_blocks)
+        self.free_block_ids: deque[int] = deque(self.free_block_ids)
 
     def allocate(self) -> int:
         if not self.free_block_ids:
@@ -54,15 +55,6 @@ class DequeFreeList:
             raise ValueError(f"block {block_id} is in use")
         self.free_block_ids.remove(block_id)
         self.ref_counts[block_id] = 1
-
-    def free(self, block_id: int) -> bool:
-        if self.ref_counts[block_id] == 0:
-            raise ValueError(f"block {block_id} is already free")
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self.free_block_ids.append(block_id)
-            return True
-        return False
 
 
 def middle_blocks(num_blocks: int, count: int, seed: int = 0) -> list[int]:
@@ -85,17 +77,6 @@ def take_free_time(pool: BlockAllocator | DequeFreeList, block_ids: list[int], r
             free(block_id)
 
     return median_time(pairs, repeats=repeats, warmup=1) / len(block_ids)
-
-
-def allocate_free_time(pool: BlockAllocator | DequeFreeList, pairs: int, repeats: int) -> float:
-    """Median seconds of one ``allocate()`` + ``free()`` pair: the head and tail operations alone."""
-
-    def loop() -> None:
-        allocate, free = pool.allocate, pool.free
-        for _ in range(pairs):
-            free(allocate())
-
-    return median_time(loop, repeats=repeats, warmup=1) / pairs
 
 
 def run(

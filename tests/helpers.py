@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from paged_kv import PagedKVCacheAllocator
+from paged_kv.engine import EngineRequest
+from paged_kv.model import TinyGPT, generate
 
 NUM_HEADS, HEAD_DIM = 2, 4
 
@@ -16,6 +19,17 @@ NUM_HEADS, HEAD_DIM = 2, 4
 def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.device = "cpu", **kw):
     """A small allocator: two heads of dimension four."""
     return PagedKVCacheAllocator(num_blocks, block_size, NUM_HEADS, HEAD_DIM, device=device, **kw)
+
+
+def alone(model: TinyGPT, request: EngineRequest) -> list[int]:
+    """The tokens ``generate`` gives the request's prompt on its own, with a contiguous cache: what
+    the engine must produce for it, whatever the batch, the budget or the cache's settings."""
+    return _generated_alone(model, tuple(request.prompt), request.max_new_tokens)
+
+
+@functools.cache  # the property tests ask for the same prompts many times
+def _generated_alone(model: TinyGPT, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    return generate(model, [list(prompt)], max_new_tokens, cache="contiguous").tokens[0]
 
 
 def kv_for(num_tokens: int, first: int = 0, device: str | torch.device = "cpu", dtype=torch.float32):

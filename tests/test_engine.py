@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 
@@ -21,7 +20,9 @@ from paged_kv.engine import (
     sweep_budgets,
     watermark_blocks,
 )
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
+from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT
+
+from .helpers import alone
 
 pytestmark = pytest.mark.lesson09
 
@@ -46,10 +47,6 @@ def random_requests(
         )
         for i in range(n)
     ]
-
-
-def alone(model: TinyGPT, request: EngineRequest) -> list[int]:
-    return generate(model, [request.prompt], request.max_new_tokens, cache="contiguous").tokens[0]
 
 
 class SpyCache(PagedKVCache):
@@ -400,11 +397,6 @@ def test_a_request_admissible_only_without_the_watermark_is_refused(model: TinyG
         Engine(model, num_blocks=3, block_size=4, watermark=0.5).run([request])
 
 
-@functools.cache
-def alone_cached(model: TinyGPT, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    return generate(model, [list(prompt)], max_new_tokens, cache="contiguous").tokens[0]
-
-
 @st.composite
 def workloads(draw) -> list[EngineRequest]:
     n = draw(st.integers(2, 7))  # several at once, so that tight budgets preempt
@@ -446,8 +438,7 @@ def test_any_workload_on_any_budget_gets_the_text_of_each_prompt_alone(
     target(float(result.preemptions), label="preemptions")  # steer towards tight, busy runs
     check_invariants(engine, result, requests)
     for request in requests:
-        expected = alone_cached(model, tuple(request.prompt), request.max_new_tokens)
-        assert result.tokens[request.request_id] == expected, request.request_id
+        assert result.tokens[request.request_id] == alone(model, request), request.request_id
     assert caches[0].all_free()
     if smallest > 1:  # one block fewer is refused up front
         with pytest.raises(ValueError, match="num_blocks"):

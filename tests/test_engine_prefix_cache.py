@@ -7,7 +7,6 @@ request gets the tokens of its prompt generated alone, with or without preemptio
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
@@ -16,7 +15,9 @@ from hypothesis import event, given, target
 from hypothesis import strategies as st
 
 from paged_kv.engine import Engine, EngineRequest, EngineResult, min_num_blocks, plot_metrics
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
+from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT
+
+from .helpers import alone
 
 pytestmark = pytest.mark.lesson09
 
@@ -30,15 +31,9 @@ def model() -> TinyGPT:
     return TinyGPT(CONFIG, seed=1)
 
 
-@functools.cache
-def alone(model: TinyGPT, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    return generate(model, [list(prompt)], max_new_tokens, cache="contiguous").tokens[0]
-
-
 def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequest]) -> None:
     for request in requests:
-        expected = alone(model, tuple(request.prompt), request.max_new_tokens)
-        assert result.tokens[request.request_id] == expected, request.request_id
+        assert result.tokens[request.request_id] == alone(model, request), request.request_id
 
 
 class SpyCache(PagedKVCache):
