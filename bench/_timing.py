@@ -1,4 +1,5 @@
-"""Shared helpers of the bench scripts: a timer, the result row, the tables and the machine's description.
+"""Shared helpers of the bench scripts: the timer (the course's own, :mod:`paged_kv.timing`), the result
+row, the tables and the machine's description.
 
 Every benchmark measures the package against a baseline *in the same run* and reports the ratio, so
 a slow or busy machine shifts both sides alike. Nothing here asserts a time.
@@ -8,11 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from paged_kv.timing import median_time as median_time  # the benches' timer is the course's
 
 
 @dataclass(frozen=True)
@@ -31,23 +31,6 @@ class Row:
     target: str
     met: bool | None
     unit: str = "µs"
-
-
-def median_time(fn: Callable[[], object], repeats: int = 15, warmup: int = 2, number: int = 1) -> float:
-    """The median over ``repeats`` samples of the seconds one call of ``fn`` takes.
-
-    Each sample times ``number`` calls in a row and divides, so very short calls rise above the
-    timer's resolution; ``warmup`` untimed calls come first.
-    """
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - start) / number)
-    return statistics.median(samples)
 
 
 FLAT_LIMIT = 1.5
