@@ -37,7 +37,8 @@ def format_report(report: GradeReport) -> str:
     for result in report.results:
         mark = MARK.get(result.status, "\N{BALLOT X}")
         points = f"{result.points:>3} / {result.max_points:<2}"
-        lines.append(f"{result.task_id:<{width}}  {points} {mark} {STATUS_TEXT[result.status]}")
+        through = f", through {', '.join(result.blocked_by)}" if result.blocked_by else ""
+        lines.append(f"{result.task_id:<{width}}  {points} {mark} {STATUS_TEXT[result.status]}{through}")
     lines.append(f"{'total':<{width}}  {report.score:>3} / {report.max_score:<2}")
     for result in report.results:
         if not result.passed:

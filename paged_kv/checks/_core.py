@@ -1,22 +1,58 @@
 """The machinery of the notebook checks: a registry of tasks and a :class:`Checker` of expectations.
 
 A check runs the learner's code on concrete cases and stops at the first expectation that fails,
-saying what was called, what was expected, what came back and a hint. A stub that still raises
-``NotImplementedError`` is reported as "not implemented yet", never as a wrong answer.
+saying what was called, what was expected, what came back and a hint. Three things keep the
+feedback about the learner's own code:
+
+* a hint can be derived from what the code did (:func:`diagnose` runs it on neighbouring cases and
+  compares it with implementations that make known mistakes), instead of one fixed per case;
+* an exception raised in the learner's code shows the learner's own lines (:func:`learner_frames`:
+  the traceback trimmed to their cells or files), with a hint for the common error types;
+* a task that fails while it uses an earlier task's function or class that fails its own check
+  says so ("this uses your ``needs_new_block``, which failed above"), instead of blaming the later
+  task (:func:`failed_dependencies`).
+
+A stub that still raises ``NotImplementedError`` is reported as "not implemented yet", never as a
+wrong answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import io
+import sys
+import sysconfig
+import traceback
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 PASS, FAIL = "\N{CHECK MARK}", "\N{BALLOT X}"
+Hint = str | Callable[[], str]
+"""A hint, or a function that derives it from the learner's code; it is only called on a failure."""
+Mistake = tuple[Callable[..., object], str]
+"""An implementation that makes a known mistake, and the hint that names the mistake."""
+
+# Code under these folders is not the learner's: the standard library, installed packages, paged_kv.
+_NOT_LEARNER = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {str(Path(__file__).resolve().parents[1])}
+)
+_MAX_FRAMES = 4
 
 
 class CheckFailed(AssertionError):
-    """A task's code gave a wrong answer; the message says which call, what was expected, what came back."""
+    """A task's code gave a wrong answer; the message says which call, what was expected, what came back.
+
+    ``blocked_by`` lists the earlier tasks whose code this task used and that fail their own checks.
+    """
+
+    def __init__(self, message: str, blocked_by: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.blocked_by = blocked_by
 
 
 @dataclass(frozen=True)
@@ -68,7 +104,8 @@ class Checker:
         self.task = task
         self.passed = 0
 
-    def fail(self, call: str, expected: object, got: object, hint: str) -> None:
+    def fail(self, call: str, expected: object, got: object, hint: Hint, error: BaseException | None = None):
+        """Raise :class:`CheckFailed`; with ``error``, show where in the learner's code it was raised."""
         __tracebackhide__ = True
         lines = [
             f"{FAIL} {self.task.task_id} ({self.task.title})",
@@ -76,11 +113,16 @@ class Checker:
             f"  expected: {expected}",
             f"  got:      {got}",
         ]
-        if hint:
-            lines.append(f"  hint:     {hint}")
+        if error is not None:
+            lines += where_raised(error)
+        text = hint() if callable(hint) else hint
+        if error is not None:
+            text = "; ".join(part for part in (error_hint(error), text) if part)
+        if text:
+            lines.append(f"  hint:     {text}")
         raise CheckFailed("\n".join(lines))
 
-    def run(self, call: str, thunk: Callable[[], Any], hint: str = "") -> Any:
+    def run(self, call: str, thunk: Callable[[], Any], hint: Hint = "") -> Any:
         """Evaluate the learner's code; an unexpected exception becomes a failed check."""
         __tracebackhide__ = True
         try:
@@ -88,9 +130,9 @@ class Checker:
         except NotImplementedError:
             raise
         except Exception as error:  # the learner's bug, reported as such
-            self.fail(call, "no exception", f"{type(error).__name__}: {error}", hint)
+            self.fail(call, "no exception", f"{type(error).__name__}: {error}", hint, error)
 
-    def equal(self, call: str, thunk: Callable[[], Any], expected: object, hint: str = "") -> Any:
+    def equal(self, call: str, thunk: Callable[[], Any], expected: object, hint: Hint = "") -> Any:
         """``thunk()`` must return ``expected``."""
         __tracebackhide__ = True
         got = self.run(call, thunk, hint)
@@ -99,7 +141,7 @@ class Checker:
         self.passed += 1
         return got
 
-    def holds(self, call: str, condition: bool, expected: str, got: object, hint: str = "") -> None:
+    def holds(self, call: str, condition: bool, expected: str, got: object, hint: Hint = "") -> None:
         """A condition the learner's results must meet, described in words."""
         __tracebackhide__ = True
         if not condition:
@@ -107,7 +149,12 @@ class Checker:
         self.passed += 1
 
     def raises(
-        self, call: str, thunk: Callable[[], Any], error: type[BaseException], hint: str = "", match: str = ""
+        self,
+        call: str,
+        thunk: Callable[[], Any],
+        error: type[BaseException],
+        hint: Hint = "",
+        match: str = "",
     ) -> BaseException:
         """``thunk()`` must raise ``error`` (whose message contains ``match``)."""
         __tracebackhide__ = True
@@ -121,34 +168,233 @@ class Checker:
             self.passed += 1
             return raised
         except Exception as raised:
-            self.fail(call, error.__name__, f"{type(raised).__name__}: {raised}", hint)
+            self.fail(call, error.__name__, f"{type(raised).__name__}: {raised}", hint, raised)
         self.fail(call, error.__name__, f"no exception (returned {result!r})", hint)
         raise AssertionError("unreachable")
 
 
-def classic_mistake(
-    fn: Callable[..., object],
-    cases: list[tuple],
-    mistakes: list[tuple[Callable[..., bool], str]],
-    default: str,
-) -> str:
-    """The hint of the first known mistake that ``fn`` repeats on every case, else ``default``.
+# ------------------------------------------------------------------ hints from what the code did
 
-    Each mistake is a ``(wrong_rule, hint)`` pair; ``fn`` makes it when ``bool(fn(*case))`` equals
-    ``wrong_rule(*case)`` for all ``cases``. An ``fn`` that raises gets ``default``: the failing
-    expectation reports the error itself.
+
+def diagnose(
+    learner: Callable[..., object],
+    mistakes: Sequence[Mistake],
+    probe: Callable[[Callable[..., object]], object],
+    default: str = "",
+) -> str:
+    """The hint of the first mistake whose implementation behaves like ``learner``, else ``default``.
+
+    ``probe(implementation)`` runs an implementation on the cases around the one that failed and
+    returns what it observed (answers, the tensors it wrote...); ``learner`` makes a mistake when
+    its observations equal those of the mistake's implementation. A ``learner`` that raises under
+    the probe gets ``default``: the failing expectation reports the error itself.
     """
     try:
-        answers = [bool(fn(*case)) for case in cases]
+        seen = probe(learner)
     except Exception:  # the learner's bug; the case at hand reports it
         return default
-    for mistake, hint in mistakes:
-        if answers == [mistake(*case) for case in cases]:
-            return hint
+    for wrong, hint in mistakes:
+        try:
+            if _same(probe(wrong), seen):
+                return hint
+        except Exception:  # this mistake cannot even run on the probe: it is not the learner's
+            continue
     return default
 
 
+def answers(cases: Sequence[tuple], convert: Callable[[object], object] = bool) -> Callable[..., list]:
+    """A probe for :func:`diagnose`: the answers of a function on ``cases``, each through ``convert``."""
+
+    def probe(fn: Callable[..., object]) -> list:
+        return [convert(fn(*case)) for case in cases]
+
+    return probe
+
+
+# ----------------------------------------------------------------- exceptions in the learner's code
+
+
+def learner_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``error``'s traceback that run the learner's code, outermost first.
+
+    The learner's code is whatever is not the standard library, an installed package or
+    ``paged_kv``: a notebook cell, a cell the grader loaded (``cell 5``) or a file of theirs.
+    """
+    return [frame for frame in traceback.extract_tb(error.__traceback__) if _is_learner(frame.filename)]
+
+
+def _is_learner(filename: str) -> bool:
+    if filename.startswith("<"):
+        return filename.startswith("<ipython-input")
+    try:
+        resolved = str(Path(filename).resolve())
+    except (OSError, ValueError):
+        return True
+    return not resolved.startswith(_NOT_LEARNER)
+
+
+def _place(filename: str) -> str:
+    """``Cell In[7]`` for a notebook cell, the grader's own label (``cell 5``), or a file's name."""
+    shell = sys.modules.get("IPython")
+    ipython = shell.get_ipython() if shell is not None else None  # type: ignore[attr-defined]
+    number = getattr(getattr(ipython, "compile", None), "_filename_map", {}).get(filename)
+    if number is not None:
+        return f"Cell In[{number}]"
+    return filename if filename.startswith("cell ") else Path(filename).name
+
+
+def where_raised(error: BaseException) -> list[str]:
+    """Lines that show where in the learner's code ``error`` was raised: place, line and source."""
+    frames = learner_frames(error)[-_MAX_FRAMES:]
+    lines = []
+    for number, frame in enumerate(frames):
+        label = "  where:    " if number == 0 else "            "
+        lines.append(f"{label}{_place(frame.filename)}, line {frame.lineno}, in {frame.name}")
+        if frame.line:
+            lines.append(f"                {frame.line.strip()}")
+    return lines
+
+
+def error_hint(error: BaseException) -> str:
+    """What a common exception usually means in this course's code, or ``""``."""
+    text = str(error)
+    if isinstance(error, TypeError) and "float" in text and ("integer" in text or "indices" in text):
+        return "a float where an integer belongs: / always gives a float, // an int"
+    if isinstance(error, IndexError) and "empty" in text:
+        return "something was taken from an empty list or deque: check that it holds an item first"
+    if isinstance(error, AttributeError) and "has no attribute" in text:
+        return "an attribute is read before it is set: assign it in __init__, or check its spelling"
+    if isinstance(error, NameError):
+        return "a name is not defined here: run the cell that defines it, or check its spelling"
+    if isinstance(error, RecursionError):
+        return "a function calls itself without end (a method that calls itself instead of super()?)"
+    return ""
+
+
+# ------------------------------------------------------------------ the earlier tasks a task uses
+
+
+def failed_dependencies(current: Task, objects: Sequence[object]) -> list[tuple[str, str, str]]:
+    """The earlier tasks whose learner code ``objects`` use and that fail their own checks.
+
+    Exercise code calls the learner's own earlier functions (``decode_step`` calls their
+    ``needs_new_block``). The names ``objects`` reach, directly or through other code of the
+    learner, are looked up where that code is defined; an earlier task of the same lesson whose
+    every needed name is found there, as the learner's code, has its check run again, quietly.
+    Returns ``(task_id, name, outcome)`` triples, ``outcome`` ``"failed"`` or ``"is not implemented yet"``.
+    """
+    reached = _reached(objects)
+    found = []
+    for earlier in TASKS.values():
+        if earlier is current:
+            break
+        if earlier.lesson != current.lesson or not all(name in reached for name in earlier.needs):
+            continue
+        outcome = _outcome(earlier, [reached[name] for name in earlier.needs])
+        if outcome:
+            found.append((earlier.task_id, earlier.needs[0], outcome))
+    return found
+
+
+def _outcome(earlier: Task, objects: list[object]) -> str:
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            earlier.run(Checker(earlier), *objects)
+    except NotImplementedError:
+        return "is not implemented yet"
+    except Exception:  # a wrong answer, or the learner's code raised
+        return "failed"
+    return ""
+
+
+def _reached(objects: Sequence[object]) -> dict[str, object]:
+    """Every global name the learner's ``objects`` use, transitively through the learner's code."""
+    reached: dict[str, object] = {}
+    pending = [obj for obj in objects if _is_learners(obj)]
+    seen: set[int] = set()
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for name, value in _globals_used(obj).items():
+            if _is_learners(value):
+                reached.setdefault(name, value)
+                pending.append(value)
+    return reached
+
+
+def _is_learners(obj: object) -> bool:
+    """Whether ``obj`` is a function or class the learner wrote (in a cell, or a file of theirs)."""
+    if isinstance(obj, types.FunctionType):
+        return _is_learner(obj.__code__.co_filename)
+    if not isinstance(obj, type) or obj.__module__ == "builtins":
+        return False
+    filename = getattr(sys.modules.get(obj.__module__), "__file__", None)
+    return filename is None or _is_learner(filename)  # a notebook's or the grader's module has no file
+
+
+def _globals_used(obj: object) -> dict[str, object]:
+    """The global names ``obj``'s code reads (a class: its methods' and its bases'), with their values."""
+    if isinstance(obj, types.FunctionType):
+        functions, namespace = [obj], obj.__globals__
+        used: dict[str, object] = {}
+    else:
+        module = sys.modules.get(obj.__module__)  # type: ignore[attr-defined]
+        namespace = vars(module) if module is not None else {}
+        functions = [f for value in vars(obj).values() for f in _functions_of(value)]
+        used = {base.__name__: base for base in obj.__bases__ if _is_learners(base)}  # type: ignore[attr-defined]
+    for function in functions:
+        for name in _names_in(function.__code__):
+            if name in namespace:
+                used[name] = namespace[name]
+    return used
+
+
+def _functions_of(value: object) -> list[types.FunctionType]:
+    if isinstance(value, staticmethod | classmethod):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType)]
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names_in(constant)
+    return names
+
+
+def _code_of(obj: object) -> set[types.CodeType]:
+    """Every code object of a learner's function or class (its methods, nested functions included)."""
+    functions = (
+        [obj]
+        if isinstance(obj, types.FunctionType)
+        else [f for value in vars(obj).values() for f in _functions_of(value)]
+    )
+    codes: set[types.CodeType] = set()
+    pending = [function.__code__ for function in functions]
+    while pending:
+        code = pending.pop()
+        codes.add(code)
+        pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return codes
+
+
+def _blocked_note(blocked: list[tuple[str, str, str]]) -> str:
+    return "; ".join(
+        f"this uses your `{name}`, which {'failed above' if outcome == 'failed' else outcome} ({task_id})"
+        for task_id, name, outcome in blocked
+    )
+
+
+# ---------------------------------------------------------------------------------------- check
+
+
 def _same(got: object, expected: object) -> bool:
+    """Equality that compares tensors by shape and values, also inside lists, tuples and dicts."""
     try:
         import torch
 
@@ -161,14 +407,24 @@ def _same(got: object, expected: object) -> bool:
             )
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return bool(got == expected)
+    if isinstance(expected, list | tuple) and type(got) is type(expected):
+        return len(got) == len(expected) and all(map(_same, got, expected))  # type: ignore[arg-type]
+    if isinstance(expected, dict) and isinstance(got, dict):
+        return got.keys() == expected.keys() and all(_same(got[key], expected[key]) for key in expected)
+    try:
+        return bool(got == expected)
+    except Exception:  # a learner's object whose == raises, or a tensor inside a dict
+        return False
 
 
 def check(task_id: str, *objects: object) -> None:
     """Run the check of one task on the learner's ``objects`` and print a tick, or raise.
 
+    When the task fails while its code uses the learner's code of an earlier task that fails too,
+    the message starts by saying so, and :attr:`CheckFailed.blocked_by` names those tasks.
+
     Raises:
-        NotImplementedError: the task's code is still a stub.
+        NotImplementedError: the task's code is still a stub (or calls an earlier task's stub).
         CheckFailed: an expectation failed (the message says which, and how to look into it).
         KeyError: ``task_id`` names no task.
     """
@@ -178,9 +434,35 @@ def check(task_id: str, *objects: object) -> None:
     current = TASKS[task_id]
     checker = Checker(current)
     try:
-        current.run(checker, *objects)
+        try:
+            current.run(checker, *objects)
+        except (NotImplementedError, CheckFailed):
+            raise
+        except Exception as error:  # the learner's code raised where the check did not expect it
+            if not learner_frames(error):
+                raise  # a bug of the check itself: let it show
+            checker.fail(
+                f"the check of {task_id}", "no exception", f"{type(error).__name__}: {error}", "", error
+            )
     except NotImplementedError as error:
+        stubs = [dep for dep in failed_dependencies(current, objects) if _raised_in(error, dep[1], objects)]
+        note = f" ({_blocked_note(stubs)})" if stubs else ""
         raise NotImplementedError(
-            f"task {task_id} ({current.title}) is not implemented yet: {error or 'replace the stub'}"
+            f"task {task_id} ({current.title}) is not implemented yet{note}: {error or 'replace the stub'}"
         ) from None
+    except CheckFailed as error:
+        blocked = failed_dependencies(current, objects)
+        if not blocked:
+            raise
+        header, _, details = str(error).partition("\n")
+        message = f"{header}\n  first:    {_blocked_note(blocked)}: fix that task first\n{details}"
+        raise CheckFailed(message, tuple(task_id for task_id, _, _ in blocked)) from None
     print(f"{PASS} {task_id} {current.title}: all {checker.passed} checks passed")
+
+
+def _raised_in(error: BaseException, name: str, objects: Sequence[object]) -> bool:
+    """Whether ``error`` was raised by the code of the learner's ``name`` that ``objects`` use."""
+    innermost = error.__traceback__
+    while innermost is not None and innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return innermost is not None and innermost.tb_frame.f_code in _code_of(_reached(objects)[name])

@@ -13,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..device import default_device
-from ._core import Checker, task
+from ._core import Checker, diagnose, task
 
 TABLE = [5, 2, 7]  # the scattered table of lesson 03: 11 tokens in blocks of 4
 UNWRITTEN = 0.5
@@ -258,13 +258,74 @@ def _caches(
     return (torch.full(shape, UNWRITTEN, device=device), torch.full(shape, UNWRITTEN, device=device))
 
 
-def _scatter(k_cache, v_cache, table: list[int], k, v, start: int = 0) -> None:
-    """The reference, one token at a time."""
-    size = k_cache.shape[2]
-    for i in range(k.shape[0]):
-        p = start + i
-        k_cache[table[p // size], :, p % size, :] = k[i]
-        v_cache[table[p // size], :, p % size, :] = v[i]
+def _writer(
+    *,
+    k_from: str = "k",
+    v_from: str = "v",
+    offsets_on_heads: bool = False,
+    flat_rows: bool = False,
+    from_zero: bool = False,
+) -> Callable[..., None]:
+    """A ``write_kv``, one token at a time: the reference with no option, else a classic mistake.
+
+    ``k_from`` / ``v_from`` say which input each cache gets ("k" or "v"); ``offsets_on_heads``
+    indexes ``cache[block, offset]``; ``flat_rows`` treats the cache as ``(slot, head, dim)`` rows;
+    ``from_zero`` ignores ``start_position``.
+    """
+
+    def write(k_cache, v_cache, block_table, k, v, start_position=0) -> None:
+        num_heads, size, dim = k_cache.shape[1:]
+        sources = {"k": k, "v": v}
+        for i in range(k.shape[0]):
+            p = i + (0 if from_zero else start_position)
+            block, offset = int(block_table[p // size]), p % size
+            for cache, name in ((k_cache, k_from), (v_cache, v_from)):
+                if flat_rows:
+                    cache.view(-1, num_heads, dim)[block * size + offset] = sources[name][i]
+                elif offsets_on_heads:
+                    cache[block, offset] = sources[name][i]
+                else:
+                    cache[block, :, offset, :] = sources[name][i]
+
+    return write
+
+
+_write = _writer()
+WRITE_MISTAKES = [
+    (_writer(k_from="v", v_from="k"), "K and V are swapped: k goes to k_cache, v to v_cache"),
+    (
+        _writer(v_from="k"),
+        "v_cache holds K: your code writes k into both caches. Write k into k_cache and v into v_cache",
+    ),
+    (
+        _writer(k_from="v"),
+        "k_cache holds V: your code writes v into both caches. Write k into k_cache and v into v_cache",
+    ),
+    (_writer(offsets_on_heads=True), f"the offsets land on the heads axis: {WHERE}"),
+    (_writer(flat_rows=True), f"the cache is not a list of (slot, head, dim) rows: {WHERE}"),
+    (
+        _writer(from_zero=True),
+        "every chunk is written from position 0: token i of k is at position start_position + i",
+    ),
+]
+
+
+def _written(
+    write_kv, config: tuple, chunks: tuple[tuple[int, int], ...], device
+) -> tuple[torch.Tensor, ...]:
+    """The caches after ``write_kv`` wrote a sequence's K/V chunk by chunk, ``(start, end)`` each."""
+    num_blocks, heads, size, dim, table, tokens = config
+    k, v = _kv(tokens, heads, dim, device)
+    k_cache, v_cache = _caches(num_blocks, heads, size, dim, device)
+    block_table = torch.tensor(table, device=device)
+    for start, end in chunks:
+        write_kv(k_cache, v_cache, block_table, k[start:end], v[start:end], start)
+    return k_cache, v_cache
+
+
+def _write_hint(write_kv, config: tuple, chunks: tuple[tuple[int, int], ...], device, default: str) -> str:
+    """The classic mistake ``write_kv`` makes on this configuration, else ``default``."""
+    return diagnose(write_kv, WRITE_MISTAKES, lambda write: _written(write, config, chunks, device), default)
 
 
 def _describe(vector: torch.Tensor) -> str:
@@ -336,6 +397,25 @@ def _gather_hint(got: object, expected: torch.Tensor) -> str:
     return f"row p is token p: gather positions 0 .. num_tokens - 1 in order, {where}"
 
 
+def _read_hint(got_k, got_v, k: torch.Tensor, v: torch.Tensor, got: object, expected: torch.Tensor) -> str:
+    """Name K and V swapped or one of them read twice, from what ``read_kv`` returned, else where p lives."""
+
+    def holds(tensor: object, wanted: torch.Tensor) -> bool:
+        return (
+            isinstance(tensor, torch.Tensor)
+            and tensor.shape == wanted.shape
+            and torch.equal(tensor.cpu(), wanted.cpu())
+        )
+
+    if holds(got_k, v) and holds(got_v, k):
+        return "K and V are swapped: return (k, v), read from k_cache and v_cache"
+    if holds(got_k, k) and holds(got_v, k):
+        return "the v you return holds K: read v from v_cache (your code reads k_cache twice)"
+    if holds(got_k, v) and holds(got_v, v):
+        return "the k you return holds V: read k from k_cache (your code reads v_cache twice)"
+    return _gather_hint(got, expected)
+
+
 @task("03.write_read_kv", "write and gather K/V through a block table")
 def _write_read_kv(c: Checker, write_kv, read_kv) -> None:
     device = default_device()
@@ -343,62 +423,40 @@ def _write_read_kv(c: Checker, write_kv, read_kv) -> None:
     # so mixing up the head and offset axes gives no index error, only wrong data.
     configs = [(8, 2, 4, 3, TABLE, 11), (6, 4, 4, 3, [3, 0, 5], 10)]
 
-    for num_blocks, heads, size, dim, table, tokens in configs:
-        k, v = _kv(tokens, heads, dim, device)
-        k_cache, v_cache = _caches(num_blocks, heads, size, dim, device)
-        expected_k, expected_v = _caches(num_blocks, heads, size, dim, device)
-        _scatter(expected_k, expected_v, table, k, v)
-        block_table = torch.tensor(table, device=device)
+    # The whole sequence at once, then a prompt and one decode token at a time.
+    writes = [(config, ((0, config[5]),), WHERE) for config in configs] + [
+        (configs[0], ((0, 8), (8, 9), (9, 10), (10, 11)), "token i of k is at position start_position + i")
+    ]
+    for config, chunks, default in writes:
+        num_blocks, heads, size, dim, table, tokens = config
+        shapes = f"k_cache of shape {(num_blocks, heads, size, dim)} and k of shape {(tokens, heads, dim)}"
         call = (
-            f"write_kv(k_cache, v_cache, torch.tensor({table}), k, v, 0) with k_cache of shape "
-            f"{tuple(k_cache.shape)} and k of shape {tuple(k.shape)}"
+            f"write_kv(k_cache, v_cache, torch.tensor({table}), k, v, 0) with {shapes}"
+            if len(chunks) == 1
+            else f"write_kv(k_cache, v_cache, torch.tensor({table}), k[:8], v[:8], 0), then k[8:9] at 8, ..."
         )
-        c.run(
+        k_cache, v_cache = c.run(
             call,
-            lambda k_cache=k_cache, v_cache=v_cache, block_table=block_table, k=k, v=v: write_kv(
-                k_cache, v_cache, block_table, k, v, 0
-            ),
-            WHERE,
+            lambda config=config, chunks=chunks: _written(write_kv, config, chunks, device),
+            "positions run from start_position to start_position + len(k) - 1" if len(chunks) > 1 else WHERE,
         )
-        swapped = torch.equal(k_cache, expected_v) and torch.equal(v_cache, expected_k)
+        expected_k, expected_v = _written(_write, config, chunks, device)
         for name, got, expected in (("k_cache", k_cache, expected_k), ("v_cache", v_cache, expected_v)):
             difference = _cache_difference(name, got, expected)
             c.holds(
                 call,
                 difference is None,
                 *(difference or ("", "")),
-                "K and V are swapped: k goes to k_cache, v to v_cache" if swapped else WHERE,
+                lambda config=config, chunks=chunks, default=default: _write_hint(
+                    write_kv, config, chunks, device, default
+                ),
             )
-
-    # Writing from a start position: a prompt, then one decode token at a time.
-    num_blocks, heads, size, dim, table, tokens = configs[0]
-    k, v = _kv(tokens, heads, dim, device)
-    k_cache, v_cache = _caches(num_blocks, heads, size, dim, device)
-    expected_k, expected_v = _caches(num_blocks, heads, size, dim, device)
-    _scatter(expected_k, expected_v, table, k, v)
-    block_table = torch.tensor(table, device=device)
-    call = f"write_kv(k_cache, v_cache, torch.tensor({table}), k[:8], v[:8], 0), then k[8:9] at 8, ..."
-    c.run(
-        call,
-        lambda: [
-            write_kv(k_cache, v_cache, block_table, k[a:b], v[a:b], a)
-            for a, b in ((0, 8), (8, 9), (9, 10), (10, 11))
-        ],
-        "positions run from start_position to start_position + len(k) - 1",
-    )
-    for name, got, expected in (("k_cache", k_cache, expected_k), ("v_cache", v_cache, expected_v)):
-        difference = _cache_difference(name, got, expected)
-        c.holds(
-            call,
-            difference is None,
-            *(difference or ("", "")),
-            "token i of k is at position start_position + i",
-        )
 
     for num_blocks, heads, size, dim, table, tokens in configs:
         k, v = _kv(tokens, heads, dim, device)
-        k_cache, v_cache = _caches(num_blocks, heads, size, dim, device)
-        _scatter(k_cache, v_cache, table, k, v)
+        k_cache, v_cache = _written(
+            _write, (num_blocks, heads, size, dim, table, tokens), ((0, tokens),), device
+        )
         block_table = torch.tensor(table, device=device)
         for count in (tokens, 5, 0):
             call = (
@@ -420,20 +478,13 @@ def _write_read_kv(c: Checker, write_kv, read_kv) -> None:
                 "return k, v",
             )
             got_k, got_v = got
-            swapped = (
-                isinstance(got_k, torch.Tensor)
-                and got_k.shape == v[:count].shape
-                and torch.equal(got_k.cpu(), v[:count].cpu())
-            )
             for name, got_t, expected in (("k", got_k, k[:count]), ("v", got_v, v[:count])):
                 difference = _rows_difference(name, got_t, expected)
                 c.holds(
                     call,
                     difference is None,
                     *(difference or ("", "")),
-                    "K and V are swapped: return (k, v), read from k_cache and v_cache"
-                    if swapped
-                    else _gather_hint(got_t, expected),
+                    _read_hint(got_k, got_v, k[:count], v[:count], got_t, expected),
                 )
 
     # No Python loop over tokens: the number of tensor operations must not grow with them.

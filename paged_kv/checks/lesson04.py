@@ -7,7 +7,7 @@ from collections.abc import Hashable
 
 from ..cache import PagedKVCacheAllocator
 from ..errors import OutOfBlocksError
-from ._core import Checker, task
+from ._core import Checker, answers, diagnose, task
 
 RULE = (
     "a new block is needed exactly when the blocks held are full: num_tokens == num_blocks_held * block_size"
@@ -17,9 +17,38 @@ OFF_BY_ONE = (
     "while the last slot is still free"
 )
 LATE = (
-    "a check like num_tokens % block_size == 1 is off by one the other way: it takes the block one token "
-    "late, so the token after a full block finds no slot"
+    "your rule takes the block one token late: num_tokens > num_blocks_held * block_size is only true "
+    "once a token has already gone past the full blocks, so the token after a full block finds no slot. "
+    "Compare with ==: the blocks are full when num_tokens == num_blocks_held * block_size"
 )
+BOUNDARY_MISTAKES = [
+    (lambda n, held, size: (n + 1) % size == 0, OFF_BY_ONE),
+    (
+        lambda n, held, size: n % size == 1,
+        "your rule (num_tokens % block_size == 1) takes the block one token late: one token after the "
+        "block filled up, so the token after a full block finds no slot",
+    ),
+    (lambda n, held, size: n > held * size, LATE),
+    (
+        lambda n, held, size: n % size == 0,
+        "num_tokens % block_size == 0 ignores the blocks held: a block reserved ahead (4 tokens in 2 "
+        "blocks of 4) still has room. Compare with the capacity, num_blocks_held * block_size",
+    ),
+    (
+        lambda n, held, size: held > 0 and n == held * size,
+        "an empty sequence holds no block (0 tokens in 0 blocks), so its first token needs one: "
+        "0 == 0 * block_size is True already, it needs no special case",
+    ),
+]
+# Around every boundary: 0 to 3 blocks of 1, 2, 4 and 16, from empty to one token past full.
+BOUNDARY_PROBES = [
+    (n, held, size) for size in (1, 2, 4, 16) for held in range(4) for n in range(held * size + 2)
+]
+
+
+def _boundary_hint(needs_new_block, case_hint: str) -> str:
+    """The mistake ``needs_new_block`` makes around the boundaries, else what the failing case shows."""
+    return diagnose(needs_new_block, BOUNDARY_MISTAKES, answers(BOUNDARY_PROBES), f"{case_hint}; {RULE}")
 
 
 # ------------------------------------------------------------------------------- Task 1
@@ -28,30 +57,16 @@ LATE = (
 @task("04.needs_new_block", "the block boundary rule")
 def _needs_new_block(c: Checker, needs_new_block) -> None:
     cases = [
-        (1, 1, 4, False, f"1 token in a block of 4 leaves 3 slots free: the next token fits; {LATE}"),
-        (4, 1, 4, True, f"4 tokens fill the block of 4, so token 5 needs a new one; {OFF_BY_ONE}"),
-        (3, 1, 4, False, f"3 tokens in a block of 4 leave one slot for token 4; {OFF_BY_ONE}"),
-        (
-            0,
-            0,
-            4,
-            True,
-            "an empty sequence holds no block, so its first token needs one "
-            "(0 == 0 * block_size; the (n + 1) % block_size check never fires at n = 0)",
-        ),
-        (5, 2, 4, False, RULE),
-        (8, 2, 4, True, RULE),
-        (47, 3, 16, False, RULE),
+        (1, 1, 4, False, "1 token in a block of 4 leaves 3 slots free: the next token fits"),
+        (4, 1, 4, True, "4 tokens fill the block of 4, so token 5 needs a new one"),
+        (3, 1, 4, False, "3 tokens in a block of 4 leave one slot for token 4"),
+        (0, 0, 4, True, "an empty sequence holds no block, so its first token needs one"),
+        (5, 2, 4, False, "5 tokens in 2 blocks of 4 leave 3 slots free"),
+        (8, 2, 4, True, "8 tokens fill 2 blocks of 4"),
+        (47, 3, 16, False, "47 tokens in 3 blocks of 16 leave one slot"),
         (48, 3, 16, True, "48 tokens fill 3 blocks of 16: the 49th needs a 4th block"),
         (1, 1, 1, True, "with blocks of 1, every token needs a new block"),
-        (
-            4,
-            2,
-            4,
-            False,
-            "2 blocks of 4 hold 8 tokens: the second block was reserved ahead and has room. Compare with "
-            "the capacity num_blocks_held * block_size, not only num_tokens % block_size",
-        ),
+        (4, 2, 4, False, "2 blocks of 4 hold 8 tokens: the second block was reserved ahead and has room"),
         (0, 1, 4, False, "one empty block reserved ahead: the first token fits in it"),
     ]
     for tokens, blocks, size, expected, hint in cases:
@@ -59,9 +74,9 @@ def _needs_new_block(c: Checker, needs_new_block) -> None:
             f"needs_new_block({tokens}, {blocks}, {size})",
             lambda tokens=tokens, blocks=blocks, size=size: needs_new_block(tokens, blocks, size),
             expected,
-            hint,
+            lambda hint=hint: _boundary_hint(needs_new_block, hint),
         )
-    result = needs_new_block(4, 1, 4)
+    result = c.run("needs_new_block(4, 1, 4)", lambda: needs_new_block(4, 1, 4))
     c.holds(
         "type(needs_new_block(4, 1, 4))",
         type(result) is bool,

@@ -24,7 +24,7 @@ from ..device import default_device
 from ..engine import admits, watermark_blocks
 from ..errors import OutOfBlocksError
 from ..preemption import choose_victims as package_victims
-from ._core import Checker, classic_mistake, task
+from ._core import Checker, answers, diagnose, task
 
 # ------------------------------------------------------------------------------- Task 1
 
@@ -114,7 +114,7 @@ def _grid() -> list[tuple[int, int, int, int, float]]:
 
 def _admission_hint(admit: Callable[..., object]) -> str:
     """The classic mistake that ``admit`` makes on the grid, else the rule."""
-    return classic_mistake(admit, _grid(), ADMISSION_MISTAKES, RULE)
+    return diagnose(admit, ADMISSION_MISTAKES, answers(_grid()), RULE)
 
 
 @task("08.admit_with_watermark", "admission with a watermark", needs=("admit_with_watermark",))

@@ -25,7 +25,7 @@ from ..device import default_device
 from ..engine import Engine, EngineRequest
 from ..errors import OutOfBlocksError
 from ..model import GPTConfig, TinyGPT, generate
-from ._core import Checker, classic_mistake, task
+from ._core import Checker, answers, diagnose, task
 
 # A GPT small enough for the checks to run in a blink, with two layers so that "every layer" matters.
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
@@ -96,7 +96,7 @@ ADMISSION_MISTAKES: list[tuple[Callable[[int, int, int, int], bool], str]] = [
 def _admission_hint(can_admit: Callable[..., object]) -> str:
     """The classic mistake that ``can_admit`` makes on a grid of cases, else the rule."""
     grid = [(f, p, r, b) for f in range(9) for p in range(1, 13) for r in range(4) for b in (1, 4)]
-    return classic_mistake(can_admit, grid, ADMISSION_MISTAKES, RULE)
+    return diagnose(can_admit, ADMISSION_MISTAKES, answers(grid), RULE)
 
 
 def _admitted_at_once(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:

@@ -10,6 +10,8 @@ From a notebook or a file the loader keeps only what defines things: imports, fu
 and UPPER_CASE constants, each top-level statement run on its own, in order, so demo and check cells
 never run and one broken cell does not hide the rest. What could not be defined is recorded, per
 name, with the reason (a syntax error, an exception, a stub that raised ``NotImplementedError``).
+Each chunk's source is registered under its label (``cell 5``, ``mine.py``) in :mod:`linecache`, so
+a traceback through the learner's code shows their own lines.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import linecache
 import re
 import sys
 import types
@@ -89,6 +92,7 @@ def load_chunks(source: str, chunks: list[tuple[str, str]]) -> Implementation:
     loaded = Implementation(source, module.__dict__)
     for label, code in chunks:
         code = "\n".join("" if MAGIC.match(line) else line for line in code.splitlines())
+        linecache.cache[label] = (len(code), None, [line + "\n" for line in code.splitlines()], label)
         try:
             tree = ast.parse(code, filename=label)
         except SyntaxError as error:

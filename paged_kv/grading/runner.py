@@ -33,7 +33,11 @@ STATUS_TEXT = {
 
 @dataclass(frozen=True)
 class TaskResult:
-    """The grade of one task. ``status`` is a key of ``STATUS_TEXT``; ``message`` says why."""
+    """The grade of one task. ``status`` is a key of ``STATUS_TEXT``; ``message`` says why.
+
+    ``blocked_by`` names the earlier tasks whose failing code this task's code used: fixing those
+    first may be all this task needs.
+    """
 
     task_id: str
     title: str
@@ -41,6 +45,7 @@ class TaskResult:
     points: int
     max_points: int
     message: str
+    blocked_by: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -92,7 +97,7 @@ def grade(source: str, lesson: str, time_limit: float = DEFAULT_TIME_LIMIT_S) ->
         return GradeReport(
             source, lesson, error=f"lesson {lesson} has no graded tasks; try {', '.join(lessons())}"
         )
-    outcomes: dict[str, dict[str, str]] = {}
+    outcomes: dict[str, dict] = {}
     while remaining:
         worker = _Worker(lesson, source, remaining)
         first = worker.next_line(LOAD_TIME_LIMIT_S)
@@ -116,15 +121,18 @@ def grade(source: str, lesson: str, time_limit: float = DEFAULT_TIME_LIMIT_S) ->
                 }
                 remaining.pop(0)
                 break
-            outcomes[line["task_id"]] = {"status": line["status"], "message": line["message"]}
+            outcomes[line["task_id"]] = line
             remaining.remove(line["task_id"])
         worker.stop()
     results = []
     for task_id in tasks_of(lesson):
         task, outcome = TASKS[task_id], outcomes[task_id]
         points = task.points if outcome["status"] == "passed" else 0
+        blocked_by = tuple(outcome.get("blocked_by", ()))
         results.append(
-            TaskResult(task_id, task.title, outcome["status"], points, task.points, outcome["message"])
+            TaskResult(
+                task_id, task.title, outcome["status"], points, task.points, outcome["message"], blocked_by
+            )
         )
     return GradeReport(source, lesson, results)
 

@@ -12,14 +12,17 @@ import contextlib
 import io
 import json
 import sys
-import traceback
 
 from ..checks import TASKS, CheckFailed, check
+from ..checks._core import where_raised
 from .loader import Implementation, LoadError, load
 
 
 def run_task(implementation: Implementation, task_id: str) -> dict[str, object]:
-    """Grade one task: ``status`` is passed, failed, not_implemented or missing; ``message`` says why."""
+    """Grade one task: ``status`` is passed, failed, not_implemented or missing; ``message`` says why.
+
+    ``blocked_by`` lists the earlier tasks whose failing code this task used (see ``check``).
+    """
     task = TASKS[task_id]
     objects = []
     for name in task.needs:
@@ -39,19 +42,13 @@ def run_task(implementation: Implementation, task_id: str) -> dict[str, object]:
     except NotImplementedError as error:
         return {"status": "not_implemented", "message": str(error)}
     except CheckFailed as error:
-        return {"status": "failed", "message": str(error)}
-    except BaseException as error:  # learner code that escaped the check's own guards
+        return {"status": "failed", "message": str(error), "blocked_by": list(error.blocked_by)}
+    except BaseException as error:  # SystemExit and the like, which the check lets through
         if isinstance(error, KeyboardInterrupt):
             raise
-        return {"status": "failed", "message": _describe(error)}
+        lines = [f"your code raised {type(error).__name__}: {error}", *where_raised(error)]
+        return {"status": "failed", "message": "\n".join(lines)}
     return {"status": "passed", "message": output.getvalue().strip().splitlines()[-1]}
-
-
-def _describe(error: BaseException) -> str:
-    frames = traceback.extract_tb(error.__traceback__)
-    learner = [f for f in frames if f.filename.startswith(("cell ", "<")) or f.filename.endswith(".py")]
-    where = f" ({learner[-1].filename}, line {learner[-1].lineno})" if learner else ""
-    return f"your code raised {type(error).__name__}: {error}{where}"
 
 
 def main(argv: list[str]) -> int:
