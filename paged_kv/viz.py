@@ -7,9 +7,9 @@ From top to bottom it draws:
 * **the physical pool**, a grid of blocks (16 to a row at the default width). A used block has a
   band in its owner's colour holding the owner's short label, so colour is never the only cue, and
   under it a bar filled in that colour in proportion to the tokens the block holds; the unused tail
-  of the bar is grey and hatched (wasted slots). A free block is white with a light border. The
+  of the bar is grey and hatched (wasted slots). A free block is empty, with a light border. The
   block id sits under each block (with its ref count, ``\u00d72``, when tables share it), and the blocks
-  an event touched (``highlight``) get a thick dark outline here and in the sections below. A
+  an event touched (``highlight``) get a thick outline in the ink colour here and in the sections below. A
   shared block (after a fork) has a dashed frame, here and in every table that holds it, and the
   label of its first holder followed by how many more (``A+1``);
 * **the block tables**, one row per sequence: its label, its logical blocks L0, L1, ... in order,
@@ -22,6 +22,21 @@ From top to bottom it draws:
   and the gauge says how many are shared: :func:`snapshot_usage`);
 * the caption, under the picture, in its own ``<div>``.
 
+**Two forms, one SVG.** The drawing's text, outlines and background are painted with two CSS
+custom properties, ``--pkv-ink`` and ``--pkv-paper``, whose fallbacks are dark grey on white; the
+block fills (the palette, grey waste) are fixed colours whose labels are black or white to match.
+
+* By default (``inline=False``) the SVG goes into an ``<img>`` as a ``data:`` URI, on a card that
+  carries its own white background and dark text. An image cannot see the page's CSS, so the
+  fallbacks apply: the picture reads the same in every theme. This is the form for outputs kept in
+  a notebook: an untrusted notebook (one opened before its cells run) sanitises HTML and strips an
+  inline ``<svg>``, but keeps an ``<img>`` with a ``data:`` URI and the card's colours.
+* With ``inline=True`` the SVG is inline and follows the page: ink is the page's text colour
+  (``currentColor``) and paper the page's background (transparent), so text and background come
+  from the same source and contrast whatever the theme (JupyterLab light or dark, Notebook 7, VS
+  Code). Blocks show tooltips on hover. The widgets use it: a widget view is only ever drawn
+  where the notebook is trusted.
+
 Colours are the Okabe-Ito palette of :mod:`paged_kv.plots`. A sequence keeps its colour from one
 frame of an animation to the next because the colour comes from its id, not from its position: a
 trailing number or letter picks the palette entry (``A``, ``B``, ``C`` and ``req-0``, ``req-1``,
@@ -31,6 +46,7 @@ fills are white and on light fills black.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
 import math
@@ -45,12 +61,23 @@ from .snapshot import AllocatorSnapshot
 from .usage import BlockUsage
 from .usage import block_tokens as tokens_per_block
 
-__all__ = ["block_tokens", "render_allocator", "seq_colour", "short_label", "snapshot_usage", "text_colour"]
+__all__ = [
+    "allocator_svg",
+    "block_tokens",
+    "plural",
+    "render_allocator",
+    "seq_colour",
+    "short_label",
+    "snapshot_usage",
+    "text_colour",
+]
 
 FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
-OUTLINE = "#333333"
-HIGHLIGHT = "#000000"
-USED_GAUGE = "#666666"
+CARD_INK, CARD_PAPER, CARD_BORDER = "#222222", "#FFFFFF", "#D0D0D0"  # the image form's own colours
+INK = f"var(--pkv-ink, {CARD_INK})"  # text, outlines, frames: the page's text colour when inline
+PAPER = f"var(--pkv-paper, {CARD_PAPER})"  # the background, and a free block: the page's when inline
+INLINE_COLOURS = "--pkv-ink:currentColor;--pkv-paper:transparent"
+USED_GAUGE = "#888888"  # mid grey: it stands out on a light and on a dark background
 MARGIN = 12
 MIN_LAYOUT_WIDTH = 320  # narrower pictures are laid out at this width and scaled down
 BLOCKS_PER_ROW = 16
@@ -135,42 +162,97 @@ def short_label(seq_id: Hashable, limit: int = POOL_LABEL_CHARS) -> str:
     return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
 
 
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an ``s`` unless the count is exactly one.
+
+    >>> plural(1, "block"), plural(2, "block"), plural(0, "free slot")
+    ('1 block', '2 blocks', '0 free slots')
+    """
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 # ------------------------------------------------------------------------------ the picture
 
 
 def render_allocator(
-    snapshot: AllocatorSnapshot, *, caption: str = "", highlight: Iterable[int] = (), width: int = 760
+    snapshot: AllocatorSnapshot,
+    *,
+    caption: str = "",
+    highlight: Iterable[int] = (),
+    width: int = 760,
+    inline: bool = False,
 ) -> str:
-    """A self-contained HTML string picturing the snapshot.
-
-    The string is a ``<div>`` holding one inline ``<svg>`` and the caption below it.
+    """A self-contained HTML string picturing the snapshot: a ``<div>``, the picture, the caption.
 
     Args:
         snapshot: what to draw, usually ``cache.snapshot()`` or a trace frame's ``snapshot``.
         caption: one line shown under the picture (HTML-escaped).
         highlight: ids of blocks to outline, such as the blocks the last event touched.
         width: the picture's width in pixels; the height grows with the rows it needs.
+        inline: ``False`` (the default) puts the SVG in an ``<img>`` on a card with its own white
+            background and dark text, which shows in any theme and survives the sanitiser of an
+            untrusted notebook. ``True`` draws the SVG inline, in the page's own text colour on the
+            page's background, with tooltips; an untrusted notebook strips it, so keep it for
+            widgets and other trusted views.
 
     Raises:
         ValueError: ``width`` is not a positive integer, or a highlighted id is not a block of the pool.
     """
     width = check_count("width", width, minimum=1)
-    marked = frozenset(check_count("highlight", b) for b in highlight)
-    outside = sorted(b for b in marked if b >= snapshot.num_blocks)
-    if outside:
-        raise ValueError(f"highlight holds {outside}, not blocks of a pool of {snapshot.num_blocks}")
-    scene = _Scene(snapshot, marked, max(width, MIN_LAYOUT_WIDTH))
+    scene = _scene(snapshot, highlight, width)
     # The ids of the hatch pattern and the CSS scope come from a hash of the picture and caption:
     # the output stays deterministic, and different pictures on one page never share an id (a
     # hidden frame's pattern, found first by id, could otherwise blank the hatching of a shown one).
     drawn = _svg(scene, "pkv", width) + "\0" + caption
     scope = "pkv-" + hashlib.sha1(drawn.encode("utf-8", "replace")).hexdigest()[:10]
-    caption_text = _esc(caption)
+    svg = _svg(scene, scope, width)
+    caption_div = (
+        f'<div class="{scope}-caption" style="font-family:{FONT};font-size:13px;line-height:1.4;'
+        f'min-height:1.4em;padding:2px {MARGIN}px 4px">{_esc(caption)}</div>'
+    )
+    if inline:
+        return (
+            f'<div class="pkv {scope}" style="width:{width}px;max-width:100%;{INLINE_COLOURS}">'
+            f"{svg}{caption_div}</div>"
+        )
+    height = re.search(r'height="(\d+)"', svg).group(1)
+    source = "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
     return (
-        f'<div class="pkv {scope}" style="width:{width}px;max-width:100%">'
-        + _svg(scene, scope, width)
-        + f'<div class="{scope}-caption" style="font:13px/1.4 {FONT};color:#222222;'
-        f'min-height:1.4em;padding:2px {MARGIN}px 4px">{caption_text}</div></div>'
+        f'<div class="pkv {scope}" style="width:{width}px;max-width:100%;color:{CARD_INK};'
+        f'background-color:{CARD_PAPER};border:1px solid {CARD_BORDER};border-radius:4px">'
+        f'<img src="{source}" alt="{_esc(_summary(scene))}" width="{width}" height="{height}" '
+        f'style="display:block;max-width:100%;height:auto"/>{caption_div}</div>'
+    )
+
+
+def allocator_svg(snapshot: AllocatorSnapshot, *, highlight: Iterable[int] = (), width: int = 760) -> str:
+    """The picture alone: the ``<svg>`` document that both forms of :func:`render_allocator` show.
+
+    Its ids and CSS are scoped ``pkv-``; in an HTML page with several pictures, use
+    :func:`render_allocator`, which scopes each picture apart.
+
+    Raises:
+        ValueError: as :func:`render_allocator`.
+    """
+    width = check_count("width", width, minimum=1)
+    return _svg(_scene(snapshot, highlight, width), "pkv", width)
+
+
+def _scene(snapshot: AllocatorSnapshot, highlight: Iterable[int], width: int) -> _Scene:
+    """The checked layout: every highlighted id must be a block of the pool."""
+    marked = frozenset(check_count("highlight", b) for b in highlight)
+    outside = sorted(b for b in marked if b >= snapshot.num_blocks)
+    if outside:
+        raise ValueError(f"highlight holds {outside}, not blocks of a pool of {snapshot.num_blocks}")
+    return _Scene(snapshot, marked, max(width, MIN_LAYOUT_WIDTH))
+
+
+def _summary(scene: _Scene) -> str:
+    """One sentence for screen readers: the SVG's label and the image's alternative text."""
+    usage = snapshot_usage(scene.snapshot)
+    return (
+        f"KV cache pool: {usage.used_blocks} of {plural(scene.snapshot.num_blocks, 'block')} used "
+        f"by {plural(len(scene.snapshot.tables), 'sequence')}"
     )
 
 
@@ -218,16 +300,15 @@ def _svg(scene: _Scene, scope: str, width: int) -> str:
         parts += elements
         y += height + 14
     height = math.ceil(y)
-    usage = snapshot_usage(scene.snapshot)
-    label = (
-        f"KV cache pool: {usage.used_blocks} of {scene.snapshot.num_blocks} blocks used "
-        f"by {len(scene.snapshot.tables)} sequences"
-    )
+    label = _esc(_summary(scene))
     scale = width / scene.width
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{math.ceil(height * scale)}" '
         f'viewBox="0 0 {scene.width} {height}" role="img" aria-label="{label}" style="display:block">'
-        f"<title>{label}</title>{_defs(scope)}" + "".join(parts) + "</svg>"
+        f"<title>{label}</title>{_defs(scope)}"
+        + _rect(0, 0, scene.width, height, PAPER)
+        + "".join(parts)
+        + "</svg>"
     )
 
 
@@ -235,9 +316,9 @@ def _defs(scope: str) -> str:
     """The hatch pattern of wasted slots and the text styles, both scoped by ``scope``."""
     style = (
         f".{scope} text{{font-family:{FONT}}}"
-        f".{scope} .{scope}-title{{font-size:12px;font-weight:bold;fill:#222222}}"
-        f".{scope} .{scope}-note{{font-size:11px;fill:#222222}}"
-        f".{scope} .{scope}-small{{font-size:9px;fill:#555555}}"
+        f".{scope} .{scope}-title{{font-size:12px;font-weight:bold;fill:{INK}}}"
+        f".{scope} .{scope}-note{{font-size:11px;fill:{INK}}}"
+        f".{scope} .{scope}-small{{font-size:9px;fill:{INK}}}"
         f".{scope} .{scope}-label{{font-size:10px;font-weight:bold}}"
         f".{scope} .{scope}-label-long{{font-size:9px;font-weight:bold}}"
     )
@@ -257,7 +338,7 @@ def _pool(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     snap = scene.snapshot
     cols = BLOCKS_PER_ROW if scene.inner / BLOCKS_PER_ROW >= 34 else max(4, int(scene.inner // 34))
     pitch = scene.inner / cols
-    title = f"physical pool · {snap.num_blocks} blocks of {snap.block_size} slots"
+    title = f"physical pool · {plural(snap.num_blocks, 'block')} of {plural(snap.block_size, 'slot')}"
     out = [_text(MARGIN, top + 12, title, scope, "title")]
     legend, legend_h = _legend(scene, scope, top + 20)
     out += legend
@@ -298,21 +379,21 @@ def _pool_block(
         label = short_label(holders[0], room) + more
         kind = "label" if len(label) <= 4 else "label-long"  # a smaller font keeps 6 characters inside
         names = ", ".join(short_label(h, 40) for h in holders)
-        tip = f"block {block_id}: seq {names}, {tokens} / {snap.block_size} slots used"
+        tip = f"block {block_id}: seq {names}, {tokens} / {plural(snap.block_size, 'slot')} used"
         if len(holders) > 1:
             tip += f" (shared by {len(holders)} sequences)"
         body = [
             _rect(x, y, w, BAND_H, fill),
             _text(x + w / 2, y + 11, label, scope, kind, "middle", text_colour(fill)),
             *_bar(x, y + BAND_H + 1, w, BAR_H - 1, tokens / snap.block_size, fill, scope),
-            _dashed(x, y, w, height) if refs > 1 else _rect(x, y, w, height, "none", OUTLINE, 0.8),
+            _dashed(x, y, w, height) if refs > 1 else _rect(x, y, w, height, "none", INK, 0.8),
         ]
     elif refs:  # held by something other than a table (a cache of prefixes, say)
         tip = f"block {block_id}: in use, held by no table"
-        body = [_rect(x, y, w, height, WASTE["facecolor"], OUTLINE, 0.8)]
+        body = [_rect(x, y, w, height, WASTE["facecolor"], INK, 0.8)]
     else:
         tip = f"block {block_id}: free"
-        body = [_rect(x, y, w, height, FREE["facecolor"], FREE["edgecolor"], 1)]
+        body = [_rect(x, y, w, height, PAPER, FREE["edgecolor"], 1)]
     shared = f" \u00d7{refs}" if refs > 1 else ""
     body.append(_text(x + w / 2, y + height + 10, f"{block_id}{shared}", scope, "small", "middle"))
     if block_id in scene.marked:
@@ -340,11 +421,11 @@ def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
         elif kind == "waste":
             out += _bar(x, y + 2, 14, 10, 0.0, "none", scope)
         elif kind == "free":
-            out.append(_rect(x, y + 2, 14, 10, FREE["facecolor"], FREE["edgecolor"], 1))
+            out.append(_rect(x, y + 2, 14, 10, PAPER, FREE["edgecolor"], 1))
         elif kind == "shared":
             out.append(_dashed(x, y + 2, 14, 10))
         else:
-            out.append(_rect(x, y + 2, 14, 10, "none", HIGHLIGHT, 2.5))
+            out.append(_rect(x, y + 2, 14, 10, "none", INK, 2.5))
         out.append(_text(x + 18, y + 11, words, scope, "small"))
         x += advance
     return out, y - top + 16
@@ -369,7 +450,7 @@ def _tables(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     for seq_id, table in snap.tables.items():
         fill = seq_colour(seq_id)
         out += [
-            _rect(MARGIN, y + 4, 12, 12, fill, OUTLINE, 0.6),
+            _rect(MARGIN, y + 4, 12, 12, fill, INK, 0.6),
             _text(MARGIN + 17, y + 14, short_label(seq_id, TABLE_LABEL_CHARS), scope, "note"),
         ]
         lines = max(1, math.ceil(table.num_blocks / per_line))
@@ -380,7 +461,7 @@ def _tables(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
             out.append(_table_block(scene, scope, seq_id, logical, x0 + col * pitch, y + line * line_h))
         end_col = table.num_blocks - (lines - 1) * per_line
         tx = x0 + (end_col * pitch if table.num_blocks else 0) + 4
-        words = f"{table.num_tokens} token{'' if table.num_tokens == 1 else 's'}"
+        words = plural(table.num_tokens, "token")
         if not table.num_blocks:
             words += " · no block"
         out.append(_text(tx, y + (lines - 1) * line_h + 14, words, scope, "note"))
@@ -403,7 +484,7 @@ def _table_block(scene: _Scene, scope: str, seq_id: Hashable, logical: int, x: f
     if used < w:
         box += _bar(x + used, y + h - 5, w - used, 5, 0.0, "none", scope)
     refs = scene.refs(block_id)
-    box.append(_dashed(x, y, w, h) if refs > 1 else _rect(x, y, w, h, "none", OUTLINE, 0.8))
+    box.append(_dashed(x, y, w, h) if refs > 1 else _rect(x, y, w, h, "none", INK, 0.8))
     if block_id in scene.marked:
         box.append(_outline(x, y, w, h))
     tip = f"seq {short_label(seq_id, 40)}: logical block {logical} → physical block {block_id}"
@@ -418,7 +499,7 @@ def _free_list(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]
     if not free:
         title = "free list · empty: every block is in use"
         return [_text(MARGIN, top + 12, title, scope, "title")], 16
-    out = [_text(MARGIN, top + 12, f"free list · head first · {len(free)} blocks", scope, "title")]
+    out = [_text(MARGIN, top + 12, f"free list · head first · {plural(len(free), 'block')}", scope, "title")]
     box_w, box_h, pitch = 26.0, 18.0, 29.0
     fit = int((scene.inner + pitch - box_w) // pitch)
     if len(free) <= fit:
@@ -437,7 +518,7 @@ def _free_list(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]
             x += gap_w + (pitch - box_w)
             continue
         out += [
-            _rect(x, y, box_w, box_h, FREE["facecolor"], FREE["edgecolor"], 1),
+            _rect(x, y, box_w, box_h, PAPER, FREE["edgecolor"], 1),
             _text(x + box_w / 2, y + 13, str(block_id), scope, "note", "middle"),
         ]
         if block_id in scene.marked:
@@ -460,16 +541,16 @@ def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     y = top + 20
     shared = f" · {usage.shared_blocks} shared, each counted once" if usage.shared_blocks else ""
     lines = [
-        f"used {usage.used_blocks} / {snap.num_blocks} blocks · {usage.free_blocks} free{shared}",
-        f"utilisation {100 * usage.block_utilization:.1f} % · {usage.allocated_tokens} of "
-        f"{usage.reserved_tokens} reserved slots hold a token",
-        f"fragmentation {usage.internal_fragmentation_tokens} slots wasted (empty tails of blocks)",
+        f"used {usage.used_blocks} / {plural(snap.num_blocks, 'block')} · {usage.free_blocks} free{shared}",
+        f"utilisation {100 * usage.block_utilization:.1f} % · {plural(usage.allocated_tokens, 'token')} "
+        f"in {plural(usage.reserved_tokens, 'reserved slot')}",
+        f"fragmentation {plural(usage.internal_fragmentation_tokens, 'slot')} wasted (empty tails of blocks)",
     ]
     out = [
         _text(MARGIN, top + 12, "usage", scope, "title"),
-        _rect(MARGIN, y, scene.inner, 14, FREE["facecolor"], FREE["edgecolor"], 1),
+        _rect(MARGIN, y, scene.inner, 14, PAPER, FREE["edgecolor"], 1),
         _rect(MARGIN, y, used_w, 14, USED_GAUGE) if usage.used_blocks else "",
-        _rect(MARGIN, y, scene.inner, 14, "none", OUTLINE, 0.8),
+        _rect(MARGIN, y, scene.inner, 14, "none", INK, 0.8),
     ]
     for i, line in enumerate(lines):
         out.append(_text(MARGIN, y + 30 + 15 * i, line, scope, "note"))
@@ -500,11 +581,14 @@ def _esc(text: str) -> str:
 def _rect(
     x: float, y: float, w: float, h: float, fill: str, stroke: str = "none", stroke_width: float = 0
 ) -> str:
-    stroke_attrs = f' stroke="{stroke}" stroke-width="{_num(stroke_width)}"' if stroke != "none" else ""
-    return (
-        f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(max(w, 0))}" height="{_num(h)}" '
-        f'fill="{fill}"{stroke_attrs}/>'
-    )
+    """A rectangle; a paint given as a CSS ``var()`` (ink, paper) goes in ``style``, where CSS reads it."""
+    paints = [("fill", fill)]
+    if stroke != "none":
+        paints += [("stroke", stroke), ("stroke-width", _num(stroke_width))]
+    attrs = "".join(f' {name}="{value}"' for name, value in paints if not value.startswith("var("))
+    themed = ";".join(f"{name}:{value}" for name, value in paints if value.startswith("var("))
+    style = f' style="{themed}"' if themed else ""
+    return f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(max(w, 0))}" height="{_num(h)}"{attrs}{style}/>'
 
 
 def _bar(x: float, y: float, w: float, h: float, frac: float, fill: str, scope: str) -> list[str]:
@@ -521,12 +605,12 @@ def _bar(x: float, y: float, w: float, h: float, frac: float, fill: str, scope: 
 
 def _dashed(x: float, y: float, w: float, h: float) -> str:
     """The dashed dark frame of a block that several sequences share."""
-    return _rect(x, y, w, h, "none", OUTLINE, 1.6).replace("/>", ' stroke-dasharray="3 2"/>')
+    return _rect(x, y, w, h, "none", INK, 1.6).replace("/>", ' stroke-dasharray="3 2"/>')
 
 
 def _outline(x: float, y: float, w: float, h: float) -> str:
     """The thick dark frame of a highlighted block, just outside it so any fill shows inside."""
-    return _rect(x - 2.5, y - 2.5, w + 5, h + 5, "none", HIGHLIGHT, 2.5).replace("/>", ' rx="2"/>')
+    return _rect(x - 2.5, y - 2.5, w + 5, h + 5, "none", INK, 2.5).replace("/>", ' rx="2"/>')
 
 
 def _text(

@@ -1,7 +1,12 @@
-"""The allocator's picture: render_allocator draws pool, block tables, free list and usage as one SVG."""
+"""The allocator's picture: render_allocator draws pool, block tables, free list and usage as one SVG.
+
+Most tests read the inline form (``picture``), whose SVG is plain markup; the tests of the two
+forms check that the default image form holds exactly the same SVG, on a card of its own colours.
+"""
 
 from __future__ import annotations
 
+import base64
 import re
 import xml.etree.ElementTree as ET
 
@@ -11,7 +16,21 @@ from hypothesis import strategies as st
 
 from paged_kv import AllocatorSnapshot, BlockTable, PagedKVCacheAllocator
 from paged_kv.plots import PALETTE
-from paged_kv.viz import block_tokens, render_allocator, seq_colour, short_label, snapshot_usage, text_colour
+from paged_kv.viz import (
+    CARD_BORDER,
+    CARD_INK,
+    CARD_PAPER,
+    INK,
+    PAPER,
+    allocator_svg,
+    block_tokens,
+    plural,
+    render_allocator,
+    seq_colour,
+    short_label,
+    snapshot_usage,
+    text_colour,
+)
 
 pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04]
 
@@ -40,6 +59,23 @@ def twelve_sequences() -> AllocatorSnapshot:
     return cache.snapshot()
 
 
+def picture(snapshot: AllocatorSnapshot, **options) -> str:
+    """The inline form of the picture, whose SVG and text the tests read directly."""
+    return render_allocator(snapshot, inline=True, **options)
+
+
+def image_svg(markup: str) -> str:
+    """The SVG inside the image form's ``data:`` URI."""
+    source = re.search(r'<img src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', markup).group(1)
+    return base64.b64decode(source).decode("utf-8")
+
+
+def paint(element: ET.Element, name: str) -> str | None:
+    """An element's ``fill`` or ``stroke``: the attribute, or the declaration in its ``style``."""
+    declared = dict(d.split(":", 1) for d in element.get("style", "").split(";") if d)
+    return element.get(name, declared.get(name))
+
+
 def parse(markup: str) -> ET.Element:
     """The picture as XML: it must be well formed, whatever the ids and captions held."""
     return ET.fromstring(markup)
@@ -57,7 +93,7 @@ def band(block: ET.Element) -> tuple[str, str | None]:
     """A pool block's first rect fill and its label (``None`` for a block with no label)."""
     rect = block.find(f"{SVG}rect")
     label = block.find(f"{SVG}text[@fill]")
-    return rect.get("fill"), None if label is None else label.text
+    return paint(rect, "fill"), None if label is None else label.text
 
 
 def outlined(element: ET.Element) -> bool:
@@ -67,20 +103,20 @@ def outlined(element: ET.Element) -> bool:
 # ------------------------------------------------------------------------------ the pool
 
 
-def test_each_used_block_has_its_owners_colour_and_label_and_free_blocks_are_white():
+def test_each_used_block_has_its_owners_colour_and_label_and_free_blocks_are_paper():
     snapshot = blog_seed()
-    blocks = pool_blocks(parse(render_allocator(snapshot)))
+    blocks = pool_blocks(parse(picture(snapshot)))
     assert [int(b.get("data-block")) for b in blocks] == list(range(64))
     for seq_id, table in snapshot.tables.items():
         owned = [b for b in blocks if band(b) == (seq_colour(seq_id), seq_id)]
         assert sorted(int(b.get("data-block")) for b in owned) == table.block_ids
-    free = [b for b in blocks if band(b) == ("white", None)]
+    free = [b for b in blocks if band(b) == (PAPER, None)]
     assert [int(b.get("data-block")) for b in free] == list(range(11, 64))
 
 
 def test_a_blocks_bar_is_filled_in_proportion_to_its_tokens_and_the_tail_is_hatched():
     # A holds 9 of 16 slots in block 0: a coloured bar 9/16 of the block, then a hatched tail.
-    root = parse(render_allocator(blog_seed()))
+    root = parse(picture(blog_seed()))
     block = pool_blocks(root)[0]
     rects = block.findall(f"{SVG}rect")
     width = float(rects[0].get("width"))
@@ -100,7 +136,7 @@ def test_a_shared_block_counts_once_and_shows_its_ref_count():
         ref_counts=(2, 1, 0, 0),
         tables={"A": BlockTable([0, 1], 8), "B": BlockTable([0], 4)},
     )
-    markup = render_allocator(snapshot)
+    markup = picture(snapshot)
     assert "0 \u00d72" in texts(parse(markup))
     assert block_tokens(snapshot) == {0: 4, 1: 4}
     usage = snapshot_usage(snapshot)
@@ -122,7 +158,7 @@ def dashed(element: ET.Element) -> bool:
 
 def test_a_forked_pool_shows_its_shared_blocks_in_the_pool_and_in_every_table():
     snapshot = forked()
-    markup = render_allocator(snapshot)
+    markup = picture(snapshot)
     root = parse(markup)
     blocks = pool_blocks(root)
     assert [int(b.get("data-block")) for b in blocks if dashed(b)] == [0, 1]  # the shared blocks
@@ -152,19 +188,19 @@ def test_a_forked_pool_shows_its_shared_blocks_in_the_pool_and_in_every_table():
     assert "shared by several sequences (\u00d7n: how many)" in all_texts
     # The gauge counts blocks 0 and 1 once: 4 blocks, 13 tokens (4 + 4 + 2 + 3) in 16 slots.
     assert "used 4 / 8 blocks · 4 free · 2 shared, each counted once" in markup
-    assert "utilisation 81.2 % · 13 of 16 reserved slots hold a token" in markup
-    assert render_allocator(forked()) == markup
+    assert "utilisation 81.2 % · 13 tokens in 16 reserved slots" in markup
+    assert picture(forked()) == markup
 
 
 def test_an_unshared_pool_has_no_dashes_and_no_shared_legend():
-    markup = render_allocator(blog_seed())
+    markup = picture(blog_seed())
     assert "stroke-dasharray" not in markup and "shared" not in markup
 
 
 def test_twelve_sequences_in_64_blocks_keep_twelve_distinct_labels():
     snapshot = twelve_sequences()
     assert len(snapshot.tables) == 12
-    root = parse(render_allocator(snapshot))
+    root = parse(picture(snapshot))
     labels = {band(b)[1] for b in pool_blocks(root)} - {None}
     assert len(labels) == 12
     # colours cycle after eight, so the label (not only the colour) tells sequences apart
@@ -179,7 +215,7 @@ def test_the_block_tables_list_each_sequences_physical_blocks_in_logical_order()
     cache = cache_with(6, 4, {"a": 6, "b": 3})
     cache.free_sequence("a")
     cache.allocate_for_sequence("c", 13)  # [3, 4, 5, 0]: scattered
-    all_texts = texts(parse(render_allocator(cache.snapshot())))
+    all_texts = texts(parse(picture(cache.snapshot())))
     start = all_texts.index("c", all_texts.index("block tables · logical block → physical block"))
     assert all_texts[start : start + 6] == ["c", "3", "4", "5", "0", "13 tokens"]
     assert [t for t in all_texts if re.fullmatch(r"L\d+", t)] == ["L0", "L1", "L2", "L3"]
@@ -188,14 +224,14 @@ def test_the_block_tables_list_each_sequences_physical_blocks_in_logical_order()
 def test_the_free_list_is_drawn_head_first():
     cache = cache_with(6, 4, {"a": 6, "b": 3})
     cache.free_sequence("a")  # free list (3, 4, 5, 0, 1)
-    all_texts = texts(parse(render_allocator(cache.snapshot())))
+    all_texts = texts(parse(picture(cache.snapshot())))
     start = all_texts.index("free list · head first · 5 blocks")
     assert all_texts[start + 1 : start + 6] == ["3", "4", "5", "0", "1"]
     assert all_texts[start + 6 : start + 8] == ["head", "tail"]
 
 
 def test_a_long_free_list_elides_its_middle_and_says_how_many():
-    all_texts = texts(parse(render_allocator(blog_seed())))
+    all_texts = texts(parse(picture(blog_seed())))
     start = all_texts.index("free list · head first · 53 blocks")
     shown = all_texts[start + 1 : all_texts.index("head")]
     gap = shown.index("… 31 more …")
@@ -206,9 +242,9 @@ def test_a_long_free_list_elides_its_middle_and_says_how_many():
 
 def test_the_gauge_of_the_blog_seed():
     # 117 tokens in 11 blocks of 16: 176 slots reserved, 59 empty, 66.5 % used.
-    markup = render_allocator(blog_seed())
+    markup = picture(blog_seed())
     assert "used 11 / 64 blocks · 53 free" in markup
-    assert "utilisation 66.5 % · 117 of 176 reserved slots hold a token" in markup
+    assert "utilisation 66.5 % · 117 tokens in 176 reserved slots" in markup
     assert "fragmentation 59 slots wasted" in markup
 
 
@@ -233,27 +269,27 @@ def test_snapshot_usage_is_the_caches_usage(steps):
 def test_highlighted_blocks_get_a_thick_outline_in_every_section():
     cache = cache_with(8, 4, {"A": 5, "B": 2})
     cache.free_sequence("B")  # block 2 is free again, at the tail
-    root = parse(render_allocator(cache.snapshot(), highlight=[1, 2]))
+    root = parse(picture(cache.snapshot(), highlight=[1, 2]))
     assert [int(b.get("data-block")) for b in pool_blocks(root) if outlined(b)] == [1, 2]
     frames = [r for r in root.iter(f"{SVG}rect") if r.get("stroke-width") == "2.5" and r.get("rx")]
     assert len(frames) == 4  # pool 1 and 2, A's logical block 1, block 2 on the free list
-    assert not any(outlined(b) for b in pool_blocks(parse(render_allocator(cache.snapshot()))))
+    assert not any(outlined(b) for b in pool_blocks(parse(picture(cache.snapshot()))))
 
 
 @pytest.mark.parametrize("bad", [[8], [-1], ["1"], [True]])
 def test_a_highlight_outside_the_pool_is_a_value_error(bad):
     with pytest.raises(ValueError, match="highlight"):
-        render_allocator(cache_with(8, 4, {}).snapshot(), highlight=bad)
+        picture(cache_with(8, 4, {}).snapshot(), highlight=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -5, 7.5, "760"])
 def test_the_width_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="width"):
-        render_allocator(cache_with(8, 4, {}).snapshot(), width=bad)
+        picture(cache_with(8, 4, {}).snapshot(), width=bad)
 
 
 def test_the_caption_sits_under_the_picture_escaped():
-    root = parse(render_allocator(blog_seed(), caption="seq B, token 17: block 5 appended <b>&"))
+    root = parse(picture(blog_seed(), caption="seq B, token 17: block 5 appended <b>&"))
     assert root.tag == "div"
     svg, caption = list(root)
     assert svg.tag == f"{SVG}svg"
@@ -263,7 +299,7 @@ def test_the_caption_sits_under_the_picture_escaped():
 def test_sequence_ids_and_captions_are_escaped():
     evil = '<script>alert("x")</script>'
     cache = cache_with(8, 4, {evil: 5, "a\x00b\nc": 1, "q\"&'": 2})
-    markup = render_allocator(cache.snapshot(), caption=evil + "\n<img src=x onerror=alert(1)>")
+    markup = picture(cache.snapshot(), caption=evil + "\n<img src=x onerror=alert(1)>")
     assert "<script" not in markup and "<img" not in markup
     assert "&lt;script&gt;" in markup
     root = parse(markup)  # control characters removed, quotes escaped: still well formed
@@ -274,24 +310,24 @@ def test_sequence_ids_and_captions_are_escaped():
 
 
 def test_the_output_is_deterministic():
-    first = render_allocator(twelve_sequences(), caption="c", highlight=[5, 3])
-    again = render_allocator(twelve_sequences(), caption="c", highlight={3, 5})
+    first = picture(twelve_sequences(), caption="c", highlight=[5, 3])
+    again = picture(twelve_sequences(), caption="c", highlight={3, 5})
     assert first == again
-    assert first != render_allocator(twelve_sequences(), caption="c")
+    assert first != picture(twelve_sequences(), caption="c")
 
 
 def test_self_contained_one_svg_no_script_no_external_resource():
-    markup = render_allocator(twelve_sequences(), caption="x")
+    markup = picture(twelve_sequences(), caption="x")
     assert markup.count("<svg") == 1
     for forbidden in ("<script", "javascript:", "href", "<img", "<link", "@import", "http://", "https://"):
         assert forbidden not in markup.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
 
 def test_ids_and_css_are_scoped_so_two_pictures_never_clash():
-    one, two = render_allocator(cache_with(8, 4, {}).snapshot()), render_allocator(blog_seed())
+    one, two = picture(cache_with(8, 4, {}).snapshot()), picture(blog_seed())
     scopes = [re.match(r'<div class="pkv (pkv-[0-9a-f]{10})"', m).group(1) for m in (one, two)]
     assert scopes[0] != scopes[1]
-    assert render_allocator(blog_seed(), caption="a")[:40] != render_allocator(blog_seed(), caption="b")[:40]
+    assert picture(blog_seed(), caption="a")[:40] != picture(blog_seed(), caption="b")[:40]
     for markup, scope in zip((one, two), scopes, strict=True):
         assert set(re.findall(r'id="([^"]+)"', markup)) == {f"{scope}-hatch"}
         classes = set(re.findall(r'class="([^"]+)"', markup))
@@ -305,27 +341,25 @@ def test_the_picture_is_as_wide_as_asked_and_grows_with_the_rows():
         svg = parse(markup).find(f"{SVG}svg")
         return int(svg.get("width")), int(svg.get("height"))
 
-    small, large = size(render_allocator(blog_seed())), size(render_allocator(twelve_sequences()))
+    small, large = size(picture(blog_seed())), size(picture(twelve_sequences()))
     assert small[0] == large[0] == 760
     assert large[1] > small[1]
-    assert (
-        size(render_allocator(cache_with(256, 16, {}).snapshot()))[1] > size(render_allocator(blog_seed()))[1]
-    )
-    narrow = render_allocator(twelve_sequences(), width=200)
+    assert size(picture(cache_with(256, 16, {}).snapshot()))[1] > size(picture(blog_seed()))[1]
+    narrow = picture(twelve_sequences(), width=200)
     assert size(narrow)[0] == 200 and len({band(b)[1] for b in pool_blocks(parse(narrow))} - {None}) == 12
 
 
 def test_an_empty_and_a_full_pool():
-    empty = render_allocator(cache_with(8, 4, {}).snapshot())
+    empty = picture(cache_with(8, 4, {}).snapshot())
     assert "no sequences: every block is free" in empty
     assert "used 0 / 8 blocks · 8 free" in empty and "utilisation 0.0 %" in empty
-    assert all(band(b) == ("white", None) for b in pool_blocks(parse(empty)))
-    full = render_allocator(cache_with(4, 4, {"x": 16}).snapshot())
+    assert all(band(b) == (PAPER, None) for b in pool_blocks(parse(empty)))
+    full = picture(cache_with(4, 4, {"x": 16}).snapshot())
     assert "free list · empty: every block is in use" in full and "fragmentation 0 slots wasted" in full
 
 
 def test_a_sequence_with_no_block_still_has_its_row():
-    all_texts = texts(parse(render_allocator(cache_with(8, 4, {"idle": 0}).snapshot())))
+    all_texts = texts(parse(picture(cache_with(8, 4, {"idle": 0}).snapshot())))
     assert all_texts[all_texts.index("idle") + 1] == "0 tokens · no block"
 
 
@@ -352,3 +386,95 @@ def test_short_labels_keep_both_ends():
     assert short_label("request-17", 12) == "request-17"
     assert short_label(12345678) == "12…678"
     assert short_label("tab\there") == "ta…ere"
+
+
+# ------------------------------------------------------------------------------ the two forms and themes
+
+
+def luminance(colour: str) -> float:
+    """WCAG relative luminance of ``#RRGGBB``."""
+
+    def channel(pair: str) -> float:
+        c = int(pair, 16) / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(colour[i : i + 2]) for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(one: str, two: str) -> float:
+    high, low = sorted((luminance(one), luminance(two)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_the_default_form_is_an_image_of_the_same_svg_on_a_card_of_its_own_colours():
+    snapshot, options = forked(), {"caption": "after fork", "highlight": [3]}
+    markup, inline = render_allocator(snapshot, **options), picture(snapshot, **options)
+    assert "<svg" not in markup and markup.count("<img") == 1  # an untrusted notebook keeps an <img>
+    inline_svg = re.search(r"<svg.*</svg>", inline).group(0)
+    assert image_svg(markup) == inline_svg  # one drawing, two wrappers
+    card = parse(markup)
+    style = card.get("style")
+    assert f"color:{CARD_INK}" in style and f"background-color:{CARD_PAPER}" in style
+    assert f"border:1px solid {CARD_BORDER}" in style
+    img, caption = list(card)
+    assert img.get("alt") == "KV cache pool: 4 of 8 blocks used by 2 sequences"
+    assert (img.get("width"), img.get("height")) == (
+        ET.fromstring(inline_svg).get("width"),
+        ET.fromstring(inline_svg).get("height"),
+    )
+    assert caption.text == "after fork" and "color" not in caption.get("style")  # the card's own ink
+
+
+def test_the_inline_form_paints_ink_and_paper_with_the_pages_colours():
+    markup = picture(forked(), caption="c")
+    root = parse(markup)
+    assert root.get("style").endswith("--pkv-ink:currentColor;--pkv-paper:transparent")
+    assert "color:" not in list(root)[1].get("style")  # the caption inherits the page's text colour
+    svg = root.find(f"{SVG}svg")
+    background = svg.find(f"{SVG}rect")
+    assert paint(background, "fill") == PAPER and background.get("width") == svg.get("viewBox").split()[2]
+    rules = re.search(r"<style>(.*)</style>", markup).group(1)
+    assert rules.count(f"fill:{INK}") == 3  # titles, notes and small print
+
+
+def test_every_text_contrasts_with_what_it_sits_on_in_the_image():
+    # In the image the custom properties are undefined: ink and paper are their fallbacks. A text
+    # is either ink on paper (the class rules) or a label on a block's fixed fill, in text_colour.
+    assert INK.endswith(f", {CARD_INK})") and PAPER.endswith(f", {CARD_PAPER})")
+    assert contrast(CARD_INK, CARD_PAPER) >= 7
+    root = ET.fromstring(allocator_svg(forked(), highlight=[0]))
+    for group in root.iter(f"{SVG}g"):
+        fill = paint(group.find(f"{SVG}rect"), "fill")
+        for label in group.findall(f"{SVG}text[@fill]"):
+            assert label.get("fill") == text_colour(fill) and contrast(label.get("fill"), fill) >= 3
+    unpainted = [t for t in root.iter(f"{SVG}text") if t.get("fill") is None]
+    assert unpainted and all(t.get("class").split("-")[-1] in {"title", "note", "small"} for t in unpainted)
+    strokes = {paint(r, "stroke") for r in root.iter(f"{SVG}rect")} - {None}
+    assert strokes <= {INK, "#BBBBBB"}  # outlines in ink; free blocks' light edge
+
+
+def test_allocator_svg_is_the_picture_alone_and_checks_its_arguments():
+    svg = allocator_svg(blog_seed(), width=400)
+    root = ET.fromstring(svg)
+    assert root.tag == f"{SVG}svg" and root.get("width") == "400"
+    assert "used 11 / 64 blocks · 53 free" in svg
+    with pytest.raises(ValueError, match="width"):
+        allocator_svg(blog_seed(), width=0)
+    with pytest.raises(ValueError, match="highlight"):
+        allocator_svg(blog_seed(), highlight=[64])
+
+
+def test_one_block_one_slot_one_token_are_singular():
+    cache = cache_with(2, 1, {"A": 1})  # one block used, one free, one slot a block
+    markup = picture(cache.snapshot())
+    for words in (
+        "physical pool · 2 blocks of 1 slot",
+        "free list · head first · 1 block<",
+        "1 token<",
+        "1 token in 1 reserved slot",
+        "fragmentation 0 slots wasted",
+    ):
+        assert words in markup
+    assert "1 blocks" not in markup and "1 slots" not in markup and "1 tokens" not in markup
+    assert [plural(n, "block") for n in (0, 1, 2)] == ["0 blocks", "1 block", "2 blocks"]

@@ -52,6 +52,7 @@ CHROMIUM_FLAGS = (
 VIEWPORT = {"width": 1280, "height": 900}
 WAIT_MS = 30_000  # generous: the first render parses 3.6 MB of widget JavaScript
 SERVER_START_S = 60
+LIGHT_THEME, DARK_THEME = "JupyterLab Light", "JupyterLab Dark"
 SERVER_STOP_S = 20
 
 # Selectors that hold for the widgets in a static export and in JupyterLab alike (ipywidgets 8).
@@ -200,11 +201,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _isolated_jupyter_env(home: Path) -> dict[str, str]:
+def _isolated_jupyter_env(home: Path, theme: str = LIGHT_THEME) -> dict[str, str]:
     """Environment variables that keep a test server off the user's Jupyter config and kernels.
 
     The kernelspec "python3" runs this interpreter (the project's .venv), whatever other
-    kernelspecs the machine has.
+    kernelspecs the machine has. ``theme`` is the JupyterLab theme the server's settings select.
     """
     kernel_dir = home / "path" / "kernels" / KERNELSPEC["name"]
     kernel_dir.mkdir(parents=True)
@@ -217,6 +218,7 @@ def _isolated_jupyter_env(home: Path) -> dict[str, str]:
     for plugin, values in (
         ("apputils-extension/notification", {"fetchNews": "false", "checkForUpdates": False}),
         ("notebook-extension/tracker", {"autoStartDefaultKernel": True}),
+        ("apputils-extension/themes", {"theme": theme}),
     ):
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,15 +235,15 @@ def _isolated_jupyter_env(home: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def jupyterlab(root_dir: Path) -> Iterator[str]:
+def jupyterlab(root_dir: Path, theme: str = LIGHT_THEME) -> Iterator[str]:
     """A JupyterLab server on a free loopback port serving ``root_dir``; yields its base URL.
 
-    The server runs in its own process group, which is terminated (then killed, if need be) on exit,
-    kernels included.
+    ``theme`` is the theme it shows (``LIGHT_THEME`` or ``DARK_THEME``). The server runs in its own
+    process group, which is terminated (then killed, if need be) on exit, kernels included.
     """
     home = Path(tempfile.mkdtemp(prefix="paged-kv-jupyter-"))
     log_path = home / "server.log"
-    env = _isolated_jupyter_env(home)
+    env = _isolated_jupyter_env(home, theme)
     server = None
     try:
         for _attempt in range(3):  # another process may take the free port before the server does
