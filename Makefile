@@ -14,7 +14,7 @@ NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile
 LESSON_NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL)
 SOLUTION_NBVAL := --nbval-lax $(NBVAL)
 
-.PHONY: help venv lab test lint format test-lesson notebooks course check-env screenshots constraints clean
+.PHONY: help venv lab site test lint format test-lesson notebooks course check-env screenshots constraints clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ venv: $(STAMP) ## create .venv and install the pinned environment
 
 lab: $(STAMP) ## open the course in JupyterLab (extra flags: LAB_ARGS="--no-browser --port 8899")
 	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/lessons $(LAB_ARGS)
+
+site: $(STAMP) ## build the lessons into a static site to read offline: open site/index.html (needs npm)
+	$(BIN)/python tools/build_site.py --out site
 
 test: $(STAMP) lint ## lint, then run every test: the package, the course tools, every notebook
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -67,6 +70,6 @@ constraints: $(STAMP) ## re-pin constraints.txt from the current .venv (after a 
 	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f; } > constraints.new
 	mv constraints.new constraints.txt
 
-clean: ## remove .venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+clean: ## remove .venv, the caches and the built site
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,24 +1,23 @@
-"""Vendor the JavaScript that renders Jupyter widgets in a notebook exported to static HTML.
+"""Vendor the JavaScript a notebook exported to static HTML loads: the widget renderer and MathJax.
 
 ``jupyter nbconvert --to html`` stores the widget state in the page, but by default the page loads
-require.js and the widget renderer from a CDN, which an offline machine (or CI) cannot reach: the
-widget area stays empty. This tool fetches the two npm packages once, from the npm registry, with
-``npm pack``, and keeps them in ``.cache/widget-js/`` (gitignored) in the layout the exported page
-expects next to itself:
+require.js, the widget renderer and MathJax from a CDN, which an offline machine (or CI) cannot
+reach: the widget area stays empty and the maths stays raw ``$$…$$``. This tool fetches the npm
+packages once, from the npm registry, with ``npm pack``, and keeps them in ``.cache/`` (gitignored)
+in the layout the exported page expects next to itself:
 
     .cache/widget-js/require.js                                   from requirejs
     .cache/widget-js/@jupyter-widgets/html-manager/dist/...       embed-amd.js, its chunks, the icon fonts
+    .cache/mathjax-js/mathjax/MathJax.js, config/, jax/, fonts/   from mathjax 2.7.7 (nbconvert's version)
 
-Export with the same relative URLs, then put (or link) these two entries next to the HTML file:
-
-    jupyter nbconvert --to html NB.ipynb --HTMLExporter.require_js_url=require.js \\
-        --HTMLExporter.widget_renderer_url=@jupyter-widgets/html-manager/dist/embed-amd.js \\
-        --HTMLExporter.mathjax_url=''
+A page exported with :data:`NBCONVERT_FLAGS` (relative URLs) finds them once these entries are
+put next to it (:func:`install_next_to`). ``make site`` (``tools/build_site.py``) does all of this
+for every lesson; the browser tests do it for one notebook.
 
 Running it again does nothing once the files are there. It needs ``npm`` (Node.js) on PATH.
 
 Usage:
-    python tools/vendor_widget_js.py [--dest DIR]     prints the directory that holds the files
+    python tools/vendor_widget_js.py [--dest DIR] [--mathjax-dest DIR]   prints the two directories
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,53 +45,123 @@ NBCONVERT_FLAGS = (
     f"--HTMLExporter.require_js_url={REQUIRE_JS_URL}",
     f"--HTMLExporter.widget_renderer_url={WIDGET_RENDERER_URL}",
     "--HTMLExporter.mathjax_url=",
-)
+)  # no maths: pages that need it add MATHJAX_URL and the MathJax entries
+# require.js paths for the page: the renderer's bundled modules compute where their icon fonts are
+# from their own module URL, which without these paths is the folder above dist/ (fonts not found).
+REQUIRE_PATHS = {
+    name: f"@jupyter-widgets/html-manager/dist/{file}"
+    for name, file in (
+        ("@jupyter-widgets/html-manager", "html-manager"),
+        ("@jupyter-widgets/html-manager/dist/libembed-amd", "libembed-amd"),
+    )
+}
 # What a directory next to an exported page needs: these two entries of the vendored directory.
 ENTRIES = ("require.js", "@jupyter-widgets")
 MARKER = "vendored.json"
+
+# MathJax for the maths of an exported page. nbconvert's templates (base/mathjax.html.j2) configure
+# MathJax 2 (MathJax.Hub.Config, tex2jax) and load it with ?config=TeX-AMS_CHTML-full,Safe: the same
+# major version and configuration, loaded from next to the page.
+MATHJAX_PACKAGE = "mathjax@2.7.7"
+DEFAULT_MATHJAX_DEST = ROOT / ".cache" / "mathjax-js"
+MATHJAX_SCRIPT = "mathjax/MathJax.js"
+MATHJAX_URL = f"{MATHJAX_SCRIPT}?config=TeX-AMS_CHTML-full,Safe"
+# What that configuration loads: the TeX input, the CommonHTML output and its web fonts, the
+# extensions the -full configuration and Safe pull in, and the English messages.
+MATHJAX_PARTS = (
+    "MathJax.js",
+    "LICENSE",
+    "config/TeX-AMS_CHTML-full.js",
+    "config/Safe.js",
+    "extensions",
+    "jax/element",
+    "jax/input/TeX",
+    "jax/output/CommonHTML",
+    "fonts/HTML-CSS/TeX/woff",
+    "fonts/HTML-CSS/TeX/otf",
+    "localization/en",
+)
+MATHJAX_ENTRIES = ("mathjax",)
 
 
 class NpmMissingError(RuntimeError):
     """``npm`` is not on PATH, so the packages cannot be fetched."""
 
 
-def is_complete(dest: Path) -> bool:
-    """Whether ``dest`` holds the files of exactly :data:`PACKAGES`."""
+@dataclass(frozen=True)
+class Bundle:
+    """npm packages, and how the files an exported page loads are laid out from them.
+
+    ``assemble(unpacked, staging)`` gets ``unpacked``, which holds one folder per package (named
+    after the package without its scope and version: ``html-manager``, ``requirejs``, ``mathjax``)
+    with the tarball's ``package/`` inside, and fills the empty folder ``staging``. ``required``
+    are paths, relative to the vendored folder, that must exist for it to count as complete.
+    """
+
+    packages: tuple[str, ...]
+    required: tuple[str, ...]
+    assemble: Callable[[Path, Path], None]
+
+
+def _assemble_widget_js(unpacked: Path, staging: Path) -> None:
+    html_manager = staging / "@jupyter-widgets" / "html-manager"
+    html_manager.mkdir(parents=True)
+    shutil.copytree(unpacked / "html-manager" / "package" / "dist", html_manager / "dist")
+    shutil.copy2(unpacked / "html-manager" / "package" / "package.json", html_manager / "package.json")
+    shutil.copy2(unpacked / "requirejs" / "package" / "require.js", staging / REQUIRE_JS_URL)
+
+
+def _assemble_mathjax(unpacked: Path, staging: Path) -> None:
+    package = unpacked / "mathjax" / "package"
+    for part in MATHJAX_PARTS:
+        target = staging / "mathjax" / part
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (package / part).is_dir():
+            shutil.copytree(package / part, target)
+        else:
+            shutil.copy2(package / part, target)
+
+
+WIDGET_JS = Bundle(PACKAGES, (REQUIRE_JS_URL, WIDGET_RENDERER_URL), _assemble_widget_js)
+MATHJAX = Bundle((MATHJAX_PACKAGE,), tuple(f"mathjax/{part}" for part in MATHJAX_PARTS), _assemble_mathjax)
+
+
+def is_complete(dest: Path, bundle: Bundle = WIDGET_JS) -> bool:
+    """Whether ``dest`` holds the files of exactly ``bundle``'s packages (by default the widget JS)."""
     try:
-        marker = json.loads((dest / MARKER).read_text())
+        marker = json.loads((Path(dest) / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return (
-        marker.get("packages") == list(PACKAGES)
-        and (dest / REQUIRE_JS_URL).is_file()
-        and (dest / WIDGET_RENDERER_URL).is_file()
+    return marker.get("packages") == list(bundle.packages) and all(
+        (Path(dest) / path).exists() for path in bundle.required
     )
 
 
-def vendor(dest: Path = DEFAULT_DEST) -> Path:
-    """Fetch and unpack :data:`PACKAGES` into ``dest`` unless they are there already; returns ``dest``.
+def vendor(dest: Path = DEFAULT_DEST, bundle: Bundle = WIDGET_JS) -> Path:
+    """Fetch and lay out ``bundle`` (the widget JavaScript by default) into ``dest`` unless it is there.
 
-    The files are unpacked into a temporary directory beside ``dest`` and moved into place in one
-    rename, so two processes running at once (pytest-xdist workers) never see a half-written tree.
+    Returns ``dest``. The files are unpacked into a temporary directory beside ``dest`` and moved
+    into place in one rename, so two processes running at once (pytest-xdist workers) never see a
+    half-written tree; an older or broken copy is replaced.
 
     Raises:
         NpmMissingError: ``npm`` is not on PATH.
         RuntimeError: ``npm pack`` failed (its output is in the message).
     """
     dest = Path(dest)
-    if is_complete(dest):
+    if is_complete(dest, bundle):
         return dest
     npm = shutil.which("npm")
     if npm is None:
         raise NpmMissingError(
             "npm is not on PATH: install Node.js (it brings npm), e.g. `apt-get install nodejs npm`, "
-            f"then run `python tools/vendor_widget_js.py` to fetch {' and '.join(PACKAGES)}"
+            f"then run `python tools/vendor_widget_js.py` to fetch {' and '.join(bundle.packages)}"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dest.name}-", dir=dest.parent) as work:
         work_dir = Path(work)
         packed = subprocess.run(
-            [npm, "pack", "--silent", *PACKAGES],
+            [npm, "pack", "--silent", *bundle.packages],
             cwd=work_dir,
             capture_output=True,
             text=True,
@@ -99,50 +170,75 @@ def vendor(dest: Path = DEFAULT_DEST) -> Path:
         )
         if packed.returncode != 0:
             raise RuntimeError(
-                f"`npm pack {' '.join(PACKAGES)}` failed with exit code {packed.returncode}:\n"
+                f"`npm pack {' '.join(bundle.packages)}` failed with exit code {packed.returncode}:\n"
                 f"{packed.stdout}{packed.stderr}"
             )
+        unpacked = work_dir / "unpacked"
+        for spec in bundle.packages:
+            name = _package_name(spec)  # npm pack names the file @scope/name@1.0 -> scope-name-1.0.tgz
+            tarball = _tarball(work_dir, name.lstrip("@").replace("/", "-") + "-")
+            _unpack(tarball, unpacked / name.rpartition("/")[2])
         staging = work_dir / dest.name
-        html_manager = staging / "@jupyter-widgets" / "html-manager"
-        _unpack(_tarball(work_dir, "jupyter-widgets-html-manager-"), work_dir / "html-manager")
-        _unpack(_tarball(work_dir, "requirejs-"), work_dir / "requirejs")
-        html_manager.mkdir(parents=True)
-        shutil.copytree(work_dir / "html-manager" / "package" / "dist", html_manager / "dist")
-        shutil.copy2(work_dir / "html-manager" / "package" / "package.json", html_manager / "package.json")
-        shutil.copy2(work_dir / "requirejs" / "package" / "require.js", staging / REQUIRE_JS_URL)
-        (staging / MARKER).write_text(json.dumps({"packages": list(PACKAGES)}, indent=2) + "\n")
+        staging.mkdir()
+        bundle.assemble(unpacked, staging)
+        (staging / MARKER).write_text(json.dumps({"packages": list(bundle.packages)}, indent=2) + "\n")
         if dest.exists():
-            if is_complete(dest):  # another process finished first
+            if is_complete(dest, bundle):  # another process finished first
                 return dest
             shutil.rmtree(dest)  # an older or broken copy
         try:
             staging.rename(dest)
         except OSError:
-            if not is_complete(dest):
+            if not is_complete(dest, bundle):
                 raise
     return dest
 
 
-def install_next_to(directory: Path, source: Path = DEFAULT_DEST) -> None:
-    """Make the vendored files available next to a page exported into ``directory``.
+def vendor_mathjax(dest: Path = DEFAULT_MATHJAX_DEST) -> Path:
+    """Fetch MathJax (:data:`MATHJAX_PACKAGE`) into ``dest`` unless it is there; returns ``dest``.
 
-    Symbolic links when the file system allows them, copies otherwise.
+    Only the parts the nbconvert templates' configuration loads are kept (about 5 MB of 71).
+    Raises as :func:`vendor` does.
     """
-    for entry in ENTRIES:
+    return vendor(dest, MATHJAX)
+
+
+def install_next_to(
+    directory: Path, source: Path = DEFAULT_DEST, entries: tuple[str, ...] = ENTRIES, copy: bool = False
+) -> None:
+    """Make the vendored ``entries`` of ``source`` available next to a page exported into ``directory``.
+
+    Symbolic links when the file system allows them and ``copy`` is false, copies otherwise (a
+    folder that must work once moved elsewhere, such as the offline site, asks for copies). An
+    entry that is already there is left alone.
+    """
+    for entry in entries:
         target = Path(directory) / entry
+        origin = Path(source).resolve() / entry
         if target.exists() or target.is_symlink():
             continue
-        try:
-            target.symlink_to(Path(source).resolve() / entry, target_is_directory=(source / entry).is_dir())
-        except OSError:
-            if (source / entry).is_dir():
-                shutil.copytree(source / entry, target)
-            else:
-                shutil.copy2(source / entry, target)
+        if not copy:
+            try:
+                target.symlink_to(origin, target_is_directory=origin.is_dir())
+                continue
+            except OSError:
+                pass
+        if origin.is_dir():
+            shutil.copytree(origin, target)
+        else:
+            shutil.copy2(origin, target)
+
+
+def _package_name(spec: str) -> str:
+    """``@scope/name@1.0`` -> ``@scope/name``; every package here is pinned to a version."""
+    name, at, version = spec.rpartition("@")
+    if not at or not name or not version:
+        raise ValueError(f"package {spec!r} is not pinned: write it as name@version")
+    return name
 
 
 def _tarball(directory: Path, prefix: str) -> Path:
-    found = sorted(directory.glob(f"{prefix}*.tgz"))
+    found = sorted(directory.glob(f"{prefix}[0-9]*.tgz"))
     if len(found) != 1:
         names = sorted(p.name for p in directory.iterdir())
         raise RuntimeError(f"expected one {prefix}*.tgz from npm pack, found {names}")
@@ -163,15 +259,21 @@ def _unpack(tarball: Path, into: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--dest", type=Path, default=DEFAULT_DEST, help=f"where to put the files ({DEFAULT_DEST})"
+        "--dest", type=Path, default=DEFAULT_DEST, help=f"where to put the widget JavaScript ({DEFAULT_DEST})"
+    )
+    parser.add_argument(
+        "--mathjax-dest",
+        type=Path,
+        default=DEFAULT_MATHJAX_DEST,
+        help=f"where to put MathJax ({DEFAULT_MATHJAX_DEST})",
     )
     args = parser.parse_args(argv)
     try:
-        dest = vendor(args.dest)
+        print(vendor(args.dest))
+        print(vendor_mathjax(args.mathjax_dest))
     except (NpmMissingError, RuntimeError) as error:
         print(f"vendor_widget_js: {error}", file=sys.stderr)
         return 1
-    print(dest)
     return 0
 
 
