@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 LAB_ARGS ?=
+# The learner's working copy of the course, which JupyterLab opens (git-ignored; see tools/lab_setup.py).
+WORK ?= my_course
 
 NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile
 LESSON_NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL)
@@ -29,8 +31,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## create .venv and install the pinned environment
 
-lab: $(STAMP) ## open the course in JupyterLab (extra flags: LAB_ARGS="--no-browser --port 8899")
-	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/lessons $(LAB_ARGS)
+lab: $(STAMP) ## open your copy of the course, my_course/, in JupyterLab (flags: LAB_ARGS="--port 8899")
+	$(BIN)/python tools/lab_setup.py --work "$(WORK)"
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(abspath $(WORK))" --LabApp.default_url=/lab/tree/lessons \
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
 
 site: $(STAMP) ## build the lessons into a static site to read offline: open site/index.html (needs npm)
 	$(BIN)/python tools/build_site.py --out site
