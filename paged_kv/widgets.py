@@ -12,6 +12,18 @@ them at a time. Its caption reads ``"7/41 · seq B, token 17: block 5 appended"`
 * a slider over the frames;
 * the frame number, whose spinner arrows also step back and forward, with no kernel.
 
+Both widgets draw the picture inline, in the page's own text colour on the page's background, so
+they read well in light and dark themes alike (:func:`~paged_kv.viz.render_allocator`); their
+status lines carry their own colours.
+
+**A still for a notebook opened before it runs.** An untrusted notebook (a lesson opened fresh,
+before its cells run) and a viewer with no widget JavaScript cannot draw a widget view: they show
+the next output format they can. So each widget's display output also carries a ``text/html``
+still, the picture in its image form (which survives an untrusted notebook's sanitiser) with a
+caption saying what the live widget does. A live JupyterLab, VS Code and an HTML export holding
+the widget state prefer the widget view itself. The player's still is its fullest frame; the
+playground's, the allocator it shows when it is displayed.
+
 ``Play``, the slider, the frame number and the ``Stack`` are tied together with
 ``widgets.jslink``, not ``widgets.link``: a jslink lives in the browser. The widget state saved in
 the notebook holds every frame and every link, so the player still animates in a notebook
@@ -23,14 +35,16 @@ length (the ids run A, B, ..., Z, AA, AB, ...), run one decode step that appends
 running sequence, finish a chosen sequence and reset. Under the controls, a status line shows the
 usage. When an action cannot get its blocks, the status line shows the ``OutOfBlocksError``
 message in red and nothing changes. Below that is the picture: its caption says what the last
-action did, and the blocks it touched are highlighted.
+action did, and the blocks it touched are highlighted; after a refused action it says what was
+refused and why ("seq C: 9-token prompt refused: it needs 3 free blocks, 1 is free; nothing
+changed"), with nothing highlighted.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
@@ -38,14 +52,17 @@ from ._checks import check_count
 from .cache import PagedKVCacheAllocator
 from .errors import OutOfBlocksError
 from .trace import allocate_caption, free_caption, token_caption
-from .viz import render_allocator
+from .viz import plural, render_allocator
 
 if TYPE_CHECKING:
     from .trace import TraceFrame
 
-__all__ = ["AllocationPlayer", "AllocatorPlayground", "sequence_name"]
+__all__ = ["AllocationPlayer", "AllocatorPlayground", "refusal_caption", "sequence_name"]
 
-_WARNING_STYLE = "color: #b00020; font-weight: bold"
+# A warning carries its own background, so its red contrasts (8:1) on a light or a dark page.
+_WARNING_STYLE = (
+    "color:#8A0010;background-color:#FDECEE;border-left:3px solid #B00020;padding:1px 6px;font-weight:bold"
+)
 
 
 def sequence_name(index: int) -> str:
@@ -93,7 +110,7 @@ class AllocationPlayer(widgets.VBox):
                 "PagedKVCacheAllocator(..., record=True) and pass its .trace"
             )
         interval_ms = check_count("interval_ms", interval_ms, minimum=1)
-        width = check_count("width", width, minimum=1)
+        width = self._width = check_count("width", width, minimum=1)
         last = len(self.frames) - 1
 
         self.stack = widgets.Stack(
@@ -163,8 +180,27 @@ class AllocationPlayer(widgets.VBox):
     def _render(self, index: int, width: int) -> str:
         frame = self.frames[index]
         return render_allocator(
-            frame.snapshot, caption=self.frame_caption(index), highlight=frame.highlight, width=width
+            frame.snapshot,
+            caption=self.frame_caption(index),
+            highlight=frame.highlight,
+            width=width,
+            inline=True,
         )
+
+    @property
+    def still_frame(self) -> int:
+        """The frame of the still: the one with the fewest free blocks (the earliest of equals)."""
+        return min(range(len(self.frames)), key=lambda i: len(self.frames[i].snapshot.free_block_ids))
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """The widget view and a ``text/html`` still of :attr:`still_frame` for views that cannot draw it."""
+        index = self.still_frame
+        frame = self.frames[index]
+        caption = f"{self.frame_caption(index)} · a still: run the cell to play all {len(self.frames)} frames"
+        still = render_allocator(
+            frame.snapshot, caption=caption, highlight=frame.highlight, width=self._width
+        )
+        return {**super()._repr_mimebundle_(**kwargs), "text/html": still}
 
 
 def _small_button(label: str, tooltip: str) -> widgets.Button:
@@ -199,7 +235,9 @@ class AllocatorPlayground(widgets.VBox):
         max_prompt = check_count("max_prompt", max_prompt, minimum=1)
         self.width = check_count("width", width, minimum=1)
         self._next_index = 0
-        self._caption = f"{self.cache.num_blocks} free blocks of {self.cache.block_size} tokens"
+        self._caption = (
+            f"{plural(self.cache.num_blocks, 'free block')} of {plural(self.cache.block_size, 'token')}"
+        )
         self._highlight: tuple[int, ...] = ()
         self._message = ""
 
@@ -236,35 +274,47 @@ class AllocatorPlayground(widgets.VBox):
 
     def add_sequence(self) -> None:
         """Allocate a new sequence with ``prompt.value`` tokens."""
-        self._act(self._add_sequence)
+        self._act(self._add_sequence, f"seq {self._next_name()}: {self.prompt.value}-token prompt")
 
     def decode_step(self) -> None:
         """Append one token to every running sequence, or to none when the blocks do not suffice."""
-        self._act(self._decode_step)
+        running = len(self.cache.seq_ids)
+        self._act(
+            self._decode_step, f"decode step for {plural(running, 'sequence')}" if running else "decode step"
+        )
 
     def finish(self) -> None:
         """Free the sequence chosen in :attr:`sequence`."""
-        self._act(self._finish)
+        chosen = self.sequence.value
+        self._act(self._finish, "finish" if chosen is None else f"finish seq {chosen}")
 
     def reset(self) -> None:
         """Start again from an empty allocator of the same size."""
-        self._act(self._reset)
+        self._act(self._reset, "reset")
 
-    def _act(self, action: Callable[[], tuple[str, Iterable[int]]]) -> None:
-        """Run an action and show what it did; show its error instead when it fails."""
+    def _act(self, action: Callable[[], tuple[str, Iterable[int]]], what: str) -> None:
+        """Run an action and show what it did; when it fails, show why, and that nothing changed.
+
+        ``what`` names the action in the caption of a refusal.
+        """
         try:
             self._caption, highlight = action()
         except (OutOfBlocksError, ValueError, KeyError) as error:
             self._message = str(error)
+            self._caption, self._highlight = refusal_caption(what, error), ()
         else:
             self._highlight = tuple(highlight)
             self._message = ""
         self._refresh()
 
-    def _add_sequence(self) -> tuple[str, Iterable[int]]:
+    def _next_name(self) -> str:
+        """The id the next added sequence gets: the next name not already held by the allocator."""
         while sequence_name(self._next_index) in self.cache:  # an id taken through .cache directly
             self._next_index += 1
-        seq_id, num_tokens = sequence_name(self._next_index), self.prompt.value
+        return sequence_name(self._next_index)
+
+    def _add_sequence(self) -> tuple[str, Iterable[int]]:
+        seq_id, num_tokens = self._next_name(), self.prompt.value
         table = self.cache.allocate_for_sequence(seq_id, num_tokens)
         self._next_index += 1
         return allocate_caption(seq_id, num_tokens, table.block_ids), table.block_ids
@@ -275,7 +325,7 @@ class AllocatorPlayground(widgets.VBox):
             raise ValueError("no sequence is running: add a sequence first")
         needed = sum(self.cache.needs_new_block(seq_id) for seq_id in seq_ids)
         if needed > self.cache.num_free_blocks:  # all or nothing: check before the first append
-            what = f"a decode step for {_count(len(seq_ids), 'sequence')}"
+            what = f"a decode step for {plural(len(seq_ids), 'sequence')}"
             raise OutOfBlocksError(needed, self.cache.num_free_blocks, what)
         new_blocks = {seq_id: self.cache.append_tokens(seq_id) for seq_id in seq_ids}
         grown = [
@@ -283,7 +333,7 @@ class AllocatorPlayground(widgets.VBox):
             for seq_id, ids in new_blocks.items()
             if ids
         ]
-        caption = f"decode step: one token for each of {_count(len(seq_ids), 'sequence')}; "
+        caption = f"decode step: one token for each of {plural(len(seq_ids), 'sequence')}; "
         caption += "; ".join(grown) if grown else "every token fits in its last block"
         return caption, [self.cache.get_block_mapping(seq_id)[-1] for seq_id in seq_ids]
 
@@ -298,13 +348,25 @@ class AllocatorPlayground(widgets.VBox):
     def _reset(self) -> tuple[str, Iterable[int]]:
         self.cache = _new_cache(self.cache.num_blocks, self.cache.block_size)
         self._next_index = 0
-        return f"reset: all {self.cache.num_blocks} blocks are free", ()
+        return f"reset: all {plural(self.cache.num_blocks, 'block')} free", ()
 
     # ---------------------------------------------------------------------------------- display
 
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """The widget view, plus a ``text/html`` still of the allocator for views that cannot draw it."""
+        caption = f"{self._caption} · a still: run the cell to use the buttons"
+        still = render_allocator(
+            self.cache.snapshot(), caption=caption, highlight=self._highlight, width=self.width
+        )
+        return {**super()._repr_mimebundle_(**kwargs), "text/html": still}
+
     def _refresh(self) -> None:
         self.picture.value = render_allocator(
-            self.cache.snapshot(), caption=self._caption, highlight=self._highlight, width=self.width
+            self.cache.snapshot(),
+            caption=self._caption,
+            highlight=self._highlight,
+            width=self.width,
+            inline=True,
         )
         self.status.value = self._status_html()
         self._refresh_sequences()
@@ -312,8 +374,9 @@ class AllocatorPlayground(widgets.VBox):
     def _status_html(self) -> str:
         usage = self.cache.usage()
         line = (
-            f"{usage.used_blocks} of {self.cache.num_blocks} blocks used, {usage.free_blocks} free · "
-            f"{usage.allocated_tokens} tokens in {usage.reserved_tokens} slots "
+            f"{usage.used_blocks} of {plural(self.cache.num_blocks, 'block')} used, "
+            f"{usage.free_blocks} free · "
+            f"{plural(usage.allocated_tokens, 'token')} in {plural(usage.reserved_tokens, 'slot')} "
             f"({usage.block_utilization:.0%} full, {usage.internal_fragmentation_tokens} empty)"
         )
         parts = [f"<div>{html.escape(line)}</div>"]
@@ -333,5 +396,17 @@ def _new_cache(num_blocks: int, block_size: int) -> PagedKVCacheAllocator:
     return PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
+def refusal_caption(what: str, error: Exception) -> str:
+    """The caption of a refused action: what was refused, why, and that nothing changed.
+
+    >>> refusal_caption("seq C: 9-token prompt", OutOfBlocksError(3, 1))
+    'seq C: 9-token prompt refused: it needs 3 free blocks, 1 is free; nothing changed'
+    >>> refusal_caption("decode step", ValueError("no sequence is running: add a sequence first"))
+    'decode step refused: no sequence is running: add a sequence first; nothing changed'
+    """
+    if isinstance(error, OutOfBlocksError):
+        verb = "is" if error.free == 1 else "are"
+        why = f"it needs {plural(error.needed, 'free block')}, {error.free} {verb} free"
+    else:
+        why = str(error)
+    return f"{what} refused: {why}; nothing changed"

@@ -8,7 +8,9 @@ jslinks, so here we check that the right links exist, not that they move anythin
 
 from __future__ import annotations
 
+import base64
 import html
+import re
 
 import ipywidgets as widgets
 import pytest
@@ -16,7 +18,8 @@ from ipywidgets.widgets.widget_link import Link
 
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.trace import TraceFrame
-from paged_kv.widgets import AllocationPlayer, AllocatorPlayground, sequence_name
+from paged_kv.viz import render_allocator
+from paged_kv.widgets import AllocationPlayer, AllocatorPlayground, refusal_caption, sequence_name
 
 pytestmark = pytest.mark.lesson04
 
@@ -114,11 +117,9 @@ def test_each_frame_shows_its_caption_with_its_number(player):
 
 
 def test_each_frame_is_rendered_from_its_own_snapshot(player):
-    from paged_kv.viz import render_allocator
-
     for i, frame in enumerate(player.frames):
         expected = render_allocator(
-            frame.snapshot, caption=player.frame_caption(i), highlight=frame.highlight, width=760
+            frame.snapshot, caption=player.frame_caption(i), highlight=frame.highlight, width=760, inline=True
         )
         assert player.frame_html(i) == expected
 
@@ -209,6 +210,39 @@ def test_an_empty_trace_is_refused():
 def test_a_bad_interval_or_width_is_refused(argument, bad):
     with pytest.raises(ValueError, match=argument):
         AllocationPlayer(handmade_frames(["empty"]), **{argument: bad})
+
+
+def still_svg(bundle: dict) -> str:
+    """The SVG of a display bundle's ``text/html`` still, from its image's ``data:`` URI."""
+    source = re.search(r'src="data:image/svg\+xml;base64,([^"]+)"', bundle["text/html"]).group(1)
+    return base64.b64decode(source).decode("utf-8")
+
+
+def test_the_players_display_carries_a_still_of_its_fullest_frame():
+    player = AllocationPlayer(recorded_cache().trace, width=500)
+    bundle = player._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html", "application/vnd.jupyter.widget-view+json"}
+    # The frames: start, A's prompt (2 blocks), B's (1), A's 4th token, A's 5th (a third block), B freed.
+    free = [len(frame.snapshot.free_block_ids) for frame in player.frames]
+    assert player.still_frame == free.index(min(free)) == 4
+    frame = player.frames[4]
+    caption = f"{player.frame_caption(4)} · a still: run the cell to play all 6 frames"
+    assert bundle["text/html"] == render_allocator(
+        frame.snapshot, caption=caption, highlight=frame.highlight, width=500
+    )
+    assert "<svg" not in bundle["text/html"] and "<svg" in still_svg(bundle)  # the image form
+
+
+def test_the_playgrounds_display_carries_a_still_of_its_allocator():
+    playground = AllocatorPlayground(8, 2)
+    add(playground, 3)
+    bundle = playground._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html", "application/vnd.jupyter.widget-view+json"}
+    caption = "seq A: 3-token prompt takes blocks [0, 1] · a still: run the cell to use the buttons"
+    assert bundle["text/html"] == render_allocator(
+        playground.cache.snapshot(), caption=caption, highlight=(0, 1), width=760
+    )
+    assert bundle["text/html"] == playground._repr_mimebundle_()["text/html"]  # deterministic, for nbval
 
 
 def test_the_player_repr_is_short(player):
@@ -322,18 +356,26 @@ def test_reset_empties_everything():
     assert playground.cache.seq_ids == ("A",)  # the names start again
 
 
+def refused(playground: AllocatorPlayground, caption: str) -> str:
+    """The picture the playground must show after a refusal: its allocator, the caption, no highlight."""
+    return render_allocator(playground.cache.snapshot(), caption=caption, width=playground.width, inline=True)
+
+
 def test_a_prompt_too_long_for_the_free_blocks_shows_the_message_and_changes_nothing():
     playground = AllocatorPlayground(4, 4, max_prompt=24)
     add(playground, 6)
-    before, picture = playground.cache.snapshot(), playground.picture.value
+    before = playground.cache.snapshot()
     add(playground, 24)
     assert playground.cache.snapshot() == before
-    assert playground.picture.value == picture
+    # The picture is the same allocator, captioned with the refusal itself, not the last success.
+    caption = "seq B: 24-token prompt refused: it needs 6 free blocks, 2 are free; nothing changed"
+    assert playground.picture.value == refused(playground, caption)
+    assert not shows("seq A: 6-token prompt takes blocks [0, 1]", playground.picture.value)
     assert playground.sequence.options == ("A",)
     status = playground.status.value
     assert "out of blocks" in status
     assert "needs 6 free blocks but only 2 are free" in status
-    assert "color: #b00020" in status  # shown as a warning
+    assert "color:#8A0010;background-color:#FDECEE" in status  # a warning on its own background
     add(playground, 1)  # a success clears the message
     assert "out of blocks" not in playground.status.value
     assert playground.cache.seq_ids == ("A", "B")  # the refused sequence did not use up a name
@@ -344,10 +386,11 @@ def test_a_decode_step_is_all_or_nothing_across_the_batch():
     playground = AllocatorPlayground(3, 4)
     add(playground, 4)
     add(playground, 4)
-    before, picture = playground.cache.snapshot(), playground.picture.value
+    before = playground.cache.snapshot()
     press(playground.decode_button)
     assert playground.cache.snapshot() == before
-    assert playground.picture.value == picture
+    caption = "decode step for 2 sequences refused: it needs 2 free blocks, 1 is free; nothing changed"
+    assert playground.picture.value == refused(playground, caption)
     assert "a decode step for 2 sequences needs 2 free blocks but only 1 is free" in playground.status.value
 
 
@@ -358,6 +401,9 @@ def test_a_decode_step_with_no_free_block_shows_the_message():
     press(playground.decode_button)
     assert playground.cache.snapshot() == before
     assert "needs 1 free block but only 0 are free" in playground.status.value
+    caption = "decode step for 1 sequence refused: it needs 1 free block, 0 are free; nothing changed"
+    assert playground.picture.value == refused(playground, caption)
+    assert not any(c in playground.picture.value for c in ("1 blocks", "1 sequences", "1 tokens"))
 
 
 def test_decode_and_finish_with_no_sequence_explain_instead_of_raising():
@@ -365,9 +411,59 @@ def test_decode_and_finish_with_no_sequence_explain_instead_of_raising():
     before = playground.cache.snapshot()
     press(playground.decode_button)
     assert "no sequence is running" in playground.status.value
+    caption = "decode step refused: no sequence is running: add a sequence first; nothing changed"
+    assert playground.picture.value == refused(playground, caption)
     press(playground.finish_button)
     assert "no sequence to finish" in playground.status.value
+    caption = "finish refused: no sequence to finish: add a sequence first; nothing changed"
+    assert playground.picture.value == refused(playground, caption)
     assert playground.cache.snapshot() == before
+
+
+def test_a_success_after_a_refusal_captions_and_highlights_the_success():
+    playground = AllocatorPlayground(3, 4)
+    add(playground, 12)
+    press(playground.decode_button)  # refused: A's 13th token needs a block and none is free
+    press(playground.finish_button)
+    assert shows("seq A finished: blocks [0, 1, 2] back to the free list", playground.picture.value)
+    assert "refused" not in playground.picture.value and "out of blocks" not in playground.status.value
+
+
+def test_the_refusal_caption_says_what_why_and_that_nothing_changed():
+    from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
+
+    assert (
+        refusal_caption("x", OutOfBlocksError(1, 1))
+        == "x refused: it needs 1 free block, 1 is free; nothing changed"
+    )
+    assert (
+        refusal_caption("x", OutOfBlocksError(2, 0))
+        == "x refused: it needs 2 free blocks, 0 are free; nothing changed"
+    )
+    assert refusal_caption("finish seq Q", UnknownSequenceError("Q")).startswith(
+        "finish seq Q refused: unknown sequence 'Q': it was never allocated"
+    )
+
+
+def test_the_status_and_captions_count_one_in_the_singular():
+    playground = AllocatorPlayground(1, 1, max_prompt=1)
+    assert shows("1 free block of 1 token", playground.picture.value)
+    assert "0 of 1 block used, 1 free · 0 tokens in 0 slots" in playground.status.value
+    add(playground, 1)
+    assert "1 of 1 block used, 0 free · 1 token in 1 slot" in playground.status.value
+    press(playground.reset_button)
+    assert shows("reset: all 1 block free", playground.picture.value)
+
+
+def test_the_warning_contrasts_on_a_light_and_on_a_dark_page():
+    from tests.test_viz import contrast
+
+    playground = AllocatorPlayground(1, 1, max_prompt=1)
+    add(playground, 1)
+    add(playground, 1)
+    style = re.search(r'<div style="([^"]+)">⚠', playground.status.value).group(1)
+    declared = dict(d.split(":", 1) for d in style.split(";"))
+    assert contrast(declared["color"], declared["background-color"]) >= 7  # whatever the page behind it
 
 
 def test_the_picture_changes_after_each_action():
@@ -387,8 +483,6 @@ def test_the_picture_changes_after_each_action():
 
 
 def test_the_picture_is_the_allocator_with_the_last_action_highlighted():
-    from paged_kv.viz import render_allocator
-
     playground = AllocatorPlayground(16, 4, width=500)
     add(playground, 5)
     expected = render_allocator(
@@ -396,6 +490,7 @@ def test_the_picture_is_the_allocator_with_the_last_action_highlighted():
         caption="seq A: 5-token prompt takes blocks [0, 1]",
         highlight=(0, 1),
         width=500,
+        inline=True,
     )
     assert playground.picture.value == expected
 
