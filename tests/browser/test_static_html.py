@@ -3,14 +3,15 @@
 The notebook is executed (widget state stored), exported with ``jupyter nbconvert --to html``
 pointing at the widget JavaScript vendored from npm, and opened in headless Chromium from a
 file:// URL. Clicking Play must move the slider and change the frame the ``Stack`` shows: both
-run in the browser, through the player's jslinks.
+run in the browser, through the player's jslinks. (``test_site.py`` does the same on the committed
+lessons as ``make site`` exports them; this test runs the widgets' current code.)
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.browser import harness
+from tests.browser import harness, playback
 
 pytestmark = [pytest.mark.browser, pytest.mark.lesson04]
 
@@ -22,31 +23,13 @@ def test_clicking_play_advances_the_player_in_a_static_html_export(
     html = harness.export_static_html(notebook, tmp_path / "export", widget_js)
 
     page.goto(html.as_uri())
-    player = harness.player(page)
     try:
-        player.locator(harness.FRAME_HTML).first.wait_for(state="attached")
-        player.locator(".widget-text input").first.wait_for(state="visible")
-    except Exception as error:
-        shot = screenshot(page, "no-widgets")
-        console = "\n".join(page.console_lines[-20:])
-        raise AssertionError(
-            f"the widgets of {name} did not render in the static HTML export ({shot}); console:\n{console}"
-        ) from error
-    player.scroll_into_view_if_needed()
-    start, start_html = harness.player_frame(player)
+        player = playback.wait_for_player(page, f"{name} in its static HTML export")
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n(screenshot: {screenshot(page, 'no-widgets')})") from error
     screenshot(page, "before-play")
-    assert "<svg" in start_html, f"the player's first frame has no SVG picture: {start_html[:300]!r}"
-
-    play_button = player.locator(f"{harness.PLAY} button").filter(has=page.locator("i.fa-play")).first
-    play_button.click()
-
-    def advanced():
-        frame, frame_html = harness.player_frame(player)
-        return (frame, frame_html) if frame > start and frame_html != start_html else None
-
-    _frame, frame_html = harness.wait_until(
-        page, advanced, f"Play to move the player of {name} past frame {start} and change the picture"
-    )
+    start_html, frame_html = playback.press_play(page, player, name)
     screenshot(page, "after-play")
+    assert "<svg" in start_html, f"the player's first frame has no SVG picture: {start_html[:300]!r}"
     assert "<svg" in frame_html
     assert harness.caption(frame_html) != harness.caption(start_html), "the caption did not change"
