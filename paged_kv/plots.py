@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from .block import blocks_for_tokens
 from .snapshot import AllocatorSnapshot
@@ -77,82 +77,337 @@ def plot_reservations(
     return ax
 
 
+def _filled_block(ax: Axes, x: float, y: float, used: int, size: int, owner: int | None) -> None:
+    """One block of ``size`` slots at ``(x, y)``: ``used`` of them in the owner's colour, the rest
+    hatched as waste; a free block (``owner`` None) is white."""
+    if owner is None:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.8, zorder=2, **FREE))
+        return
+    ax.add_patch(Rectangle((x, y), 0.9, 0.8, zorder=2, **WASTE))
+    ax.add_patch(
+        Rectangle((x, y), 0.9 * used / size, 0.8, facecolor=colour(owner), edgecolor="none", zorder=2)
+    )
+    ax.add_patch(Rectangle((x, y), 0.9, 0.8, fill=False, edgecolor="#333333", lw=0.8, zorder=2))
+
+
+def _block_label(ax: Axes, x: float, y: float, text: str) -> None:
+    """A block id in the middle of a box, on a small white label so that it reads on any fill."""
+    ax.text(
+        x + 0.45,
+        y + 0.4,
+        text,
+        ha="center",
+        va="center",
+        fontsize=7,
+        color="#222222",
+        zorder=4,
+        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+    )
+
+
 def plot_block_tables(
     snapshot: AllocatorSnapshot,
     *,
     ax: Axes | None = None,
-    blocks_per_row: int = 8,
+    blocks_per_row: int | None = None,
     title: str | None = None,
 ) -> Axes:
     """Block tables as arrows into the pool.
 
-    Left: each sequence's logical blocks in order, filled to the tokens they hold. Right: the
-    physical pool as a grid, each used block in its owner's colour (the unused tail hatched), free
-    blocks white. An arrow runs from every logical block to the physical block that holds it.
+    Top: the physical pool, block 0 first, in rows of ``blocks_per_row`` (one row by default), each
+    used block in its owner's colour with its unused tail hatched, free blocks white. Bottom: every
+    sequence's block table, its logical blocks left to right, filled to the tokens they hold, each
+    labelled with the physical block it names; the sequence's id is underneath. One straight arrow
+    runs from every logical block up to its physical block. The panel titles sit above the pool and
+    below the tables, where no arrow goes, and the arrows pass behind the boxes.
+
+    Raises:
+        ValueError: ``blocks_per_row`` is not ``None`` or a positive int.
     """
-    seq_ids: list[Hashable] = list(snapshot.tables)
-    size = snapshot.block_size
-    rows = blocks_for_tokens(snapshot.num_blocks, blocks_per_row)
-    longest = max([t.num_blocks for t in snapshot.tables.values()] + [1])
-    height = max(rows, len(seq_ids))
-    ax = _axes(ax, (0.55 * (longest + blocks_per_row + 5), 0.75 * height + 1.2))
-    pool_x = longest + 3
+    if blocks_per_row is not None and (
+        isinstance(blocks_per_row, bool) or not isinstance(blocks_per_row, int) or blocks_per_row < 1
+    ):
+        raise ValueError(f"blocks_per_row must be a positive int or None, got {blocks_per_row!r}")
+    size, num_blocks = snapshot.block_size, snapshot.num_blocks
+    per_row = min(num_blocks, blocks_per_row or num_blocks) or 1
+    pool_rows = blocks_for_tokens(num_blocks, per_row)
+    tables = list(snapshot.tables.items())
+    tables_width = sum(t.num_blocks for _, t in tables) + max(0, len(tables) - 1)  # a gap between tables
+    width = max(per_row, tables_width)
+    gap = 2.6  # the band between the tables and the pool's lowest row, where the arrows run
+    ax = _axes(ax, (max(6.0, 0.5 * width + 1.5), 1.1 * pool_rows + 2.6))
 
-    def fill_box(x: float, y: float, used: int, owner: int | None) -> None:
-        if owner is None:
-            ax.add_patch(Rectangle((x, y), 0.9, 0.8, **FREE))
-            return
-        ax.add_patch(Rectangle((x, y), 0.9, 0.8, **WASTE))
-        ax.add_patch(Rectangle((x, y), 0.9 * used / size, 0.8, facecolor=colour(owner), edgecolor="none"))
-        ax.add_patch(Rectangle((x, y), 0.9, 0.8, fill=False, edgecolor="#333333", lw=0.8))
-
+    used_by: dict[int, tuple[int, int]] = {}  # physical block -> (owner's index, tokens it holds)
+    for index, (_, table) in enumerate(tables):
+        for logical, block_id in enumerate(table.block_ids):
+            used_by[block_id] = (index, min(size, max(0, table.num_tokens - logical * size)))
+    pool_left = (width - per_row) / 2
     where: dict[int, tuple[float, float]] = {}
-    owners: dict[int, tuple[int, int]] = {}
-    for index, seq_id in enumerate(seq_ids):
-        table = snapshot.tables[seq_id]
-        for logical, block_id in enumerate(table.block_ids):
-            used = min(size, max(0, table.num_tokens - logical * size))
-            owners[block_id] = (index, used)
-    for block_id in range(snapshot.num_blocks):
-        x = pool_x + block_id % blocks_per_row
-        y = (height - 1 - block_id // blocks_per_row) * 1.5
+    for block_id in range(num_blocks):
+        row, column = divmod(block_id, per_row)
+        x, y = pool_left + column, 0.8 + gap + (pool_rows - 1 - row) * 1.3
         where[block_id] = (x, y)
-        owner, used = owners.get(block_id, (None, 0))
-        fill_box(x, y, used, owner)
-        ax.text(x + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=7, color="#222222")
-    for index, seq_id in enumerate(seq_ids):
-        table = snapshot.tables[seq_id]
-        y = (height - 1 - index) * 1.5
-        ax.text(-0.2, y + 0.4, str(seq_id), ha="right", va="center", fontsize=9)
+        owner, used = used_by.get(block_id, (None, 0))
+        _filled_block(ax, x, y, used, size, owner)
+        _block_label(ax, x, y, str(block_id))
+
+    x = (width - tables_width) / 2
+    for index, (seq_id, table) in enumerate(tables):
+        start = x
         for logical, block_id in enumerate(table.block_ids):
-            used = min(size, max(0, table.num_tokens - logical * size))
-            fill_box(logical, y, used, index)
+            _filled_block(ax, x, 0, min(size, max(0, table.num_tokens - logical * size)), size, index)
+            _block_label(ax, x, 0, str(block_id))
             tx, ty = where[block_id]
             ax.add_patch(
                 FancyArrowPatch(
-                    (logical + 0.45, y + 0.8),
-                    (tx + 0.45, ty + 0.8),
+                    (x + 0.45, 0.8),
+                    (tx + 0.45, ty),
                     arrowstyle="-|>",
                     mutation_scale=9,
                     color=colour(index),
                     lw=1.0,
-                    alpha=0.85,
-                    connectionstyle="arc3,rad=-0.25",
+                    alpha=0.8,
                     shrinkA=1,
                     shrinkB=1,
-                    zorder=3,
+                    zorder=1,
                 )
             )
-    top = (height - 1) * 1.5 + 1.6
-    ax.text(0, top, "block tables: logical blocks", fontsize=9, va="bottom")
+            x += 1
+        ax.text((start + x - 0.1) / 2, -0.15, str(seq_id), ha="center", va="top", fontsize=9)
+        x += 1
+    top = 0.8 + gap + (pool_rows - 1) * 1.3 + 0.8
     ax.text(
-        pool_x, top, f"physical pool: {snapshot.num_blocks} blocks of {size} slots", fontsize=9, va="bottom"
+        pool_left, top + 0.15, f"physical pool: {num_blocks} blocks of {size} slots", fontsize=9, va="bottom"
     )
-    ax.set_xlim(-2.5, pool_x + blocks_per_row + 0.5)
-    ax.set_ylim(-0.4, top + 0.6)
+    ax.text(
+        (width - tables_width) / 2,
+        -0.75,
+        "block tables: logical blocks left to right, each naming its physical block",
+        fontsize=9,
+        va="top",
+    )
+    ax.set_xlim(-0.5, width + 0.4)
+    ax.set_ylim(-1.4, top + 0.7)
     ax.set_axis_off()
     if title:
         ax.set_title(title, loc="left", fontsize=11)
+    return ax
+
+
+def _owners(snapshot: AllocatorSnapshot) -> dict[int, Hashable]:
+    """Every used block and the sequence that holds it (the first, for a shared block)."""
+    owner: dict[int, Hashable] = {}
+    for seq_id, table in snapshot.tables.items():
+        for block_id in table.block_ids:
+            owner.setdefault(block_id, seq_id)
+    return owner
+
+
+def plot_free_list_steps(
+    steps: Sequence[tuple[str, AllocatorSnapshot]],
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """The pool after each step, one row per step: the free list at work.
+
+    ``steps`` pairs a label with the snapshot after that step. Every used block is drawn in its
+    sequence's colour (sequences numbered in the order they first appear, so a sequence keeps its
+    colour from row to row), every free block white with its place in the free list underneath
+    (``#1`` is the block the next allocation takes), and the free list itself at the end of the row.
+    A legend names the sequences.
+
+    Raises:
+        ValueError: ``steps`` is empty.
+    """
+    if not steps:
+        raise ValueError("steps must hold at least one (label, snapshot) pair")
+    ax = _axes(ax, (8, 0.8 * len(steps) + 1.0))
+    index: dict[Hashable, int] = {}
+    num_blocks = max(snapshot.num_blocks for _, snapshot in steps)
+    for row, (label, snapshot) in enumerate(steps):
+        owner = _owners(snapshot)
+        place = {block_id: n + 1 for n, block_id in enumerate(snapshot.free_block_ids)}
+        y = -1.5 * row
+        for block_id in range(snapshot.num_blocks):
+            used = block_id in owner
+            fill = colour(index.setdefault(owner[block_id], len(index))) if used else "white"
+            ax.add_patch(Rectangle((block_id, y), 0.9, 0.8, facecolor=fill, edgecolor="#333333", lw=0.8))
+            _block_label(ax, block_id, y, str(block_id))
+            if not used:
+                ax.text(block_id + 0.45, y - 0.1, f"#{place[block_id]}", ha="center", va="top", fontsize=7)
+        ax.text(-0.3, y + 0.4, label, ha="right", va="center", fontsize=9)
+        free = f"free list {list(snapshot.free_block_ids)}"
+        ax.text(snapshot.num_blocks + 0.3, y + 0.4, free, va="center", fontsize=9)
+    handles = [Patch(facecolor=colour(i), edgecolor="#333333", label=str(seq)) for seq, i in index.items()]
+    if handles:
+        ax.legend(
+            handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles), frameon=False
+        )
+    label_room = 0.18 * max(len(label) for label, _ in steps) + 0.4  # the labels sit left of block 0
+    ax.set_xlim(-label_room, num_blocks + 4.5)
+    ax.set_ylim(-1.5 * len(steps) + 0.6, 1.0)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, loc="left", fontsize=11)
+    return ax
+
+
+def plot_positions_in_pool(snapshot: AllocatorSnapshot, seq_id: Hashable, *, ax: Axes | None = None) -> Axes:
+    """One sequence's positions in its logical blocks (left) and in the pool, slot by slot (right).
+
+    Left: the sequence's logical blocks, one row each, every slot labelled with its position. Right:
+    the pool as the cache tensor lays it out, one row per physical block (the first axis of
+    ``k_cache``) and one column per offset (its third axis); the sequence's slots carry its
+    positions, other sequences' held slots are grey, and every slot's corner shows its flat slot
+    number ``block * block_size + offset``. Each logical block is in its own colour, with an arrow
+    to the row of the pool that holds it; the slots it reserves but does not hold are hatched.
+
+    Raises:
+        KeyError: ``seq_id`` is not in the snapshot.
+    """
+    if seq_id not in snapshot.tables:
+        raise KeyError(f"{seq_id!r} is not a sequence of the snapshot; it holds {list(snapshot.tables)}")
+    table, size, rows = snapshot.tables[seq_id], snapshot.block_size, snapshot.num_blocks
+    ax = _axes(ax, (8, 0.45 * rows + 1.2))
+    held_by_others = {}  # physical block -> tokens another sequence holds in it
+    for other, other_table in snapshot.tables.items():
+        if other != seq_id:
+            for logical, block_id in enumerate(other_table.block_ids):
+                held_by_others[block_id] = min(size, max(0, other_table.num_tokens - logical * size))
+    pool_x = size + 4
+
+    def slot(x: float, y: float, fill: str | None, hatch: bool, label: str, corner: str) -> None:
+        style = WASTE if hatch else {"facecolor": fill or "white", "edgecolor": "none"}
+        ax.add_patch(Rectangle((x, y), 1, 1, **style))
+        ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="#444444", lw=0.8))
+        ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=10, weight="bold", color="white")
+        strong = fill not in (None, "#BBBBBB")
+        corner_colour = "white" if strong else "#555555"
+        ax.text(x + 0.95, y + 0.05, corner, ha="right", va="bottom", fontsize=6, color=corner_colour)
+
+    for block_id in range(rows):  # the pool: row = physical block, column = offset
+        y = rows - 1 - block_id
+        ax.text(pool_x - 0.2, y + 0.5, f"block {block_id}", ha="right", va="center", fontsize=9)
+        for offset in range(size):
+            grey = "#BBBBBB" if offset < held_by_others.get(block_id, 0) else None
+            slot(pool_x + offset, y, grey, False, "", str(block_id * size + offset))
+    for logical, block_id in enumerate(table.block_ids):  # the sequence, in both views
+        left_y, pool_y = rows - 2 - 2 * logical, rows - 1 - block_id
+        ax.text(-0.2, left_y + 0.5, f"logical {logical}", ha="right", va="center", fontsize=9)
+        for offset in range(size):
+            position = logical * size + offset
+            held = position < table.num_tokens
+            label = str(position) if held else ""
+            fill = colour(logical) if held else None
+            slot(offset, left_y, fill, not held, label, "")
+            slot(pool_x + offset, pool_y, fill, not held, label, str(block_id * size + offset))
+        ax.add_patch(
+            FancyArrowPatch(
+                (size + 0.1, left_y + 0.5),
+                (pool_x - 1.5, pool_y + 0.5),
+                arrowstyle="-|>",
+                mutation_scale=12,
+                color=colour(logical),
+            )
+        )
+    ax.text(0, rows + 0.3, f"{seq_id}: positions by logical block", fontsize=10)
+    ax.text(pool_x - 1.5, rows + 0.3, "pool: row = block, column = offset", fontsize=10)
+    ax.set_xlim(-2.2, pool_x + size + 0.3)
+    ax.set_ylim(-0.2, rows + 1)
+    ax.set_aspect("equal")
+    ax.set_axis_off()
+    return ax
+
+
+def plot_padded_block_tables(
+    block_tables: Sequence[Sequence[int]],
+    labels: Sequence[str],
+    *,
+    highlight: int = 0,
+    ax: Axes | None = None,
+) -> Axes:
+    """A padded ``(batch, max_blocks)`` block-table tensor as a grid: one row per sequence.
+
+    Each entry shows its block id; padding (``-1``) is hatched as waste; the ``highlight`` row is
+    coloured by logical block, the others grey.
+
+    Raises:
+        ValueError: the rows differ in length, or ``labels`` or ``highlight`` does not match them.
+    """
+    rows = [list(row) for row in block_tables]
+    if not rows or len({len(row) for row in rows}) != 1:
+        raise ValueError("block_tables must be a non-empty list of rows of the same length")
+    if len(labels) != len(rows):
+        raise ValueError(f"labels must name each of the {len(rows)} rows, got {len(labels)}")
+    if not 0 <= highlight < len(rows):
+        raise ValueError(f"highlight must be a row index below {len(rows)}, got {highlight}")
+    ax = _axes(ax, (4, 0.5 * len(rows) + 1))
+    width = len(rows[0])
+    for r, row in enumerate(rows):
+        y = len(rows) - 1 - r
+        for j, block_id in enumerate(row):
+            strong = r == highlight and block_id != -1
+            if block_id == -1:
+                ax.add_patch(Rectangle((j, y), 1, 1, **WASTE))
+            else:
+                fill = colour(j) if strong else "#E8E8E8"
+                ax.add_patch(Rectangle((j, y), 1, 1, facecolor=fill, edgecolor="#444444"))
+            text_colour = "white" if strong else "#222222"
+            ax.text(j + 0.5, y + 0.5, str(block_id), ha="center", va="center", fontsize=9, color=text_colour)
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, len(rows))
+    ax.set_xticks([j + 0.5 for j in range(width)], [str(j) for j in range(width)])
+    ax.set_yticks([len(rows) - 0.5 - r for r in range(len(rows))], list(labels))
+    ax.set_xlabel("logical block")
+    ax.set_title("block_tables (padding hatched)", loc="left", fontsize=10)
+    return ax
+
+
+def plot_weights_by_block(
+    weights: Sequence[float],
+    block_ids: Sequence[int],
+    block_size: int,
+    context_len: int,
+    *,
+    ax: Axes | None = None,
+    ylabel: str = "attention weight",
+) -> Axes:
+    """One sequence's attention weights by position, each bar in the colour of its logical block.
+
+    ``weights`` has one value per slot of the sequence's blocks (``len(block_ids) * block_size``);
+    the slots from ``context_len`` on are masked: drawn hatched, full height, and labelled so.
+    Every block is named by its physical id, and dotted lines mark the block boundaries.
+
+    Raises:
+        ValueError: ``weights`` does not have one value per slot, or ``context_len`` is not in
+            ``1 .. len(weights)``.
+    """
+    weights = [float(w) for w in weights]
+    slots = len(block_ids) * block_size
+    if len(weights) != slots:
+        raise ValueError(f"weights must have one value per slot, {slots}, got {len(weights)}")
+    if not 1 <= context_len <= slots:
+        raise ValueError(f"context_len must be in 1 .. {slots}, got {context_len}")
+    ax = _axes(ax, (7, 3))
+    top = max(weights[:context_len]) * 1.2
+    ax.bar(
+        range(context_len), weights[:context_len], color=[colour(p // block_size) for p in range(context_len)]
+    )
+    if context_len < slots:
+        ax.bar(range(context_len, slots), top, width=0.8, **WASTE)
+        middle = (context_len + slots - 1) / 2
+        ax.text(middle, top * 0.45, "masked: weight 0", rotation=90, ha="center", va="center", fontsize=9)
+    for boundary in range(block_size, slots, block_size):
+        ax.axvline(boundary - 0.5, color="#888888", lw=0.8, ls=":")
+    for logical, block_id in enumerate(block_ids):
+        x = logical * block_size + (block_size - 1) / 2
+        ax.text(x, top * 0.9, f"block {block_id}", ha="center", fontsize=9, color=colour(logical))
+    ax.set_ylim(0, top)
+    ax.set_xticks(range(slots))
+    ax.set_xlabel("position")
+    ax.set_ylabel(ylabel)
+    ax.spines[["top", "right"]].set_visible(False)
     return ax
 
 

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.plots import plot_block_tables, plot_held_and_reserved, plot_reservations
+from paged_kv.plots import (
+    plot_block_tables,
+    plot_free_list_steps,
+    plot_held_and_reserved,
+    plot_padded_block_tables,
+    plot_positions_in_pool,
+    plot_reservations,
+    plot_weights_by_block,
+)
 
 pytestmark = pytest.mark.lesson00
 
@@ -26,13 +36,62 @@ def test_reservations_draw_one_slot_or_whole_blocks_per_request():
         plot_reservations([9], slot_tokens=16, block_size=16)
 
 
-def test_block_tables_label_every_physical_block_and_every_sequence():
+def two_tables():
     cache = PagedKVCacheAllocator(8, 4, 1, 1)
-    cache.allocate_for_sequence("A", 6)
-    cache.allocate_for_sequence("B", 3)
-    labels = [t.get_text() for t in plot_block_tables(cache.snapshot()).texts]
+    cache.allocate_for_sequence("A", 6)  # blocks 0, 1
+    cache.allocate_for_sequence("B", 3)  # block 2
+    cache.free_sequence("A")
+    cache.allocate_for_sequence("C", 9)  # three blocks from the free list, wherever they are
+    return cache.snapshot()
+
+
+def arrows(ax):
+    return [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+
+
+def test_block_tables_label_every_physical_block_and_every_sequence():
+    snapshot = two_tables()
+    labels = [t.get_text() for t in plot_block_tables(snapshot).texts]
     assert {str(block) for block in range(8)} <= set(labels)
-    assert {"A", "B"} <= set(labels)
+    assert {"B", "C"} <= set(labels)
+    entries = [str(b) for table in snapshot.tables.values() for b in table.block_ids]
+    titles = [
+        "physical pool: 8 blocks of 4 slots",
+        "block tables: logical blocks left to right, each naming its physical block",
+    ]
+    assert sorted(labels) == sorted([*map(str, range(8)), *entries, "B", "C", *titles])
+
+
+def test_block_tables_draw_one_arrow_per_entry_up_to_its_physical_block():
+    snapshot = two_tables()
+    ax = plot_block_tables(snapshot)
+    pool = {t.get_text(): t.get_position() for t in ax.texts[: snapshot.num_blocks]}
+    drawn = arrows(ax)
+    entries = [b for table in snapshot.tables.values() for b in table.block_ids]
+    assert len(drawn) == len(entries)
+    for arrow, block_id in zip(drawn, entries, strict=True):
+        (_, y0), (x1, y1) = arrow._posA_posB
+        px, py = pool[str(block_id)]
+        assert (x1, y1) == pytest.approx((px, py - 0.4))  # the bottom edge of its physical block
+        assert y0 < y1  # from the tables below, up
+
+
+def test_block_tables_keep_the_titles_clear_of_the_arrows_and_the_pool_in_rows():
+    ax = plot_block_tables(two_tables(), blocks_per_row=3)
+    pool_title, tables_title = ax.texts[-2], ax.texts[-1]
+    assert pool_title.get_text() == "physical pool: 8 blocks of 4 slots"
+    assert tables_title.get_text().startswith("block tables: logical blocks left to right")
+    ends = [y for arrow in arrows(ax) for _, y in arrow._posA_posB]
+    assert tables_title.get_position()[1] < min(ends) and max(ends) < pool_title.get_position()[1]
+    rows = {round(t.get_position()[1], 3) for t in ax.texts[:8]}
+    assert len(rows) == 3  # 8 blocks in rows of 3
+    assert len({round(t.get_position()[1], 3) for t in plot_block_tables(two_tables()).texts[:8]}) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "8"])
+def test_block_tables_refuse_a_bad_row_length(bad):
+    with pytest.raises(ValueError, match="blocks_per_row must be a positive int or None"):
+        plot_block_tables(two_tables(), blocks_per_row=bad)
 
 
 def test_held_and_reserved_draws_both_staircases_and_the_gap():
@@ -41,3 +100,74 @@ def test_held_and_reserved_draws_both_staircases_and_the_gap():
     assert lines["tokens held"] == [3, 4, 5] and lines["slots reserved"] == [4, 4, 8]
     assert ax.get_xlabel() == "decode step"
     assert [c.get_label() for c in ax.collections] == ["reserved, empty"]
+
+
+def test_free_list_steps_colour_a_sequence_the_same_in_every_row_and_number_the_free_blocks():
+    cache = PagedKVCacheAllocator(4, 4, 1, 1)
+    steps = [("new pool", cache.snapshot())]
+    cache.allocate_for_sequence("a", 5)  # blocks 0, 1
+    steps.append(("a: 5 tokens", cache.snapshot()))
+    cache.allocate_for_sequence("b", 1)  # block 2
+    cache.free_sequence("a")
+    steps.append(("a finishes", cache.snapshot()))
+    ax = plot_free_list_steps(steps, title="three steps")
+    fills = [p.get_facecolor() for p in ax.patches if isinstance(p, Rectangle)]
+    white = (1.0, 1.0, 1.0, 1.0)
+    assert fills[:4] == [white] * 4
+    assert fills[4] == fills[5] != white and fills[6] == white  # a in its colour, block 2 free
+    assert fills[8:10] == [white, white] and fills[10] not in (white, fills[4])  # b takes a new colour
+    texts = [t.get_text() for t in ax.texts]
+    assert "free list [3, 0, 1]" in texts and "free list [2, 3]" in texts
+    places = [t for t in texts if t.startswith("#")]  # row by row, in block order
+    assert places == ["#1", "#2", "#3", "#4", "#1", "#2", "#2", "#3", "#1"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"]
+    with pytest.raises(ValueError, match="steps must hold at least one"):
+        plot_free_list_steps([])
+
+
+def test_positions_in_pool_label_each_position_twice_and_every_flat_slot():
+    cache = PagedKVCacheAllocator(4, 4, 1, 1)
+    cache.allocate_for_sequence("other", 6)  # blocks 0 and 1, the second holding 2 tokens
+    cache.allocate_for_sequence("s", 7)  # blocks 2 and 3
+    ax = plot_positions_in_pool(cache.snapshot(), "s")
+    texts = [t.get_text() for t in ax.texts]
+    for position in range(7):
+        assert texts.count(str(position)) >= 2  # in the logical view and in the pool
+    flat = [t for t in ax.texts if t.get_fontsize() == 6 and t.get_text()]
+    assert {t.get_text() for t in flat} == {str(slot) for slot in range(16)}
+    grey = to_rgba("#BBBBBB")
+    # the 6 tokens of "other", and nothing else, are grey
+    assert sum(p.get_facecolor() == grey for p in ax.patches if isinstance(p, Rectangle)) == 6
+    assert len(arrows(ax)) == 2
+    with pytest.raises(KeyError, match="'t' is not a sequence of the snapshot"):
+        plot_positions_in_pool(cache.snapshot(), "t")
+
+
+def test_padded_block_tables_hatch_the_padding_and_colour_the_highlighted_row():
+    ax = plot_padded_block_tables([[3, 1, -1], [2, -1, -1]], ["a", "b"], highlight=0)
+    assert [t.get_text() for t in ax.texts] == ["3", "1", "-1", "2", "-1", "-1"]
+    hatched = [p for p in ax.patches if p.get_hatch() == "///"]
+    assert len(hatched) == 3
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
+    for bad, message in [
+        (([[1, 2], [3]], ["a", "b"]), "rows of the same length"),
+        (([[1, 2]], ["a", "b"]), "labels must name each of the 1 rows, got 2"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            plot_padded_block_tables(*bad)
+    with pytest.raises(ValueError, match="highlight must be a row index below 2, got 2"):
+        plot_padded_block_tables([[1], [2]], ["a", "b"], highlight=2)
+
+
+def test_weights_by_block_draw_one_bar_per_held_position_and_hatch_the_masked_slots():
+    weights = [0.1, 0.2, 0.3, 0.15, 0.25, 0.0, 0.0, 0.0]
+    ax = plot_weights_by_block(weights, [7, 2], 4, 5)
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert [round(b.get_height(), 2) for b in bars[:5]] == [0.1, 0.2, 0.3, 0.15, 0.25]
+    assert len(bars) == 8 and all(b.get_hatch() == "///" for b in bars[5:])
+    assert bars[0].get_facecolor() == bars[3].get_facecolor() != bars[4].get_facecolor()  # by block
+    assert {"block 7", "block 2", "masked: weight 0"} <= {t.get_text() for t in ax.texts}
+    with pytest.raises(ValueError, match="weights must have one value per slot, 8, got 3"):
+        plot_weights_by_block([0.5, 0.5, 0.0], [7, 2], 4, 2)
+    with pytest.raises(ValueError, match=r"context_len must be in 1 \.\. 8, got 0"):
+        plot_weights_by_block(weights, [7, 2], 4, 0)
