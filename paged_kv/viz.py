@@ -304,7 +304,8 @@ def _svg(scene: _Scene, scope: str, width: int) -> str:
     scale = width / scene.width
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{math.ceil(height * scale)}" '
-        f'viewBox="0 0 {scene.width} {height}" role="img" aria-label="{label}" style="display:block">'
+        f'viewBox="0 0 {scene.width} {height}" class="{scope}" role="img" aria-label="{label}" '
+        'style="display:block">'
         f"<title>{label}</title>{_defs(scope)}"
         + _rect(0, 0, scene.width, height, PAPER)
         + "".join(parts)
@@ -313,7 +314,11 @@ def _svg(scene: _Scene, scope: str, width: int) -> str:
 
 
 def _defs(scope: str) -> str:
-    """The hatch pattern of wasted slots and the text styles, both scoped by ``scope``."""
+    """The hatch pattern of wasted slots and the text styles, both scoped by ``scope``.
+
+    The rules select descendants of the class ``scope``, which the ``<svg>`` element itself carries:
+    they apply inside an image (a document of its own) as well as inline.
+    """
     style = (
         f".{scope} text{{font-family:{FONT}}}"
         f".{scope} .{scope}-title{{font-size:12px;font-weight:bold;fill:{INK}}}"

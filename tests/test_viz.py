@@ -331,7 +331,7 @@ def test_ids_and_css_are_scoped_so_two_pictures_never_clash():
     for markup, scope in zip((one, two), scopes, strict=True):
         assert set(re.findall(r'id="([^"]+)"', markup)) == {f"{scope}-hatch"}
         classes = set(re.findall(r'class="([^"]+)"', markup))
-        assert all(c.startswith(f"{scope}-") for c in classes - {f"pkv {scope}"})
+        assert all(c.startswith(f"{scope}-") for c in classes - {f"pkv {scope}", scope})
         rules = re.search(r"<style>(.*)</style>", markup).group(1)
         assert all(rule.startswith(f".{scope} ") for rule in rules.split("}") if rule)
 
@@ -411,6 +411,12 @@ def test_the_default_form_is_an_image_of_the_same_svg_on_a_card_of_its_own_colou
     snapshot, options = forked(), {"caption": "after fork", "highlight": [3]}
     markup, inline = render_allocator(snapshot, **options), picture(snapshot, **options)
     assert "<svg" not in markup and markup.count("<img") == 1  # an untrusted notebook keeps an <img>
+    # Inside the image, which is a document of its own, the style rules still find their elements.
+    svg = ET.fromstring(image_svg(markup))
+    scope = svg.get("class")
+    assert re.match(r"pkv-[0-9a-f]{10}$", scope) and markup.startswith(f'<div class="pkv {scope}"')
+    rules = [rule for rule in svg.find(f"{SVG}defs/{SVG}style").text.split("}") if rule]
+    assert rules and all(rule.startswith(f".{scope} ") for rule in rules)
     inline_svg = re.search(r"<svg.*</svg>", inline).group(0)
     assert image_svg(markup) == inline_svg  # one drawing, two wrappers
     card = parse(markup)

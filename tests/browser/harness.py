@@ -213,11 +213,12 @@ def _isolated_jupyter_env(home: Path, theme: str = LIGHT_THEME) -> dict[str, str
     spec = {"argv": argv, "display_name": KERNELSPEC["display_name"], "language": "python"}
     (kernel_dir / "kernel.json").write_text(json.dumps(spec))
     # No "would you like news?" toast over the notebook. JupyterLab starts the notebook's kernel
-    # itself, without the "Select Kernel" dialog it shows when its kernelspecs load late.
+    # itself, without the "Select Kernel" dialog it shows when its kernelspecs load late, and draws
+    # every cell (no windowing), so a test finds outputs that are scrolled out of view.
     settings = home / "settings" / "@jupyterlab"
     for plugin, values in (
         ("apputils-extension/notification", {"fetchNews": "false", "checkForUpdates": False}),
-        ("notebook-extension/tracker", {"autoStartDefaultKernel": True}),
+        ("notebook-extension/tracker", {"autoStartDefaultKernel": True, "windowingMode": "none"}),
         ("apputils-extension/themes", {"theme": theme}),
     ):
         path = settings / f"{plugin}.jupyterlab-settings"
@@ -419,3 +420,105 @@ def caption(html: str) -> str:
     parser = Text()
     parser.feed(html)
     return " ".join(parser.parts)[-160:]
+
+
+# ---------------------------------------------------------------------------------- contrast
+
+# For every text in the elements ``selector`` matches inside ``root`` (SVG <text>, or HTML elements
+# with a text node of their own), the WCAG contrast of its computed colour against what is painted
+# behind its centre: the first opaque SVG fill or HTML background under it, by hit testing (the
+# page's own background when nothing nearer is opaque). Texts outside the viewport are skipped.
+TEXT_CONTRASTS = """(root, selector) => {
+    const rgba = text => {
+        const m = /rgba?\\(([^)]+)\\)/.exec(text || '');
+        if (!m) return null;
+        const [r, g, b, a = 1] = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
+        return {r, g, b, a};
+    };
+    const luminance = ({r, g, b}) => {
+        const f = v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+        return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+    };
+    const ratio = (x, y) => {
+        const [high, low] = [luminance(x), luminance(y)].sort((p, q) => q - p);
+        return (high + 0.05) / (low + 0.05);
+    };
+    const paint = el => rgba(el instanceof SVGElement ? getComputedStyle(el).fill
+                                                      : getComputedStyle(el).backgroundColor);
+    const results = [];
+    for (const el of root.querySelectorAll(selector)) {
+        const own = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+        const box = el.getBoundingClientRect();
+        if (!own || box.width === 0 || box.bottom < 0 || box.top > innerHeight) continue;
+        const x = box.left + box.width / 2, y = box.top + box.height / 2;
+        let backdrop = null;
+        for (const under of document.elementsFromPoint(x, y)) {
+            if (under === el || el.contains(under)) continue;
+            const colour = paint(under);
+            if (colour && colour.a > 0.5) { backdrop = colour; break; }
+        }
+        backdrop = backdrop || {r: 255, g: 255, b: 255, a: 1};
+        const ink = rgba(el instanceof SVGElement ? getComputedStyle(el).fill : getComputedStyle(el).color);
+        results.push({text: el.textContent.trim().slice(0, 60), ratio: ratio(ink, backdrop),
+                      ink: [ink.r, ink.g, ink.b], backdrop: [backdrop.r, backdrop.g, backdrop.b]});
+    }
+    return results;
+}"""
+
+
+TEXTS = "text, div, span, label, button"  # the elements whose own text a contrast check reads
+
+
+def text_contrasts(root: Locator, selector: str = TEXTS) -> list[dict[str, Any]]:
+    """The contrast of each visible text under ``root`` with what lies behind it (``TEXT_CONTRASTS``)."""
+    return root.evaluate(TEXT_CONTRASTS, selector)
+
+
+def low_contrast(root: Locator, minimum: float = 4.5) -> tuple[list[dict[str, Any]], int]:
+    """The visible texts under ``root`` below ``minimum`` (WCAG AA: 4.5), and how many were checked.
+
+    ``checked`` guards against a test that looked at nothing.
+    """
+    contrasts = text_contrasts(root, TEXTS)
+    return [c for c in contrasts if c["ratio"] < minimum], len(contrasts)
+
+
+# For every <img> under ``root``: whether it loaded, its drawn size, and for an SVG image, the colour
+# of its corner pixel (the picture's own paper) and the share of dark pixels (its ink), read back
+# through a canvas.
+IMAGES = """root => [...root.querySelectorAll('img')].map(img => {
+    const box = img.getBoundingClientRect();
+    const out = {src: img.src, loaded: img.complete && img.naturalWidth > 0,
+                 width: box.width, height: box.height, alt: img.alt};
+    if (out.loaded && img.src.startsWith('data:image/svg+xml')) {
+        const canvas = document.createElement('canvas');
+        canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+        const context = canvas.getContext('2d');
+        context.drawImage(img, 0, 0);
+        const pixels = context.getImageData(0, 0, canvas.width, canvas.height).data;
+        out.corner = [pixels[0], pixels[1], pixels[2], pixels[3]];
+        let dark = 0;
+        for (let i = 0; i < pixels.length; i += 4) dark += pixels[i] + pixels[i + 1] + pixels[i + 2] < 150;
+        out.dark_share = dark / (pixels.length / 4);
+    }
+    return out;
+})"""
+
+
+def images(root: Locator) -> list[dict[str, Any]]:
+    """What each ``<img>`` under ``root`` shows (``IMAGES``)."""
+    return root.evaluate(IMAGES)
+
+
+# Inside an SVG document of its own (what an <img> draws): the font size and fill of each text class.
+SVG_TEXT_STYLES = """() => Object.fromEntries([...document.querySelectorAll('text[class]')].map(t => {
+    const style = getComputedStyle(t);
+    return [t.getAttribute('class').split('-').pop(), [style.fontSize, style.fill]];
+}))"""
+
+
+def svg_image_styles(browser: Browser, source: str) -> dict[str, list[str]]:
+    """Open an image's ``data:image/svg+xml`` URI as a page; the computed style of each text class."""
+    with new_page(browser) as page:
+        page.goto(source)
+        return page.evaluate(SVG_TEXT_STYLES)

@@ -1,0 +1,92 @@
+"""Pictures in JupyterLab's light and dark themes, and in a lesson opened before any cell runs.
+
+A lesson opened fresh is untrusted: JupyterLab sanitises its HTML outputs (an inline ``<svg>``
+would be stripped to run-together text) and draws no widget view (a widget output falls back to
+the best safe format it holds). This test copies the committed lessons 07 (two
+``render_allocator`` pictures and a player) and 04 (a player and a playground) into a fresh
+JupyterLab, opens them without running anything and checks that every committed picture is
+there: an ``<img>`` that loaded, drawn at its size, on its own white paper with dark ink, its
+caption in contrast, its
+texts styled inside the image. It does so in the light theme and in the dark one.
+
+The live widgets in both themes are checked by ``test_jupyterlab.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.browser import harness
+
+pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson07]
+
+THEMES = {"light": harness.LIGHT_THEME, "dark": harness.DARK_THEME}
+FRESH = ("07_sharing.ipynb", "04_decode_allocation.ipynb")
+WHITE = [255, 255, 255, 255]
+INK = "rgb(34, 34, 34)"  # paged_kv.viz.CARD_INK, the image's ink
+
+
+def committed_pictures(path) -> list[str]:
+    """What each picture output of the notebook holds: ``image/png`` or an SVG image in ``text/html``."""
+    kinds = []
+    for cell in json.loads(path.read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            html = "".join(data.get("text/html", ""))
+            if "image/png" in data:
+                kinds.append("png")
+            elif "data:image/svg+xml;base64," in html:
+                kinds.append("widget still" if "application/vnd.jupyter.widget-view+json" in data else "svg")
+    return kinds
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_a_lesson_opened_before_it_runs_shows_every_picture(browser, tmp_path, theme, screenshot):
+    root = tmp_path / "lab"
+    root.mkdir()
+    for name in FRESH:
+        shutil.copy(harness.ROOT / "lessons" / name, root / name)
+    with harness.jupyterlab(root, THEMES[theme]) as url, harness.new_page(browser) as page:
+        for name in FRESH:
+            expected = committed_pictures(root / name)
+            assert expected.count("svg") + expected.count("widget still") >= 2, f"{name} has no SVG picture"
+            page.goto(f"{url}/lab/tree/{name}?reset")  # ?reset: the workspace holds this notebook alone
+            outputs = page.locator(f".jp-NotebookPanel:not(.lm-mod-hidden) {harness.OUTPUT}")
+            pictures = outputs.filter(has=page.locator("img"))
+            harness.wait_until(
+                page,
+                lambda pictures=pictures, expected=expected: (
+                    pictures.count() >= len(expected)
+                    and all(i["loaded"] for i in harness.images(pictures.last))
+                ),
+                f"the {len(expected)} pictures of {name}",
+            )
+            # Untrusted: no inline SVG and no widget view; the widgets' stills stand in for them.
+            assert outputs.locator("svg").count() == 0 and page.locator(".jupyter-widgets").count() == 0
+            assert page.get_by_text("AllocationPlayer(frames=").count() == 0
+            assert pictures.count() == len(expected)
+            for index, kind in enumerate(expected):
+                picture = pictures.nth(index)
+                picture.scroll_into_view_if_needed()
+                (image,) = harness.images(picture)
+                assert image["loaded"] and image["width"] >= 300 and image["height"] >= 150, (
+                    name,
+                    kind,
+                    image,
+                )
+                if kind == "png":
+                    continue
+                # The SVG image carries its own paper (white) and ink, in either theme.
+                seen = (name, kind, image["corner"], image["dark_share"])
+                assert image["corner"] == WHITE and image["dark_share"] > 0.002, seen  # a few % of ink
+                assert image["alt"].startswith("KV cache pool: ")
+                failures, checked = harness.low_contrast(picture)
+                assert checked >= 1 and not failures, (name, kind, failures)
+                if index == 0:  # drawn as a document of its own, the image's text has its styles
+                    styles = harness.svg_image_styles(browser, image["src"])
+                    assert styles["title"] == ["12px", INK] and styles["small"] == ["9px", INK], styles
+                if index == 0 or kind == "widget still":
+                    screenshot(page, f"{name[:2]}-{kind.replace(' ', '-')}-{index}")
