@@ -221,13 +221,12 @@ print("ref counts:", list(cache.snapshot().ref_counts))
 # returned, in the order they came back (lesson 02 explains the order). The ref counts show the
 # `Block.ref_count` rule at work: 1 for each block some table holds, 0 for the two free blocks, 6 and 7.
 #
-# The picture draws each block table on the left, one row per sequence, its logical blocks filled up
-# to the tokens it holds (the empty tail hatched), and the physical pool on the right. Every arrow is
-# one entry of a block table.
+# The picture draws the physical pool on top, blocks 0 to 11, and the block tables underneath: each
+# sequence's logical blocks from left to right, filled up to the tokens it holds (the empty tail
+# hatched), each marked with the physical block it names. Every arrow is one entry of a block table.
 
 # %%
-fig, ax = plt.subplots(figsize=(10, 3.6))
-plot_block_tables(cache.snapshot(), ax=ax, blocks_per_row=6, title="block tables as arrows into the pool")
+plot_block_tables(cache.snapshot(), title="block tables as arrows into the pool")
 plt.show()
 
 # %% [markdown]

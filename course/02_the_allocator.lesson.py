@@ -24,10 +24,10 @@ from collections import deque
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch, Rectangle
 
 import paged_kv
 from paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.plots import plot_free_list_steps
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -196,45 +196,7 @@ print("free_block_ids:", list(cache.snapshot().free_block_ids))
 # next).
 
 # %%
-OWNERS = {"req-a": "#0072B2", "req-b": "#E69F00", "req-c": "#009E73"}
-
-
-def draw_pool(ax, snapshot, row, label):
-    """One row of boxes: used blocks in their owner's colour, free blocks white with their free-list place."""
-    owner = {block_id: seq_id for seq_id, table in snapshot.tables.items() for block_id in table.block_ids}
-    place = {block_id: index + 1 for index, block_id in enumerate(snapshot.free_block_ids)}
-    y = -1.5 * row
-    for block_id in range(snapshot.num_blocks):
-        used = block_id in owner
-        colour = OWNERS[owner[block_id]] if used else "white"
-        ax.add_patch(Rectangle((block_id, y), 0.9, 0.8, facecolor=colour, edgecolor="#333333", lw=0.8))
-        ax.text(block_id + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=9)
-        if not used:
-            ax.text(block_id + 0.45, y - 0.1, f"#{place[block_id]}", ha="center", va="top", fontsize=7)
-    ax.text(-0.3, y + 0.4, label, ha="right", va="center", fontsize=9)
-    ax.text(
-        snapshot.num_blocks + 0.3,
-        y + 0.4,
-        f"free list {list(snapshot.free_block_ids)}",
-        va="center",
-        fontsize=9,
-    )
-
-
-fig, ax = plt.subplots(figsize=(8, 4.2))
-for row, (label, snapshot) in enumerate(trace):
-    draw_pool(ax, snapshot, row, label)
-ax.legend(
-    handles=[Patch(facecolor=c, edgecolor="#333333", label=s) for s, c in OWNERS.items()],
-    loc="upper center",
-    bbox_to_anchor=(0.5, 0.0),
-    ncol=3,
-    frameon=False,
-)
-ax.set_xlim(-3.2, 9.5)
-ax.set_ylim(-1.5 * len(trace) + 0.6, 1.0)
-ax.set_axis_off()
-ax.set_title("the pool after each step (5 blocks of 16 slots)", loc="left", fontsize=11)
+plot_free_list_steps(trace, title="the pool after each step (5 blocks of 16 slots)")
 plt.show()
 
 # %% [markdown]

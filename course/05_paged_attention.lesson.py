@@ -19,19 +19,21 @@
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
 # 5. explain how a dedicated kernel differs: it reads each block in place and can merge the blocks
 #    with an online softmax; the vLLM paper measures a 20 to 26 % kernel overhead, which larger
-#    batches more than repay.
+#    batches more than repay;
+# 6. compare the package's three strategies, gather, in place and FlexAttention: what each reads,
+#    what each costs on your machine, and which one `paged_attention` picks by default, and why.
 
 # %%
-import time
+import warnings
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from matplotlib.patches import Rectangle
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, paged_attention
-from paged_kv.plots import PALETTE, WASTE
+from paged_kv.plots import plot_padded_block_tables, plot_weights_by_block
+from paged_kv.timing import compare_times, how_fast
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -295,8 +297,9 @@ packaged = paged_attention(query, cache.k_cache, cache.v_cache, block_tables, co
 print("paged_kv.paged_attention agrees:", torch.allclose(packaged, expected, **TOL))
 
 # %% [markdown]
-# All five sequences match. `paged_kv.paged_attention` is this same function, plus input checks and
-# float32 arithmetic for half-precision caches.
+# All five sequences match. `paged_kv.paged_attention` computes the same thing, with input checks and
+# float32 arithmetic for half-precision caches added. With `strategy="gather"` it is this very function;
+# by default it may read the blocks another way, with the same result, which section 6 explains.
 #
 # **Predict, then run.** Run the same batch without the mask. Which of the five sequences still get
 # the right answer? (Their lengths are 11, 4, 16, 6 and 1; their rows are printed above.)
@@ -378,55 +381,12 @@ weights_a = torch.softmax(scores_a, dim=-1)[0].cpu()  # head 0
 print("position 11 gets a weight of exactly 0:", weights_a[11].item() == 0.0)
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [1, 2]})
-rows = block_tables.tolist()
-for r, row in enumerate(rows):
-    for j, block_id in enumerate(row):
-        y = len(rows) - 1 - r
-        if block_id == -1:
-            left.add_patch(Rectangle((j, y), 1, 1, **WASTE))
-        else:
-            left.add_patch(
-                Rectangle((j, y), 1, 1, facecolor=PALETTE[j] if r == 0 else "#E8E8E8", edgecolor="#444444")
-            )
-        left.text(
-            j + 0.5,
-            y + 0.5,
-            str(block_id),
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="white" if r == 0 and block_id != -1 else "#222222",
-        )
-left.set_xlim(0, len(rows[0]))
-left.set_ylim(0, len(rows))
-left.set_xticks([j + 0.5 for j in range(len(rows[0]))], [str(j) for j in range(len(rows[0]))])
-left.set_yticks([len(rows) - 0.5 - r for r in range(len(rows))], batch)
-left.set_xlabel("logical block")
-left.set_title("block_tables (padding hatched)", loc="left", fontsize=10)
-
-top = weights_a.max().item() * 1.2
-right.bar(
-    range(context_len), weights_a[:context_len], color=[PALETTE[p // BLOCK_SIZE] for p in range(context_len)]
+plot_padded_block_tables(block_tables.tolist(), batch, highlight=0, ax=left)
+plot_weights_by_block(
+    weights_a, table_a.tolist(), BLOCK_SIZE, context_len, ax=right, ylabel="attention weight (head 0)"
 )
-right.bar(range(context_len, 3 * BLOCK_SIZE), top, width=0.8, **WASTE)  # the masked slot, full height
-for boundary in range(BLOCK_SIZE, 3 * BLOCK_SIZE, BLOCK_SIZE):
-    right.axvline(boundary - 0.5, color="#888888", lw=0.8, ls=":")
-for logical, block_id in enumerate(table_a.tolist()):
-    right.text(
-        logical * BLOCK_SIZE + 1.5,
-        top * 0.9,
-        f"block {block_id}",
-        ha="center",
-        fontsize=9,
-        color=PALETTE[logical],
-    )
-right.text(11, top * 0.45, "masked: weight 0", rotation=90, ha="center", va="center", fontsize=9)
-right.set_ylim(0, top)
-right.set_xticks(range(3 * BLOCK_SIZE))
 right.set_xlabel("position in a")
-right.set_ylabel("attention weight (head 0)")
 right.set_title("a's weights, coloured by physical block", loc="left", fontsize=10)
-right.spines[["top", "right"]].set_visible(False)
 fig.tight_layout()
 plt.show()
 
@@ -520,42 +480,147 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 # library) on contiguous memory. Attention is only a part of each step, though, and paging lets many
 # more sequences share the same memory (lesson 00): the larger batches are where the paper's 2 to 4
 # times higher serving throughput comes from.
+
+# %% [markdown]
+# ## 6. The package's three ways to read the blocks
 #
-# Our gathered version pays for the copy, and runs as several separate operations where SDPA runs one
-# fused kernel. The cell below times it against SDPA on the same tokens held contiguously, for 32
-# sequences of 512 tokens in blocks of 16. The ratio depends on the machine, so the course's tests do
-# not compare this cell's output; expect the gathered version to be many times slower, which is why
-# real engines write a dedicated kernel.
+# `paged_kv.paged_attention` computes the same attention in three ways, chosen with `strategy=`; the
+# answer is the same, what differs is how much memory traffic it costs.
+#
+# * **`"gather"`** is section 3's function. `k_cache[blocks]` copies every row's blocks, padding
+#   included, into a contiguous `(batch, heads, max_blocks × block_size, dim)` tensor, and the same
+#   for V; then one masked attention runs over the copy. Every block is read to copy it, the copy is
+#   written, and then read again to attend: three passes over K and V, and a second copy of the
+#   batch's K and V in memory, just to put the blocks in table order.
+# * **`"in_place"`** never copies K or V. Each physical block is read by one row of the batch, so it
+#   gives every block its reader's query, and one batched product over `k_cache`, in the pool's own
+#   order, gives the scores of every block with its reader: each block read once, where it lies. Only
+#   the scores, `block_size` numbers per block and head, move into each row's table order, where the
+#   mask and the softmax run; the weights move back, and a second batched product with `v_cache` and
+#   a sum per row give the output. (A block several rows share, after a fork or from a prefix cache,
+#   lesson 07, is copied once and meets every row's query.) The price: the products run over the
+#   whole pool, so blocks nobody reads cost as much as the others.
+# * **`"flex"`** hands the work to PyTorch's FlexAttention (`torch.nn.attention.flex_attention`,
+#   torch 2.5 and later). The keys are the whole pool viewed as one long sequence (a view, no copy),
+#   the queries are the batch's new tokens, and a *mask function* says whether query `b` may see pool
+#   slot `kv`: yes when block `kv // block_size` is in row `b` of the block tables and the slot's
+#   logical position is below `context_lens[b]`. From it, `create_block_mask` builds a *block mask*
+#   that lets the kernel skip every tile of the pool that a query cannot see. Compiled with
+#   `torch.compile` on a GPU, this is one fused kernel that reads each block in place, like vLLM's;
+#   anywhere else FlexAttention runs unfused, scoring every query against the whole pool.
+#
+# The default, **`"auto"`**, reads in place when three things hold and gathers otherwise: the caches
+# are float32 (in place computes in the caches' dtype, so half-precision caches are gathered into
+# float32); the batch reads at least half of the pool (in place pays for the whole pool, gather only
+# for what the batch reads); and shared blocks, if any, are shared by enough rows to be worth meeting
+# every query. It never picks `"flex"`, which only pays on a GPU, compiled.
+#
+# First, all three must be exact. Each is checked against SDPA, sequence by sequence, on the batch of
+# section 3. (On a CPU, FlexAttention warns that it runs unfused; we know, so the cell silences that
+# one warning. On a GPU the first `"flex"` call compiles its kernel, which takes a while.)
+
+# %%
+for strategy in ("gather", "in_place", "flex"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        out = paged_attention(
+            query, cache.k_cache, cache.v_cache, block_tables, context_lens, strategy=strategy
+        )
+    print(
+        f"strategy {strategy!r:>10} equals SDPA on all five sequences:", torch.allclose(out, expected, **TOL)
+    )
+
+# %% [markdown]
+# **Predict, then run.** Now the cost, on a batch the size of a small server's: 32 sequences of 512
+# tokens, 8 heads of dimension 64, blocks of 16, scattered over a pool they fill. The baseline is
+# SDPA on the same tokens held contiguously, the fused attention a contiguous cache would use. How
+# much slower than it is each strategy, roughly? Does in place come close?
+#
+# Timing on a laptop that is doing other things is noisy, so the cell follows the rules of
+# `paged_kv.timing`, the course's one timer: torch runs on one thread, every contender is called
+# twice before the clock starts, then the contenders take turns, round after round (a burst of load
+# slows all of them in the same round), and each ratio is the median over 11 rounds. The course's
+# tests do not compare this cell's output.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-big = PagedKVCacheAllocator(32 * 512 // 16, 16, 8, 64, device=device)
+BIG_BATCH, BIG_CONTEXT, BIG_BLOCK = 32, 512, 16
+big = PagedKVCacheAllocator(BIG_BATCH * BIG_CONTEXT // BIG_BLOCK, BIG_BLOCK, 8, 64, device=device)
 big.k_cache.normal_()
 big.v_cache.normal_()
-for s in range(32):
-    big.allocate_for_sequence(s, 512)
-big_tables, big_lens = big.block_tables_tensor(range(32)), torch.full((32,), 512, device=device)
-big_query = torch.randn(32, 8, 64, device=device)
-kv = [big.read_kv(s) for s in range(32)]  # the same tokens, contiguous: (32, heads, 512, dim)
+for s in torch.randperm(BIG_BATCH, generator=torch.Generator().manual_seed(0)).tolist():
+    big.allocate_for_sequence(s, BIG_CONTEXT)  # in a shuffled order: the blocks interleave
+big_tables = big.block_tables_tensor(range(BIG_BATCH))
+big_lens = torch.full((BIG_BATCH,), BIG_CONTEXT, device=device)
+big_query = torch.randn(BIG_BATCH, 8, 64, device=device)
+kv = [big.read_kv(s) for s in range(BIG_BATCH)]  # the same tokens, contiguous: (32, heads, 512, dim)
 k_contig = torch.stack([k.transpose(0, 1) for k, _ in kv])
 v_contig = torch.stack([v.transpose(0, 1) for _, v in kv])
 
 
-def best_time(fn, repeats=5):
-    """The fastest of a few runs, in seconds (waiting for the GPU when there is one)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def big_paged(strategy, rows=BIG_BATCH):
+    """paged_attention on the first `rows` sequences of the big pool, with one strategy."""
+    return paged_attention(
+        big_query[:rows], big.k_cache, big.v_cache, big_tables[:rows], big_lens[:rows], strategy=strategy
+    )
 
 
-paged_s = best_time(lambda: paged_attention(big_query, big.k_cache, big.v_cache, big_tables, big_lens))
-sdpa_s = best_time(lambda: F.scaled_dot_product_attention(big_query[:, :, None], k_contig, v_contig))
-print(f"gather-then-attend takes {paged_s / sdpa_s:.1f}x the time of SDPA on contiguous K/V")
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+    timings = compare_times(
+        {
+            "SDPA": lambda: F.scaled_dot_product_attention(big_query[:, :, None], k_contig, v_contig),
+            "gather": lambda: big_paged("gather"),
+            "in_place": lambda: big_paged("in_place"),
+            "flex": lambda: big_paged("flex"),
+        },
+        repeats=11,
+        threads=1,
+        device=device,
+    )
+for strategy in ("gather", "in_place", "flex"):
+    print(f"{strategy:>8}: {how_fast(timings.ratio(strategy, 'SDPA'))} SDPA on contiguous K/V")
+
+# %% [markdown]
+# On the 2-core CPU this course was written on, over ten runs of this cell, five on a quiet machine
+# and five with two other programs keeping both cores busy, **gather** came out 14 to 21 times slower
+# than SDPA (12 to 21 busy), **in place** 1.1 to 1.5 times slower (1.1 to 2.5 busy), and unfused
+# **flex** 30 to 42 times slower (33 to 51 busy). Your numbers will differ with the machine and with
+# what else it is doing, but not their order.
+#
+# The copy is the gap between gather and in place: it moves the batch's whole K and V twice more
+# than attention needs, and on a CPU moving memory is what decode attention spends its time on, so
+# avoiding it brings in place within a small factor of the fused contiguous kernel. That is what the
+# vLLM paper's dedicated kernel does on a GPU, where its 20 to 26 % overhead comes from the
+# look-ups, not from copies. Unfused flex is slower still because, without a compiled kernel, its
+# mask cannot skip anything: it scores each of the 32 queries against all 16,384 slots of the pool,
+# 32 times the work. On a GPU, compiled, its block mask skips the tiles a query cannot see, and it
+# is the fast one.
+#
+# Why does `"auto"` not always read in place? Because in place pays for the whole pool. The next cell
+# decodes only 2 of the 32 sequences, which read 1/16 of the pool, and times in place against gather.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+FEW = 2
+read_by_few = big_tables[:FEW].unique().numel()
+print(f"{FEW} sequences read {read_by_few} of {big.num_blocks} blocks: auto gathers (it needs half)")
+few = compare_times(
+    {"gather": lambda: big_paged("gather", FEW), "in_place": lambda: big_paged("in_place", FEW)},
+    repeats=11,
+    threads=1,
+    device=device,
+)
+print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gathering, for {FEW} sequences")
+
+# %% [markdown]
+# Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
+# blocks: in the same ten runs, in place came out 3.1 to 3.4 times slower than gather for the two
+# sequences on the quiet machine (2.3 to 5.8 busy). The two cost about the same when the batch read
+# between an eighth and a quarter of the pool (4 to 8 of the 32 sequences); `"auto"` draws its line
+# at half, on the safe side, where in place was already about four times as fast as gather. A real
+# engine's kernel has no such trade-off: it follows each row's block table and reads only those
+# blocks, in place.
 
 # %% [markdown]
 # ## Recap
@@ -575,6 +640,11 @@ print(f"gather-then-attend takes {paged_s / sdpa_s:.1f}x the time of SDPA on con
 #   merge the blocks with an online softmax (a running max, a running sum and an accumulator,
 #   rescaled when the max grows); the vLLM paper measures its kernel 20 to 26 % slower than
 #   contiguous attention, and paging repays that with much larger batches.
+# * `paged_attention(..., strategy=)`: `"gather"` copies every block (three passes over K and V;
+#   12 to 21 times SDPA on a 2-core CPU), `"in_place"` reads each block once where it lies (1.1 to
+#   2.5 times SDPA) but pays for the whole pool, `"flex"` is FlexAttention with a block mask, fast only
+#   compiled on a GPU. `"auto"` reads in place when the batch reads at least half the pool, in
+#   float32, and gathers otherwise. All of them equal SDPA.
 #
 # **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
 # times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,

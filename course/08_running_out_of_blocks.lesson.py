@@ -37,9 +37,7 @@ from paged_kv.scheduling import decode_step
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
-torch.set_num_threads(1)  # the tiny model's operations are too small to share between threads
-config = GPTConfig()
-model = TinyGPT(config, seed=0).to(device).eval()
+torch.set_num_threads(1)  # the tiny model of section 2 has operations too small to share between threads
 print("paged_kv", paged_kv.__version__)
 
 # %% [markdown]
@@ -86,7 +84,7 @@ for step in range(1, 10):
 # 04), so the engine is still free to choose what to do. Here is the pool at that moment:
 
 # %%
-plot_block_tables(pool.snapshot(), blocks_per_row=8, title="decode step 6 needs 3 new blocks; 2 are free")
+plot_block_tables(pool.snapshot(), title="decode step 6 needs 3 new blocks; 2 are free")
 plt.show()
 
 # %% [markdown]
@@ -138,8 +136,10 @@ print(
 # the waiting queue: it was admitted before every request still waiting. When it fits again, its
 # K/V is computed again from its tokens. Greedy decoding is deterministic, so the text does not
 # change. The cost is computation: every token whose K/V was dropped is processed again. vLLM
-# does it in one prefill over the prompt and the tokens generated so far, which a GPU runs far
-# faster than the decode steps that first produced them. This course's engine does the simplest
+# does it in one **prefill**, the pass that runs many tokens through the model at once and writes
+# the K/V of all of them (the way a new prompt enters the cache), over the prompt and the tokens
+# generated so far; a GPU runs that far faster than the decode steps, one token each, that first
+# produced them. This course's engine does the simplest
 # thing: the request starts over from its prompt and regenerates its tokens one step at a time, so
 # here recompute also costs steps. The operating-system analogue is dropping a clean page of a
 # program's code: it is never written to disk, because it can always be read from the file again.
@@ -150,20 +150,30 @@ print(
 # cost is the copies: on a GPU, every swapped block crosses the PCIe bus twice. This is the
 # operating system's swap: dirty pages written to disk and read back on the next fault.
 #
-# To see both on real K/V we need a model. `TinyGPT` is a two-layer GPT whose tokens are bytes
-# (`encode` gives a text's UTF-8 bytes) and whose weights come from a seeded random generator: its
-# text is noise, but deterministic noise, which is all a test of "the same text" needs. Its
-# `PagedKVCache` gives every layer a `PagedKVCacheAllocator`, all with the same block tables;
-# `model.prefill` runs a prompt through the model and stores its K/V, `model.decode_step` feeds one
-# token per sequence and returns the logits of the next (lesson 09 takes both apart). A token's K
-# and V take `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes for this model.
-# `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a sequence, every layer at once
-# (`paged_kv.swap`; the exercise builds them for one allocator).
+# To see both on real K/V we need a model, and the course has a small one (lesson 09 takes it apart):
+#
+# * **`TinyGPT`** is a GPT of 2 layers, each with 4 attention heads of dimension 16, whose tokens are
+#   bytes (a vocabulary of 256; `encode` gives a text's UTF-8 bytes), about 150,000 parameters in
+#   all. Its weights come from a seeded random generator, not from training, so no download is
+#   needed: its text is noise, but deterministic noise, which is all a test of "the same text after
+#   a preemption" needs, and it runs in milliseconds on a CPU.
+# * **`PagedKVCache`** is the paged cache of a whole model: one `PagedKVCacheAllocator` per layer,
+#   all given the same calls, so they hold the same block tables. A token's K and V take
+#   `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes in this model, so a block of 4
+#   tokens holds 4 KiB. `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a
+#   sequence, every layer at once (`paged_kv.swap`; the exercise builds them for one allocator).
+# * **`model.prefill(tokens, seq_id, cache)`** runs a prompt through the model in one pass, once
+#   `cache.add_sequence(seq_id, len(tokens))` has given it blocks, stores its K/V in them, and
+#   returns the logits of every position (the last one picks the first new token); **`model.decode_step(tokens, seq_ids, cache)`** feeds one token per sequence, stores its
+#   K/V, and returns the logits of the next.
 #
 # The whole round trip by hand: a prompt is prefilled and decodes 4 tokens in blocks of 4, is
 # swapped out, another sequence takes two blocks, and the prompt comes back and decodes 5 more.
 
 # %%
+config = GPTConfig()  # 2 layers, 4 heads of 16, a vocabulary of 256 bytes
+model = TinyGPT(config, seed=0).to(device).eval()
+print(f"TinyGPT: {sum(p.numel() for p in model.parameters()):,} parameters")
 cache = PagedKVCache(config, num_blocks=6, block_size=4, device=device)
 layer0 = cache.allocators[0]
 prompt = encode("Swap me")
