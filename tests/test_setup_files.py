@@ -98,14 +98,14 @@ def free_port() -> int:
     Path(sys.prefix).resolve() != (ROOT / ".venv").resolve() or shutil.which("make") is None,
     reason="runs `make lab` only from the project's own .venv",
 )
-def test_make_lab_serves_jupyterlab_on_loopback():
+def test_make_lab_serves_jupyterlab_on_loopback(tmp_path):
     port = free_port()
     flags = (
         f"--no-browser --allow-root --ip=127.0.0.1 --port={port} "
         "--IdentityProvider.token= --ServerApp.password="
     )
-    lab = subprocess.Popen(
-        ["make", "--no-print-directory", "lab", f"LAB_ARGS={flags}"],
+    lab = subprocess.Popen(  # in a working copy of its own, not the repository's my_course/
+        ["make", "--no-print-directory", "lab", f"WORK={tmp_path / 'my_course'}", f"LAB_ARGS={flags}"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -125,6 +125,7 @@ def test_make_lab_serves_jupyterlab_on_loopback():
                 time.sleep(0.5)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents/lessons", timeout=5) as listing:
             assert b"README.md" in listing.read()
+        assert (tmp_path / "my_course" / "lessons" / "README.md").is_file(), "it served another folder"
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(timeout=30)
