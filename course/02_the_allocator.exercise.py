@@ -1,12 +1,13 @@
 # %% [markdown]
 # # Exercise 02 · The allocator
 #
-# In this exercise you build the allocator of lesson 02 in two layers. First `BlockAllocator`, the
+# In this exercise you build the allocator of lesson 02 in three layers. First `BlockAllocator`, the
 # pool's bookkeeping: a FIFO free list and a ref count per block. Then `SequenceAllocator`, which
 # gives each sequence a block table on top of your `BlockAllocator`: the bookkeeping half of
-# `paged_kv.PagedKVCacheAllocator`, without the tensors. Each task says what to build and how it is
-# checked; the cell after it runs the check and prints a tick, or tells you which call gave which
-# wrong answer.
+# `paged_kv.PagedKVCacheAllocator`. Last, `PagedKVCacheAllocator` itself: a `SequenceAllocator` that
+# owns the memory, the `k_cache` and `v_cache` tensors, allocated once. Each task says what to build
+# and how it is checked; the cell after it runs the check and prints a tick, or tells you which call
+# gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished versions live in `paged_kv/block_allocator.py` and
@@ -20,8 +21,13 @@
 from collections import deque
 from collections.abc import Hashable
 
+import torch
+
+import paged_kv
 from paged_kv import BlockTable, OutOfBlocksError, blocks_for_tokens
 from paged_kv.checks import check
+
+device = paged_kv.default_device()
 
 # %% [markdown]
 # ## Task 1 · BlockAllocator
@@ -225,14 +231,65 @@ class SequenceAllocator:
 check("02.sequence_allocator", SequenceAllocator)
 
 # %% [markdown]
-# ## Putting it together
+# ## Task 3 · The cache's memory, allocated once
 #
-# With both tasks done, this replays the lesson's trace on your classes: `req-a` in a pool of 5, then
-# `req-b`, then `req-a` finishes and `req-c` gets scattered blocks. Try running the pool dry: is the
-# free list the same before and after the refused call?
+# Write `PagedKVCacheAllocator(num_blocks, block_size, num_heads, head_dim, dtype, device)`, a
+# `SequenceAllocator` that also owns the KV cache. Its `__init__`:
+#
+# * calls `super().__init__(num_blocks, block_size)`, which sets up the free list (`self.allocator`)
+#   and the block tables (`self.tables`);
+# * **preallocates** the physical cache, once, as two tensors `self.k_cache` and `self.v_cache` of
+#   shape `(num_blocks, num_heads, block_size, head_dim)`, with the given `dtype` and `device`
+#   (`torch.zeros(shape, dtype=dtype, device=device)`): block first, then its heads, then the token's
+#   offset in the block, then the dimensions of a head.
+#
+# That is all the memory the cache will ever use. Allocating and freeing sequences (the methods it
+# inherits) only moves block ids between the free list and the tables; token `p` of a sequence will
+# live in `k_cache[block_ids[p // block_size], :, p % block_size, :]`, which lesson 03 fills in.
+#
+# **Checked:** a cache of 6 blocks of 4 tokens, 3 heads of dimension 5, in float16: the shape of both
+# tensors, `(6, 3, 4, 5)`, and their dtype; that K and V are two tensors, not one; a free list of all
+# six blocks and no tables; a cache on the `meta` device (a device with no memory, which shows where
+# the tensors were made); and that allocating and freeing sequences keeps the very tensors (and the K
+# written into them) that `__init__` made.
+
 
 # %%
-seqs = SequenceAllocator(num_blocks=5, block_size=16)
+class PagedKVCacheAllocator(SequenceAllocator):
+    """A SequenceAllocator that owns the KV cache: k_cache and v_cache, preallocated once."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        ### BEGIN SOLUTION: super().__init__(num_blocks, block_size), then k_cache and v_cache: two torch.zeros of shape (num_blocks, num_heads, block_size, head_dim) with dtype and device
+        super().__init__(num_blocks, block_size)
+        shape = (num_blocks, num_heads, block_size, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        ### END SOLUTION
+
+
+# %%
+check("02.kv_cache", PagedKVCacheAllocator)
+
+# %% [markdown]
+# ## Putting it together
+#
+# With the three tasks done, this replays the lesson's trace on your classes: `req-a` in a pool of 5,
+# then `req-b`, then `req-a` finishes and `req-c` gets scattered blocks, all in a cache of the size the
+# lesson uses. Try running the pool dry: is the free list the same before and after the refused
+# call? And how much memory did the cache take, and when?
+
+# %%
+seqs = PagedKVCacheAllocator(5, 16, num_heads=8, head_dim=64, dtype=torch.float16, device=device)
+cache_bytes = 2 * seqs.k_cache.numel() * seqs.k_cache.element_size()
+print("k_cache and v_cache:", tuple(seqs.k_cache.shape), "each,", cache_bytes // 1024, "KiB in all")
 print("req-a:", seqs.allocate_for_sequence("req-a", 33), "free list", seqs.allocator.free_block_ids)
 print("req-b:", seqs.allocate_for_sequence("req-b", 16), "free list", seqs.allocator.free_block_ids)
 print("freed:", seqs.free_sequence("req-a"), "free list", seqs.allocator.free_block_ids)

@@ -2,15 +2,17 @@
 # # Exercise 04 · On-demand decode allocation
 #
 # In this exercise you write the decode-time side of a paged cache's scheduler: the block boundary
-# rule, one decode step for a whole batch that takes the blocks it needs or none at all, and the step
-# that frees finished requests at once and admits waiting ones. At the end, the three run the
-# continuous-batching loop of lesson 04. Each task says what to build and how it is checked; the
-# cell after it runs the check and prints a tick, or tells you which call gave which wrong answer.
+# rule, the allocator's `append_block_to_sequence` that takes a block on demand, one decode step for
+# a whole batch that takes the blocks it needs or none at all, and the step that frees finished
+# requests at once and admits waiting ones. At the end, they run the continuous-batching loop of
+# lesson 04. Each task says what to build and how it is checked; the cell after it runs the check
+# and prints a tick, or tells you which call gave which wrong answer.
 #
-# Tasks 2 and 3 work on the package's `PagedKVCacheAllocator`, through the calls the lesson showed:
+# Tasks 3 and 4 work on the package's `PagedKVCacheAllocator`, through the calls the lesson showed:
 # `sequence_length`, `get_block_mapping`, `append_block_to_sequence`, `append_tokens`,
 # `free_sequence`, `allocate_for_sequence`, `num_free_blocks`, `block_size` and `seq_ids`. The cache
-# has its own `needs_new_block`; Task 1 has you write the rule yourself, so use yours.
+# has its own `needs_new_block` and `append_block_to_sequence`; Tasks 1 and 2 have you write them
+# yourself, so use your rule.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
 # `.venv/bin/python -m paged_kv.grade exercises/04_decode_allocation.ipynb` prints each task's points and what
@@ -21,7 +23,7 @@ from collections import deque
 from collections.abc import Hashable
 
 import paged_kv
-from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv import Block, BlockTable, OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
 from paged_kv.checks import check
 
 device = paged_kv.default_device()
@@ -53,7 +55,73 @@ def needs_new_block(num_tokens: int, num_blocks_held: int, block_size: int) -> b
 check("04.needs_new_block", needs_new_block)
 
 # %% [markdown]
-# ## Task 2 · One decode step for a batch, all or nothing
+# ## Task 2 · A block on demand
+#
+# When a sequence's blocks are full, the allocator hands it one more: `append_block_to_sequence`.
+# Here it is a method of `BlockManager`, the allocator as the seed lesson writes it, with its state
+# in plain sight: `blocks`, a `Block` handle per physical block with its `ref_count`; `free_blocks`,
+# the free list, a `deque` of ids; and `sequence_block_tables`, a dict from sequence id to
+# `BlockTable`. `__init__` and `allocate_for_sequence` are written.
+#
+# Write `append_block_to_sequence(seq_id)`: look the sequence's table up (an unknown id raises
+# `KeyError`); check the free list, and when it is empty raise `OutOfBlocksError(needed=1, free=0)`;
+# then take the block at the **head** of the free list, set its ref count to 1, append it to the
+# table and return its id. It adds room, not tokens: the table's `num_tokens` stays as it was. A
+# call that raises changes nothing.
+#
+# **Checked:** in a pool of 4 blocks of 4, `a` holds `[0]` and `b` holds `[1]`; appending to `a`
+# gives block 2 and to `b` block 3, each off the free list, with ref count 1, at the end of its
+# table; a third append finds the free list empty (`OutOfBlocksError` with `needed == 1` and
+# `free == 0`, nothing changed); and an unknown id in a fresh pool is a `KeyError` that takes no
+# block.
+
+
+# %%
+class BlockManager:
+    """The seed lesson's allocator: Block handles with ref counts, a FIFO free list and block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.sequence_block_tables: dict[Hashable, BlockTable] = {}
+
+    def allocate_for_sequence(self, seq_id: Hashable, num_prompt_tokens: int) -> list[int]:
+        """Give a new sequence the blocks for its prompt and return their ids, all or nothing."""
+        if seq_id in self.sequence_block_tables:
+            raise ValueError(f"seq_id {seq_id!r} is already allocated")
+        needed = blocks_for_tokens(num_prompt_tokens, self.block_size)
+        if needed > len(self.free_blocks):
+            raise OutOfBlocksError(needed=needed, free=len(self.free_blocks))
+        block_ids = [self.free_blocks.popleft() for _ in range(needed)]
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count = 1
+        self.sequence_block_tables[seq_id] = BlockTable(block_ids, num_prompt_tokens)
+        return list(block_ids)
+
+    def append_block_to_sequence(self, seq_id: Hashable) -> int:
+        """Take the block at the head of the free list for the sequence and return its id.
+
+        Raises:
+            KeyError: seq_id is not allocated.
+            OutOfBlocksError: no block is free (needed=1, free=0).
+        """
+        ### BEGIN SOLUTION: look the table up (KeyError), raise OutOfBlocksError(needed=1, free=0) on an empty free list, then popleft(), ref count 1, table.append_block
+        table = self.sequence_block_tables[seq_id]
+        if not self.free_blocks:
+            raise OutOfBlocksError(needed=1, free=0)
+        block_id = self.free_blocks.popleft()
+        self.blocks[block_id].ref_count = 1
+        table.append_block(block_id)
+        return block_id
+        ### END SOLUTION
+
+
+# %%
+check("04.append_block", BlockManager)
+
+# %% [markdown]
+# ## Task 3 · One decode step for a batch, all or nothing
 #
 # Write `decode_step(cache, seq_ids)`: the running sequences `seq_ids` (distinct ids the cache holds)
 # each gain one token. It works in two passes, the way a scheduler does:
@@ -102,7 +170,7 @@ def decode_step(cache: PagedKVCacheAllocator, seq_ids: list[Hashable]) -> dict[H
 check("04.decode_step", decode_step)
 
 # %% [markdown]
-# ## Task 3 · Free at once, admit at once
+# ## Task 4 · Free at once, admit at once
 #
 # Write `finish_and_admit(cache, finished, waiting, max_running)`, the end of every step in a
 # continuous-batching server:
@@ -154,7 +222,7 @@ check("04.finish_and_admit", finish_and_admit)
 # %% [markdown]
 # ## Putting it together
 #
-# With the three tasks done, this is the continuous-batching loop of lesson 04 built from your
+# With the four tasks done, this is the continuous-batching loop of lesson 04 built from your
 # functions: five requests, a pool of 10 blocks of 4, at most 3 running. Compare its log with the
 # lesson's. Then try `max_running=4`: at step 4, two sequences need a block and none is free, and
 # your `decode_step` refuses the step without changing anything. What an engine does then is the

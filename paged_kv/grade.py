@@ -1,8 +1,13 @@
 """``python -m paged_kv.grade NOTEBOOK_OR_FILE``: grade an exercise, task by task.
 
-    python -m paged_kv.grade exercises/02_the_allocator.ipynb        # the lesson from the file name
+    python -m paged_kv.grade exercises/02_the_allocator.ipynb        # the lesson from its metadata
+    python -m paged_kv.grade mine.ipynb                              # a renamed copy: the same
     python -m paged_kv.grade my_allocator.py --lesson 02
     python -m paged_kv.grade package --lesson 02 --json              # the finished package, as JSON
+
+The lesson comes from ``--lesson`` when given, else from the notebook's metadata (every exercise
+and solution notebook carries ``{"paged_kv": {"lesson": "NN"}}``, kept in any copy), else from the
+two digits the file name starts with.
 
 Prints a table of the tasks with their points and the total, then what went wrong in each task
 that lost points. Exits 0 only when every task passes, 1 otherwise, 2 when the input is unusable.
@@ -21,11 +26,24 @@ from .grading import PACKAGE, GradeReport, grade, lessons
 from .grading.runner import DEFAULT_TIME_LIMIT_S, STATUS_TEXT
 
 MARK = {"passed": "\N{CHECK MARK}"}
+METADATA_KEY = "paged_kv"  # where tools/build_course.py writes a notebook's lesson
 
 
 def lesson_of(source: str) -> str | None:
-    """The lesson number at the start of a file name: ``02_the_allocator.ipynb`` gives ``02``."""
-    match = re.match(r"(\d\d)(?:_|\.|$)", Path(source).name)
+    """The lesson of a notebook's metadata, else the number a file name starts with, else ``None``.
+
+    ``02_the_allocator.ipynb`` gives ``02``, and so does a copy of it under any name. A file that
+    cannot be read gives what its name says: grading it reports why it cannot be read.
+    """
+    path = Path(source)
+    if path.suffix == ".ipynb":
+        try:
+            lesson = json.loads(path.read_text(encoding="utf-8"))["metadata"][METADATA_KEY]["lesson"]
+        except (OSError, ValueError, KeyError, TypeError):
+            lesson = None
+        if isinstance(lesson, str) and re.fullmatch(r"\d\d", lesson):
+            return lesson
+    match = re.match(r"(\d\d)(?:_|\.|$)", path.name)
     return match.group(1) if match else None
 
 
@@ -52,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("source", help="an exercise notebook, a solution notebook, a .py file, or 'package'")
     parser.add_argument(
-        "--lesson", help="the lesson to grade (default: the two digits the file name starts with)"
+        "--lesson",
+        help="the lesson to grade (default: the notebook's metadata, else the two digits the file name "
+        "starts with)",
     )
     parser.add_argument("--json", action="store_true", help="print the grade as JSON, for tools")
     parser.add_argument(
@@ -65,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lesson = args.lesson or (None if args.source == PACKAGE else lesson_of(args.source))
     if lesson is None:
         parser.error(
-            f"cannot tell the lesson from {args.source!r}: pass --lesson, one of {', '.join(lessons())}"
+            f"cannot tell the lesson from {args.source!r}: no lesson in its metadata and no NN_ at the "
+            f"start of its name; pass --lesson, one of {', '.join(lessons())}"
         )
     if not re.fullmatch(r"\d\d", lesson) or lesson not in lessons():
         parser.error(f"--lesson must be one of {', '.join(lessons())}, got {lesson!r}")

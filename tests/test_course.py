@@ -15,6 +15,7 @@ from tools.build_course import SourceError, exercise_and_solution, parse_percent
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 STUB = "raise NotImplementedError("
 CHECK_CALL = re.compile(r"""^check\("(?P<task>\d\d\.\w+)\"""", re.MULTILINE)
@@ -25,6 +26,12 @@ def test_the_course_has_its_notebooks():
     assert stems, "no lesson notebooks"
     for folder in ("exercises", "solutions"):
         assert sorted(p.stem for p in (ROOT / folder).glob("*.ipynb")) == stems, folder
+
+
+@pytest.mark.parametrize("path", EXERCISES + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_exercises_and_solutions_carry_their_lesson_in_their_metadata(path):
+    # paged_kv.grade reads it, so that a renamed copy of the notebook still grades as its lesson
+    assert nbformat.read(path, as_version=4).metadata["paged_kv"] == {"lesson": path.name[:2]}
 
 
 def test_committed_notebooks_match_their_sources():
@@ -133,6 +140,24 @@ def test_malformed_solution_regions_are_refused(body, message):
     (cell,) = parse_percent("# %%\n" + body + "\n", "t.py")
     with pytest.raises(SourceError, match=message):
         split_solutions(cell, "t.py")
+
+
+def test_exercise_and_solution_carry_the_lesson_of_their_source(tmp_path):
+    source = tmp_path / "07_anything.exercise.py"
+    source.write_text(
+        "# %%\ndef f():\n    ### BEGIN SOLUTION: return 1\n    return 1\n    ### END SOLUTION\n"
+    )
+    for notebook in exercise_and_solution(source):
+        assert notebook.metadata["paged_kv"] == {"lesson": "07"}
+
+
+def test_an_exercise_source_not_named_after_its_lesson_is_refused(tmp_path):
+    source = tmp_path / "anything.exercise.py"
+    source.write_text(
+        "# %%\ndef f():\n    ### BEGIN SOLUTION: return 1\n    return 1\n    ### END SOLUTION\n"
+    )
+    with pytest.raises(SourceError, match="starts with its lesson"):
+        exercise_and_solution(source)
 
 
 def test_an_exercise_source_without_a_task_is_refused(tmp_path):

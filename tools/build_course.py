@@ -14,7 +14,8 @@ A solution region in an exercise source is marked, inside a code cell, by
     ### END SOLUTION
 
 and the exercise gets, at the same indentation, ``raise NotImplementedError("a hint of what to do")``.
-Exercises and solutions are written without outputs.
+Exercises and solutions are written without outputs, and carry their lesson in their metadata,
+``{"paged_kv": {"lesson": "NN"}}``, so that ``python -m paged_kv.grade`` grades a renamed copy.
 
 Usage:
     python tools/build_course.py               build everything, executing the lessons
@@ -41,6 +42,7 @@ CELL_MARKER = re.compile(r"^# %%(?P<markdown> \[markdown\])?(?: tags=(?P<tags>\[
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION(?::\s*(?P<hint>.*\S))?\s*$")
 END = re.compile(r"^\s*### END SOLUTION\s*$")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+METADATA_KEY = "paged_kv"  # notebook metadata: {"lesson": "NN"}, read by paged_kv.grade
 EXECUTION_TIMEOUT_S = 120
 
 
@@ -153,7 +155,13 @@ def exercise_and_solution(source: Path) -> tuple[nbformat.NotebookNode, nbformat
         solution.append((cell.kind, "\n".join(solution_lines), cell.tags))
     if exercise == solution:
         raise SourceError(f"{source.name}: an exercise needs at least one '### BEGIN SOLUTION' region")
-    return new_notebook(exercise), new_notebook(solution)
+    lesson = re.match(r"(\d\d)_", source.name)
+    if lesson is None:
+        raise SourceError(f"{source.name}: an exercise source's name starts with its lesson, NN_")
+    notebooks = new_notebook(exercise), new_notebook(solution)
+    for notebook in notebooks:
+        notebook.metadata[METADATA_KEY] = {"lesson": lesson.group(1)}
+    return notebooks
 
 
 def execute(notebook: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:

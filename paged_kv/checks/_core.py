@@ -330,24 +330,25 @@ def _is_learners(obj: object) -> bool:
         return _is_learner(obj.__code__.co_filename)
     if not isinstance(obj, type) or obj.__module__ == "builtins":
         return False
+    methods = [f for value in vars(obj).values() for f in _functions_of(value)]
+    if methods:
+        return any(_is_learner(method.__code__.co_filename) for method in methods)
     filename = getattr(sys.modules.get(obj.__module__), "__file__", None)
-    return filename is None or _is_learner(filename)  # a notebook's or the grader's module has no file
+    return filename is None or _is_learner(filename)  # the grader's module has no file
 
 
 def _globals_used(obj: object) -> dict[str, object]:
     """The global names ``obj``'s code reads (a class: its methods' and its bases'), with their values."""
     if isinstance(obj, types.FunctionType):
-        functions, namespace = [obj], obj.__globals__
+        functions: list[types.FunctionType] = [obj]
         used: dict[str, object] = {}
     else:
-        module = sys.modules.get(obj.__module__)  # type: ignore[attr-defined]
-        namespace = vars(module) if module is not None else {}
         functions = [f for value in vars(obj).values() for f in _functions_of(value)]
         used = {base.__name__: base for base in obj.__bases__ if _is_learners(base)}  # type: ignore[attr-defined]
     for function in functions:
         for name in _names_in(function.__code__):
-            if name in namespace:
-                used[name] = namespace[name]
+            if name in function.__globals__:
+                used[name] = function.__globals__[name]
     return used
 
 

@@ -1,6 +1,8 @@
-"""Checks of exercise 02: the block allocator, then sequences on top of it."""
+"""Checks of exercise 02: the block allocator, sequences on top of it, and the K/V cache they manage."""
 
 from __future__ import annotations
+
+import torch
 
 from paged_kv.errors import OutOfBlocksError
 
@@ -267,3 +269,123 @@ def _sequence_allocator(c: Checker, sequences_class) -> None:
     )
     c.equal("seqs.allocator.ref_count(4)", lambda: seqs.allocator.ref_count(4), 1, REF_COUNT_HINT)
     c.equal("seqs.allocator.free_block_ids", lambda: tuple(seqs.allocator.free_block_ids), (2, 0, 1))
+
+
+# ------------------------------------------------------------------------------- Task 3
+
+AXES = ("num_blocks", "num_heads", "block_size", "head_dim")
+ONCE_HINT = (
+    "k_cache and v_cache are allocated once, in __init__, for all num_blocks blocks: a sequence only "
+    "takes block ids. Making new tensors when a sequence comes or goes throws away every other "
+    "sequence's K/V and allocates memory on the hot path"
+)
+SUPER_HINT = (
+    "call super().__init__(num_blocks, block_size) first: SequenceAllocator sets up the free list "
+    "(self.allocator) and the block tables (self.tables)"
+)
+
+
+def _shape_hint(got: object, sizes: dict[str, int]) -> str:
+    """Name the axis order a wrong cache shape has, from the sizes (all different) it was built with."""
+    if not isinstance(got, torch.Tensor):
+        return f"k_cache must be one tensor for the whole pool, not a {type(got).__name__}; {ONCE_HINT}"
+    by_size = {size: name for name, size in sizes.items()}
+    names = [by_size.get(size) for size in got.shape]
+    expected = f"({', '.join(AXES)})"
+    if sorted(map(str, names)) == sorted(AXES):
+        return (
+            f"the axes are in the wrong order: yours are ({', '.join(map(str, names))}), the cache's are "
+            f"{expected}: a block, then its heads, then the token's offset in the block, then the dims"
+        )
+    return f"the shape is {expected}, one entry per block of the pool"
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any memory."""
+    if a.device != b.device or a.device.type == "meta":
+        return a is b
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return (
+        start_a < start_b + b.numel() * b.element_size() and start_b < start_a + a.numel() * a.element_size()
+    )
+
+
+@task("02.kv_cache", "the K/V cache, allocated once", needs=("PagedKVCacheAllocator",))
+def _kv_cache(c: Checker, cache_class) -> None:
+    sizes = {"num_blocks": 6, "num_heads": 3, "block_size": 4, "head_dim": 5}
+    call = (
+        "cache = PagedKVCacheAllocator(num_blocks=6, block_size=4, num_heads=3, head_dim=5, "
+        'dtype=torch.float16, device="cpu")'
+    )
+    cache = c.run(call, lambda: cache_class(**sizes, dtype=torch.float16, device="cpu"), SUPER_HINT)
+    for name in ("k_cache", "v_cache"):
+        tensor = c.run(
+            f"cache.{name}", lambda name=name: getattr(cache, name), f"set self.{name} in __init__"
+        )
+        c.holds(
+            f"cache.{name}.shape",
+            isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (6, 3, 4, 5),
+            "(6, 3, 4, 5), that is (num_blocks, num_heads, block_size, head_dim)",
+            tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__,
+            _shape_hint(tensor, sizes),
+        )
+        c.holds(
+            f"cache.{name}.dtype",
+            tensor.dtype == torch.float16,
+            "torch.float16",
+            str(tensor.dtype),
+            "torch.zeros(shape) makes the default dtype, float32: pass dtype=dtype"
+            if tensor.dtype == torch.get_default_dtype()
+            else "pass dtype=dtype when you make the tensor",
+        )
+    c.holds(
+        "cache.k_cache and cache.v_cache share memory?",
+        not _overlap(cache.k_cache, cache.v_cache),
+        "two separate tensors",
+        "one tensor" if cache.k_cache is cache.v_cache else "tensors over the same memory",
+        "k_cache and v_cache are one tensor (self.k_cache = self.v_cache = torch.zeros(...) makes one): "
+        "writing V would overwrite K. Make two tensors, one torch.zeros(...) each",
+    )
+    c.equal(
+        "cache.allocator.free_block_ids",
+        lambda: tuple(cache.allocator.free_block_ids),
+        tuple(range(6)),
+        SUPER_HINT,
+    )
+    c.equal("cache.tables", lambda: dict(cache.tables), {}, SUPER_HINT)
+
+    meta = c.run(
+        'PagedKVCacheAllocator(4, 2, 2, 3, torch.float32, device="meta")  # a device with no memory',
+        lambda: cache_class(4, 2, 2, 3, torch.float32, device="meta"),
+        "pass device=device to torch.zeros: it must accept any device torch knows",
+    )
+    for name in ("k_cache", "v_cache"):
+        device = getattr(meta, name).device
+        c.holds(
+            f"PagedKVCacheAllocator(..., device='meta').{name}.device",
+            device.type == "meta",
+            "meta",
+            str(device),
+            f"the {name} tensor is on {device}: pass device=device when you make it. On a GPU machine the "
+            "cache must live on the GPU, beside the model",
+        )
+
+    k_before, v_before = cache.k_cache, cache.v_cache
+    c.run("cache.k_cache[0] = 1  # K of a token in block 0", lambda: cache.k_cache[0].fill_(1))
+    c.equal('cache.allocate_for_sequence("a", 9)', lambda: cache.allocate_for_sequence("a", 9), [0, 1, 2])
+    c.equal('cache.allocate_for_sequence("b", 4)', lambda: cache.allocate_for_sequence("b", 4), [3])
+    c.equal('cache.free_sequence("b")', lambda: cache.free_sequence("b"), [3])
+    c.holds(
+        "cache.k_cache and cache.v_cache after allocating and freeing sequences",
+        cache.k_cache is k_before and cache.v_cache is v_before,
+        "the very tensors __init__ made",
+        "new tensors",
+        ONCE_HINT,
+    )
+    c.holds(
+        "cache.k_cache[0] after allocating and freeing sequences",
+        bool((cache.k_cache[0] == 1).all()),
+        "still 1: nothing overwrote the K/V a sequence holds",
+        "changed",
+        ONCE_HINT,
+    )

@@ -1,4 +1,5 @@
-"""Checks of exercise 04: the block boundary rule, a decode step for a batch, and free-and-admit."""
+"""Checks of exercise 04: the block boundary rule, a block appended on demand, a decode step for a batch,
+and free-and-admit."""
 
 from __future__ import annotations
 
@@ -87,6 +88,122 @@ def _needs_new_block(c: Checker, needs_new_block) -> None:
 
 
 # ------------------------------------------------------------------------------- Task 2
+
+
+def _manager_state(manager) -> str:
+    tables = {seq_id: table.block_ids for seq_id, table in manager.sequence_block_tables.items()}
+    refs = [block.ref_count for block in manager.blocks]
+    return f"tables {tables}, free list {list(manager.free_blocks)}, ref counts {refs}"
+
+
+def _append_hint(manager, seq_id: Hashable, block_id: object, table_before: list[int]) -> str:
+    """Name what a wrong append left undone, from the manager's state after it."""
+    table = manager.sequence_block_tables[seq_id].block_ids
+    if block_id in manager.free_blocks:
+        return (
+            f"block {block_id} is still on the free list: take it off with free_blocks.popleft(), or the "
+            "next allocation hands it out a second time"
+        )
+    if table == table_before:
+        return (
+            f"block {block_id} left the free list but the table of {seq_id!r} does not hold it, so it is "
+            "lost (a leak): append it to the table, table.append_block(block_id)"
+        )
+    if (
+        isinstance(block_id, int)
+        and 0 <= block_id < len(manager.blocks)
+        and not manager.blocks[block_id].ref_count
+    ):
+        return (
+            f"block {block_id}'s ref count is still 0, so it looks free although {seq_id!r} holds it: "
+            "set blocks[block_id].ref_count = 1"
+        )
+    return (
+        "take the block at the head of the free list (free_blocks.popleft()), give it ref count 1, "
+        "append it to the sequence's table and return its id"
+    )
+
+
+@task("04.append_block", "append a block on demand", needs=("BlockManager",))
+def _append_block(c: Checker, manager_class) -> None:
+    manager = c.run("manager = BlockManager(num_blocks=4, block_size=4)", lambda: manager_class(4, 4))
+    c.run('manager.allocate_for_sequence("a", 4)', lambda: manager.allocate_for_sequence("a", 4))
+    c.run('manager.allocate_for_sequence("b", 2)', lambda: manager.allocate_for_sequence("b", 2))
+    for seq_id, expected, table in (("a", 2, [0, 2]), ("b", 3, [1, 3])):
+        before, free_before = list(manager.sequence_block_tables[seq_id].block_ids), list(manager.free_blocks)
+        call = f"manager.append_block_to_sequence({seq_id!r}) with {_manager_state(manager)}"
+        got = c.run(call, lambda seq_id=seq_id: manager.append_block_to_sequence(seq_id))
+        c.equal(
+            call,
+            lambda got=got: got,
+            expected,
+            lambda seq_id=seq_id, got=got, before=before, free_before=free_before: (
+                "return the id of the block you took"
+                if got is None
+                else f"block {got} is the tail of the free list {free_before}: take its head with "
+                "free_blocks.popleft() (pop() takes the tail)"
+                if len(free_before) > 1 and got == free_before[-1]
+                else _append_hint(manager, seq_id, got, before)
+            ),
+        )
+        c.holds(
+            f"the manager after {call}",
+            manager.sequence_block_tables[seq_id].block_ids == table
+            and manager.blocks[expected].ref_count == 1
+            and expected not in manager.free_blocks,
+            f"the table of {seq_id!r} {table}, block {expected} with ref count 1 and off the free list",
+            _manager_state(manager),
+            lambda seq_id=seq_id, got=got, before=before: _append_hint(manager, seq_id, got, before),
+        )
+    c.equal(
+        "manager.sequence_block_tables['a'].num_tokens",
+        lambda: manager.sequence_block_tables["a"].num_tokens,
+        4,
+        "appending a block adds room, not tokens: num_tokens stays as it was",
+    )
+
+    before = _manager_state(manager)
+    call = f"manager.append_block_to_sequence('a') with {before}"
+    error = c.raises(
+        call,
+        lambda: manager.append_block_to_sequence("a"),
+        OutOfBlocksError,
+        "check the free list before taking from it: with no free block, raise OutOfBlocksError(needed=1, "
+        "free=0) (free_blocks.popleft() on an empty deque raises IndexError)",
+    )
+    c.equal(
+        "(error.needed, error.free)",
+        lambda: (getattr(error, "needed", None), getattr(error, "free", None)),
+        (1, 0),
+        "raise OutOfBlocksError(needed=1, free=0)",
+    )
+    c.holds(
+        f"the manager after {call}",
+        _manager_state(manager) == before,
+        f"unchanged: {before}",
+        _manager_state(manager),
+        "a refused append changes nothing: check the free list first",
+    )
+
+    fresh = c.run("manager = BlockManager(num_blocks=2, block_size=4)", lambda: manager_class(2, 4))
+    before = _manager_state(fresh)
+    call = f"manager.append_block_to_sequence('ghost') with {before}"
+    c.raises(
+        call,
+        lambda: fresh.append_block_to_sequence("ghost"),
+        KeyError,
+        "an unknown sequence is a KeyError: look its table up in sequence_block_tables first",
+    )
+    c.holds(
+        f"the manager after {call}",
+        _manager_state(fresh) == before,
+        f"unchanged: {before}",
+        _manager_state(fresh),
+        "the refused call took a block and leaked it: look the sequence up before taking a block",
+    )
+
+
+# ------------------------------------------------------------------------------- Task 3
 
 
 def _cache(
@@ -242,7 +359,7 @@ def _decode_step(c: Checker, decode_step) -> None:
     )
 
 
-# ------------------------------------------------------------------------------- Task 3
+# ------------------------------------------------------------------------------- Task 4
 
 
 def _pool() -> PagedKVCacheAllocator:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from paged_kv.checks import TASKS
 from paged_kv.grade import lesson_of
 from paged_kv.grading import grade, tasks_of
 from paged_kv.grading.loader import load
@@ -97,7 +99,13 @@ def test_code_that_raises_fails_its_task_only(tmp_path):
         "00.paged_usage": "passed",
         "00.contiguous_usage": "passed",
     }
-    assert "ZeroDivisionError" in report.result("00.blocks_for_tokens").message
+    message = report.result("00.blocks_for_tokens").message.splitlines()
+    assert "  got:      ZeroDivisionError: integer division or modulo by zero" in message
+    assert "  where:    mine.py, line 3, in blocks_for_tokens" in message
+    assert (
+        message[message.index("  where:    mine.py, line 3, in blocks_for_tokens") + 1].strip()
+        == "return n // 0"
+    )
 
 
 def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(tmp_path):
@@ -135,6 +143,63 @@ def test_a_syntax_error_costs_only_the_names_of_its_cell(tmp_path):
         "00.contiguous_usage": "passed",
     }
     assert "cell 2 has a syntax error" in report.result("00.blocks_for_tokens").message
+
+
+def test_an_exception_in_a_notebook_cell_shows_the_cell_its_line_and_its_source(tmp_path):
+    notebook = write_notebook(
+        tmp_path / "00_mine.ipynb",
+        REFERENCE,
+        "%matplotlib inline\n"
+        "def blocks_for_tokens(n, b):\n    blocks = [0] * (n // b)\n    return blocks[n]\n",
+    )
+    message = grade(str(notebook), "00").result("00.blocks_for_tokens").message.splitlines()
+    assert "  where:    cell 2, line 4, in blocks_for_tokens" in message
+    assert "                return blocks[n]" in message
+
+
+LATE_RULE_AND_ITS_DECODE_STEP = """\
+from paged_kv.grading.reference.lesson04 import BlockManager, finish_and_admit
+
+
+def needs_new_block(num_tokens, num_blocks_held, block_size):
+    return num_tokens > num_blocks_held * block_size
+
+
+def decode_step(cache, seq_ids):
+    taken = {}
+    for seq_id in seq_ids:
+        tokens, blocks = cache.sequence_length(seq_id), len(cache.get_block_mapping(seq_id))
+        needed = needs_new_block(tokens, blocks, cache.block_size)
+        taken[seq_id] = cache.append_block_to_sequence(seq_id) if needed else None
+        cache.append_tokens(seq_id, 1)
+    return taken
+"""
+
+
+def test_a_task_that_fails_through_an_earlier_task_is_graded_as_such(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(LATE_RULE_AND_ITS_DECODE_STEP)
+    result = run_grade(str(source), "--lesson", "04")
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert "04.needs_new_block     0 / 10 \N{BALLOT X} wrong answer" in lines
+    assert "04.decode_step         0 / 10 \N{BALLOT X} wrong answer, through 04.needs_new_block" in lines
+    assert (
+        "  first:    this uses your `needs_new_block`, which failed above (04.needs_new_block): "
+        "fix that task first"
+    ) in lines
+    assert (
+        "  hint:     your rule takes the block one token late: num_tokens > num_blocks_held * block_size"
+        in (result.stdout)
+    )
+    report = json.loads(run_grade(str(source), "--lesson", "04", "--json").stdout)
+    blocked = {task["task_id"]: task["blocked_by"] for task in report["results"]}
+    assert blocked == {
+        "04.needs_new_block": [],
+        "04.append_block": [],
+        "04.decode_step": ["04.needs_new_block"],
+        "04.finish_and_admit": [],
+    }
 
 
 def test_a_missing_name_is_named(tmp_path):
@@ -192,6 +257,50 @@ def test_the_command_takes_the_lesson_from_an_option(tmp_path):
     source = tmp_path / "mine.py"
     source.write_text("from paged_kv.grading.reference.lesson00 import *\n")
     assert run_grade(str(source), "--lesson", "00").returncode == 0
+
+
+def copy_of(notebook: str, path: Path) -> Path:
+    path.write_bytes((ROOT / notebook).read_bytes())
+    return path
+
+
+def test_a_renamed_copy_of_an_exercise_grades_as_its_lesson(tmp_path):
+    copy = copy_of("exercises/02_the_allocator.ipynb", tmp_path / "mine.ipynb")
+    result = run_grade(str(copy))
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines()[0] == f"grading {copy} (lesson 02)"
+    total = next(line for line in result.stdout.splitlines() if line.startswith("total"))
+    assert total.split() == ["total", "0", "/", "30"]
+
+
+def test_a_renamed_copy_of_a_solution_scores_full_marks(tmp_path):
+    copy = copy_of("solutions/04_decode_allocation.ipynb", tmp_path / "03_not_what_it_says.ipynb")
+    assert lesson_of(str(copy)) == "04", "the metadata wins over the file name"
+    report = json.loads(run_grade(str(copy), "--json").stdout)
+    assert (report["lesson"], report["score"], report["max_score"]) == ("04", 40, 40)
+
+
+def test_the_lesson_option_wins_over_the_metadata(tmp_path):
+    copy = copy_of("solutions/02_the_allocator.ipynb", tmp_path / "mine.ipynb")
+    result = run_grade(str(copy), "--lesson", "00")
+    assert result.stdout.splitlines()[0] == f"grading {copy} (lesson 00)"
+    assert "00.paged_usage          0 / 10 \N{BALLOT X} missing" in result.stdout.splitlines()
+
+
+def test_a_notebook_without_a_lesson_in_its_metadata_or_its_name_is_refused(tmp_path):
+    notebook = write_notebook(tmp_path / "mine.ipynb", REFERENCE)
+    assert lesson_of(str(notebook)) is None
+    result = run_grade(str(notebook))
+    assert result.returncode == 2
+    assert "cannot tell the lesson from" in result.stderr and "pass --lesson" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_readme_states_the_graders_totals():
+    tasks = [task for task in TASKS.values()]
+    stated = re.search(r"\((\d+) tasks, (\d+) points in all\)", (ROOT / "README.md").read_text())
+    assert stated, "the README says how many tasks and points the exercises have"
+    assert (int(stated[1]), int(stated[2])) == (len(tasks), sum(task.points for task in tasks))
 
 
 @pytest.mark.parametrize(
