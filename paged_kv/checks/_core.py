@@ -452,11 +452,13 @@ def check(task_id: str, *objects: object) -> None:
             f"task {task_id} ({current.title}) is not implemented yet{note}: {error or 'replace the stub'}"
         ) from None
     except CheckFailed as error:
+        # Raised afresh from here: a notebook shows the check cell and this message, not the frames
+        # of the check's own code (the message already shows the learner's lines).
         blocked = failed_dependencies(current, objects)
-        if not blocked:
-            raise
-        header, _, details = str(error).partition("\n")
-        message = f"{header}\n  first:    {_blocked_note(blocked)}: fix that task first\n{details}"
+        message = str(error)
+        if blocked:
+            header, _, details = message.partition("\n")
+            message = f"{header}\n  first:    {_blocked_note(blocked)}: fix that task first\n{details}"
         raise CheckFailed(message, tuple(task_id for task_id, _, _ in blocked)) from None
     print(f"{PASS} {task_id} {current.title}: all {checker.passed} checks passed")
 
