@@ -77,12 +77,18 @@ def lab_root(tmp_path: Path, widget_notebook: tuple[nbformat.NotebookNode, str])
 
 
 @pytest.fixture
-def jupyterlab(browser: Browser, lab_root: Path) -> Iterator[str]:
-    """A JupyterLab server on a free loopback port serving ``lab_root``; stopped after the test.
+def theme() -> str:
+    """The JupyterLab theme of the ``jupyterlab`` fixture; a test parametrizes it to try another."""
+    return harness.LIGHT_THEME
+
+
+@pytest.fixture
+def jupyterlab(browser: Browser, lab_root: Path, theme: str) -> Iterator[str]:
+    """A JupyterLab server on a free loopback port serving ``lab_root`` in ``theme``; stopped after the test.
 
     It depends on ``browser`` so that it is not started on a machine where the test is skipped.
     """
-    with harness.jupyterlab(lab_root) as url:
+    with harness.jupyterlab(lab_root, theme) as url:
         yield url
 
 

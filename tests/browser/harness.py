@@ -426,8 +426,9 @@ def caption(html: str) -> str:
 
 # For every text in the elements ``selector`` matches inside ``root`` (SVG <text>, or HTML elements
 # with a text node of their own), the WCAG contrast of its computed colour against what is painted
-# behind its centre: the first opaque SVG fill or HTML background under it, by hit testing (the
-# page's own background when nothing nearer is opaque). Texts outside the viewport are skipped.
+# behind its centre: the first opaque fill of an SVG shape or HTML background under it (an HTML
+# element's own background included), by hit testing, or the page's white when nothing is opaque.
+# A translucent text colour is blended over its backdrop first. Texts out of view are skipped.
 TEXT_CONTRASTS = """(root, selector) => {
     const rgba = text => {
         const m = /rgba?\\(([^)]+)\\)/.exec(text || '');
@@ -443,8 +444,13 @@ TEXT_CONTRASTS = """(root, selector) => {
         const [high, low] = [luminance(x), luminance(y)].sort((p, q) => q - p);
         return (high + 0.05) / (low + 0.05);
     };
-    const paint = el => rgba(el instanceof SVGElement ? getComputedStyle(el).fill
-                                                      : getComputedStyle(el).backgroundColor);
+    const shapes = new Set(['rect', 'circle', 'ellipse', 'path', 'polygon', 'polyline']);
+    const paint = el => el instanceof SVGElement
+        ? (shapes.has(el.localName) ? rgba(getComputedStyle(el).fill) : null)  // <svg>, <g>: no paint
+        : rgba(getComputedStyle(el).backgroundColor);
+    const over = (top, back) => ({r: top.a * top.r + (1 - top.a) * back.r,
+                                  g: top.a * top.g + (1 - top.a) * back.g,
+                                  b: top.a * top.b + (1 - top.a) * back.b, a: 1});
     const results = [];
     for (const el of root.querySelectorAll(selector)) {
         const own = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
@@ -453,14 +459,17 @@ TEXT_CONTRASTS = """(root, selector) => {
         const x = box.left + box.width / 2, y = box.top + box.height / 2;
         let backdrop = null;
         for (const under of document.elementsFromPoint(x, y)) {
-            if (under === el || el.contains(under)) continue;
+            if (under === el ? el instanceof SVGElement : el.contains(under)) continue;  // an HTML
+            // element's own background is behind its text; an SVG text's fill is the text itself
             const colour = paint(under);
             if (colour && colour.a > 0.5) { backdrop = colour; break; }
         }
         backdrop = backdrop || {r: 255, g: 255, b: 255, a: 1};
-        const ink = rgba(el instanceof SVGElement ? getComputedStyle(el).fill : getComputedStyle(el).color);
+        const ink = over(rgba(el instanceof SVGElement ? getComputedStyle(el).fill
+                                                      : getComputedStyle(el).color), backdrop);
         results.push({text: el.textContent.trim().slice(0, 60), ratio: ratio(ink, backdrop),
-                      ink: [ink.r, ink.g, ink.b], backdrop: [backdrop.r, backdrop.g, backdrop.b]});
+                      ink: [ink.r, ink.g, ink.b].map(Math.round),
+                      backdrop: [backdrop.r, backdrop.g, backdrop.b]});
     }
     return results;
 }"""

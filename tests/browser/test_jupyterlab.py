@@ -1,9 +1,13 @@
-"""In a live JupyterLab, the lesson's widgets render and the playground answers its buttons.
+"""In a live JupyterLab, the lesson's widgets render, read well, and the playground answers its buttons.
 
 JupyterLab serves a copy of the notebook from a temporary root directory on a free loopback port
-(its autosave never touches the repository). The test opens it, waits for the kernel, runs all
-cells through the Run menu, waits for the player and the playground, then clicks "add sequence":
-the click goes to the kernel, and the playground's picture must change.
+(its autosave never touches the repository), in its light theme and in its dark one. The test
+opens it, waits for the kernel, runs all cells through the Run menu, waits for the player and the
+playground, then clicks "add sequence": the click goes to the kernel, and the playground's picture
+must change. It goes on clicking until the pool runs out: the refusal's own caption and the
+warning must show. Every visible text of the player and the playground (the pictures' SVG text,
+captions, status lines, controls) must contrast with what is painted behind it (WCAG AA, 4.5:1),
+computed from the browser's styles.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import pytest
 from tests.browser import harness
 
 pytestmark = [pytest.mark.browser, pytest.mark.lesson04]
+
+THEMES = {"light": harness.LIGHT_THEME, "dark": harness.DARK_THEME}
+MIN_CONTRAST = 4.5  # WCAG AA for normal text
+MAX_ADDS = 40  # more "add sequence" clicks than any pool of the lesson holds
 
 RUN_ALL_S = 90
 # The notebook is on screen and connected to its kernel, which is idle. The kernel name is checked
@@ -74,6 +82,17 @@ def run_all_and_wait(page, name, screenshot):
         page.wait_for_timeout(200)
 
 
+def assert_readable(output, what):
+    """Every visible text in ``output`` contrasts with its backdrop; at least ``10`` were checked."""
+    output.scroll_into_view_if_needed()
+    failures, checked = harness.low_contrast(output, MIN_CONTRAST)
+    assert checked >= 10, f"only {checked} texts found in {what}"
+    assert not failures, (
+        f"{len(failures)} of {checked} texts of {what} below {MIN_CONTRAST}:1: {failures[:5]}"
+    )
+
+
+@pytest.mark.parametrize("theme", THEMES.values(), ids=THEMES.keys())
 def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     page, jupyterlab, widget_notebook, screenshot
 ):
@@ -98,6 +117,7 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     assert frame == 0
     assert "<svg" in frame_html, f"the player of {name} shows no SVG picture: {frame_html[:300]!r}"
     assert player.locator(".widget-slider").count() >= 1, "the player has no slider"
+    assert_readable(player, f"the player of {name}")
 
     playground = harness.playground(page)
     playground.scroll_into_view_if_needed()
@@ -115,3 +135,27 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     screenshot(page, "playground-after")
     assert "<svg" in after
     assert harness.caption(after) != harness.caption(before)
+    assert_readable(playground, f"the playground of {name}")
+
+    # Fill the pool: the refused click captions the picture with the refusal, and warns.
+    warning = playground.locator("div", has_text="⚠").last
+    for _click in range(MAX_ADDS):
+        if warning.count():
+            break
+        shown = harness.picture_html(playground)
+        add.click()
+        harness.wait_until(
+            page,
+            lambda shown=shown: harness.picture_html(playground) != shown,
+            "the playground's picture to answer 'add sequence'",
+        )
+    else:
+        raise AssertionError(
+            f"{MAX_ADDS} clicks on 'add sequence' never ran the playground of {name} out of blocks"
+        )
+    refused = harness.caption(harness.picture_html(playground))
+    screenshot(page, "playground-refused")
+    assert "refused: it needs" in refused and "nothing changed" in refused, refused
+    assert "1 blocks" not in refused
+    assert "out of blocks" in warning.inner_text()
+    assert_readable(playground, f"the refused playground of {name}")
