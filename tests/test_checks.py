@@ -27,7 +27,8 @@ def test_a_wrong_answer_names_the_call_the_answers_and_a_hint():
         "  called:   blocks_for_tokens(1, 16)",
         "  expected: 1",
         "  got:      0",
-        "  hint:     ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b",
+        "  hint:     n // b rounds down and leaves the last tokens without a slot (17 tokens in blocks of "
+        "16 need 2 blocks); round up: ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b",
     ]
     assert isinstance(caught.value, AssertionError)
 

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
-from ._core import Checker, task
+from ._core import Checker, answers, diagnose, task
 
 SEED_REQUESTS = [9, 17, 33, 5, 41, 12]
 CEILING_HINT = "ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b"
+CEILING_MISTAKES = [
+    (
+        lambda n, b: n // b,
+        "n // b rounds down and leaves the last tokens without a slot (17 tokens in blocks of 16 need 2 "
+        f"blocks); round up: {CEILING_HINT}",
+    ),
+    (
+        lambda n, b: n // b + 1,
+        "n // b + 1 is one block too many whenever n is a multiple of b (0 tokens need no block, 16 "
+        f"tokens one block of 16); {CEILING_HINT}",
+    ),
+    (
+        lambda n, b: round(n / b),
+        f"round(n / b) rounds to the nearest block count, down for 17 tokens in blocks of 16; {CEILING_HINT}",
+    ),
+]
+# Both sides of every block boundary, for blocks of 1, 3, 4 and 16.
+CEILING_PROBES = [(n, b) for b in (1, 3, 4, 16) for n in range(0, 3 * b + 2)]
 
 
 @task("00.blocks_for_tokens", "blocks for a number of tokens")
@@ -20,43 +38,23 @@ def _blocks_for_tokens(c: Checker, blocks_for_tokens) -> None:
         "numpy's ceil returns a float; stay in integers with -(-n // b)",
     )
     for tokens, size, expected, hint in [
-        (
-            0,
-            16,
-            0,
-            "zero tokens need zero blocks: n // b + 1 is one block too many whenever n is a multiple "
-            "of b; " + CEILING_HINT,
-        ),
-        (1, 16, 1, CEILING_HINT),
-        (
-            16,
-            16,
-            1,
-            "16 tokens fill exactly one block of 16, the second block starts with the 17th token "
-            "(off by one at the block boundary?); " + CEILING_HINT,
-        ),
-        (
-            17,
-            16,
-            2,
-            "the 17th token needs a second block: n // b rounds down and leaves it without a slot; "
-            + CEILING_HINT,
-        ),
-        (33, 16, 3, CEILING_HINT),
-        (41, 16, 3, CEILING_HINT),
+        (0, 16, 0, "zero tokens need zero blocks"),
+        (1, 16, 1, "one token needs a block"),
+        (16, 16, 1, "16 tokens fill exactly one block of 16, the second block starts with the 17th token"),
+        (17, 16, 2, "the 17th token needs a second block"),
+        (33, 16, 3, "33 tokens need 3 blocks of 16"),
+        (41, 16, 3, "41 tokens need 3 blocks of 16"),
+        (5, 1, 5, "with blocks of 1, every token is a block"),
     ]:
         c.equal(
             f"blocks_for_tokens({tokens}, {size})",
             lambda tokens=tokens, size=size: blocks_for_tokens(tokens, size),
             expected,
-            hint,
+            lambda hint=hint: (
+                diagnose(blocks_for_tokens, CEILING_MISTAKES, answers(CEILING_PROBES, int), "")
+                or f"{hint}; {CEILING_HINT}"
+            ),
         )
-    c.equal(
-        "blocks_for_tokens(5, 1)",
-        lambda: blocks_for_tokens(5, 1),
-        5,
-        "with blocks of 1, every token is a block",
-    )
 
 
 @task("00.paged_usage", "what a paged cache reserves and wastes")
