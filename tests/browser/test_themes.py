@@ -90,3 +90,34 @@ def test_a_lesson_opened_before_it_runs_shows_every_picture(browser, tmp_path, t
                     assert styles["title"] == ["12px", INK] and styles["small"] == ["9px", INK], styles
                 if index == 0 or kind == "widget still":
                     screenshot(page, f"{name[:2]}-{kind.replace(' ', '-')}-{index}")
+
+
+# A page with none of JupyterLab's CSS variables, as VS Code's output view is: its own text colour
+# on its own background (VS Code's default dark and light editor colours).
+HOSTS = {"vscode-dark": ("#1F1F1F", "#CCCCCC"), "vscode-light": ("#FFFFFF", "#3B3B3B")}
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_both_forms_read_well_on_a_page_without_jupyterlabs_variables(page, host, screenshot):
+    from paged_kv import PagedKVCacheAllocator
+    from paged_kv.viz import render_allocator
+
+    cache = PagedKVCacheAllocator(8, 4, 1, 1)
+    cache.allocate_for_sequence("A", 10)
+    cache.fork("A", "B")
+    snapshot = cache.snapshot()
+    background, colour = HOSTS[host]
+    pictures = [
+        render_allocator(snapshot, caption=f"inline={inline}", highlight=[1], inline=inline)
+        for inline in (True, False)
+    ]
+    page.set_content(
+        f'<body style="margin:8px;background-color:{background};color:{colour};font-family:sans-serif">'
+        + "".join(f'<div class="picture">{picture}</div>' for picture in pictures)
+        + "</body>"
+    )
+    page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
+    screenshot(page, host)
+    for index, what in enumerate(("the inline picture", "the image on its card")):
+        failures, checked = harness.low_contrast(page.locator(".picture").nth(index), 4.5)
+        assert checked >= (10 if index == 0 else 1) and not failures, (what, failures[:5])
