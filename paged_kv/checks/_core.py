@@ -274,14 +274,14 @@ def error_hint(error: BaseException) -> str:
 # ------------------------------------------------------------------ the earlier tasks a task uses
 
 
-def failed_dependencies(current: Task, objects: Sequence[object]) -> list[tuple[str, str, str]]:
+def failed_dependencies(current: Task, objects: Sequence[object]) -> list[tuple[str, tuple[str, ...], str]]:
     """The earlier tasks whose learner code ``objects`` use and that fail their own checks.
 
     Exercise code calls the learner's own earlier functions (``decode_step`` calls their
     ``needs_new_block``). The names ``objects`` reach, directly or through other code of the
     learner, are looked up where that code is defined; an earlier task of the same lesson whose
     every needed name is found there, as the learner's code, has its check run again, quietly.
-    Returns ``(task_id, name, outcome)`` triples, ``outcome`` ``"failed"`` or ``"is not implemented yet"``.
+    Returns ``(task_id, names, outcome)`` triples, ``outcome`` ``"failed"`` or ``"is not implemented yet"``.
     """
     reached = _reached(objects)
     found = []
@@ -292,7 +292,7 @@ def failed_dependencies(current: Task, objects: Sequence[object]) -> list[tuple[
             continue
         outcome = _outcome(earlier, [reached[name] for name in earlier.needs])
         if outcome:
-            found.append((earlier.task_id, earlier.needs[0], outcome))
+            found.append((earlier.task_id, earlier.needs, outcome))
     return found
 
 
@@ -330,7 +330,7 @@ def _is_learners(obj: object) -> bool:
         return _is_learner(obj.__code__.co_filename)
     if not isinstance(obj, type) or obj.__module__ == "builtins":
         return False
-    methods = [f for value in vars(obj).values() for f in _functions_of(value)]
+    methods = _functions(obj)
     if methods:
         return any(_is_learner(method.__code__.co_filename) for method in methods)
     filename = getattr(sys.modules.get(obj.__module__), "__file__", None)
@@ -339,20 +339,25 @@ def _is_learners(obj: object) -> bool:
 
 def _globals_used(obj: object) -> dict[str, object]:
     """The global names ``obj``'s code reads (a class: its methods' and its bases'), with their values."""
-    if isinstance(obj, types.FunctionType):
-        functions: list[types.FunctionType] = [obj]
-        used: dict[str, object] = {}
-    else:
-        functions = [f for value in vars(obj).values() for f in _functions_of(value)]
-        used = {base.__name__: base for base in obj.__bases__ if _is_learners(base)}  # type: ignore[attr-defined]
-    for function in functions:
+    used: dict[str, object] = {}
+    if isinstance(obj, type):
+        used = {base.__name__: base for base in obj.__bases__ if _is_learners(base)}
+    for function in _functions(obj):
         for name in _names_in(function.__code__):
             if name in function.__globals__:
                 used[name] = function.__globals__[name]
     return used
 
 
+def _functions(obj: object) -> list[types.FunctionType]:
+    """A function itself, or a class's own methods (properties, static and class methods included)."""
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    return [function for value in vars(obj).values() for function in _functions_of(value)]
+
+
 def _functions_of(value: object) -> list[types.FunctionType]:
+    """The functions behind one attribute of a class."""
     if isinstance(value, staticmethod | classmethod):
         value = value.__func__
     if isinstance(value, property):
@@ -370,13 +375,8 @@ def _names_in(code: types.CodeType) -> set[str]:
 
 def _code_of(obj: object) -> set[types.CodeType]:
     """Every code object of a learner's function or class (its methods, nested functions included)."""
-    functions = (
-        [obj]
-        if isinstance(obj, types.FunctionType)
-        else [f for value in vars(obj).values() for f in _functions_of(value)]
-    )
     codes: set[types.CodeType] = set()
-    pending = [function.__code__ for function in functions]
+    pending = [function.__code__ for function in _functions(obj)]
     while pending:
         code = pending.pop()
         codes.add(code)
@@ -384,10 +384,11 @@ def _code_of(obj: object) -> set[types.CodeType]:
     return codes
 
 
-def _blocked_note(blocked: list[tuple[str, str, str]]) -> str:
+def _blocked_note(blocked: list[tuple[str, tuple[str, ...], str]]) -> str:
     return "; ".join(
-        f"this uses your `{name}`, which {'failed above' if outcome == 'failed' else outcome} ({task_id})"
-        for task_id, name, outcome in blocked
+        f"this uses your {' and '.join(f'`{name}`' for name in names)}, which "
+        f"{'failed above' if outcome == 'failed' else outcome} ({task_id})"
+        for task_id, names, outcome in blocked
     )
 
 
@@ -446,7 +447,11 @@ def check(task_id: str, *objects: object) -> None:
                 f"the check of {task_id}", "no exception", f"{type(error).__name__}: {error}", "", error
             )
     except NotImplementedError as error:
-        stubs = [dep for dep in failed_dependencies(current, objects) if _raised_in(error, dep[1], objects)]
+        stubs = [
+            dependency
+            for dependency in failed_dependencies(current, objects)
+            if any(_raised_in(error, name, objects) for name in dependency[1])
+        ]
         note = f" ({_blocked_note(stubs)})" if stubs else ""
         raise NotImplementedError(
             f"task {task_id} ({current.title}) is not implemented yet{note}: {error or 'replace the stub'}"

@@ -310,7 +310,12 @@ def _gather_kv(c: Checker, gather_kv) -> None:
             expected_v,
             "cache.read_kv(...)[1]",
             "gather v from v_cache exactly as k from k_cache",
-            [("K and V are swapped: v comes from v_cache", lambda ek=expected_k: ek)],
+            [
+                (
+                    "the v you return holds K: gather v from v_cache (your code reads k_cache twice)",
+                    lambda ek=expected_k: ek,
+                )
+            ],
             exact=True,
         )
 

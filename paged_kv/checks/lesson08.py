@@ -25,6 +25,7 @@ from ..engine import admits, watermark_blocks
 from ..errors import OutOfBlocksError
 from ..preemption import choose_victims as package_victims
 from ._core import Checker, answers, diagnose, task
+from .lesson03 import kv_mixup
 
 # ------------------------------------------------------------------------------- Task 1
 
@@ -381,6 +382,9 @@ def _kv_hint(got: tuple, k: torch.Tensor, v: torch.Tensor, otherwise: str) -> st
     got_k, got_v = (t.to(k.device) for t in got)
     if torch.equal(got_k, v) and torch.equal(got_v, k):
         return KV_ORDER
+    mixup = kv_mixup(got_k, got_v, k, v)
+    if mixup:
+        return mixup
     if got_k.shape[0] == k.shape[0] - 1 and torch.equal(got_k, k[:-1]):
         return "the last token is missing: a sequence of n tokens holds positions 0 to n - 1, all of them"
     return otherwise
