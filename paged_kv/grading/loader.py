@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checks._core import where_raised
+
 PACKAGE = "package"
 MAGIC = re.compile(r"^\s*[%!]")
 DEFINITION = re.compile(r"^(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
@@ -137,9 +139,10 @@ def _run(statement: ast.stmt, label: str, loaded: Implementation) -> None:
     except BaseException as error:  # the learner's code: report it, never crash
         if isinstance(error, KeyboardInterrupt):
             raise
+        where = "".join(f"\n{line}" for line in where_raised(error))
         for name in names:
             loaded.problems[name] = Problem(
-                f"defining {name} in {label} raised {type(error).__name__}: {error}"
+                f"defining {name} in {label} raised {type(error).__name__}: {error}{where}"
             )
     else:
         for name in names:

@@ -202,6 +202,19 @@ def test_a_task_that_fails_through_an_earlier_task_is_graded_as_such(tmp_path):
     }
 
 
+def test_an_exception_while_defining_a_name_shows_the_learners_line(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(REFERENCE + "class blocks_for_tokens:\n    SIZE = 1 // 0\n")
+    message = grade(str(source), "00").result("00.blocks_for_tokens").message.splitlines()
+    assert message[0] == (
+        "defining blocks_for_tokens in mine.py raised ZeroDivisionError: integer division or modulo by zero"
+    )
+    assert message[-2:] == [
+        "            mine.py, line 3, in blocks_for_tokens",
+        "                SIZE = 1 // 0",
+    ]
+
+
 def test_a_missing_name_is_named(tmp_path):
     source = tmp_path / "mine.py"
     source.write_text("from paged_kv.grading.reference.lesson00 import blocks_for_tokens, paged_usage\n")
