@@ -19,6 +19,8 @@
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
 # `.venv/bin/python -m paged_kv.grade exercises/05_paged_attention.ipynb` prints each task's points and what
 # went wrong where a task lost them.
+# Working on a copy, under another name or in another folder? Grade it by its path: the
+# notebook records its lesson.
 
 # %%
 import torch
