@@ -14,11 +14,11 @@
 # has its own `needs_new_block` and `append_block_to_sequence`; Tasks 1 and 2 have you write them
 # yourself, so use your rule.
 #
-# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
-# `.venv/bin/python -m paged_kv.grade exercises/04_decode_allocation.ipynb` prints each task's points and what
-# went wrong where a task lost them.
-# Working on a copy, under another name or in another folder? Grade it by its path: the
-# notebook records its lesson.
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the
+# repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
+# `.venv/bin/python -m paged_kv.grade my_course/exercises/04_decode_allocation.ipynb`
+# prints each task's points and what went wrong where a task lost them. A copy under another name
+# grades too: the notebook records its lesson.
 
 # %%
 from collections import deque

@@ -11,11 +11,11 @@
 # cell, then its check cell. The finished versions live in `paged_kv.workload`
 # (`next_power_of_two`, `ContiguousPolicy.reservation`, `simulate`); try without looking first.
 #
-# When every task passes, save the notebook and grade the whole exercise from a terminal in the repository:
-# `.venv/bin/python -m paged_kv.grade exercises/06_concurrent_workload.ipynb` prints each task's points and what
-# went wrong where a task lost them.
-# Working on a copy, under another name or in another folder? Grade it by its path: the
-# notebook records its lesson.
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the
+# repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
+# `.venv/bin/python -m paged_kv.grade my_course/exercises/06_concurrent_workload.ipynb`
+# prints each task's points and what went wrong where a task lost them. A copy under another name
+# grades too: the notebook records its lesson.
 
 # %%
 from collections import deque
