@@ -290,8 +290,8 @@ for n in (4096, LONG_TOKENS):
 # fixed price per operation, which other programs easily disturb: hence the wide range. At 65,536
 # both sides work in proportion to the tokens, about 200 ns of Python per token for the loop against
 # under 10 ns for the expression's five operations, and the factor settles. On a GPU the loop would
-# also wait for every value it copies from the device, and the gap grows with every token a step
-# processes.
+# also wait for the copies of the table and the positions from the device, and its result would have
+# to be copied back before a kernel could use it.
 
 # %% [markdown]
 # ## 6. A batch: the padded block-table tensor

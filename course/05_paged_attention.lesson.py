@@ -545,11 +545,16 @@ for strategy in ("gather", "in_place", "flex"):
 # %%
 # NBVAL_IGNORE_OUTPUT
 BIG_BATCH, BIG_CONTEXT, BIG_BLOCK = 32, 512, 16
-big = PagedKVCacheAllocator(BIG_BATCH * BIG_CONTEXT // BIG_BLOCK, BIG_BLOCK, 8, 64, device=device)
+BIG_POOL = BIG_BATCH * BIG_CONTEXT // BIG_BLOCK  # 1,024 blocks, all of them used
+big = PagedKVCacheAllocator(BIG_POOL, BIG_BLOCK, 8, 64, device=device)
+for block in range(BIG_POOL):  # a busy server's shuffled free list, as in section 2
+    big.allocate_for_sequence(f"old{block}", BIG_BLOCK)
+for block in torch.randperm(BIG_POOL, generator=torch.Generator().manual_seed(0)).tolist():
+    big.free_sequence(f"old{block}")
 big.k_cache.normal_()
 big.v_cache.normal_()
-for s in torch.randperm(BIG_BATCH, generator=torch.Generator().manual_seed(0)).tolist():
-    big.allocate_for_sequence(s, BIG_CONTEXT)  # in a shuffled order: the blocks interleave
+for s in range(BIG_BATCH):
+    big.allocate_for_sequence(s, BIG_CONTEXT)  # 32 blocks each, scattered over the pool
 big_tables = big.block_tables_tensor(range(BIG_BATCH))
 big_lens = torch.full((BIG_BATCH,), BIG_CONTEXT, device=device)
 big_query = torch.randn(BIG_BATCH, 8, 64, device=device)
@@ -582,11 +587,13 @@ for strategy in ("gather", "in_place", "flex"):
     print(f"{strategy:>8}: {how_fast(timings.ratio(strategy, 'SDPA'))} SDPA on contiguous K/V")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, over ten runs of this cell, five on a quiet machine
-# and five with two other programs keeping both cores busy, **gather** came out 14 to 21 times slower
-# than SDPA (12 to 21 busy), **in place** 1.1 to 1.5 times slower (1.1 to 2.5 busy), and unfused
-# **flex** 30 to 42 times slower (33 to 51 busy). Your numbers will differ with the machine and with
-# what else it is doing, but not their order.
+# On the 2-core CPU this course was written on, this cell ran 19 times: 5 on a quiet machine, the
+# others while other programs wanted both cores (load averages up to 8). **Gather** came out 13 to
+# 27 times slower than SDPA, and unfused **flex** 29 to 78 times slower. **In place** ranged from 2
+# times slower to, once, 1.3 times *faster* (SDPA on one thread suffers from a busy machine too);
+# on the quiet runs alone, gather was 15 to 19 times slower, in place 1.3 to 1.5, flex 35 to 40.
+# Your numbers will differ with the machine and with what else it is doing, but gather and flex
+# stay far behind, and in place within a small factor of SDPA.
 #
 # The copy is the gap between gather and in place: it moves the batch's whole K and V twice more
 # than attention needs, and on a CPU moving memory is what decode attention spends its time on, so
@@ -594,8 +601,9 @@ for strategy in ("gather", "in_place", "flex"):
 # vLLM paper's dedicated kernel does on a GPU, where its 20 to 26 % overhead comes from the
 # look-ups, not from copies. Unfused flex is slower still because, without a compiled kernel, its
 # mask cannot skip anything: it scores each of the 32 queries against all 16,384 slots of the pool,
-# 32 times the work. On a GPU, compiled, its block mask skips the tiles a query cannot see, and it
-# is the fast one.
+# 32 times the work. On a GPU, compiled, its block mask lets the kernel skip the tiles a query
+# cannot see, which is what it is for. (This course has not timed it on a GPU: run this cell on one
+# to see; the first `"flex"` call above paid for the compilation.)
 #
 # Why does `"auto"` not always read in place? Because in place pays for the whole pool. The next cell
 # decodes only 2 of the 32 sequences, which read 1/16 of the pool, and times in place against gather.
@@ -604,10 +612,12 @@ for strategy in ("gather", "in_place", "flex"):
 # NBVAL_IGNORE_OUTPUT
 FEW = 2
 read_by_few = big_tables[:FEW].unique().numel()
-print(f"{FEW} sequences read {read_by_few} of {big.num_blocks} blocks: auto gathers (it needs half)")
+choice = "reads in place" if 2 * read_by_few >= big.num_blocks else "gathers"
+print(f"{FEW} sequences read {read_by_few} of {big.num_blocks} blocks: auto {choice} (in place needs half)")
 few = compare_times(
     {"gather": lambda: big_paged("gather", FEW), "in_place": lambda: big_paged("in_place", FEW)},
     repeats=11,
+    number=3,  # calls of a few milliseconds: three per sample
     threads=1,
     device=device,
 )
@@ -615,10 +625,10 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 
 # %% [markdown]
 # Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
-# blocks: in the same ten runs, in place came out 3.1 to 3.4 times slower than gather for the two
-# sequences on the quiet machine (2.3 to 5.8 busy). The two cost about the same when the batch read
-# between an eighth and a quarter of the pool (4 to 8 of the 32 sequences); `"auto"` draws its line
-# at half, on the safe side, where in place was already about four times as fast as gather. A real
+# blocks: in the same 19 runs, in place came out 1.5 to 8 times slower than gather for the two
+# sequences (3.5 to 3.9 on the quiet runs). The two cost about the same when the batch read about
+# an eighth of the pool (4 of the 32 sequences); `"auto"` draws its line at half, on the safe side,
+# where in place was already two and a half to four times as fast as gather. A real
 # engine's kernel has no such trade-off: it follows each row's block table and reads only those
 # blocks, in place.
 
@@ -641,8 +651,8 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 #   rescaled when the max grows); the vLLM paper measures its kernel 20 to 26 % slower than
 #   contiguous attention, and paging repays that with much larger batches.
 # * `paged_attention(..., strategy=)`: `"gather"` copies every block (three passes over K and V;
-#   12 to 21 times SDPA on a 2-core CPU), `"in_place"` reads each block once where it lies (1.1 to
-#   2.5 times SDPA) but pays for the whole pool, `"flex"` is FlexAttention with a block mask, fast only
+#   13 to 27 times SDPA on a 2-core CPU), `"in_place"` reads each block once where it lies (within
+#   a factor of 2 of SDPA) but pays for the whole pool, `"flex"` is FlexAttention with a block mask, fast only
 #   compiled on a GPU. `"auto"` reads in place when the batch reads at least half the pool, in
 #   float32, and gathers otherwise. All of them equal SDPA.
 #

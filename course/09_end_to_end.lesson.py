@@ -211,7 +211,7 @@ print("free blocks after generate:", pool.num_free_blocks)
 # %% [markdown]
 # The text does not change. `generate` frees its sequences at the end, so the picture below comes
 # from the trace: the bookkeeping just before the first of them was freed, when the three block
-# tables were at their longest. Each sequence's logical blocks (left) point into the pool (right)
+# tables were at their longest. Each sequence's logical blocks (bottom) point up into the pool (top)
 # wherever the shuffled free list sent them; the hatched part of a block is its unused tail.
 
 # %%
@@ -220,7 +220,7 @@ first_free = next(i for i, f in enumerate(frames) if f.event == "free" and str(f
 fullest = frames[first_free - 1].snapshot
 for seq_id, table in fullest.tables.items():
     print(f"{seq_id}: {table.num_tokens} tokens in blocks {table.block_ids}")
-plot_block_tables(fullest, blocks_per_row=8, title="three prompts in a fragmented pool, at their longest")
+plot_block_tables(fullest, title="three prompts in a fragmented pool, at their longest")
 plt.show()
 
 # %% [markdown]

@@ -135,7 +135,7 @@ def plot_block_tables(
     tables_width = sum(t.num_blocks for _, t in tables) + max(0, len(tables) - 1)  # a gap between tables
     width = max(per_row, tables_width)
     gap = 2.6  # the band between the tables and the pool's lowest row, where the arrows run
-    ax = _axes(ax, (max(6.0, 0.5 * width + 1.5), 1.1 * pool_rows + 2.6))
+    ax = _axes(ax, (min(11.0, max(6.0, 0.5 * width + 1.5)), 1.1 * pool_rows + 2.6))
 
     used_by: dict[int, tuple[int, int]] = {}  # physical block -> (owner's index, tokens it holds)
     for index, (_, table) in enumerate(tables):
