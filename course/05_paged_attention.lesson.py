@@ -17,11 +17,10 @@
 # 3. build the batched, vectorised version, with the padding clamped and the positions past each
 #    context length masked, which is `paged_kv.paged_attention`;
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
-# 5. explain how a dedicated kernel differs: it reads each block in place and can merge the blocks
-#    with an online softmax; the vLLM paper measures a 20 to 26 % kernel overhead, which larger
-#    batches more than repay;
-# 6. compare the package's three strategies, gather, in place and FlexAttention: what each reads,
-#    what each costs on your machine, and which one `paged_attention` picks by default, and why.
+# 5. explain how a dedicated kernel differs (it reads each block in place and can merge the blocks
+#    with an online softmax; the vLLM paper measures a 20 to 26 % overhead, which larger batches more
+#    than repay), and compare the package's three strategies, gather, in place and FlexAttention:
+#    what each reads, what each costs on your machine, and which one `paged_attention` picks, and why.
 
 # %%
 import warnings
