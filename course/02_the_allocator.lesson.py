@@ -354,4 +354,5 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #
 # **Next, lesson 03:** from a token position to its slot in `k_cache` and `v_cache`, and writing and
 # reading K/V through the block table. The exercise for this lesson, `exercises/02_the_allocator.ipynb`,
-# has you build the block allocator and the sequence bookkeeping on top of it.
+# has you build the block allocator, the sequence bookkeeping on top of it, and the cache's `k_cache`
+# and `v_cache`, allocated once when the allocator is built.

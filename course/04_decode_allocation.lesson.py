@@ -137,7 +137,7 @@ AllocationPlayer(recorded.trace)
 # A sequence that holds `n` tokens in `b` blocks has `b × block_size` slots. The next token goes to
 # position `n`, so it fits exactly when `n < b × block_size`, and a new block is needed exactly when
 #
-# $$n = b \times \text{block\_size},$$
+# $$n = b \times \mathrm{block\_size},$$
 #
 # when the blocks are full. A sequence that holds no spare block has `b = ceil(n / block_size)`, and
 # the rule becomes `n % block_size == 0`. That includes `n = 0`: a sequence with no tokens holds no
@@ -426,5 +426,6 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #
 # **Next, lesson 05:** attention that reads K and V through the block tables, and gives the same
 # result as attention over contiguous tensors. The exercise for this lesson,
-# `exercises/04_decode_allocation.ipynb`, has you write the boundary rule, a whole decode step for a
-# batch, and the free-and-admit step of the scheduler.
+# `exercises/04_decode_allocation.ipynb`, has you write the boundary rule, `append_block_to_sequence`
+# (one block from the free list onto a table), a whole decode step for a batch, and the free-and-admit
+# step of the scheduler.
