@@ -26,14 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
 from paged_kv.engine import Engine, EngineRequest, EngineResult, min_num_blocks
 from paged_kv.model import GPTConfig, TinyGPT
+from paged_kv.timing import torch_threads
 from paged_kv.workload import SHAREGPT, sample_requests
 
 TARGET_CONCURRENCY = 2.0
@@ -150,9 +149,7 @@ def run(
     prefix caching.
     Runs with ``threads`` torch threads (1 by default: the tiny model's ops are too small to share).
     """
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         config = GPTConfig(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, max_len=max_len)
         requests = scaled_requests(num_requests, scale, max_len)
         num_blocks = -(-slots_per_budget * max_len // block_size)
@@ -162,8 +159,6 @@ def run(
         preempted = preempt(bursty, config, burst_blocks, block_size)
         shared = shared_prefix_requests(num_requests, system_tokens, scale, max_len)
         cached = prefix_caching(shared, config, num_blocks, block_size)
-    finally:
-        torch.set_num_threads(saved)
     (paged, paged_s), (contiguous, contiguous_s) = runs["paged"], runs["contiguous"]
     generated = sum(r.max_new_tokens for r in requests)
     budget = num_blocks * block_size

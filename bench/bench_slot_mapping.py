@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
 from paged_kv.mapping import slot_mapping
+from paged_kv.timing import torch_threads
 
 TARGET_SPEEDUP = 20.0
 
@@ -46,12 +47,8 @@ def run(num_tokens: int = 8_192, block_size: int = 16, repeats: int = 15, thread
     parallelism gains little, and on a shared, busy machine its thread pool stalls for
     milliseconds at random, which no median hides.
     """
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _measure(num_tokens, block_size, repeats, threads)
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _measure(num_tokens: int, block_size: int, repeats: int, threads: int) -> list[Row]:
