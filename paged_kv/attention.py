@@ -331,14 +331,18 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
         row_start = num_blocks + 1 + torch.arange(batch, device=q.device)[:, None] * num_shared
         entry_shared = shared_index[table]
         index = torch.where(entry_shared >= 0, row_start + entry_shared, table)
-    source = torch.cat(parts)  # `index` is distinct for every entry read
+    # `index` is distinct for every entry read, except that a row listing one shared block twice
+    # finds both entries' scores in the same (row, shared block) row: their weights add up below.
+    source = torch.cat(parts)
 
     in_order = source[index].permute(0, 2, 1, 3).reshape(batch, num_heads, width * block_size)
     in_order = in_order.masked_fill((positions[None, :] >= context_lens[:, None])[:, None], float("-inf"))
     weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, width, block_size).permute(0, 2, 1, 3)
 
     per_source = source.new_zeros(source.shape)
-    per_source[index] = weights  # back where the scores came from; padding lands on the dummy
+    # Back where the scores came from; padding lands on the dummy. Two entries of one row naming
+    # the same block meet the same V, so their weights are summed (only shared blocks can repeat).
+    per_source.index_put_((index,), weights, accumulate=bool(num_shared))
     partial = torch.matmul(per_source[:num_blocks].unsqueeze(-2), v_cache).squeeze(-2)
     out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)[:batch]
     if num_shared:

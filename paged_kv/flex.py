@@ -10,11 +10,15 @@ Paged decode maps onto it without moving a byte of K or V:
 * the keys are the **whole pool**, viewed as one long sequence of ``num_blocks * block_size``
   positions (``k_cache.transpose(0, 1)`` flattened: a view, no copy when the cache is contiguous);
 * the queries are the batch's new tokens, one query position per sequence;
-* query ``b`` may see key ``kv`` when physical block ``kv // block_size`` appears in row ``b`` of
-  the block table, at logical index ``j``, and the logical position ``j * block_size +
-  kv % block_size`` is below ``context_lens[b]``. A small inverse table ``logical[b, block]``
-  (-1 where the row does not hold the block) answers that in one lookup, and it allows the same
-  physical block in several rows, so blocks shared by fork or a prefix cache need nothing special.
+* query ``b`` sees key ``kv`` as many times as row ``b`` of the block table reads that slot: the
+  entries ``j`` that name physical block ``kv // block_size`` and whose logical position
+  ``j * block_size + kv % block_size`` is below ``context_lens[b]``. Every entry but a row's last
+  reads its whole block, so a small table ``full[b, block]`` (how many of those entries name the
+  block) and the last entry's block and length answer that in one lookup. The same physical block
+  in several rows (fork, a prefix cache) needs nothing special: the mask lets each row see it.
+  A row that names one block *twice* sees those keys twice, as if they were two keys: softmax
+  over a key counted ``m`` times is softmax with ``log m`` added to its score, which a score
+  modifier does (only for a batch that has such a row).
 
 The result equals :func:`paged_kv.attention.paged_attention` (the reference). On a CPU FlexAttention
 runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
@@ -69,16 +73,15 @@ def flex_decode(
     device = query.device
     if compiled is None:
         compiled = device.type == "cuda"
-    mask_mod = _paged_mask(
-        _logical_index(block_tables, context_lens, num_blocks, block_size), context_lens, block_size
-    )
+    reads = _slot_reads(block_tables, context_lens, num_blocks, block_size)
+    mask_mod, score_mod = _paged_mods(reads, block_size)
     pool = num_blocks * block_size
     block_mask = create_block_mask(mask_mod, None, None, batch, pool, device=device, _compile=compiled)
     keys = k_cache.transpose(0, 1).reshape(1, num_heads, pool, head_dim)
     values = v_cache.transpose(0, 1).reshape(1, num_heads, pool, head_dim)
     queries = query.transpose(0, 1).unsqueeze(0)  # (1, heads, batch, dim): one query position per row
     attend = _compiled_flex_attention() if compiled else flex_attention
-    out = attend(queries, keys, values, block_mask=block_mask, scale=scale)
+    out = attend(queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -90,28 +93,45 @@ def _compiled_flex_attention() -> Callable:
     return torch.compile(flex_attention)
 
 
-def _logical_index(
+def _slot_reads(
     block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
-) -> torch.Tensor:
-    """``(batch, num_blocks)``: the logical index of each physical block in each row, or -1.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How often each row reads each slot of the pool, in three small tensors.
 
-    Only the entries a row reads (its first ``ceil(context_len / block_size)``) count, so padding
-    never maps a block. One scatter, no loop.
+    Returns ``full``, ``(batch, num_blocks)``: how many of a row's read entries before its last
+    name each block (those entries read every slot of their block); ``last``, ``(batch,)``: the
+    block of the row's last read entry; and ``tail``, ``(batch,)``: how many slots of it are read
+    (1 .. block_size). Entries past ``ceil(context_len / block_size)`` are padding and count for
+    nothing. One scatter, no loop.
     """
     batch, width = block_tables.shape
     index = torch.arange(width, device=block_tables.device).expand(batch, width)
-    read = index < ((context_lens + block_size - 1) // block_size)[:, None]
-    logical = torch.full((batch, num_blocks + 1), -1, dtype=torch.long, device=block_tables.device)
-    targets = torch.where(read, block_tables.long(), num_blocks)  # unread entries go to a spare column
-    logical.scatter_(1, targets, torch.where(read, index, -1))
-    return logical[:, :num_blocks]
+    last_entry = (context_lens + block_size - 1) // block_size - 1
+    before_last = index < last_entry[:, None]
+    full = torch.zeros((batch, num_blocks + 1), dtype=torch.long, device=block_tables.device)
+    targets = torch.where(before_last, block_tables.long(), num_blocks)  # the rest go to a spare column
+    full.scatter_add_(1, targets, before_last.long())
+    last = block_tables.long().gather(1, last_entry[:, None])[:, 0]
+    return full[:, :num_blocks], last, context_lens - last_entry * block_size
 
 
-def _paged_mask(logical: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> Callable:
-    """The mask function: query ``q`` (a sequence) sees pool position ``kv`` (a slot) or not."""
+def _paged_mods(
+    reads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int
+) -> tuple[Callable, Callable | None]:
+    """The mask function (query ``q``, a sequence, sees pool slot ``kv`` at all) and, when some row
+    reads a slot more than once, the score modifier that adds ``log`` of that count."""
+    full, last, tail = reads
+
+    def times_read(q, kv):
+        block = kv // block_size
+        return full[q, block] + ((last[q] == block) & (kv % block_size < tail[q])).long()
 
     def mask_mod(b, h, q, kv):
-        j = logical[q, kv // block_size]
-        return (j >= 0) & (j * block_size + kv % block_size < context_lens[q])
+        return times_read(q, kv) > 0
 
-    return mask_mod
+    def score_mod(score, b, h, q, kv):
+        return score + torch.log(times_read(q, kv).to(score.dtype))
+
+    rows = torch.arange(len(last), device=last.device)
+    repeated = bool((full > 1).any()) or bool((full[rows, last] > 0).any())
+    return mask_mod, (score_mod if repeated else None)

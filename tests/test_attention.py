@@ -766,3 +766,60 @@ def test_flex_on_an_old_torch_is_a_value_error_naming_the_strategy(monkeypatch):
     cache = scattered_cache([4])
     with pytest.raises(ValueError, match=r"strategy 'flex' needs torch 2\.5"):
         run(cache, random_query(cache, 1), [4], strategy="flex")
+
+
+def table_reference(query, k_cache, v_cache, tables, context_lens):
+    """SDPA per row over the K/V its table lists, entry by entry, in float32: the meaning of a table.
+
+    Written without the package: entry ``j`` of a row contributes the slots of block ``tables[b, j]``
+    at positions ``j * block_size ...``, whatever other entry (of this row or another) names the
+    same block.
+    """
+    block_size = k_cache.shape[2]
+    rows = []
+    for b, context_len in enumerate(context_lens.tolist()):
+        ids = tables[b, : -(-context_len // block_size)].long()
+        k, v = (torch.cat(list(cache[ids].float()), dim=1)[:, :context_len] for cache in (k_cache, v_cache))
+        q = query[b, :, None][None].float()  # (1, H, 1, D) against (1, H, T, D)
+        rows.append(F.scaled_dot_product_attention(q, k[None], v[None])[0, :, 0])
+    return torch.stack(rows)
+
+
+STRATEGIES_HERE = ["gather", "in_place", "auto"] + (["flex"] if flex_available() else [])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(1, 6),
+    block_size=st.sampled_from([1, 2, 3, 4, 8]),
+    lengths=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_every_strategy_equals_the_reference_for_any_valid_table(num_blocks, block_size, lengths, seed):
+    """Random tables drawn from a small pool, so blocks repeat within a row and across rows."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, head_dim = 2, 4
+    width = max(-(-n // block_size) for n in lengths)
+    tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, dtype=torch.int32)
+    k_cache, v_cache = (torch.randn(num_blocks, num_heads, block_size, head_dim, generator=gen) for _ in "kv")
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    context_lens = torch.tensor(lengths)
+    expected = table_reference(query, k_cache, v_cache, tables, context_lens)
+    for strategy in STRATEGIES_HERE:
+        out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("strategy", STRATEGIES_HERE)
+def test_a_row_that_lists_one_block_twice_reads_it_twice(device, strategy):
+    """Row 0 reads block 1 at entries 0 and 2 (the second time cut to 3 slots); row 1 reads it too."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(4, 2, 4, 8, generator=gen).to(device) for _ in "kv")
+    query = torch.randn(2, 2, 8, generator=gen).to(device)
+    tables = torch.tensor([[1, 0, 1], [1, 3, 3]], device=device)
+    context_lens = torch.tensor([11, 12], device=device)
+    out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
+    expected = table_reference(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), context_lens.cpu())
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCES[torch.float32])
