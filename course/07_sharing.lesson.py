@@ -362,6 +362,9 @@ with mock.patch("paged_kv.prefix_cache.block_hash", lambda parent_hash, token_id
 #   cached until `allocate` hands them out for new data, and only then is their hash forgotten
 #   (evicted). `allocate` takes the head of the free list, the block freed longest ago, so eviction
 #   is least recently used first;
+# * a freed block that holds **no** cached prefix (a partly full last block, never hashed) goes to
+#   the *head* instead: keeping it is worth nothing, so it is reused before any cached block is
+#   evicted, as in vLLM v1's free queue;
 # * a sequence frees its blocks in **reverse** order, last block first, so that a prefix is evicted
 #   from its end: a cached block is useless without the blocks before it.
 
@@ -408,16 +411,18 @@ print(pool.prefix_cache_stats)
 # 2. `r1`'s first two blocks hash like `r0`'s: 8 tokens come from the cache, and blocks 0 and 1 gain
 #    a second holder. Its third block holds `108 109 200 201`, which matches `r0`'s third block in
 #    only 2 of 4 tokens: a different hash, a miss. `r1` takes blocks 4 and 5, and caches block 4.
-# 3. `r0` finishes and frees block 3, then block 2 (reverse order). Blocks 0 and 1 stay in use: `r1`
-#    holds them. Block 2 is free *and* cached.
-# 4. `r1` finishes: blocks 5, 4, 1 and 0 join the tail. Four of the ten free blocks still hold a
-#    cached prefix; blocks 0 and 1 sit at the very end, the last to be evicted.
+# 3. `r0` finishes and frees block 3, then block 2 (reverse order). Block 3 holds no hash, so it goes
+#    to the head, to be reused first; block 2 is free *and* cached, at the tail. Blocks 0 and 1 stay
+#    in use: `r1` holds them.
+# 4. `r1` finishes: its partly full block 5 goes to the head, and blocks 4, 1 and 0 join the tail.
+#    Four of the ten free blocks still hold a cached prefix; blocks 0 and 1 sit at the very end, the
+#    last to be evicted.
 # 5. `r2` finds `r0`'s 3 cached blocks, 12 tokens. They are taken *out of the free list*, from the
-#    middle and the end, and its 4 fresh blocks come from the head: 6, 7, 8, 9, none of which held a
-#    prefix. It caches its own full blocks 6, 7 and 8.
-# 6. `r3` needs 3 blocks and shares nothing: it takes the head of the free list, 3 and 5 (which held
+#    middle and the end, and its 4 fresh blocks come from the head: 5, 3, 6 and 7, none of which
+#    held a prefix. It caches its own full blocks 5, 3 and 6.
+# 6. `r3` needs 3 blocks and shares nothing: it takes the head of the free list, 8 and 9 (which held
 #    no hash) and then 4, whose cached prefix is evicted: `r1`'s prompt would now find only 8 tokens.
-#    `r3` caches its own 2 full blocks, 3 and 5.
+#    `r3` caches its own 2 full blocks, 8 and 9.
 #
 # The counters are in tokens, as vLLM's metrics are: 4 prompts, 63 prompt tokens looked up
 # (`queries`), 20 of them found (`hits`, 8 for `r1` and 12 for `r2`).
@@ -535,8 +540,8 @@ plt.show()
 # With several system prompts, a prompt that no running request uses must wait on the free list for
 # its next request, while every new request takes fresh blocks from the head. The more blocks the
 # pool has beyond what the running requests hold, the longer it waits there: with 4 system prompts
-# the cache reaches the ideal from 1,024 blocks, with 16 it comes close at 2,048 and reaches it at
-# 3,072. At 160 blocks, 16 system prompts find only 10.8 % of the prompt tokens. A prefix cache is
+# the cache reaches the ideal from 1,024 blocks, with 16 from 2,048. At 160 blocks, 16 system
+# prompts find only 11.8 % of the prompt tokens. A prefix cache is
 # memory that the running requests do not need *right now*: memory a server with room to spare gets
 # for free, and one that is short of blocks does not have.
 #
@@ -570,11 +575,11 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   collision can cost a hit but never share wrong K/V; at most `n - 1` prompt tokens come from the
 #   cache (a prompt of 3 full cached blocks reuses 2).
 # * Freed cached blocks stay on the free list, evicted least recently freed first, last block of a
-#   prefix first. A hit revives them from the middle of the doubly linked free list in O(1): about
+#   prefix first; a freed block with nothing cached goes to the head and is reused first. A hit revives them from the middle of the doubly linked free list in O(1): about
 #   0.7 µs at 1,000 and at 100,000 free blocks, where `deque.remove` grows 84 to 120 times.
 # * With one shared 256-token system prompt, 200 ShareGPT-shaped requests find 61.0 % of their
 #   prompt tokens in the cache at any budget; with 16 system prompts the hit rate grows from
-#   10.8 % at 160 blocks to the ideal of 56.4 % at 3,072. The cache lives in the memory the running
+#   11.8 % at 160 blocks to the ideal of 56.4 % from 2,048. The cache lives in the memory the running
 #   requests leave free.
 #
 # **Next, lesson 08:** running out of blocks, and what a server does then: preempting a sequence by

@@ -81,15 +81,15 @@ class FreeBlockQueue:
             ValueError: ``block_id`` is not a block id of the queue, or the block is already queued
                 (nothing changes).
         """
-        block_id = self._block_id(block_id)
-        if self._next[block_id] != DETACHED:
-            raise ValueError(f"block_id {block_id} is already on the free list")
-        tail = self._prev[self._sentinel]
-        self._next[tail] = block_id
-        self._prev[block_id] = tail
-        self._next[block_id] = self._sentinel
-        self._prev[self._sentinel] = block_id
-        self._len += 1
+        self._link(self._detached(block_id), self._prev[self._sentinel])
+
+    def appendleft(self, block_id: int) -> None:
+        """Put a block that is not queued at the head: the next ``popleft`` returns it.
+
+        Raises:
+            ValueError: as :meth:`append` (nothing changes).
+        """
+        self._link(self._detached(block_id), self._sentinel)
 
     def popleft(self) -> int:
         """Take the head off the queue and return it.
@@ -122,6 +122,22 @@ class FreeBlockQueue:
             raise ValueError(f"block_id must be below num_blocks={self._sentinel}, got {block_id}")
         return block_id
 
+    def _detached(self, block_id: object) -> int:
+        """``block_id`` checked, and not queued, else a ``ValueError``."""
+        block_id = self._block_id(block_id)
+        if self._next[block_id] != DETACHED:
+            raise ValueError(f"block_id {block_id} is already on the free list")
+        return block_id
+
+    def _link(self, block_id: int, before: int) -> None:
+        """Queue ``block_id`` right after node ``before`` (the sentinel: at the head)."""
+        after = self._next[before]
+        self._next[before] = block_id
+        self._prev[block_id] = before
+        self._next[block_id] = after
+        self._prev[after] = block_id
+        self._len += 1
+
     def _unlink(self, block_id: int) -> None:
         before, after = self._prev[block_id], self._next[block_id]
         self._next[before] = after
@@ -142,8 +158,9 @@ class BlockAllocator:
     ``allocate`` takes the block at the head of the free list and ``free`` puts a released block
     at its tail; ``take`` removes one particular free block from wherever it sits. All three are
     O(1) whatever the pool size. Every block that ``allocate_blocks`` hands out goes through
-    ``allocate``, so a subclass can watch the head of the free list by overriding that one method
-    (prefix caching evicts there).
+    ``allocate``, and every released block through ``_release``, so a subclass can watch both ends
+    of the free list by overriding those two methods (prefix caching evicts at the head and puts
+    the blocks that hold nothing cached back there).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -249,9 +266,13 @@ class BlockAllocator:
         if block.ref_count == 1:
             self._num_shared -= 1
         if block.ref_count == 0:
-            self._free.append(block.block_id)
+            self._release(block.block_id)
             return True
         return False
+
+    def _release(self, block_id: int) -> None:
+        """Put a block whose ref count reached 0 on the free list: at the tail (FIFO)."""
+        self._free.append(block_id)
 
     def ref_count(self, block_id: int) -> int:
         """How many holders the block has; 0 when it is free."""

@@ -257,6 +257,9 @@ class CachingBlockAllocator(BlockAllocator):
 
     * a block is evicted (its hash forgotten) exactly when ``allocate`` hands it out for new data,
       which takes the head of the free list: the block freed longest ago goes first;
+    * a released block that holds no cached prefix goes to the *head* of the free list, a cached
+      one to the tail: new data takes every block with nothing worth keeping before it evicts a
+      cached prefix (vLLM v1's free queue does the same);
     * ``allocate_prompt`` is all or nothing: when it raises, no ref count, free list entry, hash or
       counter has changed.
     """
@@ -275,6 +278,14 @@ class CachingBlockAllocator(BlockAllocator):
         block_id = super().allocate()
         self._prefix_cache.evict(block_id)
         return block_id
+
+    def _release(self, block_id: int) -> None:
+        """A cached block goes to the tail of the free list, to stay cached longest; any other to
+        the head, to be reused first."""
+        if self._prefix_cache.entry(block_id) is None:
+            self._free.appendleft(block_id)
+        else:
+            self._free.append(block_id)
 
     def allocate_prompt(self, token_ids: TokenIds, block_size: int, what: str) -> tuple[list[int], int]:
         """The blocks of a new prompt: cached ones for its longest cached prefix, fresh ones after.

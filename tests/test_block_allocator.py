@@ -244,6 +244,21 @@ def test_popleft_and_append_keep_fifo_order_until_empty():
     links_are_consistent(queue)
 
 
+def test_appendleft_puts_a_block_at_the_head_of_any_queue():
+    queue = FreeBlockQueue(4)
+    for block_id in (2, 0, 3, 1):
+        queue.remove(block_id)
+    queue.appendleft(1)  # into the empty ring
+    queue.appendleft(3)
+    queue.append(0)
+    assert list(queue) == [3, 1, 0] and list(reversed(queue)) == [0, 1, 3]
+    links_are_consistent(queue)
+    assert queue.popleft() == 3
+    queue.appendleft(2)
+    assert [queue.popleft() for _ in range(3)] == [2, 1, 0]
+    links_are_consistent(queue)
+
+
 def test_removing_the_only_block_leaves_an_empty_ring():
     queue = FreeBlockQueue(1)
     queue.remove(0)
@@ -258,10 +273,12 @@ def test_queue_errors_name_the_block_and_change_nothing():
     queue.remove(1)
     with pytest.raises(ValueError, match="block_id 2 is already on the free list"):
         queue.append(2)
+    with pytest.raises(ValueError, match="block_id 3 is already on the free list"):
+        queue.appendleft(3)
     with pytest.raises(ValueError, match="block_id 1 is not on the free list"):
         queue.remove(1)
     for bad in (-1, 4, True, 1.0, "0"):
-        for method in (queue.append, queue.remove):
+        for method in (queue.append, queue.appendleft, queue.remove):
             with pytest.raises(ValueError, match="block_id"):
                 method(bad)
         assert bad not in queue

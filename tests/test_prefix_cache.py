@@ -218,20 +218,47 @@ def test_a_freed_prefix_stays_cached_and_is_revived_from_the_middle_of_the_free_
     for seq_id, tokens in (("r0", r0), ("r1", r1)):
         cache.allocate_for_sequence(seq_id, len(tokens), tokens)
         write_prompt(cache, seq_id, tokens, device)
-    # Blocks 0 and 1 are still held by r1: only r0's private block goes back.
+    # Blocks 0 and 1 are still held by r1: only r0's private block goes back, to the head of the
+    # free list, since it holds nothing cached (a partly full block is never cached).
     assert cache.free_sequence("r0") == [2]
-    # r1 frees its blocks last block first: the end of a cached chain is evicted before its start.
+    # r1 frees its blocks last block first: its partly full block 3 to the head, then the cached
+    # chain to the tail, so the end of a cached chain is evicted before its start.
     assert cache.free_sequence("r1") == [3, 1, 0]
-    assert free_list(cache) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert free_list(cache) == [3, 2, 4, 5, 6, 7, 1, 0]
     assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}  # freed, still cached
     # Request 2 repeats r0's prompt: blocks 0 and 1 leave the free list from where they sit, the
     # rest of the list keeps its order, and the tail block comes from the head.
-    assert cache.allocate_for_sequence("r2", 10, r0).block_ids == [0, 1, 4]
+    assert cache.allocate_for_sequence("r2", 10, r0).block_ids == [0, 1, 3]
     assert cache.num_cached_tokens("r2") == 8
-    assert free_list(cache) == [5, 6, 7, 2, 3]
+    assert free_list(cache) == [2, 4, 5, 6, 7]
     assert refs(cache)[:2] == [1, 1]
     write_prompt(cache, "r2", r0, device)  # positions 8 and 9 only
     assert reads_back(cache, "r2", r0, device)
+
+
+def test_a_freed_block_with_nothing_cached_is_reused_before_any_cached_block_is_evicted(device):
+    cache = caching(4, device)
+    cache.allocate_for_sequence("x", 8, X)  # blocks 0 and 1, both cached
+    write_prompt(cache, "x", X, device)
+    cache.free_sequence("x")
+    cache.allocate_for_sequence("y", 3, [1, 2, 3])  # a partly full block: never cached
+    assert cache.get_block_mapping("y") == [2]
+    cache.free_sequence("y")  # freed after x's blocks, yet it goes first
+    assert free_list(cache) == [2, 3, 1, 0]
+    assert cache.allocate_for_sequence("z", 8, list(range(8))).block_ids == [2, 3]
+    assert cache.cached_blocks() == {
+        0: tuple(X[:4]),
+        1: tuple(X[4:]),
+        2: tuple(range(4)),
+        3: tuple(range(4, 8)),
+    }
+    # Without prefix caching the free list stays first in, first out.
+    plain = make_cache(4, BLOCK, device=device)
+    plain.allocate_for_sequence("x", 8)
+    plain.free_sequence("x")
+    plain.allocate_for_sequence("y", 3)
+    plain.free_sequence("y")
+    assert free_list(plain) == [3, 0, 1, 2]
 
 
 def test_eviction_takes_the_least_recently_freed_block_and_forgets_its_hash(device):
@@ -303,8 +330,10 @@ def test_a_refused_allocation_counts_the_cached_blocks_it_would_take_off_the_fre
     cache = caching(5)
     cache.allocate_for_sequence("x", 9, [*X, 1])  # blocks 0, 1, 2
     cache.free_sequence("x")
-    cache.allocate_for_sequence("y", 8, list(range(8)))  # blocks 3, 4
-    assert free_list(cache) == [2, 1, 0]
+    # x's partly full block 2 went back to the head, its cached blocks 1 and 0 to the tail, so y
+    # takes 2 and 3 before any cached block.
+    assert cache.allocate_for_sequence("y", 8, list(range(8))).block_ids == [2, 3]
+    assert free_list(cache) == [4, 1, 0]
     # X plus 5 tokens: 4 blocks, 2 of them cached but free. 2 fresh + 2 revived = 4 > 3 free.
     with nothing_changes(cache), pytest.raises(OutOfBlocksError) as caught:
         cache.allocate_for_sequence("big", 13, [*X, 1, 2, 3, 4, 5])
@@ -312,7 +341,7 @@ def test_a_refused_allocation_counts_the_cached_blocks_it_would_take_off_the_fre
     assert "sequence 'big' (13 tokens)" in str(caught.value)
     assert "big" not in cache
     # X plus 1 token: 1 fresh + 2 revived = 3: it fits exactly.
-    assert cache.allocate_for_sequence("fits", 9, [*X, 1]).block_ids == [0, 1, 2]
+    assert cache.allocate_for_sequence("fits", 9, [*X, 1]).block_ids == [0, 1, 4]
     assert free_list(cache) == []
     assert cache.prefix_cache_stats == PrefixCacheStats(requests=3, queries=26, hits=8)
 
@@ -357,7 +386,7 @@ def test_reset_forgets_every_hash_and_zeroes_the_counters(device):
     assert cache.reset_prefix_cache() == 2
     assert cache.cached_blocks() == {} and cache.prefix_cache_stats == PrefixCacheStats()
     assert free_list(cache) == free_before and cache.get_block_mapping("a") == [0, 1, 2]
-    assert cache.allocate_for_sequence("c", 9, [*X, 3]).block_ids == [4, 5, 6]
+    assert cache.allocate_for_sequence("c", 9, [*X, 3]).block_ids == [3, 4, 5]  # b's block 3 first
     assert cache.num_cached_tokens("c") == 0
 
 
@@ -627,10 +656,18 @@ class PrefixCachingMachine(RuleBasedStateMachine):
     def free_sequence(self, data: st.DataObject) -> None:
         seq_id = self.pick(data)
         freed = []
+        # Which blocks hold a cached prefix: the cache's own answer, since with a weak hash the
+        # model cannot tell which of two colliding prefixes was cached.
+        cached = self.cache.cached_blocks()
         for block_id in reversed(self.cache.get_block_mapping(seq_id)):
             self.refs[block_id] -= 1
             if self.refs[block_id] == 0:
-                self.free.append(block_id)
+                # A cached block stays cached longest (the tail); one with nothing cached is reused
+                # first (the head).
+                if block_id in cached:
+                    self.free.append(block_id)
+                else:
+                    self.free.insert(0, block_id)
                 freed.append(block_id)
         assert self.cache.free_sequence(seq_id) == freed
         del self.tokens[seq_id]

@@ -217,6 +217,18 @@ class PagedCacheMachine(RuleBasedStateMachine):
         order = reversed(block_ids) if self.prefix_caching else block_ids
         return [b for b in order if self.cache.ref_count(b) == 1]
 
+    def free_list_after(self, freed: list[int]) -> tuple[int, ...]:
+        """The free list once ``freed`` are released in that order: at the tail, except that with
+        prefix caching a block holding nothing cached goes to the head, to be reused first."""
+        free = list(self.cache.snapshot().free_block_ids)
+        cached = self.model.cached_blocks() if self.prefix_caching else {}
+        for block_id in freed:
+            if self.prefix_caching and block_id not in cached:
+                free.insert(0, block_id)
+            else:
+                free.append(block_id)
+        return tuple(free)
+
     def protected_end(self, table: BlockTable) -> int:
         """Where the tokens a caller may change begin: past every cached block the table holds alone.
 
@@ -274,9 +286,9 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def drop(self, seq_id: int) -> Request:
         """Free a live sequence, checking which blocks go back; return its request."""
         freed = self.blocks_freed_by(seq_id)
-        free_before = self.cache.snapshot().free_block_ids
+        free_after = self.free_list_after(freed)
         assert self.cache.free_sequence(seq_id) == freed
-        assert self.cache.snapshot().free_block_ids == free_before + tuple(freed)
+        assert self.cache.snapshot().free_block_ids == free_after
         return self.live.pop(seq_id)
 
     # -------------------------------------------------------------------------------- the rules
@@ -410,11 +422,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def swap_out(self, data: st.DataObject) -> None:
         seq_id = self.pick(data, self.live)
         freed = self.blocks_freed_by(seq_id)
-        free_before = self.cache.snapshot().free_block_ids
+        free_after = self.free_list_after(freed)
         with self.kv_unchanged():
             saved = swap.swap_out([self.cache], seq_id)
         assert seq_id not in self.cache
-        assert self.cache.snapshot().free_block_ids == free_before + tuple(freed)
+        assert self.cache.snapshot().free_block_ids == free_after
         assert saved.num_tokens == len(self.live[seq_id].tokens)
         self.swapped[seq_id] = (saved, self.live.pop(seq_id))
 
