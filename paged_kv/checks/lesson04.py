@@ -4,8 +4,9 @@ and free-and-admit."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
+from ..block import blocks_for_tokens
 from ..cache import PagedKVCacheAllocator
 from ..errors import OutOfBlocksError
 from ._core import Checker, answers, diagnose, task
@@ -308,6 +309,16 @@ def _decode_step(c: Checker, decode_step) -> None:
     cache = _cache(8, 4, [("a", 3, 0)])
     c.equal("decode_step(cache, [])", lambda: decode_step(cache, []), {}, "no sequences, nothing to do: {}")
 
+    # Exactly enough: three sequences need a block and three are free.
+    full = [("a", 4, 0), ("b", 4, 0), ("c", 4, 0)]
+    cache, expected_cache = _cache(6, 4, full), _cache(6, 4, full)
+    call = f"decode_step(cache, ['a', 'b', 'c']) with {_state(cache)}"
+    got = c.run(call, lambda: _refusal_as_value(lambda: decode_step(cache, ["a", "b", "c"])))
+    if isinstance(got, OutOfBlocksError):
+        c.fail(call, "a block for each of the three", f"OutOfBlocksError: {got}", EXACT_FIT)
+    expected = _reference_step(expected_cache, ["a", "b", "c"])
+    c.equal(call, lambda: got, expected, _step_hint(_cache(6, 4, full), got, expected))
+
     # All or nothing: three sequences need a block, one is free.
     cache = _cache(4, 4, [("a", 4, 0), ("b", 4, 0), ("c", 4, 0)])
     before_snapshot, before, before_free = cache.snapshot(), _state(cache), cache.num_free_blocks
@@ -362,13 +373,40 @@ def _decode_step(c: Checker, decode_step) -> None:
 # ------------------------------------------------------------------------------- Task 4
 
 
+EXACT_FIT = (
+    "exactly as many blocks are free as are needed, so it fits: refuse only when more blocks are "
+    "needed than are free (needed > free, not needed >= free)"
+)
+
+
+def _refusal_as_value(thunk: Callable[[], object]) -> object:
+    """``thunk()``, or the ``OutOfBlocksError`` it raised, returned rather than raised."""
+    try:
+        return thunk()
+    except OutOfBlocksError as error:
+        return error
+
+
 def _pool() -> PagedKVCacheAllocator:
     """6 blocks of 4: 'a' holds 8 tokens in [0, 1], 'b' 12 in [2, 3, 4]; block 5 is free."""
     return _cache(6, 4, [("a", 8, 0), ("b", 12, 0)])
 
 
-def _admit_hint(got: object, waiting: list[tuple[Hashable, int]], admitted: list, hint: str) -> str:
-    """Name a request that skipped ahead of an older one, else the case's own hint."""
+def _admit_hint(
+    got: object, finished: list[Hashable], waiting: list[tuple[Hashable, int]], admitted: list, hint: str
+) -> str:
+    """Name a request that skipped ahead of an older one, or one refused although its blocks were
+    exactly free, else the case's own hint."""
+    if isinstance(got, list) and got == admitted[: len(got)] and len(got) < len(admitted):
+        pool = _pool()
+        for seq_id in finished:
+            pool.free_sequence(seq_id)
+        for seq_id, prompt in waiting[: len(got)]:
+            pool.allocate_for_sequence(seq_id, prompt)
+        refused, prompt = waiting[len(got)]
+        if blocks_for_tokens(prompt, pool.block_size) == pool.num_free_blocks:
+            free = pool.num_free_blocks
+            return f"{refused!r} needs {free} block(s) and {free} are free: {EXACT_FIT}"
     if isinstance(got, list) and got != admitted:
         order = [seq_id for seq_id, _ in waiting]
         for later in got:
@@ -473,7 +511,7 @@ def _finish_and_admit(c: Checker, finish_and_admit) -> None:
             ),
             hint,
         )
-        c.equal(call, lambda got=got: got, admitted, _admit_hint(got, waiting_list, admitted, hint))
+        c.equal(call, lambda got=got: got, admitted, _admit_hint(got, finished, waiting_list, admitted, hint))
         c.holds(
             f"the cache after {call}",
             cache.snapshot() == expected_cache.snapshot(),

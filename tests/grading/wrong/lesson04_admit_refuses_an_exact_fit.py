@@ -1,0 +1,21 @@
+"""Admission that makes a request wait when exactly as many blocks are free as its prompt needs."""
+
+from paged_kv import blocks_for_tokens
+from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+
+BREAKS = "04.finish_and_admit"
+MESSAGE = "exactly"
+
+
+def finish_and_admit(cache, finished, waiting, max_running):
+    for seq_id in finished:
+        cache.free_sequence(seq_id)
+    admitted = []
+    while waiting and len(cache.seq_ids) < max_running:
+        seq_id, prompt_tokens = waiting[0]
+        if blocks_for_tokens(prompt_tokens, cache.block_size) >= cache.num_free_blocks:
+            break
+        waiting.popleft()
+        cache.allocate_for_sequence(seq_id, prompt_tokens)
+        admitted.append(seq_id)
+    return admitted
