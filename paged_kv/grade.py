@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .cli import USAGE_ERROR, _Parser
 from .grading import PACKAGE, GradeReport, grade, lessons
-from .grading.runner import DEFAULT_TIME_LIMIT_S, STATUS_TEXT
+from .grading.runner import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, STATUS_TEXT
 
 MARK = {"passed": "\N{CHECK MARK}"}
 METADATA_KEY = "paged_kv"  # where tools/build_course.py writes a notebook's lesson
@@ -81,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_TIME_LIMIT_S,
         help=f"seconds per task ({DEFAULT_TIME_LIMIT_S:g})",
     )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=DEFAULT_MEMORY_LIMIT_BYTES / 2**30,
+        help=f"GiB of memory the graded code may use ({DEFAULT_MEMORY_LIMIT_BYTES / 2**30:g}; 0: no limit)",
+    )
     args = parser.parse_args(argv)
     lesson = args.lesson or (None if args.source == PACKAGE else lesson_of(args.source))
     if lesson is None:
@@ -92,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--lesson must be one of {', '.join(lessons())}, got {lesson!r}")
     if not args.time_limit > 0:
         parser.error(f"--time-limit must be positive, got {args.time_limit:g}")
-    report = grade(args.source, lesson, args.time_limit)
+    if args.memory_limit < 0:
+        parser.error(f"--memory-limit must be 0 (no limit) or positive, got {args.memory_limit:g}")
+    memory_limit = int(args.memory_limit * 2**30) or None
+    report = grade(args.source, lesson, args.time_limit, memory_limit)
     if report.error:
         parser.exit(USAGE_ERROR, f"{parser.prog}: error: {report.error}\n")
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))

@@ -266,6 +266,12 @@ def error_hint(error: BaseException) -> str:
         return "an attribute is read before it is set: assign it in __init__, or check its spelling"
     if isinstance(error, NameError):
         return "a name is not defined here: run the cell that defines it, or check its spelling"
+    out_of_memory = isinstance(error, RuntimeError) and "can't allocate memory" in text  # torch's
+    if isinstance(error, MemoryError) or out_of_memory:
+        return (
+            "your code ran out of memory (the grader caps each task's memory): look for a list that "
+            "grows without end, or a tensor far larger than the task needs"
+        )
     if isinstance(error, RecursionError):
         return "a function calls itself without end (a method that calls itself instead of super()?)"
     return ""

@@ -1,9 +1,11 @@
-"""Grade an implementation of one lesson, task by task, with a time limit per task.
+"""Grade an implementation of one lesson, task by task, with a time and a memory limit per task.
 
 :func:`grade` starts a worker process (:mod:`paged_kv.grading.worker`) and reads its results one
 task at a time. When a task runs past its time limit the worker is killed, that task is reported as
 timed out, and a fresh worker grades the remaining tasks; a worker that dies is reported the same
-way. The grader itself never runs learner code, so it never crashes with a traceback of its own.
+way. The worker's memory is capped (``memory_limit``), so a runaway allocation in learner code
+fails its task with a ``MemoryError`` instead of taking the machine's memory. The grader itself
+never runs learner code, so it never crashes with a traceback of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from ..checks import TASKS
 
 DEFAULT_TIME_LIMIT_S = 30.0
 LOAD_TIME_LIMIT_S = 120.0  # importing torch and the learner's code, once per worker
+# The worker's data memory (heap and private mappings, RLIMIT_DATA on Linux): the course's tasks
+# need a few hundred MiB with torch loaded; a learner's runaway list or tensor stops here.
+DEFAULT_MEMORY_LIMIT_BYTES = 4 << 30
 
 STATUS_TEXT = {
     "passed": "passed",
@@ -90,8 +95,17 @@ def tasks_of(lesson: str) -> list[str]:
     return [task_id for task_id, task in TASKS.items() if task.lesson == lesson]
 
 
-def grade(source: str, lesson: str, time_limit: float = DEFAULT_TIME_LIMIT_S) -> GradeReport:
-    """Grade every task of ``lesson`` on ``source`` (``"package"``, a notebook or a ``.py`` file)."""
+def grade(
+    source: str,
+    lesson: str,
+    time_limit: float = DEFAULT_TIME_LIMIT_S,
+    memory_limit: int | None = DEFAULT_MEMORY_LIMIT_BYTES,
+) -> GradeReport:
+    """Grade every task of ``lesson`` on ``source`` (``"package"``, a notebook or a ``.py`` file).
+
+    Each task may run ``time_limit`` seconds; the worker may use ``memory_limit`` bytes of data
+    memory (``None``: no limit; where the platform has no such limit, none is set).
+    """
     remaining = tasks_of(lesson)
     if not remaining:
         return GradeReport(
@@ -99,7 +113,7 @@ def grade(source: str, lesson: str, time_limit: float = DEFAULT_TIME_LIMIT_S) ->
         )
     outcomes: dict[str, dict] = {}
     while remaining:
-        worker = _Worker(lesson, source, remaining)
+        worker = _Worker(lesson, source, remaining, memory_limit)
         first = worker.next_line(LOAD_TIME_LIMIT_S)
         if first is None or "load_error" in first:
             worker.stop()
@@ -140,10 +154,11 @@ def grade(source: str, lesson: str, time_limit: float = DEFAULT_TIME_LIMIT_S) ->
 class _Worker:
     """A worker process and a thread that hands its output lines over through a queue."""
 
-    def __init__(self, lesson: str, source: str, task_ids: list[str]) -> None:
+    def __init__(self, lesson: str, source: str, task_ids: list[str], memory_limit: int | None) -> None:
         environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        limit = [] if memory_limit is None else [f"--memory-limit={memory_limit}"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "paged_kv.grading.worker", lesson, source, *task_ids],
+            [sys.executable, "-m", "paged_kv.grading.worker", *limit, lesson, source, *task_ids],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

@@ -1,9 +1,13 @@
-"""The process that runs learner code: ``python -m paged_kv.grading.worker LESSON SOURCE TASK...``.
+"""The process that runs learner code.
+
+    python -m paged_kv.grading.worker [--memory-limit=BYTES] LESSON SOURCE TASK...
 
 It loads the implementation once, then runs each task's check and writes one JSON line per task to
 stdout (first a line for the load itself). Whatever the learner's code prints is swallowed. The
 grader reads the lines with a time limit per task and starts a new worker when one hangs or dies,
-so no learner code ever runs in the grader's own process.
+so no learner code ever runs in the grader's own process. With ``--memory-limit`` the worker caps
+its own data memory before it loads anything, so an allocation past it raises ``MemoryError`` (or
+torch's "can't allocate memory") inside the learner's code, and the task fails with that error.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ import contextlib
 import io
 import json
 import sys
+
+try:
+    import resource
+except ImportError:  # Windows: no resource limits; the time limit still holds
+    resource = None
 
 from ..checks import TASKS, CheckFailed, check
 from ..checks._core import where_raised
@@ -51,7 +60,24 @@ def run_task(implementation: Implementation, task_id: str) -> dict[str, object]:
     return {"status": "passed", "message": output.getvalue().strip().splitlines()[-1]}
 
 
+def limit_memory(limit: int) -> bool:
+    """Cap this process's data memory at ``limit`` bytes (never raising a hard limit already lower).
+
+    Returns whether a limit was set: ``False`` where the platform has no ``RLIMIT_DATA``.
+    """
+    if resource is None or not hasattr(resource, "RLIMIT_DATA"):
+        return False
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return True
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0].startswith("--memory-limit="):
+        limit_memory(int(argv[0].split("=", 1)[1]))
+        argv = argv[1:]
     lesson, source, *task_ids = argv
     out = sys.stdout
     try:

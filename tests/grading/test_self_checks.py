@@ -15,6 +15,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
 from paged_kv.checks import TASKS
 from paged_kv.grade import lesson_of
 from paged_kv.grading import grade, tasks_of
@@ -121,6 +126,44 @@ def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(
         "00.contiguous_usage": "passed",
     }
     assert "did not finish within 3 s" in report.result("00.paged_usage").message
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_DATA"), reason="no RLIMIT_DATA on this platform")
+@pytest.mark.parametrize(
+    "runaway",
+    [
+        "    grown = []\n    while True:\n        grown.append(bytearray(1 << 24))\n",  # a list without end
+        "    import torch\n    return torch.empty(1 << 34).numel()\n",  # 64 GiB of float32
+    ],
+    ids=["growing-list", "huge-tensor"],
+)
+def test_code_that_runs_out_of_memory_fails_its_task_only(tmp_path, runaway):
+    source = tmp_path / "mine.py"
+    source.write_text(REFERENCE + "def blocks_for_tokens(n, b):\n" + runaway)
+    report = grade(str(source), "00", memory_limit=2 << 30)
+    assert statuses(report) == {
+        "00.blocks_for_tokens": "failed",
+        "00.paged_usage": "passed",
+        "00.contiguous_usage": "passed",
+    }
+    message = report.result("00.blocks_for_tokens").message
+    assert "where:    mine.py, line" in message
+    assert "your code ran out of memory (the grader caps each task's memory)" in message
+
+
+def test_the_worker_caps_its_own_data_memory_and_never_raises_a_lower_hard_limit():
+    script = (
+        "import resource\n"
+        "from paged_kv.grading.worker import limit_memory\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))\n"
+        "print(limit_memory(8 << 30), resource.getrlimit(resource.RLIMIT_DATA))\n"
+        "print(limit_memory(1 << 30), resource.getrlimit(resource.RLIMIT_DATA))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split("\n")[:2] == [
+        f"True ({3 << 30}, {3 << 30})",
+        f"True ({1 << 30}, {3 << 30})",
+    ]
 
 
 def test_a_process_that_dies_is_reported_and_the_other_tasks_are_still_graded(tmp_path):
@@ -322,6 +365,7 @@ def test_the_readme_states_the_graders_totals():
         (["mine.py"], "cannot tell the lesson"),
         (["exercises/00_why_paging.ipynb", "--lesson", "42"], "--lesson must be one of"),
         (["no_such_file.ipynb", "--lesson", "00"], "is not a file"),
+        (["package", "--lesson", "00", "--memory-limit", "-1"], "--memory-limit must be 0 (no limit)"),
     ],
 )
 def test_the_command_refuses_unusable_input_in_one_line(args, message):
