@@ -151,12 +151,12 @@ class PagedKVCacheAllocator:
         :meth:`num_cached_tokens` says how many leading tokens they cover. Their K/V are already in
         the cache: the caller computes and writes only the rest of the prompt,
         ``write_kv(seq_id, k[c:], v[c:], start_position=c)`` with ``c = num_cached_tokens(seq_id)``,
-        and must never write into the first ``c`` positions, which other sequences read. At least
-        the last prompt token is always left to compute. The prompt's fresh full blocks are cached
-        for later prompts, so write their K/V before allocating another sequence that may reuse them.
-        Once written, a cached block is immutable, as in vLLM: :meth:`write_kv` copies a block
-        another sequence holds before writing, but overwrites in place a cached block that only this
-        sequence holds, and the cache would then serve the new K/V for the old tokens.
+        and need not write into the first ``c`` positions. At least the last prompt token is always
+        left to compute. The prompt's fresh full blocks are cached for later prompts, so write their
+        K/V before allocating another sequence that may reuse them. Once written, a cached block is
+        immutable under its hash, as in vLLM: :meth:`write_kv` copies a block another sequence
+        holds before writing into it, and a cached block that only this sequence holds loses its
+        hash when it is written again, so the cache never serves new K/V for old tokens.
         Without prefix caching, ``token_ids`` are checked and otherwise ignored.
 
         Returns:
@@ -411,7 +411,10 @@ class PagedKVCacheAllocator:
 
         A block the positions fall in that another sequence also holds (after :meth:`fork`) is
         copied first, as in :meth:`append_tokens`: the write lands in the sequence's own copy and
-        the other holders keep reading the old K/V. :attr:`last_copies` lists the copies.
+        the other holders keep reading the old K/V. :attr:`last_copies` lists the copies. With
+        prefix caching, a cached block that only this sequence holds and that is written again
+        (slots written before are overwritten) loses its hash first: it is no longer served to
+        later prompts, since its K/V may no longer be those of its tokens.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
@@ -437,6 +440,8 @@ class PagedKVCacheAllocator:
         if copies:
             self._record("copy_on_write", seq_id, copy_caption(seq_id, copies), _flat(copies))
         self._last_copies = copies
+        if self.enable_prefix_caching:
+            self._forget_overwritten(table, start_position, end)
         mapping.write_kv(self.k_cache, self.v_cache, self._block_table(table), k, v, start_position)
 
     def read_kv(self, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,6 +520,14 @@ class PagedKVCacheAllocator:
         last = min(table.num_blocks, blocks_for_tokens(end, self.block_size))
         logical = range(start // self.block_size, last)
         return [i for i in logical if self._allocator.ref_count(table.block_ids[i]) > 1]
+
+    def _forget_overwritten(self, table: BlockTable, start: int, end: int) -> None:
+        """Report the write of positions ``start .. end - 1`` to the caching allocator, block by block."""
+        size = self.block_size
+        for logical in range(start // size, (end - 1) // size + 1):
+            base = logical * size
+            first, last = max(start, base) - base, min(end, base + size) - base
+            self._allocator.record_write(table.block_ids[logical], first, last)
 
     def _copy_on_write(self, table: BlockTable, logical_blocks: Sequence[int]) -> list[tuple[int, int]]:
         """Give ``table`` its own copy of each shared block in ``logical_blocks``; return the pairs.

@@ -261,12 +261,17 @@ class CachingBlockAllocator(BlockAllocator):
       one to the tail: new data takes every block with nothing worth keeping before it evicts a
       cached prefix (vLLM v1's free queue does the same);
     * ``allocate_prompt`` is all or nothing: when it raises, no ref count, free list entry, hash or
-      counter has changed.
+      counter has changed;
+    * a cached block's K/V never change under its hash: :meth:`record_write` forgets the hash of a
+      cached block that is written again where it was written before (the cache's writes report
+      every block they touch), so the cache never serves new K/V for old tokens.
     """
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self._prefix_cache = PrefixCache()
+        # Per block: how many leading slots have been written since ``allocate`` handed it out.
+        self._written = [0] * self.num_blocks
 
     @property
     def prefix_cache(self) -> PrefixCache:
@@ -277,7 +282,20 @@ class CachingBlockAllocator(BlockAllocator):
         """Take the head of the free list for new data, evicting the hash it held."""
         block_id = super().allocate()
         self._prefix_cache.evict(block_id)
+        self._written[block_id] = 0
         return block_id
+
+    def record_write(self, block_id: int, first: int, end: int) -> bool:
+        """Note a write into slots ``first .. end - 1`` of a used block; return whether it evicted.
+
+        A write that starts below the slots already written overwrites K/V: if the block is cached,
+        its hash is forgotten first, since the new K/V may not be those of its tokens. Writes are
+        assumed to fill a block in order (prefill, then decode); a write out of order is taken for
+        an overwrite, which costs a cache entry and never correctness.
+        """
+        overwrites = first < self._written[block_id]
+        self._written[block_id] = max(self._written[block_id], end)
+        return overwrites and self._prefix_cache.evict(block_id)
 
     def _release(self, block_id: int) -> None:
         """A cached block goes to the tail of the free list, to stay cached longest; any other to

@@ -407,6 +407,45 @@ def test_a_write_into_a_shared_cached_block_is_copied_first(device):
     assert cache.num_cached_tokens("c") == 8 and reads_back(cache, "c", [*X, 3], device)
 
 
+def test_a_cached_block_written_again_forgets_its_hash_and_is_never_served(device):
+    """A cached block is immutable under its hash: overwriting it in place un-caches it."""
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    write_prompt(cache, "a", [*X, 1], device)
+    assert sorted(cache.cached_blocks()) == [0, 1]
+    k, v = kv_of([7, 7], device)
+    cache.write_kv("a", k, v, start_position=5)  # new K/V into block 1, which only 'a' holds
+    assert cache.last_copies == [] and sorted(cache.cached_blocks()) == [0]
+    # The next prompt with the same tokens finds block 0 only, and computes the rest itself.
+    cache.allocate_for_sequence("b", 9, [*X, 2])
+    assert cache.num_cached_tokens("b") == 4 and cache.get_block_mapping("b")[0] == 0
+
+
+def test_writes_that_fill_a_cached_block_in_order_keep_it_cached(device):
+    """Chunked prefill and decode write each slot once, in order: nothing is forgotten."""
+    cache = caching(8, device)
+    tokens = [*X, 1]
+    cache.allocate_for_sequence("a", 9, tokens)
+    k, v = kv_of(tokens, device)
+    for start, end in ((0, 3), (3, 6), (6, 9)):  # chunks that end inside blocks 0 and 1
+        cache.write_kv("a", k[start:end], v[start:end], start_position=start)
+    assert sorted(cache.cached_blocks()) == [0, 1]
+    cache.allocate_for_sequence("b", 9, [*X, 2])
+    assert cache.num_cached_tokens("b") == 8 and reads_back(cache, "a", tokens, device)
+
+
+def test_an_overwrite_of_a_shared_cached_block_copies_it_and_keeps_the_original_cached(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 9, [*X, 1])
+    write_prompt(cache, "a", [*X, 1], device)
+    cache.allocate_for_sequence("b", 9, [*X, 2])  # shares blocks 0 and 1
+    write_prompt(cache, "b", [*X, 2], device)
+    k, v = kv_of([7], device)
+    cache.write_kv("b", k, v, start_position=0)  # into block 0, which 'a' holds too
+    assert cache.last_copies == [(0, 4)]
+    assert sorted(cache.cached_blocks()) == [0, 1] and reads_back(cache, "a", [*X, 1], device)
+
+
 # ------------------------------------------------------------------------------ collisions
 
 

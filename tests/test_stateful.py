@@ -392,6 +392,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         copies = self.expected_copies(table, shared, list(free_before[: len(shared)]))
         assert self.cache.last_copies == copies
         self.took_fresh([copy for _, copy in copies])
+        # Every position of a live sequence was written when it arrived, so a cached block this
+        # write lands in (not a fresh copy) is overwritten: the cache forgets its hash.
+        written = self.cache.get_block_mapping(seq_id)[start // BLOCK_SIZE : (end - 1) // BLOCK_SIZE + 1]
+        if self.model.evict([b for b in written if b not in {copy for _, copy in copies}]):
+            event("overwrite: a cached block forgot its hash")
         self.live[seq_id] = rewritten
         if copies:
             event("overwrite: copy-on-write")
