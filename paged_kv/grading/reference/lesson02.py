@@ -12,8 +12,6 @@ the checks only use what both have.
 
 from collections.abc import Hashable as _Hashable
 
-import torch as _torch
-
 from paged_kv.block import BlockTable as _BlockTable
 from paged_kv.block_allocator import BlockAllocator
 from paged_kv.cache import PagedKVCacheAllocator as _PackageCache
@@ -22,18 +20,10 @@ __all__ = ["BlockAllocator", "PagedKVCacheAllocator", "SequenceAllocator"]
 
 
 class PagedKVCacheAllocator(_PackageCache):
-    """The package's cache as the exercise's class: ``allocator``, ``tables`` and block ids back."""
+    """The package's cache as the exercise's class: ``allocator``, ``tables`` and block ids back.
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: _torch.dtype = _torch.float32,
-        device: str | _torch.device = "cpu",
-    ) -> None:
-        super().__init__(num_blocks, block_size, num_heads, head_dim, dtype=dtype, device=device)
+    Its constructor is the package's, whose first six arguments are the exercise's.
+    """
 
     @property
     def allocator(self) -> BlockAllocator:
