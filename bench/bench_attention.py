@@ -1,4 +1,4 @@
-"""Paged decode attention: ``paged_kv.attention.paged_attention`` against contiguous SDPA on the same data.
+"""Paged decode attention: ``paged_kv.attention.paged.paged_attention`` against SDPA on the same data.
 
 A batch of sequences (32 by default, 8 heads, head dim 64, 1,024 tokens of context, block size 16)
 has its K/V in a paged cache whose blocks are scattered over the pool (a random permutation), and
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
-from paged_kv.attention import paged_attention
+from paged_kv.attention.paged import paged_attention
 
 TARGET_SLOWDOWN = 1.5
 

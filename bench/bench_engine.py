@@ -1,6 +1,6 @@
 """The engine at a fixed KV budget: paged blocks against contiguous reservation, on the same requests.
 
-A tiny :class:`~paged_kv.model.TinyGPT` serves ShareGPT-shaped requests: lengths drawn by
+A tiny :class:`~paged_kv.model.tiny_gpt.TinyGPT` serves ShareGPT-shaped requests: lengths drawn by
 ``sample_requests(SHAREGPT, ...)`` and divided by ``scale`` (8 by default) so that prompt plus output
 fit the tiny model's ``max_len`` (ShareGPT's 2,048 becomes 256). Both modes get the same budget of
 token slots; contiguous mode reserves ``max_model_len`` slots per sequence, paged mode takes blocks
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
-from paged_kv.engine import Engine, EngineRequest, EngineResult, min_num_blocks
-from paged_kv.model import GPTConfig, TinyGPT
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks
+from paged_kv.simulation.workload import SHAREGPT, sample_requests
 from paged_kv.timing import torch_threads
-from paged_kv.workload import SHAREGPT, sample_requests
 
 TARGET_CONCURRENCY = 2.0
 

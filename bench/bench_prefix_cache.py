@@ -9,7 +9,7 @@
    by a ShareGPT-shaped user prompt (block size 16): prefill tokens computed with prefix caching
    against without, the hit rate in tokens against the ideal (every request but the first finds
    the whole system prompt), and the allocator's time per request, hashing included. The workload
-   and the serving loop are :mod:`paged_kv.sharing`'s, which lesson 07 also runs.
+   and the serving loop are :mod:`paged_kv.simulation.sharing`'s, which lesson 07 also runs.
 
     .venv/bin/python bench/bench_prefix_cache.py
 """
@@ -27,7 +27,7 @@ from _timing import Row, flatness_rows, median_time, text_table
 from bench_allocator import PopFrontAllocator, allocate_free_time
 
 from paged_kv import BlockAllocator
-from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
+from paged_kv.simulation.sharing import ideal_cached_tokens, serve, system_prompt_requests
 
 HIT_RATE_TARGET = 0.99  # the share of the ideal hit rate the workload must reach
 

@@ -24,7 +24,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens, contiguous_baseline, fragmentation_report
-from paged_kv.plots import plot_reservations
+from paged_kv.pictures.plots import plot_reservations
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -191,7 +191,7 @@ print("tokens saved by paging:", report["fragmentation_tokens_saved_vs_contiguou
 # this notebook exported to HTML.
 
 # %%
-from paged_kv.widgets import AllocationPlayer
+from paged_kv.pictures.widgets import AllocationPlayer
 
 recorded = PagedKVCacheAllocator(num_blocks=16, block_size=16, num_heads=1, head_dim=1, record=True)
 for name, tokens in zip("ABCDEF", requests, strict=True):

@@ -27,7 +27,7 @@ import torch
 
 import paged_kv
 from paged_kv import Block, BlockTable, PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.plots import plot_block_tables
+from paged_kv.pictures.plots import plot_block_tables
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)

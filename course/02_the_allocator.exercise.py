@@ -10,8 +10,8 @@
 # gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
-# cell, then its check cell. The finished versions live in `paged_kv/block_allocator.py` and
-# `paged_kv/cache.py`; try without looking first.
+# cell, then its check cell. The finished versions live in `paged_kv/core/block_allocator.py` and
+# `paged_kv/kv/cache.py`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):

@@ -27,7 +27,7 @@ import torch
 
 import paged_kv
 from paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.plots import plot_free_list_steps
+from paged_kv.pictures.plots import plot_free_list_steps
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -207,7 +207,7 @@ plt.show()
 # The animation runs in the browser, so it also plays in this notebook exported to HTML.
 
 # %%
-from paged_kv.widgets import AllocationPlayer, AllocatorPlayground
+from paged_kv.pictures.widgets import AllocationPlayer, AllocatorPlayground
 
 replay = PagedKVCacheAllocator(num_blocks=5, block_size=16, num_heads=1, head_dim=1, record=True)
 replay.allocate_for_sequence("req-a", 33)

@@ -25,7 +25,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.plots import plot_positions_in_pool
+from paged_kv.pictures.plots import plot_positions_in_pool
 from paged_kv.timing import compare_times, how_fast
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU

@@ -25,7 +25,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.plots import plot_held_and_reserved
+from paged_kv.pictures.plots import plot_held_and_reserved
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -120,7 +120,7 @@ plt.show()
 # it also plays in this notebook exported to HTML.)
 
 # %%
-from paged_kv.widgets import AllocationPlayer, AllocatorPlayground
+from paged_kv.pictures.widgets import AllocationPlayer, AllocatorPlayground
 
 recorded = PagedKVCacheAllocator(num_blocks=12, block_size=BLOCK_SIZE, num_heads=1, head_dim=1, record=True)
 recorded.allocate_for_sequence("a", 6)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, paged_attention
-from paged_kv.plots import plot_padded_block_tables, plot_weights_by_block
+from paged_kv.pictures.plots import plot_padded_block_tables, plot_weights_by_block
 from paged_kv.timing import compare_times, how_fast
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU

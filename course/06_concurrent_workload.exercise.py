@@ -8,7 +8,7 @@
 # after it runs the check and prints a tick, or tells you which call gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
-# cell, then its check cell. The finished versions live in `paged_kv.workload`
+# cell, then its check cell. The finished versions live in `paged_kv.simulation.workload`
 # (`next_power_of_two`, `ContiguousPolicy.reservation`, `simulate`); try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from paged_kv.checks import check
-from paged_kv.workload import Request, sample_requests
+from paged_kv.simulation.workload import Request, sample_requests
 
 # %% [markdown]
 # ## Task 1 · The next power of two
@@ -34,7 +34,7 @@ from paged_kv.workload import Request, sample_requests
 #
 # **Checked:** 3, 5, 17 and 300 (4, 8, 32, 512); the exact powers 16, 2 and 1,024 (themselves);
 # 1 (1); 1,025 (2,048); that the result is an `int`; that 0 raises `ValueError`; and that it agrees
-# with `paged_kv.workload.next_power_of_two` for every `n` from 1 to 4,096.
+# with `paged_kv.simulation.workload.next_power_of_two` for every `n` from 1 to 4,096.
 
 
 # %%
@@ -67,7 +67,7 @@ check("06.next_power_of_two", next_power_of_two)
 # **Checked:** a request of 100 + 200 tokens with `max_model_len` 2,048 (2,048, 512 and 300 slots);
 # 200 + 56 tokens under `"pow2"` (256); 100 + 200 tokens under `"pow2"` with `max_model_len` 400
 # (400), and 250 + 250 with 500 (500); a request of exactly `max_model_len`; the two errors; and agreement with
-# `paged_kv.workload.ContiguousPolicy(kind, max_model_len).reservation(request)` for 200 sampled
+# `paged_kv.simulation.workload.ContiguousPolicy(kind, max_model_len).reservation(request)` for 200 sampled
 # ShareGPT-shaped and 200 Alpaca-shaped requests.
 
 
@@ -119,7 +119,7 @@ check("06.reserved_tokens", reserved_tokens)
 #
 # Return the ids of the requests that finished in this step, in admission order. A request with
 # `o` output tokens thus runs for `o + 1` steps, and memory released in part 4 is free for the next
-# step's admissions, as in `paged_kv.workload.simulate`.
+# step's admissions, as in `paged_kv.simulation.workload.simulate`.
 #
 # **Checked**, with `reserve` giving each request its final length:
 #

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 
 import paged_kv
 from paged_kv import blocks_for_tokens
-from paged_kv.workload import (
+from paged_kv.simulation.workload import (
     ALPACA,
     SHAREGPT,
     ContiguousPolicy,
@@ -66,7 +66,7 @@ print("paged_kv", paged_kv.__version__)
 # 5. **finish and release**: after its last token, the request leaves and its memory goes back to
 #    the free pool.
 #
-# The simulator of this lesson, `paged_kv.workload.simulate`, counts the prefill as a step of its
+# The simulator of this lesson, `paged_kv.simulation.workload.simulate`, counts the prefill as a step of its
 # own and then one step per output token, so a request with `o` output tokens runs for `o + 1` steps.
 #
 # Older servers used **static batching**: they formed a batch, ran it until its *longest* member
@@ -123,7 +123,7 @@ print("static batching:     all done after", first_batch + second_batch, "steps"
 # blocks `short-0` gives back.
 
 # %%
-from paged_kv.widgets import AllocationPlayer
+from paged_kv.pictures.widgets import AllocationPlayer
 
 recorded = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=16, record=True)
 AllocationPlayer(recorded.trace)

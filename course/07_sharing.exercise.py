@@ -8,8 +8,8 @@
 # and prints a tick, or tells you which call gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
-# cell, then its check cell. The finished versions live in `paged_kv/cache.py` (`fork`,
-# `append_tokens`, `_copy_on_write`) and `paged_kv/prefix_cache.py`; try without looking first.
+# cell, then its check cell. The finished versions live in `paged_kv/kv/cache.py` (`fork`,
+# `append_tokens`, `_copy_on_write`) and `paged_kv/core/prefix_cache.py`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
@@ -25,7 +25,7 @@ import torch
 import paged_kv
 from paged_kv import BlockAllocator, BlockTable, OutOfBlocksError, blocks_for_tokens
 from paged_kv.checks import check
-from paged_kv.prefix_cache import ROOT_HASH, block_hash
+from paged_kv.core.prefix_cache import ROOT_HASH, block_hash
 
 device = paged_kv.default_device()
 
@@ -188,7 +188,7 @@ check("07.copy_on_write", SharedCache, append_token)
 # ## Task 3 · Chained hashes and the cached prefix
 #
 # A prefix cache recognises a full block by a **chained hash** of its tokens and its parent's hash
-# (lesson 07, section 3). `block_hash(parent_hash, token_ids)` from `paged_kv.prefix_cache` hashes one
+# (lesson 07, section 3). `block_hash(parent_hash, token_ids)` from `paged_kv.core.prefix_cache` hashes one
 # block (`token_ids` a tuple), and `ROOT_HASH` is the parent hash of a prompt's first block. Write:
 #
 # * `block_hashes(token_ids, block_size)`: the hash of each **full** block of the prompt, in order,
@@ -210,7 +210,7 @@ check("07.copy_on_write", SharedCache, append_token)
 # **Checked:** `block_hashes` of an empty prompt, of `[1, 2, 3]` (no full block) and of `[1, 2, 3, 4]`
 # in blocks of 4; `[1, 2, 3, 4, 9, 9, 9, 9, 7]` gives two chained hashes; the block `9 9 9 9` after
 # `1 2 3 4` and after `5 6 7 8` hashes differently; random prompts in blocks of 1, 2, 4 and 16 against
-# `paged_kv.prefix_cache.chain_hashes`. Then, with `r0` the 15 tokens `100 ... 114` cached in blocks
+# `paged_kv.core.prefix_cache.chain_hashes`. Then, with `r0` the 15 tokens `100 ... 114` cached in blocks
 # 0, 1 and 2: `r0` reuses `[0, 1, 2]`; a prompt sharing its first 10 tokens reuses `[0, 1]`; `r0[:12]`
 # reuses `[0, 1]` (the last-token rule), `r0[:13]` `[0, 1, 2]`, `r0[:4]` and `r0[:3]` nothing; a
 # cache missing `r0`'s second block gives `[0]`; hashes that name blocks holding other tokens are

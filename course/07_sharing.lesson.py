@@ -32,11 +32,11 @@ from IPython.display import HTML
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.block_allocator import FreeBlockQueue
-from paged_kv.prefix_cache import chain_hashes, full_blocks
-from paged_kv.sharing import ideal_cached_tokens, serve, system_prompt_requests
-from paged_kv.viz import render_allocator
-from paged_kv.widgets import AllocationPlayer
+from paged_kv.core.block_allocator import FreeBlockQueue
+from paged_kv.core.prefix_cache import chain_hashes, full_blocks
+from paged_kv.pictures.pool import render_allocator
+from paged_kv.pictures.widgets import AllocationPlayer
+from paged_kv.simulation.sharing import ideal_cached_tokens, serve, system_prompt_requests
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -326,7 +326,7 @@ print("block 1: same hash of its tokens alone:", hash(tokens_first) == hash(toke
 # to 0, so every block collides with every other.
 
 # %%
-with mock.patch("paged_kv.prefix_cache.block_hash", lambda parent_hash, token_ids: 0):
+with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, token_ids: 0):
     bad = PagedKVCacheAllocator(8, 4, 1, 1, enable_prefix_caching=True)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     other = [11, 12, 13, 14, 15, 16, 17, 18, 19]
@@ -477,7 +477,7 @@ print("backwards:         ", list(reversed(queue)))
 #
 # A cached prefix survives on the free list only until new data needs its blocks. So the memory
 # budget decides how long a prefix that nobody is using stays cached, and with it the hit rate. To
-# see how much, `paged_kv.sharing` serves a workload of 200 requests, each a 256-token system
+# see how much, `paged_kv.simulation.sharing` serves a workload of 200 requests, each a 256-token system
 # prompt followed by a user prompt and an answer of ShareGPT-shaped lengths (random token ids, so
 # user prompts share nothing), in blocks of 16. `serve` admits the requests in order, at most 32 at
 # once; when the window is full or the blocks run short, the oldest request finishes and frees its

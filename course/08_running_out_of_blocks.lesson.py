@@ -29,11 +29,13 @@ import torch
 
 import paged_kv
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.engine import Engine, EngineRequest, admits, min_num_blocks, plot_metrics, sweep_budgets
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, encode, generate
-from paged_kv.plots import PALETTE, plot_block_tables
-from paged_kv.preemption import choose_victims
-from paged_kv.scheduling import decode_step
+from paged_kv.model.generate import generate
+from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, encode
+from paged_kv.pictures.plots import PALETTE, plot_block_tables
+from paged_kv.serving.engine import Engine, EngineRequest, admits, min_num_blocks, plot_metrics, sweep_budgets
+from paged_kv.serving.preemption import choose_victims
+from paged_kv.serving.scheduling import decode_step
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -45,7 +47,7 @@ print("paged_kv", paged_kv.__version__)
 #
 # A contiguous cache decides everything at admission: a request gets its slot of `max_model_len`
 # tokens or waits, and once admitted it can never run short. A paged cache decides at admission
-# only about the prompt. The admission rule of the course's engine (`paged_kv.engine.admits`)
+# only about the prompt. The admission rule of the course's engine (`paged_kv.serving.engine.admits`)
 # admits a request when its prompt's blocks plus **one block of headroom per running sequence, the
 # new one included**, are free. That guarantees the *next* decode step (each sequence takes at most
 # one new block per step) and nothing after it. Admission is a bet that, by the time the running
@@ -103,7 +105,7 @@ plt.show()
 # first**: requests are served first come, first served, so the newest one gives way and the
 # oldest ones finish first. The victims are taken one at a time, newest first, until the step fits.
 # Each victim helps twice: its blocks become free, and it no longer needs a block in this step.
-# `paged_kv.preemption.choose_victims` is that rule on plain numbers: the running sequences, oldest
+# `paged_kv.serving.preemption.choose_victims` is that rule on plain numbers: the running sequences, oldest
 # first, as `(seq_id, blocks held, needs a block)`, and the free blocks.
 
 # %%
@@ -124,7 +126,7 @@ print(
 # Preempting `c` frees its 2 blocks and drops its need: 2 blocks needed, 4 free, and the step runs.
 # The oldest sequence is never a victim: with nothing left running, no sequence would ever finish.
 # That is safe because the engine refuses, up front, any request that could not run alone at its
-# full length in the whole pool. `paged_kv.engine.min_num_blocks(requests, block_size)` is that
+# full length in the whole pool. `paged_kv.serving.engine.min_num_blocks(requests, block_size)` is that
 # smallest pool, and section 4 starts from it.
 
 # %% [markdown]
@@ -161,7 +163,7 @@ print(
 #   all given the same calls, so they hold the same block tables. A token's K and V take
 #   `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes in this model, so a block of 4
 #   tokens holds 4 KiB. `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a
-#   sequence, every layer at once (`paged_kv.swap`; the exercise builds them for one allocator).
+#   sequence, every layer at once (`paged_kv.kv.swap`; the exercise builds them for one allocator).
 # * **`model.prefill(tokens, seq_id, cache)`** runs a prompt through the model in one pass, once
 #   `cache.add_sequence(seq_id, len(tokens))` has given it blocks, stores its K/V in them, and
 #   returns the logits of every position (the last one picks the first new token); **`model.decode_step(tokens, seq_ids, cache)`** feeds one token per sequence, stores its
@@ -209,7 +211,7 @@ print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens ==
 # blocks 3 and 4, so `s` comes back in blocks 5, 0 and 1: other blocks, the same keys and values,
 # and the next 5 tokens are the ones it would have generated had it never left.
 #
-# Now both ways on a workload that runs out, served by `paged_kv.engine.Engine`: lesson 06's
+# Now both ways on a workload that runs out, served by `paged_kv.serving.engine.Engine`: lesson 06's
 # continuous batching with the tiny GPT behind it. It serves `EngineRequest(request_id, prompt,
 # max_new_tokens)`s (greedy, no end-of-sequence token: each gets exactly `max_new_tokens` tokens) in
 # a pool of `num_blocks` blocks. Each step it admits waiting requests first come, first served,

@@ -4,7 +4,7 @@
 # In this exercise you plug a paged KV cache of your own into the tiny GPT and into the engine of
 # lesson 09. First the engine's admission rule, then the bookkeeping of one decode step (which slot
 # each new token's K and V go to), then the cache itself, a class the model and the engine use
-# through the five calls of `paged_kv.model.KVCache`. Each task says what to build and how it is
+# through the five calls of `paged_kv.model.kv_cache.KVCache`. Each task says what to build and how it is
 # checked; the cell after it runs the check and prints a tick, or tells you which call gave which
 # wrong answer.
 #
@@ -12,7 +12,7 @@
 # (lesson 05): `allocate_for_sequence`, `append_tokens`, `needs_new_block`, `num_free_blocks`,
 # `sequence_length`, `physical_location`, `slot_mapping`, `write_kv`, `read_kv`,
 # `block_tables_tensor`, `free_sequence`, and the pools `k_cache` and `v_cache`. The finished
-# versions are the engine's admission in `paged_kv.engine` and `paged_kv.model.PagedKVCache`; try
+# versions are the engine's admission in `paged_kv.serving.engine` and `paged_kv.model.kv_cache.PagedKVCache`; try
 # without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
@@ -27,7 +27,8 @@ import torch
 import paged_kv
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens, paged_attention
 from paged_kv.checks import check
-from paged_kv.model import GPTConfig, KVCache
+from paged_kv.model.kv_cache import KVCache
+from paged_kv.model.tiny_gpt import GPTConfig
 
 device = paged_kv.default_device()
 
@@ -46,7 +47,7 @@ device = paged_kv.default_device()
 # **Checked:** a 9-token prompt in blocks of 4 next to 2 running sequences with 5, 6 and 7 free
 # blocks (no, yes, yes); an 8-token prompt with 5 free (yes: exactly enough); prompts of 1, 4 and 5
 # tokens with nothing running; that the result is a `bool`; and that your answer is what
-# `paged_kv.engine.Engine` does, for 28 combinations of free blocks, prompt and running sequences on
+# `paged_kv.serving.engine.Engine` does, for 28 combinations of free blocks, prompt and running sequences on
 # both sides of the rule.
 
 
@@ -227,9 +228,9 @@ check("09.paged_cache", MyPagedCache)
 # %%
 import random
 
-from paged_kv.engine import Engine, EngineRequest
-from paged_kv.model import TinyGPT
-from paged_kv.workload import sample_requests
+from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.simulation.workload import sample_requests
 
 torch.set_num_threads(1)  # the tiny model's operations are too small to share between threads
 model = TinyGPT(GPTConfig(), seed=0).to(device).eval()

@@ -32,10 +32,12 @@ import matplotlib.pyplot as plt
 import torch
 
 import paged_kv
-from paged_kv.engine import Engine, EngineRequest, plot_metrics
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, decode, encode, generate
-from paged_kv.plots import plot_block_tables
-from paged_kv.workload import sample_requests
+from paged_kv.model.generate import generate
+from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
+from paged_kv.pictures.plots import plot_block_tables
+from paged_kv.serving.engine import Engine, EngineRequest, plot_metrics
+from paged_kv.simulation.workload import sample_requests
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -69,7 +71,7 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 #   the cache instead of being recomputed: that is what the KV cache is for. Each layer stores the
 #   new token's K and V, and attends over everything the sequence holds.
 #
-# The attention layers see the cache only through five calls, `paged_kv.model.KVCache`:
+# The attention layers see the cache only through five calls, `paged_kv.model.kv_cache.KVCache`:
 #
 # | call | when | what a cache does |
 # |---|---|---|
@@ -235,7 +237,7 @@ plt.show()
 # ## 3. The engine: continuous batching on the paged cache
 #
 # `generate` serves one batch that starts together. A server has requests arriving all the time.
-# `paged_kv.engine.Engine` is lesson 06's continuous-batching loop with the tiny GPT behind it. An
+# `paged_kv.serving.engine.Engine` is lesson 06's continuous-batching loop with the tiny GPT behind it. An
 # `EngineRequest(request_id, prompt, max_new_tokens, arrival_step)` asks for `max_new_tokens` tokens
 # (there is no end-of-sequence token, so it gets exactly that many). `Engine(model, num_blocks=...,
 # block_size=..., mode=...)` serves requests in a budget of `num_blocks * block_size` token slots,

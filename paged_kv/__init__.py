@@ -1,19 +1,34 @@
 """paged_kv: a KV cache kept in fixed-size blocks, the way vLLM's PagedAttention does it.
 
-The companion package of the paged_kv course. The names below are the API that lessons,
-exercises, grader and tests share.
+The companion package of the paged_kv course. What a learner imports is here, at the top level;
+each name's home module is in the layer its lesson builds (see ``docs/architecture.md``):
+
+* :mod:`paged_kv.core`: bookkeeping with no tensors (blocks, tables, the free list, the block
+  manager, prefix caching);
+* :mod:`paged_kv.kv`: the K/V tensors (storage, mapping, the one-layer cache, swapping);
+* :mod:`paged_kv.attention`: attention over the paged cache;
+* :mod:`paged_kv.model`: the tiny GPT, its caches and ``generate``;
+* :mod:`paged_kv.serving`: the scheduler and the engine;
+* :mod:`paged_kv.simulation`: workloads and simulations that need no model;
+* :mod:`paged_kv.pictures`: drawings, plots and widgets (imported on demand, not here);
+* :mod:`paged_kv.checks` and :mod:`paged_kv.grading`: the exercises' checks and the grader.
 """
 
-from .attention import paged_attention, paged_prefill_attention
-from .block import Block, BlockTable, blocks_for_tokens
-from .block_allocator import BlockAllocator
-from .cache import PagedKVCacheAllocator
-from .device import default_device
-from .errors import OutOfBlocksError, UnknownSequenceError
-from .fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
-from .prefix_cache import PrefixCacheStats
-from .snapshot import AllocatorSnapshot
-from .usage import BlockUsage
+from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.core.block import Block, BlockTable, blocks_for_tokens
+from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.usage import BlockUsage
+from paged_kv.device import default_device
+from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.model.generate import GenerationResult, generate
+from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
+from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
+from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
 
 __version__ = "0.1.0"
 
@@ -23,15 +38,32 @@ __all__ = [
     "BlockAllocator",
     "BlockTable",
     "BlockUsage",
+    "ContiguousKVCache",
+    "ContiguousPolicy",
     "ContiguousUsage",
+    "Engine",
+    "EngineRequest",
+    "EngineResult",
+    "GPTConfig",
+    "GenerationResult",
+    "KVCache",
     "OutOfBlocksError",
+    "PagedKVCache",
     "PagedKVCacheAllocator",
+    "PagedPolicy",
     "PrefixCacheStats",
+    "Request",
+    "TinyGPT",
     "UnknownSequenceError",
     "blocks_for_tokens",
     "contiguous_baseline",
+    "decode",
     "default_device",
+    "encode",
     "fragmentation_report",
+    "generate",
     "paged_attention",
     "paged_prefill_attention",
+    "sample_requests",
+    "simulate",
 ]

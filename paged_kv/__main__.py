@@ -1,5 +1,5 @@
 """``python -m paged_kv``: see :mod:`paged_kv.cli`."""
 
-from .cli import main_entry
+from paged_kv.cli import main_entry
 
 main_entry()

@@ -12,11 +12,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from .block import blocks_for_tokens
-from .env_check import report
-from .errors import OutOfBlocksError
-from .fragmentation import fragmentation_report
-from .workload import WORKLOADS, compare_policies, format_table
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.env_check import report
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.simulation.fragmentation import fragmentation_report
+from paged_kv.simulation.workload import WORKLOADS, compare_policies, format_table
 
 USAGE_ERROR = 2
 

@@ -63,7 +63,7 @@ def check_device() -> Check:
     try:
         import torch
 
-        from .device import default_device
+        from paged_kv.device import default_device
 
         device = default_device()
     except (ImportError, ValueError) as error:

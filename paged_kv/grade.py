@@ -21,9 +21,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli import USAGE_ERROR, _Parser
-from .grading import PACKAGE, GradeReport, grade, lessons
-from .grading.runner import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, STATUS_TEXT
+from paged_kv.cli import USAGE_ERROR, _Parser
+from paged_kv.grading import PACKAGE, GradeReport, grade, lessons
+from paged_kv.grading.runner import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, STATUS_TEXT
 
 MARK = {"passed": "\N{CHECK MARK}"}
 METADATA_KEY = "paged_kv"  # where tools/build_course.py writes a notebook's lesson

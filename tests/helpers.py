@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.engine import EngineRequest
-from paged_kv.model import TinyGPT, generate
+from paged_kv.model.generate import generate
+from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.serving.engine import EngineRequest
 
 NUM_HEADS, HEAD_DIM = 2, 4
 

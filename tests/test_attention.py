@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.attention import decode_attention, gather_kv, paged_attention, paged_prefill_attention
-from paged_kv.flex import flex_available
+from paged_kv.attention.flex import flex_available
+from paged_kv.attention.paged import decode_attention, gather_kv, paged_attention, paged_prefill_attention
 
 pytestmark = pytest.mark.lesson05
 
@@ -679,7 +679,7 @@ def test_shared_blocks_are_read_in_place_by_every_row_that_holds_them():
 
 def test_auto_gathers_when_shared_blocks_are_thinly_shared():
     """One block shared by 2 of 16 rows: meeting all 16 queries would waste 8 times the work."""
-    from paged_kv.attention import _BlockReads
+    from paged_kv.attention.paged import _BlockReads
 
     lengths = [12] * 16
     cache = scattered_cache(lengths, block_size=4)
@@ -760,9 +760,9 @@ def test_flex_in_half_precision_matches_within_a_looser_tolerance(device, dtype)
 
 
 def test_flex_on_an_old_torch_is_a_value_error_naming_the_strategy(monkeypatch):
-    import paged_kv.flex
+    import paged_kv.attention.flex
 
-    monkeypatch.setattr(paged_kv.flex, "flex_available", lambda: False)
+    monkeypatch.setattr(paged_kv.attention.flex, "flex_available", lambda: False)
     cache = scattered_cache([4])
     with pytest.raises(ValueError, match=r"strategy 'flex' needs torch 2\.5"):
         run(cache, random_query(cache, 1), [4], strategy="flex")

@@ -24,9 +24,10 @@ import run_all  # noqa: E402
 from _timing import FLAT_LIMIT  # noqa: E402
 
 from paged_kv import BlockAllocator, PagedKVCacheAllocator  # noqa: E402
-from paged_kv.attention import gather_kv  # noqa: E402
-from paged_kv.mapping import slot_mapping  # noqa: E402
-from paged_kv.model import GPTConfig, TinyGPT, generate  # noqa: E402
+from paged_kv.attention.paged import gather_kv  # noqa: E402
+from paged_kv.kv.mapping import slot_mapping  # noqa: E402
+from paged_kv.model.generate import generate  # noqa: E402
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
 
 @pytest.mark.lesson02

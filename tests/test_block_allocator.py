@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv import BlockAllocator, OutOfBlocksError
-from paged_kv.block_allocator import DETACHED, FreeBlockQueue
+from paged_kv.core.block_allocator import DETACHED, FreeBlockQueue
 
 pytestmark = pytest.mark.lesson02
 

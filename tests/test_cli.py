@@ -10,7 +10,7 @@ import pytest
 
 from paged_kv import env_check
 from paged_kv.cli import main
-from paged_kv.workload import compare_policies, format_table, sample_requests
+from paged_kv.simulation.workload import compare_policies, format_table, sample_requests
 
 from .test_fragmentation import SEED_REPORT
 

@@ -10,7 +10,9 @@ import torch
 from hypothesis import event, given, target
 from hypothesis import strategies as st
 
-from paged_kv.engine import (
+from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.serving.engine import (
     Engine,
     EngineRequest,
     EngineResult,
@@ -20,7 +22,6 @@ from paged_kv.engine import (
     sweep_budgets,
     watermark_blocks,
 )
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT
 
 from .helpers import alone
 

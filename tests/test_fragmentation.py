@@ -14,7 +14,7 @@ from paged_kv import (
     contiguous_baseline,
     fragmentation_report,
 )
-from paged_kv.fragmentation import paged_usage
+from paged_kv.simulation.fragmentation import paged_usage
 
 pytestmark = pytest.mark.lesson00
 

@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from paged_kv import OutOfBlocksError, blocks_for_tokens
-from paged_kv.model import (
-    ContiguousKVCache,
-    GPTConfig,
-    PagedKVCache,
-    TinyGPT,
-    decode,
-    encode,
-    generate,
-)
+from paged_kv.model.generate import generate
+from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
 
 pytestmark = pytest.mark.lesson09
 

@@ -8,7 +8,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.plots import (
+from paged_kv.pictures.plots import (
     plot_block_tables,
     plot_free_list_steps,
     plot_held_and_reserved,

@@ -1,4 +1,4 @@
-"""Choosing the victims of a decode step that finds too few free blocks (paged_kv.preemption)."""
+"""Choosing the victims of a decode step that finds too few free blocks (paged_kv.serving.preemption)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError
-from paged_kv.preemption import choose_victims
+from paged_kv.serving.preemption import choose_victims
 
 pytestmark = pytest.mark.lesson08
 

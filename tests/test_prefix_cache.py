@@ -21,14 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_kv import (
-    OutOfBlocksError,
-    PagedKVCacheAllocator,
-    UnknownSequenceError,
-    blocks_for_tokens,
-    prefix_cache,
-)
-from paged_kv.prefix_cache import (
+from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceError, blocks_for_tokens
+from paged_kv.core import prefix_cache
+from paged_kv.core.prefix_cache import (
     ROOT_HASH,
     CachingBlockAllocator,
     PrefixCache,
@@ -116,7 +111,9 @@ def test_chain_hashes_follow_the_recurrence(tokens, block_size):
 
 
 def test_block_hashes_are_the_same_in_every_process():
-    code = "from paged_kv.prefix_cache import chain_hashes; print(chain_hashes([(1, 2), (3, 4), (5, 6)]))"
+    code = (
+        "from paged_kv.core.prefix_cache import chain_hashes; print(chain_hashes([(1, 2), (3, 4), (5, 6)]))"
+    )
     outputs = set()
     for seed in ("0", "random"):  # PYTHONHASHSEED randomises str and bytes; ASLR moves None
         env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -1,4 +1,4 @@
-"""paged_kv.sharing: the shared-system-prompt workload, its ideal hits, and serving it (lesson 07)."""
+"""paged_kv.simulation.sharing: the shared-system-prompt workload, its ideal hits, serving it (lesson 07)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import blocks_for_tokens
-from paged_kv.prefix_cache import PrefixCacheStats
-from paged_kv.sharing import (
+from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.simulation.sharing import (
     VOCAB_SIZE,
     ServeResult,
     SharedPromptRequest,
@@ -16,7 +16,7 @@ from paged_kv.sharing import (
     serve,
     system_prompt_requests,
 )
-from paged_kv.workload import SHAREGPT, sample_requests
+from paged_kv.simulation.workload import SHAREGPT, sample_requests
 
 pytestmark = pytest.mark.lesson07
 

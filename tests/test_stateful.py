@@ -3,7 +3,7 @@
 A hypothesis state machine drives a small PagedKVCacheAllocator through allocate (prompts with
 shared prefixes, so the prefix cache hits, revives freed blocks and evicts them), decode appends,
 overwrites, fork, free, preemption by recompute (free, then allocate the same tokens again) and by
-swap (out to host memory through :mod:`paged_kv.swap`, and back in, into whatever blocks are free),
+swap (out to host memory through :mod:`paged_kv.kv.swap`, and back in, into whatever blocks are free),
 and calls that must fail. It runs twice: with prefix caching off and on.
 
 The reference is each sequence's tokens. As in a real model, the K/V of position ``p`` are a
@@ -41,10 +41,10 @@ from paged_kv import (
     PagedKVCacheAllocator,
     UnknownSequenceError,
     blocks_for_tokens,
-    swap,
 )
-from paged_kv.prefix_cache import PrefixCacheStats
-from paged_kv.swap import SwappedKV
+from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.kv import swap
+from paged_kv.kv.swap import SwappedKV
 
 from .helpers import HEAD_DIM, NUM_HEADS, fails_cleanly, kv_of, unchanged
 

@@ -1,4 +1,4 @@
-"""Swapping a sequence's K/V to host memory and back (paged_kv.swap, PagedKVCache.swap_out / swap_in).
+"""Swapping a sequence's K/V to host memory and back (paged_kv.kv.swap, PagedKVCache.swap_out / swap_in).
 
 The examples check the round trip on every layer, that the blocks really go back to the pool and
 come back as other blocks, that a swapped-in sequence decodes the same tokens as one never swapped,
@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged_kv import OutOfBlocksError, UnknownSequenceError, blocks_for_tokens
-from paged_kv.model import GPTConfig, PagedKVCache, TinyGPT, generate
-from paged_kv.swap import SwappedKV, to_host
+from paged_kv.kv.swap import SwappedKV, to_host
+from paged_kv.model.generate import generate
+from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
 
 from .helpers import unchanged
 

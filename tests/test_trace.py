@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import BlockTable, OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceError
-from paged_kv.trace import EVENTS, TraceFrame
+from paged_kv.core.trace import EVENTS, TraceFrame
 
 from .helpers import fails_cleanly, kv_for, make_cache
 

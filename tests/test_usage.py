@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import BlockTable, BlockUsage
-from paged_kv.usage import block_tokens
+from paged_kv.core.usage import block_tokens
 
 pytestmark = [pytest.mark.lesson02, pytest.mark.lesson07]
 

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import AllocatorSnapshot, BlockTable, PagedKVCacheAllocator
-from paged_kv.plots import PALETTE
-from paged_kv.viz import (
+from paged_kv.pictures.plots import PALETTE
+from paged_kv.pictures.pool import (
     CARD_BORDER,
     CARD_INK,
     CARD_PAPER,

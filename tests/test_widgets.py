@@ -17,9 +17,9 @@ import pytest
 from ipywidgets.widgets.widget_link import Link
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.trace import TraceFrame
-from paged_kv.viz import render_allocator
-from paged_kv.widgets import AllocationPlayer, AllocatorPlayground, refusal_caption, sequence_name
+from paged_kv.core.trace import TraceFrame
+from paged_kv.pictures.pool import render_allocator
+from paged_kv.pictures.widgets import AllocationPlayer, AllocatorPlayground, refusal_caption, sequence_name
 
 pytestmark = pytest.mark.lesson04
 

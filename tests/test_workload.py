@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.workload import (
+from paged_kv.simulation.workload import (
     ALPACA,
     CONTIGUOUS_KINDS,
     SHAREGPT,
@@ -265,7 +265,7 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # Step 2: both fill it. Step 3: A needs a 3rd block, none is free: B, the newest, is preempted,
     # its 2 blocks freed, and A takes one; no admission that step. Step 4: A finishes. B starts over
     # at step 5 and finishes at step 9.
-    monkeypatch.setattr("paged_kv.workload.PagedKVCacheAllocator", CountingAllocator)
+    monkeypatch.setattr("paged_kv.simulation.workload.PagedKVCacheAllocator", CountingAllocator)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1

@@ -42,7 +42,7 @@ CELLS = [
         "code",
         f"""\
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.widgets import AllocationPlayer, AllocatorPlayground
+from paged_kv.pictures.widgets import AllocationPlayer, AllocatorPlayground
 
 cache = PagedKVCacheAllocator(num_blocks=12, block_size=4, num_heads=1, head_dim=1, record=True)
 cache.allocate_for_sequence("A", 7)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ._core import TASKS, Checker, CheckFailed, check, task
+from paged_kv.checks._core import TASKS, Checker, CheckFailed, check, task
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name.startswith("lesson"):

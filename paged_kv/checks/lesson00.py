@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._core import Checker, answers, diagnose, task
+from paged_kv.checks._core import Checker, answers, diagnose, task
 
 SEED_REQUESTS = [9, 17, 33, 5, 41, 12]
 CEILING_HINT = "ceil(n / b) in integers is -(-n // b) or (n + b - 1) // b"

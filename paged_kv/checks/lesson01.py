@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from paged_kv.block import BlockTable as ReferenceTable
-
-from ._core import Checker, task
+from paged_kv.checks._core import Checker, task
+from paged_kv.core.block import BlockTable as ReferenceTable
 
 SHARED_DEFAULT_HINT = (
     "a default of [] is created once, when the def runs, and shared by every table made without "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_kv.checks._core import Checker, task
 from paged_kv.errors import OutOfBlocksError
-
-from ._core import Checker, task
 
 FIFO_HINT = (
     "allocate takes the head of the free list (deque.popleft()) and free appends to its tail; "

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..device import default_device
-from ._core import Checker, diagnose, task
+from paged_kv.checks._core import Checker, diagnose, task
+from paged_kv.device import default_device
 
 TABLE = [5, 2, 7]  # the scattered table of lesson 03: 11 tokens in blocks of 4
 UNWRITTEN = 0.5

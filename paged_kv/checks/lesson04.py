@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from ..block import blocks_for_tokens
-from ..cache import PagedKVCacheAllocator
-from ..errors import OutOfBlocksError
-from ._core import Checker, answers, diagnose, task
+from paged_kv.checks._core import Checker, answers, diagnose, task
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
 
 RULE = (
     "a new block is needed exactly when the blocks held are full: num_tokens == num_blocks_held * block_size"

@@ -7,7 +7,7 @@ no mask) and, when the result matches one, the hint names it.
 
 While the learner's code runs, what the check compares with and the package's own answers
 (``paged_kv.paged_attention``, and ``gather_kv``, ``decode_attention`` and ``paged_attention`` of
-:mod:`paged_kv.attention`) raise when called through their modules. The package is graded through
+:mod:`paged_kv.attention.paged`) raise when called through their modules. The package is graded through
 :mod:`paged_kv.grading.reference.lesson05`, which binds those functions at import, so it still passes.
 """
 
@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import paged_kv
-import paged_kv.attention
-
-from ..cache import PagedKVCacheAllocator
-from ._core import Checker, task
+import paged_kv.attention.paged
+from paged_kv.checks._core import Checker, task
+from paged_kv.kv.cache import PagedKVCacheAllocator
 
 # Attention results are compared with these tolerances; gathered K/V must be exactly equal.
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -206,9 +205,9 @@ def _forbidden(module: object, name: str, why: str) -> Iterator[None]:
 
 
 def _package(name: str) -> tuple[object, str, str]:
-    """The package's own ``paged_kv.attention.<name>``, refused while the learner's code runs."""
-    why = f"write your own: paged_kv.attention.{name} is the package's answer to this exercise"
-    return (paged_kv.attention, name, why)
+    """The package's own ``paged_kv.attention.paged.<name>``, refused while the learner's code runs."""
+    why = f"write your own: paged_kv.attention.paged.{name} is the package's answer to this exercise"
+    return (paged_kv.attention.paged, name, why)
 
 
 def _run_without(c: Checker, call: str, thunk: Callable[[], object], hint: str, *forbidden) -> object:
@@ -462,7 +461,7 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
             lambda inputs=inputs: paged_decode_attention(*inputs),
             hint,
             (paged_kv, "paged_attention", answer),
-            (paged_kv.attention, "paged_attention", answer),
+            (paged_kv.attention.paged, "paged_attention", answer),
             _package("gather_kv"),
             _package("decode_attention"),
         )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..workload import (
+from paged_kv.checks._core import Checker, task
+from paged_kv.simulation.workload import (
     CONTIGUOUS_KINDS,
     ContiguousPolicy,
     Request,
@@ -12,7 +13,6 @@ from ..workload import (
     sample_requests,
     simulate,
 )
-from ._core import Checker, task
 
 POW2_HINT = "the smallest power of two >= n is 1 << (n - 1).bit_length()"
 EXACT_POWER_HINT = (
@@ -143,7 +143,7 @@ def _reserved_tokens(c: Checker, reserved_tokens) -> None:
                     f'reserved_tokens("{kind}", {prompt}, {output}, {max_model_len})',
                     lambda kind=kind, p=prompt, o=output, m=max_model_len: reserved_tokens(kind, p, o, m),
                     expected,
-                    f"a {name}-shaped request: paged_kv.workload.ContiguousPolicy reserves {expected}",
+                    f"a {name}-shaped request: the package's ContiguousPolicy reserves {expected}",
                 )
             c.holds(call, wrong is None, "paged_kv's reservations", wrong)
 

@@ -5,8 +5,8 @@ pools on :func:`~paged_kv.device.default_device`), whose every block starts full
 so a K/V copy that is missing, or made the wrong way round, shows. Task 2 shares blocks by hand
 (a copied table and ``add_ref``), not with the learner's ``fork``, so each task is graded on its own;
 it ends with a seeded run of forks, appends and frees compared step by step with
-:class:`~paged_kv.cache.PagedKVCacheAllocator`. Task 3 compares the hashes with
-:func:`~paged_kv.prefix_cache.chain_hashes`, and the lookup with the blocks the package's prefix cache
+:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`. Task 3 compares the hashes with
+:func:`~paged_kv.core.prefix_cache.chain_hashes`, and the lookup with the blocks the package's prefix cache
 reuses for the same prompts.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from ..block import BlockTable
-from ..cache import PagedKVCacheAllocator
-from ..device import default_device
-from ..errors import OutOfBlocksError
-from ..prefix_cache import ROOT_HASH, block_hash, chain_hashes, full_blocks
-from ._core import Checker, task
+from paged_kv.checks._core import Checker, task
+from paged_kv.core.block import BlockTable
+from paged_kv.core.prefix_cache import ROOT_HASH, block_hash, chain_hashes, full_blocks
+from paged_kv.device import default_device
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
 
 NUM_HEADS, HEAD_DIM, BLOCK = 2, 4, 4
 

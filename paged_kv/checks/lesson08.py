@@ -1,10 +1,10 @@
 """Checks of exercise 08: admission with a watermark, victims and their requeueing, swapping K/V out and in.
 
 The admission rule is checked on examples at the boundary, then against the engine's rule,
-:func:`paged_kv.engine.admits`, on a grid of cases one block on either side of it. The victims are
+:func:`paged_kv.serving.engine.admits`, on a grid of cases one block on either side of it. The victims are
 checked on small cases that each isolate one mistake, then against
-:func:`paged_kv.preemption.choose_victims` on random cases. The swap round trip runs on a
-:class:`~paged_kv.cache.PagedKVCacheAllocator` on the default device whose pool starts full of stale
+:func:`paged_kv.serving.preemption.choose_victims` on random cases. The swap round trip runs on a
+:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` on the default device whose pool starts full of stale
 random K/V and whose freed blocks are overwritten before the sequence comes back, so a copy that is
 not a copy, a block that is not written, or a token lost on the way gives a visibly wrong answer.
 When an answer is wrong, the check looks for the classic mistakes and names the one it finds.
@@ -19,13 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..cache import PagedKVCacheAllocator
-from ..device import default_device
-from ..engine import admits, watermark_blocks
-from ..errors import OutOfBlocksError
-from ..preemption import choose_victims as package_victims
-from ._core import Checker, answers, diagnose, task
-from .lesson03 import kv_mixup
+from paged_kv.checks._core import Checker, answers, diagnose, task
+from paged_kv.checks.lesson03 import kv_mixup
+from paged_kv.device import default_device
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.serving.engine import admits, watermark_blocks
+from paged_kv.serving.preemption import choose_victims as package_victims
 
 # ------------------------------------------------------------------------------- Task 1
 
@@ -145,7 +145,12 @@ def _admit_with_watermark(c: Checker, admit) -> None:
     )
     if wrong is not None:
         c.equal(f"admit_with_watermark{wrong}", lambda: bool(admit(*wrong)), _reference(*wrong), hint)
-    c.holds(call, wrong is None, "the answers of paged_kv.engine.admits with the watermark kept free", wrong)
+    c.holds(
+        call,
+        wrong is None,
+        "the answers of paged_kv.serving.engine.admits with the watermark kept free",
+        wrong,
+    )
 
 
 # ------------------------------------------------------------------------------- Task 2
@@ -313,7 +318,7 @@ def _choose_victims(c: Checker, choose_victims, requeue) -> None:
             package_victims(running, free),
             hint,
         )
-    c.holds(call, wrong is None, "paged_kv.preemption.choose_victims's answers", wrong)
+    c.holds(call, wrong is None, "paged_kv.serving.preemption.choose_victims's answers", wrong)
 
     for waiting, victims in REQUEUE_CASES:
         queue = deque(waiting)

@@ -1,8 +1,8 @@
 """Checks of exercise 09: the engine's admission rule, the slots of a decode step, a paged cache of one's own.
 
 The admission rule is checked on examples at the boundary, then against what
-:class:`~paged_kv.engine.Engine` actually does. The slots are compared with the package's
-:meth:`~paged_kv.cache.PagedKVCacheAllocator.slot_mapping` on a twin allocator, in pools whose free
+:class:`~paged_kv.serving.engine.Engine` actually does. The slots are compared with the package's
+:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping` on a twin allocator, in pools whose free
 lists are shuffled, so that a slot is never the position itself. The cache is checked call by call
 against attention over the same tokens held contiguously, then end to end: in
 :func:`~paged_kv.model.generate` and in the engine, against the contiguous cache. Every pool starts
@@ -19,13 +19,14 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..block import blocks_for_tokens
-from ..cache import PagedKVCacheAllocator
-from ..device import default_device
-from ..engine import Engine, EngineRequest
-from ..errors import OutOfBlocksError
-from ..model import GPTConfig, TinyGPT, generate
-from ._core import Checker, answers, diagnose, task
+from paged_kv.checks._core import Checker, answers, diagnose, task
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.device import default_device
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.model.generate import generate
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.serving.engine import Engine, EngineRequest
 
 # A GPT small enough for the checks to run in a blink, with two layers so that "every layer" matters.
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)

@@ -5,7 +5,7 @@
 and returns a :class:`GradeReport`. ``python -m paged_kv.grade`` is its command line.
 """
 
-from .loader import PACKAGE, LoadError
-from .runner import GradeReport, TaskResult, grade, lessons, tasks_of
+from paged_kv.grading.loader import PACKAGE, LoadError
+from paged_kv.grading.runner import GradeReport, TaskResult, grade, lessons, tasks_of
 
 __all__ = ["PACKAGE", "GradeReport", "LoadError", "TaskResult", "grade", "lessons", "tasks_of"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checks._core import where_raised
+from paged_kv.checks._core import where_raised
 
 PACKAGE = "package"
 MAGIC = re.compile(r"^\s*[%!]")

@@ -18,7 +18,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 
-from ..checks import TASKS
+from paged_kv.checks import TASKS
 
 DEFAULT_TIME_LIMIT_S = 30.0
 LOAD_TIME_LIMIT_S = 120.0  # importing torch and the learner's code, once per worker

@@ -22,9 +22,9 @@ try:
 except ImportError:  # Windows: no resource limits; the time limit still holds
     resource = None
 
-from ..checks import TASKS, CheckFailed, check
-from ..checks._core import where_raised
-from .loader import Implementation, LoadError, load
+from paged_kv.checks import TASKS, CheckFailed, check
+from paged_kv.checks._core import where_raised
+from paged_kv.grading.loader import Implementation, LoadError, load
 
 
 def run_task(implementation: Implementation, task_id: str) -> dict[str, object]:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson07]
 THEMES = {"light": harness.LIGHT_THEME, "dark": harness.DARK_THEME}
 FRESH = ("07_sharing.ipynb", "04_decode_allocation.ipynb")
 WHITE = [255, 255, 255, 255]
-INK = "rgb(34, 34, 34)"  # paged_kv.viz.CARD_INK, the image's ink
+INK = "rgb(34, 34, 34)"  # paged_kv.pictures.pool.CARD_INK, the image's ink
 
 
 def committed_pictures(path) -> list[str]:
@@ -100,7 +100,7 @@ HOSTS = {"vscode-dark": ("#1F1F1F", "#CCCCCC"), "vscode-light": ("#FFFFFF", "#3B
 @pytest.mark.parametrize("host", HOSTS)
 def test_both_forms_read_well_on_a_page_without_jupyterlabs_variables(page, host, screenshot):
     from paged_kv import PagedKVCacheAllocator
-    from paged_kv.viz import render_allocator
+    from paged_kv.pictures.pool import render_allocator
 
     cache = PagedKVCacheAllocator(8, 4, 1, 1)
     cache.allocate_for_sequence("A", 10)

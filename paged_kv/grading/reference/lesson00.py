@@ -1,14 +1,15 @@
-"""Lesson 00's names over the package: ``blocks_for_tokens`` is :func:`paged_kv.block.blocks_for_tokens`
-itself; ``paged_usage`` reads four fields of :func:`paged_kv.fragmentation.paged_usage` (a
-:class:`~paged_kv.usage.BlockUsage`) into the exercise's dict; ``contiguous_usage`` is
-:func:`paged_kv.fragmentation.contiguous_baseline` (a :class:`~paged_kv.fragmentation.ContiguousUsage`)
+"""Lesson 00's names over the package: ``blocks_for_tokens`` is :func:`paged_kv.core.block.blocks_for_tokens`
+itself; ``paged_usage`` reads four fields of :func:`paged_kv.simulation.fragmentation.paged_usage` (a
+:class:`~paged_kv.core.usage.BlockUsage`) into the exercise's dict; ``contiguous_usage`` is
+:func:`paged_kv.simulation.fragmentation.contiguous_baseline` (a
+:class:`~paged_kv.simulation.fragmentation.ContiguousUsage`)
 as a dict.
 """
 
 from dataclasses import asdict as _asdict
 
-from paged_kv import fragmentation as _fragmentation
-from paged_kv.block import blocks_for_tokens
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.simulation import fragmentation as _fragmentation
 
 __all__ = ["blocks_for_tokens", "contiguous_usage", "paged_usage"]
 

@@ -1,9 +1,9 @@
-"""Lesson 01's names over the package: ``Block`` and ``BlockTable`` are :class:`paged_kv.block.Block`
-and :class:`paged_kv.block.BlockTable` themselves, and ``physical_block(table, position, block_size)``
-calls :meth:`paged_kv.block.BlockTable.physical_block` on the table.
+"""Lesson 01's names over the package: ``Block`` and ``BlockTable`` are :class:`paged_kv.core.block.Block`
+and :class:`paged_kv.core.block.BlockTable` themselves, and ``physical_block(table, position, block_size)``
+calls :meth:`paged_kv.core.block.BlockTable.physical_block` on the table.
 """
 
-from paged_kv.block import Block, BlockTable
+from paged_kv.core.block import Block, BlockTable
 
 __all__ = ["Block", "BlockTable", "physical_block"]
 

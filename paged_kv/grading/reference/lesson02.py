@@ -1,6 +1,7 @@
-"""Lesson 02's names over the package: ``BlockAllocator`` is :class:`paged_kv.block_allocator.BlockAllocator`
+"""Lesson 02's names over the package: ``BlockAllocator`` is
+:class:`paged_kv.core.block_allocator.BlockAllocator`
 itself; ``PagedKVCacheAllocator(num_blocks, block_size, num_heads, head_dim, dtype, device)`` is
-:class:`paged_kv.cache.PagedKVCacheAllocator` (its ``k_cache`` and ``v_cache``, allocated once) that
+:class:`paged_kv.kv.cache.PagedKVCacheAllocator` (its ``k_cache`` and ``v_cache``, allocated once) that
 exposes its pool as ``allocator`` and its tables as ``tables``, like the exercise's class, and
 returns the block ids from ``allocate_for_sequence`` rather than a copy of the table; and
 ``SequenceAllocator(num_blocks, block_size)`` is that cache with one head of dimension one (its
@@ -12,9 +13,9 @@ the checks only use what both have.
 
 from collections.abc import Hashable as _Hashable
 
-from paged_kv.block import BlockTable as _BlockTable
-from paged_kv.block_allocator import BlockAllocator
-from paged_kv.cache import PagedKVCacheAllocator as _PackageCache
+from paged_kv.core.block import BlockTable as _BlockTable
+from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.kv.cache import PagedKVCacheAllocator as _PackageCache
 
 __all__ = ["BlockAllocator", "PagedKVCacheAllocator", "SequenceAllocator"]
 

@@ -1,17 +1,19 @@
 """Exercise 06 graded on the package: ``next_power_of_two`` and ``reserved_tokens`` are the size
-classes and the contiguous reservation of :mod:`paged_kv.workload` (``ContiguousPolicy.reservation``
+classes and the contiguous reservation of :mod:`paged_kv.simulation.workload`
+(``ContiguousPolicy.reservation``
 delegates to ``reserved_tokens``), and ``ContinuousBatcher`` is the package's
-:class:`~paged_kv.workload.ContinuousBatcher`, the engine step ``simulate`` runs, over a
-:class:`~paged_kv.workload.ContiguousPool` of ``budget_tokens`` slots shared out by ``reserve``: the
+:class:`~paged_kv.simulation.workload.ContinuousBatcher`, the engine step ``simulate`` runs, over a
+:class:`~paged_kv.simulation.workload.ContiguousPool` of ``budget_tokens`` slots shared out by ``reserve``:
+the
 subclass only turns the exercise's ``ContinuousBatcher(budget_tokens, reserve)`` into that pool.
 """
 
 from collections.abc import Callable as _Callable
 
-from paged_kv.workload import ContiguousPool as _ContiguousPool
-from paged_kv.workload import ContinuousBatcher as _ContinuousBatcher
-from paged_kv.workload import Request as _Request
-from paged_kv.workload import next_power_of_two, reserved_tokens
+from paged_kv.simulation.workload import ContiguousPool as _ContiguousPool
+from paged_kv.simulation.workload import ContinuousBatcher as _ContinuousBatcher
+from paged_kv.simulation.workload import Request as _Request
+from paged_kv.simulation.workload import next_power_of_two, reserved_tokens
 
 __all__ = ["ContinuousBatcher", "next_power_of_two", "reserved_tokens"]
 

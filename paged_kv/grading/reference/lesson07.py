@@ -1,14 +1,14 @@
 """Exercise 07 graded on the package.
 
-``SharedCache`` is :class:`paged_kv.cache.PagedKVCacheAllocator` seen as the exercise's class: its pool
+``SharedCache`` is :class:`paged_kv.kv.cache.PagedKVCacheAllocator` seen as the exercise's class: its pool
 as ``allocator``, its tables as ``tables`` (the cache's own dict), and ``allocate_for_sequence``
-returning the block ids. ``fork`` is :meth:`~paged_kv.cache.PagedKVCacheAllocator.fork` and
-``append_token`` is :meth:`~paged_kv.cache.PagedKVCacheAllocator.append_tokens` of one token, which
-copies a shared block on write. ``block_hashes`` is :func:`paged_kv.prefix_cache.chain_hashes` of the
-prompt's :func:`~paged_kv.prefix_cache.full_blocks`. ``cached_prefix`` states, on the exercise's plain
+returning the block ids. ``fork`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.fork` and
+``append_token`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.append_tokens` of one token, which
+copies a shared block on write. ``block_hashes`` is :func:`paged_kv.core.prefix_cache.chain_hashes` of the
+prompt's :func:`~paged_kv.core.prefix_cache.full_blocks`. ``cached_prefix`` states, on the exercise's plain
 ``{hash: (token_ids, block_id)}`` dict, the rule the package's prefix cache applies
-(:meth:`~paged_kv.prefix_cache.PrefixCache.match` under the limit of
-:meth:`~paged_kv.prefix_cache.CachingBlockAllocator.allocate_prompt`): the leading full blocks whose
+(:meth:`~paged_kv.core.prefix_cache.PrefixCache.match` under the limit of
+:meth:`~paged_kv.core.prefix_cache.CachingBlockAllocator.allocate_prompt`): the leading full blocks whose
 hash is cached with the same tokens, the first miss ending the run, at most ``len - 1`` tokens. The
 package also checks each hit's parent entry, which the exercise's dict does not hold.
 """
@@ -18,11 +18,11 @@ from collections.abc import Sequence as _Sequence
 
 import torch as _torch
 
-from paged_kv.block import BlockTable as _BlockTable
-from paged_kv.block_allocator import BlockAllocator as _BlockAllocator
-from paged_kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.prefix_cache import chain_hashes as _chain_hashes
-from paged_kv.prefix_cache import full_blocks as _full_blocks
+from paged_kv.core.block import BlockTable as _BlockTable
+from paged_kv.core.block_allocator import BlockAllocator as _BlockAllocator
+from paged_kv.core.prefix_cache import chain_hashes as _chain_hashes
+from paged_kv.core.prefix_cache import full_blocks as _full_blocks
+from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 
 __all__ = ["SharedCache", "append_token", "block_hashes", "cached_prefix", "fork"]
 

@@ -1,9 +1,9 @@
 """Exercise 08 graded on the package: ``admit_with_watermark`` is the engine's admission rule,
-:func:`paged_kv.engine.admits`, with the watermark's ``ceil(watermark * num_blocks)`` blocks kept
-free; ``choose_victims`` is :func:`paged_kv.preemption.choose_victims`, and ``requeue`` puts the
+:func:`paged_kv.serving.engine.admits`, with the watermark's ``ceil(watermark * num_blocks)`` blocks kept
+free; ``choose_victims`` is :func:`paged_kv.serving.preemption.choose_victims`, and ``requeue`` puts the
 victims back at the front of the queue the way the engine does (``appendleft``, newest first);
-``swap_out`` and ``swap_in`` are :mod:`paged_kv.swap` on one allocator, with the saved K/V as a
-``(k, v)`` pair instead of a :class:`~paged_kv.swap.SwappedKV`.
+``swap_out`` and ``swap_in`` are :mod:`paged_kv.kv.swap` on one allocator, with the saved K/V as a
+``(k, v)`` pair instead of a :class:`~paged_kv.kv.swap.SwappedKV`.
 """
 
 from collections import deque as _deque
@@ -11,11 +11,11 @@ from collections.abc import Hashable as _Hashable
 
 import torch as _torch
 
-from paged_kv import swap as _swap
-from paged_kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.engine import admits as _admits
-from paged_kv.engine import watermark_blocks
-from paged_kv.preemption import choose_victims
+from paged_kv.kv import swap as _swap
+from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
+from paged_kv.serving.engine import admits as _admits
+from paged_kv.serving.engine import watermark_blocks
+from paged_kv.serving.preemption import choose_victims
 
 __all__ = ["admit_with_watermark", "choose_victims", "requeue", "swap_in", "swap_out"]
 

@@ -1,7 +1,7 @@
 """Admitting out of order: a request that does not fit is skipped, and a younger one that fits jumps ahead."""
 
 from paged_kv.grading.reference.lesson06 import *  # every other task stays right
-from paged_kv.workload import RunningSequence
+from paged_kv.simulation.workload import RunningSequence
 
 BREAKS = "06.continuous_batcher"
 MESSAGE = "first come first served"

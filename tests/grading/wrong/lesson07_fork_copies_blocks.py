@@ -1,6 +1,6 @@
 """Forking by copying: the child takes fresh blocks and a copy of the parent's K/V, sharing nothing."""
 
-from paged_kv.block import BlockTable
+from paged_kv.core.block import BlockTable
 from paged_kv.grading.reference.lesson07 import *  # every other task stays right
 
 BREAKS = "07.fork"

@@ -3,7 +3,7 @@
 import torch
 
 from paged_kv.grading.reference.lesson09 import *  # every other task stays right
-from paged_kv.scheduling import decode_step
+from paged_kv.serving.scheduling import decode_step
 
 BREAKS = "09.decode_slots"
 MESSAGE = "you returned the position itself"

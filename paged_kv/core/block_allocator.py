@@ -1,7 +1,7 @@
 """The block pool's bookkeeping: a free list and a ref count per block, and no tensors.
 
 :class:`BlockAllocator` answers one question, "which physical block can I use next?", in O(1).
-It knows nothing about sequences or K/V data; :class:`~paged_kv.cache.PagedKVCacheAllocator`
+It knows nothing about sequences or K/V data; :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
 builds on it.
 
 The free list is a :class:`FreeBlockQueue`, a doubly linked list threaded through two arrays
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ._checks import check_count
-from .block import Block
-from .errors import OutOfBlocksError
+from paged_kv.core.block import Block
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.validate import check_count
 
 DETACHED = -1
 """The ``prev``/``next`` link of a block that is not on a :class:`FreeBlockQueue`."""

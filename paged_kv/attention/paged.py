@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_count
-from .block import blocks_for_tokens
-from .flex import flex_decode
+from paged_kv.attention.flex import flex_decode
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.validate import check_count
 
 STRATEGIES = ("auto", "gather", "in_place", "flex")
 
@@ -60,7 +60,7 @@ def paged_attention(
             reads at least half the pool, and shared blocks, if any, are read by at least a quarter
             of the rows on average; it gathers otherwise. ``"flex"``
             runs FlexAttention over the whole pool with a block mask built from the tables
-            (:mod:`paged_kv.flex`; torch 2.5 or later): compiled into one kernel on CUDA, unfused
+            (:mod:`paged_kv.attention.flex`; torch 2.5 or later): compiled into one kernel on CUDA, unfused
             and slow elsewhere. ``"auto"`` never picks it.
 
     Returns:
@@ -173,7 +173,7 @@ def gather_kv(
 
     Returns:
         ``(k, v)``, each ``(context_len, num_heads, head_dim)`` on the caches' device, row ``p``
-        holding token ``p``: what :meth:`~paged_kv.cache.PagedKVCacheAllocator.read_kv` returns for
+        holding token ``p``: what :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.read_kv` returns for
         a sequence of ``context_len`` tokens.
 
     Raises:

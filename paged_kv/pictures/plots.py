@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-from .block import blocks_for_tokens
-from .snapshot import AllocatorSnapshot
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.snapshot import AllocatorSnapshot
 
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 WASTE = {"facecolor": "#DDDDDD", "edgecolor": "#888888", "hatch": "///", "linewidth": 0.5}

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .block import BlockTable
+from paged_kv.core.block import BlockTable
 
 
 @dataclass(frozen=True)
 class AllocatorSnapshot:
-    """Everything a :class:`~paged_kv.cache.PagedKVCacheAllocator` knows, except the K/V data.
+    """Everything a :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` knows, except the K/V data.
 
     Two snapshots are equal exactly when the allocators they were taken from would behave the same
     from then on: same free list order, same ref counts, same sequences with the same tables. The

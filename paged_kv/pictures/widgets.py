@@ -1,6 +1,6 @@
 """Widgets that animate block allocation: a player over a recorded trace, and a live playground.
 
-Both widgets draw the picture of :func:`paged_kv.viz.render_allocator`: the pool's blocks, who holds
+Both widgets draw the picture of :func:`paged_kv.pictures.pool.render_allocator`: the pool's blocks, who holds
 them, and a caption under the picture.
 
 :class:`AllocationPlayer` replays a trace recorded by ``PagedKVCacheAllocator(..., record=True)``.
@@ -13,7 +13,7 @@ them at a time. Its caption reads ``"7/41 · seq B, token 17: block 5 appended"`
 * the frame number, whose spinner arrows also step back and forward, with no kernel.
 
 Both widgets draw the picture inline, in the page's own text colour on the page's background, so
-they read well in light and dark themes alike (:func:`~paged_kv.viz.render_allocator`); their
+they read well in light and dark themes alike (:func:`~paged_kv.pictures.pool.render_allocator`); their
 status lines carry their own colours.
 
 **A still for a notebook opened before it runs.** An untrusted notebook (a lesson opened fresh,
@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from ._checks import check_count
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
-from .trace import allocate_caption, free_caption, token_caption
-from .viz import plural, render_allocator
+from paged_kv.core.trace import allocate_caption, free_caption, token_caption
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.pictures.pool import plural, render_allocator
+from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
-    from .trace import TraceFrame
+    from paged_kv.core.trace import TraceFrame
 
 __all__ = ["AllocationPlayer", "AllocatorPlayground", "refusal_caption", "sequence_name"]
 
@@ -213,7 +213,7 @@ def _small_button(label: str, tooltip: str) -> widgets.Button:
 class AllocatorPlayground(widgets.VBox):
     """A live allocator with buttons: add a sequence, run a decode step, finish one, reset.
 
-    The bookkeeping is a real :class:`~paged_kv.cache.PagedKVCacheAllocator` with one head of
+    The bookkeeping is a real :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` with one head of
     dimension one, so the K/V tensors stay tiny. The public methods (:meth:`add_sequence`,
     :meth:`decode_step`, :meth:`finish`, :meth:`reset`) are what the buttons call. None of them
     raises: an ``OutOfBlocksError`` or a ``ValueError`` is shown in :attr:`status` and leaves

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import mapping
-from ._checks import check_count
+from paged_kv.kv import mapping
+from paged_kv.validate import check_count
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -65,7 +65,7 @@ class BlockTable:
         """The physical block that holds token ``position``: ``block_ids[position // block_size]``.
 
         The table holds positions ``0 .. num_tokens - 1``; the look-up itself is
-        :func:`paged_kv.mapping.physical_location`'s.
+        :func:`paged_kv.kv.mapping.physical_location`'s.
 
         >>> BlockTable([7, 2, 5], num_tokens=40).physical_block(16, 16)
         2

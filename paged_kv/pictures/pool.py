@@ -18,7 +18,7 @@ From top to bottom it draws:
 * **the free list** in order, head first, eliding the middle when it does not fit the width;
 * **a usage gauge**: a bar of used against free blocks, the utilisation (tokens held / slots
   reserved) and the fragmentation (slots reserved but empty), as
-  :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once,
+  :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once,
   and the gauge says how many are shared: :func:`snapshot_usage`);
 * the caption, under the picture, in its own ``<div>``.
 
@@ -37,7 +37,7 @@ block fills (the palette, grey waste) are fixed colours whose labels are black o
   Code). Blocks show tooltips on hover. The widgets use it: a widget view is only ever drawn
   where the notebook is trusted.
 
-Colours are the Okabe-Ito palette of :mod:`paged_kv.plots`. A sequence keeps its colour from one
+Colours are the Okabe-Ito palette of :mod:`paged_kv.pictures.plots`. A sequence keeps its colour from one
 frame of an animation to the next because the colour comes from its id, not from its position: a
 trailing number or letter picks the palette entry (``A``, ``B``, ``C`` and ``req-0``, ``req-1``,
 ``req-2`` get consecutive colours, cycling after eight), any other id a stable hash. Labels on dark
@@ -55,11 +55,11 @@ import zlib
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from ._checks import check_count
-from .plots import FREE, PALETTE, WASTE
-from .snapshot import AllocatorSnapshot
-from .usage import BlockUsage
-from .usage import block_tokens as tokens_per_block
+from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.usage import BlockUsage
+from paged_kv.core.usage import block_tokens as tokens_per_block
+from paged_kv.pictures.plots import FREE, PALETTE, WASTE
+from paged_kv.validate import check_count
 
 __all__ = [
     "allocator_svg",
@@ -107,7 +107,7 @@ def snapshot_usage(snapshot: AllocatorSnapshot) -> BlockUsage:
 def block_tokens(snapshot: AllocatorSnapshot) -> dict[int, int]:
     """How many tokens each block held by a table stores: the most any of its holders keeps there.
 
-    >>> from paged_kv.block import BlockTable
+    >>> from paged_kv.core.block import BlockTable
     >>> block_tokens(AllocatorSnapshot(4, 16, (3,), (1, 1, 1, 0), {"A": BlockTable([2, 0, 1], 40)}))
     {2: 16, 0: 16, 1: 8}
     """

@@ -17,7 +17,7 @@ previous hit found. By induction the whole prefix matches, so a collision can co
 shares a block that holds the wrong data, whatever order blocks are evicted in (a block cached after
 a parent that was since evicted, and whose hash a colliding block took over, matches no more).
 
-:class:`CachingBlockAllocator` is a :class:`~paged_kv.block_allocator.BlockAllocator` with a
+:class:`CachingBlockAllocator` is a :class:`~paged_kv.core.block_allocator.BlockAllocator` with a
 prefix cache. A freed block keeps its hash and its K/V: it sits on the free list, *cached*, until
 ``allocate`` takes it from the head of the list for other data, and only then is its hash dropped
 (evicted). The head is the block freed longest ago, so eviction is least recently used first and
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ._checks import check_count
-from .block import blocks_for_tokens
-from .block_allocator import BlockAllocator
-from .errors import OutOfBlocksError
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.validate import check_count
 
 TokenIds = tuple[int, ...]
 

@@ -1,13 +1,13 @@
-"""A continuous-batching engine that runs :class:`~paged_kv.model.TinyGPT` over a stream of requests.
+"""A continuous-batching engine that runs :class:`~paged_kv.model.tiny_gpt.TinyGPT` over a stream of requests.
 
-This is :class:`~paged_kv.workload.ContinuousBatcher`'s loop with a real model behind it: requests
+This is :class:`~paged_kv.simulation.workload.ContinuousBatcher`'s loop with a real model behind it: requests
 arrive with a prompt and a maximum output length, wait, are admitted, prefill, decode one token
-per step in one batched :meth:`~paged_kv.model.TinyGPT.decode_step`, and release their memory as
+per step in one batched :meth:`~paged_kv.model.tiny_gpt.TinyGPT.decode_step`, and release their memory as
 soon as they finish, so a waiting request can take their place at the next step.
 
 The memory budget is ``num_blocks * block_size`` token slots, spent one of two ways (``mode``):
 
-* ``"paged"``: a :class:`~paged_kv.model.PagedKVCache`. A request is admitted when its prompt's
+* ``"paged"``: a :class:`~paged_kv.model.kv_cache.PagedKVCache`. A request is admitted when its prompt's
   blocks, plus a headroom of one block per running sequence (the admitted one included), plus the
   *watermark*, ``ceil(watermark * num_blocks)`` blocks kept free, are free: the headroom is what the
   next decode step can need, at most one block per sequence; the watermark keeps room for the steps
@@ -17,13 +17,13 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   - ``"recompute"``: its blocks are freed, its output so far is dropped and it goes back to the
     front of the queue, to start over when it fits again (greedy decoding is deterministic, so it
     regenerates the same tokens);
-  - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.swap`) and its blocks are freed; it
+  - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
     waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
     come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
     headroom, and no new request is admitted while any is still swapped out.
 
   With ``enable_prefix_caching=True`` the paged cache keeps the blocks of prompt prefixes it has
-  computed (:mod:`paged_kv.prefix_cache`). Admission passes the prompt's token ids; a prompt whose
+  computed (:mod:`paged_kv.core.prefix_cache`). Admission passes the prompt's token ids; a prompt whose
   leading full blocks are cached (held by a running sequence, or freed by a finished or preempted
   one and not yet reused: freed blocks count as free and are evicted least recently freed first)
   reuses them, and its prefill computes only the uncached tail, ``c .. n - 1`` for ``c`` cached
@@ -32,7 +32,7 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   recomputed request queries the cache again when it is admitted again, and may find its own
   blocks; a swapped-in sequence gets fresh blocks and all its K/V back, sharing nothing.
 
-* ``"contiguous"``: a :class:`~paged_kv.model.ContiguousKVCache`, with one slot of ``max_model_len``
+* ``"contiguous"``: a :class:`~paged_kv.model.kv_cache.ContiguousKVCache`, with one slot of ``max_model_len``
   tokens reserved per sequence at admission, out of the same budget; a request is admitted while
   one more slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
 
@@ -51,10 +51,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_count, check_hashable
-from .block import blocks_for_tokens
-from .model import ContiguousKVCache, GPTConfig, PagedKVCache, TinyGPT, is_token
-from .progress import progress_bar
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.model.generate import is_token
+from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
+from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.progress import progress_bar
+from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
 PREEMPTIONS = ("recompute", "swap")
@@ -64,7 +66,7 @@ PREEMPTIONS = ("recompute", "swap")
 # ``preemption="swap"`` also needs ``swap_out(seq_id) -> saved`` and ``swap_in(seq_id, saved)``.
 # ``enable_prefix_caching=True`` calls the factory with the keyword ``enable_prefix_caching=True``
 # as well, and the cache needs ``add_sequence(seq_id, num_tokens, token_ids)``,
-# ``num_cached_tokens(seq_id) -> int`` and ``attend_prefill`` (see :class:`~paged_kv.model.KVCache`).
+# ``num_cached_tokens(seq_id) -> int`` and ``attend_prefill`` (see :class:`~paged_kv.model.kv_cache.KVCache`).
 CacheFactory = Callable[[GPTConfig, int, int, torch.device, torch.dtype], PagedKVCache]
 
 
@@ -193,7 +195,7 @@ class Engine:
 
     ``max_model_len`` (default: the model's ``max_len``) bounds prompt plus output of any request
     and is the slot size of the contiguous mode. ``device`` defaults to the model's and must be it.
-    ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.PagedKVCache`);
+    ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.kv_cache.PagedKVCache`);
     lesson 09 plugs in a cache of the learner's own through it. ``preemption`` (``"recompute"`` or
     ``"swap"``) and ``watermark`` (a fraction in ``[0, 1)`` of the blocks that admission keeps free)
     are settings of the paged mode, and so is ``enable_prefix_caching`` (see the module docstring),

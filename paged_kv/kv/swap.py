@@ -6,8 +6,8 @@ and later, when blocks are free again, allocate fresh blocks and copy the K/V ba
 block ids change (the sequence gets whatever blocks are free); the logical content does not, so
 the sequence continues exactly where it stopped.
 
-The functions work on the per-layer allocators of :class:`~paged_kv.model.PagedKVCache` (one
-:class:`~paged_kv.cache.PagedKVCacheAllocator` per layer, all with identical block tables); the
+The functions work on the per-layer allocators of :class:`~paged_kv.model.kv_cache.PagedKVCache` (one
+:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` per layer, all with identical block tables); the
 cache's ``swap_out`` / ``swap_in`` methods call them.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_hashable
-from .block import blocks_for_tokens
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.validate import check_hashable
 
 
 @dataclass(frozen=True, eq=False)

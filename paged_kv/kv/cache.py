@@ -7,14 +7,11 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from . import mapping
-from ._checks import check_count, check_hashable
-from .block import BlockTable, blocks_for_tokens
-from .block_allocator import BlockAllocator
-from .errors import OutOfBlocksError, UnknownSequenceError
-from .prefix_cache import CachingBlockAllocator, PrefixCacheStats, check_token_ids
-from .snapshot import AllocatorSnapshot
-from .trace import (
+from paged_kv.core.block import BlockTable, blocks_for_tokens
+from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.prefix_cache import CachingBlockAllocator, PrefixCacheStats, check_token_ids
+from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.trace import (
     TraceFrame,
     allocate_caption,
     block_caption,
@@ -24,7 +21,10 @@ from .trace import (
     start_caption,
     token_caption,
 )
-from .usage import BlockUsage
+from paged_kv.core.usage import BlockUsage
+from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
+from paged_kv.kv import mapping
+from paged_kv.validate import check_count, check_hashable
 
 Positions = int | Sequence[int] | torch.Tensor
 
@@ -35,7 +35,7 @@ class PagedKVCacheAllocator:
     ``k_cache`` and ``v_cache`` are allocated once, with shape
     ``(num_blocks, num_heads, block_size, head_dim)``. Token ``p`` of a sequence lives in physical
     block ``block_ids[p // block_size]`` at offset ``p % block_size``, where ``block_ids`` is the
-    sequence's :class:`~paged_kv.block.BlockTable`.
+    sequence's :class:`~paged_kv.core.block.BlockTable`.
 
     Invariants, true after every call (and unchanged by a call that raises):
 
@@ -49,18 +49,18 @@ class PagedKVCacheAllocator:
       (:meth:`_copy_on_write`). So every holder of a shared block holds the same tokens in it.
 
     Sequence ids can be any hashable value (ints or strings, say). The translation and the
-    boundary rule themselves are the pure functions of :mod:`paged_kv.mapping`; the methods here
+    boundary rule themselves are the pure functions of :mod:`paged_kv.kv.mapping`; the methods here
     check their arguments, look the sequence up and delegate.
 
     With ``record=True`` the allocator also keeps :attr:`trace`, a list of
-    :class:`~paged_kv.trace.TraceFrame`: the empty pool, then one snapshot with a caption after every
+    :class:`~paged_kv.core.trace.TraceFrame`: the empty pool, then one snapshot with a caption after every
     successful allocate, fork, free and appended block, after *each token* of ``append_tokens``, so an
     animation can step token by token, and after a ``write_kv`` that copied shared blocks.
     Recording never changes what the allocator does.
 
     With ``enable_prefix_caching=True``, a prompt allocated with its ``token_ids`` reuses the blocks
     of its longest prefix already in the cache (full blocks only, checked token by token, see
-    :mod:`paged_kv.prefix_cache`); freed blocks stay cached on the free list until they are needed,
+    :mod:`paged_kv.core.prefix_cache`); freed blocks stay cached on the free list until they are needed,
     least recently freed first. :meth:`num_cached_tokens` says how much of a prompt needs no
     computing, and :attr:`prefix_cache_stats` counts queries and hits in tokens.
     """
@@ -147,7 +147,7 @@ class PagedKVCacheAllocator:
 
         With prefix caching (``enable_prefix_caching=True``) and the prompt's ``token_ids``, the
         leading full blocks of the prompt that an earlier prompt already holds or left cached are
-        reused instead of fresh ones (see :mod:`paged_kv.prefix_cache`), and
+        reused instead of fresh ones (see :mod:`paged_kv.core.prefix_cache`), and
         :meth:`num_cached_tokens` says how many leading tokens they cover. Their K/V are already in
         the cache: the caller computes and writes only the rest of the prompt,
         ``write_kv(seq_id, k[c:], v[c:], start_position=c)`` with ``c = num_cached_tokens(seq_id)``,
@@ -455,7 +455,7 @@ class PagedKVCacheAllocator:
         """The pool's metrics: blocks used, free and shared, tokens held and reserved, waste, utilisation.
 
         A shared block (after :meth:`fork`) counts once among the used blocks and its tokens once
-        among the tokens held; see :class:`~paged_kv.usage.BlockUsage`.
+        among the tokens held; see :class:`~paged_kv.core.usage.BlockUsage`.
         """
         return BlockUsage.of_tables(
             self._tables.values(),
@@ -609,7 +609,7 @@ class PagedKVCacheAllocator:
         return tensor
 
     def _block_table(self, table: BlockTable) -> torch.Tensor:
-        """The table's block ids as a 1-D LongTensor on the cache's device, for :mod:`paged_kv.mapping`."""
+        """The table's block ids as a 1-D LongTensor on the cache's device, for :mod:`paged_kv.kv.mapping`."""
         return torch.tensor(table.block_ids, dtype=torch.long, device=self.device)
 
     def _check_kv(self, name: str, tensor: object) -> None:

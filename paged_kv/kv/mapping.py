@@ -7,7 +7,7 @@ The KV caches have shape ``(num_blocks, num_heads, block_size, head_dim)``, so t
 tokens in ``num_blocks_held`` blocks needs a new block before its next token exactly when those
 blocks are full.
 
-These functions hold no state and know no sequence ids; :class:`~paged_kv.cache.PagedKVCacheAllocator`
+These functions hold no state and know no sequence ids; :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
 checks its arguments and then delegates to them, so the translation lives here and only here. The
 tensor functions work on whole tensors of positions at once, with no Python loop over tokens.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_count
+from paged_kv.validate import check_count
 
 
 def needs_new_block(num_tokens: int, num_blocks_held: int, block_size: int) -> bool:
@@ -76,7 +76,7 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
 
     The slot indexes the cache viewed as ``num_blocks * block_size`` token slots. With a long
     ``positions`` tensor the result is long, even for an int32 ``block_table`` (what
-    :meth:`~paged_kv.cache.PagedKVCacheAllocator.block_tables_tensor` gives). Positions are not
+    :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.block_tables_tensor` gives). Positions are not
     range-checked, as in :func:`physical_locations`.
 
     >>> slot_mapping(torch.tensor([5, 2, 7]), torch.arange(6), 4).tolist()
@@ -103,7 +103,7 @@ def write_kv(
     ``k`` and ``v`` have shape ``(num_tokens, num_heads, head_dim)``; the caches
     ``(num_blocks, num_heads, block_size, head_dim)``; ``block_table`` is a 1-D integer tensor on
     the caches' device. Shapes, dtypes and ranges are not checked here (the cache's
-    :meth:`~paged_kv.cache.PagedKVCacheAllocator.write_kv` does that).
+    :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.write_kv` does that).
     """
     positions = torch.arange(start_position, start_position + k.shape[0], device=k_cache.device)
     block_ids, offsets = physical_locations(block_table, positions, k_cache.shape[2])

@@ -4,7 +4,7 @@ Chat applications send the same instructions (a *system prompt*) in front of eve
 message. :func:`system_prompt_requests` draws such a workload, seeded: each request opens with one
 of ``num_system_prompts`` system prompts, then has a user prompt of its own, both random token ids
 (so two user prompts share nothing but by chance). :func:`serve` runs the requests through a
-:class:`~paged_kv.cache.PagedKVCacheAllocator` of ``num_blocks`` blocks, with or without prefix
+:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` of ``num_blocks`` blocks, with or without prefix
 caching, and :class:`ServeResult` says how many prompt tokens the cache served.
 :func:`ideal_cached_tokens` is what a cache that forgets nothing serves (user prompts that happen
 to start alike aside): every request but the first with each system prompt finds that system
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._checks import check_count
-from .block import blocks_for_tokens
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
-from .prefix_cache import PrefixCacheStats
-from .workload import SHAREGPT, sample_requests
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.simulation.workload import SHAREGPT, sample_requests
+from paged_kv.validate import check_count
 
 VOCAB_SIZE = 32_000
 """Token ids are drawn from ``0 .. VOCAB_SIZE - 1`` (a Llama-sized vocabulary)."""

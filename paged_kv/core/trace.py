@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from .snapshot import AllocatorSnapshot
+from paged_kv.core.snapshot import AllocatorSnapshot
 
 EVENTS = ("start", "allocate", "append", "new_block", "free", "fork", "copy_on_write")
 

@@ -3,7 +3,7 @@
 A block shared by several block tables (a forked sequence, a cached prefix) is one physical block:
 it counts once among the used blocks, and its tokens count once among the tokens held. Every
 holder of a shared block keeps the same tokens in it (a write first copies the block, see
-:meth:`~paged_kv.cache.PagedKVCacheAllocator.append_tokens`), so "the tokens a block holds" is well
+:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.append_tokens`), so "the tokens a block holds" is well
 defined; :func:`block_tokens` takes the most any holder keeps there all the same.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from itertools import chain
 
-from .block import BlockTable
+from paged_kv.core.block import BlockTable
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class BlockUsage:
         """The fields as a plain dict, ready for ``json.dumps``.
 
         ``shared_blocks`` is left out when it is 0, so an unshared pool gives exactly the six
-        metrics of the blog seed's report (``paged_kv.fragmentation.fragmentation_report``).
+        metrics of the blog seed's report (``paged_kv.simulation.fragmentation.fragmentation_report``).
         """
         fields = asdict(self)
         if not self.shared_blocks:

@@ -20,7 +20,7 @@ Paged decode maps onto it without moving a byte of K or V:
   over a key counted ``m`` times is softmax with ``log m`` added to its score, which a score
   modifier does (only for a batch that has such a row).
 
-The result equals :func:`paged_kv.attention.paged_attention` (the reference). On a CPU FlexAttention
+The result equals :func:`paged_kv.attention.paged.paged_attention` (the reference). On a CPU FlexAttention
 runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
 is for CUDA, and tests check it against the reference wherever it runs. One difference from the
 reference: a masked-out slot still meets a zero weight in ``weights @ V``, so the pool must hold

@@ -2,7 +2,7 @@
 
 A paged engine admits a request on a bet: that the blocks the running sequences will take as they
 grow will be there when they are needed. When a decode step needs more new blocks than are free,
-something must give. vLLM's answer, which :class:`~paged_kv.engine.Engine` follows, is to preempt
+something must give. vLLM's answer, which :class:`~paged_kv.serving.engine.Engine` follows, is to preempt
 *whole* sequences, the most recently admitted first, until the step fits:
 
 * whole sequences, because every decode step of a sequence reads all of its K/V: a sequence that
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from ._checks import check_count, check_hashable
-from .errors import OutOfBlocksError
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.validate import check_count, check_hashable
 
 # A running sequence as preemption sees it: (seq_id, blocks preempting it frees, whether its next
 # token takes a new block).

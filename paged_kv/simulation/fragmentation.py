@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ._checks import check_count
-from .block import blocks_for_tokens
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
-from .usage import BlockUsage
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.usage import BlockUsage
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.validate import check_count
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ def paged_usage(
 ) -> BlockUsage:
     """What paging reserves for the requests: each holds ``blocks_for_tokens(tokens, block_size)`` blocks.
 
-    The arithmetic of what a :class:`~paged_kv.cache.PagedKVCacheAllocator` of ``total_blocks``
-    blocks measures (its :meth:`~paged_kv.cache.PagedKVCacheAllocator.usage`) once every request is
+    The arithmetic of what a :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` of ``total_blocks``
+    blocks measures (its :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.usage`) once every request is
     allocated, without building one. Blocks are rounded up per request, never for the total: a
     block holds the tokens of one sequence only. ``total_blocks`` defaults to exactly the blocks
     the requests use, so that no block is free.

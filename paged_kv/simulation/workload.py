@@ -6,7 +6,7 @@ policy over a list of requests and records, every step, how many sequences run a
 they hold and reserve. The policies:
 
 * :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a real
-  :class:`~paged_kv.cache.PagedKVCacheAllocator`; when decoding finds no free block, the most
+  :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`; when decoding finds no free block, the most
   recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
   model length (``"max"``), the next power of two of its final length (``"pow2"``), or exactly its
@@ -29,12 +29,12 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ._checks import check_count, check_hashable
-from .block import blocks_for_tokens
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
-from .progress import progress_bar
-from .trace import TraceFrame
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.trace import TraceFrame
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.progress import progress_bar
+from paged_kv.validate import check_count, check_hashable
 
 # ------------------------------------------------------------------------------------ the requests
 

@@ -1,4 +1,4 @@
-"""The decode-time side of a scheduler, on a :class:`~paged_kv.cache.PagedKVCacheAllocator`.
+"""The decode-time side of a scheduler, on a :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`.
 
 Each step of a continuous-batching server does two things with the cache: every running sequence
 gains one token (:func:`decode_step`, which takes a block only for a sequence whose blocks are full,
@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 
-from ._checks import check_count
-from .block import blocks_for_tokens
-from .cache import PagedKVCacheAllocator
-from .errors import OutOfBlocksError
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.errors import OutOfBlocksError
+from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.validate import check_count
 
 
 def decode_step(cache: PagedKVCacheAllocator, seq_ids: Iterable[Hashable]) -> dict[Hashable, int | None]:
     """Add one token to every sequence of the batch, taking the blocks they need, or none at all.
 
     Two passes, the way a scheduler does it: first look at every sequence (does its next token need a
-    block? :meth:`~paged_kv.cache.PagedKVCacheAllocator.needs_new_block`), and refuse the step if the
+    block? :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.needs_new_block`), and refuse the step if the
     batch needs more blocks than are free; then, in the order of ``seq_ids``, take a block where one
     is needed and record the token.
 

@@ -1,0 +1,95 @@
+"""Greedy generation for a batch of prompts, on a contiguous or a paged cache (lesson 09)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
+from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.validate import check_count
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """``tokens[i]``: the new token ids of prompt ``i``; ``logits[step, i]``: the logits they came from."""
+
+    tokens: list[list[int]]
+    logits: torch.Tensor  # (max_new_tokens, batch, vocab)
+
+
+def generate(
+    model: TinyGPT,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    cache: str | KVCache = "paged",
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    device: str | torch.device | None = None,
+) -> GenerationResult:
+    """Greedy generation for a batch of prompts of any lengths.
+
+    Each prompt is prefilled on its own; then every decode step feeds the batch's last tokens at
+    once. ``cache`` is ``"contiguous"``, ``"paged"`` (a :class:`PagedKVCache` of ``num_blocks``
+    blocks of ``block_size``, by default just enough for the batch) or a cache you built (then
+    ``block_size`` and ``num_blocks`` are not used); the sequences (ids ``"prompt-0"``,
+    ``"prompt-1"``...) are freed from it at the end. ``device`` defaults to the model's and must be
+    the model's.
+
+    Raises:
+        ValueError: a bad argument (the message names it); the cache's own errors, such as
+            :class:`~paged_kv.errors.OutOfBlocksError`, pass through.
+    """
+    config = model.config
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, minimum=1)
+    block_size = check_count("block_size", block_size, minimum=1)
+    model_device = next(model.parameters()).device
+    device = model_device if device is None else torch.device(device)
+    if device != model_device:
+        raise ValueError(f"device {device} differs from the model's {model_device}; call model.to(device)")
+    if isinstance(prompts, str) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token id lists")
+    for i, prompt in enumerate(prompts):
+        if not prompt or not all(is_token(t, config.vocab_size) for t in prompt):
+            raise ValueError(f"prompts[{i}] must be non-empty token ids in [0, {config.vocab_size})")
+        if len(prompt) + max_new_tokens > config.max_len:
+            raise ValueError(
+                f"prompts[{i}] ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_len {config.max_len}"
+            )
+    if cache == "contiguous":
+        cache = ContiguousKVCache(config, device)
+    elif cache == "paged":
+        needed = sum(blocks_for_tokens(len(p) + max_new_tokens, block_size) for p in prompts)
+        num_blocks = needed if num_blocks is None else check_count("num_blocks", num_blocks, minimum=1)
+        cache = PagedKVCache(config, num_blocks, block_size, device, model.head.weight.dtype)
+    elif not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be 'contiguous', 'paged' or a KVCache, got {cache!r}")
+
+    seq_ids = [f"prompt-{i}" for i in range(len(prompts))]
+    added: list[str] = []  # freed at the end, even after an error
+    steps: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            last = []
+            for prompt, seq_id in zip(prompts, seq_ids, strict=True):
+                cache.add_sequence(seq_id, len(prompt))
+                added.append(seq_id)
+                last.append(model.prefill(torch.tensor(prompt, device=device), seq_id, cache)[-1])
+            steps.append(torch.stack(last))
+            for _ in range(max_new_tokens - 1):
+                steps.append(model.decode_step(steps[-1].argmax(dim=-1), seq_ids, cache))
+    finally:
+        for seq_id in added:
+            cache.free(seq_id)
+    logits = torch.stack(steps)
+    return GenerationResult(tokens=logits.argmax(dim=-1).T.tolist(), logits=logits)
+
+
+def is_token(value: object, vocab_size: int) -> bool:
+    """Whether ``value`` is an integer token id below ``vocab_size`` (booleans are not)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab_size

@@ -1,0 +1,178 @@
+"""A tiny GPT whose attention reads its KV cache through a small interface (lesson 09).
+
+The model is small and its weights come from a seeded generator, never from a download: the point
+is the cache, not the text. Byte-level tokens (``encode`` / ``decode``) keep the vocabulary at 256.
+
+Generation runs in two phases. *Prefill* runs one prompt through the model with ordinary causal
+attention over the prompt's own q/k/v and stores every layer's K and V in the cache. *Decode* then
+feeds one new token per sequence, for the whole batch at once: each layer stores the new token's K
+and V and attends over everything the sequence holds. The attention layers only see the
+:class:`~paged_kv.model.kv_cache.KVCache` interface; :mod:`paged_kv.model.kv_cache` has its two
+back-ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_kv.validate import check_count
+
+if TYPE_CHECKING:
+    from paged_kv.model.kv_cache import KVCache
+
+# attend(layer, q, k, v) -> out, all (batch, tokens, num_heads, head_dim)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def encode(text: str) -> list[int]:
+    """The UTF-8 bytes of ``text``: the token ids of the byte-level vocabulary."""
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: Sequence[int]) -> str:
+    """The text of byte token ids; bytes that are not valid UTF-8 become U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The sizes of :class:`TinyGPT`; the model width is ``num_heads * head_dim``."""
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 16
+    max_len: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "num_heads", "head_dim", "max_len"):
+            check_count(name, getattr(self, name), minimum=1)
+
+    @property
+    def d_model(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of ``(batch, tokens, num_heads, head_dim)`` tensors, same shape out."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )
+    return out.transpose(1, 2)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        d, self.layer, self.config = config.d_model, layer, config
+        self.norm1, self.norm2 = nn.LayerNorm(d, device="meta"), nn.LayerNorm(d, device="meta")
+        self.qkv = nn.Linear(d, 3 * d, device="meta")
+        self.proj = nn.Linear(d, d, device="meta")
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d, device="meta"), nn.GELU(), nn.Linear(4 * d, d, device="meta")
+        )
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        heads = (batch, tokens, self.config.num_heads, self.config.head_dim)
+        q, k, v = (t.reshape(heads) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        x = x + self.proj(attend(self.layer, q, k, v).reshape(batch, tokens, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token and learned position embeddings, pre-norm blocks, a final norm and an untied head.
+
+    The weights are drawn on the CPU from ``torch.Generator().manual_seed(seed)``, so the same seed
+    gives the same model on any device (move it with ``.to(device)``); the global RNG is untouched.
+    """
+
+    def __init__(self, config: GPTConfig | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config = config or GPTConfig()
+        d = config.d_model
+        self.token_embedding = nn.Embedding(config.vocab_size, d, device="meta")
+        self.position_embedding = nn.Embedding(config.max_len, d, device="meta")
+        self.blocks = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
+        self.norm = nn.LayerNorm(d, device="meta")
+        self.head = nn.Linear(d, config.vocab_size, bias=False, device="meta")
+        self.to_empty(device="cpu")  # built on "meta" so no default init draws from the global RNG
+        generator = torch.Generator().manual_seed(check_count("seed", seed))
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:  # embeddings get unit variance, matrices 1 / fan_in
+                    std = 1.0 if "embedding" in name else 1 / math.sqrt(param.shape[1])
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Logits ``(batch, tokens, vocab)`` of ``(batch, tokens)`` ids at ``positions``."""
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x, attend)
+        return self.head(self.norm(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The full-sequence forward with no cache: ``(batch, tokens)`` ids to logits."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.run(tokens, positions, lambda layer, q, k, v: causal_attention(q, k, v))
+
+    def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
+        """Run one prompt ``(tokens,)`` from position ``start`` on, storing its K/V in ``cache``.
+
+        ``cache.add_sequence(seq_id, len(prompt))`` must come first. With ``start == 0`` (the
+        default) the whole prompt runs with causal attention over its own K/V, which the cache
+        stores. With ``start > 0`` the cache already holds the K/V of positions ``0 .. start - 1``
+        (a prefix cache hit: ``cache.add_sequence(seq_id, len(prompt), token_ids)`` came first,
+        and ``start`` is ``cache.num_cached_tokens(seq_id)``): only positions
+        ``start .. len(prompt) - 1`` run, their K/V are stored after the cached ones
+        (:meth:`KVCache.attend_prefill`) and each attends to every position up to its own, cached
+        or new.
+
+        Returns:
+            The logits of the positions that ran, ``(len(prompt) - start, vocab)``: the last row
+            predicts the next token either way.
+
+        Raises:
+            ValueError: ``start`` is not an integer in ``0 .. len(prompt) - 1``.
+        """
+        start = check_count("start", start)
+        if start >= len(prompt):
+            raise ValueError(
+                f"start must be below the prompt's {len(prompt)} tokens (the last one is always "
+                f"computed), got {start}"
+            )
+        if start == 0:
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                cache.write_prompt(layer, seq_id, k[0], v[0])
+                return causal_attention(q, k, v)
+
+        else:
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return cache.attend_prefill(layer, seq_id, q[0], k[0], v[0], start)[None]
+
+        positions = torch.arange(start, len(prompt), device=prompt.device)
+        return self.run(prompt[None, start:], positions[None], attend)[0]
+
+    def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
+        """Feed one new token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
+        positions = cache.append(seq_ids)  # where each new token goes
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return cache.attend(layer, seq_ids, q[:, 0], k[:, 0], v[:, 0])[:, None]
+
+        return self.run(tokens[:, None], positions[:, None], attend)[:, 0]
