@@ -201,7 +201,7 @@ order = list(range(24))
 random.Random(0).shuffle(order)
 for block in order:
     pool.free(("old", block))
-print("free list, first 12:", list(pool.allocators[0].snapshot().free_block_ids[:12]))
+print("free list, first 12:", list(pool.manager.snapshot().free_block_ids[:12]))
 fragmented = generate(model, prompts, max_new_tokens=20, cache=pool)
 print("same tokens:", fragmented.tokens == contiguous.tokens)
 print(
@@ -217,7 +217,7 @@ print("free blocks after generate:", pool.num_free_blocks)
 # wherever the shuffled free list sent them; the hatched part of a block is its unused tail.
 
 # %%
-frames = pool.allocators[0].trace
+frames = pool.trace
 first_free = next(i for i, f in enumerate(frames) if f.event == "free" and str(f.seq_id).startswith("prompt"))
 fullest = frames[first_free - 1].snapshot
 for seq_id, table in fullest.tables.items():

@@ -63,7 +63,7 @@ def test_blog_style_manager_builds_the_same_tables_as_the_package():
         for live in blog.block_tables:
             assert blog.block_tables[live] == cache.get_block_mapping(live)
             assert blog.token_counts[live] == cache.sequence_length(live)
-        assert list(blog.free_block_ids) == list(cache._allocator.free_block_ids)
+        assert list(blog.free_block_ids) == list(cache.manager.allocator.free_block_ids)
 
 
 @pytest.mark.lesson02

@@ -128,8 +128,8 @@ def test_a_shared_block_stays_in_use_until_its_last_table_is_freed():
     cache.allocate_for_sequence("parent", 4)
     cache.allocate_for_sequence("child", 0)
     # Share the parent's block the way a fork will: one more table, one more reference.
-    cache._allocator.add_ref(0)
-    cache._tables["child"].append_block(0)
+    cache.manager.allocator.add_ref(0)
+    cache.manager.table("child").append_block(0)
     assert cache.free_sequence("parent") == []
     assert cache.ref_count(0) == 1
     assert cache.free_sequence("child") == [0]

@@ -38,7 +38,7 @@ def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequ
 
 
 class SpyCache(PagedKVCache):
-    """A PagedKVCache that keeps, per admission, the cached tokens every layer reported."""
+    """A PagedKVCache that keeps, per admission, the cached tokens its one manager reported."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -46,12 +46,15 @@ class SpyCache(PagedKVCache):
 
     def add_sequence(self, seq_id, num_tokens, token_ids=None) -> None:
         super().add_sequence(seq_id, num_tokens, token_ids)
-        counts = [a.num_cached_tokens(seq_id) for a in self.allocators]
-        self.cached.setdefault(seq_id, []).append(counts[0])
-        assert len(set(counts)) == 1, counts  # the layers found the same blocks
+        self.cached.setdefault(seq_id, []).append(self.num_cached_tokens(seq_id))
 
     def all_free(self) -> bool:
-        return all(a.num_free_blocks == a.num_blocks and a.seq_ids == () for a in self.allocators)
+        return self.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
+
+
+def kv_pools(cache: PagedKVCache) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Every layer's K pools and V pools."""
+    return cache.storage.k_caches, cache.storage.v_caches
 
 
 def spy():
@@ -66,11 +69,10 @@ def spy():
 
 
 def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRequest]) -> None:
-    """The engine's prefix-cache counts agree with every layer's allocator, and memory is all free."""
+    """The engine's prefix-cache counts agree with the cache's manager, and memory is all free."""
     assert cache.enable_prefix_caching
-    for allocator in cache.allocators:
-        stats = allocator.prefix_cache_stats
-        assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
+    stats = cache.manager.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
     prompts = {r.request_id: len(r.prompt) for r in requests}
     admissions = [prompts[seq_id] for seq_id, counts in cache.cached.items() for _ in counts]
     assert result.prefix_cache_queries == sum(admissions)  # every admission, re-admissions included
@@ -78,7 +80,7 @@ def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRe
     assert result.prefill_tokens_computed == result.prefix_cache_queries - result.prefix_cache_hits
     assert result.hit_rate == pytest.approx(result.prefix_cache_hits / result.prefix_cache_queries)
     assert list(result.tokens) == [r.request_id for r in requests]
-    assert all(used <= cache.allocators[0].num_blocks for used in result.used_blocks)
+    assert all(used <= cache.num_blocks for used in result.used_blocks)
     assert cache.all_free()  # cached blocks count as free
 
 
@@ -103,8 +105,8 @@ def test_a_prefill_from_the_cache_gives_the_logits_and_kv_of_a_full_prefill(devi
         cache.add_sequence("a", len(first), token_ids=first)
         assert cache.num_cached_tokens("a") == 0
         model.prefill(torch.tensor(first, device=device), "a", cache)
-        shared = cache.allocators[0].get_block_mapping("a")[:2]
-        before = [(a.k_cache[shared].clone(), a.v_cache[shared].clone()) for a in cache.allocators]
+        shared = cache.manager.get_block_table("a").block_ids[:2]
+        before = [(k[shared].clone(), v[shared].clone()) for k, v in zip(*kv_pools(cache), strict=True)]
 
         cache.add_sequence("b", len(second), token_ids=second)
         assert cache.num_cached_tokens("b") == 8  # SYSTEM's two full blocks; the 9th token is computed
@@ -116,15 +118,15 @@ def test_a_prefill_from_the_cache_gives_the_logits_and_kv_of_a_full_prefill(devi
     assert cached_logits.shape == (len(second) - 8, CONFIG.vocab_size)
     torch.testing.assert_close(cached_logits, full_logits[8:], **TOLERANCES)
     torch.testing.assert_close(cached_logits, full[8:], **TOLERANCES)
-    for layer, (allocator, reference) in enumerate(zip(cache.allocators, plain.allocators, strict=True)):
-        # b reads a's two blocks, which nobody wrote again, and holds its own K/V after them.
-        assert allocator.get_block_mapping("b")[:2] == shared
-        assert all(allocator.ref_count(block) == 2 for block in shared)
+    # b reads a's two blocks, which nobody wrote again, and holds its own K/V after them.
+    assert cache.manager.get_block_table("b").block_ids[:2] == shared
+    assert all(cache.manager.ref_count(block) == 2 for block in shared)
+    for layer in range(CONFIG.num_layers):
         k_before, v_before = before[layer]
-        assert torch.equal(allocator.k_cache[shared], k_before)
-        assert torch.equal(allocator.v_cache[shared], v_before)
-        k, v = allocator.read_kv("b")
-        k_full, v_full = reference.read_kv("b")
+        assert torch.equal(cache.storage.k_caches[layer][shared], k_before)
+        assert torch.equal(cache.storage.v_caches[layer][shared], v_before)
+        k, v = cache.read_kv(layer, "b")
+        k_full, v_full = plain.read_kv(layer, "b")
         torch.testing.assert_close(k, k_full, **TOLERANCES)
         torch.testing.assert_close(v, v_full, **TOLERANCES)
 
@@ -161,8 +163,8 @@ def test_the_cache_refuses_to_rewrite_or_skip_cached_positions(model: TinyGPT) -
         cache.add_sequence("a", len(first), token_ids=first)
         model.prefill(torch.tensor(first), "a", cache)
         cache.add_sequence("b", len(second), token_ids=second)
-        snapshots = [a.snapshot() for a in cache.allocators]
-        k_before = [a.k_cache.clone() for a in cache.allocators]
+        snapshot = cache.manager.snapshot()
+        k_before = [k.clone() for k in cache.storage.k_caches]
         # The whole prompt from position 0 would rewrite a's blocks: refused, and nothing is written.
         with pytest.raises(ValueError, match=r"first 8 tokens .* start=8"):
             model.prefill(torch.tensor(second), "b", cache)
@@ -174,20 +176,19 @@ def test_the_cache_refuses_to_rewrite_or_skip_cached_positions(model: TinyGPT) -
             cache.attend_prefill(0, "b", q[:4], q, q, 8)
         with pytest.raises(ValueError, match="start"):
             cache.attend_prefill(0, "b", q, q, q, -8)
-    assert [a.snapshot() for a in cache.allocators] == snapshots
-    assert all(torch.equal(a.k_cache, k) for a, k in zip(cache.allocators, k_before, strict=True))
+    assert cache.manager.snapshot() == snapshot
+    assert all(torch.equal(k, b) for k, b in zip(cache.storage.k_caches, k_before, strict=True))
 
 
-def test_the_layers_must_agree_on_the_cached_tokens(model: TinyGPT) -> None:
+def test_one_lookup_serves_every_layer(model: TinyGPT) -> None:
     first, second = shared_prompts()
     cache = PagedKVCache(CONFIG, 16, 4, enable_prefix_caching=True)
     with torch.no_grad():
         cache.add_sequence("a", len(first), token_ids=first)
         model.prefill(torch.tensor(first), "a", cache)
-    cache.allocators[1].reset_prefix_cache()  # layer 1 forgets what layer 0 still finds
     cache.add_sequence("b", len(second), token_ids=second)
-    with pytest.raises(RuntimeError, match=r"disagree on the cached tokens of sequence 'b': \[8, 0\]"):
-        cache.num_cached_tokens("b")
+    stats = cache.manager.prefix_cache_stats  # one query per prompt, not one per layer
+    assert (stats.requests, stats.queries, stats.hits) == (2, len(first) + len(second), 8)
 
 
 def test_without_prefix_caching_token_ids_change_nothing(model: TinyGPT) -> None:
@@ -197,8 +198,8 @@ def test_without_prefix_caching_token_ids_change_nothing(model: TinyGPT) -> None
     for seq_id in ("a", "b"):
         cache.add_sequence(seq_id, len(first), token_ids=first)
         assert cache.num_cached_tokens(seq_id) == 0
-    assert set(cache.allocators[0].get_block_mapping("a")).isdisjoint(
-        cache.allocators[0].get_block_mapping("b")
+    assert set(cache.manager.get_block_table("a").block_ids).isdisjoint(
+        cache.manager.get_block_table("b").block_ids
     )
 
 
@@ -237,7 +238,7 @@ def test_a_shared_system_prompt_is_computed_once_and_hit_by_every_later_request(
     # Blocks: 3 + 1 + 1 + 1 at step 0 (12 without), then each takes a block for its 13th token.
     assert result.used_blocks == [6, 10] and plain.used_blocks == [12, 16]
     assert result.held_tokens == plain.held_tokens == [48, 52]
-    assert result.utilisation == [48 / 24, 52 / 40]  # the two shared blocks serve four sequences
+    assert result.utilization == [48 / 24, 52 / 40]  # the two shared blocks serve four sequences
     assert result.tokens == plain.tokens
     check_metrics(result, cache, requests)
 
@@ -391,7 +392,6 @@ def test_prefix_caching_is_off_by_default(model: TinyGPT) -> None:
     assert engine.enable_prefix_caching is False
     result = engine.run(requests)
     assert not built[0].enable_prefix_caching
-    assert all(a.prefix_cache_stats.requests == 0 for a in built[0].allocators)
     assert result.prefill_tokens_computed == 48 and result.prefix_cache_queries == 0
 
 
@@ -431,8 +431,12 @@ class NoPrefixCache:
 class LyingCache(PagedKVCache):
     """A cache that claims the whole prompt was cached."""
 
+    def add_sequence(self, seq_id, num_tokens: int, token_ids=None) -> None:
+        super().add_sequence(seq_id, num_tokens, token_ids)
+        self.prompt_tokens = num_tokens
+
     def num_cached_tokens(self, seq_id) -> int:
-        return self.allocators[0].sequence_length(seq_id)
+        return self.prompt_tokens
 
 
 def test_a_cache_that_cannot_do_prefix_caching_is_refused(model: TinyGPT) -> None:
@@ -454,7 +458,7 @@ def test_plot_metrics_shows_a_utilisation_above_one(model: TinyGPT) -> None:
     import matplotlib.pyplot as plt
 
     result = Engine(model, num_blocks=32, block_size=4, enable_prefix_caching=True).run(system_requests())
-    assert max(result.utilisation) == 2.0
+    assert max(result.utilization) == 2.0
     ax = plot_metrics(result)
     twin = next(other for other in ax.figure.axes if other is not ax)
     assert twin.get_ylim()[1] == pytest.approx(2.1)

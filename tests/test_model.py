@@ -87,14 +87,10 @@ def test_the_paged_cache_takes_blocks_on_demand_and_frees_them():
     model, batch = TinyGPT(seed=0), prompts()
     cache = make_cache("paged", model, torch.device("cpu"), record=True)
     generate(model, batch, NEW_TOKENS, cache=cache)
-    traces = [allocator.trace for allocator in cache.allocators]
-    for trace in traces[1:]:  # every layer's allocator made the same decisions
-        assert [(f.event, f.seq_id, f.highlight) for f in trace] == [
-            (f.event, f.seq_id, f.highlight) for f in traces[0]
-        ]
+    trace = cache.trace  # one manager for every layer: one trace
     for i, prompt in enumerate(batch):
         seq_id, held = f"prompt-{i}", len(prompt) + NEW_TOKENS - 1  # the last token is never fed back
-        frames = [f for f in traces[0] if f.seq_id == seq_id]
+        frames = [f for f in trace if f.seq_id == seq_id]
         allocate, *decode_frames, free = frames
         assert len(allocate.highlight) == blocks_for_tokens(len(prompt), BLOCK_SIZE)
         # One token per decode step, and a new block exactly when the token opens a block.
@@ -103,25 +99,23 @@ def test_the_paged_cache_takes_blocks_on_demand_and_frees_them():
         for frame, length in zip(decode_frames, lengths, strict=True):
             assert (frame.event == "new_block") is (length % BLOCK_SIZE == 1), (seq_id, length)
         assert free.event == "free" and len(free.highlight) == blocks_for_tokens(held, BLOCK_SIZE)
-    for allocator in cache.allocators:
-        assert allocator.seq_ids == () and allocator.num_free_blocks == allocator.num_blocks
+    assert cache.manager.seq_ids == () and cache.num_free_blocks == cache.num_blocks
 
 
 def test_scattered_blocks_give_the_same_tokens(device):
     model, batch = TinyGPT(seed=0).to(device), prompts()
     cache = make_cache("paged", model, device, record=True)
-    for allocator in cache.allocators:  # fragment the pool: the free list ends up out of order
-        for n in range(8):
-            allocator.allocate_for_sequence(f"other-{n}", 1 + 3 * n)
-        for n in range(0, 8, 2):
-            allocator.free_sequence(f"other-{n}")
+    for n in range(8):  # fragment the pool: the free list ends up out of order
+        cache.add_sequence(f"other-{n}", 1 + 3 * n)
+    for n in range(0, 8, 2):
+        cache.free(f"other-{n}")
     paged = generate(model, batch, NEW_TOKENS, cache=cache)
     contiguous = generate(model, batch, NEW_TOKENS, cache="contiguous")
     assert paged.tokens == contiguous.tokens
     torch.testing.assert_close(paged.logits, contiguous.logits, **TOLERANCES)
-    tables = [f.highlight for f in cache.allocators[0].trace if f.event == "free" and f.seq_id[0] == "p"]
+    tables = [f.highlight for f in cache.trace if f.event == "free" and f.seq_id[0] == "p"]
     assert any(list(t) != list(range(t[0], t[0] + len(t))) for t in tables), tables
-    assert cache.allocators[0].seq_ids == tuple(f"other-{n}" for n in range(1, 8, 2))
+    assert cache.manager.seq_ids == tuple(f"other-{n}" for n in range(1, 8, 2))
 
 
 def test_running_out_of_blocks_raises_and_frees_the_batch():
@@ -129,7 +123,7 @@ def test_running_out_of_blocks_raises_and_frees_the_batch():
     cache = make_cache("paged", model, torch.device("cpu"), num_blocks=6)
     with pytest.raises(OutOfBlocksError):
         generate(model, prompts((5, 9)), 12, cache=cache)
-    assert all(a.num_free_blocks == a.num_blocks for a in cache.allocators)
+    assert cache.num_free_blocks == cache.num_blocks
 
 
 @pytest.mark.parametrize(

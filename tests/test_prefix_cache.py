@@ -735,7 +735,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         for block_id, tokens in cached.items():
             prefix = self.written[block_id]
             assert prefix[-MACHINE_BLOCK_SIZE:] == tokens
-            entry = self.cache._allocator.prefix_cache.entry(block_id)
+            entry = self.cache.manager.allocator.prefix_cache.entry(block_id)
             assert entry.block_hash == chain_hashes(full_blocks(prefix, MACHINE_BLOCK_SIZE))[-1]
         assert self.cache.prefix_cache_stats == PrefixCacheStats(*self.stats)
         if self.exact:

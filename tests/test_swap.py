@@ -8,7 +8,7 @@ then mixes adds, appends, swaps out and in and frees against a contiguous refere
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,8 +20,6 @@ from paged_kv.kv.swap import SwappedKV, to_host
 from paged_kv.model.generate import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
-
-from .helpers import unchanged
 
 pytestmark = pytest.mark.lesson08
 
@@ -46,12 +44,16 @@ def filled_cache(num_tokens: int, num_blocks: int = 8, device="cpu") -> PagedKVC
     return cache
 
 
-def unchanged_cache(cache: PagedKVCache) -> ExitStack:
-    """Every layer's allocator ends the block exactly as it started."""
-    stack = ExitStack()
-    for allocator in cache.allocators:
-        stack.enter_context(unchanged(allocator))
-    return stack
+@contextmanager
+def unchanged_cache(cache: PagedKVCache):
+    """The manager and every layer's K/V end the block exactly as they started."""
+    before = cache.manager.snapshot()
+    k_before = [k.clone() for k in cache.storage.k_caches]
+    v_before = [v.clone() for v in cache.storage.v_caches]
+    yield
+    assert cache.manager.snapshot() == before
+    assert all(torch.equal(k, b) for k, b in zip(cache.storage.k_caches, k_before, strict=True))
+    assert all(torch.equal(v, b) for v, b in zip(cache.storage.v_caches, v_before, strict=True))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 6, 9])
@@ -64,29 +66,26 @@ def test_swap_out_copies_every_layer_to_the_host_and_frees_the_blocks(num_tokens
         assert saved.k[layer].device.type == "cpu" and saved.v[layer].device.type == "cpu"
         assert torch.equal(saved.k[layer], k) and torch.equal(saved.v[layer], v)
     assert saved.nbytes == 2 * CONFIG.num_layers * num_tokens * CONFIG.d_model * 4
-    for allocator in cache.allocators:
-        assert allocator.num_free_blocks == 8
-        assert "s" not in allocator
+    assert cache.num_free_blocks == 8 and "s" not in cache.manager
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 6, 9])
 def test_swap_in_restores_the_kv_in_other_blocks(num_tokens: int, device) -> None:
     cache = filled_cache(num_tokens, device=device)
-    before = cache.allocators[0].get_block_mapping("s")
+    before = cache.manager.get_block_table("s").block_ids
     saved = cache.swap_out("s")
     cache.add_sequence("other", 2 * BLOCK_SIZE)  # takes the blocks "s" had first
     cache.swap_in("s", saved)
-    after = cache.allocators[0].get_block_mapping("s")
+    after = cache.manager.get_block_table("s").block_ids
     assert len(after) == blocks_for_tokens(num_tokens, BLOCK_SIZE)
-    assert not set(after) & set(cache.allocators[0].get_block_mapping("other"))
+    assert not set(after) & set(cache.manager.get_block_table("other").block_ids)
     assert after != before[: len(after)]  # new physical blocks, same logical content
-    for layer, allocator in enumerate(cache.allocators):
-        assert allocator.get_block_mapping("s") == after  # every layer keeps the same table
-        assert allocator.sequence_length("s") == num_tokens
-        k, v = allocator.read_kv("s")
+    assert cache.manager.sequence_length("s") == num_tokens
+    assert cache.num_free_blocks == 8 - 2 - len(after)
+    for layer in range(CONFIG.num_layers):  # one table for every layer's K/V
+        k, v = cache.read_kv(layer, "s")
         expected_k, expected_v = layer_kv(CONFIG, num_tokens, layer, device=device)
         assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
-        assert allocator.num_free_blocks == 8 - 2 - len(after)
 
 
 def test_a_sequence_swapped_out_and_in_decodes_what_it_would_have(device) -> None:
@@ -131,7 +130,7 @@ def test_swap_in_with_too_few_free_blocks_raises_and_changes_nothing() -> None:
         cache.swap_in("s", saved)
     cache.free("big")
     cache.swap_in("s", saved)  # and it works once they are free
-    assert cache.allocators[-1].sequence_length("s") == 9
+    assert cache.manager.sequence_length("s") == 9
 
 
 def test_bad_swap_ins_raise_value_error_naming_the_problem_and_change_nothing() -> None:
@@ -199,9 +198,9 @@ class SwapMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.expected)))
         if self.cache.needs_new_block(seq_id) and not self.free_blocks():
             return
-        position = int(self.cache.append([seq_id])[0])
+        self.cache.append([seq_id])
         for layer, (new_k, new_v) in enumerate(self.fresh(1)):
-            self.cache.allocators[layer].write_kv(seq_id, new_k, new_v, start_position=position)
+            self.cache.attend(layer, [seq_id], new_k, new_k, new_v)  # stores the new token's K/V
             k, v = self.expected[seq_id][layer]
             self.expected[seq_id][layer] = (torch.cat([k, new_k]), torch.cat([v, new_v]))
 
@@ -234,16 +233,15 @@ class SwapMachine(RuleBasedStateMachine):
     @invariant()
     def live_sequences_read_back_what_was_written(self) -> None:
         for seq_id, kv in self.expected.items():
-            for allocator, (k, v) in zip(self.cache.allocators, kv, strict=True):
-                read_k, read_v = allocator.read_kv(seq_id)
+            for layer, (k, v) in enumerate(kv):
+                read_k, read_v = self.cache.read_kv(layer, seq_id)
                 assert torch.equal(read_k, k) and torch.equal(read_v, v), seq_id
 
     @invariant()
     def swapped_sequences_hold_no_blocks_and_every_layer_agrees(self) -> None:
         held = sum(blocks_for_tokens(len(kv[0][0]), BLOCK_SIZE) for kv in self.expected.values())
-        for allocator in self.cache.allocators:
-            assert allocator.num_free_blocks == NUM_BLOCKS - held
-            assert set(allocator.seq_ids) == set(self.expected)
+        assert self.cache.num_free_blocks == NUM_BLOCKS - held
+        assert set(self.cache.manager.seq_ids) == set(self.expected)
         for saved, kv in self.swapped.values():
             assert all(torch.equal(s, k.cpu()) for s, (k, _) in zip(saved.k, kv, strict=True))
 

@@ -116,8 +116,8 @@ def test_freeing_a_shared_block_names_the_blocks_still_held():
     cache = make_cache(record=True)
     cache.allocate_for_sequence("parent", 5)  # [0, 1]
     cache.allocate_for_sequence("child", 0)
-    cache._allocator.add_ref(0)  # share block 0 the way a fork will
-    cache._tables["child"].append_block(0)
+    cache.manager.allocator.add_ref(0)  # share block 0 the way a fork will
+    cache.manager.table("child").append_block(0)
     cache.free_sequence("parent")
     frame = cache.trace[-1]
     assert frame.caption == (

@@ -28,7 +28,7 @@ in O(1); a hit on a block that live sequences hold adds a reference.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -267,9 +267,11 @@ class CachingBlockAllocator(BlockAllocator):
       every block they touch), so the cache never serves new K/V for old tokens.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+        """A pool of ``num_blocks`` blocks; ``on_evict(block_id)`` is called when a block loses its hash."""
         super().__init__(num_blocks)
         self._prefix_cache = PrefixCache()
+        self._on_evict = on_evict
         # Per block: how many leading slots have been written since ``allocate`` handed it out.
         self._written = [0] * self.num_blocks
 
@@ -281,8 +283,9 @@ class CachingBlockAllocator(BlockAllocator):
     def allocate(self) -> int:
         """Take the head of the free list for new data, evicting the hash it held."""
         block_id = super().allocate()
-        self._prefix_cache.evict(block_id)
         self._written[block_id] = 0
+        if self._prefix_cache.evict(block_id) and self._on_evict is not None:
+            self._on_evict(block_id)
         return block_id
 
     def record_write(self, block_id: int, first: int, end: int) -> bool:
@@ -295,7 +298,10 @@ class CachingBlockAllocator(BlockAllocator):
         """
         overwrites = first < self._written[block_id]
         self._written[block_id] = max(self._written[block_id], end)
-        return overwrites and self._prefix_cache.evict(block_id)
+        evicted = overwrites and self._prefix_cache.evict(block_id)
+        if evicted and self._on_evict is not None:
+            self._on_evict(block_id)
+        return evicted
 
     def _release(self, block_id: int) -> None:
         """A cached block goes to the tail of the free list, to stay cached longest; any other to

@@ -1,18 +1,26 @@
-"""A recorded trace of the allocator: one :class:`TraceFrame` per event, for animations.
+"""A recorded trace of the block manager: one :class:`TraceFrame` per event, for the widgets' animations.
 
-``PagedKVCacheAllocator(..., record=True)`` keeps ``cache.trace``: a "start" frame of the empty
-pool, then one frame after every successful call that changes the bookkeeping. Each frame holds a
-snapshot taken right after the event, a one-line caption, the event's name, the sequence it
-concerns and the blocks it touched (the ones a picture outlines). The caption helpers below are
-the only place the wording lives.
+A :class:`Recorder` is an observer of a :class:`~paged_kv.core.block_manager.BlockManager`: it turns
+the events the manager emits (:mod:`paged_kv.core.events`) into frames, so recording never changes
+what the manager does and has no code path of its own. The trace is a "start" frame of the empty
+pool, then one frame after every allocation, fork, copy-on-write and release, and one after *each
+token* an append places, so an animation can step token by token. Each frame holds a snapshot, a
+one-line caption, the event's name, the sequence it concerns and the blocks it touched (the ones a
+picture outlines). ``PagedKVCacheAllocator(..., record=True)`` keeps one (lessons 00, 02, 04, 07).
+The caption helpers below are the only place the wording lives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from paged_kv.core.events import BlockEvent
 from paged_kv.core.snapshot import AllocatorSnapshot
+
+if TYPE_CHECKING:
+    from paged_kv.core.block_manager import BlockManager
 
 EVENTS = ("start", "allocate", "append", "new_block", "free", "fork", "copy_on_write")
 
@@ -92,3 +100,62 @@ def copy_caption(seq_id: Hashable, copies: Sequence[tuple[int, int]], token: int
         return f"{where}: block {source} copied to block {copy}"
     sources, targets = [s for s, _ in copies], [c for _, c in copies]
     return f"{where}: blocks {sources} copied to blocks {targets}"
+
+
+class Recorder:
+    """Keeps :attr:`frames`, the trace of a manager: built from the start, it subscribes itself.
+
+    Invariant: the frames are the manager's states in order, each one the snapshot right after the
+    event its caption names; for an append that placed several tokens in one block, one frame per
+    token, the same snapshot but for the sequence's length. Cache hits and evictions make no frame
+    of their own (the allocation that follows a hit shows its blocks).
+    """
+
+    def __init__(self, manager: BlockManager) -> None:
+        self._manager = manager
+        start = start_caption(manager.num_blocks, manager.block_size)
+        self.frames: list[TraceFrame] = [TraceFrame(manager.snapshot(), start, "start", None, ())]
+        manager.subscribe(self)
+
+    def __call__(self, event: BlockEvent) -> None:
+        if event.kind in ("cache_hit", "evict"):
+            return
+        snapshot = self._manager.snapshot()
+        if event.tokens is not None and event.kind in ("append", "new_block", "copy_on_write"):
+            self._tokens(event, snapshot)
+            return
+        seq_id = event.seq_id
+        if event.kind == "allocate":
+            caption = allocate_caption(seq_id, event.tokens[1], event.blocks)
+        elif event.kind == "new_block":
+            caption = block_caption(seq_id, event.blocks[0])
+        elif event.kind == "copy_on_write":
+            caption = copy_caption(seq_id, event.copies)
+        elif event.kind == "fork":
+            caption = fork_caption(event.parent, seq_id, event.blocks)
+        else:  # "free"
+            caption = free_caption(seq_id, event.blocks, event.freed)
+        self.frames.append(TraceFrame(snapshot, caption, event.kind, seq_id, event.blocks))
+
+    def _tokens(self, event: BlockEvent, snapshot: AllocatorSnapshot) -> None:
+        """One frame per token of an append into one block: the first names what the block took."""
+        seq_id, (block_id,) = event.seq_id, event.blocks
+        first, last = event.tokens
+        table = snapshot.tables[seq_id]
+        for token in range(first, last + 1):
+            tables = {
+                **snapshot.tables,
+                seq_id: replace(table, block_ids=list(table.block_ids), num_tokens=token),
+            }
+            frame_snapshot = snapshot if token == last else replace(snapshot, tables=tables)
+            if token == first and event.kind == "copy_on_write":
+                caption, kind, highlight = (
+                    copy_caption(seq_id, event.copies, token),
+                    event.kind,
+                    event.copies[0],
+                )
+            else:
+                new = token == first and event.kind == "new_block"
+                caption = token_caption(seq_id, token, block_id, new)
+                kind, highlight = ("new_block" if new else "append"), (block_id,)
+            self.frames.append(TraceFrame(frame_snapshot, caption, kind, seq_id, tuple(highlight)))

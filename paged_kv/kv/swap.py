@@ -6,21 +6,23 @@ and later, when blocks are free again, allocate fresh blocks and copy the K/V ba
 block ids change (the sequence gets whatever blocks are free); the logical content does not, so
 the sequence continues exactly where it stopped.
 
-The functions work on the per-layer allocators of :class:`~paged_kv.model.kv_cache.PagedKVCache` (one
-:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` per layer, all with identical block tables); the
-cache's ``swap_out`` / ``swap_in`` methods call them.
+The functions work on a :class:`~paged_kv.core.block_manager.BlockManager` and the
+:class:`~paged_kv.kv.storage.KVStorage` its block ids index, one layer or many: the blocks are freed
+and allocated once, and every layer's K/V is copied. The model cache's ``swap_out`` / ``swap_in``
+(:class:`~paged_kv.model.kv_cache.PagedKVCache`) call them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.errors import OutOfBlocksError
-from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.kv.storage import KVStorage
 from paged_kv.validate import check_hashable
 
 
@@ -53,50 +55,53 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor)
 
 
-def swap_out(allocators: Sequence[PagedKVCacheAllocator], seq_id: Hashable) -> SwappedKV:
-    """Copy the sequence's K/V from every layer to host memory, then free its blocks everywhere.
+def swap_out(manager: BlockManager, storage: KVStorage, seq_id: Hashable) -> SwappedKV:
+    """Copy the sequence's K/V from every layer to host memory, then free its blocks.
 
     Raises:
         UnknownSequenceError: ``seq_id`` is not allocated (nothing is copied or freed).
     """
-    num_tokens = allocators[0].sequence_length(seq_id)
-    saved = [allocator.read_kv(seq_id) for allocator in allocators]
-    swapped = SwappedKV(num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved))
-    for allocator in allocators:
-        allocator.free_sequence(seq_id)
+    table = manager.table(seq_id)
+    block_ids = torch.tensor(table.block_ids, dtype=torch.long, device=storage.device)
+    saved = [storage.read(layer, block_ids, table.num_tokens) for layer in range(storage.num_layers)]
+    swapped = SwappedKV(
+        table.num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved)
+    )
+    manager.free(seq_id)
     return swapped
 
 
-def swap_in(allocators: Sequence[PagedKVCacheAllocator], seq_id: Hashable, saved: SwappedKV) -> None:
-    """Give ``seq_id`` fresh blocks for ``saved.num_tokens`` tokens in every layer and copy its K/V back.
+def swap_in(manager: BlockManager, storage: KVStorage, seq_id: Hashable, saved: SwappedKV) -> None:
+    """Give ``seq_id`` fresh blocks for ``saved.num_tokens`` tokens and copy its K/V back into every layer.
 
     Raises:
-        ValueError: ``saved`` is not a :class:`SwappedKV` with one K/V pair per layer, or
-            ``seq_id`` is already allocated.
+        ValueError: ``saved`` is not a :class:`SwappedKV` with one K/V pair per layer of the
+            storage's shape and dtype, or ``seq_id`` is already allocated.
         OutOfBlocksError: too few blocks are free.
 
         A call that raises changes nothing.
     """
     if not isinstance(saved, SwappedKV):
         raise ValueError(f"saved must be a SwappedKV from swap_out, got {type(saved).__name__}")
-    if len(saved.k) != len(allocators) or len(saved.v) != len(allocators):
+    if len(saved.k) != storage.num_layers or len(saved.v) != storage.num_layers:
         raise ValueError(
-            f"saved holds K/V for {len(saved.k)} layers but the cache has {len(allocators)} layers"
+            f"saved holds K/V for {len(saved.k)} layers but the cache has {storage.num_layers} layers"
         )
-    first = allocators[0]
-    if check_hashable("seq_id", seq_id) in first:
+    if check_hashable("seq_id", seq_id) in manager:
         raise ValueError(f"seq_id {seq_id!r} is already allocated; it cannot be swapped in twice")
-    expected = (saved.num_tokens, first.num_heads, first.head_dim)
+    expected = (saved.num_tokens, storage.num_heads, storage.head_dim)
     for name, tensors in (("k", saved.k), ("v", saved.v)):
         for layer, tensor in enumerate(tensors):
-            if tuple(tensor.shape) != expected or tensor.dtype != first.dtype:
+            if tuple(tensor.shape) != expected or tensor.dtype != storage.dtype:
                 raise ValueError(
                     f"saved.{name}[{layer}] is {tuple(tensor.shape)} {tensor.dtype}, but the cache "
-                    f"holds {expected} {first.dtype}: it was swapped out of a different cache"
+                    f"holds {expected} {storage.dtype}: it was swapped out of a different cache"
                 )
-    needed = blocks_for_tokens(saved.num_tokens, first.block_size)
-    if needed > first.num_free_blocks:
-        raise OutOfBlocksError(needed, first.num_free_blocks, f"swapping in sequence {seq_id!r}")
-    for allocator, k, v in zip(allocators, saved.k, saved.v, strict=True):
-        allocator.allocate_for_sequence(seq_id, saved.num_tokens)
-        allocator.write_kv(seq_id, k.to(allocator.device), v.to(allocator.device))
+    needed = blocks_for_tokens(saved.num_tokens, manager.block_size)
+    if needed > manager.num_free_blocks:
+        raise OutOfBlocksError(needed, manager.num_free_blocks, f"swapping in sequence {seq_id!r}")
+    table = manager.allocate(seq_id, saved.num_tokens)
+    manager.prepare_write(seq_id, 0, saved.num_tokens)
+    block_ids = torch.tensor(table.block_ids, dtype=torch.long, device=storage.device)
+    for layer, (k, v) in enumerate(zip(saved.k, saved.v, strict=True)):
+        storage.write(layer, block_ids, k.to(storage.device), v.to(storage.device))

@@ -1,33 +1,54 @@
 """Where the tiny GPT keeps its K and V: a contiguous baseline and the paged cache (lessons 08, 09).
 
+The attention layers call the small :class:`KVCache` protocol, with two back-ends:
+
 * :class:`ContiguousKVCache`, the baseline: per layer and per sequence, K and V are tensors that
   grow by concatenation, and decode attention is ``scaled_dot_product_attention`` over them.
-* :class:`PagedKVCache`, the paged one.
+* :class:`PagedKVCache`, the paged one: **one** :class:`~paged_kv.core.block_manager.BlockManager`
+  for the whole model and a :class:`~paged_kv.kv.storage.KVStorage` with one ``k_cache`` /
+  ``v_cache`` pool per layer, all indexed by the manager's block ids, as in vLLM. A block is
+  allocated, hashed, copied and freed once, whatever the number of layers. A prompt is allocated
+  with ``add_sequence`` and each layer writes its K/V; each decode step appends one token to every
+  sequence of the batch in one :meth:`~paged_kv.core.block_manager.BlockManager.append_batch` (a new
+  block only at a block boundary), builds the batch's block tables and slots once, and each layer
+  scatters its new K/V into those slots in one indexing operation and attends with
+  :func:`~paged_kv.attention.paged.paged_attention`: no per-sequence loop beyond the bookkeeping.
+
+  With ``enable_prefix_caching=True`` the manager reuses the blocks of a prompt prefix that an
+  earlier prompt computed (:mod:`paged_kv.core.prefix_cache`): ``add_sequence(seq_id, n, token_ids)``
+  looks the prompt up, :meth:`PagedKVCache.num_cached_tokens` says how many leading tokens ``c``
+  need no computing, and ``prefill(prompt, seq_id, cache, start=c)`` runs only positions
+  ``c .. n - 1``, writing their K/V after the cached ones and attending over both with
+  :func:`~paged_kv.attention.paged.paged_prefill_attention`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
-from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.kv.storage import KVStorage
 from paged_kv.model.tiny_gpt import GPTConfig
 
 
-class KVCache:
+@runtime_checkable
+class KVCache(Protocol):
     """What the attention layers call. K/V tensors are ``(tokens, num_heads, head_dim)``."""
 
     def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make room for a prompt of ``num_tokens`` before its prefill."""
-        raise NotImplementedError
+        ...
 
     def write_prompt(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a prompt's K and V for one layer."""
-        raise NotImplementedError
+        ...
 
     def attend_prefill(
         self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
@@ -38,21 +59,21 @@ class KVCache:
         Only a cache with prefix caching needs it: :meth:`TinyGPT.prefill` calls it when
         ``start > 0``. Returns ``(len(q), heads, dim)``.
         """
-        raise NotImplementedError
+        ...
 
     def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """Grow each sequence by one token; return the new tokens' positions ``(batch,)``."""
-        raise NotImplementedError
+        ...
 
     def attend(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Store the new tokens' K/V ``(batch, heads, dim)``; attend with ``q`` over each whole sequence."""
-        raise NotImplementedError
+        ...
 
     def free(self, seq_id: Hashable) -> None:
         """Forget a finished sequence."""
-        raise NotImplementedError
+        ...
 
 
 class ContiguousKVCache(KVCache):
@@ -96,12 +117,14 @@ class ContiguousKVCache(KVCache):
 
 
 class PagedKVCache(KVCache):
-    """One :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` per layer, all with identical block tables.
+    """One block manager for every layer and one K/V pool per layer (see the module docstring).
 
-    ``record=True`` makes every allocator keep its trace, to watch blocks arrive at the boundaries.
-    ``enable_prefix_caching=True`` builds every allocator with prefix caching: a prompt added with
-    its ``token_ids`` reuses the cached blocks of its longest cached prefix in every layer (the
-    layers get the same calls, so they find the same blocks; :meth:`num_cached_tokens` checks it).
+    ``record=True`` keeps :attr:`trace`, the manager's events as frames, to watch blocks arrive at
+    the boundaries. ``enable_prefix_caching=True`` builds the manager with prefix caching.
+
+    Invariant: every layer's pool holds the K/V of the same tokens at the same slots, those the
+    manager's block tables name; a step's batch layout (:meth:`append`) is built once and read by
+    every layer's :meth:`attend`.
     """
 
     def __init__(
@@ -114,73 +137,70 @@ class PagedKVCache(KVCache):
         record: bool = False,
         enable_prefix_caching: bool = False,
     ) -> None:
-        self.allocators = [
-            PagedKVCacheAllocator(
-                num_blocks,
-                block_size,
-                config.num_heads,
-                config.head_dim,
-                dtype,
-                device,
-                record,
-                enable_prefix_caching=enable_prefix_caching,
-            )
-            for _ in range(config.num_layers)
-        ]
-        self.block_size, self.device = block_size, self.allocators[0].device
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.storage = KVStorage(
+            config.num_layers, num_blocks, block_size, config.num_heads, config.head_dim, dtype, device
+        )
+        self._recorder = Recorder(self.manager) if record else None
+        self.block_size, self.device = block_size, self.storage.device
+        self._step: tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
 
     @property
     def enable_prefix_caching(self) -> bool:
         """Whether prompts added with ``token_ids`` reuse cached blocks (set when the cache is built)."""
-        return self.allocators[0].enable_prefix_caching
+        return self.manager.enable_prefix_caching
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks, the same in every layer's pool."""
-        return self.allocators[0].num_free_blocks
+        """Free blocks of the pool, which every layer shares."""
+        return self.manager.num_free_blocks
+
+    @property
+    def trace(self) -> list[TraceFrame]:
+        """The recorded frames, oldest first (a new list); empty unless built with ``record=True``."""
+        return list(self._recorder.frames) if self._recorder is not None else []
 
     def needs_new_block(self, seq_id: Hashable) -> bool:
-        """Whether the sequence's next token starts a new block (it is exactly at a block boundary)."""
-        return self.allocators[0].needs_new_block(seq_id)
+        """Whether the sequence's next token takes a free block (at a block boundary, or a shared block)."""
+        return self.manager.needs_new_block(seq_id)
 
     def add_sequence(
         self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | torch.Tensor | None = None
     ) -> None:
-        """Allocate the prompt's blocks in every layer; with prefix caching and ``token_ids``, the
-        cached prefix's blocks are reused (see :meth:`num_cached_tokens`)."""
-        for allocator in self.allocators:
-            allocator.allocate_for_sequence(seq_id, num_tokens, token_ids)
+        """Allocate the prompt's blocks, once for every layer; with prefix caching and ``token_ids``,
+        the cached prefix's blocks are reused (see :meth:`num_cached_tokens`)."""
+        self.manager.allocate(seq_id, num_tokens, token_ids)
+        if self.manager.enable_prefix_caching:  # the prefill writes the uncached tail
+            self.manager.prepare_write(seq_id, self.manager.num_cached_tokens(seq_id), num_tokens)
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not in the cache.
-            RuntimeError: the layers disagree (their allocators did not get the same calls).
         """
-        counts = [allocator.num_cached_tokens(seq_id) for allocator in self.allocators]
-        if len(set(counts)) != 1:
-            raise RuntimeError(
-                f"the layers' allocators disagree on the cached tokens of sequence {seq_id!r}: "
-                f"{counts}; every layer must get the same calls"
-            )
-        return counts[0]
+        return self.manager.num_cached_tokens(seq_id)
 
     def write_prompt(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a whole prompt's K and V for one layer.
 
         Raises:
             ValueError: part of the prompt came from the prefix cache: those blocks hold K/V that
-                other sequences may read, so only the rest is written, with :meth:`attend_prefill`.
+                other sequences may read, so only the rest is written, with :meth:`attend_prefill`;
+                or ``k``, ``v`` are not the prompt's K/V for this cache.
         """
-        allocator = self.allocators[layer]
-        cached = allocator.num_cached_tokens(seq_id)
+        cached = self.manager.num_cached_tokens(seq_id)
         if cached:
             raise ValueError(
                 f"the first {cached} tokens of sequence {seq_id!r} come from the prefix cache: "
                 f"prefill from start={cached} (attend_prefill) instead of writing the whole prompt"
             )
-        allocator.write_kv(seq_id, k, v)
+        self._check_write(seq_id, k, v, 0)
+        self.storage.write(layer, self._block_ids(seq_id), k, v)
 
     def attend_prefill(
         self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
@@ -189,16 +209,15 @@ class PagedKVCache(KVCache):
 
         The positions are the prompt's uncached tail: ``start`` is :meth:`num_cached_tokens` and
         ``len(k)`` the tokens after it, so the cached blocks are never written and no position is
-        left unwritten. Attention is :func:`~paged_kv.attention.paged.paged_prefill_attention` over the
-        sequence's blocks.
+        left unwritten. Attention is :func:`~paged_kv.attention.paged.paged_prefill_attention` over
+        the sequence's blocks.
 
         Raises:
             ValueError: ``start`` is not the sequence's cached tokens, ``start + len(k)`` is not
                 its length, or ``q`` has another shape than ``k``; or ``k``, ``v`` are bad as for
-                ``write_kv``. Nothing is written.
+                :meth:`write_prompt`. Nothing is written.
         """
-        allocator = self.allocators[layer]
-        length, cached = allocator.sequence_length(seq_id), allocator.num_cached_tokens(seq_id)
+        length, cached = self.manager.sequence_length(seq_id), self.manager.num_cached_tokens(seq_id)
         if start != cached or start + len(k) != length:
             raise ValueError(
                 f"start {start} and {len(k)} new tokens must be the uncached tail of sequence "
@@ -206,38 +225,69 @@ class PagedKVCache(KVCache):
             )
         if q.shape != k.shape:
             raise ValueError(f"q must have the shape of k, {tuple(k.shape)}, got {tuple(q.shape)}")
-        allocator.write_kv(seq_id, k, v, start_position=start)
-        tables = allocator.block_tables_tensor([seq_id])
-        return paged_prefill_attention(q, allocator.k_cache, allocator.v_cache, tables, [length], [len(k)])
+        self._check_write(seq_id, k, v, start)
+        block_ids = self._block_ids(seq_id)
+        self.storage.write(layer, block_ids, k, v, start)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return paged_prefill_attention(q, k_cache, v_cache, block_ids[None], [length], [len(k)])
 
     def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        positions = [self.allocators[0].sequence_length(s) for s in seq_ids]
-        for allocator in self.allocators:  # bookkeeping: a new block only at a block boundary
-            for s in seq_ids:
-                allocator.append_tokens(s)
-        return torch.tensor(positions, device=self.device)
+        """Grow every sequence of the batch by one token, all or none; return the new tokens' positions.
+
+        The batch's block tables, lengths and new slots are built here, once per step, for every
+        layer's :meth:`attend`.
+        """
+        seq_ids = tuple(seq_ids)
+        copies = self.manager.append_batch(seq_ids)
+        self.storage.copy_blocks(copies)
+        tables = self.manager.block_rows(seq_ids)
+        lengths = [self.manager.table(seq_id).num_tokens for seq_id in seq_ids]
+        table_tensor = torch.tensor(tables, dtype=torch.long, device=self.device).reshape(len(seq_ids), -1)
+        length_tensor = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        last = length_tensor - 1
+        slots = table_tensor.gather(1, (last // self.block_size)[:, None])[:, 0] * self.block_size
+        self._step = (seq_ids, table_tensor, length_tensor, slots + last % self.block_size)
+        return last
 
     def attend(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        allocator = self.allocators[layer]
-        tables = allocator.block_tables_tensor(seq_ids).long()  # (batch, max_blocks), -1 padded
-        lengths = torch.tensor([allocator.sequence_length(s) for s in seq_ids], device=self.device)
-        # The new token of each sequence sits at position length - 1: scatter the batch in one go.
-        last = lengths - 1
-        blocks = tables.gather(1, (last // self.block_size)[:, None])[:, 0]
-        allocator.k_cache[blocks, :, last % self.block_size] = k
-        allocator.v_cache[blocks, :, last % self.block_size] = v
-        return paged_attention(q, allocator.k_cache, allocator.v_cache, tables, lengths)
+        """Store the new tokens' K/V in this layer's slots and attend over each whole sequence.
+
+        Raises:
+            RuntimeError: ``seq_ids`` is not the batch of the last :meth:`append`.
+        """
+        if self._step is None or tuple(seq_ids) != self._step[0]:
+            raise RuntimeError("attend must follow append for the same batch: call append(seq_ids) first")
+        _, tables, lengths, slots = self._step
+        self.storage.write_slots(layer, slots, k, v)
+        return paged_attention(q, self.storage.k_caches[layer], self.storage.v_caches[layer], tables, lengths)
 
     def free(self, seq_id: Hashable) -> None:
-        for allocator in self.allocators:
-            allocator.free_sequence(seq_id)
+        self.manager.free(seq_id)
+
+    def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of the sequence, gathered into contiguous ``(num_tokens, heads, dim)``."""
+        return self.storage.read(layer, self._block_ids(seq_id), self.manager.sequence_length(seq_id))
 
     def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
         """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 08)."""
-        return swap.swap_out(self.allocators, seq_id)
+        return swap.swap_out(self.manager, self.storage, seq_id)
 
     def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
         """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 08)."""
-        swap.swap_in(self.allocators, seq_id, saved)
+        swap.swap_in(self.manager, self.storage, seq_id, saved)
+
+    def _block_ids(self, seq_id: Hashable) -> torch.Tensor:
+        return torch.tensor(self.manager.table(seq_id).block_ids, dtype=torch.long, device=self.device)
+
+    def _check_write(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        self.storage.check_kv("k", k)
+        self.storage.check_kv("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        length = self.manager.sequence_length(seq_id)
+        if start + len(k) > length:
+            raise ValueError(
+                f"{start + len(k)} positions run past the {length} tokens of sequence {seq_id!r}"
+            )

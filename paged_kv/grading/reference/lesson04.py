@@ -30,9 +30,9 @@ class BlockManager(_SequenceAllocator):
     @property
     def free_blocks(self) -> _deque[int]:
         """The free list, head first (a snapshot)."""
-        return _deque(self._allocator.free_block_ids)
+        return _deque(self.manager.allocator.free_block_ids)
 
     @property
     def sequence_block_tables(self) -> dict[_Hashable, _BlockTable]:
         """The live block tables, by sequence id."""
-        return self._tables
+        return self.manager.tables

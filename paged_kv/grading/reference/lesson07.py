@@ -43,12 +43,12 @@ class SharedCache(_PagedKVCacheAllocator):
     @property
     def allocator(self) -> _BlockAllocator:
         """The pool: its free list and ref counts."""
-        return self._allocator
+        return self.manager.allocator
 
     @property
     def tables(self) -> dict[_Hashable, _BlockTable]:
-        """The live block tables, by sequence id (the cache's own dict, not a copy)."""
-        return self._tables
+        """The live block tables, by sequence id (a live read-only view of the manager's, not a copy)."""
+        return self.manager.tables
 
     def allocate_for_sequence(self, seq_id: _Hashable, num_tokens: int) -> list[int]:
         """Give a new sequence the blocks for its prompt and return their ids, all or nothing."""

@@ -1,0 +1,491 @@
+"""The block manager: the block tables, ref counts, free list and prefix cache of a pool, and no tensors.
+
+Lessons 02, 04 and 07 build its parts; this is where they meet. vLLM keeps one such manager
+(``KVCacheManager`` over a ``BlockPool``) for all the layers of a model: a block id names the same
+slot range in every layer's K/V tensors, so the bookkeeping is done once per block, whatever the
+number of layers. The tensors live in :class:`~paged_kv.kv.storage.KVStorage`; what must happen to
+them is what the manager returns: the ``(source, copy)`` block pairs of a copy-on-write, which the
+caller copies in every layer before writing.
+
+Invariants, true after every call (and unchanged by a call that raises):
+
+* every sequence has ``num_tokens <= len(block_ids) * block_size``;
+* a block's ref count equals the number of block tables that hold it, and a block is on the free
+  list exactly when that count is 0; used blocks + free blocks == ``num_blocks``;
+* no sequence writes into a block another sequence holds: the appends and :meth:`prepare_write`
+  first give the writer its own copy of such a block (returned as a ``(source, copy)`` pair), so
+  every holder of a shared block holds the same tokens in it;
+* with prefix caching, a cached block's K/V never change under its hash (see
+  :class:`~paged_kv.core.prefix_cache.CachingBlockAllocator`).
+
+Every successful change is announced to the observers as a :class:`~paged_kv.core.events.BlockEvent`;
+the recorder of the widgets' traces is one (:class:`~paged_kv.core.trace.Recorder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+
+from paged_kv.core.block import BlockTable, blocks_for_tokens
+from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.events import BlockEvent, Observer
+from paged_kv.core.prefix_cache import CachingBlockAllocator, PrefixCacheStats, check_token_ids
+from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.usage import BlockUsage
+from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
+from paged_kv.validate import check_count, check_hashable
+
+Copies = list[tuple[int, int]]
+"""``(shared block, its copy)`` pairs: the block copies the caller makes in the K/V storage."""
+
+
+class BlockManager:
+    """Block tables for many sequences over one pool of ``num_blocks`` blocks of ``block_size`` slots.
+
+    Sequence ids can be any hashable value. With ``enable_prefix_caching=True`` a prompt allocated
+    with its ``token_ids`` reuses the blocks of its longest cached prefix (full blocks only, see
+    :mod:`paged_kv.core.prefix_cache`).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
+        self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
+        self.block_size = check_count("block_size", block_size, minimum=1)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self._observers: list[Observer] = []
+        if enable_prefix_caching:
+            self._allocator: BlockAllocator = CachingBlockAllocator(self.num_blocks, on_evict=self._evicted)
+        else:
+            self._allocator = BlockAllocator(self.num_blocks)
+        self._tables: dict[Hashable, BlockTable] = {}
+        self._cached_tokens: dict[Hashable, int] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"free={self.num_free_blocks}, sequences={len(self._tables)})"
+        )
+
+    # ----------------------------------------------------------------------------- the pool
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The pool: free list and ref counts (read it; the manager changes it)."""
+        return self._allocator
+
+    @property
+    def tables(self) -> Mapping[Hashable, BlockTable]:
+        """The live block tables by sequence id, in allocation order: a read-only view, not a copy."""
+        return MappingProxyType(self._tables)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """How many blocks are free."""
+        return self._allocator.num_free_blocks
+
+    @property
+    def seq_ids(self) -> tuple[Hashable, ...]:
+        """The live sequences, in the order they were allocated."""
+        return tuple(self._tables)
+
+    def __contains__(self, seq_id: object) -> bool:
+        try:
+            return seq_id in self._tables
+        except TypeError:  # not hashable
+            return False
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id``."""
+        return self._allocator.ref_count(block_id)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether prompts given with ``token_ids`` reuse cached blocks (set when the manager is built)."""
+        return isinstance(self._allocator, CachingBlockAllocator)
+
+    # ----------------------------------------------------------------------------- observers
+
+    def subscribe(self, observer: Observer) -> None:
+        """Call ``observer(event)`` after each successful change from now on (:mod:`paged_kv.core.events`)."""
+        if not callable(observer):
+            raise ValueError(f"observer must be callable with a BlockEvent, got {observer!r}")
+        self._observers.append(observer)
+
+    def _emit(self, event: BlockEvent) -> None:
+        for observer in self._observers:
+            observer(event)
+
+    def _evicted(self, block_id: int) -> None:
+        if self._observers:
+            self._emit(BlockEvent("evict", blocks=(block_id,)))
+
+    # ------------------------------------------------------------------- the life of a sequence
+
+    def allocate(
+        self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> BlockTable:
+        """Give a new sequence the blocks for its prompt: ``ceil(num_prompt_tokens / block_size)``.
+
+        With prefix caching and the prompt's ``token_ids``, the leading full blocks of the longest
+        cached prefix are reused (at most ``num_prompt_tokens - 1`` tokens: the last prompt token is always
+        computed) and :meth:`num_cached_tokens` says how many tokens they cover; the prompt's fresh
+        full blocks are cached for later prompts. Without prefix caching ``token_ids`` are checked
+        and otherwise ignored.
+
+        Returns:
+            A copy of the new block table.
+
+        Raises:
+            ValueError: ``seq_id`` is already allocated or not hashable, ``num_prompt_tokens`` is
+                negative, or ``token_ids`` is not ``num_prompt_tokens`` non-negative integers.
+            OutOfBlocksError: too few blocks are free (cached blocks on the free list count among
+                those the prompt takes). Nothing changes, nothing is counted.
+        """
+        self._check_new_id("seq_id", seq_id)
+        num_tokens = check_count("num_prompt_tokens", num_prompt_tokens)
+        if token_ids is not None:
+            token_ids = check_token_ids(token_ids, num_tokens)
+        what = f"sequence {seq_id!r} ({num_tokens} tokens)"
+        cached = 0
+        if token_ids is not None and isinstance(self._allocator, CachingBlockAllocator):
+            block_ids, cached = self._allocator.allocate_prompt(token_ids, self.block_size, what)
+        else:
+            block_ids = self._take(blocks_for_tokens(num_tokens, self.block_size), what)
+        table = BlockTable(block_ids, num_tokens)
+        self._tables[seq_id] = table
+        if cached:
+            self._cached_tokens[seq_id] = cached
+        if self._observers:
+            if cached:
+                hits = tuple(block_ids[: cached // self.block_size])
+                self._emit(BlockEvent("cache_hit", seq_id, hits, tokens=(1, cached)))
+            self._emit(BlockEvent("allocate", seq_id, tuple(block_ids), tokens=(0, num_tokens)))
+        return table.copy()
+
+    def append_tokens(self, seq_id: Hashable, n: int = 1) -> tuple[list[int], Copies]:
+        """Grow a sequence by ``n`` tokens, taking blocks only where a token finds no room of its own.
+
+        Token ``t + 1`` of a sequence holding ``t`` tokens needs a new block when ``t`` is a multiple
+        of ``block_size`` and the table has no block for it; it needs a copy when the block it lands
+        in is shared (after :meth:`fork`): the sequence takes a fresh block in the shared block's
+        place, and the shared block loses one holder (lazy copy-on-write, as in vLLM). Full shared
+        blocks take no token and stay shared. The tokens are placed block by block, so the work is
+        O(blocks the tokens touch), one for a decode step.
+
+        Returns:
+            The blocks taken, in table order, and the ``(shared block, copy)`` pairs whose K/V the
+            caller must copy before writing the new tokens.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+            ValueError: ``n`` is negative.
+            OutOfBlocksError: too few blocks are free for the copies and new blocks together (the
+                sequence does not grow at all).
+        """
+        table = self._table(seq_id)
+        n = check_count("n", n)
+        start, end = table.num_tokens, table.num_tokens + n
+        shared = self._shared_blocks(table, start, end)
+        missing = max(0, blocks_for_tokens(end, self.block_size) - len(table.block_ids))
+        if len(shared) + missing > self._allocator.num_free_blocks:
+            self._check_free(len(shared) + missing, f"appending {n} tokens to sequence {seq_id!r}")
+        taken: list[int] = []
+        copies: Copies = []
+        size = self.block_size
+        while table.num_tokens < end:  # one pass per block the new tokens land in
+            logical, first = divmod(table.num_tokens, size)
+            stop = min(end, table.num_tokens - first + size)
+            kind = "append"
+            if logical == len(table.block_ids):
+                table.block_ids.append(self._allocator.allocate())
+                taken.append(table.block_ids[-1])
+                kind = "new_block"
+            elif logical in shared:
+                copies += self._copy_on_write(table, (logical,))
+                taken.append(copies[-1][1])
+                kind = "copy_on_write"
+            tokens = (table.num_tokens + 1, stop)
+            table.num_tokens = stop
+            if self._observers:
+                pair = tuple(copies[-1:]) if kind == "copy_on_write" else ()
+                self._emit(BlockEvent(kind, seq_id, (table.block_ids[logical],), tokens, copies=pair))
+        return taken, copies
+
+    def append_batch(self, seq_ids: Iterable[Hashable]) -> Copies:
+        """One token for every sequence of a decode step, all or none: the engine's hot path.
+
+        The same as ``append_tokens(seq_id, 1)`` for each sequence in order (the same blocks, in
+        the same order, the same events), checked first for the whole batch, so a batch that does
+        not fit changes nothing. Without shared blocks or observers it takes a shortcut with the
+        same outcome: a block for each sequence whose blocks are full, then one more token each.
+
+        Returns:
+            The ``(shared block, copy)`` pairs to copy before the step writes its K/V.
+
+        Raises:
+            UnknownSequenceError: a sequence is not allocated.
+            ValueError: a sequence appears twice.
+            OutOfBlocksError: the batch needs more blocks than are free (``needed`` and ``free``
+                count the whole batch).
+        """
+        seq_ids = seq_ids if isinstance(seq_ids, list | tuple) else list(seq_ids)
+        tables = [self._table(seq_id) for seq_id in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            repeated = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
+            raise ValueError(f"seq_ids must be distinct, but {repeated!r} appears more than once")
+        size = self.block_size
+        full = [table for table in tables if table.num_tokens == len(table.block_ids) * size]
+        if not self._allocator.num_shared_blocks and not self._observers:
+            if len(full) > self._allocator.num_free_blocks:
+                self._check_free(len(full), f"a decode step of {len(tables)} sequences")
+            allocate = self._allocator.allocate
+            for table in full:
+                table.block_ids.append(allocate())
+            for table in tables:
+                table.num_tokens += 1
+            return []
+        shared = sum(bool(self._shared_blocks(t, t.num_tokens, t.num_tokens + 1)) for t in tables)
+        self._check_free(len(full) + shared, f"a decode step of {len(tables)} sequences")
+        copies: Copies = []
+        for seq_id in seq_ids:
+            copies += self.append_tokens(seq_id, 1)[1]
+        return copies
+
+    def append_block(self, seq_id: Hashable) -> int:
+        """Append one free block to a sequence's table ahead of its tokens (the low-level step).
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+            OutOfBlocksError: no block is free.
+        """
+        table = self._table(seq_id)
+        (block_id,) = self._take(1, f"a new block for sequence {seq_id!r}")
+        table.append_block(block_id)
+        if self._observers:
+            self._emit(BlockEvent("new_block", seq_id, (block_id,)))
+        return block_id
+
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        """Whether the sequence's next token takes a free block: exactly when ``append_tokens(seq_id)`` would.
+
+        That is when its blocks are all full, or when the block the token lands in is shared.
+        """
+        table = self._table(seq_id)
+        if table.num_tokens == len(table.block_ids) * self.block_size:
+            return True
+        return bool(self._shared_blocks(table, table.num_tokens, table.num_tokens + 1))
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> BlockTable:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares all of its blocks (one more holder each).
+
+        Nothing is copied: O(the parent's blocks). The first append or write into a shared block
+        copies it for the writer alone.
+
+        Returns:
+            A copy of the child's new block table.
+
+        Raises:
+            UnknownSequenceError: ``parent_id`` is not allocated.
+            ValueError: ``child_id`` is already allocated (``parent_id`` included), or an id is not
+                hashable. Nothing changes.
+        """
+        parent = self._table(check_hashable("parent_id", parent_id))
+        if check_hashable("child_id", child_id) in self._tables:
+            raise ValueError(f"child_id {child_id!r} is already allocated; fork into a new id")
+        for block_id in parent.block_ids:
+            self._allocator.add_ref(block_id)
+        child = parent.copy()
+        self._tables[child_id] = child
+        if self._observers:
+            self._emit(BlockEvent("fork", child_id, tuple(child.block_ids), parent=parent_id))
+        return child.copy()
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        """Drop a sequence and its references to its blocks; an unknown id is a no-op returning ``[]``.
+
+        With prefix caching, blocks that hold a prompt's hash stay cached on the free list until
+        new data takes them.
+
+        Returns:
+            The blocks that went back to the free list, in the order they went: table order, or,
+            with prefix caching, reverse table order, so that a cached prefix loses its last block
+            before its first (a cached block is only found after its whole prefix).
+        """
+        table = self._tables.pop(check_hashable("seq_id", seq_id), None)
+        if table is None:
+            return []
+        self._cached_tokens.pop(seq_id, None)
+        order = reversed(table.block_ids) if self.enable_prefix_caching else table.block_ids
+        freed = [block_id for block_id in order if self._allocator.free(block_id)]
+        if self._observers:
+            self._emit(BlockEvent("free", seq_id, tuple(table.block_ids), freed=tuple(freed)))
+        return freed
+
+    def prepare_write(self, seq_id: Hashable, start: int, end: int) -> Copies:
+        """Make positions ``start .. end - 1`` of a sequence safe to write; return the copies to make first.
+
+        A block the positions fall in that another sequence also holds is replaced by a fresh
+        copy in the writer's table (copy-on-write). With prefix caching, a cached block that only
+        this sequence holds and whose written slots are written again loses its hash, since its
+        K/V may no longer be those of its tokens.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+            ValueError: ``start`` or ``end`` is not a count, or the range runs past the sequence's
+                tokens (nothing changes).
+            OutOfBlocksError: too few blocks are free for the copies (nothing changes).
+        """
+        table = self._table(seq_id)
+        start = check_count("start", start)
+        end = check_count("end", end, minimum=start)
+        if end > table.num_tokens:
+            raise ValueError(
+                f"positions {start} .. {end - 1} run past the {table.num_tokens} tokens of sequence "
+                f"{seq_id!r}; append the tokens first"
+            )
+        shared = self._shared_blocks(table, start, end)
+        self._check_free(len(shared), f"copying the shared blocks sequence {seq_id!r} writes into")
+        copies = self._copy_on_write(table, shared)
+        if copies and self._observers:
+            self._emit(BlockEvent("copy_on_write", seq_id, _flat(copies), copies=tuple(copies)))
+        if isinstance(self._allocator, CachingBlockAllocator) and end > start:
+            size = self.block_size
+            for logical in range(start // size, (end - 1) // size + 1):
+                base = logical * size
+                first, last = max(start, base) - base, min(end, base + size) - base
+                self._allocator.record_write(table.block_ids[logical], first, last)
+        return copies
+
+    # ------------------------------------------------------------------------------ look-ups
+
+    def table(self, seq_id: Hashable) -> BlockTable:
+        """The sequence's live block table, for reading: only the manager's methods change it.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+        """
+        return self._table(seq_id)
+
+    def get_block_table(self, seq_id: Hashable) -> BlockTable:
+        """A copy of the sequence's block table."""
+        return self._table(seq_id).copy()
+
+    def sequence_length(self, seq_id: Hashable) -> int:
+        """How many tokens the sequence holds."""
+        return self._table(seq_id).num_tokens
+
+    def block_rows(self, seq_ids: Iterable[Hashable], pad: int = -1) -> list[list[int]]:
+        """The block tables of a batch as rows of one length, padded on the right with ``pad`` (new lists)."""
+        tables = [self._table(seq_id) for seq_id in seq_ids]
+        width = max((len(t.block_ids) for t in tables), default=0)
+        return [t.block_ids + [pad] * (width - len(t.block_ids)) for t in tables]
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """How many leading prompt tokens of the sequence the prefix cache held (whole blocks).
+
+        0 without prefix caching, without ``token_ids``, or for a fork.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not allocated.
+        """
+        self._table(seq_id)
+        return self._cached_tokens.get(seq_id, 0)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompts, prompt tokens looked up and prompt tokens found; all 0 without prefix caching."""
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.stats
+        return PrefixCacheStats()
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Each block that holds a prompt's hash (used or free), with the token ids it holds."""
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.cached_blocks()
+        return {}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash and zero the counters; return how many blocks held one (0 if not caching).
+
+        Live sequences keep their blocks; the free list keeps its order.
+        """
+        if isinstance(self._allocator, CachingBlockAllocator):
+            return self._allocator.prefix_cache.reset()
+        return 0
+
+    def usage(self) -> BlockUsage:
+        """Blocks used, free and shared; tokens held and reserved; waste; utilization (shared ones once)."""
+        return BlockUsage.of_tables(
+            self._tables.values(),
+            num_blocks=self.num_blocks,
+            free_blocks=self._allocator.num_free_blocks,
+            block_size=self.block_size,
+        )
+
+    def snapshot(self) -> AllocatorSnapshot:
+        """A frozen copy of the bookkeeping: free list, ref counts and tables."""
+        return AllocatorSnapshot(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_block_ids=self._allocator.free_block_ids,
+            ref_counts=tuple(self._allocator.ref_count(b) for b in range(self.num_blocks)),
+            tables={seq_id: table.copy() for seq_id, table in self._tables.items()},
+        )
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def _table(self, seq_id: Hashable) -> BlockTable:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(seq_id) from None
+        except TypeError:  # not hashable: the same message as everywhere else
+            check_hashable("seq_id", seq_id)
+            raise
+
+    def _check_new_id(self, name: str, seq_id: Hashable) -> None:
+        if check_hashable(name, seq_id) in self._tables:
+            raise ValueError(f"{name} {seq_id!r} is already allocated; free it first or pick a new id")
+
+    def _take(self, count: int, what: str) -> list[int]:
+        self._check_free(count, what)
+        return self._allocator.allocate_blocks(count)
+
+    def _check_free(self, count: int, what: str) -> None:
+        if count > self._allocator.num_free_blocks:
+            raise OutOfBlocksError(count, self._allocator.num_free_blocks, what)
+
+    def _shared_blocks(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """The logical blocks holding positions ``start .. end - 1`` that another table also holds.
+
+        The one place a write into a shared block is caught. Positions past the table's blocks
+        (blocks yet to append) are not shared.
+        """
+        if end <= start or not self._allocator.num_shared_blocks:
+            return []
+        last = min(len(table.block_ids), blocks_for_tokens(end, self.block_size))
+        logical = range(start // self.block_size, last)
+        return [i for i in logical if self._allocator.ref_count(table.block_ids[i]) > 1]
+
+    def _copy_on_write(self, table: BlockTable, logical_blocks: Sequence[int]) -> Copies:
+        """Put a fresh block in place of each shared block of ``logical_blocks``; return the pairs.
+
+        The caller has checked that enough blocks are free. The shared block loses one holder and
+        stays in use with the others.
+        """
+        copies: Copies = []
+        for logical in logical_blocks:
+            source = table.block_ids[logical]
+            copy = self._allocator.allocate()
+            table.block_ids[logical] = copy
+            self._allocator.free(source)  # shared, so it keeps at least one holder
+            copies.append((source, copy))
+        return copies
+
+
+def _flat(copies: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The blocks of ``(shared, copy)`` pairs, each shared block followed by its copy."""
+    return tuple(block_id for pair in copies for block_id in pair)

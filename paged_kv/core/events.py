@@ -1,0 +1,47 @@
+"""What the block manager tells its observers: one :class:`BlockEvent` per change of the bookkeeping.
+
+:class:`~paged_kv.core.block_manager.BlockManager` emits an event after each successful change, to
+every observer given to :meth:`~paged_kv.core.block_manager.BlockManager.subscribe`, in the order
+the changes happen. An observer sees the manager already changed, so it can take a snapshot.
+Recording a trace for the widgets (:class:`~paged_kv.core.trace.Recorder`) is one such observer; a
+call that raises emits nothing, so an observer only ever sees what really happened.
+
+The kinds (lessons 02, 04 and 07):
+
+* ``"allocate"``: a prompt got its blocks (``blocks``, the new table; ``tokens``, the prompt's length);
+* ``"cache_hit"``: the prompt reused cached blocks (``blocks``, emitted before its ``"allocate"``);
+* ``"append"``: tokens ``tokens[0] .. tokens[1]`` (1-based) landed in a block the sequence had
+  (``blocks``, that one block);
+* ``"new_block"``: as ``"append"``, but the block was taken from the free list for its first token;
+  with ``tokens`` ``None``, a block appended ahead of any token;
+* ``"copy_on_write"``: the sequence got its own copies of shared blocks (``copies``, ``(shared,
+  copy)`` pairs), before tokens ``tokens[0] .. tokens[1]`` landed in the copy, or, with ``tokens``
+  ``None``, before a write into them;
+* ``"fork"``: ``seq_id`` started sharing every block of ``parent`` (``blocks``);
+* ``"free"``: ``seq_id`` left; ``blocks`` was its table, ``freed`` the blocks back on the free list;
+* ``"evict"``: a cached block lost its hash, because new data took it (``blocks``, that block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+EVENT_KINDS = ("allocate", "cache_hit", "append", "new_block", "copy_on_write", "fork", "free", "evict")
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """One change of the block manager's bookkeeping; the fields a kind does not use stay empty."""
+
+    kind: str
+    seq_id: Hashable | None = None
+    blocks: tuple[int, ...] = ()
+    tokens: tuple[int, int] | None = None
+    copies: tuple[tuple[int, int], ...] = ()
+    freed: tuple[int, ...] = ()
+    parent: Hashable | None = None
+
+
+Observer = Callable[[BlockEvent], None]
+"""Anything called with each :class:`BlockEvent`; what it returns is ignored."""

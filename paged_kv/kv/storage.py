@@ -1,0 +1,113 @@
+"""The K/V storage: every layer's ``k_cache`` and ``v_cache``, allocated once, indexed by block id.
+
+Lessons 02 and 03 build one layer of it; a model keeps one per layer, all indexed by the block ids of
+one :class:`~paged_kv.core.block_manager.BlockManager` (vLLM's worker holds a ``kv_caches`` list of
+per-layer tensors in the same way, and the scheduler's block ids address all of them). The storage
+knows nothing about sequences: it writes and reads through block ids it is given and copies the
+blocks a copy-on-write names.
+
+Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_heads,
+block_size, head_dim)`` and are views of two tensors allocated at construction, which never change
+size; token slot ``offset`` of block ``b`` of a layer is ``k_caches[layer][b, :, offset]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from paged_kv.kv import mapping
+from paged_kv.validate import check_count
+
+
+class KVStorage:
+    """``num_layers`` pairs of K/V pools of ``num_blocks`` blocks, made once on ``device``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.num_layers = check_count("num_layers", num_layers, minimum=1)
+        self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
+        self.block_size = check_count("block_size", block_size, minimum=1)
+        self.num_heads = check_count("num_heads", num_heads, minimum=1)
+        self.head_dim = check_count("head_dim", head_dim, minimum=1)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+        shape = (self.num_layers, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
+        try:
+            self._k = torch.zeros(shape, dtype=dtype, device=device)
+            self._v = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, AssertionError, TypeError) as error:
+            raise ValueError(f"device {device!r} cannot hold the cache: {error}") from None
+        self.k_caches: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
+        self.v_caches: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
+
+    def __repr__(self) -> str:
+        return (
+            f"KVStorage(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, {self.dtype}, device='{self.device}')"
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._k.device
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The bytes one block takes in K and V over all layers: what one allocation reserves."""
+        return 2 * self.num_layers * self.num_heads * self.block_size * self.head_dim * self._k.element_size()
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each ``(source, copy)`` block pair's K and V, in every layer, with one indexing per tensor.
+
+        Whole blocks are copied: the slots past a sequence's tokens are never read.
+        """
+        if not copies:
+            return
+        sources = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        targets = torch.tensor([c for _, c in copies], dtype=torch.long, device=self.device)
+        self._k[:, targets] = self._k[:, sources]
+        self._v[:, targets] = self._v[:, sources]
+
+    def write(
+        self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0
+    ) -> None:
+        """Store one layer's ``k``, ``v`` ``(tokens, heads, dim)`` at positions ``start ..`` of a table."""
+        mapping.write_kv(self.k_caches[layer], self.v_caches[layer], block_ids, k, v, start)
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a layer's ``k``, ``v`` ``(tokens, heads, dim)`` in slots ``block * block_size + offset``."""
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self.k_caches[layer][blocks, :, offsets] = k
+        self.v_caches[layer][blocks, :, offsets] = v
+
+    def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of a table's first ``num_tokens`` positions, as ``(tokens, heads, dim)``."""
+        return mapping.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
+
+    def check_kv(self, name: str, tensor: object) -> None:
+        """Raise ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, heads, dim)`` K/V for here."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        expected = (self.num_heads, self.head_dim)
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
+            raise ValueError(
+                f"{name} must have shape (num_tokens, {self.num_heads}, {self.head_dim}), "
+                f"got {tuple(tensor.shape)}"
+            )
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"{name} has dtype {tensor.dtype} but the cache holds {self.dtype}")
+        if tensor.device != self.device:
+            raise ValueError(f"{name} is on {tensor.device} but the cache is on {self.device}")
