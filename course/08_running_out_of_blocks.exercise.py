@@ -8,7 +8,7 @@
 # tick, or tells you which call gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
-# cell, then its check cell. The finished versions are `paged_kv.serving.engine.admits`,
+# cell, then its check cell. The finished versions are `paged_kv.serving.memory.admits`,
 # `paged_kv.serving.preemption.choose_victims` and `paged_kv.kv.swap`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
@@ -47,7 +47,7 @@ device = paged_kv.default_device()
 # running sequences, 5 do not); a 10 % watermark of 40 blocks (4 kept free); 1 % of 50 blocks, half
 # a block, which keeps 1 block free, not 0; 10 % of 100 blocks with only 20 free (the watermark is
 # of all the blocks, not of the free ones); half of 16 blocks; that the result is a `bool`; and
-# agreement with `paged_kv.serving.engine.admits` on a grid of cases one block either side of the rule.
+# agreement with `paged_kv.serving.memory.admits` on a grid of cases one block either side of the rule.
 
 
 # %%

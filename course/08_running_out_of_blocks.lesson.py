@@ -33,7 +33,8 @@ from paged_kv.model.generate import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, encode
 from paged_kv.pictures.plots import PALETTE, plot_block_tables
-from paged_kv.serving.engine import Engine, EngineRequest, admits, min_num_blocks, plot_metrics, sweep_budgets
+from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, plot_metrics, sweep_budgets
+from paged_kv.serving.memory import admits
 from paged_kv.serving.preemption import choose_victims
 from paged_kv.serving.scheduling import decode_step
 
@@ -47,7 +48,7 @@ print("paged_kv", paged_kv.__version__)
 #
 # A contiguous cache decides everything at admission: a request gets its slot of `max_model_len`
 # tokens or waits, and once admitted it can never run short. A paged cache decides at admission
-# only about the prompt. The admission rule of the course's engine (`paged_kv.serving.engine.admits`)
+# only about the prompt. The admission rule of the course's engine (`paged_kv.serving.memory.admits`)
 # admits a request when its prompt's blocks plus **one block of headroom per running sequence, the
 # new one included**, are free. That guarantees the *next* decode step (each sequence takes at most
 # one new block per step) and nothing after it. Admission is a bet that, by the time the running

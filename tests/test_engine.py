@@ -16,12 +16,11 @@ from paged_kv.serving.engine import (
     Engine,
     EngineRequest,
     EngineResult,
-    admits,
     min_num_blocks,
     plot_metrics,
     sweep_budgets,
-    watermark_blocks,
 )
+from paged_kv.serving.memory import admits, watermark_blocks
 
 from .helpers import alone
 
@@ -56,13 +55,29 @@ class SpyCache(PagedKVCache):
     def __init__(self, *args, keep_free: int = 0) -> None:
         super().__init__(*args)
         self.keep_free = keep_free
+        self.pool_size = args[1]  # num_blocks
+        self.live: set = set()  # the sequences added and not freed
 
     def add_sequence(self, seq_id, num_tokens: int) -> None:
         super().add_sequence(seq_id, num_tokens)
+        self.live.add(seq_id)
         assert self.num_free_blocks >= 1 + self.keep_free, (seq_id, self.num_free_blocks)
 
+    def free(self, seq_id) -> None:
+        super().free(seq_id)
+        self.live.remove(seq_id)
+
+    def swap_out(self, seq_id):
+        saved = super().swap_out(seq_id)
+        self.live.remove(seq_id)
+        return saved
+
+    def swap_in(self, seq_id, saved) -> None:
+        super().swap_in(seq_id, saved)
+        self.live.add(seq_id)
+
     def all_free(self) -> bool:
-        return all(a.num_free_blocks == a.num_blocks and a.seq_ids == () for a in self.allocators)
+        return self.num_free_blocks == self.pool_size and not self.live
 
 
 def spy(keep_free: int = 0):
@@ -87,7 +102,7 @@ def check_invariants(engine: Engine, result: EngineResult, requests: list[Engine
         result.reserved_tokens,
     ):
         assert len(series) == result.steps
-    assert all(0.0 <= u <= 1.0 for u in result.utilisation)
+    assert all(0.0 <= u <= 1.0 for u in result.utilization)
     assert all(
         h <= r <= engine.budget_tokens
         for h, r in zip(result.held_tokens, result.reserved_tokens, strict=True)
@@ -158,7 +173,7 @@ def test_paged_runs_more_sequences_than_contiguous_on_the_same_budget(model: Tin
     assert contiguous.peak_running == 2
     assert paged.peak_running > 2 * contiguous.peak_running
     assert paged.steps < contiguous.steps
-    assert paged.mean_utilisation > contiguous.mean_utilisation
+    assert paged.mean_utilization > contiguous.mean_utilization
     assert paged.tokens == contiguous.tokens
 
 
@@ -177,7 +192,7 @@ def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_a
     assert result.waiting == [0, 1, 1, 0, 0]
     assert result.used_blocks == [1, 2, 2, 1, 1]  # at step 3 only B's prompt block is in use
     assert result.held_tokens == [4, 5, 6, 2, 3]
-    assert result.utilisation == [1.0, 5 / 8, 6 / 8, 2 / 4, 3 / 4]
+    assert result.utilization == [1.0, 5 / 8, 6 / 8, 2 / 4, 3 / 4]
     assert result.tokens == {"a": alone(model, a), "b": alone(model, b)}
 
 
@@ -205,7 +220,7 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
     result = Engine(model, num_blocks=4, block_size=4).run(requests)
     assert result.admitted_step == {"late": 5}
     assert result.running[:5] == [0] * 5
-    assert result.utilisation[:5] == [0.0] * 5
+    assert result.utilization[:5] == [0.0] * 5
 
 
 @pytest.mark.parametrize(
@@ -484,7 +499,7 @@ def test_sweep_budgets_gives_one_row_per_budget_as_the_engine_measures_it(
             "blocks_swapped_out": result.blocks_swapped_out,
             "peak_running": result.peak_running,
             "mean_running": result.mean_running,
-            "mean_utilisation": result.mean_utilisation,
+            "mean_utilization": result.mean_utilization,
         }
     assert rows[0]["preemptions"] == 0 and rows[0]["peak_running"] == 1  # 3 blocks: one at a time
     assert rows[1]["preemptions"] > 0  # 6 blocks: two or three admitted, and they outgrow the budget

@@ -1,7 +1,7 @@
 """Checks of exercise 08: admission with a watermark, victims and their requeueing, swapping K/V out and in.
 
 The admission rule is checked on examples at the boundary, then against the engine's rule,
-:func:`paged_kv.serving.engine.admits`, on a grid of cases one block on either side of it. The victims are
+:func:`paged_kv.serving.memory.admits`, on a grid of cases one block on either side of it. The victims are
 checked on small cases that each isolate one mistake, then against
 :func:`paged_kv.serving.preemption.choose_victims` on random cases. The swap round trip runs on a
 :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` on the default device whose pool starts full of stale
@@ -24,7 +24,7 @@ from paged_kv.checks.lesson03 import kv_mixup
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
-from paged_kv.serving.engine import admits, watermark_blocks
+from paged_kv.serving.memory import admits, watermark_blocks
 from paged_kv.serving.preemption import choose_victims as package_victims
 
 # ------------------------------------------------------------------------------- Task 1
@@ -148,7 +148,7 @@ def _admit_with_watermark(c: Checker, admit) -> None:
     c.holds(
         call,
         wrong is None,
-        "the answers of paged_kv.serving.engine.admits with the watermark kept free",
+        "the answers of paged_kv.serving.memory.admits with the watermark kept free",
         wrong,
     )
 

@@ -1,18 +1,26 @@
 """A continuous-batching engine that runs :class:`~paged_kv.model.tiny_gpt.TinyGPT` over a stream of requests.
 
-This is :class:`~paged_kv.simulation.workload.ContinuousBatcher`'s loop with a real model behind it: requests
-arrive with a prompt and a maximum output length, wait, are admitted, prefill, decode one token
-per step in one batched :meth:`~paged_kv.model.tiny_gpt.TinyGPT.decode_step`, and release their memory as
-soon as they finish, so a waiting request can take their place at the next step.
+Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (which
+samples their first token), decode one token per step in one batched
+:meth:`~paged_kv.model.tiny_gpt.TinyGPT.decode_step`, and release their memory as soon as they
+finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
+loop of a serving engine: ``output = scheduler.schedule(); result = runner.execute(output);
+scheduler.update(output, result)``, with the package's one
+:class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 06's
+simulator runs the same scheduler with no model) and a
+:class:`~paged_kv.serving.model_runner.ModelRunner`.
 
 The memory budget is ``num_blocks * block_size`` token slots, spent one of two ways (``mode``):
 
-* ``"paged"``: a :class:`~paged_kv.model.kv_cache.PagedKVCache`. A request is admitted when its prompt's
+* ``"paged"``: a :class:`~paged_kv.model.kv_cache.PagedKVCache`, or any
+  :class:`~paged_kv.serving.protocols.PagedCache` that ``cache_factory`` builds, under a
+  :class:`~paged_kv.serving.memory.PagedMemory`. A request is admitted when its prompt's
   blocks, plus a headroom of one block per running sequence (the admitted one included), plus the
   *watermark*, ``ceil(watermark * num_blocks)`` blocks kept free, are free: the headroom is what the
   next decode step can need, at most one block per sequence; the watermark keeps room for the steps
   after it. Blocks are taken on demand as sequences grow. When a decode step still finds too few
-  free blocks, the most recently admitted sequence is *preempted*, one of two ways (``preemption``):
+  free blocks, the most recently admitted sequence is *preempted*
+  (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
 
   - ``"recompute"``: its blocks are freed, its output so far is dropped and it goes back to the
     front of the queue, to start over when it fits again (greedy decoding is deterministic, so it
@@ -32,9 +40,10 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   recomputed request queries the cache again when it is admitted again, and may find its own
   blocks; a swapped-in sequence gets fresh blocks and all its K/V back, sharing nothing.
 
-* ``"contiguous"``: a :class:`~paged_kv.model.kv_cache.ContiguousKVCache`, with one slot of ``max_model_len``
-  tokens reserved per sequence at admission, out of the same budget; a request is admitted while
-  one more slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
+* ``"contiguous"``: a :class:`~paged_kv.model.kv_cache.ContiguousKVCache` under a
+  :class:`~paged_kv.serving.memory.ContiguousMemory`, with one slot of ``max_model_len`` tokens
+  reserved per sequence at admission, out of the same budget; a request is admitted while one more
+  slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
 
 The generated text depends neither on the mode, nor on the batch, nor on preemption: every request
 gets exactly the tokens :func:`~paged_kv.model.generate` gives its prompt alone.
@@ -43,9 +52,6 @@ gets exactly the tokens :func:`~paged_kv.model.generate` gives its prompt alone.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -54,20 +60,37 @@ import torch
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.model.generate import is_token
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.progress import progress_bar
+from paged_kv.serving.memory import (
+    ContiguousMemory,
+    KVMemory,
+    PagedMemory,
+    blocks_alone,
+    check_watermark,
+    serves_alone,
+    watermark_blocks,
+)
+from paged_kv.serving.model_runner import ModelRunner
+from paged_kv.serving.protocols import PagedCache, PrefixCachingCache, SwappingCache
+from paged_kv.serving.scheduler import (
+    PREEMPTIONS,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerRequest,
+    StepResult,
+    run_steps,
+)
 from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
-PREEMPTIONS = ("recompute", "swap")
 
-# Builds the paged mode's cache: (config, num_blocks, block_size, device, dtype) -> cache. Besides
-# the KVCache methods, the cache has a ``num_free_blocks`` property and ``needs_new_block(seq_id)``;
-# ``preemption="swap"`` also needs ``swap_out(seq_id) -> saved`` and ``swap_in(seq_id, saved)``.
-# ``enable_prefix_caching=True`` calls the factory with the keyword ``enable_prefix_caching=True``
-# as well, and the cache needs ``add_sequence(seq_id, num_tokens, token_ids)``,
-# ``num_cached_tokens(seq_id) -> int`` and ``attend_prefill`` (see :class:`~paged_kv.model.kv_cache.KVCache`).
-CacheFactory = Callable[[GPTConfig, int, int, torch.device, torch.dtype], PagedKVCache]
+CacheFactory = Callable[..., PagedCache]
+"""Builds the paged mode's cache: ``(config, num_blocks, block_size, device, dtype) -> cache``, a
+:class:`~paged_kv.serving.protocols.PagedCache`. ``preemption="swap"`` needs a
+:class:`~paged_kv.serving.protocols.SwappingCache` as well; ``enable_prefix_caching=True`` calls the
+factory with the keyword ``enable_prefix_caching=True`` too, and needs a
+:class:`~paged_kv.serving.protocols.PrefixCachingCache` whose ``add_sequence`` takes ``token_ids``."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +124,7 @@ class EngineResult:
     memory), ``used_blocks`` (paged: blocks in use; contiguous: the blocks of the budget that the
     reserved slots cover, rounded up), ``held_tokens`` (tokens whose K/V the cache holds),
     ``reserved_tokens`` (paged: used blocks times ``block_size``; contiguous: running times
-    ``max_model_len``) and ``utilisation``, held / reserved (0.0 when nothing is reserved).
+    ``max_model_len``) and ``utilization``, held / reserved (0.0 when nothing is reserved).
     ``admitted_step`` and ``finished_step`` give, per request, the step it was (last) admitted and
     the step it finished (a swapped-in sequence is not admitted again).
 
@@ -117,7 +140,7 @@ class EngineResult:
     ``prefill_tokens_computed == prefix_cache_queries - prefix_cache_hits``. Without it, both are 0.
     With prefix caching, running sequences can share blocks, which count once among the
     ``used_blocks`` and ``reserved_tokens`` but once per sequence among the ``held_tokens``, so the
-    ``utilisation`` can exceed 1.0: the blocks serve more tokens than they hold.
+    ``utilization`` can exceed 1.0: the blocks serve more tokens than they hold.
     """
 
     mode: str
@@ -129,7 +152,7 @@ class EngineResult:
     used_blocks: list[int] = field(default_factory=list)
     held_tokens: list[int] = field(default_factory=list)
     reserved_tokens: list[int] = field(default_factory=list)
-    utilisation: list[float] = field(default_factory=list)
+    utilization: list[float] = field(default_factory=list)
     admitted_step: dict[Hashable, int] = field(default_factory=dict)
     finished_step: dict[Hashable, int] = field(default_factory=dict)
     preemptions_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTIONS, 0))
@@ -164,30 +187,10 @@ class EngineResult:
         return sum(self.running) / self.steps if self.steps else 0.0
 
     @property
-    def mean_utilisation(self) -> float:
-        """Utilisation averaged over the steps that reserve something."""
-        busy = [u for u, r in zip(self.utilisation, self.reserved_tokens, strict=True) if r]
+    def mean_utilization(self) -> float:
+        """Utilization averaged over the steps that reserve something."""
+        busy = [u for u, r in zip(self.utilization, self.reserved_tokens, strict=True) if r]
         return sum(busy) / len(busy) if busy else 0.0
-
-
-@dataclass(eq=False)  # compared by identity
-class _Running:
-    request: EngineRequest
-    generated: list[int]  # the last one is not in the cache yet: it is the next decode input
-
-    @property
-    def held(self) -> int:
-        return len(self.request.prompt) + len(self.generated) - 1
-
-
-@dataclass
-class _Queues:
-    """Where the requests of a run are; each request is in exactly one place until it finishes."""
-
-    arrivals: deque[EngineRequest]  # not arrived yet, by arrival step
-    waiting: deque[EngineRequest] = field(default_factory=deque)  # arrived, not admitted, oldest first
-    swapped: deque[tuple[_Running, object]] = field(default_factory=deque)  # in admission order
-    running: list[_Running] = field(default_factory=list)  # in admission order (newest last)
 
 
 class Engine:
@@ -235,7 +238,7 @@ class Engine:
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
         self.preemption = preemption
-        self.watermark = _check_watermark(watermark)
+        self.watermark = check_watermark(watermark)
         if mode != "paged" and (preemption != "recompute" or self.watermark):
             raise ValueError(
                 "preemption and watermark are settings of the paged mode: the contiguous mode never preempts"
@@ -281,14 +284,12 @@ class Engine:
     def run(self, requests: Sequence[EngineRequest], progress: bool = False) -> EngineResult:
         """Serve ``requests`` until every one has finished; ``progress=True`` shows a tqdm bar.
 
-        Each step: (1) arrivals join the back of the queue; (2) paged with swap: swapped-out
-        sequences come back, oldest first, while they fit with the headroom; (3) when none is left
-        swapped out, requests are admitted first come first served while they fit, stopping at the
-        first that does not, and each admitted prompt is prefilled, its first token coming from the
-        prefill logits; (4) the sequences running before this step's admissions (swapped-in ones
-        included) decode one token each in one batched call (paged: preempting the newest sequence
-        while the blocks they need are not free); (5) the step is recorded, and a sequence holding
-        ``max_new_tokens`` generated tokens finishes and frees its memory.
+        Each step is one :class:`~paged_kv.serving.scheduler.Scheduler` step (see its module):
+        ``output = scheduler.schedule()`` (swap-ins, admissions, preemptions, decodes), ``result =
+        runner.execute(output)`` (a :class:`~paged_kv.serving.model_runner.ModelRunner`: the
+        prefills, whose last logits give each admitted request its first token, then one batched
+        decode step), ``scheduler.update(output, result)`` (tokens appended, finished sequences
+        freed); then the step is recorded.
 
         Raises:
             ValueError: a request that is not an :class:`EngineRequest`, a repeated ``request_id``,
@@ -301,21 +302,18 @@ class Engine:
                 the cache reports cached tokens outside ``0 .. len(prompt) - 1``.
         """
         requests = self._check_requests(requests)
-        cache = self._new_cache()
+        cache, memory = self._new_memory()
+        scheduler = Scheduler(memory, preemption=self.preemption)
+        runner = ModelRunner(self.model, cache, self.device)
         result = EngineResult(self.mode, self.budget_tokens)
-        queues = _Queues(deque(sorted(requests, key=lambda r: r.arrival_step)))  # stable: ties keep order
+        arrivals = [(r.arrival_step, _scheduler_request(r)) for r in requests]
         bar = progress_bar(len(requests), f"engine ({self.mode})") if progress else None
-        step = 0
         try:
-            with torch.no_grad():
-                while len(result.finished_step) < len(requests):
-                    done = self._step(step, cache, queues, result)
-                    if bar is not None:
-                        bar.update(done)
-                    step += 1
+            for output, step in run_steps(scheduler, runner, arrivals):
+                self._record(output, step, result)
+                if bar is not None:
+                    bar.update(len(step.finished))
         finally:
-            for seq in queues.running:  # only after an error: a finished run holds nothing
-                cache.free(seq.request.request_id)
             if bar is not None:
                 bar.close()
         result.tokens = {r.request_id: result.tokens[r.request_id] for r in requests}  # request order
@@ -323,56 +321,35 @@ class Engine:
 
     # ------------------------------------------------------------------------------ the helpers
 
-    def _new_cache(self) -> PagedKVCache | ContiguousKVCache:
+    def _new_memory(self) -> tuple[ContiguousKVCache | PagedCache, KVMemory]:
+        """The cache the model runs on, and the memory the scheduler admits into (over that cache)."""
         if self.mode == "contiguous":
-            return ContiguousKVCache(self.model.config, self.device)
+            cache = ContiguousKVCache(self.model.config, self.device)
+            return cache, ContiguousMemory(self.budget_tokens, lambda _: self.max_model_len, cache)
         dtype = self.model.head.weight.dtype
         args = (self.model.config, self.num_blocks, self.block_size, self.device, dtype)
         if self.enable_prefix_caching:
             cache = self.cache_factory(*args, enable_prefix_caching=True)
         else:
             cache = self.cache_factory(*args)
-        if self.preemption == "swap" and not _has_methods(cache, "swap_out", "swap_in"):
+        if self.preemption == "swap" and not isinstance(cache, SwappingCache):
             raise ValueError(
                 f"preemption='swap' needs a cache with swap_out(seq_id) and swap_in(seq_id, saved), "
                 f"but {type(cache).__name__} lacks them; use preemption='recompute'"
             )
-        if self.enable_prefix_caching and not _has_methods(cache, "num_cached_tokens", "attend_prefill"):
+        if self.enable_prefix_caching and not isinstance(cache, PrefixCachingCache):
             raise ValueError(
                 f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
                 f"attend_prefill(...), but {type(cache).__name__} lacks them"
             )
-        return cache
-
-    def _step(self, step: int, cache, queues: _Queues, result: EngineResult) -> int:
-        """Run step ``step``; return how many requests finished in it."""
-        while queues.arrivals and queues.arrivals[0].arrival_step <= step:
-            queues.waiting.append(queues.arrivals.popleft())
-        decoding = list(queues.running)  # this step's newcomers get their token from prefill
-        self._swap_in(cache, queues, decoding, result)
-        if not queues.swapped:  # swapped-out sequences come before new requests
-            self._admit(step, cache, queues, result)
-        if not queues.running and (queues.waiting or queues.swapped):
-            raise RuntimeError(
-                f"step {step}: nothing runs, yet the next request does not fit in the "
-                f"{cache.num_free_blocks} free blocks the cache reports out of {self.num_blocks}; "
-                f"check the cache's num_free_blocks"
-            )
-        decoding = self._make_room(cache, decoding, queues, result)
-        if decoding:
-            last = torch.tensor([seq.generated[-1] for seq in decoding], device=self.device)
-            ids = [seq.request.request_id for seq in decoding]
-            next_tokens = self.model.decode_step(last, ids, cache).argmax(dim=-1).tolist()
-            for seq, token in zip(decoding, next_tokens, strict=True):
-                seq.generated.append(token)
-        self._record(cache, queues, result)
-        done = [seq for seq in queues.running if len(seq.generated) == seq.request.max_new_tokens]
-        for seq in done:
-            cache.free(seq.request.request_id)
-            result.tokens[seq.request.request_id] = seq.generated
-            result.finished_step[seq.request.request_id] = step
-        queues.running = [seq for seq in queues.running if seq not in done]
-        return len(done)
+        memory = PagedMemory(
+            cache,
+            self.num_blocks,
+            self.block_size,
+            watermark=self.watermark,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return cache, memory
 
     def _check_requests(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:
         requests = list(requests)
@@ -390,10 +367,10 @@ class Engine:
                     f"request {r.request_id!r}: prompt ({len(r.prompt)} tokens) + max_new_tokens "
                     f"({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
                 )
-            if self.mode == "paged" and not _serves_alone(
-                r, self.num_blocks, self.block_size, self.watermark
+            if self.mode == "paged" and not serves_alone(
+                len(r.prompt), r.max_new_tokens, self.num_blocks, self.block_size, self.watermark
             ):
-                admit, peak = _blocks_alone(r, self.block_size)
+                admit, peak = blocks_alone(len(r.prompt), r.max_new_tokens, self.block_size)
                 raise ValueError(
                     f"num_blocks {self.num_blocks} cannot hold request {r.request_id!r} alone: it needs "
                     f"{admit} blocks to be admitted (prompt and one of headroom) plus the "
@@ -402,93 +379,39 @@ class Engine:
                 )
         return requests
 
-    def _swap_in(self, cache, queues: _Queues, decoding: list[_Running], result: EngineResult) -> None:
-        """Bring swapped-out sequences back, oldest first, while they fit; they decode this step."""
-        while queues.swapped:
-            seq, saved = queues.swapped[0]
-            blocks = blocks_for_tokens(seq.held, self.block_size)
-            if not _fits(cache, blocks, len(queues.running)):
-                return
-            queues.swapped.popleft()
-            cache.swap_in(seq.request.request_id, saved)
-            queues.running.append(seq)
-            decoding.append(seq)
-            result.blocks_swapped_in += blocks
-
-    def _admit(self, step: int, cache, queues: _Queues, result: EngineResult) -> None:
-        """Admit and prefill waiting requests, first come first served, while they fit."""
-        while queues.waiting:
-            request = queues.waiting[0]
-            if self.mode == "contiguous":
-                fits = (len(queues.running) + 1) * self.max_model_len <= self.budget_tokens
+    def _record(self, output: SchedulerOutput, step: StepResult, result: EngineResult) -> None:
+        """Add one step's counts to ``result``."""
+        for prefill in output.prefills:
+            result.admitted_step[prefill.request.request_id] = output.step
+            result.prefill_tokens_computed += prefill.num_computed_tokens
+            if self.enable_prefix_caching:
+                result.prefix_cache_queries += prefill.request.num_prompt_tokens
+                result.prefix_cache_hits += prefill.num_cached_tokens
+        for preemption in output.preemptions:
+            result.preemptions_by_reason[preemption.way] += 1
+            if preemption.way == "swap":
+                result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
             else:
-                blocks = blocks_for_tokens(len(request.prompt), self.block_size)
-                fits = _fits(cache, blocks, len(queues.running), self.watermark_blocks)
-            if not fits:
-                return
-            queues.waiting.popleft()
-            cached = self._add_sequence(cache, request, result)
-            prompt = torch.tensor(request.prompt, device=self.device)
-            logits = self.model.prefill(prompt, request.request_id, cache, start=cached)
-            result.prefill_tokens_computed += len(logits)  # one row per position the prefill ran
-            queues.running.append(_Running(request, [int(logits[-1].argmax())]))
-            result.admitted_step[request.request_id] = step
+                result.recomputed_tokens += preemption.num_tokens
+        result.blocks_swapped_in += sum(
+            blocks_for_tokens(s.num_tokens, self.block_size) for s in output.swapped_in
+        )
+        result.running.append(step.num_running)
+        result.waiting.append(step.num_waiting)
+        result.swapped.append(step.num_swapped)
+        result.used_blocks.append(blocks_for_tokens(step.reserved_tokens, self.block_size))
+        result.held_tokens.append(step.held_tokens)
+        result.reserved_tokens.append(step.reserved_tokens)
+        result.utilization.append(step.held_tokens / step.reserved_tokens if step.reserved_tokens else 0.0)
+        for request_id, tokens in step.finished:
+            result.tokens[request_id] = list(tokens)
+            result.finished_step[request_id] = output.step
 
-    def _add_sequence(self, cache, request: EngineRequest, result: EngineResult) -> int:
-        """Give a request's prompt its blocks; return how many leading tokens the prefix cache served."""
-        if not self.enable_prefix_caching:
-            cache.add_sequence(request.request_id, len(request.prompt))
-            return 0
-        cache.add_sequence(request.request_id, len(request.prompt), token_ids=request.prompt)
-        cached = cache.num_cached_tokens(request.request_id)
-        if not 0 <= cached < len(request.prompt):
-            raise RuntimeError(
-                f"the cache reports {cached} cached tokens for request {request.request_id!r}, whose "
-                f"prompt has {len(request.prompt)}: expected 0 .. {len(request.prompt) - 1}"
-            )
-        result.prefix_cache_queries += len(request.prompt)
-        result.prefix_cache_hits += cached
-        return cached
 
-    def _make_room(
-        self, cache, decoding: list[_Running], queues: _Queues, result: EngineResult
-    ) -> list[_Running]:
-        """Paged: preempt the newest sequences until the decode step's new blocks are free.
-
-        Returns the sequences that decode (a preempted one no longer does).
-        """
-        if self.mode == "contiguous":
-            return decoding
-        while sum(cache.needs_new_block(s.request.request_id) for s in decoding) > cache.num_free_blocks:
-            victim = queues.running.pop()  # never the oldest alone: _check_requests made sure it fits
-            request_id = victim.request.request_id
-            if self.preemption == "swap":
-                queues.swapped.appendleft((victim, cache.swap_out(request_id)))  # older victims come first
-                result.blocks_swapped_out += blocks_for_tokens(victim.held, self.block_size)
-            else:
-                cache.free(request_id)
-                queues.waiting.appendleft(victim.request)
-                result.recomputed_tokens += victim.held
-            result.preemptions_by_reason[self.preemption] += 1
-            decoding = [seq for seq in decoding if seq is not victim]
-        return decoding
-
-    def _record(self, cache, queues: _Queues, result: EngineResult) -> None:
-        running = queues.running
-        held = sum(seq.held for seq in running)
-        if self.mode == "paged":
-            used = self.num_blocks - cache.num_free_blocks
-            reserved = used * self.block_size
-        else:
-            reserved = len(running) * self.max_model_len
-            used = blocks_for_tokens(reserved, self.block_size)
-        result.running.append(len(running))
-        result.waiting.append(len(queues.waiting))
-        result.swapped.append(len(queues.swapped))
-        result.used_blocks.append(used)
-        result.held_tokens.append(held)
-        result.reserved_tokens.append(reserved)
-        result.utilisation.append(held / reserved if reserved else 0.0)
+def _scheduler_request(request: EngineRequest) -> SchedulerRequest:
+    return SchedulerRequest(
+        request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt)
+    )
 
 
 # ------------------------------------------------------------------------- budgets, for lesson 08
@@ -506,12 +429,14 @@ def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16, wate
             bad ``block_size`` or ``watermark``.
     """
     block_size = check_count("block_size", block_size, minimum=1)
-    watermark = _check_watermark(watermark)
+    watermark = check_watermark(watermark)
     requests = list(requests)
     if not requests or not all(isinstance(r, EngineRequest) for r in requests):
         raise ValueError("requests must be a non-empty list of EngineRequest objects")
-    num_blocks = max(max(_blocks_alone(r, block_size)) for r in requests)
-    while not all(_serves_alone(r, num_blocks, block_size, watermark) for r in requests):
+    num_blocks = max(max(blocks_alone(len(r.prompt), r.max_new_tokens, block_size)) for r in requests)
+    while not all(
+        serves_alone(len(r.prompt), r.max_new_tokens, num_blocks, block_size, watermark) for r in requests
+    ):
         num_blocks += 1  # ends: num_blocks - ceil(watermark * num_blocks) grows without bound
     return num_blocks
 
@@ -529,7 +454,7 @@ def sweep_budgets(
 
     Returns one row per budget, in order, ready for a table or a plot: ``num_blocks``,
     ``budget_tokens``, ``steps``, ``preemptions``, ``recomputed_tokens``, ``blocks_swapped_out``,
-    ``peak_running``, ``mean_running`` and ``mean_utilisation``. :func:`min_num_blocks` gives the
+    ``peak_running``, ``mean_running`` and ``mean_utilization``. :func:`min_num_blocks` gives the
     smallest budget that can serve ``requests``.
 
     Raises:
@@ -556,7 +481,7 @@ def sweep_budgets(
                     "blocks_swapped_out": result.blocks_swapped_out,
                     "peak_running": result.peak_running,
                     "mean_running": result.mean_running,
-                    "mean_utilisation": result.mean_utilisation,
+                    "mean_utilization": result.mean_utilization,
                 }
             )
             if bar is not None:
@@ -565,25 +490,6 @@ def sweep_budgets(
         if bar is not None:
             bar.close()
     return rows
-
-
-def admits(num_free_blocks: int, blocks: int, num_running: int, keep_free: int = 0) -> bool:
-    """The paged admission rule: can a sequence taking ``blocks`` blocks now join ``num_running`` others?
-
-    Yes when its blocks, one block of headroom per running sequence (itself included: the most the
-    next decode step can take) and ``keep_free`` blocks (the watermark) are all free.
-    """
-    headroom = num_running + 1
-    return blocks + headroom + keep_free <= num_free_blocks
-
-
-def _fits(cache, blocks: int, num_running: int, keep_free: int = 0) -> bool:
-    """:func:`admits` on the cache's free blocks."""
-    return admits(cache.num_free_blocks, blocks, num_running, keep_free)
-
-
-def _has_methods(cache: object, *names: str) -> bool:
-    return all(callable(getattr(cache, name, None)) for name in names)
 
 
 def _accepts_prefix_caching(factory: Callable) -> bool:
@@ -600,35 +506,8 @@ def _accepts_prefix_caching(factory: Callable) -> bool:
     return True
 
 
-def _check_watermark(watermark: object) -> float:
-    if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be a fraction of the blocks in [0, 1), got {watermark!r}")
-    return float(watermark)
-
-
-def watermark_blocks(watermark: float, num_blocks: int) -> int:
-    """The blocks an admission ``watermark`` (a fraction of the pool) keeps free: rounded up.
-
-    Rounding up means any watermark above 0 keeps at least one block free (vLLM V0 rounded down).
-    """
-    return math.ceil(_check_watermark(watermark) * check_count("num_blocks", num_blocks, minimum=1))
-
-
-def _blocks_alone(request: EngineRequest, block_size: int) -> tuple[int, int]:
-    """The blocks a request needs alone: to be admitted (prompt plus one of headroom), and at its longest."""
-    admit = blocks_for_tokens(len(request.prompt), block_size) + 1
-    peak = blocks_for_tokens(len(request.prompt) + request.max_new_tokens - 1, block_size)
-    return admit, peak
-
-
-def _serves_alone(request: EngineRequest, num_blocks: int, block_size: int, watermark: float) -> bool:
-    """Whether ``num_blocks`` can admit ``request`` alone, watermark kept, and hold it at its longest."""
-    admit, peak = _blocks_alone(request, block_size)
-    return admit + watermark_blocks(watermark, num_blocks) <= num_blocks and peak <= num_blocks
-
-
 def plot_metrics(result: EngineResult, ax=None):
-    """Running and waiting (and swapped, if any) sequences per step, with utilisation on a second
+    """Running and waiting (and swapped, if any) sequences per step, with utilization on a second
     axis; returns ``ax``."""
     import matplotlib.pyplot as plt  # only when a plot is asked for
 
@@ -647,9 +526,9 @@ def plot_metrics(result: EngineResult, ax=None):
         + (f" ({reasons})" if reasons else "")
     )
     twin = ax.twinx()
-    twin.plot(steps, result.utilisation, label="utilisation", color="#009E73", linestyle=":")
-    twin.set_ylim(0, 1.05 * max([1.0, *result.utilisation]))  # above 1 only when blocks are shared
-    twin.set_ylabel("utilisation (held / reserved)")
+    twin.plot(steps, result.utilization, label="utilization", color="#009E73", linestyle=":")
+    twin.set_ylim(0, 1.05 * max([1.0, *result.utilization]))  # above 1 only when blocks are shared
+    twin.set_ylabel("utilization (held / reserved)")
     lines = ax.get_lines() + twin.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
     return ax

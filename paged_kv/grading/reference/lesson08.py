@@ -1,5 +1,5 @@
 """Exercise 08 graded on the package: ``admit_with_watermark`` is the engine's admission rule,
-:func:`paged_kv.serving.engine.admits`, with the watermark's ``ceil(watermark * num_blocks)`` blocks kept
+:func:`paged_kv.serving.memory.admits`, with the watermark's ``ceil(watermark * num_blocks)`` blocks kept
 free; ``choose_victims`` is :func:`paged_kv.serving.preemption.choose_victims`, and ``requeue`` puts the
 victims back at the front of the queue the way the engine does (``appendleft``, newest first);
 ``swap_out`` and ``swap_in`` are :mod:`paged_kv.kv.swap` on one allocator, with the saved K/V as a
@@ -13,8 +13,8 @@ import torch as _torch
 
 from paged_kv.kv import swap as _swap
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.serving.engine import admits as _admits
-from paged_kv.serving.engine import watermark_blocks
+from paged_kv.serving.memory import admits as _admits
+from paged_kv.serving.memory import watermark_blocks
 from paged_kv.serving.preemption import choose_victims
 
 __all__ = ["admit_with_watermark", "choose_victims", "requeue", "swap_in", "swap_out"]

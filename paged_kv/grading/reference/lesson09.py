@@ -3,7 +3,7 @@
 (:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping`), and ``MyPagedCache`` is
 :class:`paged_kv.model.kv_cache.PagedKVCache`, the cache the engine uses by default (its ``__init__`` takes
 the exercise's arguments). ``can_admit`` is the engine's admission rule,
-:func:`paged_kv.serving.engine.admits` (with the default watermark of 0), given the prompt's tokens.
+:func:`paged_kv.serving.memory.admits` (with the default watermark of 0), given the prompt's tokens.
 """
 
 from collections.abc import Hashable as _Hashable
@@ -14,7 +14,7 @@ import torch as _torch
 from paged_kv.core.block import blocks_for_tokens as _blocks_for_tokens
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.model.kv_cache import PagedKVCache as MyPagedCache
-from paged_kv.serving.engine import admits as _admits
+from paged_kv.serving.memory import admits as _admits
 from paged_kv.serving.scheduling import decode_step as _decode_step
 
 __all__ = ["MyPagedCache", "can_admit", "decode_slots"]
