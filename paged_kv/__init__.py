@@ -17,12 +17,16 @@ each name's home module is in the layer its lesson builds (see ``docs/architectu
 from paged_kv.attention.paged import paged_attention, paged_prefill_attention
 from paged_kv.core.block import Block, BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.events import BlockEvent
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.core.usage import BlockUsage
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
 from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.kv.storage import KVStorage
 from paged_kv.model.generate import GenerationResult, generate
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
@@ -36,6 +40,8 @@ __all__ = [
     "AllocatorSnapshot",
     "Block",
     "BlockAllocator",
+    "BlockEvent",
+    "BlockManager",
     "BlockTable",
     "BlockUsage",
     "ContiguousKVCache",
@@ -47,13 +53,16 @@ __all__ = [
     "GPTConfig",
     "GenerationResult",
     "KVCache",
+    "KVStorage",
     "OutOfBlocksError",
     "PagedKVCache",
     "PagedKVCacheAllocator",
     "PagedPolicy",
     "PrefixCacheStats",
+    "Recorder",
     "Request",
     "TinyGPT",
+    "TraceFrame",
     "UnknownSequenceError",
     "blocks_for_tokens",
     "contiguous_baseline",

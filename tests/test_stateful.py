@@ -429,7 +429,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         freed = self.blocks_freed_by(seq_id)
         free_after = self.free_list_after(freed)
         with self.kv_unchanged():
-            saved = swap.swap_out([self.cache], seq_id)
+            saved = swap.swap_out(self.cache.manager, self.cache.storage, seq_id)
         assert seq_id not in self.cache
         assert self.cache.snapshot().free_block_ids == free_after
         assert saved.num_tokens == len(self.live[seq_id].tokens)
@@ -441,7 +441,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         seq_id = self.pick(data, self.swapped)
         saved, request = self.swapped[seq_id]
         needed = blocks_for_tokens(saved.num_tokens, BLOCK_SIZE)
-        call = lambda: swap.swap_in([self.cache], seq_id, saved)  # noqa: E731
+        call = lambda: swap.swap_in(self.cache.manager, self.cache.storage, seq_id, saved)  # noqa: E731
         if needed > self.cache.num_free_blocks:
             fails_cleanly(self.cache, OutOfBlocksError, call)
             event("swap in: out of blocks")
@@ -479,7 +479,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
             "read": lambda: self.cache.read_kv(seq_id),
             "locate": lambda: self.cache.physical_location(seq_id, 0),
             "reserve": lambda: self.cache.append_block_to_sequence(seq_id),
-            "swap out": lambda: swap.swap_out([self.cache], seq_id),
+            "swap out": lambda: swap.swap_out(self.cache.manager, self.cache.storage, seq_id),
             "cached": lambda: self.cache.num_cached_tokens(seq_id),
         }
         fails_cleanly(self.cache, UnknownSequenceError, calls[call])
@@ -512,7 +512,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         }
         if self.swapped:
             saved, _ = self.swapped[self.pick(data, self.swapped)]
-            swap_in = lambda: swap.swap_in([self.cache], seq_id, saved)  # noqa: E731
+            swap_in = lambda: swap.swap_in(self.cache.manager, self.cache.storage, seq_id, saved)  # noqa: E731
             calls["swap into a live id"] = (ValueError, swap_in, "already allocated")
         error, call, match = calls[data.draw(st.sampled_from(sorted(calls)), label="call")]
         fails_cleanly(self.cache, error, call, match=match)

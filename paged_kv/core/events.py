@@ -8,8 +8,10 @@ call that raises emits nothing, so an observer only ever sees what really happen
 
 The kinds (lessons 02, 04 and 07):
 
-* ``"allocate"``: a prompt got its blocks (``blocks``, the new table; ``tokens``, the prompt's length);
-* ``"cache_hit"``: the prompt reused cached blocks (``blocks``, emitted before its ``"allocate"``);
+* ``"allocate"``: a prompt got its blocks (``blocks``, the new table; ``tokens``, ``(1, n)`` for a
+  prompt of ``n`` tokens, ``n`` possibly 0);
+* ``"cache_hit"``: the prompt reused cached blocks (``blocks``) for its tokens ``tokens[0] ..
+  tokens[1]``, emitted before its ``"allocate"``;
 * ``"append"``: tokens ``tokens[0] .. tokens[1]`` (1-based) landed in a block the sequence had
   (``blocks``, that one block);
 * ``"new_block"``: as ``"append"``, but the block was taken from the free list for its first token;

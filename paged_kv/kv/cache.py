@@ -176,7 +176,8 @@ class PagedKVCacheAllocator:
                 (the sequence does not grow at all and nothing is copied).
         """
         taken, copies = self.manager.append_tokens(seq_id, n)
-        self.storage.copy_blocks(copies)
+        if copies:
+            self.storage.copy_blocks(copies)
         self._last_copies = copies
         return taken
 

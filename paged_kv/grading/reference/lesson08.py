@@ -34,7 +34,7 @@ def requeue(waiting: _deque, victims: list) -> None:
 
 def swap_out(allocator: _PagedKVCacheAllocator, seq_id: _Hashable) -> tuple[_torch.Tensor, _torch.Tensor]:
     """The sequence's K and V copied to host memory; its blocks freed."""
-    saved = _swap.swap_out([allocator], seq_id)
+    saved = _swap.swap_out(allocator.manager, allocator.storage, seq_id)
     return saved.k[0], saved.v[0]
 
 
@@ -43,4 +43,4 @@ def swap_in(
 ) -> None:
     """Fresh blocks for the saved tokens, the K and V copied back; all or nothing."""
     k, v = saved
-    _swap.swap_in([allocator], seq_id, _swap.SwappedKV(k.shape[0], (k,), (v,)))
+    _swap.swap_in(allocator.manager, allocator.storage, seq_id, _swap.SwappedKV(k.shape[0], (k,), (v,)))
