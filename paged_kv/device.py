@@ -1,4 +1,4 @@
-"""Which device the course runs on."""
+"""Which device the course runs on: every lesson's first cell asks :func:`default_device`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """``python -m paged_kv check-env``: the versions a bug report needs, and whether each is good enough.
 
+The README's troubleshooting section and every lesson's set-up point to it.
+
 The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
 """
 

@@ -1,4 +1,4 @@
-"""The course's one timer, shared by the lessons and the benches, built to survive a busy laptop.
+"""The course's one timer, shared by lessons 03 and 05 and the benches, built to survive a busy laptop.
 
 A single timing on a shared machine says little: another program takes a core for a few
 milliseconds, a thread pool wakes up late, the first call pays for memory the later ones reuse.

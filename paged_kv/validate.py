@@ -1,4 +1,4 @@
-"""Argument checks shared by the package: each raises ``ValueError`` naming the argument."""
+"""Argument checks shared by every layer of the package: each raises ``ValueError`` naming the argument."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Paged decode attention through PyTorch's FlexAttention: the optional fast path for CUDA.
+"""Paged decode attention through PyTorch's FlexAttention: the optional fast path for CUDA (lesson 05).
 
 FlexAttention (``torch.nn.attention.flex_attention``, torch 2.5 and later) runs attention with a
 *mask function* that says, for each query and key position, whether the query may see the key,

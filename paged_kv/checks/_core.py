@@ -1,4 +1,4 @@
-"""The machinery of the notebook checks: a registry of tasks and a :class:`Checker` of expectations.
+"""The machinery of every exercise's checks: a registry of tasks and a :class:`Checker` of expectations.
 
 A check runs the learner's code on concrete cases and stops at the first expectation that fails,
 saying what was called, what was expected, what came back and a hint. Three things keep the

@@ -1,5 +1,7 @@
 """The two data structures of paging: a physical :class:`Block` and a sequence's :class:`BlockTable`.
 
+Lesson 01 builds them.
+
 A KV cache is cut into ``num_blocks`` fixed-size blocks of ``block_size`` token slots each. A
 sequence does not own a contiguous region; it owns a *block table*, an ordered list of physical
 block ids, exactly like a process's page table: logical block ``i`` of the sequence lives in

@@ -1,4 +1,4 @@
-"""The block pool's bookkeeping: a free list and a ref count per block, and no tensors.
+"""The block pool's bookkeeping: a free list and a ref count per block, and no tensors (lesson 02).
 
 :class:`BlockAllocator` answers one question, "which physical block can I use next?", in O(1).
 It knows nothing about sequences or K/V data; :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`

@@ -1,4 +1,4 @@
-"""A frozen copy of an allocator's bookkeeping, for comparisons, traces and pictures."""
+"""A frozen copy of the block manager's bookkeeping, for comparisons, traces and pictures (lessons 01-09)."""
 
 from __future__ import annotations
 

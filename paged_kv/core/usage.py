@@ -1,4 +1,4 @@
-"""How well a pool of blocks is used: the metrics of :class:`BlockUsage`.
+"""How well a pool of blocks is used: the metrics of :class:`BlockUsage` (lessons 00 and 02).
 
 A block shared by several block tables (a forked sequence, a cached prefix) is one physical block:
 it counts once among the used blocks, and its tokens count once among the tokens held. Every

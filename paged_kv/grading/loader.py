@@ -1,4 +1,4 @@
-"""The grader's single seam: turn any implementation into a namespace of names.
+"""The grader's single seam: turn any implementation into a namespace of names (every exercise).
 
 An implementation is one of
 

@@ -1,4 +1,4 @@
-"""The process that runs learner code.
+"""The process that runs learner code, for the grader of every exercise.
 
     python -m paged_kv.grading.worker [--memory-limit=BYTES] LESSON SOURCE TASK...
 

@@ -1,4 +1,6 @@
-"""The arithmetic of a block table, on plain lists and tensors: where a token lives, and when to grow.
+"""The arithmetic of a block table, on lists and tensors: where a token lives, and when to grow.
+
+Lesson 03 builds the translation, lesson 04 the boundary rule.
 
 Token ``p`` of a sequence lives in logical block ``p // block_size`` at offset ``p % block_size``;
 the block table turns the logical block into a physical one, ``block_table[p // block_size]``.

@@ -1,4 +1,4 @@
-"""The course's static pictures, drawn with matplotlib from plain data.
+"""The course's static pictures, drawn with matplotlib from plain data (lessons 00-09).
 
 Each function draws on an ``Axes`` it is given (or a new figure) and returns the ``Axes``, so lessons
 can combine them. Colours come from the Okabe-Ito palette, which stays distinguishable for

@@ -1,4 +1,4 @@
-"""A picture of the allocator, drawn as one inline SVG from an :class:`AllocatorSnapshot`.
+"""A picture of the block pool, drawn as one SVG from an :class:`AllocatorSnapshot` (lessons 00-09).
 
 :func:`render_allocator` is a pure function: the same snapshot, caption, highlight and width always
 give the same HTML string, with no JavaScript, no external resource, no random id and no timestamp.

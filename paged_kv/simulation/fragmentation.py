@@ -1,4 +1,4 @@
-"""The fragmentation benchmark: paged blocks against one contiguous fixed slot per request.
+"""The fragmentation benchmark: paged blocks against one contiguous fixed slot per request (lesson 00).
 
 A contiguous engine must reserve, for every request, a slot as long as the longest request it may
 serve. Paging reserves whole blocks, so it wastes at most ``block_size - 1`` slots per request.
