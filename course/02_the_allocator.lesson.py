@@ -17,7 +17,9 @@
 #    frees it;
 # 4. show the error rules (double free, duplicate id, out of blocks, unknown id) and that a call that
 #    fails changes nothing;
-# 5. explain why allocation must be all or nothing, and what a naive loop leaks when it is not.
+# 5. explain why allocation must be all or nothing, and what a naive loop leaks when it is not;
+# 6. tell the cache's block manager (bookkeeping, no tensors) from its storage (the K/V tensors), and
+#    say why a model needs one manager for all its layers.
 
 # %%
 from collections import deque
@@ -129,12 +131,14 @@ print("next five blocks:", [naive_free_list.popleft() for _ in range(5)])
 # %% [markdown]
 # ## 3. The cache allocator: blocks for sequences
 #
-# `PagedKVCacheAllocator` is what an inference engine talks to. It owns three things:
+# `PagedKVCacheAllocator` is what an inference engine talks to. It joins two parts that know
+# nothing of each other:
 #
-# * the K/V tensors, `k_cache` and `v_cache`, allocated once with shape
-#   `(num_blocks, num_heads, block_size, head_dim)`; lesson 03 writes keys and values into them;
-# * a `BlockAllocator` for the free list and the ref counts;
-# * one `BlockTable` per sequence, keyed by a sequence id.
+# * its **block manager**, `cache.manager`: a `BlockAllocator` for the free list and the ref counts,
+#   and one `BlockTable` per sequence, keyed by a sequence id. Plain Python on block ids, no tensor;
+# * its **storage**, `cache.storage`: the K/V tensors `k_cache` and `v_cache`, allocated once with
+#   shape `(num_blocks, num_heads, block_size, head_dim)`; lesson 03 writes keys and values into
+#   them.
 #
 # `allocate_for_sequence(seq_id, num_prompt_tokens)` takes `ceil(num_prompt_tokens / block_size)`
 # blocks and records the table; `get_block_mapping(seq_id)` returns the table's block ids;
@@ -156,6 +160,21 @@ print("free_block_ids:  ", list(cache.snapshot().free_block_ids))
 # Allocating touched no tensor: it moved three ids off the free list and recorded a table. The slots of
 # blocks 0 to 2 hold nothing useful until the engine writes K/V into them.
 #
+# That split is why a real model needs one manager, not one per layer. Every layer of a transformer
+# stores K and V for the same tokens, so one block id can name the same slots in every layer's
+# tensors: the manager decides once per block, and the storage simply holds one `k_cache` and
+# `v_cache` per layer. vLLM is built this way: the scheduler's `KVCacheManager`
+# (`vllm/v1/core/kv_cache_manager.py`, over a `BlockPool` in `vllm/v1/core/block_pool.py`) hands out
+# block ids and never touches a tensor, and the model runner holds the per-layer `kv_caches`.
+
+# %%
+manager_tensors = [name for name, value in vars(cache.manager).items() if isinstance(value, torch.Tensor)]
+print(type(cache.manager).__name__, "tensors:", manager_tensors)
+print(type(cache.storage).__name__, "layers:", cache.storage.num_layers, "| k_cache:", tuple(cache.k_cache.shape))
+model_storage = paged_kv.KVStorage(num_layers=32, num_blocks=5, block_size=16, num_heads=2, head_dim=8)
+print("a 32-layer model's block:", model_storage.bytes_per_block // 1024, "KiB over its layers, one allocation")
+
+# %% [markdown]
 # `usage()` measures the pool with the metrics of lesson 00. Three blocks of 16 reserve 48 slots for 33
 # tokens:
 
@@ -165,7 +184,7 @@ print("used / free blocks:", usage.used_blocks, "/", usage.free_blocks)
 print("tokens held:       ", usage.allocated_tokens)
 print("slots reserved:    ", usage.reserved_tokens)
 print("slots wasted:      ", usage.internal_fragmentation_tokens)
-print(f"utilisation:        {usage.block_utilization:.1%}")
+print(f"utilization:        {usage.block_utilization:.1%}")
 
 # %% [markdown]
 # ## 4. Freed blocks go to the tail, so later sequences scatter
@@ -343,6 +362,8 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #
 # * The free list is a FIFO queue: `allocate` pops the head, `free` appends to the tail, both O(1) with
 #   a `deque`. Running example: a pool of 5, `req-a` (33 tokens) takes `[0, 1, 2]`, leaving `[3, 4]`.
+# * The package's cache is a block manager (tables, ref counts, free list; no tensors) and a storage
+#   (the K/V tensors); a model keeps one manager for all its layers, as vLLM's `KVCacheManager` does.
 # * A block's ref count is its number of holders; `add_ref` shares it, `free` returns it to the pool
 #   only when the count reaches 0, and freeing a free block is a `ValueError` (a double free).
 # * Freed blocks queue behind the free ones, so `req-c` (40 tokens) got the scattered `[4, 0, 1]`.
