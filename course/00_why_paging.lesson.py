@@ -177,7 +177,7 @@ print(f"{'slots reserved':<32}{paged['reserved_tokens']:>8}{contiguous['reserved
 print(
     f"{'slots wasted':<32}{paged['internal_fragmentation_tokens']:>8}{contiguous['internal_fragmentation_tokens']:>12}"
 )
-print(f"{'utilisation':<32}{paged['block_utilization']:>8.1%}{contiguous['utilization']:>12.1%}")
+print(f"{'utilization':<32}{paged['block_utilization']:>8.1%}{contiguous['utilization']:>12.1%}")
 print(f"{'blocks used / free':<32}{paged['used_blocks']:>4} / {paged['free_blocks']}")
 print("tokens saved by paging:", report["fragmentation_tokens_saved_vs_contiguous"])
 

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a concurrent workload: paged blocks against contiguous reservation, as a table",
         description="Serve seeded synthetic requests with paged blocks and with contiguous reservation "
         "at the maximum length, at the next power of two and at the exact final length (oracle), in "
-        "the same token budget, and print how many sequences run at once, the memory utilisation, "
+        "the same token budget, and print how many sequences run at once, the memory utilization, "
         "the steps to finish and the output tokens per step.",
     )
     simulate.add_argument(

@@ -25,7 +25,7 @@ from _timing import FLAT_LIMIT  # noqa: E402
 
 from paged_kv import BlockAllocator, PagedKVCacheAllocator  # noqa: E402
 from paged_kv.attention.paged import gather_kv  # noqa: E402
-from paged_kv.kv.mapping import slot_mapping  # noqa: E402
+from paged_kv.core.mapping import slot_mapping  # noqa: E402
 from paged_kv.model.generate import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.kv.mapping import needs_new_block
+from paged_kv.core.mapping import needs_new_block
 
 from .helpers import fails_cleanly, make_cache
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.kv import mapping
+from paged_kv.core import mapping
 
 from .helpers import HEAD_DIM, NUM_HEADS, fails_cleanly, kv_for, make_cache
 
@@ -214,7 +214,7 @@ def test_the_gather_works_in_half_precision(device):
     assert torch.equal(read_k, k) and torch.equal(read_v, v)
 
 
-# ------------------------------------------------------------- the pure functions of paged_kv.kv.mapping
+# ------------------------------------------------------------- the pure functions of paged_kv.core.mapping
 
 
 def test_physical_location_on_a_plain_table():

@@ -141,7 +141,7 @@ def test_a_shared_block_counts_once_and_shows_its_ref_count():
     assert block_tokens(snapshot) == {0: 4, 1: 4}
     usage = snapshot_usage(snapshot)
     assert (usage.used_blocks, usage.allocated_tokens, usage.internal_fragmentation_tokens) == (2, 8, 0)
-    assert "utilisation 100.0 %" in markup
+    assert "utilization 100.0 %" in markup
 
 
 def forked() -> AllocatorSnapshot:
@@ -188,7 +188,7 @@ def test_a_forked_pool_shows_its_shared_blocks_in_the_pool_and_in_every_table():
     assert "shared by several sequences (\u00d7n: how many)" in all_texts
     # The gauge counts blocks 0 and 1 once: 4 blocks, 13 tokens (4 + 4 + 2 + 3) in 16 slots.
     assert "used 4 / 8 blocks · 4 free · 2 shared, each counted once" in markup
-    assert "utilisation 81.2 % · 13 tokens in 16 reserved slots" in markup
+    assert "utilization 81.2 % · 13 tokens in 16 reserved slots" in markup
     assert picture(forked()) == markup
 
 
@@ -244,7 +244,7 @@ def test_the_gauge_of_the_blog_seed():
     # 117 tokens in 11 blocks of 16: 176 slots reserved, 59 empty, 66.5 % used.
     markup = picture(blog_seed())
     assert "used 11 / 64 blocks · 53 free" in markup
-    assert "utilisation 66.5 % · 117 tokens in 176 reserved slots" in markup
+    assert "utilization 66.5 % · 117 tokens in 176 reserved slots" in markup
     assert "fragmentation 59 slots wasted" in markup
 
 
@@ -352,7 +352,7 @@ def test_the_picture_is_as_wide_as_asked_and_grows_with_the_rows():
 def test_an_empty_and_a_full_pool():
     empty = picture(cache_with(8, 4, {}).snapshot())
     assert "no sequences: every block is free" in empty
-    assert "used 0 / 8 blocks · 8 free" in empty and "utilisation 0.0 %" in empty
+    assert "used 0 / 8 blocks · 8 free" in empty and "utilization 0.0 %" in empty
     assert all(band(b) == (PAPER, None) for b in pool_blocks(parse(empty)))
     full = picture(cache_with(4, 4, {"x": 16}).snapshot())
     assert "free list · empty: every block is in use" in full and "fragmentation 0 slots wasted" in full

@@ -90,7 +90,7 @@ def _paged_usage(c: Checker, paged_usage) -> None:
             "internal_fragmentation_tokens": 0,
             "block_utilization": 0.0,
         },
-        "with nothing reserved, utilisation is 0.0 (avoid dividing by zero)",
+        "with nothing reserved, utilization is 0.0 (avoid dividing by zero)",
     )
 
 

@@ -1,5 +1,7 @@
-"""Block bookkeeping, with no tensors: blocks, block tables, the free list, the block manager, prefix caching.
+"""Block bookkeeping that holds no tensor: blocks, block tables and their arithmetic, the free list,
+the block manager, prefix caching and the manager's events.
 
-Lessons 01, 02, 04 and 07. Everything here is plain Python on block ids and token counts; the K/V
-tensors live in :mod:`paged_kv.kv`.
+Lessons 01 to 04 and 07. The state here is plain Python on block ids and token counts; the K/V
+tensors live in :mod:`paged_kv.kv`, which :mod:`paged_kv.core.mapping`'s scatter and gather write
+and read through a block table.
 """

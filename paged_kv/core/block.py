@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from paged_kv.kv import mapping
+from paged_kv.core import mapping
 from paged_kv.validate import check_count
 
 
@@ -67,7 +67,7 @@ class BlockTable:
         """The physical block that holds token ``position``: ``block_ids[position // block_size]``.
 
         The table holds positions ``0 .. num_tokens - 1``; the look-up itself is
-        :func:`paged_kv.kv.mapping.physical_location`'s.
+        :func:`paged_kv.core.mapping.physical_location`'s.
 
         >>> BlockTable([7, 2, 5], num_tokens=40).physical_block(16, 16)
         2

@@ -29,6 +29,7 @@ from types import MappingProxyType
 
 import torch
 
+from paged_kv.core import mapping
 from paged_kv.core.block import BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.events import BlockEvent, Observer
@@ -241,7 +242,7 @@ class BlockManager:
         if len(set(seq_ids)) != len(seq_ids):
             repeated = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise ValueError(f"seq_ids must be distinct, but {repeated!r} appears more than once")
-        size = self.block_size
+        size = self.block_size  # the boundary rule of mapping.needs_new_block, inlined: the hot path
         full = [table for table in tables if table.num_tokens == len(table.block_ids) * size]
         if not self._allocator.num_shared_blocks and not self._observers:
             if len(full) > self._allocator.num_free_blocks:
@@ -279,7 +280,7 @@ class BlockManager:
         That is when its blocks are all full, or when the block the token lands in is shared.
         """
         table = self._table(seq_id)
-        if table.num_tokens == len(table.block_ids) * self.block_size:
+        if mapping.needs_new_block(table.num_tokens, len(table.block_ids), self.block_size):
             return True
         return bool(self._shared_blocks(table, table.num_tokens, table.num_tokens + 1))
 

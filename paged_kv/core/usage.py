@@ -53,7 +53,7 @@ class BlockUsage:
         block_size: int,
         shared_blocks: int = 0,
     ) -> BlockUsage:
-        """Derive the reserved, wasted and utilisation figures from the counts."""
+        """Derive the reserved, wasted and utilization figures from the counts."""
         reserved = used_blocks * block_size
         return cls(
             used_blocks=used_blocks,

@@ -15,13 +15,13 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
+from paged_kv.core import mapping
 from paged_kv.core.block import BlockTable
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.core.usage import BlockUsage
-from paged_kv.kv import mapping
 from paged_kv.kv.storage import KVStorage
 from paged_kv.validate import check_count
 
@@ -43,7 +43,7 @@ class PagedKVCacheAllocator:
     same tokens in it).
 
     Sequence ids can be any hashable value (ints or strings, say). The translation and the
-    boundary rule themselves are the pure functions of :mod:`paged_kv.kv.mapping`.
+    boundary rule themselves are the pure functions of :mod:`paged_kv.core.mapping`.
 
     With ``record=True`` the cache keeps :attr:`trace`, a list of
     :class:`~paged_kv.core.trace.TraceFrame` made from the manager's events by a
@@ -429,7 +429,7 @@ class PagedKVCacheAllocator:
         return tensor
 
     def _block_ids(self, table: BlockTable) -> torch.Tensor:
-        """The table's block ids as a 1-D LongTensor on the cache's device, for :mod:`paged_kv.kv.mapping`."""
+        """The table's block ids as a 1-D LongTensor on the cache's device, for the mapping functions."""
         return torch.tensor(table.block_ids, dtype=torch.long, device=self.device)
 
 

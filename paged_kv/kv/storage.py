@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_kv.kv import mapping
+from paged_kv.core import mapping
 from paged_kv.validate import check_count
 
 

@@ -1,1 +1,1 @@
-"""Pictures of the pool and of runs: SVG drawings, matplotlib plots and the widgets that animate a trace."""
+"""Pictures of the pool and of runs (lessons 00 to 09): SVG drawings, matplotlib plots and widgets."""

@@ -16,7 +16,7 @@ From top to bottom it draws:
   each a box in the owner's colour showing the physical block id, and the number of tokens; a
   shared block appears in the row of every sequence that holds it;
 * **the free list** in order, head first, eliding the middle when it does not fit the width;
-* **a usage gauge**: a bar of used against free blocks, the utilisation (tokens held / slots
+* **a usage gauge**: a bar of used against free blocks, the utilization (tokens held / slots
   reserved) and the fragmentation (slots reserved but empty), as
   :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once,
   and the gauge says how many are shared: :func:`snapshot_usage`);
@@ -539,7 +539,7 @@ def _free_list(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]
 
 
 def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
-    """A bar of used against free blocks, with utilisation and fragmentation in words."""
+    """A bar of used against free blocks, with utilization and fragmentation in words."""
     snap = scene.snapshot
     usage = snapshot_usage(snap)
     used_w = scene.inner * usage.used_blocks / snap.num_blocks
@@ -547,7 +547,7 @@ def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     shared = f" · {usage.shared_blocks} shared, each counted once" if usage.shared_blocks else ""
     lines = [
         f"used {usage.used_blocks} / {plural(snap.num_blocks, 'block')} · {usage.free_blocks} free{shared}",
-        f"utilisation {100 * usage.block_utilization:.1f} % · {plural(usage.allocated_tokens, 'token')} "
+        f"utilization {100 * usage.block_utilization:.1f} % · {plural(usage.allocated_tokens, 'token')} "
         f"in {plural(usage.reserved_tokens, 'reserved slot')}",
         f"fragmentation {plural(usage.internal_fragmentation_tokens, 'slot')} wasted (empty tails of blocks)",
     ]

@@ -1,1 +1,1 @@
-"""Workloads and simulations with no model: fragmentation, memory policies, shared prompts (00, 06, 07)."""
+"""Workloads and simulations with no model (lessons 00, 06, 07): fragmentation, policies, shared prompts."""

@@ -1,9 +1,9 @@
 """Exercise 03 graded on the package: ``physical_location``, ``slot_mapping``, ``write_kv`` and ``read_kv``
-are the pure functions of :mod:`paged_kv.kv.mapping` (the translation a block table makes, on plain
+are the pure functions of :mod:`paged_kv.core.mapping` (the translation a block table makes, on plain
 lists and tensors), the very ones :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` delegates its
 ``physical_location``, ``slot_mapping``, ``write_kv`` and ``read_kv`` methods to.
 """
 
-from paged_kv.kv.mapping import physical_location, read_kv, slot_mapping, write_kv
+from paged_kv.core.mapping import physical_location, read_kv, slot_mapping, write_kv
 
 __all__ = ["physical_location", "read_kv", "slot_mapping", "write_kv"]

@@ -1,4 +1,4 @@
-"""Computing the utilisation as held / reserved even when nothing is reserved, a ZeroDivisionError."""
+"""Computing the utilization as held / reserved even when nothing is reserved, a ZeroDivisionError."""
 
 from paged_kv.grading.reference.lesson00 import *  # every other task stays right
 

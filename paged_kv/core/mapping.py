@@ -9,8 +9,10 @@ The KV caches have shape ``(num_blocks, num_heads, block_size, head_dim)``, so t
 tokens in ``num_blocks_held`` blocks needs a new block before its next token exactly when those
 blocks are full.
 
-These functions hold no state and know no sequence ids; :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
-checks its arguments and then delegates to them, so the translation lives here and only here. The
+These functions hold no state and know no sequence ids. The one-layer cache
+(:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`) and the storage (:class:`~paged_kv.kv.storage.KVStorage`)
+check their arguments and then delegate to them, and the block manager asks :func:`needs_new_block`
+(its decode hot path inlines the same comparison), so the translation lives here and only here. The
 tensor functions work on whole tensors of positions at once, with no Python loop over tokens.
 """
 

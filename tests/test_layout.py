@@ -1,0 +1,70 @@
+"""The package's layout: each layer imports only the layers below it, and every module names its lesson."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import paged_kv
+
+PACKAGE = Path(paged_kv.__file__).parent
+
+# Each layer and what it may import besides itself; the shared helpers at the top level
+# (validate, errors, device, progress, timing) are below every layer.
+BASE = {"validate", "errors", "device", "progress", "timing"}
+LAYERS = {
+    "core": set(),
+    "kv": {"core"},
+    "attention": {"core"},
+    "model": {"core", "kv", "attention"},
+    "serving": {"core", "kv", "attention", "model"},
+    "simulation": {"core", "kv", "serving"},
+    "pictures": {"core", "kv"},
+}
+LAYERED = sorted(path for layer in LAYERS for path in (PACKAGE / layer).glob("*.py"))
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The first component after ``paged_kv.`` of every module ``path`` imports, at any depth."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        parts |= {name.split(".")[1] for name in names if name.startswith("paged_kv.")}
+    return parts
+
+
+@pytest.mark.parametrize("path", LAYERED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_layer_imports_only_the_layers_below_it(path: Path) -> None:
+    layer = path.parent.name
+    allowed = LAYERS[layer] | BASE | {layer}
+    assert imported_parts(path) <= allowed, f"{layer}/{path.name} imports {imported_parts(path) - allowed}"
+
+
+@pytest.mark.parametrize("path", LAYERED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_module_names_the_lessons_it_belongs_to(path: Path) -> None:
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert re.search(r"[Ll]essons? \d\d", docstring), f"{path.name}'s docstring names no lesson"
+
+
+def test_the_top_level_exports_what_a_learner_imports() -> None:
+    for name in paged_kv.__all__:
+        assert getattr(paged_kv, name) is not None
+    assert paged_kv.__all__ == sorted(paged_kv.__all__)
+    assert {"Engine", "generate", "TinyGPT", "BlockManager", "KVStorage", "PagedKVCacheAllocator"} <= set(
+        paged_kv.__all__
+    )
+
+
+def test_one_name_per_concept() -> None:
+    modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert "_checks.py" not in modules  # argument checks are validate.py, beside checks/
+    sources = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert "utilisation" not in sources  # one spelling: utilization
+    assert not re.search(r"^class Block\(nn\.Module\)", sources, re.M)  # the model's is DecoderLayer
