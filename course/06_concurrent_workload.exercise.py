@@ -110,24 +110,26 @@ check("06.reserved_tokens", reserved_tokens)
 # 2. every running sequence decodes one token: its `generated` grows by 1;
 # 3. waiting requests are admitted first come first served: while the request at the *front* of
 #    the queue fits (`reserve(request) <= free_tokens`), take it off the queue, subtract its
-#    reservation from `free_tokens` and append `Running(request, reserved)` to `running`, with
-#    `generated` 0 (it prefills this step). Stop at the first request that does not fit, even if a
-#    later one would;
+#    reservation from `free_tokens` and append `Running(request, reserved)` to `running`. Its
+#    `generated` starts at 1: it prefills this step, and the prefill samples its first output
+#    token, as in vLLM and in lesson 09's engine. Stop at the first request that does not fit,
+#    even if a later one would;
 # 4. every running sequence whose `generated` equals its request's `output_tokens` finishes: it
 #    leaves `running` and its reservation goes back to `free_tokens` at once, even if other
 #    sequences keep running.
 #
 # Return the ids of the requests that finished in this step, in admission order. A request with
-# `o` output tokens thus runs for `o + 1` steps, and memory released in part 4 is free for the next
-# step's admissions, as in `paged_kv.simulation.workload.simulate`.
+# `o` output tokens thus runs for `o` steps (one prefill, `o - 1` decodes), and memory released in
+# part 4 is free for the next step's admissions, as in `paged_kv.simulation.workload.simulate`,
+# which runs the package's scheduler.
 #
 # **Checked**, with `reserve` giving each request its final length:
 #
 # * a budget of 10 and requests `a` (2 + 1 tokens), `b` (2 + 4) and `c` (3 + 1) arriving together:
-#   `a` and `b` are admitted (3 + 6 slots) and `c` waits; `a` finishes at step 1 and its 3 slots
-#   come back at once although `b` still runs; `c` is admitted at step 2 and finishes at step 3,
-#   `b` at step 4;
-# * a budget of 10 and requests `x` (8 slots), `y` (6) and `z` (2): only `x` is admitted, and `z`
+#   `a` and `b` are admitted (3 + 6 slots) and `c` waits; `a` finishes at step 0, in its prefill,
+#   and its 3 slots come back at once although `b` still runs; `c` is admitted at step 1 and
+#   finishes then, `b` at step 3;
+# * a budget of 10 and requests `x` (8 slots), `y` (5) and `z` (2): only `x` is admitted, and `z`
 #   must not jump ahead of `y`; a request arriving at the next step waits behind both;
 # * the requests `sample_requests("alpaca", 30, seed=0, arrival_rate=1.0)`, each handed to `step`
 #   at its `arrival_step`, in a budget of 1,024: the number of sequences in each step's forward pass
@@ -143,7 +145,7 @@ class Running:
 
     request: Request
     reserved: int
-    generated: int = 0
+    generated: int = 1  # its prefill samples the first output token
 
 
 class ContinuousBatcher:

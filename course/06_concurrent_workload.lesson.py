@@ -16,7 +16,7 @@
 #    exact final length) set aside for a request, and explain why the exact one is out of reach;
 # 3. sample workloads shaped like ShareGPT and Alpaca and compute how many sequences fit in a fixed
 #    budget under each policy;
-# 4. run a concurrent workload through the four policies, read memory utilisation, running
+# 4. run a concurrent workload through the four policies, read memory utilization, running
 #    sequences and tokens per step, and explain why the peak number of running sequences misleads;
 # 5. compare the fraction of reserved memory that holds tokens with lesson 00 and the vLLM paper.
 #
@@ -61,13 +61,16 @@ print("paged_kv", paged_kv.__version__)
 # 2. **wait**: the scheduler looks at the queue first come first served, and admits the request at
 #    the front only when the KV cache has room for it;
 # 3. **admit and prefill**: one forward pass over the whole prompt computes the prompt's keys and
-#    values and stores them in the cache;
-# 4. **decode**: every later step produces one new token, whose key and value take one more slot;
+#    values, stores them in the cache, and samples the first output token;
+# 4. **decode**: every later step feeds the last token in and samples one more; the key and value
+#    of the token fed in take one more slot;
 # 5. **finish and release**: after its last token, the request leaves and its memory goes back to
 #    the free pool.
 #
-# The simulator of this lesson, `paged_kv.simulation.workload.simulate`, counts the prefill as a step of its
-# own and then one step per output token, so a request with `o` output tokens runs for `o + 1` steps.
+# The simulator of this lesson, `paged_kv.simulation.workload.simulate`, runs the package's
+# scheduler, the one lesson 09's engine runs, with a stand-in for the model that only counts tokens.
+# It counts steps as the engine (and vLLM) does: the prefill step samples the first output token,
+# and each later step one more, so a request with `o` output tokens runs for `o` steps.
 #
 # Older servers used **static batching**: they formed a batch, ran it until its *longest* member
 # was done, and only then took new requests, so a short request's memory sat idle until the long
@@ -75,20 +78,23 @@ print("paged_kv", paged_kv.__version__)
 # rebuilds the batch every step: a finished request releases its memory at once, and a waiting
 # request can start in the very next step.
 #
-# Here are three requests in a tiny paged cache of 4 blocks of 4 slots (16 slots in all):
+# The scheduler admits the request at the front of the queue when the blocks of its prompt, plus one
+# block of **headroom** for every running sequence, itself included, are free: the headroom is the
+# most the next decode step can take, one block per sequence (lesson 08 comes back to this rule).
+# Here are three requests in a tiny paged cache of 6 blocks of 4 slots (24 slots in all):
 #
 # | request | arrives at step | prompt | output | final length |
 # |---|---:|---:|---:|---:|
-# | short-0 | 0 | 4 | 1 | 5 |
+# | short-0 | 0 | 4 | 2 | 6 |
 # | long-1 | 0 | 4 | 6 | 10 |
-# | late-2 | 1 | 6 | 2 | 8 |
+# | late-2 | 1 | 6 | 3 | 9 |
 #
 # **Predict, then run.** `late-2` arrives at step 1. At which step can it start, given that each of
 # the other two takes a second block at step 1, when it stores its fifth token?
 
 # %%
-tiny = [Request("short-0", 0, 4, 1), Request("long-1", 0, 4, 6), Request("late-2", 1, 6, 2)]
-trace = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=16)
+tiny = [Request("short-0", 0, 4, 2), Request("long-1", 0, 4, 6), Request("late-2", 1, 6, 3)]
+trace = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=24)
 print("step  running  waiting  finished  held  reserved")
 for step in range(trace.steps):
     print(
@@ -98,23 +104,25 @@ for step in range(trace.steps):
 
 # %% [markdown]
 # Read it row by row. At step 0 both first requests prefill their 4-token prompts into one block
-# each: 8 tokens held in 8 slots. At step 1 each decodes a fifth token and takes a second block, so
-# all 16 slots are in use; `late-2` arrives, needs 2 blocks for its 6-token prompt, and waits. That
-# step gives `short-0` its one output token, so it finishes at the end of step 1 (`finished` is 1)
-# and its 2 blocks go back at once. At step 2 `late-2` is admitted into them while `long-1` keeps
-# decoding. `held` counts tokens, `reserved` counts the slots of the blocks in use.
+# each, and each prefill samples a first token: 8 tokens held in 8 slots. At step 1 each feeds that
+# token in, its fifth, and takes a second block, so 16 of the 24 slots are in use; `late-2` arrives
+# and needs its prompt's 2 blocks plus 3 of headroom (for `short-0`, `long-1` and itself), but only
+# 4 are free: it waits. That step samples `short-0`'s second and last token, so it finishes at the
+# end of step 1 (`finished` is 1) and its 2 blocks go back at once. At step 2 `late-2` is admitted
+# (2 blocks plus 2 of headroom, 4 free) while `long-1` keeps decoding. `held` counts tokens (the
+# token a step samples is stored by the next one), `reserved` counts the slots of the blocks in use.
 #
 # With static batching, `late-2` would wait for the whole first batch, `long-1` included. The same
 # simulator, run on the first batch alone and then on `late-2` alone, shows what that costs:
 
 # %%
-first_batch = simulate(tiny[:2], PagedPolicy(block_size=4), budget_tokens=16).steps
-second_batch = simulate([Request("late-2", 0, 6, 2)], PagedPolicy(block_size=4), budget_tokens=16).steps
+first_batch = simulate(tiny[:2], PagedPolicy(block_size=4), budget_tokens=24).steps
+second_batch = simulate([Request("late-2", 0, 6, 3)], PagedPolicy(block_size=4), budget_tokens=24).steps
 print("continuous batching: all done after", trace.steps, "steps")
 print("static batching:     all done after", first_batch + second_batch, "steps")
 
 # %% [markdown]
-# Seven steps against ten, with the same memory. On a real server the gap grows with the spread of
+# Six steps against nine, with the same memory. On a real server the gap grows with the spread of
 # lengths: one 1,000-token answer would hold a whole static batch hostage.
 
 # %% [markdown]
@@ -125,7 +133,7 @@ print("static batching:     all done after", first_batch + second_batch, "steps"
 # %%
 from paged_kv.pictures.widgets import AllocationPlayer
 
-recorded = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=16, record=True)
+recorded = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=24, record=True)
 AllocationPlayer(recorded.trace)
 
 # %% [markdown]
@@ -140,8 +148,8 @@ AllocationPlayer(recorded.trace)
 # * **`contiguous/pow2`**: one contiguous slot of the next power of two at or above the final length.
 # * **`contiguous/oracle`**: one contiguous slot of exactly the final length, prompt plus output.
 # * **`paged/16`**: blocks of 16 slots on demand. At admission the request takes the blocks its
-#   prompt fills (and the scheduler checks that one more block is free, room to start decoding);
-#   then a new block each time its last one is full.
+#   prompt fills (and the scheduler checks that one block of headroom per running sequence is free
+#   as well, section 1); then a new block each time its last one is full.
 #
 # **The oracle is out of reach.** The engine knows the prompt, but the model decides when to stop:
 # it emits an end-of-sequence token whenever the answer is complete, and the user's `max_tokens` is
@@ -177,11 +185,12 @@ print(
 # %% [markdown]
 # The contiguous slots are fixed at admission: 2,048, 512 (the power of two above 300) and 300. The
 # paged request starts with the 7 blocks its 100-token prompt needs, 112 slots, and grows one block
-# every 16 tokens up to 19 blocks, 304 slots. The picture follows the request through its life (the
+# every 16 tokens up to 19 blocks, 304 slots (it stores at most 299 tokens: its last one is sampled,
+# never fed back). The picture follows the request through its life (the
 # right panel zooms in): the black line is what it holds, the coloured lines what each policy reserves.
 
 # %%
-life = range(request.output_tokens + 1)  # step 0 is the prefill, then one token per step
+life = range(request.output_tokens)  # step 0 is the prefill, then one token per step
 held = [request.prompt_tokens + step for step in life]
 lines = {
     f"contiguous/{kind}": [ContiguousPolicy(kind, SHAREGPT.max_model_len).reservation(request)] * len(held)
@@ -353,8 +362,8 @@ for result in sharegpt:
 
 # %% [markdown]
 # The same 200 requests, arriving at the same moments, in the same memory. The paged cache
-# finishes them in 2,084 steps, reserving the maximum takes 4,907. It produces 34.0 tokens per step
-# against 14.4: 2.4 times the throughput. It never makes a request wait: every request is admitted
+# finishes them in 2,083 steps, reserving the maximum takes 4,895. It produces 34.0 tokens per step
+# against 14.5: 2.3 times the throughput. It never makes a request wait: every request is admitted
 # the step it arrives, while the contiguous policies build queues of up to 128, 94 and 45 requests.
 # It even beats the oracle, which reserves each sequence's full length from its first step.
 #
@@ -367,7 +376,7 @@ for result in sharegpt:
 ax.set_ylim(0, 1.2)
 ax.set_xlabel("step")
 ax.set_ylabel("held / reserved")
-ax.set_title("memory utilisation over time (sharegpt, λ = 0.2)", loc="left", fontsize=11)
+ax.set_title("memory utilization over time (sharegpt, λ = 0.2)", loc="left", fontsize=11)
 ax.legend(frameon=False, fontsize=8, loc="upper right", ncol=2)
 ax.spines[["top", "right"]].set_visible(False)
 fig.tight_layout()
@@ -378,8 +387,9 @@ plt.show()
 # a little above 0.5 (a sequence starts with its prompt and fills its slot one token at a time, so
 # over its life it is a little more than half full), powers of two around 0.4, the maximum around
 # 0.2. Towards the end, the last sequences run alone and fill their slots, so the
-# contiguous lines climb: the oracle's reaches 1, since its last sequence ends exactly full. (The
-# first 9 steps reserve nothing: the first request arrives at step 9.)
+# contiguous lines climb: the oracle's nearly reaches 1, since its last sequence ends one token
+# short of full (its last token is sampled, never stored). (The first 9 steps reserve nothing: the
+# first request arrives at step 9.)
 #
 # The second picture plots the sequences running (top) and waiting (bottom) at each step. The
 # running counts are noisy, so each line shows the average over a window of 50 steps.
@@ -412,8 +422,8 @@ plt.show()
 # %% [markdown]
 # `contiguous/max` is stuck at 16 running sequences (32,768 / 2,048) while its queue climbs; the
 # paged cache runs every request that has arrived and not finished. Summed over the steps, the
-# running counts are the same for every policy (70,997, the last column above), because each request
-# runs for its output tokens plus one step whatever the policy. So a policy that runs more at once
+# running counts are the same for every policy (70,797, the last column above, the output tokens
+# of the 200 requests), because each request runs one step per output token whatever the policy. So a policy that runs more at once
 # must finish sooner. Mean running (that sum divided by the steps) and tokens per step measure the
 # work done per step over the whole run, which makes them the fair comparison.
 #
@@ -430,37 +440,38 @@ for workload, results in (("sharegpt", sharegpt), ("alpaca", alpaca)):
     print(f"{workload}: paged / contiguous/max tokens per step = {paged_tps / max_tps:.1f}")
 
 # %% [markdown]
-# On Alpaca the gain is larger, 3.3 times the throughput against 2.4: the shorter the requests
-# compared with the maximum length, the more a maximum-length slot wastes. The paged utilisation
+# On Alpaca the gain is larger, 3.3 times the throughput against 2.3: the shorter the requests
+# compared with the maximum length, the more a maximum-length slot wastes. The paged utilization
 # is lower on Alpaca (91 % against 98 %), because the half-empty last block of a short sequence is
 # a larger share of it.
 
 # %% [markdown]
 # ## 6. A burst: preemption, and why the peak misleads
 #
-# The paged scheduler admits a request as soon as its prompt fits with one block to spare. That is
-# a bet: it hands out memory the running sequences will need later, counting on some of them to
-# finish first. When all 200 ShareGPT requests arrive together at step 0, the bet fails.
+# The paged scheduler admits a request as soon as its prompt fits with one block of headroom per
+# running sequence. That is a bet: the headroom covers the next step, not the hundreds after it, so
+# it hands out memory the running sequences will need later, counting on some of them to finish
+# first. When all 200 ShareGPT requests arrive together at step 0, the bet fails.
 
 # %%
 burst = compare_policies("sharegpt", num_requests=200, budget_tokens=32768, seed=0)
 print(format_table(burst))
 
 # %% [markdown]
-# The paged policy admits 195 requests at step 0: their prompts fit. As they decode, the free
-# blocks run out, and a sequence that needs a new block cannot get one. The scheduler then
-# **preempts** the most recently admitted sequence: it frees that sequence's blocks and puts it
-# back at the front of the queue, to be **recomputed** later. Here that happens 189 times. In this
-# simulator a preempted sequence starts over and generates its tokens again; a real engine rebuilds
-# the lost cache in one prefill of the prompt and the tokens generated so far. Lesson 08 covers
-# preemption, and a *watermark* of free blocks that makes it rare.
+# The paged policy admits 182 requests at step 0: their prompts fit, with the headroom. As they
+# decode, the free blocks run out, and the sequences that need a new block cannot all get one. The
+# scheduler then **preempts** the most recently admitted sequence: it frees that sequence's blocks
+# and puts it back at the front of the queue, to be **recomputed** later. Here that happens 43
+# times. A preempted sequence starts over: its prefill runs again and its tokens are generated
+# again (lesson 09's engine regenerates exactly the same text). Lesson 08 covers preemption, a second
+# way to do it (swapping to host memory), and a *watermark* of free blocks that makes it rare.
 #
-# So the peak of 195 running sequences says little: it is the count at step 0, before the cache
-# filled up, and the 189 preemptions that followed threw much of that work away. The mean of 47.5
-# running and the 45.4 tokens per step measure what the server sustained. (Tokens per step is the
-# lower of the two because a sequence's step produces no counted token when it is a prefill, or a
-# token that a preemption later throws away.) Even with the thrashing, the paged cache finishes
-# the burst first, in 1,561 steps against 2,166 for the oracle.
+# So the peak of 182 running sequences says little: it is the count at step 0, before the cache
+# filled up, and the 43 preemptions that followed threw some of that work away. The mean of 46.5
+# running and the 45.1 tokens per step measure what the server sustained. (Tokens per step is the
+# lower of the two because some steps produce a token that a preemption later throws away: every
+# step of a running sequence samples a token, its prefill included.) Even with the thrashing, the
+# paged cache finishes the burst first, in 1,569 steps against 2,163 for the oracle.
 
 # %%
 paged_burst = burst[0]
@@ -478,7 +489,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The blue line starts at the peak of 195 and falls fast, as sequences are preempted back into the
+# The blue line starts at the peak of 182 and falls fast, as sequences are preempted back into the
 # queue and others finish. It stays above the contiguous policies while requests wait; once its
 # queue is empty (after the step printed above) it only finishes what is left, and drops below the
 # oracle, which still has a queue.
@@ -489,7 +500,7 @@ plt.show()
 # Lesson 00 quoted the vLLM paper's measurement: in earlier serving systems, which reserve
 # contiguous memory, only 20.4 % to 38.2 % of the KV cache held actual token states, while with vLLM
 # the waste was near zero. Those are the paper's figures, measured on real systems. The simulator
-# gives its own, as the mean utilisation of each policy on the two streams of section 5:
+# gives its own, as the mean utilization of each policy on the two streams of section 5:
 
 # %%
 print(f"{'policy':<20}{'sharegpt':>10}{'alpaca':>10}")
@@ -530,19 +541,21 @@ print("block size:", 16)
 #
 # * A request arrives, waits, is admitted and prefilled, decodes one token per step, and finishes.
 #   With continuous batching its memory goes back the step it finishes: on the three-request
-#   example, 7 steps against 10 with static batching.
+#   example, 6 steps against 9 with static batching. Its prefill samples its first token, so a
+#   request with `o` output tokens runs `o` steps, in this simulator as in lesson 09's engine: both
+#   run the package's one scheduler.
 # * Contiguous policies reserve a whole slot at admission: `max_model_len` (2,048 for the ShareGPT
 #   shape), the next power of two of the final length (a buddy-style size class), or the exact final
 #   length (an oracle no engine has, since the model decides when to stop). Paging takes one block
 #   of 16 at a time.
 # * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 49 at powers of two,
 #   68 with the oracle and 67 with blocks.
-# * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.1 sequences
+# * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
 #   on average and produces 34.0 tokens per step, against 29.4 (oracle), 21.2 (powers of two) and
-#   14.4 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
-# * Peak running misleads: in a burst of 200 the paged policy peaks at 195 but preempts 189 times;
+#   14.5 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
+# * Peak running misleads: in a burst of 200 the paged policy peaks at 182 but preempts 43 times;
 #   compare mean running and tokens per step.
-# * Utilisation: paging 98 % (ShareGPT) and 91 % (Alpaca), with less than one block wasted per
+# * Utilization: paging 98 % (ShareGPT) and 91 % (Alpaca), with less than one block wasted per
 #   sequence; contiguous reservation from 17 % (maximum, Alpaca) to 64 % (oracle, ShareGPT). The
 #   vLLM paper reports 20.4 % to 38.2 % for earlier, contiguous systems and near-zero waste with
 #   paging.

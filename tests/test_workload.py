@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator
+from paged_kv.serving.protocols import BlockCache, SwappingCache
 from paged_kv.simulation.workload import (
     ALPACA,
     CONTIGUOUS_KINDS,
     SHAREGPT,
     WORKLOADS,
+    BlockBookkeeping,
     ContiguousPolicy,
-    ContiguousPool,
-    ContinuousBatcher,
     LengthDistribution,
     PagedPolicy,
     Request,
@@ -112,127 +112,77 @@ def test_contiguous_policies_reserve_what_reserved_tokens_says(workload):
 # ---------------------------------------------------------------------- hand-computed scenarios
 
 # Three requests, all at step 0: A = 4 + 2, B = 3 + 5, C = 2 + 1 tokens (prompt + output), so final
-# lengths 6, 8 and 3. A sequence holds its prompt on its admission step, one more token each step
-# after, and finishes at the end of the step where it holds prompt + output.
+# lengths 6, 8 and 3. A sequence's prefill, on its admission step, samples its first output token;
+# each step after, it decodes one more. At the end of a step it holds prompt + generated - 1 tokens
+# (its last token is the next step's input), and it finishes in the step its last token is sampled:
+# a request with o output tokens runs o steps.
 A, B, C = Request("A", 0, 4, 2), Request("B", 0, 3, 5), Request("C", 0, 2, 1)
 HAND = [A, B, C]
 
 
 def test_contiguous_max_runs_one_at_a_time():
-    # max_model_len 10 and a budget of 17: one 10-token slot at a time. A runs steps 0-2 (prefill,
-    # two decodes), B steps 3-8, C steps 9-10: 11 steps with one sequence each.
+    # max_model_len 10 and a budget of 17: one 10-token slot at a time. A runs steps 0-1 (prefill,
+    # one decode), B steps 2-6, C step 7: 8 steps with one sequence each.
     result = simulate(HAND, ContiguousPolicy("max", 10), budget_tokens=17)
-    assert result.steps == 11
-    assert result.running == [1] * 11
-    assert result.finished == [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 3]
-    assert result.reserved_tokens == [10] * 11
-    assert result.held_tokens == [4, 5, 6, 3, 4, 5, 6, 7, 8, 2, 3]
+    assert result.steps == 8
+    assert result.running == [1] * 8
+    assert result.finished == [0, 1, 1, 1, 1, 1, 2, 3]
+    assert result.reserved_tokens == [10] * 8
+    assert result.held_tokens == [4, 5, 3, 4, 5, 6, 7, 2]
     assert (result.peak_running, result.mean_running, result.preemptions) == (1, 1.0, 0)
 
 
 def test_contiguous_pow2_runs_two():
     # Slots of 8, 8 and 4. Step 0: A + B reserve 16; C (20 > 17) waits, first come first served.
-    # A finishes at the end of step 2; C is admitted at step 3 (8 + 4 = 12) and finishes at 4; B at 5.
+    # A finishes at the end of step 1; C is admitted at step 2 (8 + 4 = 12) and finishes then; B at 4.
     result = simulate(HAND, ContiguousPolicy("pow2", 10), budget_tokens=17)
-    assert result.running == [2, 2, 2, 2, 2, 1]
-    assert result.waiting == [1, 1, 1, 0, 0, 0]
-    assert result.finished == [0, 0, 1, 1, 2, 3]
-    assert result.held_tokens == [7, 9, 11, 8, 10, 8]
-    assert result.reserved_tokens == [16, 16, 16, 12, 12, 8]
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.waiting == [1, 1, 0, 0, 0]
+    assert result.finished == [0, 1, 2, 2, 3]
+    assert result.held_tokens == [7, 9, 7, 6, 7]
+    assert result.reserved_tokens == [16, 16, 12, 8, 8]
     assert result.peak_reserved_tokens == 16
-    assert result.throughput == pytest.approx(8 / 6)  # 2 + 5 + 1 output tokens in 6 steps
+    assert result.throughput == pytest.approx(8 / 5)  # 2 + 5 + 1 output tokens in 5 steps
 
 
 def test_contiguous_oracle_runs_all_three():
-    # Slots of 6, 8 and 3 = 17: all three at step 0. C finishes at 1, A at 2, B at 5.
+    # Slots of 6, 8 and 3 = 17: all three at step 0. C finishes at 0, A at 1, B at 4.
     result = simulate(HAND, ContiguousPolicy("oracle"), budget_tokens=17)
-    assert result.running == [3, 3, 2, 1, 1, 1]
-    assert result.held_tokens == [9, 12, 11, 6, 7, 8]
-    assert result.reserved_tokens == [17, 17, 14, 8, 8, 8]
-    expected = [9 / 17, 12 / 17, 11 / 14, 6 / 8, 7 / 8, 8 / 8]
+    assert result.running == [3, 2, 1, 1, 1]
+    assert result.held_tokens == [9, 9, 5, 6, 7]
+    assert result.reserved_tokens == [17, 14, 8, 8, 8]
+    expected = [9 / 17, 9 / 14, 5 / 8, 6 / 8, 7 / 8]
     assert result.utilization == pytest.approx(expected)
-    assert result.mean_utilization == pytest.approx(sum(expected) / 6)
-    assert result.utilization[-1] == 1.0  # the oracle's slot is full when the sequence finishes
+    assert result.mean_utilization == pytest.approx(sum(expected) / 5)
+    assert result.utilization[-1] == 7 / 8  # the last token is sampled, never stored
 
 
-def test_paged_runs_all_three_in_fewer_slots():
-    # Blocks of 4 and a budget of 17: 4 blocks. Admission needs the prompt's blocks plus one (at most
-    # the final length's): 2, 2 and 1 blocks, all free at step 0, so A, B and C each take 1 block.
-    # Step 1: A (4 tokens, block full) takes the 4th block; C finishes and frees its block.
-    # Step 2: B (4 tokens) takes it; A finishes and frees 2. Steps 3-5: B alone in 2 blocks.
+def test_paged_admits_with_a_block_of_headroom_per_running_sequence():
+    # Blocks of 4 and a budget of 17: 4 blocks. The engine's rule: the prompt's blocks plus one per
+    # running sequence (itself included) must be free. Step 0: A (1 + 1 <= 4) and B (1 + 2 <= 3)
+    # are admitted; C (1 + 3 > 2) waits. Step 1: A (4 tokens, block full) takes a block and
+    # finishes, freeing 2. Step 2: C is admitted (1 + 2 <= 3) and finishes; B takes its 2nd block.
     result = simulate(HAND, PagedPolicy(block_size=4), budget_tokens=17)
-    assert result.running == [3, 3, 2, 1, 1, 1]
-    assert result.held_tokens == [9, 12, 11, 6, 7, 8]
-    assert result.reserved_tokens == [12, 16, 16, 8, 8, 8]
-    assert result.finished == [0, 1, 2, 2, 2, 3]
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.waiting == [1, 1, 0, 0, 0]
+    assert result.held_tokens == [7, 9, 7, 6, 7]
+    assert result.reserved_tokens == [8, 12, 12, 8, 8]
+    assert result.finished == [0, 1, 2, 2, 3]
     assert result.preemptions == 0
 
 
-# ---------------------------------------------------------------- the engine step by step
-
-
-def final_length(request):
-    return request.total_tokens
-
-
-def ids(batcher):
-    return [seq.request.request_id for seq in batcher.running], [r.request_id for r in batcher.waiting]
-
-
-def test_a_contiguous_pool_shares_out_its_budget():
-    pool = ContiguousPool(10, final_length)
-    a, b = Request("a", 0, 2, 1), Request("b", 0, 2, 6)
-    assert pool.free_tokens == 10 and pool.can_admit(a) and pool.can_admit(b)
-    pool.admit(b)
-    assert (pool.free_tokens, pool.held_and_reserved()) == (2, (2, 8))
-    assert not pool.can_admit(a)  # 3 slots, 2 free
-    assert pool.grow(b) and pool.held_and_reserved() == (3, 8)
-    pool.release(b)
-    assert (pool.free_tokens, pool.held_and_reserved()) == (10, (0, 0))
-
-
-def test_the_batcher_releases_a_finished_sequence_at_once():
-    # A budget of 10: a (2 + 1 tokens) and b (2 + 4) are admitted, c (3 + 1) waits. a finishes at step 1
-    # and its 3 slots come back although b still runs; c is admitted at step 2 (admission comes before
-    # release within a step), finishes at step 3, and b at step 4.
-    batcher = ContinuousBatcher(ContiguousPool(10, final_length))
-    a, b, c = Request("a", 0, 2, 1), Request("b", 0, 2, 4), Request("c", 0, 3, 1)
-    assert batcher.step([a, b, c]) == []
-    assert ids(batcher) == (["a", "b"], ["c"]) and batcher.free_tokens == 1
-    assert [seq.generated for seq in batcher.running] == [0, 0]  # they prefill at step 0
-    assert batcher.step() == ["a"]
-    assert ids(batcher) == (["b"], ["c"]) and batcher.free_tokens == 4
-    assert batcher.step() == []
-    assert ids(batcher) == (["b", "c"], []) and batcher.free_tokens == 0
-    assert [batcher.step(), batcher.step()] == [["c"], ["b"]]
-    assert ids(batcher) == ([], []) and batcher.free_tokens == 10
-
-
-def test_the_batcher_admits_first_come_first_served():
-    # x needs 8 of 10 slots: y (6) waits, and z (2) must not jump ahead of it; w arrives behind both.
-    x, y, z, w = Request("x", 0, 4, 4), Request("y", 0, 3, 3), Request("z", 0, 1, 1), Request("w", 1, 1, 1)
-    batcher = ContinuousBatcher(ContiguousPool(10, final_length))
-    batcher.step([x, y, z])
-    assert ids(batcher) == (["x"], ["y", "z"])
-    batcher.step([w])
-    assert ids(batcher) == (["x"], ["y", "z", "w"])
-    assert [batcher.step() for _ in range(3)] == [[], [], ["x"]]
-    batcher.step()
-    assert ids(batcher) == (["y", "z", "w"], [])
-
-
-@pytest.mark.parametrize("kind", CONTIGUOUS_KINDS)
-def test_simulate_runs_the_batcher(kind):
-    requests = sample_requests("alpaca", 40, seed=4, arrival_rate=1.0)
-    policy = ContiguousPolicy(kind, ALPACA.max_model_len)
-    expected = simulate(requests, policy, 2048)
-    batcher = ContinuousBatcher(ContiguousPool(2048, policy.reservation))
-    running, done = [], 0
-    for step in range(expected.steps):
-        finished = batcher.step([r for r in requests if r.arrival_step == step])
-        running.append(len(batcher.running) + len(finished))
-        done += len(finished)
-    assert running == expected.running and done == len(requests)
+def test_block_bookkeeping_is_a_block_cache_for_the_scheduler():
+    cache = BlockBookkeeping(4, 2, enable_prefix_caching=True)
+    assert isinstance(cache, BlockCache) and not isinstance(cache, SwappingCache)
+    cache.add_sequence("a", 4, [1, 2, 3, 4])
+    cache.add_sequence("b", 3, [1, 2, 9])
+    assert (cache.num_free_blocks, cache.num_cached_tokens("b")) == (1, 2)  # b shares a's first block
+    assert cache.needs_new_block("a") and not cache.needs_new_block("b")
+    cache.append(["a", "b"])
+    assert cache.num_free_blocks == 0
+    cache.free("a")
+    cache.free("b")
+    assert cache.num_free_blocks == 4 and cache.trace == []
 
 
 class CountingAllocator(PagedKVCacheAllocator):
@@ -245,9 +195,9 @@ class CountingAllocator(PagedKVCacheAllocator):
         self.calls = {"allocate": 0, "append": 0, "free": 0}
         CountingAllocator.last = self
 
-    def allocate_for_sequence(self, seq_id, num_prompt_tokens):
+    def allocate_for_sequence(self, seq_id, num_prompt_tokens, token_ids=None):
         self.calls["allocate"] += 1
-        return super().allocate_for_sequence(seq_id, num_prompt_tokens)
+        return super().allocate_for_sequence(seq_id, num_prompt_tokens, token_ids)
 
     def append_tokens(self, seq_id, n=1):
         new = super().append_tokens(seq_id, n)  # counts only appends that succeed
@@ -261,28 +211,28 @@ class CountingAllocator(PagedKVCacheAllocator):
 
 def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # Blocks of 2 and a budget of 8: 4 blocks. A and B are 2 + 4 tokens each (3 blocks at the end).
-    # Step 0: both admitted (need 2 free blocks each, take 1). Step 1: both take a 2nd block: 0 free.
-    # Step 2: both fill it. Step 3: A needs a 3rd block, none is free: B, the newest, is preempted,
-    # its 2 blocks freed, and A takes one; no admission that step. Step 4: A finishes. B starts over
-    # at step 5 and finishes at step 9.
+    # Step 0: both admitted (a needs 1 + 1 blocks free, b 1 + 2), prefilled, 1 block each. Step 1:
+    # both take a 2nd block: 0 free. Step 2: both fill it. Step 3: both need a 3rd block, none is
+    # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B starts
+    # over at step 4 and finishes at step 7.
     monkeypatch.setattr("paged_kv.simulation.workload.PagedKVCacheAllocator", CountingAllocator)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1
     assert result.all_finished
-    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
-    assert result.waiting == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
-    assert result.held_tokens == [4, 6, 8, 5, 6, 2, 3, 4, 5, 6]
-    assert result.reserved_tokens == [4, 8, 8, 6, 6, 2, 4, 4, 6, 6]
+    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert result.held_tokens == [4, 6, 8, 5, 2, 3, 4, 5]
+    assert result.reserved_tokens == [4, 8, 8, 6, 2, 4, 4, 6]
     # The real allocator did the bookkeeping: B was allocated twice and its 2 first decodes redone.
-    assert CountingAllocator.last.calls == {"allocate": 3, "append": 4 + 2 + 4, "free": 3}
+    assert CountingAllocator.last.calls == {"allocate": 3, "append": 3 + 2 + 3, "free": 3}
     assert CountingAllocator.last.num_free_blocks == 4
 
 
 def test_the_contiguous_oracle_never_preempts_the_same_workload():
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], ContiguousPolicy("oracle"), budget_tokens=8)
-    assert (result.steps, result.preemptions, result.peak_running) == (10, 0, 1)
+    assert (result.steps, result.preemptions, result.peak_running) == (8, 0, 1)
 
 
 def test_peak_concurrency_over_time_is_not_monotone_in_the_reservation():
@@ -294,7 +244,7 @@ def test_peak_concurrency_over_time_is_not_monotone_in_the_reservation():
     pow2 = simulate(requests, ContiguousPolicy("pow2", 16), 20)
     assert (oracle.peak_running, pow2.peak_running) == (2, 3)
     assert (oracle.running[0], pow2.running[0]) == (2, 1)
-    assert (oracle.steps, pow2.steps) == (11, 14)
+    assert (oracle.steps, pow2.steps) == (8, 12)
 
 
 # ---------------------------------------------------------------------------------- invariants
@@ -323,8 +273,8 @@ def check_invariants(result: SimulationResult, requests: list[Request]) -> None:
     done_before = [0, *result.finished][:-1]  # a sequence finishing at step t runs at step t
     for running, waiting, done in zip(result.running, result.waiting, done_before, strict=True):
         assert running + waiting + done <= len(requests)
-    # Nobody finishes before its prefill and output steps: the longest request bounds the run.
-    assert result.steps >= max((r.arrival_step + r.output_tokens + 1 for r in requests), default=0)
+    # Nobody finishes before its o steps (a prefill, o - 1 decodes): the longest request bounds the run.
+    assert result.steps >= max((r.arrival_step + r.output_tokens for r in requests), default=0)
 
 
 @given(workloads(), st.sampled_from([1, 2, 4, 16]))
@@ -440,8 +390,6 @@ def test_no_requests():
         (lambda: reserved_tokens("max", 10, 10, 0), "max_model_len"),
         (lambda: reserved_tokens("oracle", 0, 10), "prompt_tokens"),
         (lambda: reserved_tokens("oracle", 10, -1), "output_tokens"),
-        (lambda: ContiguousPool(0, final_length), "budget_tokens"),
-        (lambda: ContiguousPool(10, 5), "reserve"),
         (lambda: simulate([A], PagedPolicy(), 0), "budget_tokens"),
         (lambda: simulate([A], PagedPolicy(), 64, max_steps=-1), "max_steps"),
         (lambda: simulate([A], "paged", 64), "policy"),
@@ -464,7 +412,7 @@ def test_a_recorded_paged_run_keeps_one_frame_per_event():
     assert plain.trace == []
     assert recorded.running == plain.running and recorded.held_tokens == plain.held_tokens
     events = [frame.event for frame in recorded.trace]
-    # start, a's prompt, a's two tokens (the 5th takes a block), b's prompt, b's token, two frees
+    # start, a's prompt, a's decode (its 5th token takes a block), b's prompt, two frees
     assert events.count("allocate") == 2 and events.count("free") == 2
     assert events[0] == "start" and recorded.trace[-1].snapshot.tables == {}
     assert "seq a: 4-token prompt takes blocks [0]" in [frame.caption for frame in recorded.trace]

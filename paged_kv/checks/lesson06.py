@@ -164,16 +164,15 @@ def _waiting_ids(batcher) -> list:
     return [request.request_id for request in batcher.waiting]
 
 
-NEW_HINT = (
-    "running sequences decode first; a request admitted in this step prefills and has generated 0 tokens"
+STEP0_HINT = (
+    "a request admitted in this step prefills, and its prefill samples its first output token: a, with "
+    "1 output token, finishes in the step it is admitted; decode the running sequences before you "
+    "admit (a newcomer does not decode in its prefill step), and admit before you release"
 )
+NEW_HINT = "a request admitted in this step has generated 1 token: its prefill samples its first output token"
 RELEASE_HINT = (
     "a finished sequence's reservation goes back to free_tokens at once, in the step it finishes, "
     "while the others keep running; holding it until the whole batch is done is static batching"
-)
-RELEASE_AFTER_ADMIT_HINT = (
-    "admit before you release: the finishing sequence is still in this step's forward pass, so its "
-    "slots are free for the admissions of the next step"
 )
 SKIP_HINT = (
     "first come first served: stop at the first waiting request that does not fit, even if a later "
@@ -202,91 +201,73 @@ def _continuous_batcher(c: Checker, batcher_class) -> None:
     a, b, request_c = Request("a", 0, 2, 1), Request("b", 0, 2, 4), Request("c", 0, 3, 1)
     batcher = c.run("ContinuousBatcher(10, final_length)", lambda: batcher_class(10, final_length))
     step0 = "batcher = ContinuousBatcher(10, final_length); batcher.step([a, b, c])"
-    c.equal(
-        step0,
-        lambda: batcher.step([a, b, request_c]),
-        [],
-        "step returns the list of the ids that finished in it, none at step 0: a request admitted in "
-        "this step prefills and has generated nothing yet (decode the running sequences before you admit)",
-    )
+    c.equal(step0, lambda: batcher.step([a, b, request_c]), ["a"], STEP0_HINT)
     c.equal(
         "running ids after step 0",
         lambda: _ids(batcher.running),
-        ["a", "b"],
-        "admit from the front of the queue while it fits: a (3 slots) and b (6) fit in 10, c (4) does not",
+        ["b"],
+        "admit from the front of the queue while it fits: a (3 slots) and b (6) fit in 10, c (4) does "
+        "not; a finished, so only b runs on",
     )
     c.equal(
         "waiting ids after step 0", lambda: _waiting_ids(batcher), ["c"], "c does not fit: it stays queued"
     )
-    c.equal(
-        "batcher.free_tokens after step 0",
-        lambda: batcher.free_tokens,
-        1,
-        "subtract each admitted request's reservation from free_tokens",
-    )
+    c.equal("batcher.free_tokens after step 0", lambda: batcher.free_tokens, 4, RELEASE_HINT)
     c.equal(
         "[seq.generated for seq in batcher.running] after step 0",
         lambda: [seq.generated for seq in batcher.running],
-        [0, 0],
+        [1],
         NEW_HINT,
     )
     c.equal(
         "batcher.step()  # step 1",
         lambda: batcher.step(),
-        ["a"],
-        "a has 1 output token: it prefills at step 0, decodes it at step 1 and finishes then, so step "
-        "returns its id",
+        ["c"],
+        "c fits in the 4 slots a gave back: it is admitted at step 1, while b still runs, and its "
+        "prefill samples its only token",
     )
-    c.equal("waiting ids after step 1", lambda: _waiting_ids(batcher), ["c"], RELEASE_AFTER_ADMIT_HINT)
-    c.equal("batcher.free_tokens after step 1", lambda: batcher.free_tokens, 4, RELEASE_HINT)
     c.equal(
         "running ids after step 1", lambda: _ids(batcher.running), ["b"], "a finished sequence leaves running"
     )
-    c.equal("batcher.step()  # step 2", lambda: batcher.step(), [])
     c.equal(
-        "running ids after step 2",
-        lambda: _ids(batcher.running),
-        ["b", "c"],
-        "c fits in the 4 slots a gave back: it is admitted at step 2, while b still runs",
+        "[seq.generated for seq in batcher.running] after step 1",
+        lambda: [seq.generated for seq in batcher.running],
+        [2],
+        "every running sequence decodes one token per step",
     )
-    c.equal("batcher.free_tokens after step 2", lambda: batcher.free_tokens, 0)
-    c.equal("batcher.step()  # step 3", lambda: batcher.step(), ["c"])
-    c.equal("batcher.step()  # step 4", lambda: batcher.step(), ["b"])
+    c.equal("batcher.step()  # step 2", lambda: batcher.step(), [])
+    c.equal("batcher.step()  # step 3", lambda: batcher.step(), ["b"], "b has 4 output tokens: steps 0 to 3")
     c.equal(
-        "(batcher.free_tokens, running ids, waiting ids) after step 4",
+        "(batcher.free_tokens, running ids, waiting ids) after step 3",
         lambda: (batcher.free_tokens, _ids(batcher.running), _waiting_ids(batcher)),
         (10, [], []),
         "when everyone has finished, the whole budget is free again",
     )
 
-    x, y, z, w = Request("x", 0, 4, 4), Request("y", 0, 3, 3), Request("z", 0, 1, 1), Request("w", 1, 1, 1)
+    x, y, z, w = Request("x", 0, 4, 4), Request("y", 0, 3, 2), Request("z", 0, 1, 1), Request("w", 1, 1, 2)
     batcher = c.run("ContinuousBatcher(10, final_length)", lambda: batcher_class(10, final_length))
     c.equal(
         "batcher = ContinuousBatcher(10, final_length); batcher.step([x, y, z])",
         lambda: batcher.step([x, y, z]),
         [],
+        SKIP_HINT,
     )
     c.equal(
-        "running ids after step 0 (x: 8 slots, y: 6, z: 2)", lambda: _ids(batcher.running), ["x"], SKIP_HINT
+        "running ids after step 0 (x: 8 slots, y: 5, z: 2)", lambda: _ids(batcher.running), ["x"], SKIP_HINT
     )
     c.equal("waiting ids after step 0", lambda: _waiting_ids(batcher), ["y", "z"], SKIP_HINT)
-    c.equal("batcher.step([w])  # step 1, w needs 2 slots", lambda: batcher.step([w]), [])
+    c.equal("batcher.step([w])  # step 1, w needs 3 slots", lambda: batcher.step([w]), [])
     c.equal(
         "waiting ids after step 1",
         lambda: _waiting_ids(batcher),
         ["y", "z", "w"],
         "arrivals join the back of the queue, and wait behind the requests already there",
     )
-    for step in (2, 3):
-        c.equal(f"batcher.step()  # step {step}", lambda: batcher.step(), [])
-    c.equal("batcher.step()  # step 4", lambda: batcher.step(), ["x"], "x has 4 output tokens: steps 1 to 4")
-    c.equal("batcher.step()  # step 5", lambda: batcher.step(), [])
-    c.equal(
-        "running ids after step 5",
-        lambda: _ids(batcher.running),
-        ["y", "z", "w"],
-        "once x has released its 8 slots, admit the queue in order: y, z, then w",
-    )
+    c.equal("batcher.step()  # step 2", lambda: batcher.step(), [])
+    c.equal("batcher.step()  # step 3", lambda: batcher.step(), ["x"], "x has 4 output tokens: steps 0 to 3")
+    queue_hint = "once x has released its 8 slots, admit the queue in order: y, z, then w (5 + 2 + 3 slots)"
+    c.equal("batcher.step()  # step 4", lambda: batcher.step(), ["z"], queue_hint + "; z finishes at once")
+    c.equal("running ids after step 4", lambda: _ids(batcher.running), ["y", "w"], queue_hint)
 
     requests = sample_requests("alpaca", 30, seed=0, arrival_rate=1.0)
     for policy, written, reserve in (
@@ -308,7 +289,8 @@ def _continuous_batcher(c: Checker, batcher_class) -> None:
             f"the running counts of simulate(requests, {written}, 1024), {len(expected)} steps",
             difference,
             "follow the four phases in order: arrivals join the queue, running sequences decode, the "
-            "queue is admitted from the front while it fits, finished sequences release at once",
+            "queue is admitted from the front while it fits (each newcomer's prefill samples its first "
+            "token), finished sequences release at once",
         )
 
 

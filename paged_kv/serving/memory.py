@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.serving.protocols import BlockCache, PrefixCachingCache, SwappingCache
+from paged_kv.serving.protocols import BlockCache, SwappingCache
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
@@ -155,9 +155,11 @@ class PagedMemory:
     added with their token ids and the cache says how many leading tokens it served; admission
     still counts every block of the prompt, as if nothing were cached.
 
+    With prefix caching the cache must have ``num_cached_tokens(seq_id)`` (the engine checks its
+    cache is a :class:`~paged_kv.serving.protocols.PrefixCachingCache`).
+
     Raises:
-        ValueError: a bad count or watermark, named; ``enable_prefix_caching=True`` with a cache
-            that is not a :class:`~paged_kv.serving.protocols.PrefixCachingCache`.
+        ValueError: a bad count or watermark, named.
     """
 
     def __init__(
@@ -174,11 +176,6 @@ class PagedMemory:
         self.block_size = check_count("block_size", block_size, minimum=1)
         self.watermark = check_watermark(watermark)
         self.keep_free = watermark_blocks(self.watermark, self.num_blocks)
-        if enable_prefix_caching and not isinstance(cache, PrefixCachingCache):
-            raise ValueError(
-                f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
-                f"attend_prefill(...), but {type(cache).__name__} lacks them"
-            )
         self.enable_prefix_caching = enable_prefix_caching
         self.can_swap = isinstance(cache, SwappingCache)
 

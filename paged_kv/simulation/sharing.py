@@ -3,35 +3,35 @@
 Chat applications send the same instructions (a *system prompt*) in front of every user's
 message. :func:`system_prompt_requests` draws such a workload, seeded: each request opens with one
 of ``num_system_prompts`` system prompts, then has a user prompt of its own, both random token ids
-(so two user prompts share nothing but by chance). :func:`serve` runs the requests through a
-:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` of ``num_blocks`` blocks, with or without prefix
+(so two user prompts share nothing but by chance). :func:`serve` serves the requests with the
+package's scheduler (:class:`~paged_kv.serving.scheduler.Scheduler`, the engine's, with a runner
+that counts tokens instead of running a model) over ``num_blocks`` blocks, with or without prefix
 caching, and :class:`ServeResult` says how many prompt tokens the cache served.
 :func:`ideal_cached_tokens` is what a cache that forgets nothing serves (user prompts that happen
 to start alike aside): every request but the first with each system prompt finds that system
 prompt's full blocks. Lesson 07 plots the hit rate against the pool size with them, and
 ``bench/bench_prefix_cache.py`` measures the hit rate against the ideal.
 
-The scheduler of :func:`serve` is the simplest that shows the effect of memory: requests are
-admitted in order, at most ``max_running`` at once; each takes its prompt's blocks and then
-reserves its output tokens; when the window is full, or blocks run short, the oldest running
-request finishes and frees its blocks. With prefix caching the freed blocks stay cached on the free
-list until new data needs them, least recently freed first, so the more blocks the pool has, the
-longer a system prompt nobody is using survives until its next request.
+:func:`serve` puts every request in the queue at step 0, in order, and lets the scheduler run at
+most ``max_running`` at once: each admitted prompt takes its blocks (the cached prefix's blocks
+where prefix caching finds them) and then grows one token per step until its output is done, when
+it frees its blocks. With prefix caching the freed blocks stay cached on the free list until new
+data needs them, least recently freed first, so the more blocks the pool has, the longer a system
+prompt nobody is using survives until its next request.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.prefix_cache import PrefixCacheStats
-from paged_kv.errors import OutOfBlocksError
-from paged_kv.kv.cache import PagedKVCacheAllocator
-from paged_kv.simulation.workload import SHAREGPT, sample_requests
+from paged_kv.serving.memory import PagedMemory
+from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+from paged_kv.simulation.workload import SHAREGPT, BlockBookkeeping, sample_requests
 from paged_kv.validate import check_count
 
 VOCAB_SIZE = 32_000
@@ -100,16 +100,21 @@ class ServeResult:
     """What one run of :func:`serve` computed and found.
 
     Fields:
-        prompt_tokens: the prompt tokens of every request.
+        prompt_tokens: the prompt tokens of every admission (a request preempted by recompute is
+            admitted, and looked up in the cache, again).
         cached_tokens: the leading prompt tokens the prefix cache held (``num_cached_tokens``,
-            summed); 0 without prefix caching.
-        stats: the allocator's ``prefix_cache_stats`` at the end: with prefix caching,
+            summed over the admissions); 0 without prefix caching.
+        stats: the cache's ``prefix_cache_stats`` at the end: with prefix caching,
             ``stats.queries == prompt_tokens`` and ``stats.hits == cached_tokens``; all 0 without.
+        steps: the scheduler's steps until every request finished.
+        preemptions: the sequences preempted by recompute on the way.
     """
 
     prompt_tokens: int
     cached_tokens: int
     stats: PrefixCacheStats
+    steps: int = 0
+    preemptions: int = 0
 
     @property
     def computed_tokens(self) -> int:
@@ -129,51 +134,40 @@ def serve(
     max_running: int,
     caching: bool = True,
 ) -> ServeResult:
-    """Admit the requests in order, at most ``max_running`` at once, the oldest finishing first.
+    """Serve the requests, queued in order at step 0, at most ``max_running`` at once (lesson 07).
 
-    Each request allocates its prompt (with its token ids) and then reserves its output tokens with
-    ``append_tokens``; when the window is full, or blocks run short, the oldest running request
-    finishes and frees its blocks (which stay cached when ``caching`` is on).
+    The scheduler is the engine's (:class:`~paged_kv.serving.scheduler.Scheduler`, ``max_num_seqs
+    = max_running``) over a :class:`~paged_kv.simulation.workload.BlockBookkeeping` of
+    ``num_blocks`` blocks, with prefix caching when ``caching`` is on, and a runner that counts
+    tokens: a request's prompt is admitted by the engine's rule and looked up in the prefix cache,
+    its output grows one token per step, and it frees its blocks (which stay cached) when done.
 
     Raises:
         ValueError: naming the argument: ``num_blocks``, ``block_size`` or ``max_running`` below 1,
-            or ``num_blocks`` too small for some request alone (its prompt and output tokens).
+            or ``num_blocks`` too small for some request alone (its prompt and one block of
+            headroom, and its prompt and output tokens).
     """
     num_blocks = check_count("num_blocks", num_blocks, minimum=1)
     block_size = check_count("block_size", block_size, minimum=1)
     max_running = check_count("max_running", max_running, minimum=1)
-    largest = max((len(r.token_ids) + r.output_tokens for r in requests), default=0)
-    if blocks_for_tokens(largest, block_size) > num_blocks:
-        raise ValueError(
-            f"num_blocks={num_blocks} cannot hold the longest request alone: its {largest} tokens "
-            f"take {blocks_for_tokens(largest, block_size)} blocks of {block_size}"
-        )
-    cache = PagedKVCacheAllocator(num_blocks, block_size, 1, 1, enable_prefix_caching=caching)
-    running: deque[int] = deque()
-    cached = 0
-    for seq_id, request in enumerate(requests):
-        if len(running) == max_running:
-            cache.free_sequence(running.popleft())
-        prompt = request.token_ids
-        _until_it_fits(cache, running, cache.allocate_for_sequence, seq_id, len(prompt), prompt)
-        cached += cache.num_cached_tokens(seq_id)
-        _until_it_fits(cache, running, cache.append_tokens, seq_id, request.output_tokens)
-        running.append(seq_id)
-    prompt_tokens = sum(len(request.token_ids) for request in requests)
-    return ServeResult(prompt_tokens, cached, cache.prefix_cache_stats)
-
-
-def _until_it_fits(
-    cache: PagedKVCacheAllocator, running: deque[int], call: Callable[..., object], *args
-) -> None:
-    """``call(*args)``, finishing the oldest running request each time it runs out of blocks.
-
-    ``serve`` checked that every request fits alone, so this ends at the latest when no other
-    request runs.
-    """
-    while True:
-        try:
-            call(*args)
-            return
-        except OutOfBlocksError:
-            cache.free_sequence(running.popleft())
+    cache = BlockBookkeeping(num_blocks, block_size, enable_prefix_caching=caching)
+    memory = PagedMemory(cache, num_blocks, block_size, enable_prefix_caching=caching)
+    arrivals = [
+        (0, SchedulerRequest(seq_id, len(r.token_ids), r.output_tokens, tuple(r.token_ids)))
+        for seq_id, r in enumerate(requests)
+    ]
+    for _, request in arrivals:
+        if not memory.serves_alone(request):
+            raise ValueError(
+                f"num_blocks={num_blocks} cannot hold request {request.request_id} alone: its "
+                f"{request.num_prompt_tokens}-token prompt with a block of headroom, and its "
+                f"{request.max_new_tokens} output tokens, in blocks of {block_size}"
+            )
+    prompt_tokens = cached = steps = preemptions = 0
+    scheduler = Scheduler(memory, max_num_seqs=max_running)
+    for output, _ in run_steps(scheduler, CountingRunner(memory), arrivals):
+        prompt_tokens += sum(p.request.num_prompt_tokens for p in output.prefills)
+        cached += sum(p.num_cached_tokens for p in output.prefills)
+        preemptions += len(output.preemptions)
+        steps += 1
+    return ServeResult(prompt_tokens, cached, cache.allocator.prefix_cache_stats, steps, preemptions)

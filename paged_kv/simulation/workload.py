@@ -1,20 +1,21 @@
-"""A concurrent serving workload: paged blocks against contiguous reservation, step by step.
+"""A concurrent serving workload: paged blocks against contiguous reservation, step by step (lesson 06).
 
 Requests arrive, wait, are admitted, prefill, decode one token per step and finish; a finished
-sequence releases its memory at once (continuous batching). :func:`simulate` runs one memory
-policy over a list of requests and records, every step, how many sequences run and how much memory
-they hold and reserve. The policies:
+sequence releases its memory at once (continuous batching). :func:`simulate` serves a list of
+requests with one memory policy and records, every step, how many sequences run and how much memory
+they hold and reserve. It runs the package's one scheduler,
+:class:`~paged_kv.serving.scheduler.Scheduler`, the engine's, with a runner that runs no model and
+only counts tokens (:class:`~paged_kv.serving.model_runner.CountingRunner`), so it counts steps and
+tokens exactly as lesson 09's engine does. The policies:
 
-* :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a real
-  :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`; when decoding finds no free block, the most
-  recently admitted sequence is preempted by recompute.
+* :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a
+  :class:`BlockBookkeeping` (the package's allocator with no model behind it), admitted by the
+  engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
+  blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
   model length (``"max"``), the next power of two of its final length (``"pow2"``), or exactly its
   final length (``"oracle"``, which no real engine can know in advance); :func:`reserved_tokens`
-  is that size, and :class:`ContiguousPool` the memory of a budget of such slots.
-
-The engine loop itself is :class:`ContinuousBatcher`, one step at a time over either memory; the
-simulator drives it and records what each step holds.
+  is that size.
 
 :func:`sample_requests` draws seeded synthetic lengths shaped like ShareGPT or Alpaca, and
 :func:`compare_policies` with :func:`format_table` puts the four policies side by side.
@@ -25,15 +26,16 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.trace import TraceFrame
-from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.progress import progress_bar
+from paged_kv.serving.memory import ContiguousMemory, KVMemory, PagedMemory
+from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
 from paged_kv.validate import check_count, check_hashable
 
 # ------------------------------------------------------------------------------------ the requests
@@ -167,8 +169,9 @@ def sample_requests(
 class PagedPolicy:
     """Blocks of ``block_size`` tokens, taken when a sequence's last block is full.
 
-    A sequence is admitted when the free blocks hold its prompt plus one block of headroom for
-    decoding (never more than its final length needs); only the prompt's blocks are taken.
+    A request is admitted by the engine's rule, :func:`~paged_kv.serving.memory.admits`: its
+    prompt's blocks plus one block of headroom per running sequence (itself included) are free.
+    Only the prompt's blocks are taken.
     """
 
     block_size: int = 16
@@ -188,8 +191,12 @@ class PagedPolicy:
         """The slots of the ``budget_tokens // block_size`` whole blocks the budget holds."""
         return budget_tokens // self.block_size * self.block_size
 
-    def _pool(self, budget_tokens: int, record: bool = False) -> _PagedPool:
-        return _PagedPool(self.block_size, budget_tokens // self.block_size, record)
+    def memory(self, budget_tokens: int, record: bool = False) -> PagedMemory:
+        """The ``budget_tokens // block_size`` blocks of the budget, as the scheduler's memory."""
+        num_blocks = budget_tokens // self.block_size
+        return PagedMemory(
+            BlockBookkeeping(num_blocks, self.block_size, record=record), num_blocks, self.block_size
+        )
 
 
 CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
@@ -281,93 +288,55 @@ class ContiguousPolicy:
         """The slots a contiguous policy may reserve: the whole budget."""
         return budget_tokens
 
-    def _pool(self, budget_tokens: int, record: bool = False) -> ContiguousPool:
-        return ContiguousPool(budget_tokens, self.reservation)
+    def memory(self, budget_tokens: int, record: bool = False) -> ContiguousMemory:
+        """``budget_tokens`` slots, one :meth:`reservation` per sequence (``record`` records nothing)."""
+        return ContiguousMemory(budget_tokens, lambda r: self.reservation(_request(r)))
 
 
 Policy = PagedPolicy | ContiguousPolicy
 
 
-class _PagedPool:
-    """The paged policy's memory: the package's own allocator (one head of dimension one).
+class BlockBookkeeping:
+    """Paged blocks with no model behind them: the :class:`~paged_kv.serving.protocols.BlockCache`
+    the simulators' scheduler admits into (lessons 06, 07).
 
-    A pool, paged or contiguous, answers what :class:`ContinuousBatcher` asks: ``can_admit``,
-    ``admit``, ``grow`` (one more token; False when there is no room), ``release``, ``free_tokens``
-    and ``held_and_reserved``.
+    It is the package's :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` with one head of dimension
+    one (its K/V tensors are a few bytes and never written), so the blocks are taken, shared,
+    cached and freed exactly as in the engine. ``record=True`` keeps the allocator's frames for an
+    animation (:attr:`trace`).
     """
 
-    def __init__(self, block_size: int, num_blocks: int, record: bool = False) -> None:
-        self.cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1, record=record)
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False, record: bool = False
+    ) -> None:
+        self.allocator = PagedKVCacheAllocator(
+            num_blocks, block_size, 1, 1, record=record, enable_prefix_caching=enable_prefix_caching
+        )
 
     @property
-    def free_tokens(self) -> int:
-        """The slots of the free blocks."""
-        return self.cache.num_free_blocks * self.cache.block_size
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
 
-    def can_admit(self, request: Request) -> bool:
-        size = self.cache.block_size
-        prompt_blocks = blocks_for_tokens(request.prompt_tokens, size)
-        needed = min(prompt_blocks + 1, blocks_for_tokens(request.total_tokens, size))
-        return needed <= self.cache.num_free_blocks
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        return self.allocator.needs_new_block(seq_id)
 
-    def admit(self, request: Request) -> None:
-        self.cache.allocate_for_sequence(request.request_id, request.prompt_tokens)
+    def add_sequence(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        self.allocator.allocate_for_sequence(seq_id, num_tokens, token_ids)
 
-    def grow(self, request: Request) -> bool:
-        try:
-            self.cache.append_tokens(request.request_id)
-        except OutOfBlocksError:  # the cache is unchanged
-            return False
-        return True
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        return self.allocator.num_cached_tokens(seq_id)
 
-    def release(self, request: Request) -> None:
-        self.cache.free_sequence(request.request_id)
+    def append(self, seq_ids: Sequence[Hashable]) -> None:
+        for seq_id in seq_ids:  # the scheduler made sure the blocks they need are free
+            self.allocator.append_tokens(seq_id)
 
-    def held_and_reserved(self) -> tuple[int, int]:
-        usage = self.cache.usage()
-        return usage.allocated_tokens, usage.reserved_tokens
-
-
-class ContiguousPool:
-    """``budget_tokens`` slots shared out as one contiguous reservation per sequence.
-
-    ``reserve(request)`` is the slots a request takes when it is admitted (a contiguous policy's
-    ``reservation``, or any function of the request); they stay reserved until it is released, and
-    the sequence holds its prompt at admission, one more token each time it grows.
-    """
-
-    def __init__(self, budget_tokens: int, reserve: Callable[[Request], int]) -> None:
-        self.budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
-        if not callable(reserve):
-            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
-        self.reserve = reserve
-        self.slots: dict[Hashable, list[int]] = {}  # request id -> [reserved, held]
+    def free(self, seq_id: Hashable) -> None:
+        self.allocator.free_sequence(seq_id)
 
     @property
-    def free_tokens(self) -> int:
-        """The slots no admitted sequence has reserved."""
-        return self.budget_tokens - self.held_and_reserved()[1]
-
-    def can_admit(self, request: Request) -> bool:
-        """Whether the request's reservation fits in the free slots."""
-        return self.reserve(request) <= self.free_tokens
-
-    def admit(self, request: Request) -> None:
-        """Reserve the request's slot; it holds its prompt."""
-        self.slots[request.request_id] = [self.reserve(request), request.prompt_tokens]
-
-    def grow(self, request: Request) -> bool:
-        """One more token in the slot, which was reserved for the final length: always True."""
-        self.slots[request.request_id][1] += 1
-        return True
-
-    def release(self, request: Request) -> None:
-        """Give the request's whole reservation back."""
-        del self.slots[request.request_id]
-
-    def held_and_reserved(self) -> tuple[int, int]:
-        """The tokens the admitted sequences hold, and the slots reserved for them."""
-        return sum(held for _, held in self.slots.values()), sum(res for res, _ in self.slots.values())
+    def trace(self) -> list[TraceFrame]:
+        """The recorded frames (empty unless built with ``record=True``)."""
+        return self.allocator.trace
 
 
 def sequences_that_fit(requests: Sequence[Request], policy: Policy, budget_tokens: int) -> int:
@@ -444,95 +413,9 @@ class SimulationResult:
         return self.output_tokens / self.steps if self.steps else 0.0
 
 
-@dataclass
-class RunningSequence:
-    """A request being served: it holds its prompt and the ``generated`` output tokens so far."""
-
-    request: Request
-    generated: int = 0  # output tokens whose K/V the sequence holds
-
-    @property
-    def done(self) -> bool:
-        """Whether the sequence holds all its output tokens."""
-        return self.generated == self.request.output_tokens
-
-
-class ContinuousBatcher:
-    """Continuous batching over a memory pool, one engine step at a time; :func:`simulate` drives it.
-
-    ``pool`` is a :class:`ContiguousPool` or a paged policy's pool. ``waiting`` is a deque of
-    requests, the oldest at the front; ``running`` the :class:`RunningSequence` objects in admission
-    order. :meth:`step` is one step: :meth:`schedule` (arrivals, decode, admission), then
-    :meth:`finish`; the simulator calls the two halves to measure the step between them, during its
-    forward pass.
-    """
-
-    def __init__(self, pool: ContiguousPool | _PagedPool) -> None:
-        self.pool = pool
-        self.waiting: deque[Request] = deque()  # the oldest at the front
-        self.running: list[RunningSequence] = []  # in admission order
-
-    @property
-    def free_tokens(self) -> int:
-        """The pool's free slots."""
-        return self.pool.free_tokens
-
-    def step(self, arrivals: Iterable[Request] = ()) -> list[Hashable]:
-        """One engine step; returns the ids of the requests that finished in it, in admission order."""
-        self.schedule(arrivals)
-        return self.finish()
-
-    def schedule(self, arrivals: Iterable[Request] = ()) -> int:
-        """Phases 1 to 3 of a step: ``arrivals`` join the queue, the running decode, the queue is admitted.
-
-        Returns the sequences preempted while decoding; a step that preempts admits nobody.
-        """
-        self.waiting.extend(arrivals)
-        preempted = self.decode()
-        if not preempted:
-            self.admit()
-        return preempted
-
-    def decode(self) -> int:
-        """Every running sequence gains one token, oldest first; returns how many were preempted.
-
-        When the pool has no room for a sequence's token, the most recently admitted sequence is
-        preempted by recompute: its memory is released and it goes back to the front of the queue,
-        to start over.
-        """
-        preempted, i = 0, 0
-        while i < len(self.running):  # the victim is always the last: the loop never skips a sequence
-            if self.pool.grow(self.running[i].request):
-                self.running[i].generated += 1
-                i += 1
-            else:
-                victim = self.running.pop()
-                self.pool.release(victim.request)
-                self.waiting.appendleft(victim.request)
-                preempted += 1
-        return preempted
-
-    def admit(self) -> None:
-        """First come first served: admit from the front of the queue while the request there fits.
-
-        An admitted request prefills (it holds its prompt, ``generated`` 0). Admission stops at the
-        first request that does not fit, even if a later one would: no request jumps the queue.
-        """
-        while self.waiting and self.pool.can_admit(self.waiting[0]):
-            request = self.waiting.popleft()
-            self.pool.admit(request)
-            self.running.append(RunningSequence(request))
-
-    def finish(self) -> list[Hashable]:
-        """Phase 4: the sequences that hold all their output leave and release their memory at once.
-
-        Returns their request ids, in admission order.
-        """
-        done = [seq for seq in self.running if seq.done]
-        for seq in done:
-            self.pool.release(seq.request)
-        self.running = [seq for seq in self.running if not seq.done]
-        return [seq.request.request_id for seq in done]
+def _request(request: SchedulerRequest) -> Request:
+    """A scheduler's request back as a :class:`Request` (for a policy's reservation)."""
+    return Request(request.request_id, 0, request.num_prompt_tokens, request.max_new_tokens)
 
 
 def simulate(
@@ -546,26 +429,29 @@ def simulate(
 ) -> SimulationResult:
     """Serve ``requests`` with ``policy`` in ``budget_tokens`` token slots, one step at a time.
 
-    Each step is one :meth:`ContinuousBatcher.step` over the policy's memory, in this order:
+    Each step is one step of the engine's :class:`~paged_kv.serving.scheduler.Scheduler` over the
+    policy's memory, with a runner that counts tokens instead of running a model:
 
     1. requests whose ``arrival_step`` has come join the back of the waiting queue;
-    2. every running sequence decodes one token, oldest first. Paged: a sequence whose last block
-       is full takes a new one; when none is free, the most recently admitted sequence is
-       preempted by recompute (its blocks are freed, it goes back to the front of the queue and
-       will start over) and counted in ``preemptions``;
-    3. unless step 2 preempted, waiting requests are admitted first come first served while they
-       fit, stopping at the first that does not; an admitted request prefills: it holds its prompt;
+    2. waiting requests are admitted first come first served while they fit, stopping at the first
+       that does not (paged: :func:`~paged_kv.serving.memory.admits`, the prompt's blocks plus one
+       block of headroom per running sequence; contiguous: the reservation fits in the free
+       slots); an admitted request prefills, which samples its first output token;
+    3. the sequences that were running before decode one token each. Paged: a sequence whose last
+       block is full takes a new one; when the step needs more blocks than are free, the most
+       recently admitted sequences are preempted by recompute (their blocks are freed, they go back
+       to the front of the queue and will start over), counted in ``preemptions``;
     4. the step is recorded; then a sequence that holds all its output tokens finishes and frees
        its memory at once.
 
-    A request with ``o`` output tokens thus runs for ``o + 1`` steps if it is never preempted.
-    Runs until every request has finished, or for ``max_steps`` steps. ``progress=True`` shows a
-    tqdm bar of finished requests. ``record=True`` keeps the paged allocator's frames in
-    ``result.trace``, one per allocation, token and release, for an animation (the contiguous
-    policies record nothing).
+    A request with ``o`` output tokens thus runs for ``o`` steps if it is never preempted, as in
+    the engine. Runs until every request has finished, or for ``max_steps`` steps.
+    ``progress=True`` shows a tqdm bar of finished requests. ``record=True`` keeps the paged
+    allocator's frames in ``result.trace``, one per allocation, token and release, for an
+    animation (the contiguous policies record nothing).
 
     Raises:
-        ValueError: a bad argument, or a request that could not fit in ``budget_tokens`` alone.
+        ValueError: a bad argument, or a request that could not be served in ``budget_tokens`` alone.
     """
     budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
     max_steps = check_count("max_steps", max_steps)
@@ -576,13 +462,18 @@ def simulate(
         raise ValueError("requests must all be Request objects")
     if len({r.request_id for r in requests}) != len(requests):
         raise ValueError("requests must have distinct request_id values")
-    for request in requests:  # a request that cannot fit alone would wait for ever
-        if policy.peak_tokens(request) > policy.capacity(budget_tokens):
+    if policy.capacity(budget_tokens) == 0:
+        raise ValueError(f"budget_tokens {budget_tokens} holds not one block of {policy.name}")
+    memory = policy.memory(budget_tokens, record)
+    arrivals = [
+        (r.arrival_step, SchedulerRequest(r.request_id, r.prompt_tokens, r.output_tokens)) for r in requests
+    ]
+    for request, (_, scheduled) in zip(requests, arrivals, strict=True):  # else it would wait for ever
+        if not memory.serves_alone(scheduled):
             raise ValueError(
-                f"budget_tokens {budget_tokens} cannot hold request {request.request_id!r} alone: "
-                f"{policy.name} needs {policy.peak_tokens(request)} token slots for it"
+                f"budget_tokens {budget_tokens} cannot hold request {request.request_id!r} alone "
+                f"with {policy.name}: it holds {request.total_tokens - 1} tokens at its longest"
             )
-
     result = SimulationResult(
         policy=policy.name,
         budget_tokens=budget_tokens,
@@ -590,32 +481,30 @@ def simulate(
         prompt_tokens=sum(r.prompt_tokens for r in requests),
         output_tokens=sum(r.output_tokens for r in requests),
     )
-    batcher = ContinuousBatcher(policy._pool(budget_tokens, record))
-    arrivals = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
-    finished = 0
     bar = progress_bar(len(requests), policy.name) if progress else None
-    for step in range(max_steps):
-        if finished == len(requests):
-            break
-        arrived = []
-        while arrivals and arrivals[0].arrival_step <= step:
-            arrived.append(arrivals.popleft())
-        result.preemptions += batcher.schedule(arrived)
-        held, reserved = batcher.pool.held_and_reserved()
-        result.running.append(len(batcher.running))
-        result.waiting.append(len(batcher.waiting))
-        result.held_tokens.append(held)
-        result.reserved_tokens.append(reserved)
-        done = batcher.finish()
-        finished += len(done)
+    try:
+        _run(memory, arrivals, max_steps, result, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if isinstance(memory, PagedMemory):
+        result.trace = memory.cache.trace
+    return result
+
+
+def _run(memory: KVMemory, arrivals: list, max_steps: int, result: SimulationResult, bar) -> None:
+    """The scheduler's steps over ``memory`` with a counting runner, recorded into ``result``."""
+    finished = 0
+    for output, step in run_steps(Scheduler(memory), CountingRunner(memory), arrivals, max_steps):
+        result.preemptions += len(output.preemptions)
+        result.running.append(step.num_running)
+        result.waiting.append(step.num_waiting)
+        result.held_tokens.append(step.held_tokens)
+        result.reserved_tokens.append(step.reserved_tokens)
+        finished += len(step.finished)
         result.finished.append(finished)
         if bar is not None:
-            bar.update(len(done))
-    if bar is not None:
-        bar.close()
-    if isinstance(batcher.pool, _PagedPool):
-        result.trace = batcher.pool.cache.trace
-    return result
+            bar.update(len(step.finished))
 
 
 # ---------------------------------------------------------------------------------- the comparison

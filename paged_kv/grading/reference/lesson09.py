@@ -1,5 +1,5 @@
-"""Exercise 09 graded on the package: ``decode_slots`` is lesson 04's all-or-nothing decode step
-(:func:`paged_kv.serving.scheduling.decode_step`) followed by the slot mapping of each new token's position
+"""Exercise 09 graded on the package: ``decode_slots`` is lesson 04's all-or-nothing ``decode_step``
+(:mod:`paged_kv.grading.reference.lesson04`) followed by the slot mapping of each new token's position
 (:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping`), and ``MyPagedCache`` is
 :class:`paged_kv.model.kv_cache.PagedKVCache`, the cache the engine uses by default (its ``__init__`` takes
 the exercise's arguments). ``can_admit`` is the engine's admission rule,
@@ -12,10 +12,10 @@ from collections.abc import Iterable as _Iterable
 import torch as _torch
 
 from paged_kv.core.block import blocks_for_tokens as _blocks_for_tokens
+from paged_kv.grading.reference.lesson04 import decode_step as _decode_step
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.model.kv_cache import PagedKVCache as MyPagedCache
 from paged_kv.serving.memory import admits as _admits
-from paged_kv.serving.scheduling import decode_step as _decode_step
 
 __all__ = ["MyPagedCache", "can_admit", "decode_slots"]
 

@@ -12,11 +12,10 @@ class ContinuousBatcher(ContinuousBatcher):
         self.finished_in_batch = []  # finished, but their slots still reserved
 
     def finish(self):
-        done = [seq for seq in self.running if seq.done]
-        self.running = [seq for seq in self.running if not seq.done]
+        done = [seq for seq in self.running if seq.generated == seq.request.output_tokens]
+        self.running = [seq for seq in self.running if seq not in done]
         self.finished_in_batch += done
         if not self.running:  # the mistake: the slots come back only once the whole batch is done
-            for seq in self.finished_in_batch:
-                self.pool.release(seq.request)
+            self.free_tokens += sum(seq.reserved for seq in self.finished_in_batch)
             self.finished_in_batch = []
         return [seq.request.request_id for seq in done]
