@@ -33,7 +33,7 @@ class PagedKVCacheAllocator(_PackageCache):
 
     @property
     def tables(self) -> dict[_Hashable, _BlockTable]:
-        """The live block tables, by sequence id (a live read-only view of the manager's, not a copy)."""
+        """The live block tables, by sequence id (the manager's own dict, not a copy)."""
         return self.manager.tables
 
     def allocate_for_sequence(self, seq_id: _Hashable, num_prompt_tokens: int) -> list[int]:

@@ -47,7 +47,7 @@ class SharedCache(_PagedKVCacheAllocator):
 
     @property
     def tables(self) -> dict[_Hashable, _BlockTable]:
-        """The live block tables, by sequence id (a live read-only view of the manager's, not a copy)."""
+        """The live block tables, by sequence id (the manager's own dict, not a copy)."""
         return self.manager.tables
 
     def allocate_for_sequence(self, seq_id: _Hashable, num_tokens: int) -> list[int]:
