@@ -246,3 +246,12 @@ def test_storage_refuses_bad_arguments(kwargs, match) -> None:
     arguments = {"num_layers": 1, "num_blocks": 2, "block_size": 2, "num_heads": 1, "head_dim": 1} | kwargs
     with pytest.raises(ValueError, match=match):
         KVStorage(**arguments)
+
+
+def test_an_empty_decode_batch_changes_nothing() -> None:
+    manager = BlockManager(2, 2)
+    manager.allocate("a", 2)
+    before = manager.snapshot()
+    assert manager.append_batch([]) == [] and manager.snapshot() == before
+    cache = PagedKVCache(GPTConfig(num_layers=2), num_blocks=2, block_size=2)
+    assert cache.append([]).tolist() == []

@@ -242,7 +242,8 @@ class PagedKVCache(KVCache):
         self.storage.copy_blocks(copies)
         tables = self.manager.block_rows(seq_ids)
         lengths = [self.manager.table(seq_id).num_tokens for seq_id in seq_ids]
-        table_tensor = torch.tensor(tables, dtype=torch.long, device=self.device).reshape(len(seq_ids), -1)
+        width = len(tables[0]) if tables else 0
+        table_tensor = torch.tensor(tables, dtype=torch.long, device=self.device).reshape(len(seq_ids), width)
         length_tensor = torch.tensor(lengths, dtype=torch.long, device=self.device)
         last = length_tensor - 1
         slots = table_tensor.gather(1, (last // self.block_size)[:, None])[:, 0] * self.block_size
