@@ -139,10 +139,8 @@ def run(
         f"block {block_size}, {num_blocks:,} blocks, {max_running} running"
     )
     ideal_hits = ideal_cached_tokens(requests, block_size)
-    hit_rate, ideal_rate = (
-        with_cache.cached_tokens / with_cache.prompt_tokens,
-        ideal_hits / with_cache.prompt_tokens,
-    )
+    hit_rate = with_cache.hit_rate  # per prompt token looked up: a preempted request is looked up again
+    ideal_rate = ideal_hits / sum(len(request.token_ids) for request in requests)
     timed = {
         caching: median_time(
             lambda caching=caching: serve(requests, num_blocks, block_size, max_running, caching),

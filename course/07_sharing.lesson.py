@@ -479,14 +479,18 @@ print("backwards:         ", list(reversed(queue)))
 # budget decides how long a prefix that nobody is using stays cached, and with it the hit rate. To
 # see how much, `paged_kv.simulation.sharing` serves a workload of 200 requests, each a 256-token system
 # prompt followed by a user prompt and an answer of ShareGPT-shaped lengths (random token ids, so
-# user prompts share nothing), in blocks of 16. `serve` admits the requests in order, at most 32 at
-# once; when the window is full or the blocks run short, the oldest request finishes and frees its
-# blocks, which stay cached. We vary the budget, and the number of different system prompts: one (a
-# single application), 4 or 16 (several applications on one server, each request picking one at
-# random).
+# user prompts share nothing), in blocks of 16. `serve` runs the package's scheduler, the one of
+# lessons 06 and 09, with a stand-in for the model that only counts tokens: the requests queue up at
+# step 0 in order, at most 32 run at once, each prompt is admitted when its blocks and the
+# scheduler's headroom are free (looked up in the prefix cache first), its answer grows one token
+# per step, and a finished request frees its blocks, which stay cached. When a decode step finds no
+# free block, the newest request is preempted and queued again (lesson 08), to be looked up and
+# prefilled anew. We vary the budget, and the number of different system prompts: one (a single
+# application), 4 or 16 (several applications on one server, each request picking one at random).
 #
-# The ideal, `ideal_cached_tokens`, is a cache that never forgets: every request but the first with
-# each system prompt finds that system prompt's 16 full blocks, 256 tokens.
+# The ideal, `ideal_cached_tokens`, is a cache that never forgets, in a run that never preempts:
+# every request but the first with each system prompt finds that system prompt's 16 full blocks,
+# 256 tokens.
 
 # %%
 BUDGETS = [160, 256, 384, 512, 768, 1024, 1536, 2048, 3072]  # blocks of 16
@@ -496,12 +500,15 @@ for count in SYSTEM_PROMPTS:
     requests = system_prompt_requests(200, system_tokens=256, num_system_prompts=count, seed=0)
     ideal[count] = ideal_cached_tokens(requests, block_size=16)
     sweep[count] = [serve(requests, budget, block_size=16, max_running=32) for budget in BUDGETS]
-prompt_tokens = sweep[1][0].prompt_tokens
-print(f"200 requests, {prompt_tokens:,} prompt tokens; hit rate (% of prompt tokens) by budget in blocks")
+# Without caching, the system prompts' tokens do not matter, only the lengths, the same for every count.
+uncached = [serve(requests, budget, block_size=16, max_running=32, caching=False) for budget in BUDGETS]
+prompt_tokens = sum(len(request.token_ids) for request in requests)
+print(f"200 requests, {prompt_tokens:,} prompt tokens; hit rate (% of the prompt tokens looked up) by budget")
 print(f"{'system prompts':<16}" + "".join(f"{budget:>7}" for budget in BUDGETS) + "   ideal")
 for count in SYSTEM_PROMPTS:
     rates = "".join(f"{result.hit_rate:>7.1%}" for result in sweep[count])
     print(f"{count:<16}{rates}{ideal[count] / prompt_tokens:>8.1%}")
+print(f"{'preemptions':<16}" + "".join(f"{result.preemptions:>7}" for result in sweep[16]) + "  (16 prompts)")
 
 # %%
 COLOURS = {1: "#0072B2", 4: "#E69F00", 16: "#D55E00"}
@@ -513,13 +520,20 @@ for count in SYSTEM_PROMPTS:
     right.plot(
         BUDGETS, [r.computed_tokens / 1000 for r in sweep[count]], "o-", color=COLOURS[count], label=label
     )
-right.axhline(prompt_tokens / 1000, color="#444444", ls="--", lw=1, label="without prefix caching")
+right.plot(
+    BUDGETS,
+    [r.computed_tokens / 1000 for r in uncached],
+    "--",
+    color="#444444",
+    lw=1,
+    label="without prefix caching",
+)
 left.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
 left.set_title("hits (dotted: the ideal)", loc="left", fontsize=11)
 right.set_ylabel("prefill tokens computed (thousands)")
 right.set_title("what the model still computes", loc="left", fontsize=11)
 left.set_ylim(0, 70)
-right.set_ylim(0, prompt_tokens / 1000 * 1.1)
+right.set_ylim(0, max(r.computed_tokens for r in uncached) / 1000 * 1.1)
 for ax in (left, right):
     ax.set_xscale("log", base=2)
     ax.set_xticks(BUDGETS, [str(b) for b in BUDGETS], fontsize=8)
@@ -527,23 +541,31 @@ for ax in (left, right):
     ax.set_xlabel("memory budget (blocks of 16)")
     ax.spines[["top", "right"]].set_visible(False)
 left.legend(frameon=False, fontsize=8, loc="lower right")
-right.legend(frameon=False, fontsize=8, loc="lower left")
+right.legend(frameon=False, fontsize=8, loc="upper right")
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With one system prompt the hit rate is the ideal, 61.0 %, at every budget, even at 160 blocks, where
-# only a few requests fit at once: a running request always holds the system prompt, or the request
-# that held it has just freed it to the tail of the free list, the last place eviction looks. The
-# model computes 39 % of the prompt tokens, 2.6 times fewer than without caching.
+# Read the large budgets first, from 1,536 blocks on, where nothing is preempted. With one system
+# prompt the hit rate is the ideal, 61.0 %: a running request always holds the system prompt, or
+# the request that held it has just freed it to the tail of the free list, the last place eviction
+# looks. The model computes 32,593 prompt tokens, 39 % of them, 2.6 times fewer than without
+# caching. With 16 system prompts the cache reaches the ideal, 56.4 %, from 2,048 blocks.
 #
-# With several system prompts, a prompt that no running request uses must wait on the free list for
-# its next request, while every new request takes fresh blocks from the head. The more blocks the
-# pool has beyond what the running requests hold, the longer it waits there: with 4 system prompts
-# the cache reaches the ideal from 1,024 blocks, with 16 from 2,048. At 160 blocks, 16 system
-# prompts find only 11.8 % of the prompt tokens. A prefix cache is
-# memory that the running requests do not need *right now*: memory a server with room to spare gets
-# for free, and one that is short of blocks does not have.
+# Below that, two things happen. With several system prompts, a prompt that no running request
+# uses must wait on the free list for its next request, while every new request takes fresh blocks
+# from the head; the fewer blocks the pool has beyond what the running requests hold, the sooner it
+# is evicted: with 16 system prompts the hit rate falls to 38.7 % at 256 blocks. And the pool is
+# too small for 32 requests at once, so the scheduler preempts (229 times at 160 blocks with 16
+# system prompts): a preempted request is looked up again when it is admitted again, and finds its
+# own prompt still cached, often more than the system prompt. Those lookups count in the hit rate
+# too, which is why it *rises* again at 160 blocks, and why one system prompt scores above the
+# ideal there (68.2 %). The right panel is the fair measure, the prefill work: without caching,
+# preemption recomputes prompts, 180,278 tokens at 160 blocks against 83,537 when nothing is
+# preempted; the cache computes 48,593 of them with one system prompt and 100,828 with 16. A prefix
+# cache is memory that the running requests do not need *right now*: memory a server with room to
+# spare gets for free, and one that is short of blocks does not have, though it still spares the
+# recomputation of the prompts it preempts.
 #
 # `serve` also returns the allocator's counters, in tokens. For 16 system prompts at 512 blocks:
 
@@ -557,6 +579,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
+# `requests` counts the lookups: 299 admissions here, the 200 requests and 99 admitted again after
+# a preemption.
 # vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a real server
 # reads the same way.
 
@@ -577,10 +601,12 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # * Freed cached blocks stay on the free list, evicted least recently freed first, last block of a
 #   prefix first; a freed block with nothing cached goes to the head and is reused first. A hit revives them from the middle of the doubly linked free list in O(1): about
 #   0.7 µs at 1,000 and at 100,000 free blocks, where `deque.remove` grows 84 to 120 times.
-# * With one shared 256-token system prompt, 200 ShareGPT-shaped requests find 61.0 % of their
-#   prompt tokens in the cache at any budget; with 16 system prompts the hit rate grows from
-#   11.8 % at 160 blocks to the ideal of 56.4 % from 2,048. The cache lives in the memory the running
-#   requests leave free.
+# * With one shared 256-token system prompt, 200 ShareGPT-shaped requests served by the package's
+#   scheduler find the ideal 61.0 % of their prompt tokens in the cache whenever nothing is
+#   preempted; with 16 system prompts the hit rate falls from the ideal of 56.4 % (2,048 blocks) to
+#   38.7 % at 256. In small pools preempted requests, admitted again, find their own prompts cached:
+#   compare prefill work, not hit rates. The cache lives in the memory the running requests leave
+#   free.
 #
 # **Next, lesson 08:** running out of blocks, and what a server does then: preempting a sequence by
 # recomputing or swapping its K/V, and a watermark of free blocks at admission. The exercise for this
