@@ -31,6 +31,7 @@ from paged_kv.model.generate import GenerationResult, generate
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.scheduler import Scheduler, SchedulerOutput, SchedulerRequest
 from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
 
@@ -61,6 +62,9 @@ __all__ = [
     "PrefixCacheStats",
     "Recorder",
     "Request",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerRequest",
     "TinyGPT",
     "TraceFrame",
     "UnknownSequenceError",
