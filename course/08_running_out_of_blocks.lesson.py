@@ -2,10 +2,10 @@
 # # Lesson 08 · Running out of blocks
 #
 # Paging lets an engine admit a request with only the blocks of its prompt and hand out the rest one
-# block at a time, as the sequence grows. That is where its concurrency comes from (lesson 06: 34.1
-# sequences running on average against 14.4 with maximum-length slots, in the same memory), and it
+# block at a time, as the sequence grows. That is where its concurrency comes from (lesson 06: 34.0
+# sequences running on average against 14.5 with maximum-length slots, in the same memory), and it
 # is also a promise the engine cannot always keep: the sequences it admitted keep growing, and the
-# blocks they will need may not be there. Lesson 06's burst showed the result, 189 preemptions,
+# blocks they will need may not be there. Lesson 06's burst showed the result, 43 preemptions,
 # without looking into them. This lesson is about that moment: what an engine can do about it, what
 # each answer costs, and how to make it rare.
 #
@@ -178,7 +178,7 @@ config = GPTConfig()  # 2 layers, 4 heads of 16, a vocabulary of 256 bytes
 model = TinyGPT(config, seed=0).to(device).eval()
 print(f"TinyGPT: {sum(p.numel() for p in model.parameters()):,} parameters")
 cache = PagedKVCache(config, num_blocks=6, block_size=4, device=device)
-layer0 = cache.allocators[0]
+blocks = cache.manager  # the one block manager every layer's K/V follows
 prompt = encode("Swap me")
 tokens = []  # the greedy tokens, fed back one step at a time
 with torch.no_grad():
@@ -188,16 +188,20 @@ with torch.no_grad():
         tokens.append(
             int(model.decode_step(torch.tensor(tokens[-1:], device=device), ["s"], cache)[0].argmax())
         )
-    print(f"before: 's' holds {layer0.sequence_length('s')} tokens in blocks {layer0.get_block_mapping('s')}")
-    k_before, v_before = layer0.read_kv("s")
+    print(
+        f"before: 's' holds {blocks.sequence_length('s')} tokens in blocks {blocks.get_block_table('s').block_ids}"
+    )
+    k_before, v_before = cache.read_kv(0, "s")  # layer 0
     saved = cache.swap_out("s")
     on_host = all(t.device.type == "cpu" for t in saved.k + saved.v)
     print(f"swapped out: {saved.num_tokens} tokens, {saved.nbytes:,} bytes in host memory: {on_host}")
     print(f"free blocks while 's' is out: {cache.num_free_blocks} of 6")
     cache.add_sequence("other", 8)
     cache.swap_in("s", saved)
-    print(f"after:  's' holds {layer0.sequence_length('s')} tokens in blocks {layer0.get_block_mapping('s')}")
-    k_after, v_after = layer0.read_kv("s")
+    print(
+        f"after:  's' holds {blocks.sequence_length('s')} tokens in blocks {blocks.get_block_table('s').block_ids}"
+    )
+    k_after, v_after = cache.read_kv(0, "s")
     print("same K and V:", torch.equal(k_before, k_after) and torch.equal(v_before, v_after))
     for _ in range(5):
         tokens.append(
@@ -212,12 +216,12 @@ print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens ==
 # blocks 3 and 4, so `s` comes back in blocks 5, 0 and 1: other blocks, the same keys and values,
 # and the next 5 tokens are the ones it would have generated had it never left.
 #
-# Now both ways on a workload that runs out, served by `paged_kv.serving.engine.Engine`: lesson 06's
-# continuous batching with the tiny GPT behind it. It serves `EngineRequest(request_id, prompt,
+# Now both ways on a workload that runs out, served by `paged_kv.serving.engine.Engine`: the
+# package's scheduler, the one lesson 06's simulator runs, with the tiny GPT behind it. It serves `EngineRequest(request_id, prompt,
 # max_new_tokens)`s (greedy, no end-of-sequence token: each gets exactly `max_new_tokens` tokens) in
 # a pool of `num_blocks` blocks. Each step it admits waiting requests first come, first served,
 # while `admits` says they fit, and prefills them; then every running sequence decodes one token,
-# once the newest have been preempted if the step needs it, by `choose_victims`' rule
+# once the newest have been preempted if the step needs it, by `choose_victims` itself
 # (`preemption="recompute"` or `"swap"`); finished requests free their blocks at once.
 #
 # Twelve requests arrive at once, each a prompt of 4 to 12 random bytes asking for 17 to 37 tokens,
@@ -288,7 +292,7 @@ print(
 # recomputation, which needs no host memory at all.
 #
 # Step by step, `plot_metrics` draws the sequences running, waiting and (for swap) swapped out, and
-# the utilisation, tokens held per slot reserved, on a second axis: the recompute run above, the
+# the utilization, tokens held per slot reserved, on a second axis: the recompute run above, the
 # swap run below. The titles count the preemptions.
 
 # %%
@@ -296,7 +300,7 @@ fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
 for ax, r in zip(axes, runs.values(), strict=True):
     plot_metrics(r, ax=ax)
     ax.set_ylim(0, 12.5)
-    ax.get_legend().set_loc("center right")  # the utilisation runs along the top
+    ax.get_legend().set_loc("center right")  # the utilization runs along the top
 axes[0].set_xlabel("")
 fig.tight_layout()
 plt.show()
