@@ -4,16 +4,13 @@
 # In this exercise you plug a paged KV cache of your own into the tiny GPT and into the engine of
 # lesson 09. First the engine's admission rule, then the bookkeeping of one decode step (which slot
 # each new token's K and V go to), then the cache itself, a class the model and the engine use
-# through the five calls of `paged_kv.model.kv_cache.KVCache`. Each task says what to build and how it is
-# checked; the cell after it runs the check and prints a tick, or tells you which call gave which
-# wrong answer.
+# through the calls of `paged_kv.KVCache`. Each task says what to build and how it is checked; the
+# cell after it runs the check and prints a tick, or tells you which call gave which wrong answer.
 #
-# You build on the package's `PagedKVCacheAllocator` (lessons 02 to 04) and `paged_attention`
-# (lesson 05): `allocate_for_sequence`, `append_tokens`, `needs_new_block`, `num_free_blocks`,
-# `sequence_length`, `physical_location`, `slot_mapping`, `write_kv`, `read_kv`,
-# `block_tables_tensor`, `free_sequence`, and the pools `k_cache` and `v_cache`. The finished
-# versions are the engine's admission in `paged_kv.serving.engine` and `paged_kv.model.kv_cache.PagedKVCache`; try
-# without looking first.
+# You build on the package's `PagedKVCacheAllocator` (lessons 02 to 04) for the decode step's slots,
+# on its `BlockManager` and `KVStorage`, the two halves that allocator joins (lesson 02), for the
+# cache, and on `paged_attention` (lesson 05). The finished versions are the engine's admission,
+# `paged_kv.serving.memory.admits`, and `paged_kv.PagedKVCache`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
@@ -25,7 +22,14 @@
 import torch
 
 import paged_kv
-from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens, paged_attention
+from paged_kv import (
+    BlockManager,
+    KVStorage,
+    OutOfBlocksError,
+    PagedKVCacheAllocator,
+    blocks_for_tokens,
+    paged_attention,
+)
 from paged_kv.checks import check
 from paged_kv.model.kv_cache import KVCache
 from paged_kv.model.tiny_gpt import GPTConfig
@@ -110,41 +114,55 @@ check("09.decode_slots", decode_slots)
 # %% [markdown]
 # ## Task 3 · Your own paged cache
 #
-# `MyPagedCache` is the cache the model calls (lesson 09, section 1). Its `__init__` is written for
-# you: one `PagedKVCacheAllocator` per layer in `self.allocators`, all with the same blocks, so that
-# layer `l`'s attention keeps its K and V in `self.allocators[l].k_cache` and `.v_cache`. Every layer
-# stores the same tokens, so the allocators always hold identical block tables. Write:
+# `MyPagedCache` is the cache the model calls (lesson 09, section 1), built the way vLLM builds it:
+# **one block manager for every layer**, and one K/V pool per layer. Its `__init__` is written for
+# you:
+#
+# * `self.manager`, a `BlockManager` (lesson 02): the block tables, the ref counts and the free list,
+#   and no tensor. A block id it hands out names the same slots in every layer's pool, so a sequence
+#   is allocated, grown and freed **once**, whatever the number of layers;
+# * `self.storage`, a `KVStorage` with one pool per layer: layer `l` keeps its K and V in
+#   `self.storage.k_caches[l]` and `self.storage.v_caches[l]`, each of shape
+#   `(num_blocks, num_heads, block_size, head_dim)`;
+# * `self.new_slots`, where `append` leaves the slots of the step's new tokens for `attend`.
+#
+# Write:
 #
 # * `num_free_blocks` (a property) and `needs_new_block(seq_id)`: the engine asks them before it
-#   admits and before each decode step; any layer's allocator can answer;
-# * `add_sequence(seq_id, num_tokens)`: give the prompt its blocks, **in every layer**;
+#   admits and before each decode step; the manager answers;
+# * `add_sequence(seq_id, num_tokens)`: give the prompt its blocks (`self.manager.allocate`), once;
 # * `write_prompt(layer, seq_id, k, v)`: store the prompt's K and V, `(tokens, num_heads,
-#   head_dim)`, in that layer's pool;
-# * `append(seq_ids)`: grow each sequence by one token, in every layer (your `decode_slots` does it,
-#   and its slots are what `attend` needs: keep them in `self.new_slots`, one tensor per layer), and
-#   return a `LongTensor` on `self.device` with each new token's **position**, which the model
-#   embeds: the sequence's length before the append;
+#   head_dim)`, in that layer's pool: `self.storage.write(layer, block_ids, k, v)`, with the
+#   sequence's block ids as a `LongTensor` on `self.device`;
+# * `append(seq_ids)`: grow each sequence by one token, all or nothing, once for all the layers
+#   (`self.manager.append_batch(seq_ids)`); keep each new token's **slot** in `self.new_slots`, a
+#   `LongTensor` on `self.device` (position `p` of a sequence with block ids `ids` is slot
+#   `ids[p // block_size] * block_size + p % block_size`), and return a `LongTensor` on
+#   `self.device` with each new token's **position**, which the model embeds: the sequence's length
+#   before the append;
 # * `attend(layer, seq_ids, q, k, v)`: `q`, `k` and `v` are `(batch, num_heads, head_dim)`, the new
-#   token of each sequence. Store `k` and `v` in their slots (slot `s` is block `s // block_size`,
-#   offset `s % block_size`: `k_cache[blocks, :, offsets] = k`), then return `paged_attention(q,
-#   k_cache, v_cache, block_tables, lengths)` of that layer, with `block_tables_tensor(seq_ids)` and
-#   the lengths *after* the append, which include the new token;
-# * `free(seq_id)`: give the sequence's blocks back, **in every layer**.
+#   token of each sequence. Store `k` and `v` at their slots in this layer's pool
+#   (`self.storage.write_slots(layer, self.new_slots, k, v)`), then return `paged_attention(q,
+#   k_cache, v_cache, block_tables, lengths)` over this layer's pool, with the batch's block tables
+#   padded into one tensor (`self.manager.block_rows(seq_ids)` gives the rows, padded with -1) and
+#   the lengths *after* the append, which include the new token. `attend` runs once per layer, after
+#   one `append`: it must not grow the sequences again;
+# * `free(seq_id)`: give the sequence's blocks back, once.
 #
 # **Checked**, on a small GPT (2 layers, 2 heads of dimension 8) on `paged_kv.default_device()`:
-# the free blocks and the boundary after `add_sequence`; the K and V `write_prompt` stores; the
-# positions `append` returns and the lengths it leaves in every layer; the K and V `attend` stores and
-# its output, against attention over the same tokens held contiguously; `free` in every layer; then
-# `generate(model, prompts, 12, cache=MyPagedCache(...))` in a shuffled pool of stale blocks, whose
-# tokens and logits (within `1e-4`) must be those of the contiguous cache, with every block free at
-# the end; and `Engine(model, ..., cache_factory=MyPagedCache)` serving two small workloads (one of
-# which preempts), with the tokens of the contiguous engine, more sequences at once, and every block
-# free after the run.
+# the free blocks and the boundary after `add_sequence`; the K and V `write_prompt` stores in each
+# layer; the positions `append` returns and the lengths it leaves; the K and V `attend` stores and
+# its output, against attention over the same tokens held contiguously, and that attending changes
+# no length; `free`; then `generate(model, prompts, 12, cache=MyPagedCache(...))` in a shuffled pool
+# of stale blocks, whose tokens and logits (within `1e-4`) must be those of the contiguous cache,
+# with every block free at the end; and `Engine(model, ..., cache_factory=MyPagedCache)` serving
+# two small workloads (one of which preempts), with the tokens of the contiguous engine, more
+# sequences at once, and every block free after the run.
 
 
 # %%
 class MyPagedCache(KVCache):
-    """A paged KV cache for the tiny GPT: one PagedKVCacheAllocator per layer, identical block tables."""
+    """A paged KV cache for the tiny GPT: one block manager for every layer, one K/V pool per layer."""
 
     def __init__(
         self,
@@ -154,63 +172,63 @@ class MyPagedCache(KVCache):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.allocators = [
-            PagedKVCacheAllocator(
-                num_blocks, block_size, config.num_heads, config.head_dim, dtype=dtype, device=device
-            )
-            for _ in range(config.num_layers)
-        ]
+        self.manager = BlockManager(num_blocks, block_size)
+        self.storage = KVStorage(
+            config.num_layers, num_blocks, block_size, config.num_heads, config.head_dim, dtype, device
+        )
         self.block_size = block_size
-        self.device = self.allocators[0].device
-        self.new_slots: list[torch.Tensor] = []  # per layer: the slots of the last append's tokens
+        self.device = self.storage.device
+        self.new_slots = torch.zeros(0, dtype=torch.long, device=self.device)  # set by append
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks, the same in every layer's pool."""
-        ### BEGIN SOLUTION: num_free_blocks: ask the first layer's allocator (every layer holds the same blocks)
-        return self.allocators[0].num_free_blocks
+        """Free blocks: one pool of block ids serves every layer."""
+        ### BEGIN SOLUTION: num_free_blocks: ask the manager
+        return self.manager.num_free_blocks
         ### END SOLUTION
 
     def needs_new_block(self, seq_id) -> bool:
         """Whether the sequence's next token needs a new block."""
-        ### BEGIN SOLUTION: needs_new_block: ask the first layer's allocator (every layer holds the same tables)
-        return self.allocators[0].needs_new_block(seq_id)
+        ### BEGIN SOLUTION: needs_new_block: ask the manager
+        return self.manager.needs_new_block(seq_id)
         ### END SOLUTION
 
     def add_sequence(self, seq_id, num_tokens: int) -> None:
-        ### BEGIN SOLUTION: add_sequence: allocate_for_sequence in every layer's allocator
-        for allocator in self.allocators:
-            allocator.allocate_for_sequence(seq_id, num_tokens)
+        ### BEGIN SOLUTION: add_sequence: allocate the prompt's blocks in the manager, once for every layer
+        self.manager.allocate(seq_id, num_tokens)
         ### END SOLUTION
 
     def write_prompt(self, layer: int, seq_id, k: torch.Tensor, v: torch.Tensor) -> None:
-        ### BEGIN SOLUTION: write_prompt: write_kv in this layer's allocator
-        self.allocators[layer].write_kv(seq_id, k, v)
+        ### BEGIN SOLUTION: write_prompt: self.storage.write(layer, block_ids, k, v) with the sequence's block ids as a LongTensor on self.device
+        block_ids = torch.tensor(self.manager.get_block_table(seq_id).block_ids, device=self.device)
+        self.storage.write(layer, block_ids, k, v)
         ### END SOLUTION
 
     def append(self, seq_ids) -> torch.Tensor:
-        ### BEGIN SOLUTION: append: note the lengths before the append (the new positions), then decode_slots in every layer, kept in self.new_slots
-        positions = [self.allocators[0].sequence_length(seq_id) for seq_id in seq_ids]
-        self.new_slots = [decode_slots(allocator, seq_ids) for allocator in self.allocators]
+        ### BEGIN SOLUTION: append: note the lengths before the append (the new positions), manager.append_batch(seq_ids) once, then the slot of each new position into self.new_slots
+        positions = [self.manager.sequence_length(seq_id) for seq_id in seq_ids]
+        self.manager.append_batch(seq_ids)
+        size = self.block_size
+        slots = [
+            self.manager.get_block_table(seq_id).block_ids[p // size] * size + p % size
+            for seq_id, p in zip(seq_ids, positions, strict=True)
+        ]
+        self.new_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
         return torch.tensor(positions, dtype=torch.long, device=self.device)
         ### END SOLUTION
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ### BEGIN SOLUTION: attend: write k and v at this layer's new slots (block = slot // block_size, offset = slot % block_size), then paged_attention with block_tables_tensor and the lengths after the append
-        allocator = self.allocators[layer]
-        slots = self.new_slots[layer]
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        allocator.k_cache[blocks, :, offsets] = k
-        allocator.v_cache[blocks, :, offsets] = v
-        tables = allocator.block_tables_tensor(seq_ids)
-        lengths = torch.tensor([allocator.sequence_length(s) for s in seq_ids], device=self.device)
-        return paged_attention(q, allocator.k_cache, allocator.v_cache, tables, lengths)
+        ### BEGIN SOLUTION: attend: storage.write_slots(layer, self.new_slots, k, v), then paged_attention over this layer's pool with the padded block_rows and the lengths after the append
+        self.storage.write_slots(layer, self.new_slots, k, v)
+        tables = torch.tensor(self.manager.block_rows(seq_ids), device=self.device)
+        lengths = torch.tensor([self.manager.sequence_length(s) for s in seq_ids], device=self.device)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return paged_attention(q, k_cache, v_cache, tables, lengths)
         ### END SOLUTION
 
     def free(self, seq_id) -> None:
-        ### BEGIN SOLUTION: free: free_sequence in every layer's allocator
-        for allocator in self.allocators:
-            allocator.free_sequence(seq_id)
+        ### BEGIN SOLUTION: free: give the blocks back to the manager, once
+        self.manager.free(seq_id)
         ### END SOLUTION
 
 

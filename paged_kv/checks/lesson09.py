@@ -28,7 +28,7 @@ from paged_kv.model.generate import generate
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
 
-# A GPT small enough for the checks to run in a blink, with two layers so that "every layer" matters.
+# A GPT small enough for the checks to run in a blink, with two layers so that "once for all layers" matters.
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
 # The paged and the contiguous caches sum the same products in a different order.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -381,31 +381,34 @@ def _decode_slots(c: Checker, decode_slots) -> None:
 
 # ------------------------------------------------------------------------------- Task 3
 
-EVERY_LAYER_ADD = (
-    "layer l's attention keeps its K and V in self.allocators[l]: add_sequence must allocate the "
-    "sequence in every layer's allocator"
+ONCE = (
+    "one manager serves every layer: a block id names the same slots in every layer's pool, so "
+    "a sequence is allocated, grown and freed once, whatever the number of layers"
 )
-EVERY_LAYER_FREE = (
-    "free must give the sequence's blocks back in every layer's allocator, not only the first: the other "
-    "layers' pools would fill up with finished sequences"
-)
-SWAPPED = "K and V are swapped: k goes to the allocator's k_cache, v to its v_cache"
+SWAPPED = "K and V are swapped: k goes to the layer's k_cache, v to its v_cache"
 POSITION = (
     "the position of the new token is the sequence's length before the append (a sequence of 6 tokens "
     "holds positions 0 to 5, so its new token is at position 6); the model embeds it"
 )
 ATTEND = (
-    "after storing k and v, return paged_attention(q, allocator.k_cache, allocator.v_cache, "
-    "allocator.block_tables_tensor(seq_ids), lengths) of this layer, with the lengths after the append"
+    "after storing k and v, return paged_attention(q, self.storage.k_caches[layer], "
+    "self.storage.v_caches[layer], block_tables, lengths) with the padded block_rows(seq_ids) and "
+    "the lengths after the append"
 )
 
 
 def _stale(cache: object, seed: int) -> None:
     """Fill every layer's pool with random K/V, as if old sequences had used every block."""
     generator = torch.Generator().manual_seed(seed)
-    for allocator in cache.allocators:
-        for pool in (allocator.k_cache, allocator.v_cache):
-            pool.copy_(torch.randn(pool.shape, generator=generator))
+    for pool in (*cache.storage.k_caches, *cache.storage.v_caches):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+
+
+def _read(cache: object, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s K and V of the sequence, gathered through the manager's block table."""
+    table = cache.manager.get_block_table(seq_id)
+    block_ids = torch.tensor(table.block_ids, dtype=torch.long, device=cache.storage.device)
+    return cache.storage.read(layer, block_ids, table.num_tokens)
 
 
 def _randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
@@ -418,23 +421,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out[0, :, 0]
 
 
-def _stored_hint(allocator: PagedKVCacheAllocator, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> str:
+def _stored_hint(cache: object, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> str:
     """Why the new token's K/V are not where they belong (position length - 1)."""
-    got_k, got_v = (t[-1] for t in allocator.read_kv(seq_id))
+    got_k, got_v = (t[-1] for t in _read(cache, layer, seq_id))
     if torch.equal(got_k, v) and torch.equal(got_v, k):
         return SWAPPED
-    length, size = allocator.sequence_length(seq_id), allocator.block_size
-    table = allocator.get_block_mapping(seq_id)
+    length, size = cache.manager.sequence_length(seq_id), cache.block_size
+    table = cache.manager.get_block_table(seq_id).block_ids
     if length < len(table) * size:
         block, offset = table[length // size], length % size
-        if torch.equal(allocator.k_cache[block, :, offset], k):
+        if torch.equal(cache.storage.k_caches[layer][block, :, offset], k):
             return (
                 f"you wrote the new token at position {length}, the length after the append: the sequence "
                 f"holds {length} tokens, positions 0 to {length - 1}, so the new one is at length - 1"
             )
     return (
-        "store the new token's k and v at its slot (the slots your append computed with decode_slots, in "
-        "self.new_slots[layer]): k_cache[slot // block_size, :, slot % block_size] = k"
+        "store the new token's k and v at its slot (the slots your append computed, in self.new_slots): "
+        "self.storage.write_slots(layer, self.new_slots, k, v)"
     )
 
 
@@ -476,7 +479,7 @@ def _paged_cache(c: Checker, cache_class) -> None:
     generator = torch.Generator().manual_seed(90)
     call_new = "cache = MyPagedCache(config, 16, 4, device, torch.float32)  # 2 layers, 2 heads of 8"
     cache = c.run(call_new, lambda: cache_class(CONFIG, 16, 4, device, torch.float32))
-    c.run("cache.allocators  # made by the __init__ you were given", lambda: _stale(cache, seed=91))
+    c.run("cache.storage  # made by the __init__ you were given", lambda: _stale(cache, seed=91))
     c.equal(
         "cache.num_free_blocks  # a new cache", lambda: cache.num_free_blocks, 16, "all 16 blocks are free"
     )
@@ -487,26 +490,26 @@ def _paged_cache(c: Checker, cache_class) -> None:
         "cache.num_free_blocks after cache.add_sequence('a', 6)",
         lambda: cache.num_free_blocks,
         14,
-        "6 tokens in blocks of 4 take 2 blocks: allocate_for_sequence in each layer's allocator",
+        "6 tokens in blocks of 4 take 2 blocks: self.manager.allocate(seq_id, num_tokens), once",
     )
     c.equal(
-        "[allocator.sequence_length('a') for allocator in cache.allocators]",
-        lambda: [allocator.sequence_length("a") for allocator in cache.allocators],
-        [6] * layers,
-        EVERY_LAYER_ADD,
+        "cache.manager.sequence_length('a')",
+        lambda: cache.manager.sequence_length("a"),
+        6,
+        "add_sequence gives the prompt its blocks in the manager: " + ONCE,
     )
     c.run("cache.add_sequence('b', 8)", lambda: cache.add_sequence("b", 8))
     c.equal(
         "cache.needs_new_block('a')  # 6 tokens in 2 blocks of 4",
         lambda: cache.needs_new_block("a"),
         False,
-        "'a' has 2 free slots in its last block: ask an allocator's needs_new_block",
+        "'a' has 2 free slots in its last block: ask the manager's needs_new_block",
     )
     c.equal(
         "cache.needs_new_block('b')  # 8 tokens in 2 blocks of 4",
         lambda: cache.needs_new_block("b"),
         True,
-        "'b' fills its 2 blocks: its next token needs a new one (ask an allocator's needs_new_block)",
+        "'b' fills its 2 blocks: its next token needs a new one (ask the manager's needs_new_block)",
     )
 
     # write_prompt
@@ -524,17 +527,17 @@ def _paged_cache(c: Checker, cache_class) -> None:
             lambda layer=layer, seq_id=seq_id, k=k, v=v: cache.write_prompt(layer, seq_id, k, v),
         )
     for (layer, seq_id), (k, v) in prompt.items():
-        call = (
-            f"cache.allocators[{layer}].read_kv({seq_id!r})  # after write_prompt({layer}, {seq_id!r}, k, v)"
-        )
-        got_k, got_v = c.run(call, lambda layer=layer, seq_id=seq_id: cache.allocators[layer].read_kv(seq_id))
+        call = f"layer {layer}'s K and V of {seq_id!r} after cache.write_prompt({layer}, {seq_id!r}, k, v)"
+        got_k, got_v = c.run(call, lambda layer=layer, seq_id=seq_id: _read(cache, layer, seq_id))
         swapped = torch.equal(got_k, v) and torch.equal(got_v, k)
         c.holds(
             call,
             torch.equal(got_k, k) and torch.equal(got_v, v),
             "(k, v)",
             "(v, k)" if swapped else "other tensors",
-            SWAPPED if swapped else f"store layer {layer}'s prompt in self.allocators[{layer}] with write_kv",
+            SWAPPED
+            if swapped
+            else f"store layer {layer}'s prompt in its pool: self.storage.write({layer}, block_ids, k, v)",
         )
 
     # append
@@ -563,17 +566,23 @@ def _paged_cache(c: Checker, cache_class) -> None:
     )
     c.holds(
         "cache.append(['a', 'b']).device",
-        positions.device == cache.allocators[0].device,
-        str(cache.allocators[0].device),
+        positions.device == cache.storage.device,
+        str(cache.storage.device),
         str(positions.device),
         "make the positions on self.device, the model's",
     )
-    c.equal(
-        "[[allocator.sequence_length(s) for s in ('a', 'b')] for allocator in cache.allocators]",
-        lambda: [[allocator.sequence_length(s) for s in ("a", "b")] for allocator in cache.allocators],
-        [[7, 9]] * layers,
-        "append grows each sequence by one token in every layer: decode_slots(allocator, seq_ids) for each "
-        "of self.allocators",
+    lengths = c.run(
+        "[cache.manager.sequence_length(s) for s in ('a', 'b')] after cache.append(['a', 'b'])",
+        lambda: [cache.manager.sequence_length(s) for s in ("a", "b")],
+    )
+    c.holds(
+        "[cache.manager.sequence_length(s) for s in ('a', 'b')] after cache.append(['a', 'b'])",
+        lengths == [7, 9],
+        [7, 9],
+        lengths,
+        f"you grew each sequence {layers} times, once per layer: " + ONCE
+        if lengths == [6 + layers, 8 + layers]
+        else "append grows each sequence by one token, all or nothing: self.manager.append_batch(seq_ids)",
     )
     c.equal(
         "cache.num_free_blocks after cache.append(['a', 'b'])",
@@ -587,16 +596,22 @@ def _paged_cache(c: Checker, cache_class) -> None:
         q, k, v = (_randn(2, heads, dim, generator=generator) for _ in range(3))
         call = f"cache.attend({layer}, ['a', 'b'], q, k, v)  # after the append: 'a' holds 7 tokens, 'b' 9"
         out = c.run(call, lambda layer=layer, q=q, k=k, v=v: cache.attend(layer, ["a", "b"], q, k, v))
-        allocator = cache.allocators[layer]
+        c.equal(
+            f"[cache.manager.sequence_length(s) for s in ('a', 'b')] after {call}",
+            lambda: [cache.manager.sequence_length(s) for s in ("a", "b")],
+            [7, 9],
+            "attend stores and attends, and grows nothing: the step's one append already grew every "
+            "sequence for all the layers",
+        )
         for b, seq_id in enumerate(("a", "b")):
-            read = f"the last K and V of cache.allocators[{layer}].read_kv({seq_id!r}) after {call}"
-            got_k, got_v = (t[-1] for t in c.run(read, lambda a=allocator, s=seq_id: a.read_kv(s)))
+            read = f"layer {layer}'s last K and V of {seq_id!r} in cache.storage after {call}"
+            got_k, got_v = (t[-1] for t in c.run(read, lambda s=seq_id, layer=layer: _read(cache, layer, s)))
             c.holds(
                 read,
                 torch.equal(got_k, k[b]) and torch.equal(got_v, v[b]),
                 f"k[{b}] and v[{b}], the new token's",
                 "other values",
-                _stored_hint(allocator, seq_id, k[b], v[b]),
+                _stored_hint(cache, layer, seq_id, k[b], v[b]),
             )
         expected = torch.stack(
             [
@@ -633,18 +648,9 @@ def _paged_cache(c: Checker, cache_class) -> None:
 
     # free
     c.run("cache.free('a')", lambda: cache.free("a"))
-    c.equal(
-        "[allocator.num_free_blocks for allocator in cache.allocators] after cache.free('a')",
-        lambda: [allocator.num_free_blocks for allocator in cache.allocators],
-        [13] * layers,
-        EVERY_LAYER_FREE,
-    )
-    c.equal(
-        "['a' in allocator for allocator in cache.allocators] after cache.free('a')",
-        lambda: ["a" in allocator for allocator in cache.allocators],
-        [False] * layers,
-        EVERY_LAYER_FREE,
-    )
+    free_hint = "free must give the sequence's blocks back to the manager (self.manager.free), once"
+    c.equal("cache.num_free_blocks after cache.free('a')", lambda: cache.num_free_blocks, 13, free_hint)
+    c.equal("'a' in cache.manager after cache.free('a')", lambda: "a" in cache.manager, False, free_hint)
     c.run("cache.free('b')", lambda: cache.free("b"))
 
     # generate, in a shuffled pool of stale blocks
@@ -682,10 +688,10 @@ def _paged_cache(c: Checker, cache_class) -> None:
         ATTEND,
     )
     c.equal(
-        f"[allocator.num_free_blocks for allocator in pool.allocators] after {call}",
-        lambda: [allocator.num_free_blocks for allocator in pool.allocators],
-        [40] * layers,
-        "generate frees every sequence at the end: " + EVERY_LAYER_FREE,
+        f"pool.num_free_blocks after {call}",
+        lambda: pool.num_free_blocks,
+        40,
+        "generate frees every sequence at the end: give the blocks back in free (self.manager.free)",
     )
 
     # The engine, with the cache plugged in
@@ -723,10 +729,10 @@ def _paged_cache(c: Checker, cache_class) -> None:
         )
         (engine_cache,) = caches
         c.equal(
-            f"[allocator.num_free_blocks for allocator in cache.allocators] after {call}",
-            lambda engine_cache=engine_cache: [a.num_free_blocks for a in engine_cache.allocators],
-            [sizes["num_blocks"]] * layers,
-            "a finished request frees its blocks: " + EVERY_LAYER_FREE,
+            f"cache.num_free_blocks after {call}",
+            lambda engine_cache=engine_cache: engine_cache.num_free_blocks,
+            sizes["num_blocks"],
+            "a finished request frees its blocks: give them back in free (self.manager.free)",
         )
         if preempts:
             c.holds(

@@ -12,9 +12,7 @@ MESSAGE = "the new token attends to itself too"
 class MyPagedCache(MyPagedCache):
     def attend(self, layer, seq_ids, q, k, v):
         super().attend(layer, seq_ids, q, k, v)  # stores k and v where they belong
-        allocator = self.allocators[layer]
-        tables = allocator.block_tables_tensor(seq_ids)
-        lengths = torch.tensor([allocator.sequence_length(s) - 1 for s in seq_ids], device=self.device)
-        return paged_attention(
-            q, allocator.k_cache, allocator.v_cache, tables, lengths
-        )  # the mistake: length - 1
+        tables = torch.tensor(self.manager.block_rows(seq_ids), device=self.device)
+        lengths = torch.tensor([self.manager.sequence_length(s) - 1 for s in seq_ids], device=self.device)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return paged_attention(q, k_cache, v_cache, tables, lengths)  # the mistake: length - 1

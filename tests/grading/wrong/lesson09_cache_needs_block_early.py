@@ -8,5 +8,5 @@ MESSAGE = "its next token needs a new one"
 
 class MyPagedCache(MyPagedCache):
     def needs_new_block(self, seq_id):
-        length = self.allocators[0].sequence_length(seq_id)
+        length = self.manager.sequence_length(seq_id)
         return (length + 1) % self.block_size == 0  # the mistake: off by one

@@ -11,11 +11,11 @@ MESSAGE = "you wrote the new token at position"
 
 class MyPagedCache(MyPagedCache):
     def attend(self, layer, seq_ids, q, k, v):
-        allocator = self.allocators[layer]
-        tables = allocator.block_tables_tensor(seq_ids).long()
-        lengths = torch.tensor([allocator.sequence_length(s) for s in seq_ids], device=self.device)
+        tables = torch.tensor(self.manager.block_rows(seq_ids), device=self.device)
+        lengths = torch.tensor([self.manager.sequence_length(s) for s in seq_ids], device=self.device)
         blocks = tables.gather(1, (lengths // self.block_size)[:, None].clamp(max=tables.shape[1] - 1))[:, 0]
         offsets = lengths % self.block_size  # the mistake: position length, not length - 1
-        allocator.k_cache[blocks, :, offsets] = k
-        allocator.v_cache[blocks, :, offsets] = v
-        return paged_attention(q, allocator.k_cache, allocator.v_cache, tables, lengths)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
+        return paged_attention(q, k_cache, v_cache, tables, lengths)
