@@ -18,7 +18,7 @@
 # 3. trace the engine's loop: admission with one block of headroom per running sequence, a new block
 #    only at a block boundary during decode, and memory released the step a request finishes;
 # 4. serve a ShareGPT-shaped workload in the same memory with paged blocks and with contiguous
-#    slots, and compare running sequences, steps and memory utilisation;
+#    slots, and compare running sequences, steps and memory utilization;
 # 5. weigh what paging costs (a slower attention kernel, some bookkeeping) against what it saves,
 #    with the numbers of the course's benchmarks and of the vLLM paper.
 #
@@ -83,13 +83,14 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 #
 # Two caches implement them. `ContiguousKVCache` is the baseline: per layer and per sequence, one K
 # and one V tensor that grow by concatenation, and PyTorch's `scaled_dot_product_attention` (SDPA)
-# over them. `PagedKVCache` keeps one `PagedKVCacheAllocator` per layer, each with its own pool of
-# blocks: `add_sequence` is `allocate_for_sequence` (lesson 02), `write_prompt` is `write_kv`
-# (lesson 03), `append` is `append_tokens` (lesson 04), `attend` writes the new K and V into their
-# slots and calls `paged_attention` through `block_tables_tensor` (lesson 05), and `free` is
-# `free_sequence`. Every layer stores the same tokens at the same positions, so the allocators
-# receive the same calls and hold identical block tables. (vLLM keeps a single block table for all
-# the layers' pools; one allocator per layer lets each layer use the package unchanged.)
+# over them. `PagedKVCache` keeps, as vLLM does, **one block manager** for all the layers (the
+# bookkeeping of lessons 02, 04 and 07: block tables, ref counts, the free list, no tensors) and,
+# per layer, a pool of K/V blocks that the same block ids index: `add_sequence` allocates the
+# prompt's blocks once (lesson 02), `write_prompt` writes a layer's K and V into their slots (lesson
+# 03), `append` grows every sequence by one token, taking a block at a boundary (lesson 04), `attend`
+# writes the new K and V and calls `paged_attention` on the block tables (lesson 05), and `free`
+# gives the blocks back. Every layer stores the same tokens at the same slots, so one block table per
+# sequence serves every layer.
 #
 # How large is this model's cache? Each token stores one key and one value vector of `num_heads *
 # head_dim` numbers in every layer.
@@ -113,17 +114,18 @@ print(f"a sequence of max_len {config.max_len} tokens: {bytes_per_token * config
 cache = PagedKVCache(config, num_blocks=8, block_size=4, device=device)
 prompt = torch.tensor(encode("Paging!"), device=device)
 cache.add_sequence("s", len(prompt))
-layer0, layer1 = cache.allocators
+blocks = cache.manager  # the one block manager of every layer
 steps = []  # the logits of each new token
 with torch.no_grad():
     steps.append(model.prefill(prompt, "s", cache)[-1])
-    print(f"prefill:       {layer0.sequence_length('s')} tokens, block table {layer0.get_block_mapping('s')}")
+    print(
+        f"prefill:       {blocks.sequence_length('s')} tokens, block table {blocks.get_block_table('s').block_ids}"
+    )
     for step in range(1, 7):
         token = steps[-1].argmax()[None]
         steps.append(model.decode_step(token, ["s"], cache)[0])
-        table = layer0.get_block_mapping("s")
-        print(f"decode step {step}: {layer0.sequence_length('s')} tokens, block table {table}")
-print("both layers hold the same table:", layer1.get_block_mapping("s") == table)
+        table = blocks.get_block_table("s").block_ids
+        print(f"decode step {step}: {blocks.sequence_length('s')} tokens, block table {table}")
 
 # %% [markdown]
 # After decode step 1 the sequence holds 8 tokens, filling its two blocks exactly; decode step 2
@@ -147,7 +149,7 @@ print(
     torch.allclose(full[len(prompt) - 1 :], cached, atol=1e-4, rtol=1e-4),
 )
 cache.free("s")
-print("free blocks after free:", cache.num_free_blocks, "of", layer0.num_blocks)
+print("free blocks after free:", cache.num_free_blocks, "of", cache.num_blocks)
 
 # %% [markdown]
 # ## 2. The same text, whichever the cache
@@ -237,7 +239,16 @@ plt.show()
 # ## 3. The engine: continuous batching on the paged cache
 #
 # `generate` serves one batch that starts together. A server has requests arriving all the time.
-# `paged_kv.serving.engine.Engine` is lesson 06's continuous-batching loop with the tiny GPT behind it. An
+# `paged_kv.serving.engine.Engine` runs the tiny GPT behind the package's one scheduler,
+# `paged_kv.serving.scheduler.Scheduler`: the scheduler lesson 06's simulator runs with a stand-in
+# for the model, so both count steps and tokens alike. It is split the way serving engines are: each
+# step, `output = scheduler.schedule()` decides what runs and returns it as a value (a
+# `SchedulerOutput`: the admissions to prefill, the sequences to decode, the preemptions), a model
+# runner computes it (`ModelRunner.execute(output)`: the prefills, then one batched `decode_step`)
+# and returns the sampled tokens, and `scheduler.update(output, result)` appends them and finishes
+# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()` returning a
+# `SchedulerOutput` (`vllm/v1/core/sched/`), `GPUModelRunner.execute_model`
+# (`vllm/v1/worker/gpu_model_runner.py`) and `Scheduler.update_from_output`. An
 # `EngineRequest(request_id, prompt, max_new_tokens, arrival_step)` asks for `max_new_tokens` tokens
 # (there is no end-of-sequence token, so it gets exactly that many). `Engine(model, num_blocks=...,
 # block_size=..., mode=...)` serves requests in a budget of `num_blocks * block_size` token slots,
@@ -351,7 +362,7 @@ print("mode          steps  peak running  mean running  most waiting  mean util 
 for mode, r in results.items():
     print(
         f"{mode:<12}{r.steps:>7}{r.peak_running:>14}{r.mean_running:>14.1f}{max(r.waiting):>14}"
-        f"{r.mean_utilisation:>11.0%}{r.preemptions:>13}"
+        f"{r.mean_utilization:>11.0%}{r.preemptions:>13}"
     )
 print()
 print("same tokens in both modes:", paged_run.tokens == contiguous_run.tokens)
@@ -365,7 +376,7 @@ print(f"mean running, paged / contiguous: {paged_run.mean_running / contiguous_r
 # and the headroom rule kept it from ever preempting.
 #
 # The engine's metrics, step by step. `plot_metrics` draws the running and the waiting sequences,
-# and the utilisation on a second axis (tokens held / slots reserved). First the paged engine:
+# and the utilization on a second axis (tokens held / slots reserved). First the paged engine:
 
 # %%
 ax = plot_metrics(paged_run)
@@ -449,7 +460,7 @@ for mode, r in results.items():
 #   one included) are free, takes blocks on demand, and frees a finished request at once; in the
 #   three-request example `c` waits from step 1 to step 6.
 # * On 96 ShareGPT-shaped requests in 2,048 slots: 17.3 sequences running on average against 7.2
-#   (2.4 times), 226 steps against 544, utilisation 89 % against 24 %, the same tokens. The
+#   (2.4 times), 226 steps against 544, utilization 89 % against 24 %, the same tokens. The
 #   benchmark's burst of 160 requests gives 2.5 times.
 # * The costs: `paged_attention` at 1.3 to 2 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
