@@ -293,7 +293,7 @@ def run(
             decode["batched"] * 1e3,
             decode["nano_style"] * 1e3,
             decode["batched"] / decode["nano_style"],
-            "≤ 1.0",
+            "<= 1.0x",
             decode["batched"] <= decode["nano_style"],
             unit="ms",
         ),
