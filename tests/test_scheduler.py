@@ -8,7 +8,9 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from paged_kv.core.block import blocks_for_tokens
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
@@ -254,3 +256,55 @@ def test_an_update_that_does_not_match_the_step_changes_nothing():
         scheduler.update(SchedulerOutput(5), RunnerOutput({}))
     assert [len(s.generated) for s in scheduler.running] == [0]
     assert scheduler.update(output, RunnerOutput({"a": 1})).num_running == 1
+
+
+# -------------------------------------------------------------------------- stateful, step by step
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests added between steps, in any order, on a small pool, preempting by recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block_size, self.num_blocks = 2, 8
+        self.cache = BlockBookkeeping(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(PagedMemory(self.cache, self.num_blocks, self.block_size))
+        self.runner = CountingRunner(self.scheduler.memory)
+        self.added: dict = {}
+        self.finished: dict = {}
+
+    @rule(prompt=st.integers(1, 6), outputs=st.integers(1, 6))
+    def add(self, prompt: int, outputs: int) -> None:
+        request = SchedulerRequest(len(self.added), prompt, outputs)
+        self.scheduler.add_request(request)
+        self.added[request.request_id] = request
+
+    @rule()
+    def step(self) -> None:
+        running_before = {s.request.request_id for s in self.scheduler.running}
+        output = self.scheduler.schedule()
+        # Only sequences running before the step decode; newcomers prefill; victims are the newest.
+        assert {d.request_id for d in output.decodes} <= running_before | {
+            s.request_id for s in output.swapped_in
+        }
+        assert not {p.request.request_id for p in output.prefills} & running_before
+        result = self.scheduler.update(output, self.runner.execute(output))
+        assert result.held_tokens <= result.reserved_tokens
+        for request_id, tokens in result.finished:
+            assert len(tokens) == self.added[request_id].max_new_tokens
+            self.finished[request_id] = tokens
+
+    @invariant()
+    def every_request_is_in_one_place(self) -> None:
+        running = [s.request.request_id for s in self.scheduler.running]
+        waiting = [r.request_id for r in self.scheduler.waiting]
+        places = running + waiting + list(self.finished)
+        assert sorted(places) == sorted(self.added)
+
+    @invariant()
+    def the_memory_holds_the_running_sequences(self) -> None:
+        used = sum(blocks_for_tokens(s.held, self.block_size) for s in self.scheduler.running)
+        assert self.cache.num_free_blocks == self.num_blocks - used
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase

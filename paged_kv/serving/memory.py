@@ -58,8 +58,8 @@ class KVMemory(Protocol):
         """Give the request's prompt its room; return the leading prompt tokens the prefix cache served."""
         ...
 
-    def decode_needs(self, seq_ids: Sequence[Hashable]) -> int:
-        """The free blocks a decode step of ``seq_ids`` takes (0 for contiguous reservations)."""
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        """Whether the sequence's next token takes a free block (never, in a contiguous reservation)."""
         ...
 
     @property
@@ -214,8 +214,8 @@ class PagedMemory:
             )
         return cached
 
-    def decode_needs(self, seq_ids: Sequence[Hashable]) -> int:
-        return sum(self.cache.needs_new_block(seq_id) for seq_id in seq_ids)
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        return self.cache.needs_new_block(seq_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -295,8 +295,8 @@ class ContiguousMemory:
             self.cache.add_sequence(request.request_id, request.num_prompt_tokens)
         return 0
 
-    def decode_needs(self, seq_ids: Sequence[Hashable]) -> int:
-        return 0
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        return False
 
     @property
     def num_free_blocks(self) -> int:

@@ -323,13 +323,13 @@ class Scheduler:
         """
         preempted = []
         while True:
-            decoding_ids = {s.request.request_id for s in decoding if s in self.running}
+            decoding_ids = {s.request.request_id for s in decoding}
             candidates = [
                 (
                     s.request.request_id,
                     self.memory.blocks_held(s.held),
                     s.request.request_id in decoding_ids
-                    and bool(self.memory.decode_needs([s.request.request_id])),
+                    and self.memory.needs_new_block(s.request.request_id),
                 )
                 for s in self.running
             ]

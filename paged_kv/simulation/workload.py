@@ -463,7 +463,10 @@ def simulate(
     if len({r.request_id for r in requests}) != len(requests):
         raise ValueError("requests must have distinct request_id values")
     if policy.capacity(budget_tokens) == 0:
-        raise ValueError(f"budget_tokens {budget_tokens} holds not one block of {policy.name}")
+        culprit = f"request {requests[0].request_id!r}" if requests else "any request"
+        raise ValueError(
+            f"budget_tokens {budget_tokens} cannot hold {culprit} alone: {policy.name} needs one whole block"
+        )
     memory = policy.memory(budget_tokens, record)
     arrivals = [
         (r.arrival_step, SchedulerRequest(r.request_id, r.prompt_tokens, r.output_tokens)) for r in requests
