@@ -451,7 +451,7 @@ def test_a_cache_that_cannot_do_prefix_caching_is_refused(model: TinyGPT) -> Non
         engine.run(requests)
 
 
-def test_plot_metrics_shows_a_utilisation_above_one(model: TinyGPT) -> None:
+def test_plot_metrics_shows_a_utilization_above_one(model: TinyGPT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
