@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv import blocks_for_tokens
 from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.serving.memory import blocks_alone
 from paged_kv.simulation.sharing import (
     VOCAB_SIZE,
     ServeResult,
@@ -16,7 +16,6 @@ from paged_kv.simulation.sharing import (
     serve,
     system_prompt_requests,
 )
-from paged_kv.serving.memory import blocks_alone
 from paged_kv.simulation.workload import SHAREGPT, sample_requests
 
 pytestmark = pytest.mark.lesson07
