@@ -157,7 +157,7 @@ def run(
         Row(f"{name}: hit rate in prompt tokens vs the ideal (the system prompt, for all but the first)",
             100 * hit_rate, 100 * ideal_rate, hit_rate / ideal_rate, f">= {HIT_RATE_TARGET}x",
             hit_rate / ideal_rate >= HIT_RATE_TARGET, "%"),
-        Row(f"{name}: allocator time per request, prefix caching vs none",
+        Row(f"{name}: serving time per request (scheduler and allocator), prefix caching vs none",
             timed[True] * 1e6, timed[False] * 1e6, timed[True] / timed[False], "—", None),
     ]  # fmt: skip
     return rows
