@@ -294,6 +294,12 @@ print("c:", cache.get_block_table("c"))
 #
 # The K/V writes are left out; they do not change which blocks are taken.
 #
+# This admission rule is the simplest there is: a request joins when its prompt's blocks are free.
+# The package has one scheduler, `paged_kv.serving.scheduler.Scheduler`, which lesson 06's
+# simulator and lesson 09's engine both run; it is more careful, and admits a request only when one
+# block of headroom per running sequence is free as well, so that the next decode step cannot run
+# dry (lessons 06 and 08 show why).
+#
 # **Predict, then run.** B (3 prompt tokens, 4 to generate) finishes first. When it does, which
 # request takes its place, and does it get B's blocks?
 
