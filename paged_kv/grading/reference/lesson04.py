@@ -1,4 +1,4 @@
-"""Exercise 04 graded on the package: ``needs_new_block`` is the boundary rule of :mod:`paged_kv.kv.mapping`
+"""Exercise 04 graded on the package: ``needs_new_block`` is the boundary rule of :mod:`paged_kv.core.mapping`
 (the one ``PagedKVCacheAllocator.needs_new_block`` applies to a sequence); ``BlockManager`` is lesson
 02's ``SequenceAllocator``, so :class:`paged_kv.kv.cache.PagedKVCacheAllocator`, whose
 ``append_block_to_sequence`` is the one graded, seen through the seed lesson's names
@@ -16,9 +16,11 @@ from collections.abc import Iterable as _Iterable
 from paged_kv.core.block import Block as _Block
 from paged_kv.core.block import BlockTable as _BlockTable
 from paged_kv.core.block import blocks_for_tokens as _blocks_for_tokens
+from paged_kv.core.mapping import needs_new_block
+from paged_kv.errors import OutOfBlocksError as _OutOfBlocksError
 from paged_kv.grading.reference.lesson02 import SequenceAllocator as _SequenceAllocator
-from paged_kv.kv.mapping import needs_new_block
-from paged_kv.serving.scheduling import decode_step, finish_and_admit
+from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
+from paged_kv.validate import check_count as _check_count
 
 __all__ = ["BlockManager", "decode_step", "finish_and_admit", "needs_new_block"]
 
