@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv import PagedKVCacheAllocator
+from paged_kv import BlockManager
 from paged_kv.serving.protocols import BlockCache, SwappingCache
 from paged_kv.simulation.workload import (
     ALPACA,
@@ -185,28 +185,28 @@ def test_block_bookkeeping_is_a_block_cache_for_the_scheduler():
     assert cache.num_free_blocks == 4 and cache.trace == []
 
 
-class CountingAllocator(PagedKVCacheAllocator):
-    """The package's allocator, counting the calls the simulator makes."""
+class CountingManager(BlockManager):
+    """The package's block manager, counting the calls the simulator makes (appends per sequence)."""
 
     calls: dict[str, int]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls = {"allocate": 0, "append": 0, "free": 0}
-        CountingAllocator.last = self
+        CountingManager.last = self
 
-    def allocate_for_sequence(self, seq_id, num_prompt_tokens, token_ids=None):
+    def allocate(self, seq_id, num_prompt_tokens, token_ids=None):
         self.calls["allocate"] += 1
-        return super().allocate_for_sequence(seq_id, num_prompt_tokens, token_ids)
+        return super().allocate(seq_id, num_prompt_tokens, token_ids)
 
-    def append_tokens(self, seq_id, n=1):
-        new = super().append_tokens(seq_id, n)  # counts only appends that succeed
-        self.calls["append"] += 1
-        return new
+    def append_batch(self, seq_ids):
+        copies = super().append_batch(seq_ids)  # counts only appends that succeed
+        self.calls["append"] += len(seq_ids)
+        return copies
 
-    def free_sequence(self, seq_id):
+    def free(self, seq_id):
         self.calls["free"] += 1
-        return super().free_sequence(seq_id)
+        return super().free(seq_id)
 
 
 def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
@@ -215,7 +215,7 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # both take a 2nd block: 0 free. Step 2: both fill it. Step 3: both need a 3rd block, none is
     # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B starts
     # over at step 4 and finishes at step 7.
-    monkeypatch.setattr("paged_kv.simulation.workload.PagedKVCacheAllocator", CountingAllocator)
+    monkeypatch.setattr("paged_kv.simulation.workload.BlockManager", CountingManager)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1
@@ -224,9 +224,9 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
     assert result.held_tokens == [4, 6, 8, 5, 2, 3, 4, 5]
     assert result.reserved_tokens == [4, 8, 8, 6, 2, 4, 4, 6]
-    # The real allocator did the bookkeeping: B was allocated twice and its 2 first decodes redone.
-    assert CountingAllocator.last.calls == {"allocate": 3, "append": 3 + 2 + 3, "free": 3}
-    assert CountingAllocator.last.num_free_blocks == 4
+    # The real manager did the bookkeeping: B was allocated twice and its 2 first decodes redone.
+    assert CountingManager.last.calls == {"allocate": 3, "append": 3 + 2 + 3, "free": 3}
+    assert CountingManager.last.num_free_blocks == 4
 
 
 def test_the_contiguous_oracle_never_preempts_the_same_workload():

@@ -170,4 +170,4 @@ def serve(
         cached += sum(p.num_cached_tokens for p in output.prefills)
         preemptions += len(output.preemptions)
         steps += 1
-    return ServeResult(prompt_tokens, cached, cache.allocator.prefix_cache_stats, steps, preemptions)
+    return ServeResult(prompt_tokens, cached, cache.manager.prefix_cache_stats, steps, preemptions)

@@ -9,7 +9,7 @@ only counts tokens (:class:`~paged_kv.serving.model_runner.CountingRunner`), so 
 tokens exactly as lesson 09's engine does. The policies:
 
 * :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a
-  :class:`BlockBookkeeping` (the package's allocator with no model behind it), admitted by the
+  :class:`BlockBookkeeping` (the package's block manager with no model behind it), admitted by the
   engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
@@ -30,8 +30,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.trace import TraceFrame
-from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.progress import progress_bar
 from paged_kv.serving.memory import ContiguousMemory, KVMemory, PagedMemory
 from paged_kv.serving.model_runner import CountingRunner
@@ -297,46 +297,44 @@ Policy = PagedPolicy | ContiguousPolicy
 
 
 class BlockBookkeeping:
-    """Paged blocks with no model behind them: the :class:`~paged_kv.serving.protocols.BlockCache`
-    the simulators' scheduler admits into (lessons 06, 07).
+    """Paged blocks with no model and no tensor behind them: the
+    :class:`~paged_kv.serving.protocols.BlockCache` the simulators' scheduler admits into (lessons 06, 07).
 
-    It is the package's :class:`~paged_kv.kv.cache.PagedKVCacheAllocator` with one head of dimension
-    one (its K/V tensors are a few bytes and never written), so the blocks are taken, shared,
-    cached and freed exactly as in the engine. ``record=True`` keeps the allocator's frames for an
-    animation (:attr:`trace`).
+    It is the package's :class:`~paged_kv.core.block_manager.BlockManager`, the bookkeeping the
+    engine's cache uses, so the blocks are taken, shared, cached and freed exactly as in the engine;
+    a decode step is one all-or-nothing ``append_batch``. ``record=True`` keeps the manager's frames
+    for an animation (:attr:`trace`).
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False, record: bool = False
     ) -> None:
-        self.allocator = PagedKVCacheAllocator(
-            num_blocks, block_size, 1, 1, record=record, enable_prefix_caching=enable_prefix_caching
-        )
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self._recorder = Recorder(self.manager) if record else None
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        return self.manager.num_free_blocks
 
     def needs_new_block(self, seq_id: Hashable) -> bool:
-        return self.allocator.needs_new_block(seq_id)
+        return self.manager.needs_new_block(seq_id)
 
     def add_sequence(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
-        self.allocator.allocate_for_sequence(seq_id, num_tokens, token_ids)
+        self.manager.allocate(seq_id, num_tokens, token_ids)
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
-        return self.allocator.num_cached_tokens(seq_id)
+        return self.manager.num_cached_tokens(seq_id)
 
     def append(self, seq_ids: Sequence[Hashable]) -> None:
-        for seq_id in seq_ids:  # the scheduler made sure the blocks they need are free
-            self.allocator.append_tokens(seq_id)
+        self.manager.append_batch(seq_ids)  # the scheduler made sure the blocks they need are free
 
     def free(self, seq_id: Hashable) -> None:
-        self.allocator.free_sequence(seq_id)
+        self.manager.free(seq_id)
 
     @property
     def trace(self) -> list[TraceFrame]:
         """The recorded frames (empty unless built with ``record=True``)."""
-        return self.allocator.trace
+        return list(self._recorder.frames) if self._recorder is not None else []
 
 
 def sequences_that_fit(requests: Sequence[Request], policy: Policy, budget_tokens: int) -> int:
