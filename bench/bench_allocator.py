@@ -144,6 +144,7 @@ def decode_run_times(
         manager = BlockManager(num_blocks, block_size)
         for seq_id in seq_ids:
             manager.allocate(seq_id, prompt)
+
         def run() -> None:
             for _ in range(steps):
                 manager.append_batch(seq_ids)
@@ -154,6 +155,7 @@ def decode_run_times(
         cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads=1, head_dim=1)
         for seq_id in seq_ids:
             cache.allocate_for_sequence(seq_id, prompt)
+
         def run() -> None:
             for _ in range(steps):
                 for seq_id in seq_ids:

@@ -168,11 +168,12 @@ print("free_block_ids:  ", list(cache.snapshot().free_block_ids))
 # block ids and never touches a tensor, and the model runner holds the per-layer `kv_caches`.
 
 # %%
-manager_tensors = [name for name, value in vars(cache.manager).items() if isinstance(value, torch.Tensor)]
-print(type(cache.manager).__name__, "tensors:", manager_tensors)
-print(type(cache.storage).__name__, "layers:", cache.storage.num_layers, "| k_cache:", tuple(cache.k_cache.shape))
+manager, storage = cache.manager, cache.storage
+tensors = [name for name, value in vars(manager).items() if isinstance(value, torch.Tensor)]
+print(f"{type(manager).__name__}: tensors {tensors}")
+print(f"{type(storage).__name__}: {storage.num_layers} layer, k_cache {tuple(cache.k_cache.shape)}")
 model_storage = paged_kv.KVStorage(num_layers=32, num_blocks=5, block_size=16, num_heads=2, head_dim=8)
-print("a 32-layer model's block:", model_storage.bytes_per_block // 1024, "KiB over its layers, one allocation")
+print(f"a 32-layer model's block: {model_storage.bytes_per_block // 1024} KiB in all, one allocation")
 
 # %% [markdown]
 # `usage()` measures the pool with the metrics of lesson 00. Three blocks of 16 reserve 48 slots for 33
