@@ -193,7 +193,9 @@ class BlockManager:
         table = self._table(seq_id)
         n = check_count("n", n)
         size, end = self.block_size, table.num_tokens + n
-        shared = self._shared_blocks(table, table.num_tokens, end)
+        shared = (
+            self._shared_blocks(table, table.num_tokens, end) if self._allocator.num_shared_blocks else ()
+        )
         missing = max(0, -(-end // size) - len(table.block_ids))
         if len(shared) + missing > self._allocator.num_free_blocks:
             self._check_free(len(shared) + missing, f"appending {n} tokens to sequence {seq_id!r}")
