@@ -362,10 +362,7 @@ class PagedKVCacheAllocator:
         """
         length = self.manager.sequence_length(seq_id)
         start_position = check_count("start_position", start_position)
-        self.storage.check_kv("k", k)
-        self.storage.check_kv("v", v)
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        self.storage.check_kv_pair(k, v)
         end = start_position + k.shape[0]
         if end > length:
             raise ValueError(

@@ -111,3 +111,10 @@ class KVStorage:
             raise ValueError(f"{name} has dtype {tensor.dtype} but the cache holds {self.dtype}")
         if tensor.device != self.device:
             raise ValueError(f"{name} is on {tensor.device} but the cache is on {self.device}")
+
+    def check_kv_pair(self, k: object, v: object) -> None:
+        """:meth:`check_kv` of ``k`` and of ``v``, which must also have the same shape."""
+        self.check_kv("k", k)
+        self.check_kv("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")

@@ -283,10 +283,7 @@ class PagedKVCache(KVCache):
         return torch.tensor(self.manager.table(seq_id).block_ids, dtype=torch.long, device=self.device)
 
     def _check_write(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        self.storage.check_kv("k", k)
-        self.storage.check_kv("v", v)
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        self.storage.check_kv_pair(k, v)
         length = self.manager.sequence_length(seq_id)
         if start + len(k) > length:
             raise ValueError(
