@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.model.config import GPTConfig
+from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks
 from paged_kv.simulation.workload import SHAREGPT, sample_requests
 from paged_kv.timing import torch_threads

@@ -31,8 +31,8 @@ from paged_kv import (
     paged_attention,
 )
 from paged_kv.checks import check
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import KVCache
-from paged_kv.model.tiny_gpt import GPTConfig
 
 device = paged_kv.default_device()
 

@@ -32,9 +32,10 @@ import matplotlib.pyplot as plt
 import torch
 
 import paged_kv
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.generate import generate
 from paged_kv.model.kv_cache import PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
+from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.pictures.plots import plot_block_tables
 from paged_kv.serving.engine import Engine, EngineRequest, plot_metrics
 from paged_kv.simulation.workload import sample_requests

@@ -27,11 +27,13 @@ from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.kv.storage import KVStorage
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.generate import GenerationResult, generate
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
+from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
-from paged_kv.serving.scheduler import Scheduler, SchedulerOutput, SchedulerRequest
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import Scheduler, SchedulerOutput
 from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
 

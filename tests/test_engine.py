@@ -10,8 +10,9 @@ import torch
 from hypothesis import event, given, target
 from hypothesis import strategies as st
 
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import (
     Engine,
     EngineRequest,

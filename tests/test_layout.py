@@ -68,3 +68,37 @@ def test_one_name_per_concept() -> None:
     sources = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
     assert "utilisation" not in sources  # one spelling: utilization
     assert not re.search(r"^class Block\(nn\.Module\)", sources, re.M)  # the model's is DecoderLayer
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every ``paged_kv`` module ``path`` imports by name, type-only imports included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paged_kv"):
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("paged_kv")}
+    return names
+
+
+def test_no_two_modules_import_each_other() -> None:
+    modules = {
+        ".".join(("paged_kv", *p.relative_to(PACKAGE).with_suffix("").parts)): p
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {name: imported_modules(path) & set(modules) for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(graph[name]):
+            assert state.get(other) != 1, " -> ".join([*path[path.index(other) :], other])
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

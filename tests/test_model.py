@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from paged_kv import OutOfBlocksError, blocks_for_tokens
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.generate import generate
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT, decode, encode
+from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 
 pytestmark = pytest.mark.lesson09
 

@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.memory import ContiguousMemory, PagedMemory, admits
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.protocols import BlockCache, PagedCache, PrefixCachingCache, SwappingCache
-from paged_kv.serving.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerRequest, run_steps
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import RunnerOutput, Scheduler, SchedulerOutput, run_steps
 from paged_kv.simulation.workload import BlockBookkeeping, ContiguousPolicy, PagedPolicy, Request, simulate
 
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)

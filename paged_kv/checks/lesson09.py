@@ -24,8 +24,9 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.model.config import GPTConfig
 from paged_kv.model.generate import generate
-from paged_kv.model.tiny_gpt import GPTConfig, TinyGPT
+from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
 
 # A GPT small enough for the checks to run in a blink, with two layers so that "once for all layers" matters.

@@ -35,7 +35,7 @@ from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
-from paged_kv.model.tiny_gpt import GPTConfig
+from paged_kv.model.config import GPTConfig
 
 
 @runtime_checkable

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_kv.model.config import GPTConfig
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
@@ -39,25 +39,6 @@ def encode(text: str) -> list[int]:
 def decode(ids: Sequence[int]) -> str:
     """The text of byte token ids; bytes that are not valid UTF-8 become U+FFFD."""
     return bytes(ids).decode("utf-8", errors="replace")
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """The sizes of :class:`TinyGPT`; the model width is ``num_heads * head_dim``."""
-
-    vocab_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    head_dim: int = 16
-    max_len: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers", "num_heads", "head_dim", "max_len"):
-            check_count(name, getattr(self, name), minimum=1)
-
-    @property
-    def d_model(self) -> int:
-        return self.num_heads * self.head_dim
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

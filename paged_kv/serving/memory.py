@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.serving.protocols import BlockCache, SwappingCache
+from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
     from paged_kv.model.kv_cache import KVCache
-    from paged_kv.serving.scheduler import SchedulerRequest
 
 
 class KVMemory(Protocol):

@@ -42,34 +42,10 @@ from typing import NamedTuple, Protocol
 
 from paged_kv.serving.memory import KVMemory
 from paged_kv.serving.preemption import choose_victims
-from paged_kv.validate import check_count, check_hashable
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.validate import check_count
 
 PREEMPTIONS = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class SchedulerRequest:
-    """A request as the scheduler sees it: ``num_prompt_tokens`` of prompt, ``max_new_tokens`` to generate.
-
-    ``prompt_token_ids`` are the prompt's token ids, or None where nobody needs them (the
-    simulator); prefix caching and a model need them. Decoding is greedy with no end-of-sequence
-    token, so a request generates exactly ``max_new_tokens`` tokens.
-    """
-
-    request_id: Hashable
-    num_prompt_tokens: int
-    max_new_tokens: int
-    prompt_token_ids: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        check_hashable("request_id", self.request_id)
-        check_count("num_prompt_tokens", self.num_prompt_tokens, minimum=1)
-        check_count("max_new_tokens", self.max_new_tokens, minimum=1)
-        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.num_prompt_tokens:
-            raise ValueError(
-                f"prompt_token_ids of request {self.request_id!r} must hold num_prompt_tokens "
-                f"({self.num_prompt_tokens}) ids, got {len(self.prompt_token_ids)}"
-            )
 
 
 class Prefill(NamedTuple):

@@ -30,7 +30,8 @@ from typing import NamedTuple
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.serving.memory import PagedMemory
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.workload import SHAREGPT, BlockBookkeeping, sample_requests
 from paged_kv.validate import check_count
 

@@ -35,7 +35,8 @@ from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.progress import progress_bar
 from paged_kv.serving.memory import ContiguousMemory, KVMemory, PagedMemory
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.validate import check_count, check_hashable
 
 # ------------------------------------------------------------------------------------ the requests
