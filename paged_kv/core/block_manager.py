@@ -477,9 +477,11 @@ class BlockManager:
         """
         if end <= start or not self._allocator.num_shared_blocks:
             return []
+        first = start // self.block_size
         last = min(len(table.block_ids), blocks_for_tokens(end, self.block_size))
-        logical = range(start // self.block_size, last)
-        return [i for i in logical if self._allocator.ref_count(table.block_ids[i]) > 1]
+        if last - first == 1:  # one block, as for every decode token: one look-up
+            return [first] if self._allocator.ref_count(table.block_ids[first]) > 1 else []
+        return [i for i in range(first, last) if self._allocator.ref_count(table.block_ids[i]) > 1]
 
     def _copy_on_write(self, table: BlockTable, logical_blocks: Sequence[int]) -> Copies:
         """Put a fresh block in place of each shared block of ``logical_blocks``; return the pairs.
