@@ -31,7 +31,7 @@ import paged_kv
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
 from paged_kv.grading.reference.lesson04 import decode_step
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
 from paged_kv.pictures.plots import PALETTE, plot_block_tables

@@ -33,7 +33,7 @@ import torch
 
 import paged_kv
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.pictures.plots import plot_block_tables

@@ -28,7 +28,7 @@ from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import GenerationResult, generate
+from paged_kv.model.generation import GenerationResult, generate
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult

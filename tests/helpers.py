@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import EngineRequest
 

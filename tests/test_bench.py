@@ -27,7 +27,7 @@ from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator  # noqa
 from paged_kv.attention.paged import gather_kv  # noqa: E402
 from paged_kv.core.mapping import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
-from paged_kv.model.generate import generate  # noqa: E402
+from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import torch
 
 from paged_kv import OutOfBlocksError, blocks_for_tokens
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 

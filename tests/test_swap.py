@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from paged_kv import OutOfBlocksError, UnknownSequenceError, blocks_for_tokens
 from paged_kv.kv.swap import SwappedKV, to_host
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 

@@ -1,1 +1,15 @@
-"""Attention over the paged cache: decode and prefill, by gather, in place or by FlexAttention (lesson 05)."""
+"""Attention over the paged cache: decode and prefill, by gather, in place or by FlexAttention (lesson 05).
+
+The package's face: ``from paged_kv.attention import paged_attention`` works; each name lives in
+:mod:`paged_kv.attention.paged` (patch it there).
+"""
+
+from paged_kv.attention.paged import (
+    STRATEGIES,
+    decode_attention,
+    gather_kv,
+    paged_attention,
+    paged_prefill_attention,
+)
+
+__all__ = ["STRATEGIES", "decode_attention", "gather_kv", "paged_attention", "paged_prefill_attention"]

@@ -25,7 +25,7 @@ from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generate import generate
+from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.model.generate import is_token
+from paged_kv.model.generation import is_token
 from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.progress import progress_bar
