@@ -427,7 +427,7 @@ class PagedKVCacheAllocator:
 
     def _block_ids(self, table: BlockTable) -> torch.Tensor:
         """The table's block ids as a 1-D LongTensor on the cache's device, for the mapping functions."""
-        return torch.tensor(table.block_ids, dtype=torch.long, device=self.device)
+        return self.storage.block_index(table.block_ids)
 
 
 def _out_of_range(name: str, bad: int, num_tokens: int) -> str:

@@ -69,6 +69,10 @@ class KVStorage:
         """The bytes one block takes in K and V over all layers: what one allocation reserves."""
         return 2 * self.num_layers * self.num_heads * self.block_size * self.head_dim * self._k.element_size()
 
+    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A block table's ids as the 1-D LongTensor, on this device, that writes and reads take."""
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy each ``(source, copy)`` block pair's K and V, in every layer, with one indexing per tensor.
 

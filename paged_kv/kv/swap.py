@@ -62,7 +62,7 @@ def swap_out(manager: BlockManager, storage: KVStorage, seq_id: Hashable) -> Swa
         UnknownSequenceError: ``seq_id`` is not allocated (nothing is copied or freed).
     """
     table = manager.table(seq_id)
-    block_ids = torch.tensor(table.block_ids, dtype=torch.long, device=storage.device)
+    block_ids = storage.block_index(table.block_ids)
     saved = [storage.read(layer, block_ids, table.num_tokens) for layer in range(storage.num_layers)]
     swapped = SwappedKV(
         table.num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved)
@@ -102,6 +102,6 @@ def swap_in(manager: BlockManager, storage: KVStorage, seq_id: Hashable, saved: 
         raise OutOfBlocksError(needed, manager.num_free_blocks, f"swapping in sequence {seq_id!r}")
     table = manager.allocate(seq_id, saved.num_tokens)
     manager.prepare_write(seq_id, 0, saved.num_tokens)
-    block_ids = torch.tensor(table.block_ids, dtype=torch.long, device=storage.device)
+    block_ids = storage.block_index(table.block_ids)
     for layer, (k, v) in enumerate(zip(saved.k, saved.v, strict=True)):
         storage.write(layer, block_ids, k.to(storage.device), v.to(storage.device))

@@ -280,7 +280,7 @@ class PagedKVCache(KVCache):
         swap.swap_in(self.manager, self.storage, seq_id, saved)
 
     def _block_ids(self, seq_id: Hashable) -> torch.Tensor:
-        return torch.tensor(self.manager.table(seq_id).block_ids, dtype=torch.long, device=self.device)
+        return self.storage.block_index(self.manager.table(seq_id).block_ids)
 
     def _check_write(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         self.storage.check_kv_pair(k, v)
