@@ -172,7 +172,7 @@ manager, storage = cache.manager, cache.storage
 tensors = [name for name, value in vars(manager).items() if isinstance(value, torch.Tensor)]
 print(f"{type(manager).__name__}: tensors {tensors}")
 print(f"{type(storage).__name__}: {storage.num_layers} layer, k_cache {tuple(cache.k_cache.shape)}")
-model_storage = paged_kv.KVStorage(num_layers=32, num_blocks=5, block_size=16, num_heads=2, head_dim=8)
+model_storage = paged_kv.KVStorage(num_layers=32, num_blocks=5, block_size=16, num_kv_heads=2, head_dim=8)
 print(f"a 32-layer model's block: {model_storage.bytes_per_block // 1024} KiB in all, one allocation")
 
 # %% [markdown]

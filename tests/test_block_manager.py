@@ -243,7 +243,7 @@ def test_storage_writes_and_reads_through_a_block_table(device) -> None:
     [({"num_layers": 0}, "num_layers"), ({"dtype": torch.int32}, "dtype"), ({"device": "nowhere"}, "device")],
 )
 def test_storage_refuses_bad_arguments(kwargs, match) -> None:
-    arguments = {"num_layers": 1, "num_blocks": 2, "block_size": 2, "num_heads": 1, "head_dim": 1} | kwargs
+    arguments = {"num_layers": 1, "num_blocks": 2, "block_size": 2, "num_kv_heads": 1, "head_dim": 1} | kwargs
     with pytest.raises(ValueError, match=match):
         KVStorage(**arguments)
 

@@ -6,7 +6,10 @@ per-layer tensors in the same way, and the scheduler's block ids address all of 
 knows nothing about sequences: it writes and reads through block ids it is given and copies the
 blocks a copy-on-write names.
 
-Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_heads,
+A model with grouped-query attention stores only its K/V heads: ``num_kv_heads`` of them, however
+many query heads read each (vLLM's cache tensors are sized by ``num_kv_heads`` in the same way).
+
+Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_kv_heads,
 block_size, head_dim)`` and are views of two tensors allocated at construction, which never change
 size; token slot ``offset`` of block ``b`` of a layer is ``k_caches[layer][b, :, offset]``.
 """
@@ -29,7 +32,7 @@ class KVStorage:
         num_layers: int,
         num_blocks: int,
         block_size: int,
-        num_heads: int,
+        num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
@@ -37,11 +40,11 @@ class KVStorage:
         self.num_layers = check_count("num_layers", num_layers, minimum=1)
         self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self.block_size = check_count("block_size", block_size, minimum=1)
-        self.num_heads = check_count("num_heads", num_heads, minimum=1)
+        self.num_kv_heads = check_count("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_count("head_dim", head_dim, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
-        shape = (self.num_layers, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
+        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         try:
             self._k = torch.zeros(shape, dtype=dtype, device=device)
             self._v = torch.zeros(shape, dtype=dtype, device=device)
@@ -67,7 +70,9 @@ class KVStorage:
     @property
     def bytes_per_block(self) -> int:
         """The bytes one block takes in K and V over all layers: what one allocation reserves."""
-        return 2 * self.num_layers * self.num_heads * self.block_size * self.head_dim * self._k.element_size()
+        return (
+            2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self._k.element_size()
+        )
 
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A block table's ids as the 1-D LongTensor, on this device, that writes and reads take."""
@@ -102,13 +107,13 @@ class KVStorage:
         return mapping.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
 
     def check_kv(self, name: str, tensor: object) -> None:
-        """Raise ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, heads, dim)`` K/V for here."""
+        """A ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, num_kv_heads, head_dim)`` K/V."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        expected = (self.num_heads, self.head_dim)
+        expected = (self.num_kv_heads, self.head_dim)
         if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
             raise ValueError(
-                f"{name} must have shape (num_tokens, {self.num_heads}, {self.head_dim}), "
+                f"{name} must have shape (num_tokens, {self.num_kv_heads}, {self.head_dim}), "
                 f"got {tuple(tensor.shape)}"
             )
         if tensor.dtype != self.dtype:

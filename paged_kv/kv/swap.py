@@ -31,7 +31,7 @@ class SwappedKV:
     """The K/V of one sequence, all layers, held in host memory while its blocks serve others.
 
     Invariant: ``k[layer]`` and ``v[layer]`` are CPU tensors of shape
-    ``(num_tokens, num_heads, head_dim)``, one pair per layer, row ``p`` holding token ``p``.
+    ``(num_tokens, num_kv_heads, head_dim)``, one pair per layer, row ``p`` holding token ``p``.
     """
 
     num_tokens: int
@@ -89,7 +89,7 @@ def swap_in(manager: BlockManager, storage: KVStorage, seq_id: Hashable, saved: 
         )
     if check_hashable("seq_id", seq_id) in manager:
         raise ValueError(f"seq_id {seq_id!r} is already allocated; it cannot be swapped in twice")
-    expected = (saved.num_tokens, storage.num_heads, storage.head_dim)
+    expected = (saved.num_tokens, storage.num_kv_heads, storage.head_dim)
     for name, tensors in (("k", saved.k), ("v", saved.v)):
         for layer, tensor in enumerate(tensors):
             if tuple(tensor.shape) != expected or tensor.dtype != storage.dtype:

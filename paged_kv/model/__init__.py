@@ -4,10 +4,11 @@ The package's face: ``from paged_kv.model import TinyGPT, generate`` works as ``
 does; each name lives in one module below.
 """
 
+from paged_kv.model.attend import causal_attention
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import GenerationResult, generate, is_token
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import DecoderLayer, TinyGPT, causal_attention, decode, encode
+from paged_kv.model.tiny_gpt import DecoderLayer, TinyGPT, decode, encode
 
 __all__ = [
     "ContiguousKVCache",

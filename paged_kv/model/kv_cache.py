@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from paged_kv.attention.heads import repeat_kv_heads
 from paged_kv.attention.paged import paged_attention, paged_prefill_attention
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
@@ -40,7 +41,8 @@ from paged_kv.model.config import GPTConfig
 
 @runtime_checkable
 class KVCache(Protocol):
-    """What the attention layers call. K/V tensors are ``(tokens, num_heads, head_dim)``."""
+    """What the attention layers call. K/V tensors are ``(tokens, num_kv_heads, head_dim)``; queries
+    have ``num_heads`` heads, a multiple of ``num_kv_heads`` (grouped-query attention when larger)."""
 
     def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make room for a prompt of ``num_tokens`` before its prefill."""
@@ -68,7 +70,8 @@ class KVCache(Protocol):
     def attend(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Store the new tokens' K/V ``(batch, heads, dim)``; attend with ``q`` over each whole sequence."""
+        """Store the new tokens' K/V ``(batch, kv_heads, dim)``; attend with ``q`` ``(batch, heads, dim)``
+        over each whole sequence."""
         ...
 
     def free(self, seq_id: Hashable) -> None:
@@ -106,7 +109,10 @@ class ContiguousKVCache(KVCache):
         for b, s in enumerate(seq_ids):  # a plain loop: each sequence has its own length
             self.k[layer][s] = torch.cat([self.k[layer][s], k[b : b + 1]])
             self.v[layer][s] = torch.cat([self.v[layer][s], v[b : b + 1]])
-            keys, values = (t[layer][s].transpose(0, 1)[None] for t in (self.k, self.v))
+            keys, values = (
+                repeat_kv_heads(t[layer][s], q.shape[1], dim=1).transpose(0, 1)[None]
+                for t in (self.k, self.v)
+            )
             out.append(F.scaled_dot_product_attention(q[b, :, None][None], keys, values)[0, :, 0])
         return torch.stack(out)
 
@@ -139,7 +145,7 @@ class PagedKVCache(KVCache):
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.storage = KVStorage(
-            config.num_layers, num_blocks, block_size, config.num_heads, config.head_dim, dtype, device
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
         self._recorder = Recorder(self.manager) if record else None
         self.block_size, self.device = block_size, self.storage.device
@@ -214,8 +220,8 @@ class PagedKVCache(KVCache):
 
         Raises:
             ValueError: ``start`` is not the sequence's cached tokens, ``start + len(k)`` is not
-                its length, or ``q`` has another shape than ``k``; or ``k``, ``v`` are bad as for
-                :meth:`write_prompt`. Nothing is written.
+                its length, or ``q`` is not ``k``'s tokens with a multiple of its heads; or ``k``,
+                ``v`` are bad as for :meth:`write_prompt`. Nothing is written.
         """
         length, cached = self.manager.sequence_length(seq_id), self.manager.num_cached_tokens(seq_id)
         if start != cached or start + len(k) != length:
@@ -223,9 +229,18 @@ class PagedKVCache(KVCache):
                 f"start {start} and {len(k)} new tokens must be the uncached tail of sequence "
                 f"{seq_id!r}: its {length} tokens from the {cached} cached ones on"
             )
-        if q.shape != k.shape:
-            raise ValueError(f"q must have the shape of k, {tuple(k.shape)}, got {tuple(q.shape)}")
         self._check_write(seq_id, k, v, start)
+        if (
+            not isinstance(q, torch.Tensor)
+            or q.dim() != 3
+            or (q.shape[0], q.shape[2]) != (k.shape[0], k.shape[2])
+            or q.shape[1] % k.shape[1]
+        ):
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(
+                f"q must be ({len(k)}, num_heads, {k.shape[2]}) with num_heads a multiple of k's "
+                f"{k.shape[1]} heads, got {got}"
+            )
         block_ids = self._block_ids(seq_id)
         self.storage.write(layer, block_ids, k, v, start)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]

@@ -8,27 +8,25 @@ attention over the prompt's own q/k/v and stores every layer's K and V in the ca
 feeds one new token per sequence, for the whole batch at once: each layer stores the new token's K
 and V and attends over everything the sequence holds. The attention layers only see the
 :class:`~paged_kv.model.kv_cache.KVCache` interface; :mod:`paged_kv.model.kv_cache` has its two
-back-ends.
+back-ends, and :mod:`paged_kv.model.attend` how a layer meets them (the Hugging Face models of
+:mod:`paged_kv.model.hf` meet them the same way).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from paged_kv.model.attend import Attend, causal_attention, check_prefill_start, decode_attend, prefill_attend
 from paged_kv.model.config import GPTConfig
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
     from paged_kv.model.kv_cache import KVCache
-
-# attend(layer, q, k, v) -> out, all (batch, tokens, num_heads, head_dim)
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def encode(text: str) -> list[int]:
@@ -41,14 +39,6 @@ def decode(ids: Sequence[int]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention of ``(batch, tokens, num_heads, head_dim)`` tensors, same shape out."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-    )
-    return out.transpose(1, 2)
-
-
 class DecoderLayer(nn.Module):
     """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -56,7 +46,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, self.layer, self.config = config.d_model, layer, config
         self.norm1, self.norm2 = nn.LayerNorm(d, device="meta"), nn.LayerNorm(d, device="meta")
-        self.qkv = nn.Linear(d, 3 * d, device="meta")
+        self.qkv = nn.Linear(d, d + 2 * config.kv_dim, device="meta")  # q, then the K/V heads
         self.proj = nn.Linear(d, d, device="meta")
         self.mlp = nn.Sequential(
             nn.Linear(d, 4 * d, device="meta"), nn.GELU(), nn.Linear(4 * d, d, device="meta")
@@ -64,8 +54,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        heads = (batch, tokens, self.config.num_heads, self.config.head_dim)
-        q, k, v = (t.reshape(heads) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        c = self.config
+        q, k, v = self.qkv(self.norm1(x)).split([c.d_model, c.kv_dim, c.kv_dim], dim=-1)
+        q = q.reshape(batch, tokens, c.num_heads, c.head_dim)
+        k, v = (t.reshape(batch, tokens, c.num_kv_heads, c.head_dim) for t in (k, v))
         x = x + self.proj(attend(self.layer, q, k, v).reshape(batch, tokens, -1))
         return x + self.mlp(self.norm2(x))
 
@@ -98,6 +90,15 @@ class TinyGPT(nn.Module):
                     std = 1.0 if "embedding" in name else 1 / math.sqrt(param.shape[1])
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights, which the model's K/V cache takes too."""
+        return self.head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Logits ``(batch, tokens, vocab)`` of ``(batch, tokens)`` ids at ``positions``."""
         x = self.token_embedding(tokens) + self.position_embedding(positions)
@@ -129,31 +130,11 @@ class TinyGPT(nn.Module):
         Raises:
             ValueError: ``start`` is not an integer in ``0 .. len(prompt) - 1``.
         """
-        start = check_count("start", start)
-        if start >= len(prompt):
-            raise ValueError(
-                f"start must be below the prompt's {len(prompt)} tokens (the last one is always "
-                f"computed), got {start}"
-            )
-        if start == 0:
-
-            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                cache.write_prompt(layer, seq_id, k[0], v[0])
-                return causal_attention(q, k, v)
-
-        else:
-
-            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return cache.attend_prefill(layer, seq_id, q[0], k[0], v[0], start)[None]
-
+        start = check_prefill_start(start, len(prompt))
         positions = torch.arange(start, len(prompt), device=prompt.device)
-        return self.run(prompt[None, start:], positions[None], attend)[0]
+        return self.run(prompt[None, start:], positions[None], prefill_attend(cache, seq_id, start))[0]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one new token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
         positions = cache.append(seq_ids)  # where each new token goes
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return cache.attend(layer, seq_ids, q[:, 0], k[:, 0], v[:, 0])[:, None]
-
-        return self.run(tokens[:, None], positions[:, None], attend)[:, 0]
+        return self.run(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]

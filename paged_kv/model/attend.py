@@ -1,0 +1,87 @@
+"""Where a model's attention meets its KV cache, for the tiny GPT and Hugging Face models alike (lesson 09).
+
+A model's forward calls ``attend(layer, q, k, v)`` in each layer with the new tokens' queries, keys
+and values, all ``(batch, tokens, heads, head_dim)`` (``q`` has ``num_heads`` heads, ``k`` and
+``v`` have ``num_kv_heads``), and gets back the attention output, shaped like ``q``. This module
+builds that callable for the two phases, so every model meets the cache the same way:
+
+* :func:`prefill_attend`: one prompt. From position 0 the layer stores the prompt's K/V in the cache
+  and attends causally over its own (what any forward pass without a cache does); after a prefix
+  cache hit it stores only the uncached tail and attends over the cached positions too.
+* :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
+  slots the cache's ``append`` chose and attends over each whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from paged_kv.attention.heads import repeat_kv_heads
+from paged_kv.validate import check_count
+
+if TYPE_CHECKING:
+    from paged_kv.model.kv_cache import KVCache
+
+# attend(layer, q, k, v) -> out, all (batch, tokens, heads, head_dim)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of ``(batch, tokens, heads, head_dim)`` tensors, ``q``'s shape out.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention): they are repeated.
+    """
+    k, v = (repeat_kv_heads(t, q.shape[2], dim=2) for t in (k, v))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )
+    return out.transpose(1, 2)
+
+
+def check_prefill_start(start: object, num_tokens: int) -> int:
+    """``start`` as an int when it is a prefill start for a prompt of ``num_tokens``: ``0 .. num_tokens - 1``.
+
+    Raises:
+        ValueError: naming ``start``; the prompt's last token is always computed, for its logits.
+    """
+    start = check_count("start", start)
+    if start >= num_tokens:
+        raise ValueError(
+            f"start must be below the prompt's {num_tokens} tokens (the last one is always computed), "
+            f"got {start}"
+        )
+    return start
+
+
+def prefill_attend(cache: KVCache, seq_id: Hashable, start: int) -> Attend:
+    """The ``attend`` of one prompt's prefill from position ``start`` (a batch of one sequence).
+
+    ``start == 0``: each layer writes the whole prompt's K/V (:meth:`KVCache.write_prompt`) and
+    attends causally over them. ``start > 0``: positions ``0 .. start - 1`` are cached; each layer
+    writes the tail's K/V and attends over the whole prompt (:meth:`KVCache.attend_prefill`).
+    """
+    if start == 0:
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write_prompt(layer, seq_id, k[0], v[0])
+            return causal_attention(q, k, v)
+
+        return attend
+
+    def attend_tail(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cache.attend_prefill(layer, seq_id, q[0], k[0], v[0], start)[None]
+
+    return attend_tail
+
+
+def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:
+    """The ``attend`` of one decode step: one token per sequence, after ``cache.append(seq_ids)``."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cache.attend(layer, seq_ids, q[:, 0], k[:, 0], v[:, 0])[:, None]
+
+    return attend
