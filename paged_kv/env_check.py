@@ -3,13 +3,19 @@
 The README's troubleshooting section and every lesson's set-up point to it.
 
 The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
+Whether the Hugging Face Hub answers is reported for information only: the course runs offline
+(lesson 09 then serves a random-weight model instead of real weights), so it never fails the check.
 """
 
 from __future__ import annotations
 
+import numbers
+import os
 import platform
 import re
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -19,22 +25,31 @@ REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
     ("ipywidgets", "8.0", "course"),
     ("matplotlib", "3.7", "course"),
     ("jupyterlab", "4.0", "course"),
+    ("transformers", "5.0", "course"),
     ("nbval", "0.11", "dev"),
 )
 MINIMUM_PYTHON = "3.11"
+HUB_URL = "https://huggingface.co"
+# huggingface_hub reads HF_HUB_OFFLINE as true for these values, whatever their case.
+_TRUE_VALUES = {"1", "on", "yes", "true"}
 
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the report: a name, what was found, and whether it meets the minimum."""
+    """One line of the report: a name, what was found, and whether it meets the minimum.
+
+    A check that is not ``required`` is information: its line says ``INFO`` and it never fails the
+    report.
+    """
 
     name: str
     found: str
     ok: bool
     note: str = ""
+    required: bool = True
 
     def line(self) -> str:
-        status = "OK" if self.ok else "FAIL"
+        status = ("OK" if self.ok else "FAIL") if self.required else "INFO"
         note = f"  ({self.note})" if self.note else ""
         return f"{self.name:<12} {self.found:<24} {status}{note}"
 
@@ -81,20 +96,59 @@ def check_device() -> Check:
     return Check("device", str(device), True, "; ".join(details))
 
 
+def hub_offline_by_setting() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` asks Hugging Face libraries not to use the network (``1``, ``true``...)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE_VALUES
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers an HTTPS request within ``timeout`` seconds.
+
+    One ``HEAD`` request to https://huggingface.co, with no token; any answer short of a server
+    error counts. ``False`` without a request when ``HF_HUB_OFFLINE`` is set. A ``timeout`` that is
+    not a positive number is a ``ValueError``.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if hub_offline_by_setting():
+        return False
+    request = urllib.request.Request(HUB_URL, method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return True
+    except urllib.error.HTTPError as error:  # the Hub answered, with an error status
+        return error.code < 500
+    except (OSError, ValueError):  # no route, no name, refused, timed out, bad proxy setting
+        return False
+
+
+def check_hub(timeout: float = 3.0) -> Check:
+    """Whether the Hub is reachable, as information: the course works offline."""
+    if hub_offline_by_setting():
+        note = f"HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}: the course uses random-weight models"
+        return Check("HF Hub", "offline by setting", False, note, required=False)
+    if hub_reachable(timeout):
+        return Check("HF Hub", "reachable", True, f"{HUB_URL}: real weights can be downloaded", False)
+    note = f"no answer from {HUB_URL}: the course uses random-weight models instead of real weights"
+    return Check("HF Hub", "not reachable", False, note, required=False)
+
+
 def run_checks() -> list[Check]:
-    """Every check, in report order."""
-    return [check_python(), *(check_package(*requirement) for requirement in REQUIREMENTS), check_device()]
+    """Every check, in report order: the requirements, then the information."""
+    packages = (check_package(*requirement) for requirement in REQUIREMENTS)
+    return [check_python(), *packages, check_device(), check_hub()]
 
 
 def report() -> tuple[str, bool]:
-    """The text to print and whether every check passed."""
+    """The text to print and whether every required check passed."""
     checks = run_checks()
-    passed = sum(check.ok for check in checks)
+    required = [check for check in checks if check.required]
+    passed = sum(check.ok for check in required)
     lines = [
         "paged_kv environment check",
         f"{'platform':<12} {platform.platform()} ({platform.machine()})",
         f"{'executable':<12} {sys.executable}",
         *(check.line() for check in checks),
-        f"result: {'OK' if passed == len(checks) else 'FAIL'} ({passed}/{len(checks)} checks passed)",
+        f"result: {'OK' if passed == len(required) else 'FAIL'} ({passed}/{len(required)} checks passed)",
     ]
-    return "\n".join(lines), passed == len(checks)
+    return "\n".join(lines), passed == len(required)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import urllib.error
 
 import pytest
 
@@ -17,9 +19,14 @@ from .test_fragmentation import SEED_REPORT
 pytestmark = pytest.mark.setup
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "paged_kv", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "paged_kv", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -101,13 +108,17 @@ def test_help_lists_the_commands(capsys):
 
 
 def test_check_env_reports_every_requirement():
-    result = run_cli("check-env")
-    names = ["Python", "torch", "ipywidgets", "matplotlib", "jupyterlab", "nbval", "device"]
+    result = run_cli("check-env", env={"HF_HUB_OFFLINE": "1"})  # no network in the tests
+    names = ["Python", "torch", "ipywidgets", "matplotlib", "jupyterlab", "transformers", "nbval", "device"]
     for name in names:
         assert any(line.startswith(name) for line in result.stdout.splitlines()), name
     # The test environment is the course's own, so every requirement is met.
     assert result.returncode == 0, result.stdout
-    assert "result: OK (7/7 checks passed)" in result.stdout
+    assert "result: OK (8/8 checks passed)" in result.stdout
+    hub = [line for line in result.stdout.splitlines() if line.startswith("HF Hub")]
+    assert hub == [
+        "HF Hub       offline by setting       INFO  (HF_HUB_OFFLINE=1: the course uses random-weight models)"
+    ]
 
 
 def test_check_env_marks_a_missing_package_as_fail():
@@ -130,6 +141,105 @@ def test_report_fails_when_one_check_fails(monkeypatch):
     text, ok = env_check.report()
     assert not ok
     assert text.splitlines()[-1] == "result: FAIL (1/2 checks passed)"
+
+
+class FakeResponse:
+    def __enter__(self) -> FakeResponse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def fake_urlopen(outcome: object, requests: list):
+    """An ``urlopen`` that records its request and timeout, then answers or raises ``outcome``."""
+
+    def urlopen(request, timeout):
+        requests.append((request, timeout))
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return FakeResponse()
+
+    return urlopen
+
+
+def test_hub_reachable_sends_one_head_request_with_no_token(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    requests: list = []
+    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(None, requests))
+    assert env_check.hub_reachable() is True
+    ((request, timeout),) = requests
+    assert (request.full_url, request.get_method(), timeout) == ("https://huggingface.co", "HEAD", 3.0)
+    assert not request.has_header("Authorization")
+    assert env_check.hub_reachable(timeout=0.5) is True and requests[-1][1] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("outcome", "reachable"),
+    [
+        (urllib.error.URLError("[Errno -2] Name or service not known"), False),
+        (TimeoutError("timed out"), False),
+        (ConnectionRefusedError(111, "Connection refused"), False),
+        (ValueError("bad proxy URL"), False),
+        (urllib.error.HTTPError("https://huggingface.co", 405, "Method Not Allowed", {}, None), True),
+        (urllib.error.HTTPError("https://huggingface.co", 503, "Service Unavailable", {}, None), False),
+    ],
+)
+def test_hub_reachable_is_false_when_nothing_or_a_server_error_answers(monkeypatch, outcome, reachable):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(outcome, []))
+    assert env_check.hub_reachable() is reachable
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
+def test_hub_offline_by_setting_sends_no_request(monkeypatch, value):
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    requests: list = []
+    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(None, requests))
+    assert env_check.hub_offline_by_setting()
+    assert env_check.hub_reachable() is False
+    check = env_check.check_hub()
+    assert (check.found, check.required) == ("offline by setting", False)
+    assert requests == []
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no"])
+def test_hub_offline_is_off_for_other_values(monkeypatch, value):
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    assert not env_check.hub_offline_by_setting()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), "3", True, None])
+def test_hub_reachable_refuses_a_bad_timeout(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        env_check.hub_reachable(timeout)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "line"),
+    [
+        (
+            None,
+            "HF Hub       reachable                INFO  (https://huggingface.co: "
+            "real weights can be downloaded)",
+        ),
+        (
+            urllib.error.URLError("no route"),
+            "HF Hub       not reachable            INFO  (no answer from https://huggingface.co: "
+            "the course uses random-weight models instead of real weights)",
+        ),
+    ],
+)
+def test_the_hub_line_is_information_and_never_fails_the_report(monkeypatch, outcome, line):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(outcome, []))
+    monkeypatch.setattr(env_check, "check_device", lambda: env_check.Check("device", "cpu", True))
+    text, ok = env_check.report()
+    assert line in text.splitlines()
+    assert ok
+    required = 1 + len(env_check.REQUIREMENTS) + 1  # Python, the packages, the device
+    assert text.splitlines()[-1] == f"result: OK ({required}/{required} checks passed)"
 
 
 @pytest.mark.parametrize(
