@@ -1,4 +1,9 @@
-"""Paged decode attention equals contiguous attention over each sequence's tokens (lesson 05)."""
+"""Paged decode attention equals contiguous attention over each sequence's tokens (lesson 05).
+
+Also with grouped-query (GQA) and multi-query (MQA) attention: ``num_heads`` query heads over caches
+of ``num_kv_heads`` heads, against SDPA over K/V repeated along the head axis (``repeat_interleave``,
+Hugging Face's ``repeat_kv``).
+"""
 
 from __future__ import annotations
 
@@ -23,8 +28,19 @@ TOLERANCES = {
 }
 
 
+# (num_heads, num_kv_heads): multi-head, grouped-query in groups of 2 and 4, multi-query.
+HEADS = [
+    pytest.param(4, 4, id="MHA-4"),
+    pytest.param(4, 2, id="GQA-4/2"),
+    pytest.param(4, 1, id="MQA-4/1"),
+    pytest.param(8, 2, id="GQA-8/2"),
+]
+# Any head layout: 1 to 3 KV heads, each shared by 1 to 3 query heads.
+head_layouts = st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda kg: (kg[0] * kg[1], kg[0]))
+
+
 def scattered_cache(
-    lengths, block_size=4, num_heads=2, head_dim=8, device="cpu", dtype=torch.float32, seed=0
+    lengths, block_size=4, num_kv_heads=2, head_dim=8, device="cpu", dtype=torch.float32, seed=0
 ):
     """Sequences ``0 .. len(lengths) - 1`` holding random K/V in blocks taken in a random order.
 
@@ -33,7 +49,7 @@ def scattered_cache(
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(blocks_for_tokens(n, block_size) for n in lengths) + 3
-    cache = PagedKVCacheAllocator(num_blocks, block_size, num_heads, head_dim, dtype=dtype, device=device)
+    cache = PagedKVCacheAllocator(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     for block in range(num_blocks):
         cache.allocate_for_sequence(("filler", block), 1)
     for block in torch.randperm(num_blocks, generator=gen).tolist():
@@ -42,22 +58,46 @@ def scattered_cache(
     cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen))
     for seq_id, length in enumerate(lengths):
         cache.allocate_for_sequence(seq_id, length)
-        k, v = (torch.randn(length, num_heads, head_dim, generator=gen) for _ in "kv")
+        k, v = (torch.randn(length, num_kv_heads, head_dim, generator=gen) for _ in "kv")
         cache.write_kv(seq_id, k.to(dtype=dtype, device=device), v.to(dtype=dtype, device=device))
     return cache
 
 
-def random_query(cache, batch, seed=1):
+def kv_heads(cache):
+    """The heads the cache stores: its K/V heads."""
+    return cache.k_cache.shape[1]
+
+
+def random_query(cache, batch, seed=1, num_heads=None):
+    """``(batch, num_heads, head_dim)``; ``num_heads`` defaults to the cache's heads (multi-head)."""
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, cache.num_heads, cache.head_dim, generator=gen)
+    query = torch.randn(batch, num_heads or kv_heads(cache), cache.head_dim, generator=gen)
     return query.to(dtype=cache.dtype, device=cache.device)
 
 
+def repeat_kv(t, num_heads):
+    """``t`` ``(..., num_kv_heads, tokens, dim)`` with each KV head repeated for its group of query heads.
+
+    Query head ``h`` gets KV head ``h // (num_heads // num_kv_heads)``: Hugging Face's ``repeat_kv``.
+    """
+    return t.repeat_interleave(num_heads // t.shape[-3], dim=-3)
+
+
+def test_repeat_kv_pairs_each_query_head_with_its_group_s_kv_head():
+    kv = torch.arange(2.0).reshape(1, 2, 1, 1)  # KV head i holds the value i
+    assert repeat_kv(kv, 6).flatten().tolist() == [0, 0, 0, 1, 1, 1]
+    q, k, v = torch.randn(1, 6, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    gqa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, repeat_kv(k, 6), repeat_kv(v, 6)), gqa)
+
+
 def reference(cache, query, context_lens, scale=None):
-    """SDPA, one sequence at a time, over the contiguous K/V read back from the cache (in float32)."""
+    """SDPA, one sequence at a time, over the contiguous K/V read back from the cache (in float32),
+    repeated to the query's heads."""
     rows = []
     for seq_id, context_len in enumerate(context_lens):
-        k, v = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        kv = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        k, v = (repeat_kv(t, query.shape[1]) for t in kv)
         q = query[seq_id, :, None][None].float()  # (1, H, 1, D) against (1, H, T, D)
         rows.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0, :, 0])
     return torch.stack(rows)
@@ -68,24 +108,28 @@ def run(cache, query, context_lens, **kw):
     return paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, **kw)
 
 
-def test_one_sequence_in_scattered_blocks_matches_sdpa(device):
-    cache = scattered_cache([11], block_size=4, device=device)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+def test_one_sequence_in_scattered_blocks_matches_sdpa(device, num_heads, num_kv_heads):
+    cache = scattered_cache([11], block_size=4, num_kv_heads=num_kv_heads, device=device)
     assert cache.get_block_mapping(0) != sorted(cache.get_block_mapping(0))  # really scattered
-    query = random_query(cache, 1)
+    query = random_query(cache, 1, num_heads=num_heads)
     out = run(cache, query, torch.tensor([11], device=device))
-    assert out.shape == (1, cache.num_heads, cache.head_dim)
+    assert out.shape == (1, num_heads, cache.head_dim)
     assert out.dtype == query.dtype and out.device == query.device
     torch.testing.assert_close(out, reference(cache, query, [11]), **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (6, 3), (6, 1)])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_a_batch_of_different_lengths_matches_sdpa_per_sequence(device, table_dtype):
+def test_a_batch_of_different_lengths_matches_sdpa_per_sequence(device, table_dtype, num_heads, num_kv_heads):
     # length 1, exact multiples of the block size, and lengths that end in a partial block
     lengths = [1, 8, 13, 4, 7, 20]
-    cache = scattered_cache(lengths, block_size=4, num_heads=3, head_dim=16, device=device, seed=3)
+    cache = scattered_cache(
+        lengths, block_size=4, num_kv_heads=num_kv_heads, head_dim=16, device=device, seed=3
+    )
     tables = cache.block_tables_tensor(range(len(lengths))).to(table_dtype)
     assert (tables == -1).any()  # the shorter rows are padded
-    query = random_query(cache, len(lengths))
+    query = random_query(cache, len(lengths), num_heads=num_heads)
     context_lens = torch.tensor(lengths, device=device)
     out = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens)
     torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
@@ -101,16 +145,17 @@ def test_context_lens_may_be_a_list_of_ints(device):
 @given(
     block_size=st.integers(1, 8),
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
-    num_heads=st.integers(1, 3),
+    heads=head_layouts,
     head_dim=st.integers(1, 8),
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_paged_attention_equals_contiguous_attention(block_size, lengths, num_heads, head_dim, seed, data):
-    """Over any first ``context_len`` tokens of each sequence, not only all of them."""
-    cache = scattered_cache(lengths, block_size, num_heads, head_dim, seed=seed)
+def test_paged_attention_equals_contiguous_attention(block_size, lengths, heads, head_dim, seed, data):
+    """Over any first ``context_len`` tokens of each sequence, not only all of them; any head layout."""
+    num_heads, num_kv_heads = heads
+    cache = scattered_cache(lengths, block_size, num_kv_heads, head_dim, seed=seed)
     context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
-    query = random_query(cache, len(lengths), seed=seed + 1)
+    query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
     out = run(cache, query, context_lens)
     torch.testing.assert_close(out, reference(cache, query, context_lens), **TOLERANCES[torch.float32])
 
@@ -183,10 +228,10 @@ def test_the_default_scale_is_one_over_sqrt_head_dim(device):
 
 def test_an_empty_batch_gives_an_empty_output(device):
     cache = scattered_cache([3], device=device)
-    query = torch.zeros(0, cache.num_heads, cache.head_dim, device=device)
+    query = torch.zeros(0, kv_heads(cache), cache.head_dim, device=device)
     tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
     out = paged_attention(query, cache.k_cache, cache.v_cache, tables, [])
-    assert out.shape == (0, cache.num_heads, cache.head_dim)
+    assert out.shape == (0, kv_heads(cache), cache.head_dim)
 
 
 def test_the_inputs_are_not_modified(device):
@@ -206,10 +251,11 @@ def test_the_inputs_are_not_modified(device):
 
 
 def good_inputs(device):
-    """A valid call: sequences of 5 and 2 tokens, block_size 4, tables [[b, b'], [b'', -1]]."""
-    cache = scattered_cache([5, 2], block_size=4, device=device)
+    """A valid call: sequences of 5 and 2 tokens, block_size 4, tables [[b, b'], [b'', -1]]; 4 query
+    heads over 2 KV heads of head_dim 8."""
+    cache = scattered_cache([5, 2], block_size=4, num_kv_heads=2, device=device)
     return {
-        "query": random_query(cache, 2),
+        "query": random_query(cache, 2, num_heads=4),
         "k_cache": cache.k_cache,
         "v_cache": cache.v_cache,
         "block_tables": cache.block_tables_tensor([0, 1]),
@@ -222,8 +268,10 @@ BAD_INPUTS = {
     "query 2-D": ("query", lambda a: a["query"][0]),
     "query of ints": ("query", lambda a: a["query"].long()),
     "k_cache 3-D": ("k_cache", lambda a: a["k_cache"][0]),
-    "k_cache other heads": ("k_cache", lambda a: a["k_cache"][:, :1]),
+    "k_cache heads not dividing query's": ("k_cache", lambda a: a["k_cache"].repeat(1, 2, 1, 1)[:, :3]),
+    "k_cache more heads than query": ("k_cache", lambda a: a["k_cache"].repeat(1, 4, 1, 1)),
     "k_cache other head_dim": ("k_cache", lambda a: a["k_cache"][..., :3]),
+    "v_cache other heads": ("v_cache", lambda a: a["v_cache"][:, :1]),
     "k_cache other dtype": ("k_cache", lambda a: a["k_cache"].double()),
     "v_cache other block_size": ("v_cache", lambda a: a["v_cache"][:, :, :2]),
     "v_cache fewer blocks": ("v_cache", lambda a: a["v_cache"][:-1]),
@@ -253,6 +301,24 @@ def test_bad_input_is_a_value_error_naming_the_argument(device, case):
         paged_attention(**inputs)
 
 
+@pytest.mark.parametrize(("num_heads", "cache_heads"), [(4, 3), (4, 8), (6, 4), (1, 2)])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_heads_that_do_not_group_name_k_cache_with_the_shape_expected(
+    device, num_heads, cache_heads, prefill
+):
+    """Query heads must split into equal groups over the cache's heads; nothing is changed."""
+    cache = scattered_cache([5, 2], num_kv_heads=cache_heads, device=device)
+    query = random_query(cache, 2, num_heads=num_heads)
+    tables = cache.block_tables_tensor([0, 1])
+    args = (query, cache.k_cache, cache.v_cache, tables, [5, 2], *([[1, 1]] if prefill else []))
+    before = [t.clone() for t in args[:4]]
+    shape = r"\(num_blocks, num_kv_heads, block_size, 8\)"
+    expected = rf"^k_cache must have shape {shape} with num_kv_heads dividing query's {num_heads} heads"
+    with pytest.raises(ValueError, match=expected):
+        (paged_prefill_attention if prefill else paged_attention)(*args)
+    assert all(torch.equal(t, b) for t, b in zip(args[:4], before, strict=True))
+
+
 @pytest.mark.parametrize("name", ["k_cache", "v_cache", "block_tables", "context_lens"])
 def test_a_tensor_on_another_device_names_the_argument(device, name):
     inputs = good_inputs(device)
@@ -267,7 +333,7 @@ def test_a_tensor_on_another_device_names_the_argument(device, name):
 @pytest.mark.parametrize("as_list", [True, False], ids=["list", "int32 row"])
 def test_gather_kv_equals_read_kv(device, as_list):
     lengths = [8, 11, 5, 1]
-    cache = scattered_cache(lengths, block_size=4, num_heads=3, head_dim=5, device=device, seed=21)
+    cache = scattered_cache(lengths, block_size=4, num_kv_heads=3, head_dim=5, device=device, seed=21)
     tables = cache.block_tables_tensor(range(len(lengths)))  # int32, padded with -1
     for seq_id, length in enumerate(lengths):
         table = cache.get_block_mapping(seq_id) if as_list else tables[seq_id]
@@ -283,7 +349,7 @@ def test_gather_kv_reads_a_prefix_and_never_the_padding(device):
     expected_k, expected_v = cache.read_kv(0)
     for context_len in range(12):
         k, v = gather_kv(cache.k_cache, cache.v_cache, [*table, -1, 10**6], context_len)
-        assert k.shape == (context_len, cache.num_heads, cache.head_dim)
+        assert k.shape == (context_len, kv_heads(cache), cache.head_dim)
         assert torch.equal(k, expected_k[:context_len]) and torch.equal(v, expected_v[:context_len])
 
 
@@ -329,20 +395,22 @@ def test_gather_kv_bad_input_is_a_value_error_naming_the_argument(case):
 
 
 def sdpa(q, k, v, scale=None):
-    """SDPA of q (heads, dim) over k, v (tokens, heads, dim), in float32."""
-    q, k, v = q.float()[None, :, None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)[0, :, 0]
+    """SDPA of q (heads, dim) over k, v (tokens, kv_heads, dim) repeated to q's heads, in float32."""
+    k, v = (repeat_kv(t.float().transpose(0, 1)[None], q.shape[0]) for t in (k, v))
+    return F.scaled_dot_product_attention(q.float()[None, :, None], k, v, scale=scale)[0, :, 0]
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize(("tokens", "scale"), [(1, None), (7, None), (7, 0.5), (30, 3.0)])
-def test_decode_attention_matches_sdpa(device, tokens, scale):
+def test_decode_attention_matches_sdpa(device, tokens, scale, num_heads, num_kv_heads):
     gen = torch.Generator().manual_seed(tokens)
-    q, k, v = (torch.randn(*shape, generator=gen).to(device) for shape in [(3, 16), *[(tokens, 3, 16)] * 2])
+    shapes = [(num_heads, 16), *[(tokens, num_kv_heads, 16)] * 2]
+    q, k, v = (torch.randn(*shape, generator=gen).to(device) for shape in shapes)
     out = decode_attention(q, k, v, scale)
-    assert out.shape == (3, 16) and out.dtype == q.dtype and out.device == q.device
+    assert out.shape == (num_heads, 16) and out.dtype == q.dtype and out.device == q.device
     torch.testing.assert_close(out, sdpa(q, k, v, scale), **TOLERANCES[torch.float32])
-    if tokens == 1:  # one token gets all the weight
-        torch.testing.assert_close(out, v[0])
+    if tokens == 1:  # one token gets all the weight: each query head gets its KV head's V
+        torch.testing.assert_close(out, v[0].repeat_interleave(num_heads // num_kv_heads, dim=0))
 
 
 def test_decode_attention_survives_large_scores():
@@ -369,7 +437,8 @@ def test_decode_attention_in_half_precision_computes_in_float32(dtype):
 BAD_DECODE_INPUTS = {
     "q 3-D": ("q", lambda a: a["q"][None]),
     "q of ints": ("q", lambda a: a["q"].long()),
-    "k other heads": ("k", lambda a: a["k"][:, :1]),
+    "k heads not dividing q's": ("k", lambda a: a["k"].repeat(1, 2, 1)[:, :3]),
+    "k more heads than q": ("k", lambda a: a["k"].repeat(1, 4, 1)),
     "k 2-D": ("k", lambda a: a["k"][0]),
     "k other dtype": ("k", lambda a: a["k"].double()),
     "v other head_dim": ("v", lambda a: a["v"][..., :3]),
@@ -381,7 +450,7 @@ BAD_DECODE_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_DECODE_INPUTS))
 def test_decode_attention_bad_input_is_a_value_error_naming_the_argument(case):
-    inputs = {"q": torch.randn(2, 4), "k": torch.randn(3, 2, 4), "v": torch.randn(3, 2, 4)}
+    inputs = {"q": torch.randn(4, 4), "k": torch.randn(3, 2, 4), "v": torch.randn(3, 2, 4)}  # 4 heads over 2
     name, corrupt = BAD_DECODE_INPUTS[case]
     inputs[name] = corrupt(inputs)
     with pytest.raises(ValueError, match=rf"^{name}\b"):
@@ -391,13 +460,17 @@ def test_decode_attention_bad_input_is_a_value_error_naming_the_argument(case):
 @given(
     block_size=st.integers(1, 6),
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    heads=head_layouts,
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(block_size, lengths, seed, data):
-    cache = scattered_cache(lengths, block_size, num_heads=2, head_dim=4, seed=seed)
+def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(
+    block_size, lengths, heads, seed, data
+):
+    num_heads, num_kv_heads = heads
+    cache = scattered_cache(lengths, block_size, num_kv_heads=num_kv_heads, head_dim=4, seed=seed)
     context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
-    query = random_query(cache, len(lengths), seed=seed + 1)
+    query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
     tables = cache.block_tables_tensor(range(len(lengths)))
     one_by_one = torch.stack(
         [
@@ -411,10 +484,11 @@ def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(block_s
 # ------------------------------------------------------------------------------ prefill (causal)
 
 
-def prefill_query(cache, query_lens, seed=1):
-    """Packed queries: ``sum(query_lens)`` rows, sequence after sequence."""
+def prefill_query(cache, query_lens, seed=1, num_heads=None):
+    """Packed queries: ``sum(query_lens)`` rows, sequence after sequence; ``num_heads`` as for
+    :func:`random_query`."""
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(sum(query_lens), cache.num_heads, cache.head_dim, generator=gen)
+    query = torch.randn(sum(query_lens), num_heads or kv_heads(cache), cache.head_dim, generator=gen)
     return query.to(dtype=cache.dtype, device=cache.device)
 
 
@@ -429,10 +503,12 @@ def causal_mask(context_len, query_len, device="cpu"):
 
 
 def prefill_reference(cache, query, context_lens, query_lens, scale=None):
-    """SDPA, one sequence at a time, over its contiguous K/V (in float32), packed like ``query``."""
+    """SDPA, one sequence at a time, over its contiguous K/V (in float32) repeated to the query's
+    heads, packed like ``query``."""
     rows, start = [], 0
     for seq_id, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
-        k, v = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        kv = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+        k, v = (repeat_kv(t, query.shape[1]) for t in kv)
         q = query[start : start + query_len].transpose(0, 1)[None].float()  # (1, H, Q, D)
         mask = causal_mask(context_len, query_len, query.device)
         rows.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0].transpose(0, 1))
@@ -455,15 +531,16 @@ def test_the_reference_mask_is_sdpa_is_causal_for_a_fresh_prompt():
     torch.testing.assert_close(prefill_reference(cache, query, [9], [9]), causal[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_prefill_of_a_ragged_batch_matches_sdpa_per_sequence(device, table_dtype):
+def test_prefill_of_a_ragged_batch_matches_sdpa_per_sequence(device, table_dtype, num_heads, num_kv_heads):
     # a fresh prompt, a chunk after a cached prefix, one new token, a chunk ending mid-block
     context_lens, query_lens = [9, 13, 6, 20, 1], [9, 5, 1, 7, 1]
-    cache = scattered_cache(context_lens, block_size=4, num_heads=3, head_dim=16, device=device, seed=3)
+    cache = scattered_cache(context_lens, 4, num_kv_heads, head_dim=16, device=device, seed=3)
     tables = cache.block_tables_tensor(range(len(context_lens))).to(table_dtype)
     assert (tables == -1).any()
     assert cache.get_block_mapping(3) != sorted(cache.get_block_mapping(3))  # really scattered
-    query = prefill_query(cache, query_lens)
+    query = prefill_query(cache, query_lens, num_heads=num_heads)
     out = paged_prefill_attention(
         query, cache.k_cache, cache.v_cache, tables, torch.tensor(context_lens, device=device), query_lens
     )
@@ -472,16 +549,18 @@ def test_prefill_of_a_ragged_batch_matches_sdpa_per_sequence(device, table_dtype
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
-def test_prefill_of_fresh_prompts_is_sdpa_is_causal(device):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1)])
+def test_prefill_of_fresh_prompts_is_sdpa_is_causal(device, num_heads, num_kv_heads):
+    """Also against SDPA's own grouped-query attention (``enable_gqa``), with no repeat of ours."""
     lengths = [5, 12, 1]
-    cache = scattered_cache(lengths, block_size=4, device=device, seed=4)
-    query = prefill_query(cache, lengths)
+    cache = scattered_cache(lengths, block_size=4, num_kv_heads=num_kv_heads, device=device, seed=4)
+    query = prefill_query(cache, lengths, num_heads=num_heads)
     out = run_prefill(cache, query, lengths, lengths)
     start = 0
     for seq_id, n in enumerate(lengths):
         k, v = (t.transpose(0, 1)[None] for t in cache.read_kv(seq_id))
         q = query[start : start + n].transpose(0, 1)[None]
-        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[start : start + n], expected, **TOLERANCES[torch.float32])
         start += n
 
@@ -508,19 +587,19 @@ def test_a_sequence_with_no_new_tokens_contributes_no_rows(device):
 @given(
     block_size=st.integers(1, 6),
     lengths=st.lists(st.integers(1, 24), min_size=1, max_size=4),
-    num_heads=st.integers(1, 3),
+    heads=head_layouts,
     head_dim=st.integers(1, 8),
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_paged_prefill_equals_causal_contiguous_attention(
-    block_size, lengths, num_heads, head_dim, seed, data
-):
-    """Any context length up to what a sequence holds, any number of new tokens up to it (0 included)."""
-    cache = scattered_cache(lengths, block_size, num_heads, head_dim, seed=seed)
+def test_paged_prefill_equals_causal_contiguous_attention(block_size, lengths, heads, head_dim, seed, data):
+    """Any context length up to what a sequence holds, any number of new tokens up to it (0 included),
+    any head layout."""
+    num_heads, num_kv_heads = heads
+    cache = scattered_cache(lengths, block_size, num_kv_heads, head_dim, seed=seed)
     context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
     query_lens = [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(context_lens)]
-    query = prefill_query(cache, query_lens, seed=seed + 1)
+    query = prefill_query(cache, query_lens, seed=seed + 1, num_heads=num_heads)
     out = run_prefill(cache, query, context_lens, query_lens)
     expected = prefill_reference(cache, query, context_lens, query_lens)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
@@ -578,10 +657,10 @@ def test_prefill_with_a_custom_scale_matches_sdpa(device, scale):
 
 def test_prefill_of_an_empty_batch_gives_an_empty_output(device):
     cache = scattered_cache([3], device=device)
-    query = torch.zeros(0, cache.num_heads, cache.head_dim, device=device)
+    query = torch.zeros(0, kv_heads(cache), cache.head_dim, device=device)
     tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
     out = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, [], [])
-    assert out.shape == (0, cache.num_heads, cache.head_dim)
+    assert out.shape == (0, kv_heads(cache), cache.head_dim)
 
 
 def good_prefill_inputs(device):
@@ -596,7 +675,7 @@ def good_prefill_inputs(device):
 BAD_PREFILL_INPUTS = {
     "query 2-D": ("query", lambda a: a["query"][0]),
     "query of ints": ("query", lambda a: a["query"].long()),
-    "k_cache other heads": ("k_cache", lambda a: a["k_cache"][:, :1]),
+    "k_cache heads not dividing query's": ("k_cache", lambda a: a["k_cache"].repeat(1, 2, 1, 1)[:, :3]),
     "block_tables 1-D": ("block_tables", lambda a: a["block_tables"][0]),
     "context_lens other batch": ("context_lens", lambda a: a["context_lens"][:1]),
     "context_len of 0": ("context_lens", lambda a: a["context_lens"] * 0),
@@ -629,11 +708,12 @@ def test_prefill_query_lens_on_another_device_names_it(device):
 # ------------------------------------------------------------- the two ways of reading the blocks
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("strategy", ["gather", "in_place", "auto"])
-def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strategy):
+def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strategy, num_heads, num_kv_heads):
     lengths = [1, 8, 13, 4, 7, 20]
-    cache = scattered_cache(lengths, block_size=4, device=device)
-    query = random_query(cache, len(lengths))
+    cache = scattered_cache(lengths, block_size=4, num_kv_heads=num_kv_heads, device=device)
+    query = random_query(cache, len(lengths), num_heads=num_heads)
     # Stale garbage, even NaN, in blocks nobody reads must not reach the output.
     unread = sorted(
         set(range(cache.num_blocks)) - {b for s in range(len(lengths)) for b in cache.get_block_mapping(s)}
@@ -649,11 +729,13 @@ def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strateg
     block_size=st.integers(1, 6),
     cut=st.integers(0, 5),
     shared_prefix=st.integers(0, 3),
+    heads=head_layouts,
     seed=st.integers(0, 2**16),
 )
-def test_reading_in_place_equals_gathering(lengths, block_size, cut, shared_prefix, seed):
-    cache = scattered_cache(lengths, block_size=block_size, seed=seed)
-    query = random_query(cache, len(lengths), seed=seed + 1)
+def test_reading_in_place_equals_gathering(lengths, block_size, cut, shared_prefix, heads, seed):
+    num_heads, num_kv_heads = heads
+    cache = scattered_cache(lengths, block_size=block_size, num_kv_heads=num_kv_heads, seed=seed)
+    query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
     context_lens = torch.tensor([max(1, n - cut) for n in lengths])  # attend to a prefix, too
     tables = cache.block_tables_tensor(range(len(lengths)))
     for row in range(1, len(lengths)):  # the first blocks of row 0, shared by every row long enough
@@ -666,15 +748,17 @@ def test_reading_in_place_equals_gathering(lengths, block_size, cut, shared_pref
     torch.testing.assert_close(in_place, gathered, **TOLERANCES[torch.float32])
 
 
-def test_shared_blocks_are_read_in_place_by_every_row_that_holds_them():
-    cache = scattered_cache([8, 8, 8], block_size=4)
-    query = random_query(cache, 3)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+def test_shared_blocks_are_read_in_place_by_every_row_that_holds_them(num_heads, num_kv_heads):
+    cache = scattered_cache([8, 8, 8], block_size=4, num_kv_heads=num_kv_heads)
+    query = random_query(cache, 3, num_heads=num_heads)
     tables = cache.block_tables_tensor([0, 1, 2])
     tables[1, 0] = tables[2, 0] = tables[0, 0]  # rows 1 and 2 read row 0's first block too, as after a fork
-    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8, 8], strategy="gather")
-    for strategy in ("in_place", "auto"):
-        out = paged_attention(query, cache.k_cache, cache.v_cache, tables, [8, 8, 8], strategy=strategy)
-        torch.testing.assert_close(out, gathered, **TOLERANCES[torch.float32])
+    lens = torch.tensor([8, 8, 8])
+    expected = table_reference(query, cache.k_cache, cache.v_cache, tables, lens)
+    for strategy in ("gather", "in_place", "auto"):
+        out = paged_attention(query, cache.k_cache, cache.v_cache, tables, lens, strategy=strategy)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
 
 
 def test_auto_gathers_when_shared_blocks_are_thinly_shared():
@@ -711,11 +795,12 @@ needs_flex = pytest.mark.skipif(not flex_available(), reason="this torch has no 
 
 @needs_flex
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_matches_sdpa_on_ragged_scattered_batches(device):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+def test_flex_matches_sdpa_on_ragged_scattered_batches(device, num_heads, num_kv_heads):
     """On CUDA this runs the compiled kernel; on a CPU the unfused reference of FlexAttention."""
     lengths = [1, 8, 13, 4, 7, 20]
-    cache = scattered_cache(lengths, block_size=4, device=device)
-    query = random_query(cache, len(lengths))
+    cache = scattered_cache(lengths, block_size=4, num_kv_heads=num_kv_heads, device=device)
+    query = random_query(cache, len(lengths), num_heads=num_heads)
     unread = sorted(
         set(range(cache.num_blocks)) - {b for s in range(len(lengths)) for b in cache.get_block_mapping(s)}
     )
@@ -733,11 +818,13 @@ def test_flex_matches_sdpa_on_ragged_scattered_batches(device):
     block_size=st.integers(1, 6),
     cut=st.integers(0, 5),
     share=st.booleans(),
+    heads=head_layouts,
     seed=st.integers(0, 2**16),
 )
-def test_flex_equals_gathering_also_with_shared_blocks(lengths, block_size, cut, share, seed):
-    cache = scattered_cache(lengths, block_size=block_size, seed=seed)
-    query = random_query(cache, len(lengths), seed=seed + 1)
+def test_flex_equals_gathering_also_with_shared_blocks(lengths, block_size, cut, share, heads, seed):
+    num_heads, num_kv_heads = heads
+    cache = scattered_cache(lengths, block_size=block_size, num_kv_heads=num_kv_heads, seed=seed)
+    query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
     context_lens = torch.tensor([max(1, n - cut) for n in lengths])
     tables = cache.block_tables_tensor(range(len(lengths)))
     if share and len(lengths) > 1:
@@ -768,21 +855,31 @@ def test_flex_on_an_old_torch_is_a_value_error_naming_the_strategy(monkeypatch):
         run(cache, random_query(cache, 1), [4], strategy="flex")
 
 
-def table_reference(query, k_cache, v_cache, tables, context_lens):
+def table_reference(query, k_cache, v_cache, tables, context_lens, query_lens=None):
     """SDPA per row over the K/V its table lists, entry by entry, in float32: the meaning of a table.
 
     Written without the package: entry ``j`` of a row contributes the slots of block ``tables[b, j]``
     at positions ``j * block_size ...``, whatever other entry (of this row or another) names the
-    same block.
+    same block; the K/V heads are repeated to the query's heads. Decode (``query_lens`` None) is one
+    query per row at its last position; prefill packs ``query_lens[b]`` queries per row, its last
+    positions, each seeing up to its own.
     """
     block_size = k_cache.shape[2]
-    rows = []
-    for b, context_len in enumerate(context_lens.tolist()):
+    query_lens = torch.ones_like(context_lens) if query_lens is None else query_lens
+    rows, start = [], 0
+    for b, (context_len, query_len) in enumerate(
+        zip(context_lens.tolist(), query_lens.tolist(), strict=True)
+    ):
         ids = tables[b, : -(-context_len // block_size)].long()
-        k, v = (torch.cat(list(cache[ids].float()), dim=1)[:, :context_len] for cache in (k_cache, v_cache))
-        q = query[b, :, None][None].float()  # (1, H, 1, D) against (1, H, T, D)
-        rows.append(F.scaled_dot_product_attention(q, k[None], v[None])[0, :, 0])
-    return torch.stack(rows)
+        k, v = (
+            repeat_kv(torch.cat(list(cache[ids].float()), dim=1)[:, :context_len], query.shape[1])
+            for cache in (k_cache, v_cache)
+        )  # (H, T, D)
+        q = query[start : start + query_len].transpose(0, 1).float()  # (H, Q, D)
+        mask = causal_mask(context_len, query_len)
+        rows.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
+        start += query_len
+    return torch.cat(rows)
 
 
 STRATEGIES_HERE = ["gather", "in_place", "auto"] + (["flex"] if flex_available() else [])
@@ -794,30 +891,44 @@ STRATEGIES_HERE = ["gather", "in_place", "auto"] + (["flex"] if flex_available()
     num_blocks=st.integers(1, 6),
     block_size=st.sampled_from([1, 2, 3, 4, 8]),
     lengths=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+    heads=head_layouts,
     seed=st.integers(0, 2**16),
+    data=st.data(),
 )
-def test_every_strategy_equals_the_reference_for_any_valid_table(num_blocks, block_size, lengths, seed):
-    """Random tables drawn from a small pool, so blocks repeat within a row and across rows."""
+def test_every_strategy_and_prefill_equal_the_reference_for_any_valid_table(
+    num_blocks, block_size, lengths, heads, seed, data
+):
+    """Random tables drawn from a small pool, so blocks repeat within a row (a row lists a block
+    twice) and across rows (shared blocks: the in-place path's shared branch), in any head layout."""
     gen = torch.Generator().manual_seed(seed)
-    num_heads, head_dim = 2, 4
+    (num_heads, num_kv_heads), head_dim = heads, 4
     width = max(-(-n // block_size) for n in lengths)
     tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, dtype=torch.int32)
-    k_cache, v_cache = (torch.randn(num_blocks, num_heads, block_size, head_dim, generator=gen) for _ in "kv")
+    kv_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = (torch.randn(kv_shape, generator=gen) for _ in "kv")
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
     context_lens = torch.tensor(lengths)
     expected = table_reference(query, k_cache, v_cache, tables, context_lens)
     for strategy in STRATEGIES_HERE:
         out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
+    query_lens = torch.tensor(
+        [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(lengths)]
+    )
+    packed = torch.randn(int(query_lens.sum()), num_heads, head_dim, generator=gen)
+    out = paged_prefill_attention(packed, k_cache, v_cache, tables, context_lens, query_lens)
+    expected = table_reference(packed, k_cache, v_cache, tables, context_lens, query_lens)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg="prefill")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("strategy", STRATEGIES_HERE)
-def test_a_row_that_lists_one_block_twice_reads_it_twice(device, strategy):
+def test_a_row_that_lists_one_block_twice_reads_it_twice(device, strategy, num_heads, num_kv_heads):
     """Row 0 reads block 1 at entries 0 and 2 (the second time cut to 3 slots); row 1 reads it too."""
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = (torch.randn(4, 2, 4, 8, generator=gen).to(device) for _ in "kv")
-    query = torch.randn(2, 2, 8, generator=gen).to(device)
+    k_cache, v_cache = (torch.randn(4, num_kv_heads, 4, 8, generator=gen).to(device) for _ in "kv")
+    query = torch.randn(2, num_heads, 8, generator=gen).to(device)
     tables = torch.tensor([[1, 0, 1], [1, 3, 3]], device=device)
     context_lens = torch.tensor([11, 12], device=device)
     out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)

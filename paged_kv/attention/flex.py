@@ -56,8 +56,11 @@ def flex_decode(
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with FlexAttention.
 
-    ``query`` is ``(batch, heads, dim)`` in the caches' dtype; ``context_lens`` is a long tensor on
-    the query's device. ``compiled`` defaults to ``True`` on CUDA and ``False`` elsewhere.
+    ``query`` is ``(batch, num_heads, dim)`` in the caches' dtype, over caches of
+    ``(num_blocks, num_kv_heads, block_size, dim)`` with ``num_kv_heads`` dividing ``num_heads``
+    (FlexAttention's ``enable_gqa``: query head ``h`` reads KV head ``h // (num_heads //
+    num_kv_heads)``); ``context_lens`` is a long tensor on the query's device. ``compiled``
+    defaults to ``True`` on CUDA and ``False`` elsewhere.
 
     Raises:
         ValueError: this torch has no FlexAttention.
@@ -68,8 +71,8 @@ def flex_decode(
         )
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    num_blocks, num_heads, block_size, head_dim = k_cache.shape
-    batch = query.shape[0]
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    batch, num_heads, _ = query.shape
     device = query.device
     if compiled is None:
         compiled = device.type == "cuda"
@@ -77,11 +80,14 @@ def flex_decode(
     mask_mod, score_mod = _paged_mods(reads, block_size)
     pool = num_blocks * block_size
     block_mask = create_block_mask(mask_mod, None, None, batch, pool, device=device, _compile=compiled)
-    keys = k_cache.transpose(0, 1).reshape(1, num_heads, pool, head_dim)
-    values = v_cache.transpose(0, 1).reshape(1, num_heads, pool, head_dim)
+    keys = k_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
+    values = v_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
     queries = query.transpose(0, 1).unsqueeze(0)  # (1, heads, batch, dim): one query position per row
     attend = _compiled_flex_attention() if compiled else flex_attention
-    out = attend(queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    grouped = num_heads != num_kv_heads  # query head h reads KV head h // (num_heads // num_kv_heads)
+    out = attend(
+        queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=grouped
+    )
     return out[0].transpose(0, 1)
 
 

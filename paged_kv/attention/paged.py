@@ -14,6 +14,19 @@ one query token over them. :func:`paged_attention` does both for a whole batch a
 same gather and the same attention. :func:`paged_prefill_attention` is the prefill counterpart:
 several new tokens per sequence, packed, each attending causally to its sequence's tokens up to its
 own position; it reuses the same gather and the same attention, with a causal mask instead.
+
+Every function takes grouped-query attention. In GQA, ``num_heads`` query heads share
+``num_kv_heads`` K/V heads in equal groups (Llama-3-8B: 32 over 8), so the cache holds only the
+K/V heads; multi-query attention (MQA) is the extreme case of a single K/V head shared by all, and
+ordinary multi-head attention the case of equal counts. Query head ``h`` reads K/V head
+``h // (num_heads // num_kv_heads)``, the pairing of Hugging Face's ``repeat_kv`` and of SDPA's
+``enable_gqa=True``; the kernels view the queries as ``(num_kv_heads, group)`` and let the
+products broadcast over the group, so K and V are never copied once per query head. vLLM's
+kernels take the two counts too: in ``vllm/v1/attention/backends/flash_attn.py``,
+``FlashAttentionImpl`` is built with ``num_heads`` and ``num_kv_heads``, its queries are
+``[num_tokens, num_heads, head_size]`` over a cache of ``[2, num_blocks, block_size,
+num_kv_heads, head_size]`` (``get_kv_cache_shape``), and ``num_queries_per_kv = num_heads //
+num_kv_heads``.
 """
 
 from __future__ import annotations
@@ -44,7 +57,9 @@ def paged_attention(
 
     Args:
         query: ``(batch, num_heads, head_dim)``, the new token of each sequence.
-        k_cache, v_cache: ``(num_blocks, num_heads, block_size, head_dim)``.
+        k_cache, v_cache: ``(num_blocks, num_kv_heads, block_size, head_dim)``, with ``num_kv_heads``
+            dividing ``num_heads`` (equal: multi-head; fewer: grouped-query; one: multi-query).
+            Query head ``h`` reads K/V head ``h // (num_heads // num_kv_heads)``.
         block_tables: ``(batch, max_blocks)`` integer tensor of physical block ids; entries past
             the blocks a sequence needs are padding (``-1`` by convention, any value works).
         context_lens: ``(batch,)`` integers, the tokens each sequence holds, each in
@@ -66,11 +81,14 @@ def paged_attention(
     Returns:
         ``(batch, num_heads, head_dim)``, with the dtype and device of ``query``. Row ``b`` equals
         contiguous attention of ``query[b]`` over the first ``context_lens[b]`` tokens of its
-        sequence. Half and bfloat16 inputs are computed in float32 and cast back.
+        sequence, their K/V repeated along the head axis to ``num_heads`` heads
+        (``repeat_interleave(num_heads // num_kv_heads)``). Half and bfloat16 inputs are computed in
+        float32 and cast back.
 
     Raises:
-        ValueError: an argument has the wrong type, shape, dtype or device, or a context length is
-            below 1 or needs blocks its row does not hold (the message names the argument).
+        ValueError: an argument has the wrong type, shape, dtype or device (among them caches whose
+            heads do not divide ``num_heads`` or whose head_dim differs from ``query``'s), or a context
+            length is below 1 or needs blocks its row does not hold (the message names the argument).
     """
     context_lens, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
@@ -114,7 +132,8 @@ def paged_prefill_attention(
     Args:
         query: ``(total_new_tokens, num_heads, head_dim)`` with ``total_new_tokens ==
             sum(query_lens)``; rows ``sum(query_lens[:b]) ..`` are sequence ``b``'s, in order.
-        k_cache, v_cache: ``(num_blocks, num_heads, block_size, head_dim)``.
+        k_cache, v_cache: ``(num_blocks, num_kv_heads, block_size, head_dim)``, with ``num_kv_heads``
+            dividing ``num_heads``, grouped as for :func:`paged_attention`.
         block_tables: ``(batch, max_blocks)`` integer tensor of physical block ids; entries past
             the blocks a sequence needs are padding (``-1`` by convention, any value works).
         context_lens: ``(batch,)`` integers, the tokens each sequence holds (new ones included),
@@ -125,7 +144,8 @@ def paged_prefill_attention(
     Returns:
         ``(total_new_tokens, num_heads, head_dim)``, packed like ``query``, with its dtype and
         device. Each row equals contiguous attention of that query over positions ``0 ..`` its
-        own position of its sequence. Half and bfloat16 inputs are computed in float32 and cast back.
+        own position of its sequence (K/V repeated to ``num_heads`` heads). Half and bfloat16
+        inputs are computed in float32 and cast back.
 
     Raises:
         ValueError: as :func:`paged_attention`, or ``query_lens`` has the wrong type or shape, a
@@ -165,14 +185,14 @@ def gather_kv(
     """One sequence's K and V, read through its block table into contiguous tensors.
 
     Args:
-        k_cache, v_cache: ``(num_blocks, num_heads, block_size, head_dim)``.
+        k_cache, v_cache: ``(num_blocks, num_kv_heads, block_size, head_dim)``.
         block_table: the sequence's physical block ids in logical order, a list of ints or a 1-D
             integer tensor (a row of ``block_tables_tensor``, say). Entries past the first
             ``ceil(context_len / block_size)`` are padding (``-1`` by convention) and are never read.
         context_len: the tokens to read, positions ``0 .. context_len - 1``.
 
     Returns:
-        ``(k, v)``, each ``(context_len, num_heads, head_dim)`` on the caches' device, row ``p``
+        ``(k, v)``, each ``(context_len, num_kv_heads, head_dim)`` on the caches' device, row ``p``
         holding token ``p``: what :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.read_kv` returns for
         a sequence of ``context_len`` tokens.
 
@@ -224,17 +244,20 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one sequence's new token over its K and V (one query, no mask).
 
-    For each head: the scores are ``q · k`` times ``scale``, the weights a softmax of the scores
-    over the tokens, and the output the weighted sum of V.
+    For each query head ``h``: the scores are ``q[h] · k`` of K/V head ``h // (num_heads //
+    num_kv_heads)`` times ``scale``, the weights a softmax of the scores over the tokens, and the
+    output the weighted sum of that head's V.
 
     Args:
         q: ``(num_heads, head_dim)``, the new token's query.
-        k, v: ``(num_tokens, num_heads, head_dim)``, what :func:`gather_kv` returns; at least one token.
+        k, v: ``(num_tokens, num_kv_heads, head_dim)``, what :func:`gather_kv` returns, with
+            ``num_kv_heads`` dividing ``num_heads``; at least one token.
         scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
 
     Returns:
         ``(num_heads, head_dim)``, with the dtype and device of ``q``; it equals
-        ``scaled_dot_product_attention`` of ``q`` over ``k`` and ``v``. Half and bfloat16 inputs
+        ``scaled_dot_product_attention`` of ``q`` over ``k`` and ``v`` (with ``enable_gqa=True``
+        when there are fewer K/V heads). Half and bfloat16 inputs
         are computed in float32 and cast back.
 
     Raises:
@@ -244,12 +267,23 @@ def decode_attention(
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or not q.dtype.is_floating_point:
         raise ValueError("q must be a 2-D float tensor (num_heads, head_dim)")
     for name, tensor in (("k", k), ("v", v)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[1:] != q.shape:
-            raise ValueError(f"{name} must be a tensor of shape (num_tokens, {q.shape[0]}, {q.shape[1]})")
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dim() != 3
+            or not _grouped_heads_fit(q.shape[0], tensor.shape[1])
+            or tensor.shape[2] != q.shape[1]
+        ):
+            raise ValueError(
+                f"{name} must be a tensor of shape (num_tokens, num_kv_heads, {q.shape[1]}) with "
+                f"num_kv_heads dividing q's {q.shape[0]} heads"
+                + (f", got {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else "")
+            )
         if tensor.dtype != q.dtype or tensor.device != q.device:
             raise ValueError(f"{name} is {tensor.dtype} on {tensor.device} but q is {q.dtype} on {q.device}")
     if v.shape != k.shape or k.shape[0] == 0:
-        raise ValueError(f"k and v must hold the same number of tokens, at least 1: {len(k)} and {len(v)}")
+        raise ValueError(
+            f"k and v must have the same shape, with at least 1 token: {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     heads_first = [t.transpose(0, 1)[None].to(compute_dtype) for t in (k, v)]  # (1, heads, tokens, dim)
     return _attend(q[None].to(compute_dtype), *heads_first, scale)[0].to(q.dtype)
@@ -295,13 +329,15 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
 
     Each block only one row reads meets that row's query once: scores for the whole pool come from
     one batched product in physical order, and so do the per-block partial outputs, without copying
-    K or V. The blocks several rows read (``reads.shared``, typically a shared prompt prefix) are
-    copied once each, and every row's query meets them in one dense product. Only the small score
-    and weight tensors move to each sequence's table order, where the softmax runs, and back. (On a
-    CPU, copying every block of a batch costs several times the attention itself;
-    bench/bench_attention.py measures it.)
+    K or V; a block's query heads are grouped ``(num_kv_heads, group)`` so each group meets its one
+    K/V head in the same product. The blocks several rows read (``reads.shared``, typically a
+    shared prompt prefix) are copied once each, and every row's query meets them in one dense
+    product. Only the small score and weight tensors move to each sequence's table order, where the
+    softmax runs, and back. (On a CPU, copying every block of a batch costs several times the
+    attention itself; bench/bench_attention.py measures it.)
     """
-    num_blocks, num_heads, block_size, head_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_heads = query.shape[1]
     batch, width = block_tables.shape
     scale = head_dim**-0.5 if scale is None else scale
     q = query.to(k_cache.dtype)
@@ -321,12 +357,19 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
     else:
         owner[reads.blocks] = reads.rows
     padded_q = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
-    scores = torch.matmul(padded_q[owner].unsqueeze(-2), k_cache.transpose(-1, -2)).squeeze(-2) * scale
+    # Block b's query heads, grouped (kv_heads, group, dim), against its K (kv_heads, dim, slots):
+    # a group's heads are the rows of one small product with their KV head's slots.
+    owner_q = _group_heads(padded_q[owner], num_kv_heads, dim=1)
+    scores = (torch.matmul(owner_q, k_cache.transpose(-1, -2)) * scale).flatten(
+        1, 2
+    )  # (blocks, heads, slots)
     parts = [scores, scores.new_zeros(1, num_heads, block_size)]
     index = table
     if num_shared:  # every row's query against each shared block, copied once: (batch, shared, ...)
         k_shared, v_shared = k_cache[reads.shared], v_cache[reads.shared]
-        parts.append((torch.einsum("bhd,shpd->bshp", q, k_shared) * scale).flatten(0, 1))
+        grouped_q = _group_heads(q, num_kv_heads, dim=1)
+        shared_scores = torch.einsum("bkgd,skpd->bskgp", grouped_q, k_shared) * scale
+        parts.append(shared_scores.flatten(2, 3).flatten(0, 1))
         # A shared entry finds its scores in its own (row, shared block) row, after the dummy.
         row_start = num_blocks + 1 + torch.arange(batch, device=q.device)[:, None] * num_shared
         entry_shared = shared_index[table]
@@ -343,11 +386,12 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
     # Back where the scores came from; padding lands on the dummy. Two entries of one row naming
     # the same block meet the same V, so their weights are summed (only shared blocks can repeat).
     per_source.index_put_((index,), weights, accumulate=bool(num_shared))
-    partial = torch.matmul(per_source[:num_blocks].unsqueeze(-2), v_cache).squeeze(-2)
+    partial = torch.matmul(_group_heads(per_source[:num_blocks], num_kv_heads, dim=1), v_cache).flatten(1, 2)
     out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)[:batch]
     if num_shared:
         shared_weights = per_source[num_blocks + 1 :].view(batch, num_shared, num_heads, block_size)
-        out += torch.einsum("bshp,shpd->bhd", shared_weights, v_shared)
+        grouped_weights = _group_heads(shared_weights, num_kv_heads, dim=2)
+        out += torch.einsum("bskgp,skpd->bkgd", grouped_weights, v_shared).flatten(1, 2)
     return out.to(query.dtype)
 
 
@@ -385,18 +429,31 @@ def _attend(
     scale: float | None,
     beyond: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention for a batch: q ``(batch, heads, [queries,] dim)``, k, v ``(batch, heads, positions, dim)``.
+    """Attention for a batch: q ``(batch, heads, [queries,] dim)``, k, v ``(batch, kv_heads, slots, dim)``.
 
-    Decode has one query per row and no ``queries`` axis; prefill has one. ``beyond`` is a
-    ``(batch, [queries,] positions)`` bool mask of the positions a query must not see; they get a
-    score of ``-inf`` before the softmax. Returns q's shape.
+    Decode has one query per row and no ``queries`` axis; prefill has one. ``heads`` is a multiple
+    of ``kv_heads``: query head ``h`` meets KV head ``h // (heads // kv_heads)``. The query heads
+    are viewed as ``(kv_heads, group)`` and the products broadcast over the group, so no K or V is
+    copied per query head. ``beyond`` is a ``(batch, [queries,] positions)`` bool mask of the
+    positions a query must not see; they get a score of ``-inf`` before the softmax. Returns q's shape.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bh...d,bhpd->bh...p", q, k) * scale
+    grouped = _group_heads(q, k.shape[1], dim=1)  # (batch, kv_heads, group, [queries,] dim)
+    scores = torch.einsum("bkg...d,bkpd->bkg...p", grouped, k) * scale
     if beyond is not None:
-        scores = scores.masked_fill(beyond[:, None], float("-inf"))  # the same for every head
+        scores = scores.masked_fill(beyond[:, None, None], float("-inf"))  # the same for every head
     weights = torch.softmax(scores, dim=-1)  # over the positions, for each head (and query)
-    return torch.einsum("bh...p,bhpd->bh...d", weights, v)
+    return torch.einsum("bkg...p,bkpd->bkg...d", weights, v).flatten(1, 2)
+
+
+def _group_heads(t: torch.Tensor, num_kv_heads: int, dim: int) -> torch.Tensor:
+    """``t`` with its query-head axis ``dim`` split into ``(num_kv_heads, group)``: a view, no copy.
+
+    Query head ``h`` lands at ``(h // group, h % group)``: the heads of one group are consecutive
+    and share KV head ``h // group``, as Hugging Face's ``repeat_kv`` and SDPA's ``enable_gqa`` pair
+    them. ``flatten(dim, dim + 1)`` undoes it.
+    """
+    return t.unflatten(dim, (num_kv_heads, t.shape[dim] // num_kv_heads))
 
 
 def _check_inputs(
@@ -413,10 +470,15 @@ def _check_inputs(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if query.dim() != 3 or not query.dtype.is_floating_point:
         raise ValueError(f"query must be a 3-D float tensor, got {query.dtype} {tuple(query.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape[1] != query.shape[1] or k_cache.shape[3] != query.shape[2]:
+    if (
+        k_cache.dim() != 4
+        or not _grouped_heads_fit(query.shape[1], k_cache.shape[1])
+        or k_cache.shape[3] != query.shape[2]
+    ):
         raise ValueError(
-            f"k_cache must have shape (num_blocks, {query.shape[1]}, block_size, {query.shape[2]}) "
-            f"to match query's heads and head_dim, got {tuple(k_cache.shape)}"
+            f"k_cache must have shape (num_blocks, num_kv_heads, block_size, {query.shape[2]}) with "
+            f"num_kv_heads dividing query's {query.shape[1]} heads, to match query's heads and head_dim, "
+            f"got {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
@@ -477,6 +539,11 @@ def _check_inputs(
     if int(new.sum()) != query.shape[0]:
         raise ValueError(f"query_lens must sum to the {query.shape[0]} rows of query, got {int(new.sum())}")
     return context_lens.long(), query_lens
+
+
+def _grouped_heads_fit(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether ``num_heads`` query heads can share ``num_kv_heads`` KV heads in equal groups."""
+    return num_kv_heads >= 1 and num_heads % num_kv_heads == 0
 
 
 def _as_tensor(name: str, value: object, device: torch.device) -> torch.Tensor:
