@@ -8,12 +8,14 @@
 #
 # **By the end of this lesson you can**
 #
-# 1. compute how many bytes of KV cache one token costs for a given model;
+# 1. compute how many bytes of KV cache one token costs for a given model, and explain why
+#    grouped-query attention makes it smaller;
 # 2. explain why a server that reserves one contiguous slot per request must reserve the *maximum*
 #    length, and compute what that wastes;
 # 3. compute what a paged cache wastes instead: less than one block per request;
 # 4. reproduce the fragmentation benchmark of six requests (117 tokens held, 176 slots reserved
-#    with blocks against 246 with contiguous slots) and read its metrics.
+#    with blocks against 246 with contiguous slots) and read its metrics;
+# 5. size a KV cache from a GPU's memory the way vLLM does: how many blocks, and tokens, fit.
 #
 # Nothing here needs a GPU. Run the cells in order; the ones marked **Predict, then run** ask you to
 # guess the answer before you look.
@@ -58,7 +60,44 @@ print(f"a 2,048-token request: {2048 * per_token:>12,} bytes = {2048 * per_token
 # Half a megabyte per token, a gigabyte per long request. An 80 GB GPU that holds 14 GB of weights
 # has room for the KV cache of roughly 60 such requests, and the number of requests served at once
 # is what makes a server fast. So every wasted slot of the cache is a request that waits.
+
+# %% [markdown]
+# ### Fewer KV heads: grouped-query and multi-query attention
 #
+# The formula counts **KV heads**, not attention heads, because the cache holds only keys and
+# values: a query is used once, by the token that makes it, and never stored. In Llama 2's
+# multi-head attention each query head has a key head and a value head of its own, so the two
+# counts are equal. Later models share them. With **grouped-query attention** (GQA) a group of
+# query heads reads one K/V head: Llama-3-8B's 32 query heads read 8 KV heads, four each.
+# **Multi-query attention** (MQA) is the extreme, one K/V head for all the query heads (Falcon-7B:
+# 71 query heads, 1 KV head). The attention still computes every query head; only the cache
+# shrinks (lesson 05 shows the attention side).
+#
+# **Predict, then run.** Llama-3-8B has Llama 2's 32 layers and head size of 128, with 8 KV heads
+# instead of 32. What does one token of it cost?
+
+# %%
+from paged_kv.kv.sizing import format_bytes
+
+models = [  # name, layers, query heads, KV heads, head dim
+    ("Llama-2-7B", 32, 32, 32, 128),
+    ("Llama-3-8B (GQA)", 32, 32, 8, 128),
+    ("Falcon-7B (MQA)", 32, 71, 1, 64),
+    ("SmolLM2-135M (GQA)", 30, 9, 3, 64),
+]
+print(f"{'model':<20}{'layers':>7}{'q heads':>9}{'kv heads':>10}{'head dim':>10}{'per token':>11}")
+for name, layers, query_heads, kv_heads, head_dim in models:
+    cost = format_bytes(kv_bytes_per_token(layers, kv_heads, head_dim))
+    print(f"{name:<20}{layers:>7}{query_heads:>9}{kv_heads:>10}{head_dim:>10}{cost:>11}")
+
+# %% [markdown]
+# Same layers and head size, a quarter of the KV heads, a quarter of the bytes: 128 KiB per token,
+# so the same GPU holds four times as many tokens of Llama-3-8B as of Llama-2-7B. Falcon-7B's single
+# KV head makes it 8 KiB. SmolLM2-135M, a small model of the Llama family (30 layers, 9 query heads
+# over 3 KV heads of 64), costs 22.5 KiB. `format_bytes` writes a byte count in binary units
+# (1 KiB = 1,024 bytes, 1 MiB = 1,024 KiB).
+
+# %% [markdown]
 # The cache is also a real tensor. The package's `PagedKVCacheAllocator` allocates it once, up front,
 # with the shape `(num_blocks, num_heads, block_size, head_dim)` that the rest of the course uses:
 
@@ -252,16 +291,93 @@ plt.show()
 # why it is vLLM's default.
 
 # %% [markdown]
+# ## 6. How many blocks fit on a GPU
+#
+# A serving engine does not ask you for a number of blocks: it works it out when it starts, from
+# the GPU's memory, in three steps.
+#
+# 1. **The memory it may use**: the GPU's total memory times `gpu_memory_utilization`, 0.9 in vLLM
+#    by default for years (the rest of the card is left to everything else).
+# 2. **Less what the model takes besides the cache**: its weights, and the activations of a forward
+#    pass.
+# 3. **Divided by the bytes of one block**, rounded down: `block_size` times the bytes per token of
+#    section 1, all layers at once, because every layer keeps its K and V of a block at the same
+#    block id.
+#
+# $$\text{blocks} = \left\lfloor \frac{\text{total} \times \text{utilization} - \text{non-KV memory}}{\text{block size} \times \text{bytes per token}} \right\rfloor$$
+#
+# `paged_kv.kv.sizing` has the pieces: `KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype)` with
+# `bytes_per_token`, `bytes_per_block(block_size)` and `num_blocks(budget, block_size)`, and
+# `kv_cache_budget(total_memory, gpu_memory_utilization, non_kv_memory)`. The weights here are the
+# parameters times 2 bytes (bfloat16), and the activations are ignored; vLLM measures them with a
+# profiling run, a forward pass over a dummy batch as large as any it will schedule, so its budget
+# comes out a little smaller. The GPUs are a 24 GB card and an 80 GB one, taken as 24 and 80 GiB
+# (`device_memory(device)` reads what a real device reports, a little under its label).
+#
+# **Predict, then run.** Llama-3-8B's weights take 15 GiB. On the 24 GB card, how many tokens of KV
+# cache fit: thousands, tens of thousands, or millions?
+
+# %%
+from paged_kv.kv.sizing import KVCacheSpec, kv_cache_budget
+
+GiB = 2**30
+llama_3_8b = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+smollm2 = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+print(
+    "the same bytes per token as kv_bytes_per_token:",
+    llama_3_8b.bytes_per_token == kv_bytes_per_token(32, 8, 128),
+)
+print()
+row = "{:<7}{:<14}{:>11}{:>11}{:>9}{:>9}{:>11}{:>13}".format
+print(row("GPU", "model", "weights", "KV budget", "block", "blocks", "tokens", "2k requests"))
+for gpu_gib in (24, 80):
+    for name, spec, parameters in (("SmolLM2-135M", smollm2, 1.35e8), ("Llama-3-8B", llama_3_8b, 8.03e9)):
+        weights = int(parameters) * 2  # bfloat16: 2 bytes a parameter
+        budget = kv_cache_budget(gpu_gib * GiB, gpu_memory_utilization=0.9, non_kv_memory=weights)
+        blocks = spec.num_blocks(budget, block_size=16)
+        sizes = [format_bytes(weights), format_bytes(budget), format_bytes(spec.bytes_per_block(16))]
+        print(
+            row(f"{gpu_gib} GB", name, *sizes, f"{blocks:,}", f"{blocks * 16:,}", f"{blocks * 16 // 2048:,}")
+        )
+
+# %% [markdown]
+# On the 24 GB card Llama-3-8B's weights take 15 GiB of the 21.6 GiB allowed, which leaves 6.6 GiB:
+# 3,401 blocks of 2 MiB, 54,416 tokens, 26 requests of 2,048 tokens at once. The 80 GB card holds
+# 8.6 times as many blocks for 3.3 times the memory, because the weights are paid once. SmolLM2-135M
+# is so small that nearly all the budget is cache: about a million tokens on the 24 GB card.
+#
+# When the weights alone exceed the budget, there is no cache to size. A 16 GB card at 0.9 allows
+# 14.4 GiB, less than Llama-3-8B's weights, and `kv_cache_budget` says by how much:
+
+# %%
+try:
+    kv_cache_budget(16 * GiB, gpu_memory_utilization=0.9, non_kv_memory=int(8.03e9) * 2)
+except ValueError as error:
+    print("ValueError:", error)
+
+# %% [markdown]
+# vLLM does the same when it starts. `Worker.determine_available_memory` (in
+# `vllm/v1/worker/gpu_worker.py`) takes `total_memory * gpu_memory_utilization` less the non-KV
+# memory a profiling run measured; `get_num_blocks` (in `vllm/v1/core/kv_cache_utils.py`) divides
+# that by the page size of one layer's block, `page_size_bytes` of the layer's `FullAttentionSpec`
+# (in `vllm/v1/kv_cache_interface.py`), and by the number of layers. Its `kv_cache_memory_bytes`
+# setting gives the budget in bytes instead, and `num_gpu_blocks_override` the number of blocks.
+
+# %% [markdown]
 # ## Recap
 #
-# * The KV cache costs `2 × layers × kv heads × head dim × bytes` per token: about 0.5 MiB for a
-#   7B model in 16 bits, so its layout decides how many requests fit at once.
+# * The KV cache costs `2 × layers × kv heads × head dim × bytes` per token: 512 KiB for Llama-2-7B
+#   in 16 bits, so its layout decides how many requests fit at once. Only the KV heads are cached:
+#   Llama-3-8B's 32 query heads share 8 KV heads (grouped-query attention), 128 KiB per token.
 # * Contiguous slots must be reserved at the maximum length; the unused part is lost to reservation,
 #   internal and external fragmentation.
 # * A paged cache hands out fixed-size blocks on demand; a request wastes at most `block_size - 1`
 #   slots, in its last block, and any free block fits anyone.
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
+# * An engine sizes its cache when it starts: (total memory × `gpu_memory_utilization` − weights −
+#   activations) // bytes per block. At 0.9, Llama-3-8B in bfloat16 gets 3,401 blocks of 16 tokens
+#   (54,416 tokens) on a 24 GB GPU and 29,205 (467,280 tokens) on an 80 GB one.
 #
 # **Next, lesson 01:** the two data structures that make paging work, `Block` and `BlockTable`, and
 # how a block table works like a page table. The exercise for this lesson, `exercises/00_why_paging.ipynb`,
