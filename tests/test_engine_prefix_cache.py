@@ -173,7 +173,7 @@ def test_the_cache_refuses_to_rewrite_or_skip_cached_positions(model: TinyGPT) -
             with pytest.raises(ValueError, match=f"start {start}"):
                 model.prefill(torch.tensor(second), "b", cache, start=start)
         q = torch.zeros(5, CONFIG.num_heads, CONFIG.head_dim)
-        with pytest.raises(ValueError, match="q must have the shape of k"):
+        with pytest.raises(ValueError, match="q must be"):
             cache.attend_prefill(0, "b", q[:4], q, q, 8)
         with pytest.raises(ValueError, match="start"):
             cache.attend_prefill(0, "b", q, q, q, -8)

@@ -143,6 +143,13 @@ def kv_cache_budget(total_memory: int, gpu_memory_utilization: float, non_kv_mem
     return budget
 
 
+def module_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers (a tied weight counts once): its non-KV memory
+    before any activation."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def format_bytes(num_bytes: int) -> str:
     """A byte count in binary units: ``'22.5 KiB'``, ``'128 KiB'``, ``'5.4 GiB'``, ``'640 B'``.
 

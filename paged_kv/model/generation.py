@@ -1,4 +1,9 @@
-"""Greedy generation for a batch of prompts, on a contiguous or a paged cache (lesson 09)."""
+"""Greedy generation for a batch of prompts, on a contiguous or a paged cache (lesson 09).
+
+The model is the tiny GPT or a Hugging Face Llama, Qwen2 or Mistral model, run through the same
+:class:`~paged_kv.model.causal_lm.CausalLM` interface; either way every layer's K/V goes into the one
+cache.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.model.causal_lm import CausalLM, as_causal_lm
+from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache, check_cache_fits
 from paged_kv.validate import check_count
 
 
@@ -23,7 +28,7 @@ class GenerationResult:
 
 
 def generate(
-    model: TinyGPT,
+    model: CausalLM | object,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     cache: str | KVCache = "paged",
@@ -33,21 +38,28 @@ def generate(
 ) -> GenerationResult:
     """Greedy generation for a batch of prompts of any lengths.
 
-    Each prompt is prefilled on its own; then every decode step feeds the batch's last tokens at
-    once. ``cache`` is ``"contiguous"``, ``"paged"`` (a :class:`PagedKVCache` of ``num_blocks``
-    blocks of ``block_size``, by default just enough for the batch) or a cache you built (then
-    ``block_size`` and ``num_blocks`` are not used); the sequences (ids ``"prompt-0"``,
-    ``"prompt-1"``...) are freed from it at the end. ``device`` defaults to the model's and must be
-    the model's.
+    ``model`` is a :class:`~paged_kv.model.tiny_gpt.TinyGPT`, a Hugging Face causal LM of a
+    supported architecture (:func:`~paged_kv.model.causal_lm.as_causal_lm`) or any
+    :class:`~paged_kv.model.causal_lm.CausalLM`. Each prompt is prefilled on its own; then every
+    decode step feeds the batch's last tokens at once. There is no end-of-sequence token: every
+    prompt gets ``max_new_tokens`` tokens. ``cache`` is ``"contiguous"``, ``"paged"`` (a
+    :class:`PagedKVCache` of ``num_blocks`` blocks of ``block_size``, by default just enough for
+    the batch) or a cache you built (then ``block_size`` and ``num_blocks`` are not used); the
+    sequences (ids ``"prompt-0"``, ``"prompt-1"``...) are freed from it at the end. ``device``
+    defaults to the model's and must be the model's.
 
     Raises:
-        ValueError: a bad argument (the message names it); the cache's own errors, such as
-            :class:`~paged_kv.errors.OutOfBlocksError`, pass through.
+        ValueError: a bad argument (the message names it): a model of an unsupported architecture,
+            a prompt whose tokens and ``max_new_tokens`` run past the model's ``max_len``, a token id
+            outside the vocabulary, a cache built for another model's layers, K/V heads or head
+            size. The cache's own errors, such as :class:`~paged_kv.errors.OutOfBlocksError`, pass
+            through.
     """
+    model = as_causal_lm(model)
     config = model.config
     max_new_tokens = check_count("max_new_tokens", max_new_tokens, minimum=1)
     block_size = check_count("block_size", block_size, minimum=1)
-    model_device = next(model.parameters()).device
+    model_device = model.device
     device = model_device if device is None else torch.device(device)
     if device != model_device:
         raise ValueError(f"device {device} differs from the model's {model_device}; call model.to(device)")
@@ -66,9 +78,10 @@ def generate(
     elif cache == "paged":
         needed = sum(blocks_for_tokens(len(p) + max_new_tokens, block_size) for p in prompts)
         num_blocks = needed if num_blocks is None else check_count("num_blocks", num_blocks, minimum=1)
-        cache = PagedKVCache(config, num_blocks, block_size, device, model.head.weight.dtype)
+        cache = PagedKVCache(config, num_blocks, block_size, device, model.dtype)
     elif not isinstance(cache, KVCache):
         raise ValueError(f"cache must be 'contiguous', 'paged' or a KVCache, got {cache!r}")
+    check_cache_fits(cache, config)
 
     seq_ids = [f"prompt-{i}" for i in range(len(prompts))]
     added: list[str] = []  # freed at the end, even after an error

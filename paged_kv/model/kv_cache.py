@@ -304,3 +304,21 @@ class PagedKVCache(KVCache):
             raise ValueError(
                 f"{start + len(k)} positions run past the {length} tokens of sequence {seq_id!r}"
             )
+
+
+def check_cache_fits(cache: object, config: GPTConfig) -> None:
+    """Raise ``ValueError`` when ``cache`` holds K/V of other sizes than a model of ``config`` writes.
+
+    A cache with a :class:`~paged_kv.kv.storage.KVStorage` (``cache.storage``) must have the model's
+    layers, K/V heads and head size; a cache without one is taken on trust (its writes check).
+    """
+    storage = getattr(cache, "storage", None)
+    if not isinstance(storage, KVStorage):
+        return
+    has = (storage.num_layers, storage.num_kv_heads, storage.head_dim)
+    needs = (config.num_layers, config.num_kv_heads, config.head_dim)
+    if has != needs:
+        raise ValueError(
+            "cache was built for another model: it holds {} layers of {} K/V heads of size {}, the model "
+            "writes {} layers of {} K/V heads of size {}".format(*has, *needs)
+        )

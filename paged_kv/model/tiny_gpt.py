@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from paged_kv.kv.sizing import module_bytes
 from paged_kv.model.attend import Attend, causal_attention, check_prefill_start, decode_attend, prefill_attend
 from paged_kv.model.config import GPTConfig
 from paged_kv.validate import check_count
@@ -98,6 +99,11 @@ class TinyGPT(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the weights: what the model takes of a device besides its KV cache."""
+        return module_bytes(self)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Logits ``(batch, tokens, vocab)`` of ``(batch, tokens)`` ids at ``positions``."""

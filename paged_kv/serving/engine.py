@@ -1,9 +1,9 @@
-"""A continuous-batching engine that runs :class:`~paged_kv.model.tiny_gpt.TinyGPT` over a stream of requests.
+"""A continuous-batching engine that serves a stream of requests with a model on the paged cache.
 
 Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (which
-samples their first token), decode one token per step in one batched
-:meth:`~paged_kv.model.tiny_gpt.TinyGPT.decode_step`, and release their memory as soon as they
-finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
+samples their first token), decode one token per step in one batched ``decode_step`` of the
+model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model), and release their memory as
+soon as they finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
 loop of a serving engine: ``output = scheduler.schedule(); result = runner.execute(output);
 scheduler.update(output, result)``, with the package's one
 :class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 06's
@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
+from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.generation import is_token
-from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache
-from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache, check_cache_fits
 from paged_kv.progress import progress_bar
 from paged_kv.serving.memory import (
     ContiguousMemory,
@@ -196,6 +197,18 @@ class EngineResult:
 class Engine:
     """Continuous batching of :class:`EngineRequest` objects on ``model``; see the module docstring.
 
+    ``model`` is a :class:`~paged_kv.model.tiny_gpt.TinyGPT`, a Hugging Face causal LM of a supported
+    architecture or any :class:`~paged_kv.model.causal_lm.CausalLM`
+    (:func:`~paged_kv.model.causal_lm.as_causal_lm`); :attr:`model` is that ``CausalLM``.
+
+    The memory is given one of three ways, exactly one of them: ``num_blocks``; or
+    ``kv_cache_memory_bytes``, the bytes the K/V may take; or ``gpu_memory_utilization``, the
+    fraction of the device's memory (a GPU's, or the machine's RAM for the CPU) the engine may use,
+    the model's weights included, as in vLLM: ``num_blocks = budget // bytes_per_block`` where
+    ``bytes_per_block`` is K and V of ``block_size`` tokens over all layers
+    (:class:`~paged_kv.kv.sizing.KVCacheSpec`). Activations are not counted (vLLM measures them with
+    a profiling run).
+
     ``max_model_len`` (default: the model's ``max_len``) bounds prompt plus output of any request
     and is the slot size of the contiguous mode. ``device`` defaults to the model's and must be it.
     ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.kv_cache.PagedKVCache`);
@@ -210,9 +223,9 @@ class Engine:
 
     def __init__(
         self,
-        model: TinyGPT,
+        model: CausalLM | object,
         *,
-        num_blocks: int,
+        num_blocks: int | None = None,
         block_size: int = 16,
         mode: str = "paged",
         max_model_len: int | None = None,
@@ -221,12 +234,20 @@ class Engine:
         preemption: str = "recompute",
         watermark: float = 0.0,
         enable_prefix_caching: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
-        if not isinstance(model, TinyGPT):
-            raise ValueError(f"model must be a TinyGPT, got {type(model).__name__}")
-        self.model = model
-        self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
+        self.model = model = as_causal_lm(model)
         self.block_size = check_count("block_size", block_size, minimum=1)
+        config = model.config
+        self.kv_spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, model.dtype)
+        model_device = model.device
+        self.device = model_device if device is None else torch.device(device)
+        if self.device != model_device:
+            raise ValueError(
+                f"device {self.device} differs from the model's {model_device}; call model.to(device)"
+            )
+        self.num_blocks = self._size_cache(num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -264,12 +285,11 @@ class Engine:
                 f"max_model_len {self.max_model_len} does not fit the budget of num_blocks * block_size "
                 f"= {self.budget_tokens} token slots: contiguous mode could admit nothing"
             )
-        model_device = next(model.parameters()).device
-        self.device = model_device if device is None else torch.device(device)
-        if self.device != model_device:
-            raise ValueError(
-                f"device {self.device} differs from the model's {model_device}; call model.to(device)"
-            )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The bytes of K and V one block takes over all the model's layers."""
+        return self.kv_spec.bytes_per_block(self.block_size)
 
     @property
     def budget_tokens(self) -> int:
@@ -321,13 +341,42 @@ class Engine:
 
     # ------------------------------------------------------------------------------ the helpers
 
+    def _size_cache(
+        self, num_blocks: int | None, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None
+    ) -> int:
+        """The block count: given, or as many blocks as the budget in bytes holds (see the class)."""
+        given = {
+            "num_blocks": num_blocks,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
+        named = [name for name, value in given.items() if value is not None]
+        if len(named) != 1:
+            raise ValueError(
+                "give the cache's size one way: num_blocks, kv_cache_memory_bytes or "
+                f"gpu_memory_utilization, got {', '.join(named) or 'none of them'}"
+            )
+        if num_blocks is not None:
+            return check_count("num_blocks", num_blocks, minimum=1)
+        if kv_cache_memory_bytes is not None:
+            budget = check_count("kv_cache_memory_bytes", kv_cache_memory_bytes, minimum=0)
+        else:
+            total = device_memory(self.device)
+            budget = kv_cache_budget(total, gpu_memory_utilization, self.model.weight_bytes)
+        blocks = self.kv_spec.num_blocks(budget, self.block_size)
+        if blocks < 1:
+            raise ValueError(
+                f"a budget of {format_bytes(budget)} holds no block: one takes "
+                f"{format_bytes(self.bytes_per_block)} (block_size {self.block_size})"
+            )
+        return blocks
+
     def _new_memory(self) -> tuple[ContiguousKVCache | PagedCache, KVMemory]:
         """The cache the model runs on, and the memory the scheduler admits into (over that cache)."""
         if self.mode == "contiguous":
             cache = ContiguousKVCache(self.model.config, self.device)
             return cache, ContiguousMemory(self.budget_tokens, lambda _: self.max_model_len, cache)
-        dtype = self.model.head.weight.dtype
-        args = (self.model.config, self.num_blocks, self.block_size, self.device, dtype)
+        args = (self.model.config, self.num_blocks, self.block_size, self.device, self.model.dtype)
         if self.enable_prefix_caching:
             cache = self.cache_factory(*args, enable_prefix_caching=True)
         else:
@@ -342,6 +391,7 @@ class Engine:
                 f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
                 f"attend_prefill(...), but {type(cache).__name__} lacks them"
             )
+        check_cache_fits(cache, self.model.config)
         memory = PagedMemory(
             cache,
             self.num_blocks,
@@ -442,7 +492,7 @@ def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16, wate
 
 
 def sweep_budgets(
-    model: TinyGPT,
+    model: CausalLM | object,
     requests: Sequence[EngineRequest],
     num_blocks_list: Sequence[int],
     block_size: int = 16,

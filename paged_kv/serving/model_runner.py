@@ -1,9 +1,8 @@
 """Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 06, 09).
 
-* :class:`ModelRunner` runs :class:`~paged_kv.model.tiny_gpt.TinyGPT` on the cache: each prefill
-  from its first uncached position, then every decode in one batched
-  :meth:`~paged_kv.model.tiny_gpt.TinyGPT.decode_step`, and samples greedily (vLLM:
-  ``GPUModelRunner.execute_model``).
+* :class:`ModelRunner` runs a :class:`~paged_kv.model.causal_lm.CausalLM` (the tiny GPT or a
+  Hugging Face model) on the cache: each prefill from its first uncached position, then every decode
+  in one batched ``decode_step``, and samples greedily (vLLM: ``GPUModelRunner.execute_model``).
 * :class:`CountingRunner` runs no model: it does to the memory what the model would (each decoding
   sequence grows by one token) and "samples" token 0, so a simulator counts steps and tokens
   exactly as the engine does.
@@ -13,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.kv_cache import KVCache
-from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.memory import KVMemory
 from paged_kv.serving.scheduler import RunnerOutput, SchedulerOutput
 
@@ -26,7 +25,7 @@ class ModelRunner:
     K/V and its last logits give the first token; a decode feeds each sequence's last token.
     """
 
-    def __init__(self, model: TinyGPT, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
 
     @torch.no_grad()

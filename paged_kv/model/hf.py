@@ -1,0 +1,177 @@
+"""Hugging Face causal LMs of the Llama family, served from the paged cache (lesson 09).
+
+:class:`HFCausalLM` wraps a ``transformers`` model (Llama, Qwen2, Mistral: see
+:data:`~paged_kv.model.causal_lm.SUPPORTED_ARCHITECTURES`) so that :func:`~paged_kv.model.generate` and the
+:class:`~paged_kv.serving.engine.Engine` run it exactly as they run the tiny GPT: a prefill per
+prompt, then one batched decode step per token, every layer's K/V in the one paged cache.
+
+**How it plugs in.** Hugging Face's modules do all of the model: embeddings, RMSNorm, the q/k/v
+projections (with Qwen2's biases), rotary embeddings at the ``position_ids`` given, the MLP, the
+head. Only the attention itself is ours. transformers looks each layer's attention function up by
+name in its ``AttentionInterface`` and passes it any keyword argument the forward was given, so
+this module registers one function, ``"paged_kv"``, and each forward passes it the step's
+``attend`` (:mod:`paged_kv.model.attend`): the function hands the layer's post-rotary queries,
+keys and values to the cache, and the cache stores the K/V and attends
+(:func:`~paged_kv.attention.paged.paged_prefill_attention` after a prefix hit,
+:func:`~paged_kv.attention.paged.paged_attention` at decode). The forward runs with
+``use_cache=False``, so Hugging Face keeps no cache of its own. This is the seam HF's own continuous
+batching and vLLM's Transformers backend (``vllm/model_executor/models/transformers``) use; the
+other way, re-writing each architecture's layers around its weights, is what vLLM's own model files
+(``vllm/model_executor/models/llama.py``) do, and it would copy here what transformers already
+gets right for every variant (biases, rope scaling, norms).
+
+The model's config is switched to ``"paged_kv"`` only for the duration of our forwards and
+restored after, so the wrapped model still runs ``model.generate`` and ``model(...)`` as before.
+This module does not import ``transformers`` itself: a model built with it means it is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_kv.kv.sizing import module_bytes
+from paged_kv.model.attend import Attend, check_prefill_start, decode_attend, prefill_attend
+from paged_kv.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from paged_kv.model.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""The ``transformers`` classes tested to give exactly their own greedy tokens on the paged cache
+(Mistral within its sliding window)."""
+
+ATTENTION = "paged_kv"
+
+
+def _paged_kv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    paged_kv_attend: Attend | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``(batch, heads, tokens, head_dim)`` in, the output
+    ``(batch, tokens, heads, head_dim)`` and no attention weights out. The mask is not used: the
+    cache knows each sequence's length, and a prefill is causal."""
+    if paged_kv_attend is None:
+        raise RuntimeError("the paged_kv attention runs only inside HFCausalLM's prefill and decode_step")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return paged_kv_attend(module.layer_idx, q, k, v), None
+
+
+def unsupported_model(model: object) -> ValueError:
+    """The error for a model generation cannot run: it lists what it can."""
+    return ValueError(
+        f"model must be a TinyGPT or a Hugging Face causal LM of a supported architecture "
+        f"({', '.join(SUPPORTED_ARCHITECTURES)}), got {type(model).__name__}"
+    )
+
+
+class HFCausalLM:
+    """A Hugging Face causal LM as the :class:`~paged_kv.model.causal_lm.CausalLM` that generation runs.
+
+    :attr:`config` holds the sizes the cache needs, read from the model's config: layers, query and
+    K/V heads, head size, vocabulary and ``max_len``, the model's ``max_position_embeddings`` (or
+    its sliding window, if smaller: a window at least as long as every sequence sees every token,
+    so it changes nothing).
+
+    Raises:
+        ValueError: ``model`` is not of a supported architecture (the message lists them),
+            or its attention scales scores by something else than ``1 / sqrt(head_dim)``.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        transformers = sys.modules.get("transformers")  # imported by whoever built the model
+        name = type(model).__name__
+        if (
+            transformers is None
+            or not isinstance(model, transformers.PreTrainedModel)
+            or name not in SUPPORTED_ARCHITECTURES
+        ):
+            raise unsupported_model(model)
+        transformers.AttentionInterface.register(ATTENTION, _paged_kv_attention)
+        hf = model.config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        attention = model.model.layers[0].self_attn
+        if not math.isclose(attention.scaling, head_dim**-0.5):
+            raise ValueError(
+                f"{name} scales attention scores by {attention.scaling}, not 1 / sqrt({head_dim})"
+            )
+        max_len = hf.max_position_embeddings
+        if getattr(hf, "sliding_window", None):
+            max_len = min(max_len, hf.sliding_window)
+        self.model = model
+        self.config = GPTConfig(
+            vocab_size=hf.vocab_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            head_dim=head_dim,
+            max_len=max_len,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        )
+
+    def __repr__(self) -> str:
+        return f"HFCausalLM({type(self.model).__name__}, {self.config})"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the model's parameters and buffers."""
+        return module_bytes(self.model)
+
+    def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
+        """Run one prompt ``(tokens,)`` from position ``start`` on, storing every layer's K/V in ``cache``.
+
+        As :meth:`~paged_kv.model.tiny_gpt.TinyGPT.prefill`, but only the last position's logits are
+        computed (a real vocabulary makes the others costly): returns ``(1, vocab)``.
+
+        Raises:
+            ValueError: ``start`` is not an integer in ``0 .. len(prompt) - 1``.
+        """
+        start = check_prefill_start(start, len(prompt))
+        positions = torch.arange(start, len(prompt), device=prompt.device)
+        return self._forward(prompt[None, start:], positions[None], prefill_attend(cache, seq_id, start))[0]
+
+    def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
+        """Feed one token per sequence ``(batch,)`` at the cache's positions; logits ``(batch, vocab)``."""
+        positions = cache.append(seq_ids)
+        return self._forward(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The last position's logits ``(batch, 1, vocab)`` of ``(batch, tokens)`` ids at ``positions``."""
+        with self._paged_attention():
+            out = self.model(
+                input_ids=tokens,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=1,
+                paged_kv_attend=attend,
+            )
+        return out.logits
+
+    @contextlib.contextmanager
+    def _paged_attention(self) -> Iterator[None]:
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
