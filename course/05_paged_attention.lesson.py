@@ -15,7 +15,8 @@
 # 2. gather a sequence's K and V from `k_cache` and `v_cache` through its block table, cut at its
 #    context length, and show that attention over them is unchanged;
 # 3. build the batched, vectorised version, with the padding clamped and the positions past each
-#    context length masked, which is `paged_kv.paged_attention`;
+#    context length masked, which is `paged_kv.paged_attention`, and run it for grouped-query
+#    attention, where several query heads share one cached K/V head;
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
 # 5. explain how a dedicated kernel differs (it reads each block in place and can merge the blocks
 #    with an online softmax; the vLLM paper measures a 20 to 26 % overhead, which larger batches more
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, paged_attention
-from paged_kv.pictures.plots import plot_padded_block_tables, plot_weights_by_block
+from paged_kv.pictures.plots import colour, plot_padded_block_tables, plot_weights_by_block
 from paged_kv.timing import compare_times, how_fast
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
@@ -632,6 +633,140 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 # blocks, in place.
 
 # %% [markdown]
+# ## 7. Grouped-query and multi-query attention
+#
+# Until now every query head had its own K/V head. Most models served today do not. In
+# **grouped-query attention** (GQA) the query heads come in groups, and all the heads of a group
+# share one key head and one value head; **multi-query attention** (MQA) is the extreme case, one
+# K/V head shared by every query head. Ordinary multi-head attention (MHA) is the other end, groups
+# of one. The model still asks `num_heads` questions at every step; it just keeps fewer answers.
+#
+# The KV cache cares because it stores only what is kept: the queries are computed afresh for the
+# new token at every step and thrown away, while K and V stay for the rest of the sequence. So the
+# cache holds `num_kv_heads` heads, not `num_heads`. Llama-3-8B has 32 layers, each with 32 query
+# heads over 8 KV heads of 128 dimensions; in 16 bits one token of its KV cache takes
+# 2 (K and V) · 32 layers · 8 heads · 128 dims · 2 bytes:
+
+# %%
+LAYERS, Q_HEADS, KV_HEADS, DIMS, BYTES = 32, 32, 8, 128, 2  # Llama-3-8B, 16-bit K/V
+per_token = 2 * LAYERS * KV_HEADS * DIMS * BYTES
+without_gqa = 2 * LAYERS * Q_HEADS * DIMS * BYTES
+print(f"KV cache per token: {per_token:,} bytes = {per_token // 1024} KiB")
+print(f"with a K/V head per query head: {without_gqa // 1024} KiB, {without_gqa // per_token} times as much")
+
+# %% [markdown]
+# A quarter of the memory per token means four times the tokens in the same pool: the same lever as
+# paging (lesson 00), pulled from the model's side. The block manager does not change at all (a
+# block still holds `block_size` tokens, and a table still lists blocks); only the pools are
+# `(num_blocks, num_kv_heads, block_size, head_dim)`, and the attention kernel must know which K/V
+# head each query head reads.
+#
+# The rule is the one the models are trained with: with `group = num_heads // num_kv_heads`, query
+# head `h` reads K/V head `h // group`, so the heads of one group are consecutive. It is what
+# Hugging Face's `repeat_kv` builds (each K/V head repeated `group` times,
+# `torch.repeat_interleave(k, group, dim=heads)`) and what SDPA computes with `enable_gqa=True`.
+# The picture shows 8 query heads over 8, 2 and 1 K/V heads; each line is the K/V head a query
+# head reads, in that head's colour.
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(11, 2.4))
+for ax, (title, kv_heads) in zip(
+    axes, [("MHA: 8 over 8", 8), ("GQA: 8 over 2", 2), ("MQA: 8 over 1", 1)], strict=True
+):
+    group = 8 // kv_heads
+    for j in range(kv_heads):  # the K/V heads, centred under their group
+        x = (j + 0.5) * group - 0.5
+        ax.add_patch(plt.Rectangle((x - 0.4, -0.4), 0.8, 0.8, facecolor=colour(j), edgecolor="#333333"))
+        ax.text(x, -0.5, f"kv{j}", ha="center", va="top", fontsize=7)
+    for h in range(8):  # the query heads, each joined to K/V head h // group
+        ax.add_patch(plt.Rectangle((h - 0.4, 1.6), 0.8, 0.8, facecolor="white", edgecolor=colour(h // group)))
+        ax.text(h, 2, f"q{h}", ha="center", va="center", fontsize=7)
+        ax.plot([h, (h // group + 0.5) * group - 0.5], [1.6, 0.4], color=colour(h // group), linewidth=1.2)
+    ax.set_xlim(-0.7, 7.7)
+    ax.set_ylim(-1.0, 2.6)
+    ax.set_title(title, fontsize=10)
+    ax.axis("off")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Now in code: a pool whose blocks hold 2 K/V heads, and 8 query heads per token, groups of 4. The
+# cache is the same `PagedKVCacheAllocator` as before, created with 2 heads, and its sequences are
+# written and read exactly as in section 2. The reference repeats each sequence's K/V to 8 heads
+# (`repeat_interleave`) and runs SDPA, one sequence at a time; `paged_attention` takes the 8-head
+# queries and the 2-head caches directly, with every strategy.
+
+# %%
+GQA_Q_HEADS, GQA_KV_HEADS = 8, 2
+GROUP = GQA_Q_HEADS // GQA_KV_HEADS
+gen = torch.Generator().manual_seed(5)
+gqa = PagedKVCacheAllocator(NUM_BLOCKS, BLOCK_SIZE, GQA_KV_HEADS, HEAD_DIM, device=device)
+gqa_lengths = [11, 4, 16, 6, 1]  # the same lengths as section 3's batch
+for seq, length in enumerate(gqa_lengths):
+    gqa.allocate_for_sequence(seq, length)
+    k, v = torch.randn(2, length, GQA_KV_HEADS, HEAD_DIM, generator=gen).to(device)
+    gqa.write_kv(seq, k, v)
+gqa_tables = gqa.block_tables_tensor(range(len(gqa_lengths)))
+gqa_lens = torch.tensor(gqa_lengths, device=device)
+gqa_query = torch.randn(len(gqa_lengths), GQA_Q_HEADS, HEAD_DIM, generator=gen).to(device)
+print("k_cache:", tuple(gqa.k_cache.shape), "| query:", tuple(gqa_query.shape))
+
+
+def repeated_reference(q, k, v):
+    """SDPA of q (q_heads, dim) over k, v (tokens, kv_heads, dim), each K/V head repeated for its group."""
+    group = q.shape[0] // k.shape[1]
+    return sdpa_one(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+
+
+gqa_expected = torch.stack(
+    [repeated_reference(gqa_query[s], *gqa.read_kv(s)) for s in range(len(gqa_lengths))]
+)
+for strategy in ("gather", "in_place", "flex"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        out = paged_attention(gqa_query, gqa.k_cache, gqa.v_cache, gqa_tables, gqa_lens, strategy=strategy)
+    print(
+        f"strategy {strategy!r:>10}: output {tuple(out.shape)}, equals repeat + SDPA:",
+        torch.allclose(out, gqa_expected, **TOL),
+    )
+k0, v0 = (t.transpose(0, 1)[None] for t in gqa.read_kv(0))
+sdpa_gqa = F.scaled_dot_product_attention(gqa_query[0][None, :, None], k0, v0, enable_gqa=True)[0, :, 0]
+print("SDPA's own enable_gqa agrees on sequence 0:", torch.allclose(sdpa_gqa, gqa_expected[0], **TOL))
+
+# %% [markdown]
+# The output has one row per query head, `(batch, 8, head_dim)`, from a cache that holds 2. The
+# package never builds the repeated K/V of the reference, which would be `GROUP` = 4 copies of every
+# block: it views each token's 8 query heads as `(2 K/V heads, 4 heads per group)`, and the products
+# with K and V broadcast over the group, so each block is still read once, for four queries at a
+# time.
+#
+# **Predict, then run.** Suppose a kernel paired the heads the other way round, query head `h` with
+# K/V head `h % num_kv_heads` (q0, q2, q4, q6 on kv0), as repeating the whole set of K/V heads with
+# `k.repeat(1, GROUP, 1)` would. Same heads, same numbers of each: does it still equal the reference?
+
+# %%
+interleaved = torch.stack(
+    [
+        sdpa_one(gqa_query[s], *(t.repeat(1, GROUP, 1) for t in gqa.read_kv(s)))
+        for s in range(len(gqa_lengths))
+    ]
+)
+print("h % num_kv_heads equals the reference:", torch.allclose(interleaved, gqa_expected, **TOL))
+same_heads = [h for h in range(GQA_Q_HEADS) if torch.allclose(interleaved[:, h], gqa_expected[:, h], **TOL)]
+print("query heads that still agree:", same_heads)
+
+# %% [markdown]
+# No. Only the query heads that land on the same K/V head either way still agree: q0 and q2 (kv0
+# both ways), q5 and q7 (kv1). Both pairings are attention, but the model's weights were trained with one of them, and
+# the wrong one silently mixes each query with another group's keys, exactly like a wrong block in a
+# table. Consecutive groups (`h // group`) are the convention of Hugging Face's models and of vLLM.
+# In vLLM the attention backends are built with both counts: `FlashAttentionImpl` in
+# `vllm/v1/attention/backends/flash_attn.py` takes `num_heads` and `num_kv_heads` (its
+# `num_queries_per_kv` is their quotient), its cache has the shape `(2, num_blocks, block_size,
+# num_kv_heads, head_size)`, and the kernel maps each query head to its K/V head itself, as
+# `paged_attention` does.
+
+# %% [markdown]
 # ## Recap
 #
 # * Decode attention for one sequence: `softmax(q · kᵀ / sqrt(head_dim))` over its tokens, then the
@@ -654,6 +789,11 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 #   a factor of 2 of SDPA) but pays for the whole pool, `"flex"` is FlexAttention with a block mask, fast only
 #   compiled on a GPU. `"auto"` reads in place when the batch reads at least half the pool, in
 #   float32, and gathers otherwise. All of them equal SDPA.
+# * Grouped-query attention shares each K/V head among a group of query heads (Llama-3-8B: 32 over
+#   8), multi-query attention shares one among all; the cache holds only the K/V heads, 128 KiB per
+#   token for Llama-3-8B in 16 bits instead of 512 KiB. Query head `h` reads K/V head
+#   `h // (num_heads // num_kv_heads)`, as `repeat_kv` and SDPA's `enable_gqa` pair them; every
+#   strategy of `paged_attention` takes such caches without repeating K/V.
 #
 # **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
 # times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,
