@@ -1,0 +1,251 @@
+"""Hugging Face Llama, Qwen2 and Mistral models served from the paged cache give exactly HF's own tokens.
+
+Every model is a tiny random-weight one built from a config here (no download). The reference is
+``model.generate(do_sample=False)`` with Hugging Face's own cache, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from paged_kv.model.causal_lm import CausalLM, as_causal_lm  # noqa: E402
+from paged_kv.model.generation import generate  # noqa: E402
+from paged_kv.model.hf import SUPPORTED_ARCHITECTURES, HFCausalLM  # noqa: E402
+from paged_kv.model.kv_cache import PagedKVCache  # noqa: E402
+from paged_kv.serving.engine import Engine, EngineRequest  # noqa: E402
+
+pytestmark = pytest.mark.lesson09
+
+VOCAB = 256
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # q/k/v biases
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny_config(arch: str, num_kv_heads: int = 2, **overrides):
+    config_class, _, extra = ARCHITECTURES[arch]
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return config_class(**(sizes | extra | overrides))
+
+
+@functools.cache
+def tiny_model(arch: str, num_kv_heads: int = 2, device: str = "cpu", **overrides):
+    """A seeded random-weight model that generates a fixed number of tokens (no EOS)."""
+    torch.manual_seed(0)
+    model = ARCHITECTURES[arch][1](tiny_config(arch, num_kv_heads, **overrides)).eval()
+    model.generation_config.eos_token_id = None
+    if arch == "qwen2":  # random biases, so that the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model.to(device)
+
+
+@functools.cache
+def hf_tokens(model, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """What Hugging Face generates for the prompt alone, greedily, with its own cache."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(n: int, seed: int, longest: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_generate_gives_hf_tokens_for_a_ragged_batch(arch, num_kv_heads, device):
+    model = tiny_model(arch, num_kv_heads, str(device))
+    batch = prompts(4, seed=1)
+    out = generate(model, batch, max_new_tokens=10, block_size=4)
+    assert out.tokens == [hf_tokens(model, tuple(p), 10) for p in batch]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_generate_on_a_fragmented_pool_gives_hf_tokens(arch, device):
+    model = tiny_model(arch, device=str(device))
+    cache = PagedKVCache(as_causal_lm(model).config, num_blocks=40, block_size=4, device=device)
+    for i in range(12):  # take the pool in small pieces, then give back every other one
+        cache.add_sequence(f"filler-{i}", 3)
+    for i in range(0, 12, 2):
+        cache.free(f"filler-{i}")
+    batch = prompts(3, seed=2, longest=12)
+    out = generate(model, batch, max_new_tokens=8, cache=cache)
+    assert out.tokens == [hf_tokens(model, tuple(p), 8) for p in batch]
+
+
+def requests_sharing_a_prefix(seed: int) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(12)]
+    return [
+        EngineRequest(f"r{i}", system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], 6, i % 3)
+        for i in range(6)
+    ]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_engine_with_prefix_caching_gives_hf_tokens(arch, device):
+    model = tiny_model(arch, device=str(device))
+    requests = requests_sharing_a_prefix(seed=3)
+    engine = Engine(model, num_blocks=40, block_size=4, enable_prefix_caching=True)
+    result = engine.run(requests)
+    assert result.prefix_cache_hits > 0
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):
+    model = tiny_model(arch, device=str(device))
+    rng = random.Random(4)
+    requests = [
+        EngineRequest(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(4, 12))], 12)
+        for i in range(5)
+    ]
+    result = Engine(model, num_blocks=12, block_size=4, preemption=preemption).run(requests)
+    assert result.preemptions_by_reason[preemption] > 0
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
+def test_the_wrapped_model_is_left_as_it_was():
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    prompt = prompts(1, seed=5)[0]
+    generate(model, [prompt], 4)
+    assert model.config._attn_implementation == before
+    assert hf_tokens(model, tuple(prompt), 4) == generate(model, [prompt], 4).tokens[0]
+    model(torch.tensor([prompt]))  # HF's own forward still runs with its own attention
+
+
+def test_the_sizes_come_from_the_hf_config():
+    lm = HFCausalLM(tiny_model("qwen2", 1))
+    assert isinstance(lm, CausalLM)
+    config = lm.config
+    assert (config.vocab_size, config.num_layers, config.num_heads, config.num_kv_heads) == (VOCAB, 2, 4, 1)
+    assert (config.head_dim, config.max_len) == (16, 128)
+    assert lm.dtype == torch.float32
+    tensors = {id(t): t for t in (*lm.model.parameters(), *lm.model.buffers())}  # a tied weight once
+    assert lm.weight_bytes == sum(t.numel() * 4 for t in tensors.values()) > 0
+
+
+def test_a_sliding_window_bounds_the_sequences_it_would_cut():
+    model = tiny_model("mistral", sliding_window=16)
+    assert as_causal_lm(model).config.max_len == 16
+    prompt = prompts(1, seed=6, longest=8)[0]
+    assert generate(model, [prompt], 16 - len(prompt)).tokens[0] == hf_tokens(
+        model, tuple(prompt), 16 - len(prompt)
+    )
+    with pytest.raises(ValueError, match="max_len 16"):
+        generate(model, [prompt], 17 - len(prompt))
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_ones_listed():
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
+    )
+    for call in (lambda: generate(gpt2, [[1, 2]], 2), lambda: Engine(gpt2, num_blocks=4)):
+        with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
+            call()
+        assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+    with pytest.raises(ValueError, match="TinyGPT"):
+        as_causal_lm("a model")
+
+
+def test_a_prompt_past_the_model_positions_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"prompts\[0\].*max_len 128"):
+        generate(model, [[1] * 120], 9)
+    with pytest.raises(ValueError, match="max_model_len 128"):
+        Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 120, 9)])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"prompts\[1\].*\[0, 256\)"):
+        generate(model, [[1], [256]], 2)
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        Engine(model, num_blocks=8, block_size=4).run([EngineRequest("r", [-1], 2)])
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "num_layers"),
+    [(4, 16, 2), (2, 8, 2), (2, 16, 3)],
+    ids=["heads", "size", "layers"],
+)
+def test_a_cache_built_for_another_model_is_refused_before_anything_runs(num_kv_heads, head_dim, num_layers):
+    model = tiny_model("llama")  # 2 layers of 2 K/V heads of size 16
+    from paged_kv.model.config import GPTConfig
+
+    other = GPTConfig(num_layers=num_layers, num_heads=4, head_dim=head_dim, num_kv_heads=num_kv_heads)
+    cache = PagedKVCache(other, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="another model"):
+        generate(model, [[1, 2, 3]], 2, cache=cache)
+    assert cache.num_free_blocks == 8
+
+    def factory(config, num_blocks, block_size, device, dtype):
+        return PagedKVCache(other, num_blocks, block_size, device, dtype)
+
+    with pytest.raises(ValueError, match="another model"):
+        Engine(model, num_blocks=8, block_size=4, cache_factory=factory).run([EngineRequest("r", [1], 2)])
+
+
+# ------------------------------------------------------------------------- sizing from a budget
+
+
+def test_the_engine_sizes_its_cache_from_a_budget_in_bytes():
+    model = tiny_model("llama")
+    per_block = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 K/V heads of 16, 4 tokens, float32
+    engine = Engine(model, kv_cache_memory_bytes=10 * per_block + per_block - 1, block_size=4)
+    assert (engine.bytes_per_block, engine.num_blocks) == (per_block, 10)
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(model, kv_cache_memory_bytes=per_block - 1, block_size=4)
+
+
+def test_the_engine_sizes_its_cache_from_a_share_of_the_device(monkeypatch):
+    import paged_kv.serving.engine as engine_module
+
+    model = tiny_model("llama")
+    weights = as_causal_lm(model).weight_bytes
+    monkeypatch.setattr(engine_module, "device_memory", lambda device: 2 * weights)
+    engine = Engine(model, gpu_memory_utilization=0.75, block_size=4)
+    assert engine.num_blocks == (2 * weights * 3 // 4 - weights) // engine.bytes_per_block
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.4"):
+        Engine(model, gpu_memory_utilization=0.4, block_size=4)  # less than the weights
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{}, {"num_blocks": 8, "kv_cache_memory_bytes": 10**6}, {"num_blocks": 8, "gpu_memory_utilization": 0.5}],
+)
+def test_the_engine_takes_its_size_exactly_one_way(sizes):
+    with pytest.raises(ValueError, match="one way"):
+        Engine(tiny_model("llama"), **sizes)
