@@ -9,7 +9,10 @@ Paged decode maps onto it without moving a byte of K or V:
 
 * the keys are the **whole pool**, viewed as one long sequence of ``num_blocks * block_size``
   positions (``k_cache.transpose(0, 1)`` flattened: a view, no copy when the cache is contiguous);
-* the queries are the batch's new tokens, one query position per sequence;
+* the queries are the batch's new tokens, one query position per sequence, with ``num_heads``
+  heads over the pool's ``num_kv_heads``: with fewer K/V heads (grouped-query or multi-query
+  attention) FlexAttention's ``enable_gqa=True`` has query head ``h`` read K/V head
+  ``h // (num_heads // num_kv_heads)``, with no copy of K or V per query head;
 * query ``b`` sees key ``kv`` as many times as row ``b`` of the block table reads that slot: the
   entries ``j`` that name physical block ``kv // block_size`` and whose logical position
   ``j * block_size + kv % block_size`` is below ``context_lens[b]``. Every entry but a row's last

@@ -477,8 +477,7 @@ def _check_inputs(
     ):
         raise ValueError(
             f"k_cache must have shape (num_blocks, num_kv_heads, block_size, {query.shape[2]}) with "
-            f"num_kv_heads dividing query's {query.shape[1]} heads, to match query's heads and head_dim, "
-            f"got {tuple(k_cache.shape)}"
+            f"num_kv_heads dividing query's {query.shape[1]} heads, got {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
