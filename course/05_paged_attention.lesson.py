@@ -635,11 +635,12 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 # %% [markdown]
 # ## 7. Grouped-query and multi-query attention
 #
-# Until now every query head had its own K/V head. Most models served today do not. In
-# **grouped-query attention** (GQA) the query heads come in groups, and all the heads of a group
-# share one key head and one value head; **multi-query attention** (MQA) is the extreme case, one
-# K/V head shared by every query head. Ordinary multi-head attention (MHA) is the other end, groups
-# of one. The model still asks `num_heads` questions at every step; it just keeps fewer answers.
+# Until now every query head had its own K/V head. Many models served today do not (Llama 3,
+# Mistral and Qwen2 among them). In **grouped-query attention** (GQA) the query heads come in
+# groups, and all the heads of a group share one key head and one value head; **multi-query
+# attention** (MQA) is the extreme case, one K/V head shared by every query head. Ordinary
+# multi-head attention (MHA) is the other end, groups of one. The model still computes `num_heads`
+# queries per token; it computes, and keeps, fewer keys and values.
 #
 # The KV cache cares because it stores only what is kept: the queries are computed afresh for the
 # new token at every step and thrown away, while K and V stay for the rest of the sequence. So the
