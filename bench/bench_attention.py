@@ -11,6 +11,14 @@ start with is timed alone as well, for information. On CUDA (when there is one) 
 with a synchronize inside each timed call, and so is the FlexAttention path (``strategy="flex"``,
 compiled), after it is checked against SDPA.
 
+A second batch has grouped-query attention (GQA), as Llama-3-8B does: 32 query heads over 8 KV
+heads (batch 8, head dim 64, the same context and block size), so the cache and the contiguous
+K/V hold 8 heads. Paged decode (``"auto"``) is timed against SDPA with ``enable_gqa=True`` over
+the contiguous K/V, and, for information, against SDPA over K/V repeated to the 32 query heads
+(``repeat_interleave``, what a model without GQA support does, copy included). The three are
+timed interleaved, round by round (``paged_kv.timing.compare_times``), and each ratio is the
+median of the rounds' ratios.
+
     .venv/bin/python bench/bench_attention.py
 """
 
@@ -27,29 +35,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
 from paged_kv.attention.paged import paged_attention
+from paged_kv.timing import compare_times
 
 TARGET_SLOWDOWN = 1.5
 
 
 def make_case(
-    batch: int, num_heads: int, head_dim: int, context: int, block_size: int, seed: int = 0
+    batch: int,
+    num_heads: int,
+    head_dim: int,
+    context: int,
+    block_size: int,
+    seed: int = 0,
+    num_kv_heads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The same K/V laid out twice: paged (scattered blocks) and contiguous; and one query per sequence.
 
-    Returns ``query`` ``(batch, heads, dim)``, ``k``/``v`` ``(batch, heads, context, dim)``,
-    ``k_cache``/``v_cache`` ``(num_blocks, heads, block_size, dim)``, ``block_tables``
+    Returns ``query`` ``(batch, heads, dim)``, ``k``/``v`` ``(batch, kv_heads, context, dim)``,
+    ``k_cache``/``v_cache`` ``(num_blocks, kv_heads, block_size, dim)``, ``block_tables``
     ``(batch, blocks_per_seq)`` (a random permutation of every block id, so a sequence's blocks
     are scattered over the pool) and ``context_lens`` ``(batch,)``. ``context`` need not be a
     multiple of ``block_size``: the last block of each sequence is then partly filled.
+    ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: fewer is grouped-query attention.
     """
     generator = torch.Generator().manual_seed(seed)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq
-    k = torch.randn(batch, num_heads, context, head_dim, generator=generator)
-    v = torch.randn(batch, num_heads, context, head_dim, generator=generator)
+    k = torch.randn(batch, num_kv_heads, context, head_dim, generator=generator)
+    v = torch.randn(batch, num_kv_heads, context, head_dim, generator=generator)
     query = torch.randn(batch, num_heads, head_dim, generator=generator)
     block_tables = torch.randperm(num_blocks, generator=generator).reshape(batch, per_seq)
-    k_cache = torch.zeros(num_blocks, num_heads, block_size, head_dim)
+    k_cache = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim)
     v_cache = torch.zeros_like(k_cache)
     for b in range(batch):
         for j in range(per_seq):
@@ -85,8 +102,19 @@ def flex(case: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def contiguous(case: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The baseline: ``scaled_dot_product_attention`` of one query over the contiguous K/V."""
-    return F.scaled_dot_product_attention(case["query"][:, :, None], case["k"], case["v"])[:, :, 0]
+    """The baseline: ``scaled_dot_product_attention`` of one query over the contiguous K/V (its own
+    grouped-query attention, ``enable_gqa``, when the K/V have fewer heads than the query)."""
+    grouped = case["k"].shape[1] != case["query"].shape[1]
+    return F.scaled_dot_product_attention(
+        case["query"][:, :, None], case["k"], case["v"], enable_gqa=grouped
+    )[:, :, 0]
+
+
+def repeated(case: dict[str, torch.Tensor]) -> torch.Tensor:
+    """SDPA over K/V repeated to the query's heads (``repeat_interleave``, Hugging Face's ``repeat_kv``)."""
+    group = case["query"].shape[1] // case["k"].shape[1]
+    k, v = (case[name].repeat_interleave(group, dim=1) for name in ("k", "v"))
+    return F.scaled_dot_product_attention(case["query"][:, :, None], k, v)[:, :, 0]
 
 
 def gather_only(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +141,11 @@ def run(
     context: int = 1_024,
     block_size: int = 16,
     repeats: int = 9,
+    gqa_batch: int = 8,
+    gqa_heads: tuple[int, int] = (32, 8),
 ) -> list[Row]:
-    """Time paged attention, SDPA and the gather on the CPU (and CUDA when available), after checking them."""
+    """Time paged attention, SDPA and the gather on the CPU (and CUDA when available), after checking them;
+    then the grouped-query batch (``gqa_batch`` sequences, ``gqa_heads`` = (query heads, KV heads))."""
     case = make_case(batch, num_heads, head_dim, context, block_size)
     check_equal(case)
     sdpa = median_time(lambda: contiguous(case), repeats=repeats, warmup=2)
@@ -133,6 +164,7 @@ def run(
         Row(f"{name}: {cpu}, the gather of K/V alone", gather * 1e3, sdpa * 1e3, gather / sdpa,
             "—", None, "ms"),
     ]  # fmt: skip
+    rows += gqa_rows(gqa_batch, *gqa_heads, head_dim, context, block_size, repeats)
     if torch.cuda.is_available():
         on_cuda = {key: value.cuda() for key, value in case.items()}
         check_equal(on_cuda)
@@ -161,8 +193,46 @@ def run(
     return rows
 
 
+def gqa_rows(
+    batch: int, num_heads: int, num_kv_heads: int, head_dim: int, context: int, block_size: int, repeats: int
+) -> list[Row]:
+    """Paged decode of a grouped-query batch against SDPA's ``enable_gqa`` and against repeated K/V."""
+    case = make_case(batch, num_heads, head_dim, context, block_size, seed=1, num_kv_heads=num_kv_heads)
+    check_equal(case)
+    if not torch.allclose(repeated(case), contiguous(case), atol=1e-5, rtol=1e-4):
+        raise AssertionError("SDPA over repeated K/V differs from SDPA with enable_gqa")
+    # Interleaved round by round (the course's timer): a burst of load on this shared machine slows
+    # all three in the same round instead of one of them.
+    timings = compare_times(
+        {"paged": lambda: paged(case), "sdpa": lambda: contiguous(case), "repeated": lambda: repeated(case)},
+        repeats=repeats,
+    )
+    paged_time, sdpa, repeat_time = (timings.median(key) for key in ("paged", "sdpa", "repeated"))
+    threads = torch.get_num_threads()
+    name = (
+        f"paged decode attention, GQA (batch {batch}, {num_heads} query heads over {num_kv_heads} KV heads, "
+        f"dim {head_dim}, context {context:,}, block {block_size}, scattered, fp32): "
+        f"CPU, {threads} thread{'s' if threads != 1 else ''}"
+    )
+    return [
+        Row(f"{name}, vs contiguous SDPA enable_gqa", paged_time * 1e3, sdpa * 1e3,
+            timings.ratio("paged", "sdpa"), "—", None, "ms"),
+        Row(f"{name}, vs contiguous SDPA over K/V repeated to {num_heads} heads", paged_time * 1e3,
+            repeat_time * 1e3, timings.ratio("paged", "repeated"), "—", None, "ms"),
+    ]  # fmt: skip
+
+
 # Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
-QUICK = {"batch": 2, "num_heads": 2, "head_dim": 8, "context": 37, "block_size": 4, "repeats": 3}
+QUICK = {
+    "batch": 2,
+    "num_heads": 2,
+    "head_dim": 8,
+    "context": 37,
+    "block_size": 4,
+    "repeats": 3,
+    "gqa_batch": 2,
+    "gqa_heads": (4, 2),
+}
 
 
 if __name__ == "__main__":
