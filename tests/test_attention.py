@@ -91,6 +91,17 @@ def test_repeat_kv_pairs_each_query_head_with_its_group_s_kv_head():
     torch.testing.assert_close(F.scaled_dot_product_attention(q, repeat_kv(k, 6), repeat_kv(v, 6)), gqa)
 
 
+def test_the_kernels_group_the_query_heads_as_a_view_in_repeat_kv_order():
+    """Heads 0-3 of 8 share KV head 0, heads 4-7 KV head 1; no copy of the queries is made."""
+    from paged_kv.attention.paged import _group_heads
+
+    q = torch.arange(8.0).reshape(1, 8, 1)
+    grouped = _group_heads(q, 2, dim=1)
+    assert grouped.shape == (1, 2, 4, 1) and grouped.data_ptr() == q.data_ptr()
+    assert grouped[0, :, :, 0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert torch.equal(grouped.flatten(1, 2), q)
+
+
 def reference(cache, query, context_lens, scale=None):
     """SDPA, one sequence at a time, over the contiguous K/V read back from the cache (in float32),
     repeated to the query's heads."""
