@@ -1,0 +1,361 @@
+"""The engine against what a user would pick instead: Hugging Face's own ways to serve the same requests.
+
+One tiny Llama-architecture model (random weights, seeded, float32, on the CPU; grouped-query
+attention, 8 query heads over 2 K/V heads; no BOS, EOS or pad token, so every request generates
+exactly its ``max_new_tokens``) serves one seeded ShareGPT-shaped workload
+(:func:`bench_engine.scaled_requests`: lengths divided by ``scale`` to fit the model's maximum
+positions), every request arriving at once, three ways:
+
+1. ``engine``: :class:`paged_kv.Engine` on ``num_blocks`` blocks of ``block_size`` tokens;
+2. ``generate_batch``: transformers' continuous batching with its paged cache, sized to the same
+   ``num_blocks`` pages of ``block_size`` tokens (``ContinuousBatchingConfig(page_size=block_size,
+   num_blocks=num_blocks)``, so it sizes nothing from the machine's memory). ``generate_batch`` itself
+   takes one ``max_new_tokens`` for every prompt, so the requests go through the manager it is built
+   on (``model.continuous_batching_context_manager``, ``add_request(..., max_new_tokens=...)``,
+   ``get_result``), each with its own length, exactly as ``generate_batch`` drives it;
+3. ``static``: ``model.generate`` on static batches of ``batch_size`` requests in arrival order,
+   left-padded with an attention mask, each batch running until its longest request's
+   ``max_new_tokens``; a request's tokens past its own ``max_new_tokens`` are not counted.
+
+Each system is timed end to end (building its cache included, the Engine's too) after a warm-up
+run, the three interleaved round by round (:func:`paged_kv.timing.compare_times`), with the same
+torch threads. The rows give generated tokens per second (the same tokens for all three: each
+request's own ``max_new_tokens``) and the ratios Engine / generate_batch (target >= 1.0x) and
+Engine / static, each the median of the per-round ratios; then the greedy tokens compared request
+by request, and the K/V bytes each reserves per token generated.
+
+    .venv/bin/python bench/bench_hf.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import Row, text_table
+from bench_engine import scaled_requests
+
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.timing import compare_times
+
+TARGET_SPEEDUP = 1.0
+"""The issue's target: the Engine generates at least as many tokens per second as ``generate_batch``."""
+
+SYSTEMS = ("engine", "generate_batch", "static")
+
+NO_EOS = -1
+"""The end-of-sequence id transformers' continuous batching takes for "none" (no token has it)."""
+
+
+def tiny_llama(
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    max_len: int = 256,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A random-weight ``LlamaForCausalLM``, seeded by ``seed``, in float32 and in eval mode.
+
+    Its feed-forward is twice ``hidden_size`` wide and ``max_len`` is its maximum positions. It has no
+    BOS, EOS or pad token, in its config and its generation config, so nothing ends a generation
+    early: every request generates exactly ``max_new_tokens``.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_len,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.generation_config.bos_token_id = model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one system generated, ``tokens[request_id]`` (exactly ``max_new_tokens`` ids each), and
+    the K/V bytes it reserved: ``kv_bytes_allocated`` taken for the cache up front (0 when the cache
+    grows as it goes), ``kv_bytes_peak`` held at the fullest moment of the run (``None`` when the
+    system does not show it)."""
+
+    tokens: dict[Hashable, list[int]]
+    kv_bytes_allocated: int
+    kv_bytes_peak: int | None
+
+
+def serve_engine(engine: Engine, requests: Sequence[EngineRequest]) -> Served:
+    """``engine.run(requests)``. Its pool of ``num_blocks`` blocks is allocated up front; the peak is
+    the most blocks in use at any step, times ``bytes_per_block``."""
+    result = engine.run(requests)
+    return Served(
+        result.tokens,
+        engine.num_blocks * engine.bytes_per_block,
+        max(result.used_blocks) * engine.bytes_per_block,
+    )
+
+
+def serve_continuous_batching(
+    model: LlamaForCausalLM,
+    requests: Sequence[EngineRequest],
+    num_blocks: int,
+    block_size: int,
+    max_batch_tokens: int | None = None,
+) -> Served:
+    """transformers' continuous batching on ``num_blocks`` pages of ``block_size`` tokens per layer,
+    greedy, each request with its own ``max_new_tokens`` and no end-of-sequence token.
+
+    ``max_batch_tokens`` bounds the tokens of one forward pass (``None``: transformers' default,
+    8,192). The bytes allocated are those of the cache's one flat tensor, which holds its pages in
+    sectors (plus two never-used "trash" sectors for padding tokens); how many of them it used at its
+    peak is the manager thread's business, not shown (``kv_bytes_peak`` is ``None``).
+
+    Raises:
+        RuntimeError: the manager's thread stopped before every request finished, or its cache does
+            not hold the ``num_blocks`` blocks it was given.
+    """
+    generation = GenerationConfig(do_sample=False, max_new_tokens=1, eos_token_id=NO_EOS)
+    batching = ContinuousBatchingConfig(
+        page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens
+    )
+    results = {}
+    with (
+        torch.no_grad(),
+        model.continuous_batching_context_manager(
+            generation_config=generation, continuous_batching_config=batching, block=True
+        ) as manager,
+    ):
+        for request in requests:
+            manager.add_request(
+                request.prompt, str(request.request_id), request.max_new_tokens, eos_token_id=NO_EOS
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                done = f"{len(results)} of {len(requests)}"
+                raise RuntimeError(f"generate_batch's thread stopped with {done} requests done")
+        cache = manager.batch_processor.cache
+        if cache.num_blocks != num_blocks:
+            raise RuntimeError(f"generate_batch's cache holds {cache.num_blocks} blocks, not {num_blocks}")
+        allocated = cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+    tokens = {r.request_id: list(results[str(r.request_id)].generated_tokens) for r in requests}
+    return Served(tokens, allocated, None)
+
+
+def static_batches(requests: Sequence[EngineRequest], batch_size: int) -> list[list[EngineRequest]]:
+    """``requests`` cut into batches of ``batch_size`` in arrival order (the last may be shorter)."""
+    return [list(requests[i : i + batch_size]) for i in range(0, len(requests), batch_size)]
+
+
+def padded_batch(batch: Sequence[EngineRequest], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts of ``batch`` left-padded with ``pad_id`` to the longest: ``(input_ids, attention_mask)``,
+    both ``(len(batch), longest)``, the mask 1 on the prompt's tokens and 0 on the padding."""
+    longest = max(len(r.prompt) for r in batch)
+    pads = [longest - len(r.prompt) for r in batch]
+    input_ids = torch.tensor([[pad_id] * pad + list(r.prompt) for pad, r in zip(pads, batch, strict=True)])
+    mask = torch.tensor([[0] * pad + [1] * len(r.prompt) for pad, r in zip(pads, batch, strict=True)])
+    return input_ids, mask
+
+
+def padded_tokens(batch: Sequence[EngineRequest]) -> int:
+    """The token slots HF's cache holds for a static batch when it ends: every row grows to the longest
+    prompt plus the batch's longest ``max_new_tokens``, less the last token, which is never fed back."""
+    return len(batch) * (max(len(r.prompt) for r in batch) + max(r.max_new_tokens for r in batch) - 1)
+
+
+def serve_static(
+    model: LlamaForCausalLM, requests: Sequence[EngineRequest], batch_size: int, bytes_per_token: int
+) -> Served:
+    """``model.generate`` (greedy, HF's own cache) on :func:`static_batches`, each :func:`padded_batch`
+    generating its longest ``max_new_tokens`` for every row; each request keeps its own first
+    ``max_new_tokens``. The cache grows as it goes, so nothing is allocated up front; the peak is the
+    largest batch's :func:`padded_tokens` times ``bytes_per_token``, one token's K/V over all layers."""
+    tokens, peak = {}, 0
+    for batch in static_batches(requests, batch_size):
+        input_ids, mask = padded_batch(batch)
+        longest = max(r.max_new_tokens for r in batch)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        for request, row in zip(batch, out[:, input_ids.shape[1] :].tolist(), strict=True):
+            tokens[request.request_id] = row[: request.max_new_tokens]
+        peak = max(peak, padded_tokens(batch) * bytes_per_token)
+    return Served(tokens, 0, peak)
+
+
+def generate_alone(model: LlamaForCausalLM, request: EngineRequest) -> list[int]:
+    """``model.generate`` of the request's prompt alone (greedy, HF's own cache): its tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([request.prompt]),
+            max_new_tokens=request.max_new_tokens,
+            min_new_tokens=request.max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(request.prompt) :].tolist()
+
+
+def equal_requests(ours: dict[Hashable, list[int]], theirs: dict[Hashable, list[int]]) -> int:
+    """How many of ``theirs``' requests got exactly the tokens ``ours`` gave them."""
+    return sum(ours[request_id] == tokens for request_id, tokens in theirs.items())
+
+
+def compare(
+    model: LlamaForCausalLM,
+    requests: Sequence[EngineRequest],
+    *,
+    num_blocks: int,
+    block_size: int,
+    batch_size: int,
+    max_batch_tokens: int | None,
+    repeats: int,
+    warmup: int,
+    threads: int,
+) -> tuple[dict[str, Served], dict[str, float], dict[str, float]]:
+    """Time the three systems on ``requests``, interleaved round by round.
+
+    Returns what each served (its last run), its median seconds, and the median over rounds of the
+    Engine's speed over each other system's (``"generate_batch"``, ``"static"``).
+    """
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
+    systems: dict[str, Callable[[], Served]] = {
+        "engine": lambda: serve_engine(engine, requests),
+        "generate_batch": lambda: serve_continuous_batching(
+            model, requests, num_blocks, block_size, max_batch_tokens
+        ),
+        "static": lambda: serve_static(model, requests, batch_size, engine.kv_spec.bytes_per_token),
+    }
+    served: dict[str, Served] = {}
+
+    def keep(name: str) -> Callable[[], None]:
+        def call() -> None:
+            served[name] = systems[name]()
+
+        return call
+
+    contestants = {name: keep(name) for name in SYSTEMS}
+    timings = compare_times(contestants, repeats=repeats, warmup=warmup, threads=threads)
+    seconds = {name: timings.median(name) for name in SYSTEMS}
+    speedups = {name: 1 / timings.ratio("engine", name) for name in SYSTEMS[1:]}
+    return served, seconds, speedups
+
+
+def run(
+    num_requests: int = 48,
+    scale: int = 8,
+    max_len: int = 256,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    batch_size: int = 8,
+    max_batch_tokens: int | None = None,
+    alone: int = 4,
+    repeats: int = 3,
+    warmup: int = 1,
+    threads: int = 1,
+) -> list[Row]:
+    """The three systems on ``num_requests`` ShareGPT-shaped requests (lengths / ``scale``): the rows.
+
+    ``alone`` requests (the first ones) are also generated one at a time by ``model.generate`` to
+    check the Engine's tokens against HF's own cache with no batching. ``threads`` torch threads (1 by
+    default, as the other benches: the tiny model's ops are too small to share, and the machine is).
+    """
+    model = tiny_llama(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        max_len=max_len,
+    )  # fmt: skip
+    requests = scaled_requests(num_requests, scale, max_len)
+    served, seconds, speedups = compare(
+        model, requests, num_blocks=num_blocks, block_size=block_size, batch_size=batch_size,
+        max_batch_tokens=max_batch_tokens, repeats=repeats, warmup=warmup, threads=threads,
+    )  # fmt: skip
+    engine, cb, static = (served[name] for name in SYSTEMS)
+    alone_tokens = {r.request_id: generate_alone(model, r) for r in requests[:alone]}
+    generated = sum(r.max_new_tokens for r in requests)
+    speed = {name: generated / seconds[name] for name in SYSTEMS}
+    equal = {
+        "generate_batch": equal_requests(engine.tokens, cb.tokens),
+        "static": equal_requests(engine.tokens, static.tokens),
+        "alone": equal_requests(engine.tokens, alone_tokens),
+    }
+    name = (
+        f"HF Llama (random, {num_layers} layers, hidden {hidden_size}, {num_heads} query heads over "
+        f"{num_kv_heads} K/V, fp32), {num_requests} ShareGPT-shaped requests (lengths / {scale}, "
+        f"{generated:,} tokens to generate), {num_blocks} blocks of {block_size}"
+    )
+    note = f"CPU, {threads} thread{'s' if threads != 1 else ''}, median of {repeats}"
+    in_use = f"the Engine's blocks in use peaked at {engine.kv_bytes_peak:,} B"
+    return [
+        Row(f"{name}: generated tokens/s, Engine vs generate_batch ({note})",
+            speed["engine"], speed["generate_batch"], speedups["generate_batch"],
+            f">= {TARGET_SPEEDUP:.1f}x", speedups["generate_batch"] >= TARGET_SPEEDUP, "tokens/s"),
+        Row(f"{name}: generated tokens/s, Engine vs HF generate, static batches of {batch_size} ({note})",
+            speed["engine"], speed["static"], speedups["static"], "—", None, "tokens/s"),
+        Row(f"{name}: greedy tokens equal, Engine vs HF generate of each prompt alone (the first {alone})",
+            equal["alone"], alone, equal["alone"] / alone, "all", equal["alone"] == alone, "requests"),
+        Row(f"{name}: greedy tokens equal, Engine vs generate_batch",
+            equal["generate_batch"], num_requests, equal["generate_batch"] / num_requests, "—", None,
+            "requests"),
+        Row(f"{name}: greedy tokens equal, Engine vs static padded batches (padding can move floats)",
+            equal["static"], num_requests, equal["static"] / num_requests, "—", None, "requests"),
+        Row(f"{name}: K/V bytes allocated per token generated, Engine's pool vs generate_batch's cache, "
+            f"both for {num_blocks} blocks ({in_use})",
+            engine.kv_bytes_allocated / generated, cb.kv_bytes_allocated / generated,
+            cb.kv_bytes_allocated / engine.kv_bytes_allocated, "—", None, "B/token"),
+        Row(f"{name}: K/V bytes held at the peak per token generated, Engine's blocks in use vs static "
+            f"padded batches' largest cache",
+            engine.kv_bytes_peak / generated, static.kv_bytes_peak / generated,
+            static.kv_bytes_peak / engine.kv_bytes_peak, "—", None, "B/token"),
+    ]  # fmt: skip
+
+
+# Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
+QUICK = {
+    "num_requests": 6,
+    "scale": 32,
+    "max_len": 64,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "block_size": 4,
+    "num_blocks": 64,
+    "batch_size": 4,
+    "alone": 2,
+    "repeats": 1,
+    "warmup": 0,
+}
+
+
+if __name__ == "__main__":
+    print(text_table(run()))
