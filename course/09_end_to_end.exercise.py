@@ -123,7 +123,8 @@ check("09.decode_slots", decode_slots)
 #   is allocated, grown and freed **once**, whatever the number of layers;
 # * `self.storage`, a `KVStorage` with one pool per layer: layer `l` keeps its K and V in
 #   `self.storage.k_caches[l]` and `self.storage.v_caches[l]`, each of shape
-#   `(num_blocks, num_heads, block_size, head_dim)`;
+#   `(num_blocks, num_kv_heads, block_size, head_dim)` (the tiny GPT has as many K/V heads as query
+#   heads; a model with grouped-query attention has fewer, and the cache stores only those);
 # * `self.new_slots`, where `append` leaves the slots of the step's new tokens for `attend`.
 #
 # Write:
@@ -131,7 +132,7 @@ check("09.decode_slots", decode_slots)
 # * `num_free_blocks` (a property) and `needs_new_block(seq_id)`: the engine asks them before it
 #   admits and before each decode step; the manager answers;
 # * `add_sequence(seq_id, num_tokens)`: give the prompt its blocks (`self.manager.allocate`), once;
-# * `write_prompt(layer, seq_id, k, v)`: store the prompt's K and V, `(tokens, num_heads,
+# * `write_prompt(layer, seq_id, k, v)`: store the prompt's K and V, `(tokens, num_kv_heads,
 #   head_dim)`, in that layer's pool: `self.storage.write(layer, block_ids, k, v)`, with the
 #   sequence's block ids as a `LongTensor` on `self.device`;
 # * `append(seq_ids)`: grow each sequence by one token, all or nothing, once for all the layers
@@ -174,7 +175,7 @@ class MyPagedCache(KVCache):
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size)
         self.storage = KVStorage(
-            config.num_layers, num_blocks, block_size, config.num_heads, config.head_dim, dtype, device
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
         self.block_size = block_size
         self.device = self.storage.device

@@ -20,7 +20,9 @@
 # 4. serve a ShareGPT-shaped workload in the same memory with paged blocks and with contiguous
 #    slots, and compare running sequences, steps and memory utilization;
 # 5. weigh what paging costs (a slower attention kernel, some bookkeeping) against what it saves,
-#    with the numbers of the course's benchmarks and of the vLLM paper.
+#    with the numbers of the course's benchmarks and of the vLLM paper;
+# 6. serve a real architecture, a Hugging Face Llama with grouped-query attention and rotary
+#    positions, from the same cache and engine, and get exactly the tokens Hugging Face generates.
 #
 # Everything runs on a laptop CPU in a few seconds; a GPU is used when there is one.
 
@@ -446,6 +448,102 @@ for mode, r in results.items():
 # where a step costs about the same for 7 or for 17 sequences, that is 2.4 times the throughput.
 
 # %% [markdown]
+# ## 5. A real model on the same cache
+#
+# The tiny GPT is GPT-2 in miniature. The models vLLM serves are mostly of the Llama family, and
+# they differ from it in four ways: RMSNorm instead of LayerNorm, a gated MLP, **rotary position
+# embeddings** instead of a learned position table, and **grouped-query attention** (lesson 05):
+# fewer K/V heads than query heads. Only the last two touch the cache, and neither changes its
+# design:
+#
+# * the cache stores the K/V heads only: `num_kv_heads`, not `num_heads`, sizes its blocks;
+# * rotary embeddings rotate each query and key by an angle that grows with its position, before
+#   attention. A key is stored already rotated, at its position, so decode only has to rotate the
+#   new token's query and key, at the position the cache gives it (`append` returns it).
+#
+# `paged_kv` runs Hugging Face `transformers` models of the Llama family (Llama, Qwen2, Mistral)
+# through the same two calls as the tiny GPT, `prefill` and `decode_step`. Hugging Face's own modules
+# do all of the model (embeddings, norms, projections, rotary embeddings at the positions given,
+# MLP, head) except the attention: transformers looks each layer's attention function up by name,
+# and `paged_kv` registers one that hands the layer's queries, keys and values to the paged cache
+# (`paged_kv/model/hf.py`). vLLM's *Transformers backend* plugs in at the same place; its own model
+# files (`vllm/model_executor/models/llama.py`) re-write each layer around the attention instead.
+#
+# `load_model` fetches `HuggingFaceTB/SmolLM2-135M` and its tokenizer when the Hugging Face Hub
+# answers. Without a network, as when the course's tests run, it says so in one line and builds a
+# model of the same architecture with random weights and the tiny GPT's byte tokens: the text is then
+# noise, but everything this section checks holds the same. (`python -m paged_kv check-env` says
+# whether the Hub answers.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from paged_kv.kv.sizing import KVCacheSpec, format_bytes
+from paged_kv.model.causal_lm import as_causal_lm
+from paged_kv.model.hub import load_model
+
+loaded = load_model("HuggingFaceTB/SmolLM2-135M")
+print(loaded.note)
+llama = loaded.model.to(device)
+sizes = as_causal_lm(llama).config  # what the cache needs to know, read from the model's config
+spec = KVCacheSpec(sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, llama.dtype)
+print(f"{type(llama).__name__}: {sum(p.numel() for p in llama.parameters()) / 1e6:.0f}M parameters")
+print(
+    f"{sizes.num_layers} layers, {sizes.num_heads} query heads over {sizes.num_kv_heads} K/V heads "
+    f"of {sizes.head_dim}: {format_bytes(spec.bytes_per_token)} of K/V per token in {llama.dtype}"
+)
+
+# %% [markdown]
+# *Predict:* SmolLM2-135M has 30 layers of 3 K/V heads of size 64. How much cache does one token
+# take in 16-bit, and how much would it take with a K/V head for each of its 9 query heads?
+#
+# (2 · 30 · 3 · 64 · 2 bytes = 22.5 KiB; three times that, 67.5 KiB, without grouped-query
+# attention. The cell above prints it in float32, the dtype the CPU runs in: twice the 16-bit figure.)
+#
+# Now generate from two prompts with the paged cache, and again with Hugging Face's own
+# `generate` and its own cache, one prompt at a time, greedily:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+texts = ["The KV cache of a transformer", "Paged attention splits memory into"]
+real_prompts = [loaded.encode(t) for t in texts]
+ours = generate(llama, real_prompts, max_new_tokens=16, block_size=16).tokens
+
+
+def hf_generate(ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face's greedy generation of one prompt, with its own KV cache."""
+    batch = torch.tensor([ids], device=device)
+    out = llama.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+theirs = [hf_generate(ids, 16) for ids in real_prompts]
+for text, tokens in zip(texts, ours, strict=True):
+    print(repr(text + loaded.decode(tokens)))
+assert ours == theirs
+print("identical to Hugging Face's generate:", ours == theirs)
+
+# %% [markdown]
+# Every layer of the model wrote into one `PagedKVCache`, under one block table per prompt, with
+# 3 K/V heads per block; decode attention ran `paged_attention` with 9 query heads over them.
+#
+# The engine serves the model as it served the tiny GPT. This time give it memory the way vLLM is
+# given memory: not a number of blocks but a number of bytes (vLLM's `kv_cache_memory_bytes`; or
+# `gpu_memory_utilization`, a share of the device's memory from which the weights are subtracted).
+# The engine divides the budget by the bytes of one block over all 30 layers:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+server = Engine(llama, kv_cache_memory_bytes=8 * 2**20, block_size=16)
+print(
+    f"8 MiB / {format_bytes(server.bytes_per_block)} per block = {server.num_blocks} blocks "
+    f"= {server.budget_tokens} token slots"
+)
+stream = [EngineRequest(i, loaded.encode(t), 12, arrival_step=i) for i, t in enumerate(texts * 2)]
+served = server.run(stream)
+assert all(served.tokens[r.request_id] == hf_generate(r.prompt, 12) for r in stream)
+print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_running} running: tokens identical")
+
+# %% [markdown]
 # ## Recap
 #
 # * Generation has two phases: **prefill** runs the whole prompt and stores its K and V in every
@@ -466,6 +564,10 @@ for mode, r in results.items():
 # * The costs: `paged_attention` at 1.3 to 2 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
 #   a step costs the same for more sequences.
+# * A Hugging Face Llama (SmolLM2-135M's architecture: 30 layers, 9 query heads over 3 K/V heads,
+#   rotary positions) runs on the same cache and engine through the same `prefill` and `decode_step`
+#   and gives exactly Hugging Face's greedy tokens; its cache is sized by the K/V heads, 22.5 KiB per
+#   token in 16-bit, and the engine can take its memory in bytes.
 #
 # **Where next.** The engine above runs with its defaults: it preempts by recompute, only in an
 # emergency, and every sequence owns its blocks alone. The machinery of lessons 07 and 08 is one

@@ -4,20 +4,20 @@ The README's troubleshooting section and every lesson's set-up point to it.
 
 The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
 Whether the Hugging Face Hub answers is reported for information only: the course runs offline
-(lesson 09 then serves a random-weight model instead of real weights), so it never fails the check.
+(lesson 09 then serves a random-weight stand-in instead of real weights,
+:func:`paged_kv.model.hub.load_model`), so it never fails the check.
 """
 
 from __future__ import annotations
 
-import numbers
 import os
 import platform
 import re
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
+
+from paged_kv.model.hub import HUB_URL, hub_offline_by_setting, hub_reachable
 
 # (distribution, minimum version, the extra of pyproject.toml that installs it)
 REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
@@ -29,9 +29,6 @@ REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
     ("nbval", "0.11", "dev"),
 )
 MINIMUM_PYTHON = "3.11"
-HUB_URL = "https://huggingface.co"
-# huggingface_hub reads HF_HUB_OFFLINE as true for these values, whatever their case.
-_TRUE_VALUES = {"1", "on", "yes", "true"}
 
 
 @dataclass(frozen=True)
@@ -96,40 +93,14 @@ def check_device() -> Check:
     return Check("device", str(device), True, "; ".join(details))
 
 
-def hub_offline_by_setting() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` asks Hugging Face libraries not to use the network (``1``, ``true``...)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE_VALUES
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers an HTTPS request within ``timeout`` seconds.
-
-    One ``HEAD`` request to https://huggingface.co, with no token; any answer short of a server
-    error counts. ``False`` without a request when ``HF_HUB_OFFLINE`` is set. A ``timeout`` that is
-    not a positive number is a ``ValueError``.
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if hub_offline_by_setting():
-        return False
-    request = urllib.request.Request(HUB_URL, method="HEAD")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout):
-            return True
-    except urllib.error.HTTPError as error:  # the Hub answered, with an error status
-        return error.code < 500
-    except (OSError, ValueError):  # no route, no name, refused, timed out, bad proxy setting
-        return False
-
-
 def check_hub(timeout: float = 3.0) -> Check:
     """Whether the Hub is reachable, as information: the course works offline."""
     if hub_offline_by_setting():
-        note = f"HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}: the course uses random-weight models"
+        note = f"HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}: lesson 09 uses a random-weight stand-in"
         return Check("HF Hub", "offline by setting", False, note, required=False)
     if hub_reachable(timeout):
         return Check("HF Hub", "reachable", True, f"{HUB_URL}: real weights can be downloaded", False)
-    note = f"no answer from {HUB_URL}: the course uses random-weight models instead of real weights"
+    note = f"no answer from {HUB_URL}: lesson 09 serves a random-weight stand-in instead of real weights"
     return Check("HF Hub", "not reachable", False, note, required=False)
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import urllib.error
+import urllib.request
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_check_env_reports_every_requirement():
     assert "result: OK (8/8 checks passed)" in result.stdout
     hub = [line for line in result.stdout.splitlines() if line.startswith("HF Hub")]
     assert hub == [
-        "HF Hub       offline by setting       INFO  (HF_HUB_OFFLINE=1: the course uses random-weight models)"
+        "HF Hub       offline by setting       INFO  (HF_HUB_OFFLINE=1: lesson 09 uses a random-weight stand-in)"
     ]
 
 
@@ -167,7 +168,7 @@ def test_hub_reachable_sends_one_head_request_with_no_token(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     requests: list = []
-    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(None, requests))
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen(None, requests))
     assert env_check.hub_reachable() is True
     ((request, timeout),) = requests
     assert (request.full_url, request.get_method(), timeout) == ("https://huggingface.co", "HEAD", 3.0)
@@ -188,7 +189,7 @@ def test_hub_reachable_sends_one_head_request_with_no_token(monkeypatch):
 )
 def test_hub_reachable_is_false_when_nothing_or_a_server_error_answers(monkeypatch, outcome, reachable):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(outcome, []))
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen(outcome, []))
     assert env_check.hub_reachable() is reachable
 
 
@@ -196,7 +197,7 @@ def test_hub_reachable_is_false_when_nothing_or_a_server_error_answers(monkeypat
 def test_hub_offline_by_setting_sends_no_request(monkeypatch, value):
     monkeypatch.setenv("HF_HUB_OFFLINE", value)
     requests: list = []
-    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(None, requests))
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen(None, requests))
     assert env_check.hub_offline_by_setting()
     assert env_check.hub_reachable() is False
     check = env_check.check_hub()
@@ -227,13 +228,13 @@ def test_hub_reachable_refuses_a_bad_timeout(timeout):
         (
             urllib.error.URLError("no route"),
             "HF Hub       not reachable            INFO  (no answer from https://huggingface.co: "
-            "the course uses random-weight models instead of real weights)",
+            "lesson 09 serves a random-weight stand-in instead of real weights)",
         ),
     ],
 )
 def test_the_hub_line_is_information_and_never_fails_the_report(monkeypatch, outcome, line):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(env_check.urllib.request, "urlopen", fake_urlopen(outcome, []))
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen(outcome, []))
     monkeypatch.setattr(env_check, "check_device", lambda: env_check.Check("device", "cpu", True))
     text, ok = env_check.report()
     assert line in text.splitlines()

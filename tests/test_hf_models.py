@@ -249,3 +249,49 @@ def test_the_engine_sizes_its_cache_from_a_share_of_the_device(monkeypatch):
 def test_the_engine_takes_its_size_exactly_one_way(sizes):
     with pytest.raises(ValueError, match="one way"):
         Engine(tiny_model("llama"), **sizes)
+
+
+# ------------------------------------------------------------------------- real weights, or not
+
+
+def test_offline_load_model_builds_smollm2s_architecture_with_byte_tokens(monkeypatch):
+    import paged_kv.model.hub as hub
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout: False)
+    state = torch.random.get_rng_state()
+    loaded = hub.load_model()
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is left alone
+    assert not loaded.real and loaded.note.startswith("offline")
+    config = loaded.model.config
+    for name, value in hub.SMOLLM2_ARCHITECTURE.items():
+        found = config.rope_parameters[name] if name == "rope_theta" else getattr(config, name)
+        assert found == value, name
+    assert config.vocab_size == 256 and loaded.decode(loaded.encode("KV ✓")) == "KV ✓"
+    lm = as_causal_lm(loaded.model)
+    assert (lm.config.num_layers, lm.config.num_heads, lm.config.num_kv_heads) == (30, 9, 3)
+    again = hub.load_model()
+    assert torch.equal(again.model.lm_head.weight, loaded.model.lm_head.weight)  # seeded
+
+
+def test_online_load_model_takes_the_hubs_weights_and_tokenizer(monkeypatch):
+    import paged_kv.model.hub as hub
+
+    class Tokenizer:
+        def __call__(self, text):
+            return {"input_ids": [len(text)]}
+
+        def decode(self, ids):
+            return f"<{ids}>"
+
+    asked = []
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout: True)
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda name, dtype: asked.append((name, dtype)) or tiny_model("qwen2"),
+    )
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name: Tokenizer())
+    loaded = hub.load_model("some/model")
+    assert loaded.real and asked == [("some/model", torch.float32)]
+    assert loaded.encode("abc") == [3] and loaded.decode([1, 2]) == "<[1, 2]>"
+    assert loaded.model.generation_config.eos_token_id is None
