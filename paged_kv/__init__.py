@@ -5,9 +5,10 @@ each name's home module is in the layer its lesson builds (see ``docs/architectu
 
 * :mod:`paged_kv.core`: bookkeeping with no tensors (blocks, tables, the free list, the block
   manager, prefix caching);
-* :mod:`paged_kv.kv`: the K/V tensors (storage, mapping, the one-layer cache, swapping);
+* :mod:`paged_kv.kv`: the K/V tensors (storage, mapping, the one-layer cache, swapping, sizing);
 * :mod:`paged_kv.attention`: attention over the paged cache;
-* :mod:`paged_kv.model`: the tiny GPT, its caches and ``generate``;
+* :mod:`paged_kv.model`: the tiny GPT, Hugging Face models on the paged cache, the caches and
+  ``generate``;
 * :mod:`paged_kv.serving`: the scheduler and the engine;
 * :mod:`paged_kv.simulation`: workloads and simulations that need no model;
 * :mod:`paged_kv.pictures`: drawings, plots and widgets (imported on demand, not here);
@@ -26,9 +27,13 @@ from paged_kv.core.usage import BlockUsage
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
 from paged_kv.kv.cache import PagedKVCacheAllocator
+from paged_kv.kv.sizing import KVCacheSpec, kv_cache_budget
 from paged_kv.kv.storage import KVStorage
+from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import GenerationResult, generate
+from paged_kv.model.hf import HFCausalLM
+from paged_kv.model.hub import load_model
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
@@ -47,6 +52,7 @@ __all__ = [
     "BlockManager",
     "BlockTable",
     "BlockUsage",
+    "CausalLM",
     "ContiguousKVCache",
     "ContiguousPolicy",
     "ContiguousUsage",
@@ -55,7 +61,9 @@ __all__ = [
     "EngineResult",
     "GPTConfig",
     "GenerationResult",
+    "HFCausalLM",
     "KVCache",
+    "KVCacheSpec",
     "KVStorage",
     "OutOfBlocksError",
     "PagedKVCache",
@@ -70,6 +78,7 @@ __all__ = [
     "TinyGPT",
     "TraceFrame",
     "UnknownSequenceError",
+    "as_causal_lm",
     "blocks_for_tokens",
     "contiguous_baseline",
     "decode",
@@ -77,6 +86,8 @@ __all__ = [
     "encode",
     "fragmentation_report",
     "generate",
+    "kv_cache_budget",
+    "load_model",
     "paged_attention",
     "paged_prefill_attention",
     "sample_requests",

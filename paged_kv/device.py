@@ -25,3 +25,12 @@ def default_device() -> torch.device:
     except (RuntimeError, AssertionError) as error:
         raise ValueError(f"{DEVICE_VARIABLE}={choice!r} is not a usable device: {error}") from None
     return device
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index made explicit: ``"cuda"`` is the current CUDA device, ``cuda:0`` say,
+    which is how a tensor or a model on it reports its device; other devices are returned as given."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

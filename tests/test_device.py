@@ -27,3 +27,12 @@ def test_an_unusable_choice_is_a_clear_error(monkeypatch, choice):
     monkeypatch.setenv(DEVICE_VARIABLE, choice)
     with pytest.raises(ValueError, match=f"PAGED_KV_DEVICE='{choice}' is not a usable device"):
         default_device()
+
+
+def test_resolve_device_makes_the_cuda_index_explicit(device):
+    from paged_kv.device import resolve_device
+
+    tensor = torch.empty(1, device=device)
+    assert resolve_device(device.type) == tensor.device  # "cuda" is the device a tensor reports
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")

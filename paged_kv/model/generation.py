@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.device import resolve_device
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache, check_cache_fits
 from paged_kv.validate import check_count
@@ -59,8 +60,8 @@ def generate(
     config = model.config
     max_new_tokens = check_count("max_new_tokens", max_new_tokens, minimum=1)
     block_size = check_count("block_size", block_size, minimum=1)
-    model_device = model.device
-    device = model_device if device is None else torch.device(device)
+    model_device = resolve_device(model.device)
+    device = model_device if device is None else resolve_device(device)
     if device != model_device:
         raise ValueError(f"device {device} differs from the model's {model_device}; call model.to(device)")
     if isinstance(prompts, str) or not prompts:

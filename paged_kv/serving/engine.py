@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.device import resolve_device
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.generation import is_token
@@ -241,8 +242,8 @@ class Engine:
         self.block_size = check_count("block_size", block_size, minimum=1)
         config = model.config
         self.kv_spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, model.dtype)
-        model_device = model.device
-        self.device = model_device if device is None else torch.device(device)
+        model_device = resolve_device(model.device)
+        self.device = model_device if device is None else resolve_device(device)
         if self.device != model_device:
             raise ValueError(
                 f"device {self.device} differs from the model's {model_device}; call model.to(device)"
