@@ -93,24 +93,33 @@ def tiny_llama(
 @dataclass(frozen=True)
 class Served:
     """What one system generated, ``tokens[request_id]`` (exactly ``max_new_tokens`` ids each), and
-    the K/V bytes it reserved: ``kv_bytes_allocated`` taken for the cache up front (0 when the cache
-    grows as it goes), ``kv_bytes_peak`` held at the fullest moment of the run (``None`` when the
-    system does not show it)."""
+    its K/V memory: ``kv_bytes_allocated`` taken for the cache up front (0 when the cache grows as it
+    goes); ``reserved_slots`` and ``held_slots``, the token slots its cache reserved and the tokens
+    of the requests it held in them, each summed over the run's steps (``None`` when the system does
+    not show them). ``held_slots <= reserved_slots``."""
 
     tokens: dict[Hashable, list[int]]
     kv_bytes_allocated: int
-    kv_bytes_peak: int | None
+    reserved_slots: int | None
+    held_slots: int | None
+
+    def kv_bytes_per_token_held(self, bytes_per_token: int) -> float:
+        """K/V bytes reserved per token held, over the run: ``bytes_per_token * reserved / held``.
+
+        Raises:
+            ValueError: the system did not show its slots.
+        """
+        if self.reserved_slots is None or self.held_slots is None:
+            raise ValueError("this system does not show the slots it reserved and held")
+        return bytes_per_token * self.reserved_slots / self.held_slots
 
 
 def serve_engine(engine: Engine, requests: Sequence[EngineRequest]) -> Served:
-    """``engine.run(requests)``. Its pool of ``num_blocks`` blocks is allocated up front; the peak is
-    the most blocks in use at any step, times ``bytes_per_block``."""
+    """``engine.run(requests)``: its pool of ``num_blocks`` blocks is allocated up front; the slots
+    are its steps' ``reserved_tokens`` (blocks in use times ``block_size``) and ``held_tokens``."""
     result = engine.run(requests)
-    return Served(
-        result.tokens,
-        engine.num_blocks * engine.bytes_per_block,
-        max(result.used_blocks) * engine.bytes_per_block,
-    )
+    allocated = engine.num_blocks * engine.bytes_per_block
+    return Served(result.tokens, allocated, sum(result.reserved_tokens), sum(result.held_tokens))
 
 
 def serve_continuous_batching(
@@ -126,7 +135,7 @@ def serve_continuous_batching(
     ``max_batch_tokens`` bounds the tokens of one forward pass (``None``: transformers' default,
     8,192). The bytes allocated are those of the cache's one flat tensor, which holds its pages in
     sectors (plus two never-used "trash" sectors for padding tokens); how many of them it used at its
-    peak is the manager thread's business, not shown (``kv_bytes_peak`` is ``None``).
+    peak and over the run is the manager thread's business, not shown (the slots are ``None``).
 
     Raises:
         RuntimeError: the manager's thread stopped before every request finished, or its cache does
@@ -159,7 +168,7 @@ def serve_continuous_batching(
             raise RuntimeError(f"generate_batch's cache holds {cache.num_blocks} blocks, not {num_blocks}")
         allocated = cache.cache_tensor.numel() * cache.cache_tensor.element_size()
     tokens = {r.request_id: list(results[str(r.request_id)].generated_tokens) for r in requests}
-    return Served(tokens, allocated, None)
+    return Served(tokens, allocated, None, None)
 
 
 def static_batches(requests: Sequence[EngineRequest], batch_size: int) -> list[list[EngineRequest]]:
@@ -177,20 +186,28 @@ def padded_batch(batch: Sequence[EngineRequest], pad_id: int = 0) -> tuple[torch
     return input_ids, mask
 
 
-def padded_tokens(batch: Sequence[EngineRequest]) -> int:
-    """The token slots HF's cache holds for a static batch when it ends: every row grows to the longest
-    prompt plus the batch's longest ``max_new_tokens``, less the last token, which is never fed back."""
-    return len(batch) * (max(len(r.prompt) for r in batch) + max(r.max_new_tokens for r in batch) - 1)
+def padded_slots(batch: Sequence[EngineRequest]) -> tuple[int, int]:
+    """The token slots HF's cache reserves for a static batch and the requests' own tokens it holds,
+    each summed over the batch's steps: ``(reserved, held)``.
+
+    With ``L`` the longest prompt and ``m`` the longest ``max_new_tokens``, the batch runs ``m``
+    steps: the prefill (step 0) and ``m - 1`` decodes; after step ``s`` every row holds ``L + s``
+    slots (left padding included), and a request of prompt ``p`` and output ``o`` holds
+    ``p + min(s, o - 1)`` of its own tokens (its last token is never fed back; the tokens past its
+    own ``o`` are not its own).
+    """
+    longest, steps = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
+    reserved = sum(len(batch) * (longest + s) for s in range(steps))
+    held = sum(len(r.prompt) + min(s, r.max_new_tokens - 1) for r in batch for s in range(steps))
+    return reserved, held
 
 
-def serve_static(
-    model: LlamaForCausalLM, requests: Sequence[EngineRequest], batch_size: int, bytes_per_token: int
-) -> Served:
+def serve_static(model: LlamaForCausalLM, requests: Sequence[EngineRequest], batch_size: int) -> Served:
     """``model.generate`` (greedy, HF's own cache) on :func:`static_batches`, each :func:`padded_batch`
     generating its longest ``max_new_tokens`` for every row; each request keeps its own first
-    ``max_new_tokens``. The cache grows as it goes, so nothing is allocated up front; the peak is the
-    largest batch's :func:`padded_tokens` times ``bytes_per_token``, one token's K/V over all layers."""
-    tokens, peak = {}, 0
+    ``max_new_tokens``. The cache grows as it goes, so nothing is allocated up front; the slots are
+    the batches' :func:`padded_slots`, added up."""
+    tokens, reserved, held = {}, 0, 0
     for batch in static_batches(requests, batch_size):
         input_ids, mask = padded_batch(batch)
         longest = max(r.max_new_tokens for r in batch)
@@ -205,8 +222,9 @@ def serve_static(
             )
         for request, row in zip(batch, out[:, input_ids.shape[1] :].tolist(), strict=True):
             tokens[request.request_id] = row[: request.max_new_tokens]
-        peak = max(peak, padded_tokens(batch) * bytes_per_token)
-    return Served(tokens, 0, peak)
+        batch_reserved, batch_held = padded_slots(batch)
+        reserved, held = reserved + batch_reserved, held + batch_held
+    return Served(tokens, 0, reserved, held)
 
 
 def generate_alone(model: LlamaForCausalLM, request: EngineRequest) -> list[int]:
@@ -228,29 +246,29 @@ def equal_requests(ours: dict[Hashable, list[int]], theirs: dict[Hashable, list[
 
 
 def compare(
+    engine: Engine,
     model: LlamaForCausalLM,
     requests: Sequence[EngineRequest],
     *,
-    num_blocks: int,
-    block_size: int,
     batch_size: int,
     max_batch_tokens: int | None,
     repeats: int,
     warmup: int,
     threads: int,
 ) -> tuple[dict[str, Served], dict[str, float], dict[str, float]]:
-    """Time the three systems on ``requests``, interleaved round by round.
+    """Time the three systems on ``requests``, interleaved round by round: ``engine`` (built on
+    ``model``), and transformers' continuous batching on as many blocks of the same size, and
+    static batches of ``batch_size``.
 
     Returns what each served (its last run), its median seconds, and the median over rounds of the
     Engine's speed over each other system's (``"generate_batch"``, ``"static"``).
     """
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
     systems: dict[str, Callable[[], Served]] = {
         "engine": lambda: serve_engine(engine, requests),
         "generate_batch": lambda: serve_continuous_batching(
-            model, requests, num_blocks, block_size, max_batch_tokens
+            model, requests, engine.num_blocks, engine.block_size, max_batch_tokens
         ),
-        "static": lambda: serve_static(model, requests, batch_size, engine.kv_spec.bytes_per_token),
+        "static": lambda: serve_static(model, requests, batch_size),
     }
     served: dict[str, Served] = {}
 
@@ -295,18 +313,20 @@ def run(
         max_len=max_len,
     )  # fmt: skip
     requests = scaled_requests(num_requests, scale, max_len)
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
+    bytes_per_token = engine.kv_spec.bytes_per_token
     served, seconds, speedups = compare(
-        model, requests, num_blocks=num_blocks, block_size=block_size, batch_size=batch_size,
+        engine, model, requests, batch_size=batch_size,
         max_batch_tokens=max_batch_tokens, repeats=repeats, warmup=warmup, threads=threads,
     )  # fmt: skip
-    engine, cb, static = (served[name] for name in SYSTEMS)
+    ours, cb, static = (served[system] for system in SYSTEMS)
     alone_tokens = {r.request_id: generate_alone(model, r) for r in requests[:alone]}
     generated = sum(r.max_new_tokens for r in requests)
-    speed = {name: generated / seconds[name] for name in SYSTEMS}
+    speed = {system: generated / seconds[system] for system in SYSTEMS}
     equal = {
-        "generate_batch": equal_requests(engine.tokens, cb.tokens),
-        "static": equal_requests(engine.tokens, static.tokens),
-        "alone": equal_requests(engine.tokens, alone_tokens),
+        "generate_batch": equal_requests(ours.tokens, cb.tokens),
+        "static": equal_requests(ours.tokens, static.tokens),
+        "alone": equal_requests(ours.tokens, alone_tokens),
     }
     name = (
         f"HF Llama (random, {num_layers} layers, hidden {hidden_size}, {num_heads} query heads over "
@@ -314,7 +334,9 @@ def run(
         f"{generated:,} tokens to generate), {num_blocks} blocks of {block_size}"
     )
     note = f"CPU, {threads} thread{'s' if threads != 1 else ''}, median of {repeats}"
-    in_use = f"the Engine's blocks in use peaked at {engine.kv_bytes_peak:,} B"
+    per_token = {
+        system: served[system].kv_bytes_per_token_held(bytes_per_token) for system in ("engine", "static")
+    }
     return [
         Row(f"{name}: generated tokens/s, Engine vs generate_batch ({note})",
             speed["engine"], speed["generate_batch"], speedups["generate_batch"],
@@ -328,14 +350,13 @@ def run(
             "requests"),
         Row(f"{name}: greedy tokens equal, Engine vs static padded batches (padding can move floats)",
             equal["static"], num_requests, equal["static"] / num_requests, "—", None, "requests"),
-        Row(f"{name}: K/V bytes allocated per token generated, Engine's pool vs generate_batch's cache, "
-            f"both for {num_blocks} blocks ({in_use})",
-            engine.kv_bytes_allocated / generated, cb.kv_bytes_allocated / generated,
-            cb.kv_bytes_allocated / engine.kv_bytes_allocated, "—", None, "B/token"),
-        Row(f"{name}: K/V bytes held at the peak per token generated, Engine's blocks in use vs static "
-            f"padded batches' largest cache",
-            engine.kv_bytes_peak / generated, static.kv_bytes_peak / generated,
-            static.kv_bytes_peak / engine.kv_bytes_peak, "—", None, "B/token"),
+        Row(f"{name}: K/V bytes allocated up front per token generated, Engine's pool vs generate_batch's "
+            f"cache, both for {num_blocks} blocks", ours.kv_bytes_allocated / generated,
+            cb.kv_bytes_allocated / generated, cb.kv_bytes_allocated / ours.kv_bytes_allocated, "—", None,
+            "B/token"),
+        Row(f"{name}: K/V bytes reserved per token held over the run ({bytes_per_token} B of K/V per token), "
+            f"Engine's blocks in use vs static padded batches' cache", per_token["engine"],
+            per_token["static"], per_token["static"] / per_token["engine"], "—", None, "B/token"),
     ]  # fmt: skip
 
 

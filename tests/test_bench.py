@@ -18,6 +18,7 @@ sys.path.insert(0, str(BENCH))
 import bench_allocator  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_engine  # noqa: E402
+import bench_hf  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_slot_mapping  # noqa: E402
 import run_all  # noqa: E402
@@ -29,6 +30,7 @@ from paged_kv.core.mapping import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
+from paged_kv.serving.engine import EngineRequest  # noqa: E402
 
 
 @pytest.mark.lesson02
@@ -231,3 +233,67 @@ def test_engine_bench_prefix_caching_computes_only_what_the_cache_lacks():
     # Every request but the first finds the system prompt's three full blocks of 4, and nothing more.
     assert (on.prefix_cache_queries, on.prefix_cache_hits) == (prompt_tokens, 7 * 12)
     assert on.prefill_tokens_computed == prompt_tokens - 7 * 12
+
+
+@pytest.mark.lesson09
+def test_hf_bench_pads_a_static_batch_and_counts_its_slots():
+    batch = [EngineRequest("a", [5, 6], 3), EngineRequest("b", [1, 2, 3, 4], 1)]
+    input_ids, mask = bench_hf.padded_batch(batch)
+    assert input_ids.tolist() == [[0, 0, 5, 6], [1, 2, 3, 4]]
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    # 3 steps (prefill, 2 decodes) of 2 rows of 4, 5, 6 slots; "a" holds 2, 3, 4 of its own, "b" 4 each time.
+    assert bench_hf.padded_slots(batch) == (2 * (4 + 5 + 6), (2 + 3 + 4) + 3 * 4)
+    assert bench_hf.padded_slots(batch[:1]) == (2 + 3 + 4, 2 + 3 + 4)  # alone: nothing wasted
+    assert [[r.request_id for r in b] for b in bench_hf.static_batches(batch * 2, 3)] == [
+        ["a", "b", "a"],
+        ["b"],
+    ]
+    served = bench_hf.Served({}, 0, 30, 21)
+    assert served.kv_bytes_per_token_held(7) == pytest.approx(7 * 30 / 21)
+    with pytest.raises(ValueError, match="does not show"):
+        bench_hf.Served({}, 100, None, None).kv_bytes_per_token_held(7)
+
+
+@pytest.mark.lesson09
+def test_hf_bench_systems_serve_the_same_greedy_tokens():
+    model = bench_hf.tiny_llama(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=32)
+    assert model.config.eos_token_id is None and model.generation_config.eos_token_id is None
+    requests = bench_engine.scaled_requests(5, scale=64, max_len=32, seed=3)
+    assert len({len(r.prompt) for r in requests}) > 1  # the padding has something to do
+    engine = bench_hf.Engine(model, num_blocks=32, block_size=4)
+    served = {
+        "engine": bench_hf.serve_engine(engine, requests),
+        "generate_batch": bench_hf.serve_continuous_batching(model, requests, 32, 4, max_batch_tokens=64),
+        "static": bench_hf.serve_static(model, requests, batch_size=2),
+    }
+    for result in served.values():
+        assert [len(result.tokens[r.request_id]) for r in requests] == [r.max_new_tokens for r in requests]
+        assert result.tokens == served["engine"].tokens
+    for request in requests[:2]:
+        assert bench_hf.generate_alone(model, request) == served["engine"].tokens[request.request_id]
+    ours, theirs, static = served.values()
+    assert ours.kv_bytes_allocated == 32 * engine.bytes_per_block <= theirs.kv_bytes_allocated
+    assert theirs.reserved_slots is None and static.kv_bytes_allocated == 0
+    assert ours.held_slots <= ours.reserved_slots and static.held_slots < static.reserved_slots
+    # equal_requests counts the requests whose tokens match: here all but the one spoiled.
+    assert bench_hf.equal_requests(ours.tokens, {**theirs.tokens, requests[0].request_id: [-1]}) == 4
+
+
+@pytest.mark.lesson09
+def test_hf_bench_quick_run_reports_speed_equality_and_bytes(tmp_path):
+    results = run_all.run_benchmarks(["bench_hf"], quick=True)
+    [(name, rows, _)] = results
+    assert name == "bench_hf" and "bench_hf" in run_all.bench_modules()
+    speed, static_speed, alone, batched, padded, allocated, held = rows
+    assert "Engine vs generate_batch" in speed.name and speed.unit == "tokens/s"
+    assert speed.target == ">= 1.0x" and speed.met == (speed.ratio >= bench_hf.TARGET_SPEEDUP)
+    assert "static batches" in static_speed.name and static_speed.met is None
+    for row in (alone, batched, padded):  # the greedy tokens are equal, request by request
+        assert row.unit == "requests" and row.measured == row.baseline and row.ratio == 1.0
+    assert alone.met is True and batched.baseline == bench_hf.QUICK["num_requests"]
+    assert allocated.ratio >= 1.0  # transformers' cache holds the same blocks, plus its trash sectors
+    assert held.ratio > 1.0  # padded batches reserve more per token they hold than blocks on demand
+    for row in rows:
+        assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+    text = run_all.results_markdown(results, quick=True)
+    assert "## bench_hf" in text and all(f"| {row.name} |" in text for row in rows)
