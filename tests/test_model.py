@@ -152,3 +152,38 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, named):
 def test_a_bad_config_raises_value_error_naming_the_field():
     with pytest.raises(ValueError, match="num_heads"):
         GPTConfig(num_heads=0)
+
+
+def test_num_kv_heads_defaults_to_num_heads_and_must_divide_it():
+    assert GPTConfig(num_heads=4).num_kv_heads == 4
+    assert GPTConfig(num_heads=4, num_kv_heads=1).kv_dim == GPTConfig().head_dim
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="num_kv_heads"):
+            GPTConfig(num_heads=4, num_kv_heads=bad)
+
+
+def test_the_default_model_keeps_its_weights_with_num_kv_heads_explicit():
+    plain, explicit = TinyGPT(GPTConfig(), seed=2), TinyGPT(GPTConfig(num_kv_heads=4), seed=2)
+    for a, b in zip(plain.parameters(), explicit.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_grouped_query_tiny_gpt_decodes_as_its_full_forward(device, kind, num_kv_heads):
+    model = TinyGPT(GPTConfig(num_heads=4, num_kv_heads=num_kv_heads), seed=0).to(device)
+    assert model.blocks[0].qkv.out_features == 64 + 2 * num_kv_heads * 16
+    tokens = torch.tensor(prompts((14,))[0], device=device)
+    cache = make_cache(kind, model, device)
+    if kind == "paged":
+        assert cache.storage.k_caches[0].shape[1] == num_kv_heads  # only the K/V heads are stored
+    with torch.no_grad():
+        full = model(tokens[None])[0]
+        cache.add_sequence("s", 6)
+        got = [model.prefill(tokens[:6], "s", cache)]
+        for position in range(6, len(tokens)):
+            got.append(model.decode_step(tokens[position : position + 1], ["s"], cache))
+    torch.testing.assert_close(torch.cat(got), full, **TOLERANCES)
+    batch = prompts()
+    paged = generate(model, batch, NEW_TOKENS, cache="paged", block_size=BLOCK_SIZE)
+    assert paged.tokens == generate(model, batch, NEW_TOKENS, cache="contiguous").tokens
