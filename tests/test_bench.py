@@ -284,9 +284,11 @@ def test_hf_bench_quick_run_reports_speed_equality_and_bytes(tmp_path):
     results = run_all.run_benchmarks(["bench_hf"], quick=True)
     [(name, rows, _)] = results
     assert name == "bench_hf" and "bench_hf" in run_all.bench_modules()
-    speed, static_speed, alone, batched, padded, allocated, held = rows
+    speed, fixed, static_speed, alone, batched, padded, allocated, held = rows
     assert "Engine vs generate_batch" in speed.name and speed.unit == "tokens/s"
     assert speed.target == ">= 1.0x" and speed.met == (speed.ratio >= bench_hf.TARGET_SPEEDUP)
+    assert "fixed cost of a call" in fixed.name and fixed.unit == "ms"
+    assert fixed.ratio == pytest.approx(fixed.baseline / fixed.measured)
     assert "static batches" in static_speed.name and static_speed.met is None
     for row in (alone, batched, padded):  # the greedy tokens are equal, request by request
         assert row.unit == "requests" and row.measured == row.baseline and row.ratio == 1.0
