@@ -377,8 +377,8 @@ def run(
             f"cache, both for {num_blocks} blocks", ours.kv_bytes_allocated / generated,
             cb.kv_bytes_allocated / generated, cb.kv_bytes_allocated / ours.kv_bytes_allocated, "—", None,
             "B/token"),
-        Row(f"{name}: K/V bytes reserved per token held over the run ({bytes_per_token} B of K/V per token), "
-            f"Engine's blocks in use vs static padded batches' cache", per_token["engine"],
+        Row(f"{name}: K/V bytes reserved per token held over the run ({bytes_per_token:,} B of K/V per "
+            f"token), Engine's blocks in use vs static padded batches' cache", per_token["engine"],
             per_token["static"], per_token["static"] / per_token["engine"], "—", None, "B/token"),
     ]  # fmt: skip
 
