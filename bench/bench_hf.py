@@ -232,16 +232,9 @@ def serve_static(model: LlamaForCausalLM, requests: Sequence[EngineRequest], bat
 
 
 def generate_alone(model: LlamaForCausalLM, request: EngineRequest) -> list[int]:
-    """``model.generate`` of the request's prompt alone (greedy, HF's own cache): its tokens."""
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([request.prompt]),
-            max_new_tokens=request.max_new_tokens,
-            min_new_tokens=request.max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(request.prompt) :].tolist()
+    """``model.generate`` of the request's prompt alone (greedy, HF's own cache): its tokens. A static
+    batch of one, which has no padding."""
+    return serve_static(model, [request], batch_size=1).tokens[request.request_id]
 
 
 def equal_requests(ours: dict[Hashable, list[int]], theirs: dict[Hashable, list[int]]) -> int:

@@ -271,6 +271,9 @@ def test_hf_bench_systems_serve_the_same_greedy_tokens():
         assert result.tokens == served["engine"].tokens
     for request in requests[:2]:
         assert bench_hf.generate_alone(model, request) == served["engine"].tokens[request.request_id]
+    first = requests[0]
+    plain = model.generate(torch.tensor([first.prompt]), max_new_tokens=first.max_new_tokens, do_sample=False)
+    assert plain[0, len(first.prompt) :].tolist() == served["engine"].tokens[first.request_id]
     ours, theirs, static = served.values()
     assert ours.kv_bytes_allocated == 32 * engine.bytes_per_block <= theirs.kv_bytes_allocated
     assert theirs.reserved_slots is None and static.kv_bytes_allocated == 0
