@@ -118,7 +118,8 @@ def test_check_env_reports_every_requirement():
     assert "result: OK (8/8 checks passed)" in result.stdout
     hub = [line for line in result.stdout.splitlines() if line.startswith("HF Hub")]
     assert hub == [
-        "HF Hub       offline by setting       INFO  (HF_HUB_OFFLINE=1: lesson 09 uses a random-weight stand-in)"
+        "HF Hub       offline by setting       INFO  "
+        "(HF_HUB_OFFLINE=1: lesson 09 uses a random-weight stand-in)"
     ]
 
 
