@@ -512,7 +512,9 @@ ours = generate(llama, real_prompts, max_new_tokens=16, block_size=16).tokens
 def hf_generate(ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face's greedy generation of one prompt, with its own KV cache."""
     batch = torch.tensor([ids], device=device)
-    out = llama.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens, do_sample=False)
+    out = llama.generate(
+        batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens, do_sample=False
+    )
     return out[0, len(ids) :].tolist()
 
 
