@@ -295,3 +295,16 @@ def test_online_load_model_takes_the_hubs_weights_and_tokenizer(monkeypatch):
     assert loaded.real and asked == [("some/model", torch.float32)]
     assert loaded.encode("abc") == [3] and loaded.decode([1, 2]) == "<[1, 2]>"
     assert loaded.model.generation_config.eos_token_id is None
+
+
+def test_prefill_batch_gives_each_prompt_its_own_logits(device):
+    model = tiny_model("qwen2", device=str(device))
+    lm = as_causal_lm(model)
+    batch = [torch.tensor(p, device=device) for p in prompts(3, seed=7)]
+    cache = PagedKVCache(lm.config, num_blocks=64, block_size=4, device=device)
+    for i, prompt in enumerate(batch):
+        cache.add_sequence(i, len(prompt))
+    with torch.no_grad():
+        together = lm.prefill_batch(batch, [0, 1, 2], cache)
+        each = torch.cat([model(p[None]).logits[:, -1] for p in batch])
+    torch.testing.assert_close(together, each, rtol=1e-4, atol=1e-4)

@@ -187,3 +187,32 @@ def test_a_grouped_query_tiny_gpt_decodes_as_its_full_forward(device, kind, num_
     batch = prompts()
     paged = generate(model, batch, NEW_TOKENS, cache="paged", block_size=BLOCK_SIZE)
     assert paged.tokens == generate(model, batch, NEW_TOKENS, cache="contiguous").tokens
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_prefill_batch_packs_prompts_and_matches_one_prefill_each(device, kind):
+    model = TinyGPT(seed=0).to(device)
+    batch = [torch.tensor(p, device=device) for p in prompts()]
+    alone, packed = make_cache(kind, model, device), make_cache(kind, model, device)
+    ids = [f"s{i}" for i in range(len(batch))]
+    with torch.no_grad():
+        for seq_id, prompt in zip(ids, batch, strict=True):
+            alone.add_sequence(seq_id, len(prompt))
+            packed.add_sequence(seq_id, len(prompt))
+        each = torch.stack([model.prefill(p, s, alone)[-1] for p, s in zip(batch, ids, strict=True)])
+        together = model.prefill_batch(batch, ids, packed)
+        torch.testing.assert_close(together, each, **TOLERANCES)
+        # and the K/V each prompt left behind is the same: one decode step gives the same logits
+        step = torch.tensor([1, 2, 3], device=device)
+        torch.testing.assert_close(
+            model.decode_step(step, ids, packed), model.decode_step(step, ids, alone), **TOLERANCES
+        )
+
+
+def test_prefill_batch_refuses_mismatched_or_bad_arguments():
+    model, cache = TinyGPT(seed=0), ContiguousKVCache(GPTConfig())
+    cache.add_sequence("a", 3)
+    with pytest.raises(ValueError, match="as many"):
+        model.prefill_batch([torch.tensor([1, 2, 3])], ["a", "b"], cache)
+    with pytest.raises(ValueError, match="start"):
+        model.prefill_batch([torch.tensor([1, 2, 3])], ["a"], cache, starts=[3])

@@ -8,13 +8,19 @@ builds that callable for the two phases, so every model meets the cache the same
 * :func:`prefill_attend`: one prompt. From position 0 the layer stores the prompt's K/V in the cache
   and attends causally over its own (what any forward pass without a cache does); after a prefix
   cache hit it stores only the uncached tail and attends over the cached positions too.
+* :func:`packed_prefill_attend`: several prompts in one forward, their tokens packed one after
+  another along the token axis (as vLLM flattens a step's tokens); each prompt's slice does what
+  :func:`prefill_attend` does for it alone, so packing changes which matrix products run together,
+  never what a token attends to.
 * :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
   slots the cache's ``append`` chose and attends over each whole sequence.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +82,69 @@ def prefill_attend(cache: KVCache, seq_id: Hashable, start: int) -> Attend:
         return cache.attend_prefill(layer, seq_id, q[0], k[0], v[0], start)[None]
 
     return attend_tail
+
+
+def packed_prefill_attend(
+    cache: KVCache, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int]
+) -> Attend:
+    """The ``attend`` of several prefills in one forward of ``(1, sum(num_new), ...)`` tensors.
+
+    Sequence ``i``'s tokens are positions ``starts[i] ..`` of its prompt, ``num_new[i]`` of them, at
+    offset ``sum(num_new[:i])`` of the packed axis. In each layer, each slice is stored and attended
+    as :func:`prefill_attend` does for that prompt alone, in order: a prompt whose cached prefix
+    another prompt of the same forward computes finds it written, layer by layer.
+    """
+    parts = [prefill_attend(cache, seq_id, start) for seq_id, start in zip(seq_ids, starts, strict=True)]
+    ends = list(itertools.accumulate(num_new))
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = [
+            part(layer, q[:, a:b], k[:, a:b], v[:, a:b]) for part, (a, b) in zip(parts, spans, strict=True)
+        ]
+        return torch.cat(outs, dim=1)
+
+    return attend
+
+
+@dataclass(frozen=True)
+class PackedPrefill:
+    """Several prompts' prefills as one forward: ``tokens`` and ``positions`` ``(1, total)``, the
+    packed index of each prompt's ``last`` token ``(n,)``, and the layers' ``attend``."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    attend: Attend
+
+
+def pack_prefills(
+    prompts: Sequence[torch.Tensor], seq_ids: Sequence[Hashable], cache: KVCache, starts: Sequence[int]
+) -> PackedPrefill:
+    """Pack prompt ``i``'s positions ``starts[i] ..`` one after another, for one forward.
+
+    Raises:
+        ValueError: ``prompts``, ``seq_ids`` and ``starts`` differ in length, or a start is not in
+            ``0 .. len(prompt) - 1`` (naming it).
+    """
+    if not len(prompts) == len(seq_ids) == len(starts):
+        raise ValueError(
+            f"prompts, seq_ids and starts must be as many, got {len(prompts)}, {len(seq_ids)} "
+            f"and {len(starts)}"
+        )
+    starts = [check_prefill_start(start, len(prompt)) for prompt, start in zip(prompts, starts, strict=True)]
+    num_new = [len(prompt) - start for prompt, start in zip(prompts, starts, strict=True)]
+    device = prompts[0].device if prompts else torch.device("cpu")
+    tokens = torch.cat([prompt[start:] for prompt, start in zip(prompts, starts, strict=True)])
+    positions = torch.cat(
+        [
+            torch.arange(start, len(prompt), device=device)
+            for prompt, start in zip(prompts, starts, strict=True)
+        ]
+    )
+    last = torch.tensor(list(itertools.accumulate(num_new)), device=device) - 1
+    attend = packed_prefill_attend(cache, seq_ids, starts, num_new)
+    return PackedPrefill(tokens[None], positions[None], last, attend)
 
 
 def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:

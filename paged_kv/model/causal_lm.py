@@ -50,6 +50,17 @@ class CausalLM(Protocol):
         """
         ...
 
+    def prefill_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        seq_ids: Sequence[Hashable],
+        cache: KVCache,
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Several prefills in one forward (tokens packed, each prompt from ``starts[i]``, default 0);
+        returns each prompt's last logits ``(len(prompts), vocab)``."""
+        ...
+
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
         ...

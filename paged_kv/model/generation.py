@@ -41,13 +41,15 @@ def generate(
 
     ``model`` is a :class:`~paged_kv.model.tiny_gpt.TinyGPT`, a Hugging Face causal LM of a
     supported architecture (:func:`~paged_kv.model.causal_lm.as_causal_lm`) or any
-    :class:`~paged_kv.model.causal_lm.CausalLM`. Each prompt is prefilled on its own; then every
-    decode step feeds the batch's last tokens at once. There is no end-of-sequence token: every
-    prompt gets ``max_new_tokens`` tokens. ``cache`` is ``"contiguous"``, ``"paged"`` (a
-    :class:`PagedKVCache` of ``num_blocks`` blocks of ``block_size``, by default just enough for
-    the batch) or a cache you built (then ``block_size`` and ``num_blocks`` are not used); the
-    sequences (ids ``"prompt-0"``, ``"prompt-1"``...) are freed from it at the end. ``device``
-    defaults to the model's and must be the model's.
+    :class:`~paged_kv.model.causal_lm.CausalLM`. The prompts are prefilled in one forward, packed
+    (each attends only to itself); then every decode step feeds the batch's last tokens at once.
+    There is no end-of-sequence token: every prompt gets ``max_new_tokens`` tokens.
+
+    ``cache`` is ``"contiguous"``, ``"paged"`` (a :class:`PagedKVCache` of ``num_blocks`` blocks
+    of ``block_size``, by default just enough for the batch) or a cache you built (then
+    ``block_size`` and ``num_blocks`` are not used); the sequences (ids ``"prompt-0"``,
+    ``"prompt-1"``...) are freed from it at the end. ``device`` defaults to the model's and must be
+    the model's.
 
     Raises:
         ValueError: a bad argument (the message names it): a model of an unsupported architecture,
@@ -89,12 +91,11 @@ def generate(
     steps: list[torch.Tensor] = []
     try:
         with torch.no_grad():
-            last = []
             for prompt, seq_id in zip(prompts, seq_ids, strict=True):
                 cache.add_sequence(seq_id, len(prompt))
                 added.append(seq_id)
-                last.append(model.prefill(torch.tensor(prompt, device=device), seq_id, cache)[-1])
-            steps.append(torch.stack(last))
+            tensors = [torch.tensor(prompt, device=device) for prompt in prompts]
+            steps.append(model.prefill_batch(tensors, seq_ids, cache))  # every prompt in one forward
             for _ in range(max_new_tokens - 1):
                 steps.append(model.decode_step(steps[-1].argmax(dim=-1), seq_ids, cache))
     finally:

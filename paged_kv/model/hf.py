@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_kv.kv.sizing import module_bytes
-from paged_kv.model.attend import Attend, check_prefill_start, decode_attend, prefill_attend
+from paged_kv.model.attend import Attend, decode_attend, pack_prefills
 from paged_kv.model.config import GPTConfig
 
 if TYPE_CHECKING:
@@ -145,23 +145,39 @@ class HFCausalLM:
         Raises:
             ValueError: ``start`` is not an integer in ``0 .. len(prompt) - 1``.
         """
-        start = check_prefill_start(start, len(prompt))
-        positions = torch.arange(start, len(prompt), device=prompt.device)
-        return self._forward(prompt[None, start:], positions[None], prefill_attend(cache, seq_id, start))[0]
+        return self.prefill_batch([prompt], [seq_id], cache, [start])
+
+    def prefill_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        seq_ids: Sequence[Hashable],
+        cache: KVCache,
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Several prefills in one forward, their tokens packed; each prompt's last logits ``(n, vocab)``.
+
+        As :meth:`~paged_kv.model.tiny_gpt.TinyGPT.prefill_batch`.
+        """
+        starts = [0] * len(prompts) if starts is None else starts
+        packed = pack_prefills(prompts, seq_ids, cache, starts)
+        return self._forward(packed.tokens, packed.positions, packed.attend, keep=packed.last)[0]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one token per sequence ``(batch,)`` at the cache's positions; logits ``(batch, vocab)``."""
         positions = cache.append(seq_ids)
         return self._forward(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The last position's logits ``(batch, 1, vocab)`` of ``(batch, tokens)`` ids at ``positions``."""
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: int | torch.Tensor = 1
+    ) -> torch.Tensor:
+        """The logits ``(batch, kept, vocab)`` of ``(batch, tokens)`` ids at ``positions``: of the last
+        ``keep`` positions, or of the positions a 1-D tensor ``keep`` lists."""
         with self._paged_attention():
             out = self.model(
                 input_ids=tokens,
                 position_ids=positions,
                 use_cache=False,
-                logits_to_keep=1,
+                logits_to_keep=keep,
                 paged_kv_attend=attend,
             )
         return out.logits

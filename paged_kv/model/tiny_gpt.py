@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from paged_kv.kv.sizing import module_bytes
-from paged_kv.model.attend import Attend, causal_attention, check_prefill_start, decode_attend, prefill_attend
+from paged_kv.model.attend import (
+    Attend,
+    causal_attention,
+    check_prefill_start,
+    decode_attend,
+    pack_prefills,
+    prefill_attend,
+)
 from paged_kv.model.config import GPTConfig
 from paged_kv.validate import check_count
 
@@ -139,6 +146,23 @@ class TinyGPT(nn.Module):
         start = check_prefill_start(start, len(prompt))
         positions = torch.arange(start, len(prompt), device=prompt.device)
         return self.run(prompt[None, start:], positions[None], prefill_attend(cache, seq_id, start))[0]
+
+    def prefill_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        seq_ids: Sequence[Hashable],
+        cache: KVCache,
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`prefill` of several prompts in one forward, their tokens packed one after another.
+
+        Prompt ``i`` runs from position ``starts[i]`` (default 0) on, as :meth:`prefill` runs it
+        alone, and its K/V are stored the same way. Returns the logits of each prompt's last token,
+        ``(len(prompts), vocab)``.
+        """
+        starts = [0] * len(prompts) if starts is None else starts
+        packed = pack_prefills(prompts, seq_ids, cache, starts)
+        return self.run(packed.tokens, packed.positions, packed.attend)[0, packed.last]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one new token per sequence ``(batch,)``; logits ``(batch, vocab)``."""

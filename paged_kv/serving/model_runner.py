@@ -1,8 +1,10 @@
 """Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 06, 09).
 
 * :class:`ModelRunner` runs a :class:`~paged_kv.model.causal_lm.CausalLM` (the tiny GPT or a
-  Hugging Face model) on the cache: each prefill from its first uncached position, then every decode
-  in one batched ``decode_step``, and samples greedily (vLLM: ``GPUModelRunner.execute_model``).
+  Hugging Face model) on the cache: the step's prefills in one packed ``prefill_batch``, each from
+  its first uncached position, then every decode in one batched ``decode_step``, and samples
+  greedily (vLLM: ``GPUModelRunner.execute_model``, which flattens prefill and decode tokens into
+  one forward).
 * :class:`CountingRunner` runs no model: it does to the memory what the model would (each decoding
   sequence grows by one token) and "samples" token 0, so a simulator counts steps and tokens
   exactly as the engine does.
@@ -21,8 +23,9 @@ from paged_kv.serving.scheduler import RunnerOutput, SchedulerOutput
 class ModelRunner:
     """Runs ``model`` on ``cache`` for each :class:`~paged_kv.serving.scheduler.SchedulerOutput`.
 
-    The prompts' room is already in the cache (the scheduler added them); a prefill writes their
-    K/V and its last logits give the first token; a decode feeds each sequence's last token.
+    The prompts' room is already in the cache (the scheduler added them); the step's prefills write
+    their K/V in one packed forward and each prompt's last logits give its first token; a decode
+    feeds each sequence's last token.
     """
 
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
@@ -31,13 +34,13 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         sampled: dict = {}
-        for prefill in output.prefills:
-            request = prefill.request
-            prompt = torch.tensor(request.prompt_token_ids, device=self.device)
-            logits = self.model.prefill(
-                prompt, request.request_id, self.cache, start=prefill.num_cached_tokens
-            )
-            sampled[request.request_id] = int(logits[-1].argmax())
+        if output.prefills:  # every prefill of the step in one forward, as vLLM flattens a step
+            requests = [p.request for p in output.prefills]
+            prompts = [torch.tensor(r.prompt_token_ids, device=self.device) for r in requests]
+            ids = [r.request_id for r in requests]
+            starts = [p.num_cached_tokens for p in output.prefills]
+            logits = self.model.prefill_batch(prompts, ids, self.cache, starts)
+            sampled.update(zip(ids, logits.argmax(dim=-1).tolist(), strict=True))
         if output.decodes:
             ids = [d.request_id for d in output.decodes]
             last = torch.tensor([d.token for d in output.decodes], device=self.device)
