@@ -216,3 +216,36 @@ def test_prefill_batch_refuses_mismatched_or_bad_arguments():
         model.prefill_batch([torch.tensor([1, 2, 3])], ["a", "b"], cache)
     with pytest.raises(ValueError, match="start"):
         model.prefill_batch([torch.tensor([1, 2, 3])], ["a"], cache, starts=[3])
+
+
+def test_a_packed_prefill_on_the_paged_cache_is_one_paged_prefill_attention_per_layer(monkeypatch):
+    import paged_kv.model.kv_cache as kv_cache
+
+    calls = []
+    real = kv_cache.paged_prefill_attention
+
+    def spy(query, k_cache, v_cache, block_tables, context_lens, query_lens, *args):
+        calls.append((len(query), block_tables.shape[0], query_lens.tolist()))
+        return real(query, k_cache, v_cache, block_tables, context_lens, query_lens, *args)
+
+    monkeypatch.setattr(kv_cache, "paged_prefill_attention", spy)
+    model = TinyGPT(seed=0)
+    generate(model, prompts(), 2, cache="paged", block_size=BLOCK_SIZE)
+    assert calls == [(sum(PROMPT_LENGTHS), 3, list(PROMPT_LENGTHS))] * model.config.num_layers
+
+
+def test_a_packed_prefill_refuses_a_bad_layout_and_writes_nothing():
+    model = TinyGPT(seed=0)
+    cache = make_cache("paged", model, torch.device("cpu"))
+    cache.add_sequence("a", 5)
+    with pytest.raises(ValueError, match="cached tokens"):
+        cache.begin_prefill(["a"], [1])
+    k = torch.ones(5, 4, 16)
+    with pytest.raises(RuntimeError, match="begin_prefill"):
+        cache.attend_prefill_batch(0, ["a"], k, k, k)
+    cache.begin_prefill(["a"], [0])
+    with pytest.raises(ValueError, match="laid out 5"):
+        cache.attend_prefill_batch(0, ["a"], k[:4], k[:4], k[:4])
+    with pytest.raises(ValueError, match="k must have shape"):
+        cache.attend_prefill_batch(0, ["a"], k, k[:, :2], k[:, :2])
+    assert not cache.storage.k_caches[0].any()  # nothing was written

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv.attention.heads import repeat_kv_heads
+from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
@@ -90,10 +91,20 @@ def packed_prefill_attend(
     """The ``attend`` of several prefills in one forward of ``(1, sum(num_new), ...)`` tensors.
 
     Sequence ``i``'s tokens are positions ``starts[i] ..`` of its prompt, ``num_new[i]`` of them, at
-    offset ``sum(num_new[:i])`` of the packed axis. In each layer, each slice is stored and attended
-    as :func:`prefill_attend` does for that prompt alone, in order: a prompt whose cached prefix
-    another prompt of the same forward computes finds it written, layer by layer.
+    offset ``sum(num_new[:i])`` of the packed axis. On a :class:`~paged_kv.model.kv_cache.PagedKVCache`
+    each layer writes every new token's K/V at its slot and attends with one
+    :func:`~paged_kv.attention.paged.paged_prefill_attention` over the batch's block tables, as
+    vLLM's prefill reads the paged cache. On any other cache each slice is stored and attended as
+    :func:`prefill_attend` does for that prompt alone, in order. Either way, a prompt whose cached
+    prefix another prompt of the same forward computes finds it written, layer by layer.
     """
+    if isinstance(cache, PagedKVCache):  # one paged_prefill_attention per layer for the whole batch
+        cache.begin_prefill(seq_ids, starts)
+
+        def attend_paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return cache.attend_prefill_batch(layer, seq_ids, q[0], k[0], v[0])[None]
+
+        return attend_paged
     parts = [prefill_attend(cache, seq_id, start) for seq_id, start in zip(seq_ids, starts, strict=True)]
     ends = list(itertools.accumulate(num_new))
     spans = list(zip([0, *ends[:-1]], ends, strict=True))

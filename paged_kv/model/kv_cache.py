@@ -150,6 +150,10 @@ class PagedKVCache(KVCache):
         self._recorder = Recorder(self.manager) if record else None
         self.block_size, self.device = block_size, self.storage.device
         self._step: tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._prefill: (
+            tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        )
+        self._prefill = None
 
     @property
     def num_blocks(self) -> int:
@@ -245,6 +249,68 @@ class PagedKVCache(KVCache):
         self.storage.write(layer, block_ids, k, v, start)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         return paged_prefill_attention(q, k_cache, v_cache, block_ids[None], [length], [len(k)])
+
+    def begin_prefill(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
+        """Lay out one packed prefill of the batch, once for every layer's :meth:`attend_prefill_batch`.
+
+        Sequence ``i`` computes positions ``starts[i] ..`` to its length: its uncached tail, so
+        ``starts[i]`` must be :meth:`num_cached_tokens`. Its tokens come after those of the
+        sequences before it. The block tables, lengths, query lengths and each packed token's slot
+        are built here, as :meth:`append` builds a decode step's.
+
+        Raises:
+            ValueError: a start is not the sequence's cached tokens; nothing is laid out.
+        """
+        seq_ids = tuple(seq_ids)
+        lengths = [self.manager.sequence_length(seq_id) for seq_id in seq_ids]
+        for seq_id, start, length in zip(seq_ids, starts, lengths, strict=True):
+            cached = self.manager.num_cached_tokens(seq_id)
+            if start != cached or start >= length:
+                raise ValueError(
+                    f"start {start} of sequence {seq_id!r} must be its {cached} cached tokens, "
+                    f"below its {length} tokens: a prefill computes the uncached tail"
+                )
+        device = self.device
+        tables = self.manager.block_rows(seq_ids)
+        width = len(tables[0]) if tables else 0
+        table_tensor = torch.tensor(tables, dtype=torch.long, device=device).reshape(len(seq_ids), width)
+        length_tensor = torch.tensor(lengths, dtype=torch.long, device=device)
+        query_lens = length_tensor - torch.tensor(list(starts), dtype=torch.long, device=device)
+        total = int(query_lens.sum()) if seq_ids else 0
+        seq = torch.repeat_interleave(
+            torch.arange(len(seq_ids), device=device), query_lens, output_size=total
+        )
+        first = torch.cumsum(query_lens, 0) - query_lens  # each sequence's first packed row
+        positions = torch.arange(total, device=device) - first[seq] + (length_tensor - query_lens)[seq]
+        slots = (
+            table_tensor[seq, positions // self.block_size] * self.block_size + positions % self.block_size
+        )
+        self._prefill = (seq_ids, table_tensor, length_tensor, query_lens, slots)
+
+    def attend_prefill_batch(
+        self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store one layer's K/V of the packed prefill and attend: one
+        :func:`~paged_kv.attention.paged.paged_prefill_attention` for the whole batch.
+
+        ``q`` ``(tokens, num_heads, head_dim)`` and ``k``, ``v`` ``(tokens, num_kv_heads, head_dim)``
+        hold the new tokens of every sequence, packed as :meth:`begin_prefill` laid them out; each
+        attends causally over its own sequence, cached positions included.
+
+        Raises:
+            RuntimeError: ``seq_ids`` is not the batch of the last :meth:`begin_prefill`.
+            ValueError: ``k`` or ``v`` is bad as for :meth:`write_prompt`, or holds another number of
+                tokens than the layout. Nothing is written.
+        """
+        if self._prefill is None or tuple(seq_ids) != self._prefill[0]:
+            raise RuntimeError("attend_prefill_batch must follow begin_prefill for the same batch")
+        _, tables, lengths, query_lens, slots = self._prefill
+        self.storage.check_kv_pair(k, v)
+        if len(k) != len(slots):
+            raise ValueError(f"k holds {len(k)} tokens but the prefill laid out {len(slots)}")
+        self.storage.write_slots(layer, slots, k, v)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return paged_prefill_attention(q, k_cache, v_cache, tables, lengths, query_lens)
 
     def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """Grow every sequence of the batch by one token, all or none; return the new tokens' positions.
