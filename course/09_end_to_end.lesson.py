@@ -157,9 +157,11 @@ print("free blocks after free:", cache.num_free_blocks, "of", cache.num_blocks)
 # %% [markdown]
 # ## 2. The same text, whichever the cache
 #
-# `generate(model, prompts, max_new_tokens, cache=...)` runs greedy generation for a batch: each
-# prompt is prefilled on its own, then every decode step feeds the whole batch's last tokens at once
-# through one `decode_step`. The prompts may have any lengths; the caches deal with that, the
+# `generate(model, prompts, max_new_tokens, cache=...)` runs greedy generation for a batch: the
+# prompts are prefilled together in one forward, their tokens packed one after another
+# (`prefill_batch`; each prompt attends only to itself, and on the paged cache one
+# `paged_prefill_attention` per layer reads all of them through their block tables), then every
+# decode step feeds the whole batch's last tokens at once through one `decode_step`. The prompts may have any lengths; the caches deal with that, the
 # contiguous one with a tensor per sequence, the paged one with a block table per sequence. With
 # `cache="paged"` it builds a `PagedKVCache` with just enough blocks of 16; `GenerationResult` holds
 # the new tokens of each prompt and the logits they came from.
@@ -247,7 +249,8 @@ plt.show()
 # for the model, so both count steps and tokens alike. It is split the way serving engines are: each
 # step, `output = scheduler.schedule()` decides what runs and returns it as a value (a
 # `SchedulerOutput`: the admissions to prefill, the sequences to decode, the preemptions), a model
-# runner computes it (`ModelRunner.execute(output)`: the prefills, then one batched `decode_step`)
+# runner computes it (`ModelRunner.execute(output)`: the step's prefills in one packed
+# `prefill_batch`, then one batched `decode_step`)
 # and returns the sampled tokens, and `scheduler.update(output, result)` appends them and finishes
 # the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()` returning a
 # `SchedulerOutput` (`vllm/v1/core/sched/`), `GPUModelRunner.execute_model`
@@ -526,7 +529,8 @@ print("identical to Hugging Face's generate:", ours == theirs)
 
 # %% [markdown]
 # Every layer of the model wrote into one `PagedKVCache`, under one block table per prompt, with
-# 3 K/V heads per block; decode attention ran `paged_attention` with 9 query heads over them.
+# 3 K/V heads per block; the prefill ran `paged_prefill_attention` and each decode step
+# `paged_attention`, with 9 query heads over them.
 #
 # The engine serves the model as it served the tiny GPT. This time give it memory the way vLLM is
 # given memory: not a number of blocks but a number of bytes (vLLM's `kv_cache_memory_bytes`; or
