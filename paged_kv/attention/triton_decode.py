@@ -85,6 +85,7 @@ def triton_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float | None,
+    kernel: Callable | None = None,
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
@@ -95,6 +96,10 @@ def triton_decode(
     integer dtype whose first ``ceil(context_lens[b] / block_size)`` entries of row ``b`` are valid
     block ids, and ``context_lens`` a long tensor of values ``>= 1``, all on the query's device.
     Returns ``(batch, num_heads, head_dim)`` in the query's dtype, computed in float32.
+
+    ``kernel`` is the plain function to launch, made a kernel by ``triton.jit`` on first use: by
+    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 10's exercise
+    passes the learner's, which takes the same arguments.
 
     Raises:
         ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
@@ -126,7 +131,9 @@ def triton_decode(
     batch, num_heads, _ = query.shape
     group = num_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _decode_kernel()[(batch, num_kv_heads)](
+    if kernel is None:
+        from paged_kv.attention.triton_kernel import paged_decode_kernel as kernel
+    _jit(kernel)[(batch, num_kv_heads)](
         out,
         query,
         k_cache,
@@ -150,12 +157,9 @@ def triton_decode(
 
 
 @functools.cache
-def _decode_kernel() -> Callable:
-    """:func:`~paged_kv.attention.triton_kernel.paged_decode_kernel` made a kernel by ``triton.jit``,
-    once per process, in the process's one mode (the caller checked that ``TRITON_INTERPRET`` still
-    says what it said when triton was imported)."""
+def _jit(kernel: Callable) -> Callable:
+    """``kernel`` made a kernel by ``triton.jit``, once per function and process, in the process's one
+    mode (the caller checked that ``TRITON_INTERPRET`` still says what it said when triton was imported)."""
     import triton
 
-    from paged_kv.attention.triton_kernel import paged_decode_kernel
-
-    return triton.jit(paged_decode_kernel)
+    return triton.jit(kernel)

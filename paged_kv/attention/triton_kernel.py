@@ -1,4 +1,5 @@
-"""The paged decode kernel in Triton's language (lesson 10); importing this module imports triton.
+"""The paged decode kernel in Triton's language (lesson 10); importing this module imports triton, through
+:mod:`paged_kv.attention.triton_language` (its interpreter where there is no GPU, unless triton came first).
 
 :func:`paged_decode_kernel` is a plain function written in Triton's language, not yet a kernel:
 ``triton.jit(paged_decode_kernel)`` makes it one. :mod:`paged_kv.attention.triton_decode` does so
@@ -26,7 +27,7 @@ after it; ``GROUP``, ``BLOCK_SIZE`` and ``HEAD_DIM`` are rounded up to powers of
 (``*_PADDED``, as ``tl.arange`` requires) and the padding is masked.
 """
 
-import triton.language as tl
+from paged_kv.attention.triton_language import tl
 
 
 def paged_decode_kernel(
