@@ -135,9 +135,11 @@ def pack_prefills(
     """Pack prompt ``i``'s positions ``starts[i] ..`` one after another, for one forward.
 
     Raises:
-        ValueError: ``prompts``, ``seq_ids`` and ``starts`` differ in length, or a start is not in
-            ``0 .. len(prompt) - 1`` (naming it).
+        ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
+            or a start is not in ``0 .. len(prompt) - 1`` (naming it).
     """
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt to prefill")
     if not len(prompts) == len(seq_ids) == len(starts):
         raise ValueError(
             f"prompts, seq_ids and starts must be as many, got {len(prompts)}, {len(seq_ids)} "
@@ -145,7 +147,7 @@ def pack_prefills(
         )
     starts = [check_prefill_start(start, len(prompt)) for prompt, start in zip(prompts, starts, strict=True)]
     num_new = [len(prompt) - start for prompt, start in zip(prompts, starts, strict=True)]
-    device = prompts[0].device if prompts else torch.device("cpu")
+    device = prompts[0].device
     tokens = torch.cat([prompt[start:] for prompt, start in zip(prompts, starts, strict=True)])
     positions = torch.cat(
         [
