@@ -180,6 +180,16 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_ones_listed()
         as_causal_lm("a model")
 
 
+def test_a_subclass_of_a_supported_architecture_is_supported():
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    torch.manual_seed(0)
+    model = MyLlama(tiny_config("llama")).eval()
+    model.generation_config.eos_token_id = None
+    assert generate(model, [[1, 2, 3]], 4).tokens[0] == hf_tokens(model, (1, 2, 3), 4)
+
+
 def test_a_prompt_past_the_model_positions_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"prompts\[0\].*max_len 128"):

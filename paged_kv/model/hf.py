@@ -86,7 +86,8 @@ class HFCausalLM:
     so it changes nothing).
 
     Raises:
-        ValueError: ``model`` is not of a supported architecture (the message lists them),
+        ValueError: ``model`` is not of a supported architecture or a subclass of one (the message
+            lists them),
             or its attention scales scores by something else than ``1 / sqrt(head_dim)``.
     """
 
@@ -96,7 +97,7 @@ class HFCausalLM:
         if (
             transformers is None
             or not isinstance(model, transformers.PreTrainedModel)
-            or name not in SUPPORTED_ARCHITECTURES
+            or not any(cls.__name__ in SUPPORTED_ARCHITECTURES for cls in type(model).__mro__)
         ):
             raise unsupported_model(model)
         transformers.AttentionInterface.register(ATTENTION, _paged_kv_attention)
