@@ -318,3 +318,20 @@ def test_prefill_batch_gives_each_prompt_its_own_logits(device):
         together = lm.prefill_batch(batch, [0, 1, 2], cache)
         each = torch.cat([model(p[None]).logits[:, -1] for p in batch])
     torch.testing.assert_close(together, each, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_ends_at_the_models_end_of_sequence_tokens_as_hf_does():
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"][1](tiny_config("llama")).eval()
+    model.generation_config.eos_token_id = None
+    batch = prompts(3, seed=8)
+    free_running = generate(model, batch, 12).tokens
+    eos = free_running[0][3]  # a token the first prompt generates fourth
+    model.generation_config.eos_token_id = [eos, VOCAB - 1]
+    hf_tokens.cache_clear()  # the same model object, now with an end-of-sequence token
+    out = generate(model, batch, 12)
+    assert out.tokens[0] == free_running[0][: free_running[0].index(eos) + 1]
+    for prompt, tokens in zip(batch, out.tokens, strict=True):
+        assert tokens == hf_tokens(model, tuple(prompt), 12)
+    assert len(out.logits) == max(len(t) for t in out.tokens)  # stopped once every prompt ended
+    hf_tokens.cache_clear()

@@ -137,6 +137,13 @@ class HFCausalLM:
         """The bytes of the model's parameters and buffers."""
         return module_bytes(self.model)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence tokens (``generation_config.eos_token_id``), at which
+        :func:`~paged_kv.model.generate` ends a sequence as ``model.generate`` does; none when unset."""
+        eos = self.model.generation_config.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
     def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
         """Run one prompt ``(tokens,)`` from position ``start`` on, storing every layer's K/V in ``cache``.
 

@@ -99,8 +99,8 @@ factory with the keyword ``enable_prefix_caching=True`` too, and needs a
 class EngineRequest:
     """A request: ``prompt`` token ids arriving at ``arrival_step``, to generate ``max_new_tokens``.
 
-    Decoding is greedy with no end-of-sequence token, so a request generates exactly
-    ``max_new_tokens`` tokens.
+    Decoding is greedy and takes no end-of-sequence token for an end (vLLM's ``ignore_eos=True``), so
+    a request generates exactly ``max_new_tokens`` tokens, whatever the model.
     """
 
     request_id: Hashable
