@@ -335,3 +335,23 @@ def test_generation_ends_at_the_models_end_of_sequence_tokens_as_hf_does():
         assert tokens == hf_tokens(model, tuple(prompt), 12)
     assert len(out.logits) == max(len(t) for t in out.tokens)  # stopped once every prompt ended
     hf_tokens.cache_clear()
+
+
+def test_the_engine_ends_requests_at_end_of_sequence_tokens_unless_told_to_ignore_them():
+    torch.manual_seed(0)
+    model = ARCHITECTURES["qwen2"][1](tiny_config("qwen2")).eval()
+    model.generation_config.eos_token_id = None
+    requests = [EngineRequest(i, p, 10, arrival_step=i) for i, p in enumerate(prompts(4, seed=9))]
+    free_running = Engine(model, num_blocks=40, block_size=4).run(requests).tokens
+    eos = free_running[0][2]
+    model.generation_config.eos_token_id = eos
+    hf_tokens.cache_clear()
+    result = Engine(model, num_blocks=40, block_size=4).run(requests)
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), 10)
+        expected = free_running[r.request_id]
+        assert result.tokens[r.request_id] == expected[: expected.index(eos) + 1 if eos in expected else None]
+    assert Engine(model, num_blocks=40, block_size=4, ignore_eos=True).run(requests).tokens == free_running
+    with pytest.raises(ValueError, match="ignore_eos"):
+        Engine(model, num_blocks=40, ignore_eos="yes")
+    hf_tokens.cache_clear()
