@@ -130,9 +130,12 @@ class PackedPrefill:
 
 
 def pack_prefills(
-    prompts: Sequence[torch.Tensor], seq_ids: Sequence[Hashable], cache: KVCache, starts: Sequence[int]
+    prompts: Sequence[torch.Tensor],
+    seq_ids: Sequence[Hashable],
+    cache: KVCache,
+    starts: Sequence[int] | None = None,
 ) -> PackedPrefill:
-    """Pack prompt ``i``'s positions ``starts[i] ..`` one after another, for one forward.
+    """Pack prompt ``i``'s positions ``starts[i] ..`` (default: from 0) one after another, for one forward.
 
     Raises:
         ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
@@ -140,6 +143,7 @@ def pack_prefills(
     """
     if not prompts:
         raise ValueError("prompts must hold at least one prompt to prefill")
+    starts = [0] * len(prompts) if starts is None else starts
     if not len(prompts) == len(seq_ids) == len(starts):
         raise ValueError(
             f"prompts, seq_ids and starts must be as many, got {len(prompts)}, {len(seq_ids)} "

@@ -166,7 +166,6 @@ class HFCausalLM:
 
         As :meth:`~paged_kv.model.tiny_gpt.TinyGPT.prefill_batch`.
         """
-        starts = [0] * len(prompts) if starts is None else starts
         packed = pack_prefills(prompts, seq_ids, cache, starts)
         return self._forward(packed.tokens, packed.positions, packed.attend, keep=packed.last)[0]
 
