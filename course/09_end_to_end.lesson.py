@@ -509,7 +509,8 @@ print(
 # NBVAL_IGNORE_OUTPUT
 texts = ["The KV cache of a transformer", "Paged attention splits memory into"]
 real_prompts = [loaded.encode(t) for t in texts]
-ours = generate(llama, real_prompts, max_new_tokens=16, block_size=16).tokens
+real_cache = PagedKVCache(sizes, num_blocks=8, block_size=16, device=device, dtype=llama.dtype, record=True)
+ours = generate(llama, real_prompts, max_new_tokens=16, cache=real_cache).tokens
 
 
 def hf_generate(ids: list[int], max_new_tokens: int) -> list[int]:
@@ -532,6 +533,22 @@ print("identical to Hugging Face's generate:", ours == theirs)
 # 3 K/V heads per block; the prefill ran `paged_prefill_attention` and each decode step
 # `paged_attention`, with 9 query heads over them.
 #
+# The bookkeeping looks exactly as it did for the tiny GPT: the trace's fullest moment, just before
+# `generate` freed the prompts, has one block table per prompt. Each block the tables name holds the
+# K/V of its 16 tokens in all 30 layers at once (30 pools indexed by the same block id), so the
+# picture is the same whatever the model's depth; only the bytes behind each box grow.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+frames = real_cache.trace
+first_free = next(i for i, f in enumerate(frames) if f.event == "free")
+plot_block_tables(
+    frames[first_free - 1].snapshot,
+    title=f"two prompts: one block table each, for all {sizes.num_layers} layers",
+)
+plt.show()
+
+# %% [markdown]
 # The engine serves the model as it served the tiny GPT. This time give it memory the way vLLM is
 # given memory: not a number of blocks but a number of bytes (vLLM's `kv_cache_memory_bytes`; or
 # `gpu_memory_utilization`, a share of the device's memory from which the weights are subtracted).

@@ -180,6 +180,16 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_ones_listed()
         as_causal_lm("a model")
 
 
+def test_a_subclass_of_a_supported_architecture_is_supported():
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    torch.manual_seed(0)
+    model = MyLlama(tiny_config("llama")).eval()
+    model.generation_config.eos_token_id = None
+    assert generate(model, [[1, 2, 3]], 4).tokens[0] == hf_tokens(model, (1, 2, 3), 4)
+
+
 def test_a_prompt_past_the_model_positions_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"prompts\[0\].*max_len 128"):
@@ -308,3 +318,40 @@ def test_prefill_batch_gives_each_prompt_its_own_logits(device):
         together = lm.prefill_batch(batch, [0, 1, 2], cache)
         each = torch.cat([model(p[None]).logits[:, -1] for p in batch])
     torch.testing.assert_close(together, each, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_ends_at_the_models_end_of_sequence_tokens_as_hf_does():
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"][1](tiny_config("llama")).eval()
+    model.generation_config.eos_token_id = None
+    batch = prompts(3, seed=8)
+    free_running = generate(model, batch, 12).tokens
+    eos = free_running[0][3]  # a token the first prompt generates fourth
+    model.generation_config.eos_token_id = [eos, VOCAB - 1]
+    hf_tokens.cache_clear()  # the same model object, now with an end-of-sequence token
+    out = generate(model, batch, 12)
+    assert out.tokens[0] == free_running[0][: free_running[0].index(eos) + 1]
+    for prompt, tokens in zip(batch, out.tokens, strict=True):
+        assert tokens == hf_tokens(model, tuple(prompt), 12)
+    assert len(out.logits) == max(len(t) for t in out.tokens)  # stopped once every prompt ended
+    hf_tokens.cache_clear()
+
+
+def test_the_engine_ends_requests_at_end_of_sequence_tokens_unless_told_to_ignore_them():
+    torch.manual_seed(0)
+    model = ARCHITECTURES["qwen2"][1](tiny_config("qwen2")).eval()
+    model.generation_config.eos_token_id = None
+    requests = [EngineRequest(i, p, 10, arrival_step=i) for i, p in enumerate(prompts(4, seed=9))]
+    free_running = Engine(model, num_blocks=40, block_size=4).run(requests).tokens
+    eos = free_running[0][2]
+    model.generation_config.eos_token_id = eos
+    hf_tokens.cache_clear()
+    result = Engine(model, num_blocks=40, block_size=4).run(requests)
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), 10)
+        expected = free_running[r.request_id]
+        assert result.tokens[r.request_id] == expected[: expected.index(eos) + 1 if eos in expected else None]
+    assert Engine(model, num_blocks=40, block_size=4, ignore_eos=True).run(requests).tokens == free_running
+    with pytest.raises(ValueError, match="ignore_eos"):
+        Engine(model, num_blocks=40, ignore_eos="yes")
+    hf_tokens.cache_clear()

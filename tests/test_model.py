@@ -216,6 +216,8 @@ def test_prefill_batch_refuses_mismatched_or_bad_arguments():
         model.prefill_batch([torch.tensor([1, 2, 3])], ["a", "b"], cache)
     with pytest.raises(ValueError, match="start"):
         model.prefill_batch([torch.tensor([1, 2, 3])], ["a"], cache, starts=[3])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        model.prefill_batch([], [], cache)
 
 
 def test_a_packed_prefill_on_the_paged_cache_is_one_paged_prefill_attention_per_layer(monkeypatch):

@@ -67,6 +67,18 @@ def test_a_request_with_o_output_tokens_runs_o_steps():
         assert request_id == "a" and len(tokens) == outputs
 
 
+def test_a_stop_token_finishes_a_request_early_and_is_kept():
+    # the counting runner samples token 0: a request stopping at 0 ends with its first token
+    stopping, running_on = (
+        SchedulerRequest("a", 3, 5, stop_token_ids=frozenset({0})),
+        SchedulerRequest("b", 3, 5),
+    )
+    steps = serve(Scheduler(paged(8, 4)), [(0, stopping), (0, running_on)])
+    finished = {request_id: tokens for _, result in steps for request_id, tokens in result.finished}
+    assert finished == {"a": (0,), "b": (0,) * 5}
+    assert steps[0][1].finished == (("a", (0,)),) and len(steps) == 5
+
+
 def test_admission_is_the_engine_rule_first_come_first_served():
     # 6 blocks of 2: a (3 tokens, 2 blocks) needs 2 + 1 free, b (5 tokens, 3 blocks) 3 + 2 of 4: waits,
     # and c (1 token) must not jump ahead of it.

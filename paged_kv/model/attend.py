@@ -130,14 +130,20 @@ class PackedPrefill:
 
 
 def pack_prefills(
-    prompts: Sequence[torch.Tensor], seq_ids: Sequence[Hashable], cache: KVCache, starts: Sequence[int]
+    prompts: Sequence[torch.Tensor],
+    seq_ids: Sequence[Hashable],
+    cache: KVCache,
+    starts: Sequence[int] | None = None,
 ) -> PackedPrefill:
-    """Pack prompt ``i``'s positions ``starts[i] ..`` one after another, for one forward.
+    """Pack prompt ``i``'s positions ``starts[i] ..`` (default: from 0) one after another, for one forward.
 
     Raises:
-        ValueError: ``prompts``, ``seq_ids`` and ``starts`` differ in length, or a start is not in
-            ``0 .. len(prompt) - 1`` (naming it).
+        ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
+            or a start is not in ``0 .. len(prompt) - 1`` (naming it).
     """
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt to prefill")
+    starts = [0] * len(prompts) if starts is None else starts
     if not len(prompts) == len(seq_ids) == len(starts):
         raise ValueError(
             f"prompts, seq_ids and starts must be as many, got {len(prompts)}, {len(seq_ids)} "
@@ -145,7 +151,7 @@ def pack_prefills(
         )
     starts = [check_prefill_start(start, len(prompt)) for prompt, start in zip(prompts, starts, strict=True)]
     num_new = [len(prompt) - start for prompt, start in zip(prompts, starts, strict=True)]
-    device = prompts[0].device if prompts else torch.device("cpu")
+    device = prompts[0].device
     tokens = torch.cat([prompt[start:] for prompt, start in zip(prompts, starts, strict=True)])
     positions = torch.cat(
         [

@@ -22,10 +22,14 @@ from paged_kv.validate import check_count
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """``tokens[i]``: the new token ids of prompt ``i``; ``logits[step, i]``: the logits they came from."""
+    """``tokens[i]``: the new token ids of prompt ``i``; ``logits[step, i]``: the logits they came from.
+
+    ``logits`` is ``(steps, batch, vocab)``: ``steps`` is ``max_new_tokens`` unless every prompt
+    reached an end-of-sequence token before it, and a prompt's tokens end at its first one.
+    """
 
     tokens: list[list[int]]
-    logits: torch.Tensor  # (max_new_tokens, batch, vocab)
+    logits: torch.Tensor  # (steps, batch, vocab)
 
 
 def generate(
@@ -43,7 +47,10 @@ def generate(
     supported architecture (:func:`~paged_kv.model.causal_lm.as_causal_lm`) or any
     :class:`~paged_kv.model.causal_lm.CausalLM`. The prompts are prefilled in one forward, packed
     (each attends only to itself); then every decode step feeds the batch's last tokens at once.
-    There is no end-of-sequence token: every prompt gets ``max_new_tokens`` tokens.
+    A model that names end-of-sequence tokens (``eos_token_ids``: a Hugging Face model's
+    ``generation_config.eos_token_id``) ends a prompt's tokens at the first of them, and generation
+    stops once every prompt has one, as ``model.generate`` does; the tiny GPT has none, so each
+    prompt gets ``max_new_tokens`` tokens.
 
     ``cache`` is ``"contiguous"``, ``"paged"`` (a :class:`PagedKVCache` of ``num_blocks`` blocks
     of ``block_size``, by default just enough for the batch) or a cache you built (then
@@ -86,6 +93,7 @@ def generate(
         raise ValueError(f"cache must be 'contiguous', 'paged' or a KVCache, got {cache!r}")
     check_cache_fits(cache, config)
 
+    stop = frozenset(getattr(model, "eos_token_ids", ()))
     seq_ids = [f"prompt-{i}" for i in range(len(prompts))]
     added: list[str] = []  # freed at the end, even after an error
     steps: list[torch.Tensor] = []
@@ -96,13 +104,26 @@ def generate(
                 added.append(seq_id)
             tensors = [torch.tensor(prompt, device=device) for prompt in prompts]
             steps.append(model.prefill_batch(tensors, seq_ids, cache))  # every prompt in one forward
+            stopped = [False] * len(prompts)
             for _ in range(max_new_tokens - 1):
-                steps.append(model.decode_step(steps[-1].argmax(dim=-1), seq_ids, cache))
+                last = steps[-1].argmax(dim=-1)
+                stopped = [done or token in stop for done, token in zip(stopped, last.tolist(), strict=True)]
+                if all(stopped):
+                    break
+                steps.append(model.decode_step(last, seq_ids, cache))
     finally:
         for seq_id in added:
             cache.free(seq_id)
     logits = torch.stack(steps)
-    return GenerationResult(tokens=logits.argmax(dim=-1).T.tolist(), logits=logits)
+    return GenerationResult(
+        tokens=[_until_stop(t, stop) for t in logits.argmax(dim=-1).T.tolist()], logits=logits
+    )
+
+
+def _until_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first of ``stop``, or all of them."""
+    ends = [i for i, token in enumerate(tokens) if token in stop]
+    return tokens[: ends[0] + 1] if ends else tokens
 
 
 def is_token(value: object, vocab_size: int) -> bool:

@@ -86,7 +86,8 @@ class HFCausalLM:
     so it changes nothing).
 
     Raises:
-        ValueError: ``model`` is not of a supported architecture (the message lists them),
+        ValueError: ``model`` is not of a supported architecture or a subclass of one (the message
+            lists them),
             or its attention scales scores by something else than ``1 / sqrt(head_dim)``.
     """
 
@@ -96,7 +97,7 @@ class HFCausalLM:
         if (
             transformers is None
             or not isinstance(model, transformers.PreTrainedModel)
-            or name not in SUPPORTED_ARCHITECTURES
+            or not any(cls.__name__ in SUPPORTED_ARCHITECTURES for cls in type(model).__mro__)
         ):
             raise unsupported_model(model)
         transformers.AttentionInterface.register(ATTENTION, _paged_kv_attention)
@@ -136,6 +137,13 @@ class HFCausalLM:
         """The bytes of the model's parameters and buffers."""
         return module_bytes(self.model)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence tokens (``generation_config.eos_token_id``), at which
+        :func:`~paged_kv.model.generate` ends a sequence as ``model.generate`` does; none when unset."""
+        eos = self.model.generation_config.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
     def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
         """Run one prompt ``(tokens,)`` from position ``start`` on, storing every layer's K/V in ``cache``.
 
@@ -158,7 +166,6 @@ class HFCausalLM:
 
         As :meth:`~paged_kv.model.tiny_gpt.TinyGPT.prefill_batch`.
         """
-        starts = [0] * len(prompts) if starts is None else starts
         packed = pack_prefills(prompts, seq_ids, cache, starts)
         return self._forward(packed.tokens, packed.positions, packed.attend, keep=packed.last)[0]
 

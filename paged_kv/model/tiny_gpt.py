@@ -160,7 +160,6 @@ class TinyGPT(nn.Module):
         alone, and its K/V are stored the same way. Returns the logits of each prompt's last token,
         ``(len(prompts), vocab)``.
         """
-        starts = [0] * len(prompts) if starts is None else starts
         packed = pack_prefills(prompts, seq_ids, cache, starts)
         return self.run(packed.tokens, packed.positions, packed.attend)[0, packed.last]
 

@@ -99,8 +99,9 @@ factory with the keyword ``enable_prefix_caching=True`` too, and needs a
 class EngineRequest:
     """A request: ``prompt`` token ids arriving at ``arrival_step``, to generate ``max_new_tokens``.
 
-    Decoding is greedy with no end-of-sequence token, so a request generates exactly
-    ``max_new_tokens`` tokens.
+    Decoding is greedy. A request generates ``max_new_tokens`` tokens, or fewer when the model names
+    end-of-sequence tokens (a Hugging Face model's ``generation_config.eos_token_id``) and it
+    generates one, which it keeps, unless the engine has ``ignore_eos=True``. The tiny GPT has none.
     """
 
     request_id: Hashable
@@ -210,6 +211,9 @@ class Engine:
     (:class:`~paged_kv.kv.sizing.KVCacheSpec`). Activations are not counted (vLLM measures them with
     a profiling run).
 
+    A request ends at the model's end-of-sequence tokens, as in vLLM, unless ``ignore_eos=True``
+    (vLLM's sampling parameter of that name): see :class:`EngineRequest`.
+
     ``max_model_len`` (default: the model's ``max_len``) bounds prompt plus output of any request
     and is the slot size of the contiguous mode. ``device`` defaults to the model's and must be it.
     ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.kv_cache.PagedKVCache`);
@@ -237,8 +241,12 @@ class Engine:
         enable_prefix_caching: bool = False,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
+        ignore_eos: bool = False,
     ) -> None:
         self.model = model = as_causal_lm(model)
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+        self.ignore_eos = ignore_eos
         self.block_size = check_count("block_size", block_size, minimum=1)
         config = model.config
         self.kv_spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, model.dtype)
@@ -327,7 +335,8 @@ class Engine:
         scheduler = Scheduler(memory, preemption=self.preemption)
         runner = ModelRunner(self.model, cache, self.device)
         result = EngineResult(self.mode, self.budget_tokens)
-        arrivals = [(r.arrival_step, _scheduler_request(r)) for r in requests]
+        stop = frozenset() if self.ignore_eos else frozenset(getattr(self.model, "eos_token_ids", ()))
+        arrivals = [(r.arrival_step, _scheduler_request(r, stop)) for r in requests]
         bar = progress_bar(len(requests), f"engine ({self.mode})") if progress else None
         try:
             for output, step in run_steps(scheduler, runner, arrivals):
@@ -459,9 +468,9 @@ class Engine:
             result.finished_step[request_id] = output.step
 
 
-def _scheduler_request(request: EngineRequest) -> SchedulerRequest:
+def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -> SchedulerRequest:
     return SchedulerRequest(
-        request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt)
+        request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt), stop_token_ids
     )
 
 

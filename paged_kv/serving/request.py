@@ -13,14 +13,16 @@ class SchedulerRequest:
     """A request as the scheduler sees it: ``num_prompt_tokens`` of prompt, ``max_new_tokens`` to generate.
 
     ``prompt_token_ids`` are the prompt's token ids, or None where nobody needs them (the
-    simulator); prefix caching and a model need them. Decoding is greedy with no end-of-sequence
-    token, so a request generates exactly ``max_new_tokens`` tokens.
+    simulator); prefix caching and a model need them. Decoding is greedy; a request finishes after
+    ``max_new_tokens`` tokens, or as soon as it generates one of ``stop_token_ids`` (a model's
+    end-of-sequence tokens; none by default), which it keeps.
     """
 
     request_id: Hashable
     num_prompt_tokens: int
     max_new_tokens: int
     prompt_token_ids: tuple[int, ...] | None = None
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         check_hashable("request_id", self.request_id)

@@ -149,6 +149,14 @@ class _Running:
         """Tokens whose K/V the memory holds: the last sampled one is the next input, not yet held."""
         return self.request.num_prompt_tokens + len(self.generated) - 1
 
+    @property
+    def finished(self) -> bool:
+        """All ``max_new_tokens`` generated, or the last one is a stop token."""
+        request, generated = self.request, self.generated
+        return len(generated) == request.max_new_tokens or (
+            bool(generated) and generated[-1] in request.stop_token_ids
+        )
+
 
 class Scheduler:
     """Continuous batching over ``memory``, a :class:`~paged_kv.serving.memory.KVMemory` (see the module).
@@ -326,7 +334,7 @@ class Scheduler:
         return Preemption(request_id, "recompute", held if victim.generated else 0)
 
     def _finish(self) -> tuple[tuple[Hashable, tuple[int, ...]], ...]:
-        done = [seq for seq in self.running if len(seq.generated) == seq.request.max_new_tokens]
+        done = [seq for seq in self.running if seq.finished]
         for seq in done:
             self.memory.free(seq.request.request_id)
         self.running = [seq for seq in self.running if seq not in done]

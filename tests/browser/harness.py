@@ -492,6 +492,22 @@ def low_contrast(root: Locator, minimum: float = 4.5) -> tuple[list[dict[str, An
     return [c for c in contrasts if c["ratio"] < minimum], len(contrasts)
 
 
+def low_contrast_in_view(page: Page, root: Locator, what: str, minimum: float = 4.5) -> list[dict[str, Any]]:
+    """``low_contrast`` of ``root`` once it is scrolled into view with at least one text checked.
+
+    JupyterLab lays a notebook out lazily: a cell's height is an estimate until it is drawn, so a
+    scroll can land short of its target while the cells above it settle. Scrolling again until a
+    text is in view makes the check wait for the layout instead of reading an empty viewport.
+    """
+
+    def in_view() -> list[list[dict[str, Any]]] | None:
+        root.scroll_into_view_if_needed()
+        failures, checked = low_contrast(root, minimum)
+        return [failures] if checked else None
+
+    return wait_until(page, in_view, f"a text of {what} in view")[0]
+
+
 # For every <img> under ``root``: whether it loaded, its drawn size, and for an SVG image, the colour
 # of its corner pixel (the picture's own paper) and the share of dark pixels (its ink), read back
 # through a canvas.

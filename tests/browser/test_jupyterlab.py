@@ -137,12 +137,13 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     assert harness.caption(after) != harness.caption(before)
     assert_readable(playground, f"the playground of {name}")
 
-    # Fill the pool: the refused click captions the picture with the refusal, and warns.
-    warning = playground.locator("div", has_text="⚠").last
+    # Fill the pool: the refused click captions the picture with the refusal, and warns. The loop
+    # reads the caption, not the warning: the warning is a widget of its own and may be drawn a
+    # moment after the picture, and a second refused click would leave the picture as it was.
     for _click in range(MAX_ADDS):
-        if warning.count():
-            break
         shown = harness.picture_html(playground)
+        if "refused" in harness.caption(shown):
+            break
         add.click()
         harness.wait_until(
             page,
@@ -154,6 +155,8 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
             f"{MAX_ADDS} clicks on 'add sequence' never ran the playground of {name} out of blocks"
         )
     refused = harness.caption(harness.picture_html(playground))
+    warning = playground.locator("div", has_text="⚠").last
+    warning.wait_for(state="visible")
     screenshot(page, "playground-refused")
     assert "refused: it needs" in refused and "nothing changed" in refused, refused
     assert "1 blocks" not in refused
