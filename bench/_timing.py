@@ -33,6 +33,16 @@ class Row:
     unit: str = "µs"
 
 
+def interpret_triton_without_a_gpu() -> None:
+    """Set ``TRITON_INTERPRET=1`` where no CUDA device is visible and the variable is unset, as
+    tests/conftest.py does: Triton fixes its mode, compiler or interpreter, when it is first
+    imported, so this must run before anything imports triton (transformers does)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 FLAT_LIMIT = 1.5
 """An O(1) operation may cost at most this many times more on the large pool than on the small one."""
 

@@ -18,9 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Row, machine_description, markdown_table, text_table
+from _timing import Row, interpret_triton_without_a_gpu, machine_description, markdown_table, text_table
 
 BENCH = Path(__file__).resolve().parent
+
+# bench_triton runs its kernel in Triton's interpreter where there is no GPU; bench_hf's transformers
+# imports triton, which fixes the mode then: so the variable is set before any benchmark is imported.
+interpret_triton_without_a_gpu()
 
 DEFAULT_OUTPUT = BENCH / "RESULTS.md"
 

@@ -599,3 +599,8 @@ print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_runnin
 # policies. Try them on this stream and compare the steps, the preemptions and the hit rate. The
 # exercise for this lesson, `exercises/09_end_to_end.ipynb`, has you write the admission rule, the
 # slots of a decode step and your own paged cache, and plug that cache into the engine.
+#
+# Every decode step above ends in `paged_attention`, which does lesson 03's address translation with
+# PyTorch operations. A serving engine hands that translation to one kernel instead: each of its
+# programs loads the block ids from the table and reads the keys and values they point to. Lesson
+# 10, `lessons/10_writing_the_kernel.ipynb`, writes that kernel in Triton.

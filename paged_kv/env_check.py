@@ -5,7 +5,9 @@ The README's troubleshooting section and every lesson's set-up point to it.
 The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
 Whether the Hugging Face Hub answers is reported for information only: the course runs offline
 (lesson 09 then serves a random-weight stand-in instead of real weights,
-:func:`paged_kv.model.hub.load_model`), so it never fails the check.
+:func:`paged_kv.model.hub.load_model`), so it never fails the check. Triton, lesson 10's kernel, is
+a requirement on Linux and information elsewhere: it publishes Linux wheels only, so ``pyproject.toml``
+installs it on Linux alone, and lesson 10's kernel cells and the Triton tests skip without it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
     ("nbval", "0.11", "dev"),
 )
 MINIMUM_PYTHON = "3.11"
+# Required on Linux only: pyproject.toml's marker ``sys_platform == 'linux'``.
+TRITON: tuple[str, str, str] = ("triton", "3.7", "course")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,15 @@ def check_package(distribution: str, minimum: str, extra: str) -> Check:
     return Check(distribution, found, ok, f"needs >= {minimum}" + ("" if ok else f": {install}"))
 
 
+def check_triton(platform_name: str = sys.platform) -> Check:
+    """Triton, a requirement on Linux; on any other ``sys.platform``, where it has no wheels, information."""
+    check = check_package(*TRITON)
+    if platform_name == "linux":
+        return check
+    note = f"Linux wheels only: on {platform_name} lesson 10's kernel cells and the Triton tests skip"
+    return Check(check.name, check.found, check.ok, note, required=False)
+
+
 def check_device() -> Check:
     try:
         import torch
@@ -105,9 +118,9 @@ def check_hub(timeout: float = 3.0) -> Check:
 
 
 def run_checks() -> list[Check]:
-    """Every check, in report order: the requirements, then the information."""
+    """Every check, in report order: the requirements (Triton's is information off Linux), then the Hub."""
     packages = (check_package(*requirement) for requirement in REQUIREMENTS)
-    return [check_python(), *packages, check_device(), check_hub()]
+    return [check_python(), *packages, check_triton(), check_device(), check_hub()]
 
 
 def report() -> tuple[str, bool]:

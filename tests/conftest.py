@@ -1,4 +1,4 @@
-"""Shared fixtures: the ``device`` every tensor test runs on, and the hypothesis profiles."""
+"""Shared fixtures: the ``device`` every tensor test runs on, the hypothesis profiles, Triton's mode."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ settings.register_profile(
     "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Triton fixes its mode, compiler or interpreter, when it is first imported (from TRITON_INTERPRET).
+# Without a GPU the kernel tests (tests/test_triton.py) run in its interpreter, so the variable is
+# set here, in every pytest-xdist worker before any test module is collected. With a GPU it stays
+# unset: Triton compiles for CUDA, torch.compile's Triton kernels included.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

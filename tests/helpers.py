@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: building allocators, and proving a failed call changed nothing."""
+"""Helpers shared by the tests: building allocators, proving a failed call changed nothing, and
+skipping lesson 10's notebooks and tasks where triton cannot be imported."""
 
 from __future__ import annotations
 
@@ -10,11 +11,26 @@ import pytest
 import torch
 
 from paged_kv import PagedKVCacheAllocator
+from paged_kv.attention.triton_decode import triton_available
 from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import EngineRequest
 
 NUM_HEADS, HEAD_DIM = 2, 4
+KERNEL_LESSONS = ("10",)  # lessons whose exercise is a Triton kernel
+NO_TRITON = pytest.mark.skipif(
+    not triton_available(), reason="triton is not installed (it publishes Linux wheels only)"
+)
+
+
+def lesson_marks(lesson: str) -> list[pytest.MarkDecorator]:
+    """The marks of a test of lesson ``lesson``'s notebooks or tasks: a Triton lesson skips without triton."""
+    return [NO_TRITON] if lesson in KERNEL_LESSONS else []
+
+
+def by_lesson(paths, lesson_of=lambda path: path.name[:2]) -> list:
+    """``paths`` (notebooks or files, each of lesson ``lesson_of(path)``) as parameters with its marks."""
+    return [pytest.param(path, marks=lesson_marks(lesson_of(path))) for path in paths]
 
 
 def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.device = "cpu", **kw):

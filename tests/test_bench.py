@@ -21,11 +21,13 @@ import bench_engine  # noqa: E402
 import bench_hf  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_slot_mapping  # noqa: E402
+import bench_triton  # noqa: E402
 import run_all  # noqa: E402
 from _timing import FLAT_LIMIT  # noqa: E402
 
 from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator  # noqa: E402
 from paged_kv.attention.paged import gather_kv  # noqa: E402
+from paged_kv.attention.triton_decode import triton_available, triton_interpreted  # noqa: E402
 from paged_kv.core.mapping import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
@@ -98,7 +100,14 @@ def test_loop_slot_mapping_equals_the_vectorised_one(num_tokens, block_size):
 def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
     output = tmp_path / "RESULTS.md"
     assert run_all.main(["--quick", "--output", str(output)]) == 0
-    modules = (bench_allocator, bench_attention, bench_engine, bench_prefix_cache, bench_slot_mapping)
+    modules = (
+        bench_allocator,
+        bench_attention,
+        bench_engine,
+        bench_prefix_cache,
+        bench_slot_mapping,
+        bench_triton,
+    )
     assert {module.__name__ for module in modules} <= set(run_all.bench_modules())
     expected_rows = [row.name for module in modules for row in module.run(**module.QUICK)]
     assert len(expected_rows) >= 11
@@ -302,3 +311,43 @@ def test_hf_bench_quick_run_reports_speed_equality_and_bytes(tmp_path):
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
     text = run_all.results_markdown(results, quick=True)
     assert "## bench_hf" in text and all(f"| {row.name} |" in text for row in rows)
+
+
+@pytest.mark.lesson10
+def test_triton_bench_case_has_lesson_10s_lengths_over_scattered_blocks():
+    case = bench_triton.lesson_case(4, 4, 16, block_size=16, max_blocks=4, seed=3)
+    lengths = case["context_lens"].tolist()
+    assert lengths[0] == 64 and all(1 <= n <= 64 for n in lengths) and len(set(lengths)) > 1
+    assert case["block_tables"].shape == (4, 4) and case["query"].shape == (4, 4, 16)
+    for b, length in enumerate(lengths):  # the cache holds each sequence's K/V at its table's blocks
+        k, _ = gather_kv(case["k_cache"], case["v_cache"], case["block_tables"][b], length)
+        assert torch.equal(k, case["k"][b, :, :length].transpose(0, 1))
+
+
+@pytest.mark.lesson10
+def test_triton_bench_check_catches_a_wrong_strategy():
+    case = bench_triton.lesson_case(2, 2, 8, block_size=4, max_blocks=2)
+    bench_triton.check_close(case, "in_place", bench_triton.strategy(case, "gather"))
+    with pytest.raises(AssertionError, match="strategy 'gather' differs"):
+        bench_triton.check_close(case, "gather", bench_triton.strategy(case, "gather").flip(0))
+
+
+@pytest.mark.lesson10
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (it publishes Linux wheels only)")
+def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(capsys):
+    rows = bench_triton.run(**bench_triton.QUICK)
+    printed = capsys.readouterr().out
+    if triton_interpreted():
+        (row,) = rows
+        assert "Triton's interpreter" in row.name and "strategy='gather'" in row.name
+        assert "the compiled kernel vs SDPA, 'flex' and 'in_place' is skipped" in printed
+    else:
+        assert [row.name.rsplit(", vs ", 1)[1] for row in rows] == [
+            "contiguous SDPA",
+            "strategy='flex'",
+            "strategy='in_place'",
+        ]
+        assert "the interpreter's CPU row is skipped" in printed
+    for row in rows:
+        assert row.met is None and row.target == "—"
+        assert row.measured > 0 and row.baseline > 0 and row.ratio > 0

@@ -110,12 +110,13 @@ def test_help_lists_the_commands(capsys):
 
 def test_check_env_reports_every_requirement():
     result = run_cli("check-env", env={"HF_HUB_OFFLINE": "1"})  # no network in the tests
-    names = ["Python", "torch", "ipywidgets", "matplotlib", "jupyterlab", "transformers", "nbval", "device"]
-    for name in names:
+    names = ["Python", "torch", "ipywidgets", "matplotlib", "jupyterlab", "transformers", "nbval", "triton"]
+    for name in [*names, "device"]:
         assert any(line.startswith(name) for line in result.stdout.splitlines()), name
-    # The test environment is the course's own, so every requirement is met.
+    # The test environment is the course's own, so every requirement is met (triton's on Linux only).
     assert result.returncode == 0, result.stdout
-    assert "result: OK (8/8 checks passed)" in result.stdout
+    required = 9 if sys.platform == "linux" else 8
+    assert f"result: OK ({required}/{required} checks passed)" in result.stdout
     hub = [line for line in result.stdout.splitlines() if line.startswith("HF Hub")]
     assert hub == [
         "HF Hub       offline by setting       INFO  "
@@ -143,6 +144,41 @@ def test_report_fails_when_one_check_fails(monkeypatch):
     text, ok = env_check.report()
     assert not ok
     assert text.splitlines()[-1] == "result: FAIL (1/2 checks passed)"
+
+
+def not_installed(name: str) -> str:
+    raise env_check.metadata.PackageNotFoundError(name)
+
+
+def test_triton_is_a_requirement_on_linux(monkeypatch):
+    monkeypatch.setattr(env_check.metadata, "version", not_installed)
+    check = env_check.check_triton("linux")
+    assert (check.found, check.ok, check.required) == ("not installed", False, True)
+    assert check.line() == (
+        "triton       not installed            FAIL  (needs >= 3.7: pip install -e '.[course]')"
+    )
+    monkeypatch.setattr(env_check.metadata, "version", lambda name: "3.6.0")
+    assert not env_check.check_triton("linux").ok
+
+
+@pytest.mark.parametrize(
+    ("platform_name", "version"), [("darwin", None), ("win32", None), ("darwin", "3.9.0")]
+)
+def test_triton_is_information_off_linux_and_never_fails_the_report(monkeypatch, platform_name, version):
+    monkeypatch.setattr(
+        env_check.metadata, "version", not_installed if version is None else lambda n: version
+    )
+    check = env_check.check_triton(platform_name)
+    found = version or "not installed"
+    assert (check.found, check.required) == (found, False)
+    assert check.line() == (
+        f"triton       {found:<24} INFO  (Linux wheels only: on {platform_name} lesson 10's kernel "
+        "cells and the Triton tests skip)"
+    )
+    python = env_check.check_python()
+    monkeypatch.setattr(env_check, "run_checks", lambda: [python, check])
+    text, ok = env_check.report()
+    assert ok and text.splitlines()[-1] == "result: OK (1/1 checks passed)"
 
 
 class FakeResponse:
@@ -240,7 +276,8 @@ def test_the_hub_line_is_information_and_never_fails_the_report(monkeypatch, out
     text, ok = env_check.report()
     assert line in text.splitlines()
     assert ok
-    required = 1 + len(env_check.REQUIREMENTS) + 1  # Python, the packages, the device
+    # Python, the packages, triton where it is required (Linux), the device
+    required = 1 + len(env_check.REQUIREMENTS) + (sys.platform == "linux") + 1
     assert text.splitlines()[-1] == f"result: OK ({required}/{required} checks passed)"
 
 

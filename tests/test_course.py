@@ -13,6 +13,8 @@ from paged_kv.checks import TASKS
 from tools import build_course
 from tools.build_course import SourceError, exercise_and_solution, parse_percent, split_solutions
 
+from .helpers import by_lesson
+
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -62,7 +64,7 @@ def test_every_registered_task_is_used_by_an_exercise():
     assert set(TASKS) <= used, f"tasks no exercise checks: {sorted(set(TASKS) - used)}"
 
 
-@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", by_lesson(EXERCISES), ids=lambda p: p.stem)
 def test_an_untouched_exercise_stops_at_its_first_task(path):
     notebook = nbformat.read(path, as_version=4)
     stubs = stub_cells(notebook)

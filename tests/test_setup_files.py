@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from paged_kv.env_check import MINIMUM_PYTHON, REQUIREMENTS
+from paged_kv.env_check import MINIMUM_PYTHON, REQUIREMENTS, TRITON
 
 pytestmark = pytest.mark.setup
 
@@ -31,7 +31,8 @@ def requirement_name(requirement: str) -> str:
 
 
 def declared_requirements() -> dict[str, str]:
-    """Every requirement of pyproject.toml, name -> specifier, the project's own extras left out."""
+    """Every requirement of pyproject.toml, name -> specifier (and marker), the project's own extras
+    left out."""
     requirements = list(PYPROJECT["dependencies"])
     for extra in PYPROJECT["optional-dependencies"].values():
         requirements += [r for r in extra if not r.startswith("paged_kv")]
@@ -56,16 +57,24 @@ def test_constraints_pin_the_cpu_torch_build_and_every_requirement():
 
 def test_the_pins_satisfy_the_stated_minimums():
     pins = constraints()
-    for distribution, minimum, _extra in REQUIREMENTS:
+    for distribution, minimum, _extra in (*REQUIREMENTS, TRITON):
         pinned = tuple(int(p) for p in pins[distribution].split(".")[:2])
         assert pinned >= tuple(int(p) for p in minimum.split(".")), distribution
 
 
 def test_check_env_uses_the_minimums_of_pyproject():
     declared = declared_requirements()
-    for distribution, minimum, _extra in REQUIREMENTS:
+    for distribution, minimum, _extra in (*REQUIREMENTS, TRITON):
         assert f">={minimum}" in declared[distribution], distribution
     assert PYPROJECT["requires-python"] == f">={MINIMUM_PYTHON}"
+
+
+def test_triton_is_a_course_requirement_on_linux_only():
+    """Triton publishes Linux wheels only: the course extra asks for it there alone, and check-env
+    requires it there alone (paged_kv.env_check.check_triton)."""
+    (triton,) = [r for r in PYPROJECT["optional-dependencies"]["course"] if requirement_name(r) == "triton"]
+    assert triton.split(";")[1].strip() == "sys_platform == 'linux'"
+    assert TRITON[2] == "course"
 
 
 def test_environment_yml_uses_conda_forge_only_and_the_same_ranges():
@@ -76,7 +85,8 @@ def test_environment_yml_uses_conda_forge_only_and_the_same_ranges():
     conda_names = {"torch": "pytorch"}
     for name, specifier in declared.items():
         entry = conda[conda_names.get(name, name)]
-        assert entry.endswith(specifier), f"environment.yml has {entry!r}, pyproject.toml {name}{specifier}"
+        ranges = specifier.split(";")[0].strip()  # conda has no environment markers
+        assert entry.endswith(ranges), f"environment.yml has {entry!r}, pyproject.toml {name}{specifier}"
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     assert pip_section == ["-e ."]
 

@@ -186,7 +186,7 @@ def test_lessons_are_chosen_by_number_and_an_unknown_one_is_named():
         "00_why_paging.ipynb",
         "04_decode_allocation.ipynb",
     ]
-    assert build_site.lesson_paths() == LESSONS and len(LESSONS) == 10
+    assert build_site.lesson_paths() == LESSONS and len(LESSONS) == 11
     with pytest.raises(build_site.SiteError, match="no lesson numbered 42, 99"):
         build_site.lesson_paths(["99", "00", "42"])
     with pytest.raises(build_site.SiteError, match="no lessons"):

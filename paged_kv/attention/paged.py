@@ -6,7 +6,7 @@ at offset ``p % block_size`` of block ``block_tables[b, p // block_size]``. This
 reference implementation the course builds in lesson 05: it gathers every sequence's blocks with
 advanced indexing, then runs ordinary attention with the positions past ``context_len`` masked out.
 A fast kernel such as vLLM's computes the same thing while reading the blocks in place, without the
-gathered copy.
+gathered copy; :mod:`paged_kv.attention.triton_decode` is such a kernel, in Triton (lesson 10).
 
 The two halves are public for one sequence as well: :func:`gather_kv` reads a sequence's K and V
 through its block table into contiguous tensors, and :func:`decode_attention` is the attention of
@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from paged_kv.attention.flex import flex_decode
+from paged_kv.attention.triton_decode import triton_decode
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.validate import check_count
 
-STRATEGIES = ("auto", "gather", "in_place", "flex")
+STRATEGIES = ("auto", "gather", "in_place", "flex", "triton")
 
 
 def paged_attention(
@@ -76,7 +77,13 @@ def paged_attention(
             of the rows on average; it gathers otherwise. ``"flex"``
             runs FlexAttention over the whole pool with a block mask built from the tables
             (:mod:`paged_kv.attention.flex`; torch 2.5 or later): compiled into one kernel on CUDA, unfused
-            and slow elsewhere. ``"auto"`` never picks it.
+            and slow elsewhere. ``"triton"`` runs this course's Triton kernel, one program per
+            (sequence, KV head) walking its block table with an online softmax
+            (:mod:`paged_kv.attention.triton_decode`; the triton package, Linux only): compiled on
+            CUDA, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1`` in the environment
+            before triton is imported); it reads float32, float16 and bfloat16 caches, and caches
+            of any strides, such as a permuted view of vLLM's. ``"auto"`` never picks ``"flex"``
+            or ``"triton"``.
 
     Returns:
         ``(batch, num_heads, head_dim)``, with the dtype and device of ``query``. Row ``b`` equals
@@ -88,7 +95,10 @@ def paged_attention(
     Raises:
         ValueError: an argument has the wrong type, shape, dtype or device (among them caches whose
             heads do not divide ``num_heads`` or whose head_dim differs from ``query``'s), or a context
-            length is below 1 or needs blocks its row does not hold (the message names the argument).
+            length is below 1 or needs blocks its row does not hold (the message names the argument);
+            or the strategy cannot run here (``"flex"`` on a torch before 2.5; ``"triton"`` without
+            the triton package, on a dtype it does not read, off CUDA without Triton's interpreter,
+            or with ``TRITON_INTERPRET`` changed since triton was imported).
     """
     context_lens, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
@@ -97,6 +107,8 @@ def paged_attention(
     if strategy == "flex":
         out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
         return out.to(query.dtype)
+    if strategy == "triton":
+        return triton_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
     if strategy != "gather" and k_cache.dtype == compute_dtype:
         reads = _BlockReads.of(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
         if strategy == "in_place" or reads.worth_reading_in_place(k_cache.shape[0], len(query)):

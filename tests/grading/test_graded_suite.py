@@ -20,11 +20,13 @@ from paged_kv.grading import PACKAGE, grade
 from paged_kv.grading.runner import STATUS_TEXT
 
 from ..conftest import task_marker
+from ..helpers import lesson_marks
 
 
 def graded_tasks():
     for task_id, task in TASKS.items():
         marks = [getattr(pytest.mark, f"lesson{task.lesson}"), getattr(pytest.mark, task_marker(task_id))]
+        marks += lesson_marks(task.lesson)
         yield pytest.param(task_id, id=task_id, marks=marks)
 
 

@@ -26,20 +26,22 @@ from paged_kv.grading import grade, tasks_of
 from paged_kv.grading.loader import load
 from paged_kv.grading.worker import run_task
 
+from ..helpers import by_lesson
+
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 WRONG = sorted((Path(__file__).parent / "wrong").glob("lesson*.py"))
 
 
-@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", by_lesson(SOLUTIONS), ids=lambda p: p.stem)
 def test_every_solution_scores_full_marks(path):
     report = grade(str(path), lesson_of(path.name))
     assert report.passed, [(r.task_id, r.status, r.message) for r in report.results if not r.passed]
     assert report.score == report.max_score > 0
 
 
-@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", by_lesson(EXERCISES), ids=lambda p: p.stem)
 def test_every_untouched_exercise_scores_zero_with_not_implemented_on_each_task(path):
     report = grade(str(path), lesson_of(path.name))
     assert report.score == 0
@@ -63,7 +65,9 @@ def test_every_lesson_has_wrong_implementations():
     assert lessons == {path.name[:2] for path in EXERCISES}
 
 
-@pytest.mark.parametrize("path", WRONG, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", by_lesson(WRONG, lambda path: wrong_implementation(path)[0]), ids=lambda p: p.stem
+)
 def test_a_wrong_implementation_loses_points_on_its_task_with_the_named_mistake(path):
     # The grader's own loader and task runner, in this process: the worker processes around them
     # are tested above and below, and a process per file would make this the slowest test here.

@@ -1,0 +1,165 @@
+"""Paged decode attention as a Triton kernel that does the address translation itself (lessons 05, 10).
+
+Lesson 05 computes paged attention with PyTorch operations: gather the blocks, or read them in place
+with batched products. Lesson 10 writes the kernel a real engine runs instead: it is handed the
+whole cache and the block tables, and each program finds its sequence's tokens itself, lesson 03's
+translation done in pointer arithmetic (token ``p`` is offset ``p % block_size`` of block
+``block_tables[b, p // block_size]``), and combines the blocks with lesson 05's online softmax.
+The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_decode_kernel`; this module
+launches it, for ``paged_attention(..., strategy="triton")``.
+
+One program runs per (sequence, KV head), ``grid = (batch, num_kv_heads)``, and handles the
+``num_heads // num_kv_heads`` query heads that read its KV head (query head ``q`` reads KV head
+``q // (num_heads // num_kv_heads)``, :mod:`paged_kv.attention.heads`). So each block's K and V
+are loaded once per KV head and met by every query head of the group; a program per query head
+would load them once per query head, ``num_heads // num_kv_heads`` times as often.
+
+The kernel takes every tensor's strides, so it reads any view of the cache whose axes are
+``(num_blocks, num_kv_heads, block_size, head_dim)``: this course's layout, contiguous, and vLLM
+v1's, without a copy. vLLM's FlashAttention backend keeps one tensor of ``(2, num_blocks,
+block_size, num_kv_heads, head_size)`` (``get_kv_cache_shape`` in
+``vllm/v1/attention/backends/flash_attn.py``); ``kv_cache[0].permute(0, 2, 1, 3)`` is its K in this
+course's axis order, with the strides of vLLM's memory.
+
+Where vLLM's Triton attention lives (read in ``vllm-project/vllm``):
+``vllm/v1/attention/backends/triton_attn.py`` is the ``TRITON_ATTN`` backend. Its
+``TritonAttentionImpl.forward`` splits the cache into K and V (``kv_cache.unbind(1)``: in the
+version read, this backend's own ``get_kv_cache_shape`` puts the 2 second, ``(num_blocks, 2,
+block_size, num_kv_heads, head_size)``) and calls ``unified_attention`` from
+``vllm/attention/ops/triton_unified_attention.py``. There ``kernel_unified_attention_2d`` runs one
+program per (block of query tokens, KV head), the query heads of that KV head being rows of one
+tile; it loads the physical block id of each tile of keys from the block table, computes the K/V
+offsets from the cache's four strides, and keeps a running maximum ``M``, sum ``L`` and accumulator
+``acc`` in float32. It also does prefill and chunked prefill (several query tokens per sequence,
+causal), sliding windows, ALiBi, soft-capping and fp8 caches, which this kernel leaves out: here
+each sequence has one query token, the decode step.
+
+Triton is optional: ``import paged_kv`` never imports it, and :func:`triton_available` says
+whether it is installed. On CUDA the kernel is compiled. On the CPU it runs in Triton's
+interpreter, which executes it with numpy, when ``TRITON_INTERPRET=1`` was in the environment
+when triton was first imported: ``triton.jit`` reads the variable when it is called, and
+``triton.language`` calls it on its own helpers at its import, so the mode is fixed then, for the
+process (:func:`triton_interpreted` says which). This module imports triton only on the first call,
+and makes the kernel then.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+#: The cache dtypes the kernel reads; it accumulates in float32 whatever the dtype.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_available() -> bool:
+    """Whether the triton package can be imported here (it publishes Linux wheels only)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter in this process (False where it is not installed).
+
+    ``triton.jit`` reads ``TRITON_INTERPRET`` when it is called, and ``triton.language`` calls it on
+    its own helpers (``tl.zeros``, ``tl.cdiv``, ...) when it is imported: so the mode is fixed, for
+    the whole process, by the variable at triton's first import, and the type of a helper tells it.
+    """
+    if not triton_available():
+        return False
+    import triton
+    import triton.language as tl
+
+    return not isinstance(tl.zeros, triton.JITFunction)
+
+
+def triton_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None,
+    kernel: Callable | None = None,
+) -> torch.Tensor:
+    """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
+
+    ``query`` is ``(batch, num_heads, head_dim)`` in the caches' dtype, one of
+    :data:`KERNEL_DTYPES`; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks, num_kv_heads,
+    block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read in place),
+    ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)`` of any
+    integer dtype whose first ``ceil(context_lens[b] / block_size)`` entries of row ``b`` are valid
+    block ids, and ``context_lens`` a long tensor of values ``>= 1``, all on the query's device.
+    Returns ``(batch, num_heads, head_dim)`` in the query's dtype, computed in float32.
+
+    ``kernel`` is the plain function to launch, made a kernel by ``triton.jit`` on first use: by
+    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 10's exercise
+    passes the learner's, which takes the same arguments.
+
+    Raises:
+        ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
+            ``TRITON_INTERPRET`` has changed since triton was imported; or the tensors are not on
+            CUDA and Triton is not in interpreter mode (see :func:`triton_interpreted`).
+    """
+    if not triton_available():
+        raise ValueError(
+            "strategy 'triton' needs the triton package (Linux wheels only): it is not installed"
+        )
+    import triton
+
+    if k_cache.dtype not in KERNEL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
+        raise ValueError(f"strategy 'triton' reads {names} caches, got {k_cache.dtype}")
+    interpret = triton_interpreted()
+    if triton.knobs.runtime.interpret != interpret:
+        raise ValueError(
+            f"TRITON_INTERPRET has changed since triton was imported (the interpreter was "
+            f"{'on' if interpret else 'off'} then): Triton's mode is fixed when it is first imported, so "
+            "set the variable before that (in a notebook, restart the kernel)"
+        )
+    if query.device.type != "cuda" and not interpret:
+        raise ValueError(
+            f"strategy 'triton' compiles for CUDA; on {query.device.type} tensors it runs in Triton's "
+            "interpreter only: set TRITON_INTERPRET=1 in the environment before triton is first imported"
+        )
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    batch, num_heads, _ = query.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if kernel is None:
+        from paged_kv.attention.triton_kernel import paged_decode_kernel as kernel
+    _jit(kernel)[(batch, num_kv_heads)](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens.contiguous(),
+        head_dim**-0.5 if scale is None else scale,
+        *out.stride(),
+        *query.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        GROUP_PADDED=triton.next_power_of_2(group),
+        BLOCK_PADDED=triton.next_power_of_2(block_size),
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+@functools.cache
+def _jit(kernel: Callable) -> Callable:
+    """``kernel`` made a kernel by ``triton.jit``, once per function and process, in the process's one
+    mode (the caller checked that ``TRITON_INTERPRET`` still says what it said when triton was imported)."""
+    import triton
+
+    return triton.jit(kernel)
