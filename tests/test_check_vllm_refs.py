@@ -114,7 +114,7 @@ def test_passages_are_bullets_sentences_headings_and_table_cells():
 def test_citations_take_paths_and_plain_names_but_not_the_course_names_or_expressions():
     text = (
         "* `vllm/v1/core/block_pool.py`: `BlockPool`, `get_new_blocks()`, `free_blocks(blocks)`,\n"
-        "  `(2, num_blocks)` and `None`; this course's `BlockAllocator`.\n"
+        "  `(2, num_blocks)`, `None` and `ValueError`; this course's `BlockAllocator`.\n"
         "\n"
         "A sentence with `BlockTable` and no path.\n"
     )

@@ -13,8 +13,9 @@ is checked against), that
 
 A passage is a markdown bullet (with its continuation lines), a paragraph, or one cell of a table
 row; only passages that cite a path are checked. A name preceded by "course's" (this course's
-``BlockAllocator``) names this course's code and is not looked up; so are backticked spans that are
-not plain names (shapes, expressions, calls with arguments). The check is a grep, not an import: a
+``BlockAllocator``) names this course's code and is not looked up; nor are Python's builtins
+(``None``, ``ValueError``) and backticked spans that are not plain names (shapes, expressions, calls
+with arguments). The check is a grep, not an import: a
 name it accepts is defined somewhere in the file, which catches renamed and removed names, not a
 name cited for the wrong class.
 
@@ -30,6 +31,7 @@ is missing).
 from __future__ import annotations
 
 import argparse
+import builtins
 import re
 import sys
 from collections.abc import Sequence
@@ -42,7 +44,7 @@ BACKTICKED = re.compile(r"`([^`\n]+)`")
 VLLM_PATH = re.compile(r"^vllm/[\w./-]+\.py$")
 NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?$")
 COURSE_NAME = re.compile(r"course's\s*$")
-NOT_NAMES = frozenset({"True", "False", "None"})
+NOT_NAMES = frozenset(dir(builtins))  # None, True, ValueError, int: not vLLM's names
 BULLET = re.compile(r"^\s*(?:[*-]|\d+\.)\s")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(*]|vLLM)")
 
@@ -120,7 +122,7 @@ def citations(text: str, source: str, first_line: int = 1) -> list[Citation]:
 
 
 def _is_vllm_name(span: str, before: str) -> bool:
-    """Whether a backticked span is a plain name to look up: not a course's name, not a constant."""
+    """Whether a backticked span is a plain name to look up: not a course's name, not a builtin."""
     return bool(NAME.match(span)) and span not in NOT_NAMES and not COURSE_NAME.search(before)
 
 
