@@ -4,6 +4,8 @@ The form (course/STYLE.md and issue 15): a markdown cell ``## In vLLM``, the las
 recap, that opens with "Checked against vLLM 0.33.0.", lists 3 to 8 bullets each naming a file of
 vLLM's repository, and says what the course leaves out or does differently. Whether the cited files
 and names exist is checked by hand against the vLLM tree (``tools/check_vllm_refs.py``).
+
+The glossary (docs/glossary.md) defines the course's terms, each with the lesson that teaches it.
 """
 
 from __future__ import annotations
@@ -55,3 +57,42 @@ def test_the_section_test_reads_headings_from_markdown_cells_only(tmp_path):
         "# %% [markdown]\n# ## In vLLM\n# text\n\n# %% [markdown]\n# ## Recap\n"
     )
     assert [heading for heading, _ in sections(source)] == ["## In vLLM", "## Recap"]
+
+
+GLOSSARY = ROOT / "docs" / "glossary.md"
+TERMS = (  # issue 15's list: each needs a row
+    "block", "block size", "block table", "slot", "logical block", "physical block", "slot mapping",
+    "free queue", "ref count", "fork", "copy-on-write", "prefix caching", "chained block hash",
+    "eviction", "preemption", "recompute", "swap", "watermark", "admission", "continuous batching",
+    "token budget", "chunked prefill", "computed tokens", "reservation", "internal fragmentation",
+    "external fragmentation", "GQA, MQA", "prefill", "decode",
+)  # fmt: skip
+
+
+def glossary_rows() -> dict[str, list[str]]:
+    """The glossary's table rows by term: meaning, lesson, vLLM's name."""
+    rows = {}
+    for line in GLOSSARY.read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4 and cells[0] not in ("term", "---"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_glossary_defines_every_term_of_the_course():
+    rows = glossary_rows()
+    assert not [term for term in TERMS if term not in rows], "terms without a row"
+    assert all(meaning.endswith(".") for meaning, _, _ in rows.values()), "each meaning is a sentence"
+
+
+def test_the_glossary_names_lessons_that_exist():
+    lessons = {path.name[:2] for path in LESSONS}
+    for term, (_, taught_in, _) in glossary_rows().items():
+        if taught_in != "—":
+            named = {number.strip() for number in taught_in.split(",")}
+            assert named <= lessons, f"{term}: lessons {sorted(named - lessons)} do not exist"
+
+
+def test_the_architecture_page_links_to_the_glossary():
+    top = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split("\n## ")[0]
+    assert "(glossary.md)" in top, "the top paragraph links to the glossary"
