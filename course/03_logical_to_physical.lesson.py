@@ -370,7 +370,7 @@ print("same as one slot_mapping per sequence:", torch.equal(batch_slots, per_seq
 # PyTorch indexing, one sequence or one batch at a time; vLLM does both in kernels over the whole
 # step, and its slot kernel also spreads a block over several GPUs when the context is split between
 # them (decode context parallelism). Its table rows are not padded with -1: the lengths say where a
-# row ends, and the entries past it are not read.
+# row ends, and whatever the entries past it hold does not matter.
 
 # %% [markdown]
 # ## Recap
