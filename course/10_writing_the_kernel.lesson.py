@@ -327,8 +327,8 @@ else:
 #
 # * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` takes the layer's
 #   `kv_cache` view, splits it into `key_cache` and `value_cache` (it moves the slots before the
-#   heads, then cuts the last axis in two) and calls `unified_attention` with the `block_table`, `seqused_k` (the lengths)
-#   and `cu_seqlens_q` (where each request's query tokens start).
+#   heads, then cuts the last axis in two) and calls `unified_attention` with the `block_table`,
+#   `seqused_k` (the lengths) and `cu_seqlens_q` (where each request's query tokens start).
 # * `vllm/v1/attention/ops/triton_unified_attention.py`: `unified_attention` picks the grid and
 #   launches `kernel_unified_attention`; `num_queries_per_kv` is the course's `GROUP`.
 # * `vllm/v1/attention/ops/triton_unified_attention.py`: in `kernel_unified_attention`,
