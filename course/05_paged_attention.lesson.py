@@ -847,7 +847,7 @@ for name, wrong in [("the chunk alone", alone), ("no causal mask", no_mask)]:
 # %% [markdown]
 # The chunk alone is wrong everywhere: every new token misses the 8 cached ones. Without the mask only
 # the last row agrees, because position 12, the last, may see all 13 anyway; every earlier row also
-# sees tokens that come after it, which the model never saw in training.
+# sees tokens that come after it, which a causal model never sees in training.
 #
 # One call takes a whole batch of such queries, of any mix of lengths. Below, `a` decodes (1 new
 # token, its query of section 1, over its 11) while `p` computes its chunk; the rows are packed `a`'s
