@@ -167,3 +167,8 @@ def test_main_passes_when_everything_is_found(tree, tmp_path, capsys):
 def test_main_without_a_tree_says_so(tmp_path, capsys):
     assert check_vllm_refs.main(["--vllm", str(tmp_path / "nowhere")]) == 2
     assert "no vLLM source tree" in capsys.readouterr().err
+
+
+def test_main_refuses_a_file_that_does_not_exist(tree, tmp_path, capsys):
+    assert check_vllm_refs.main([str(tmp_path / "nothing.md"), "--vllm", str(tree)]) == 2
+    assert "no such file" in capsys.readouterr().err

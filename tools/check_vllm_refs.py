@@ -25,7 +25,7 @@ Usage:
     python tools/check_vllm_refs.py FILE ...              check only these files
 
 It prints one line per problem, ``file:line: ...``, and exits 1 when there is any (2 when the tree
-is missing).
+or a file given is missing).
 """
 
 from __future__ import annotations
@@ -192,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no vLLM source tree at {args.vllm} (it must contain vllm/)", file=sys.stderr)
         return 2
     files = args.files or [f for f in default_files(ROOT) if f.exists()]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        print(f"no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
     found = [c for f in files for first, text in markdown_of(f) for c in citations(text, _shown(f), first)]
     report = problems(found, args.vllm)
     for line in report:
