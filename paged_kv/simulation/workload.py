@@ -600,7 +600,7 @@ def compare_policies(
     arrival_rate: float | None = None,
     block_size: int = 16,
 ) -> list[SimulationResult]:
-    """Run paged blocks and the three contiguous reservations on the same sampled requests."""
+    """Run vLLM's paged blocks and the three Orca reservations on the same sampled requests, in that order."""
     dist = _workload(workload)
     requests = sample_requests(dist, num_requests, seed, arrival_rate)
     policies: list[Policy] = [PagedPolicy(block_size)]
