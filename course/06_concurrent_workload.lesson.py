@@ -685,8 +685,8 @@ print("block size:", 16)
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` decides one step and returns a
 #   `SchedulerOutput`. It first schedules the running requests, `self.running`, a list in admission
 #   order, then, if nobody was preempted in the step, admits from `self.waiting` while the token
-#   budget (`max_num_scheduled_tokens`) lasts, fewer than `max_num_running_reqs` (the `max_num_seqs`
-#   setting) run, and the cache finds blocks for the prompt; the first request that does not fit
+#   budget (`max_num_scheduled_tokens`) lasts, fewer than `max_num_active_reqs` run (by default
+#   `max_num_running_reqs`, the `max_num_seqs` setting), and the cache finds blocks for the prompt; the first request that does not fit
 #   stops the admissions, first come first served as in this lesson.
 # * In the same loop, a running request that cannot get the blocks of its next tokens makes
 #   `schedule` preempt `self.running[-1]`, the newest, with `Scheduler._preempt_request`: its blocks

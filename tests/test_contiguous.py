@@ -208,6 +208,20 @@ def test_the_memory_keeps_each_sequence_length_and_range():
     assert memory.sequences() == {"b": (3, 4)} and memory.allocator.holes == [Extent(0, 7), Extent(11, 5)]
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_refused_sequence_changes_nothing(compact):
+    memory = FirstFitMemory(10, final_length, compact=compact)
+    for name, prompt in [("a", 2), ("b", 2), ("c", 3)]:
+        memory.add_sequence(request(name, prompt, 1))  # ranges of 3, 3 and 4
+    memory.free("a")
+    before = (memory.allocator.holes, memory.allocator.ranges, memory.sequences())
+    with pytest.raises(ValueError, match="request_id 'b' holds a range already"):
+        memory.add_sequence(request("b", 1, 1))
+    with pytest.raises(ValueError, match="no hole holds size=6"):
+        memory.add_sequence(request("d", 5, 1))
+    assert (memory.allocator.holes, memory.allocator.ranges, memory.sequences()) == before
+
+
 def test_serves_alone_needs_the_longest_length_within_the_budget():
     memory = FirstFitMemory(8, lambda r: 6)
     assert memory.serves_alone(request("a", 3, 4))  # holds 3 + 4 - 1 = 6 tokens at its longest

@@ -11,7 +11,9 @@ address space of ``capacity`` slots, ``0 .. capacity - 1``, the way a memory all
 Ranges of different sizes come and go, so the free slots split into holes. A request that finds no
 hole large enough must wait, *even when the free slots in all would hold it*: that is **external
 fragmentation**, which :class:`FirstFitMemory` (the scheduler's memory over an allocator) counts
-in :attr:`FirstFitMemory.blocked_by_holes`.
+in :attr:`FirstFitMemory.blocked_by_holes`. :meth:`ContiguousAllocator.compact` closes the holes by
+sliding every range down (what a contiguous cache would pay for by copying K/V);
+``FirstFitMemory(compact=True)`` does so whenever that admits a request.
 
 Invariants, after every call (a call that raises changes nothing):
 
@@ -211,8 +213,16 @@ class FirstFitMemory:
         raise NotImplementedError("a contiguous memory never swaps")
 
     def add_sequence(self, request: SchedulerRequest) -> int:
+        """Give the request its range, compacting first when that is what admits it (``compact=True``).
+
+        Raises:
+            ValueError: the request's id holds a range already, or no hole holds its range; nothing
+                changes.
+        """
+        if request.request_id in self.allocator:
+            raise ValueError(f"request_id {request.request_id!r} holds a range already")
         size = self.reserve(request)
-        if self.compact and not self.allocator.fits(size):
+        if self.compact and not self.allocator.fits(size) and size <= self.allocator.free_slots:
             self.allocator.compact()
             self.compactions += 1
         self.allocator.allocate(request.request_id, size)
