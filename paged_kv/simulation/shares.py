@@ -82,16 +82,20 @@ class SlotUse(NamedTuple):
         capacity = check_count("capacity", capacity)
         tokens = reservation = internal = used = 0
         for held, reserved, final in sequences:
-            held, reserved = check_count("held", held), check_count("reserved", reserved)
-            final = check_count("final", final)
-            if held > min(reserved, final):
+            if not (type(held) is type(reserved) is type(final) is int and held >= 0):  # the common case
+                held, reserved = check_count("held", held), check_count("reserved", reserved)
+                final = check_count("final", final)
+            if held > reserved or held > final:
                 raise ValueError(
                     f"a sequence cannot hold {held} tokens in {reserved} reserved slots "
                     f"with final length {final}"
                 )
             tokens += held
-            reservation += min(reserved, final) - held
-            internal += max(reserved - final, 0)
+            if reserved > final:
+                reservation += final - held
+                internal += reserved - final
+            else:
+                reservation += reserved - held
             used += reserved
         if used > capacity:
             raise ValueError(f"the sequences reserve {used} slots, more than capacity={capacity}")
