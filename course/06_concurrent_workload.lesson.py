@@ -656,7 +656,8 @@ for result in (figure2[2], compacted):
 # request, so there is nothing to compact.
 #
 # Lesson 00 promised that a paged sequence wastes less than one block. The simulator checks it at
-# every step of the ShareGPT stream: the reserved slots that hold no token, per running sequence.
+# every step of the ShareGPT stream of section 5: the reserved slots that hold no token
+# (reservation and internal fragmentation together), per running sequence.
 
 # %%
 paged_run = sharegpt[0]
@@ -672,7 +673,8 @@ print("block size:", 16)
 
 # %% [markdown]
 # Never more than 15 slots, the unused tail of one block, and 7.5 on average: half a block, the
-# expected tail when lengths fall anywhere within a block. Whatever the length of a sequence, paging
+# expected tail when lengths fall anywhere within a block. Most of that tail is reservation, filled
+# by the sequence's next tokens; only the last block's slots past the final length are never used. Whatever the length of a sequence, paging
 # wastes about half a block of it; reserving the maximum wastes everything the sequence does not
 # reach.
 
