@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from paged_kv import BlockManager
 from paged_kv.serving.protocols import BlockCache, SwappingCache
+from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.simulation.workload import (
     ALPACA,
     CONTIGUOUS_KINDS,
@@ -143,6 +144,11 @@ def test_contiguous_pow2_runs_two():
     assert result.reserved_tokens == [16, 16, 12, 8, 8]
     assert result.peak_reserved_tokens == 16
     assert result.throughput == pytest.approx(8 / 5)  # 2 + 5 + 1 output tokens in 5 steps
+    # Step 0: A holds 4 of its 6 in 8 slots, B 3 of 8 in 8: 7 tokens, 2 + 5 to come, A's last 2
+    # slots never used, 1 free. Step 1: 5 + 4 tokens, 1 + 4 to come. C waits at both steps.
+    assert result.slot_use[:2] == [SlotUse(7, 7, 2, 1), SlotUse(9, 5, 2, 1)]
+    assert result.memory_shares == MemoryShares(16, 12, 4, 2, steps=2, capacity=17)
+    assert result.blocked_by_holes == 0
 
 
 def test_contiguous_oracle_runs_all_three():
@@ -270,6 +276,15 @@ def check_invariants(result: SimulationResult, requests: list[Request]) -> None:
     assert all(x <= y for x, y in zip(result.finished, result.finished[1:], strict=False))
     for held, reserved in zip(result.held_tokens, result.reserved_tokens, strict=True):
         assert 0 <= held <= reserved <= result.budget_tokens
+    assert len(result.slot_use) == result.steps
+    for use, held, reserved in zip(result.slot_use, result.held_tokens, result.reserved_tokens, strict=True):
+        assert sum(use) == result.budget_tokens and min(use) >= 0
+        assert use.token_states == held
+        assert use.external_fragmentation == result.budget_tokens - reserved
+    shares = result.memory_shares
+    assert shares.steps == sum(1 for waiting in result.waiting if waiting)
+    if shares.steps:
+        assert sum(shares.percent().values()) == pytest.approx(100)
     done_before = [0, *result.finished][:-1]  # a sequence finishing at step t runs at step t
     for running, waiting, done in zip(result.running, result.waiting, done_before, strict=True):
         assert running + waiting + done <= len(requests)
@@ -285,6 +300,24 @@ def test_every_policy_keeps_the_invariants(workload, block_size):
         check_invariants(result, requests)
         if isinstance(policy, ContiguousPolicy):
             assert result.preemptions == 0  # the slot always holds the final length
+
+
+@given(workloads(), st.sampled_from([1, 4, 16]))
+def test_a_paged_sequence_wastes_less_than_a_block_and_never_waits_for_a_hole(workload, block_size):
+    requests, budget = workload
+    result = simulate(requests, PagedPolicy(block_size), budget)
+    for use, running in zip(result.slot_use, result.running, strict=True):
+        assert use.reservation + use.internal_fragmentation <= running * (block_size - 1)
+    assert result.blocked_by_holes == 0
+
+
+@given(workloads())
+def test_compaction_never_waits_for_a_hole(workload):
+    requests, budget = workload
+    for kind in ("pow2", "oracle"):
+        compacted = simulate(requests, ContiguousPolicy(kind, MAX_LEN, compact=True), budget)
+        assert compacted.blocked_by_holes == 0
+        check_invariants(compacted, requests)
 
 
 @given(workloads())
@@ -315,10 +348,10 @@ def test_paged_fits_more_sequences_than_contiguous_max_on_sharegpt():
     # 100 requests: more than any policy runs at once, so the budget decides.
     paged, maximum, pow2, oracle = compare_policies("sharegpt", num_requests=100, budget_tokens=32768, seed=0)
     assert [r.policy for r in (paged, maximum, pow2, oracle)] == [
-        "paged/16",
-        "contiguous/max",
-        "contiguous/pow2",
-        "contiguous/oracle",
+        "vLLM (blocks of 16)",
+        "Orca (Max)",
+        "Orca (Pow2)",
+        "Orca (Oracle)",
     ]
     assert maximum.peak_running == 32768 // 2048
     assert paged.mean_running > 2 * maximum.mean_running
@@ -337,7 +370,9 @@ def test_format_table():
     assert lines[0].split("  ")[0] == "policy"
     assert "mean util %" in lines[0] and "tokens/step" in lines[0] and "preemptions" in lines[0]
     assert set(lines[1]) == {"-", " "}
-    assert [line.split()[0] for line in lines[2:]] == [r.policy for r in results]
+    assert [line[: len(r.policy) + 2] for line, r in zip(lines[2:], results, strict=True)] == [
+        r.policy + "  " for r in results
+    ]
     assert len({len(line) for line in lines}) == 1  # aligned
     assert lines[2].split()[-1] == str(results[0].preemptions)
 
@@ -349,6 +384,29 @@ def test_progress_bar_and_max_steps(capsys):
     cut = simulate(requests, PagedPolicy(), 4096, max_steps=3)
     assert cut.steps == 3 and not cut.all_finished
     assert cut.running == full.running[:3]
+
+
+def test_the_policies_are_named_as_in_the_paper():
+    assert [ContiguousPolicy(kind, 2048).name for kind in CONTIGUOUS_KINDS] == [
+        "Orca (Max)",
+        "Orca (Pow2)",
+        "Orca (Oracle)",
+    ]
+    assert ContiguousPolicy("oracle", compact=True).name == "Orca (Oracle), compacted"
+    assert PagedPolicy(8).name == "vLLM (blocks of 8)"
+
+
+def test_figure_2_measured_on_a_sharegpt_burst():
+    # The paper's setting: about 15,700 KV slots (OPT-13B on an A100-40GB), ShareGPT, 2,048 at most.
+    paged, maximum, pow2, oracle = compare_policies("sharegpt", num_requests=120, budget_tokens=15728, seed=0)
+    shares = {r.policy: r.memory_shares.percent() for r in (paged, maximum, pow2, oracle)}
+    tokens = [shares[r.policy]["token_states"] for r in (maximum, pow2, oracle, paged)]
+    assert tokens == sorted(tokens) and tokens[-1] > 90  # Max < Pow2 < Oracle < vLLM
+    assert shares["Orca (Max)"]["internal_fragmentation"] > 50  # most of 2,048 is never used
+    assert shares["Orca (Oracle)"]["internal_fragmentation"] == 0  # it reserves the final length
+    assert shares["Orca (Max)"]["external_fragmentation"] == pytest.approx(100 * (15728 - 7 * 2048) / 15728)
+    assert maximum.blocked_by_holes == 0 < min(pow2.blocked_by_holes, oracle.blocked_by_holes)
+    assert paged.blocked_by_holes == 0
 
 
 def test_no_requests():
@@ -382,6 +440,7 @@ def test_no_requests():
         (lambda: PagedPolicy(0), "block_size"),
         (lambda: ContiguousPolicy("exact"), "kind"),
         (lambda: ContiguousPolicy("max"), "max_model_len"),
+        (lambda: ContiguousPolicy("oracle", compact="yes"), "compact"),
         (lambda: ContiguousPolicy("max", 10).reservation(Request(0, 0, 8, 8)), "max_model_len"),
         (lambda: next_power_of_two(0), "n"),
         (lambda: reserved_tokens("exact", 100, 200, 2048), "kind"),

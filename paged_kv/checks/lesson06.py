@@ -271,7 +271,11 @@ def _continuous_batcher(c: Checker, batcher_class) -> None:
 
     requests = sample_requests("alpaca", 30, seed=0, arrival_rate=1.0)
     for policy, written, reserve in (
-        (ContiguousPolicy("oracle"), 'ContiguousPolicy("oracle")', "final_length"),
+        (
+            ContiguousPolicy("oracle", compact=True),
+            'ContiguousPolicy("oracle", compact=True)',
+            "final_length",
+        ),
         (ContiguousPolicy("max", 512), 'ContiguousPolicy("max", 512)', "lambda r: 512"),
     ):
         expected = simulate(requests, policy, 1024).running
