@@ -266,7 +266,8 @@ AllocationPlayer(recorded.trace)
 # The paper's figures come from a serving run, not a frozen set of requests: its Figure 2 splits
 # the KV cache memory of each system, averaged over the run, into four parts. It compares vLLM with
 # Orca, the system that introduced continuous batching, rebuilt by the paper's authors with three
-# ways of reserving a contiguous range: the maximum length, **Orca (Max)**; a power of two,
+# ways of reserving a contiguous range: the maximum length, **Orca (Max)**; the prompt plus the
+# output's length rounded up to a power of two (room for the output of up to twice its length),
 # **Orca (Pow2)**; and exactly the final length, **Orca (Oracle)**, which no real server knows in
 # advance. For a running request that holds `h` tokens in `r` reserved slots and will end at `f`
 # tokens (prompt plus output), the parts are
@@ -322,12 +323,12 @@ plt.show()
 # * In every Orca bar the token states are about 1.5 times the reservation, measured and in the
 #   paper: how a range divides between tokens computed and tokens to come depends on the requests'
 #   lengths, not on the policy.
-# * **Orca (Pow2)** shows more internal fragmentation here (31.1 % against 13.6 %), because the
-#   simulator rounds the whole final length to a power of two while the paper's Pow2 over-reserves
-#   only the output, by at most twice; and less external fragmentation (15.6 % against 41.6 %),
-#   because the paper assumes Orca places its ranges with a buddy allocator (power-of-two sizes at
-#   aligned addresses, a freed range merging only with its buddy), where the simulator's first fit
-#   merges any neighbouring holes.
+# * **Orca (Pow2)** reserves as the paper's does, yet holds far more token states here (44.8 %
+#   against 26.8 %), because it has far less external fragmentation (13.9 % against 41.6 %): the
+#   paper assumes Orca places its ranges with a buddy allocator (power-of-two blocks at aligned
+#   addresses, a freed block merging only with its buddy), where the simulator's first fit merges
+#   any neighbouring holes. Its internal fragmentation comes out near the paper's (11.4 % against
+#   13.6 %); lesson 06 shows why that is partly a coincidence of the lengths.
 # * **Orca (Oracle)** has no internal fragmentation in either, and again fewer holes here than with
 #   a buddy allocator (16.0 % against 36.6 %), so more token states (50.2 % against 38.2 %).
 # * **vLLM**: 96.1 % token states against the paper's 96.3 %. What is left is the rest of each
@@ -481,9 +482,10 @@ except ValueError as error:
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
 # * The paper's Figure 2, measured by the simulator of lesson 06 in the paper's 15,728 slots: token
-#   states fill 21.0 % of the memory with Orca (Max), 32.1 % with Pow2, 50.2 % with the oracle and
-#   96.1 % with vLLM's blocks, against the paper's 20.4, 26.8, 38.2 and 96.3 %. Max matches; the
-#   others differ by how they round and place their ranges (first fit here, a buddy allocator there).
+#   states fill 21.0 % of the memory with Orca (Max), 44.8 % with Pow2, 50.2 % with the oracle and
+#   96.1 % with vLLM's blocks, against the paper's 20.4, 26.8, 38.2 and 96.3 %. Max matches; Pow2
+#   and the oracle differ by where they place their ranges (first fit here, a buddy allocator
+#   there), which leaves fewer holes here.
 # * An engine sizes its cache when it starts: (total memory × `gpu_memory_utilization` − weights −
 #   activations) // bytes per block. At 0.9, Llama-3-8B in bfloat16 gets 3,401 blocks of 16 tokens
 #   (54,416 tokens) on a 24 GB GPU and 29,205 (467,280 tokens) on an 80 GB one.

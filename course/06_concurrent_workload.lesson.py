@@ -12,8 +12,9 @@
 #
 # 1. trace a request through a serving step (arrive, wait, admit and prefill, decode, finish and
 #    release) and explain why continuous batching releases a finished request's memory at once;
-# 2. compute what paged blocks and three contiguous reservations (maximum length, next power of two,
-#    exact final length) set aside for a request, and explain why the exact one is out of reach;
+# 2. compute what paged blocks and three contiguous reservations (maximum length, the prompt plus a
+#    power of two for the output, exact final length) set aside for a request, and explain why the
+#    exact one is out of reach;
 # 3. sample workloads shaped like ShareGPT and Alpaca and compute how many sequences fit in a fixed
 #    budget under each policy;
 # 4. run a concurrent workload through the four policies, read memory utilization, running
@@ -150,7 +151,9 @@ AllocationPlayer(recorded.trace)
 # * **Orca (Max)**: one contiguous range as long as the longest sequence the model serves,
 #   `max_model_len`, for every request. It needs no knowledge of the request; it is what lesson 00
 #   called the simple way.
-# * **Orca (Pow2)**: one contiguous range of the next power of two at or above the final length.
+# * **Orca (Pow2)**: one contiguous range of the prompt's length plus the next power of two at or
+#   above the output's length: room for the output of at most twice what it needs, 32 slots for a
+#   25-token answer.
 # * **Orca (Oracle)**: one contiguous range of exactly the final length, prompt plus output.
 # * **vLLM (blocks of 16)**: blocks of 16 slots on demand. At admission the request takes the blocks
 #   its prompt fills (and the scheduler checks that one block of headroom per running sequence is
@@ -164,13 +167,13 @@ AllocationPlayer(recorded.trace)
 # **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*
 # instead of arbitrary sizes. A **buddy allocator**, the one Linux uses for physical pages, splits a
 # free region of $2^k$ slots into two "buddies" of $2^{k-1}$, and merges two free buddies back
-# into one. Rounding every request up to a power of two keeps allocation and freeing fast and
-# freed space easy to reuse, at the price of internal fragmentation of up to half the slot. In this
-# simulator Pow2 rounds the *final* length, which it knows just as the oracle does: it measures
-# what rounding to size classes costs. A real engine would start with the prompt's size class and
-# move the sequence to a range twice as large each time it fills up, copying its keys and values, to
-# end in the same size class. (The paper's Orca (Pow2) rounds only the output part: it reserves at
-# most twice the output, 32 slots for a 25-token answer. Section 7 comes back to the difference.)
+# into one. Rounding a size up to a power of two keeps allocation and freeing fast and freed space
+# easy to reuse, at the price of internal fragmentation of up to half the rounded size. The paper's
+# Orca (Pow2) rounds only the part the engine does not know: the prompt is there at admission and
+# gets exactly its slots, while the room for the output is the output's length rounded up to a
+# power of two. That stands for an engine whose guess of the output length is never short and at
+# most twice too long; the simulator, like the paper, rounds the true output length, which it knows
+# just as the oracle does. So Pow2 measures what a good but imperfect length prediction costs.
 #
 # **Predict, then run.** The ShareGPT-shaped workload below allows prompts and outputs of up to
 # 1,024 tokens each, so `max_model_len` is 2,048. A request has a 100-token prompt and will generate
@@ -189,11 +192,12 @@ print(
 )
 
 # %% [markdown]
-# The contiguous slots are fixed at admission: 2,048, 512 (the power of two above 300) and 300. The
-# paged request starts with the 7 blocks its 100-token prompt needs, 112 slots, and grows one block
-# every 16 tokens up to 19 blocks, 304 slots (it stores at most 299 tokens: its last one is sampled,
-# never fed back). The picture follows the request through its life (the
-# right panel zooms in): the black line is what it holds, the coloured lines what each policy reserves.
+# The contiguous slots are fixed at admission: 2,048; 356, the 100-token prompt plus 256 (the power
+# of two above the 200-token output); and 300. The paged request starts with the 7 blocks its
+# 100-token prompt needs, 112 slots, and grows one block every 16 tokens up to 19 blocks, 304 slots
+# (it stores at most 299 tokens: its last one is sampled, never fed back). The picture follows the
+# request through its life (the right panel zooms in): the black line is what it holds, the
+# coloured lines what each policy reserves.
 
 # %%
 life = range(request.output_tokens)  # step 0 is the prefill, then one token per step
@@ -360,8 +364,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reserving the maximum fits 16 and 8 sequences, by construction. Powers of two fit 3 to 5 times
-# as many, the oracle and the paged policy 4 to 7 times as many. The paged policy fits slightly
+# Reserving the maximum fits 16 and 8 sequences, by construction. Rounding the output up to a power
+# of two fits 60 and 45, about 4 and 6 times as many; the oracle and the paged policy 4 to 7 times
+# as many. The paged policy fits slightly
 # fewer than the oracle here (67 against 68, 52 against 59): counted at their final lengths, paged
 # sequences lose the unused tail of their last block, which the oracle does not. Alpaca's short
 # sequences feel that tail more.
@@ -407,7 +412,7 @@ for result in sharegpt:
 # The same 200 requests, arriving at the same moments, in the same memory. The paged cache
 # finishes them in 2,083 steps, reserving the maximum takes 4,895. It produces 34.0 tokens per step
 # against 14.5: 2.3 times the throughput. It never makes a request wait: every request is admitted
-# the step it arrives, while the contiguous policies build queues of up to 128, 100 and 67 requests.
+# the step it arrives, while the contiguous policies build queues of up to 128, 80 and 67 requests.
 # It even beats the oracle, which reserves each sequence's full length from its first step.
 #
 # The first picture plots, step by step, the fraction of reserved slots that hold a token.
@@ -428,7 +433,7 @@ plt.show()
 # %% [markdown]
 # While requests keep arriving, each policy stays in its own band: paged just under 1, the oracle
 # a little above 0.5 (a sequence starts with its prompt and fills its slot one token at a time, so
-# over its life it is a little more than half full), powers of two around 0.4, the maximum around
+# over its life it is a little more than half full), powers of two around 0.5, the maximum around
 # 0.2. Towards the end, the last sequences run alone and fill their slots, so the
 # contiguous lines climb: the oracle's nearly reaches 1, since its last sequence ends one token
 # short of full (its last token is sampled, never stored). (The first 9 steps reserve nothing: the
@@ -609,19 +614,23 @@ plt.show()
 #   real data set's mean lengths, 161 + 338 tokens, a quarter of 2,048. The remaining gap of a
 #   point comes from the lengths, log-normal here against the real conversations there.
 # * **Tokens against reservation: the same split everywhere.** In every Orca bar, measured and in the
-#   paper, the token states are about 1.5 times the reservation (21.0 / 13.8, 32.1 / 21.2 and 50.2 /
+#   paper, the token states are about 1.5 times the reservation (21.0 / 13.8, 44.8 / 30.0 and 50.2 /
 #   33.8 here; 20.4 / 13.3, 26.8 / 17.9 and 38.2 / 25.2 there). A contiguous range holds room for
 #   all its tokens from admission on, so how that room divides between tokens already computed and
 #   tokens to come depends on the requests' lengths, which the policy does not change. The policies
 #   differ in the other two parts.
-# * **Orca (Pow2): more internal and less external fragmentation than the paper's** (31.1 and
-#   15.6 % against 13.6 and 41.6 %). The simulator's Pow2 rounds the whole final length up to a
-#   power of two; the paper's over-reserves only the output, by at most twice, so it wastes less
-#   beyond the final length. And the paper assumes that Orca places its ranges with a *buddy
-#   allocator*: ranges of power-of-two sizes at aligned addresses, where a freed range merges only
-#   with its own buddy. First fit places a range at any address and merges any neighbouring holes,
-#   so it is left with fewer and larger holes. The paper's part also counts "others", which it does
-#   not break down.
+# * **Orca (Pow2): far fewer holes, so more tokens** (44.8, 30.0, 11.4 and 13.9 % against 26.8,
+#   17.9, 13.6 and 41.6 %). The simulator reserves as the paper does, the prompt plus the output
+#   rounded up to a power of two, but places the ranges differently. The paper assumes that Orca
+#   places them with a *buddy allocator*: blocks of power-of-two sizes at aligned addresses, where a
+#   freed block merges only with its own buddy. First fit places a range at any address and merges
+#   any neighbouring holes, so it is left with fewer and larger holes, and the memory they would
+#   have taken holds tokens and reservations instead. The paper's part also counts "others", which
+#   it does not break down. Internal fragmentation only looks close (11.4 against 13.6 %): beside
+#   the slots the ranges fill by the end (tokens plus reservation) it is 15 % here (11.4 to 74.8)
+#   and 30 % there (13.6 to 44.7). Much of that is the synthetic lengths: 20 of the 200 outputs are
+#   cut at the 1,024-token limit, itself a power of two, so the longest sequences, which hold
+#   memory longest, waste nothing past their final length.
 # * **Orca (Oracle): the same zero, fewer holes** (50.2, 33.8, 0 and 16.0 % against 38.2, 25.2, 0
 #   and 36.6 %). Again the buddy allocator against first fit. The holes cost even so: at 3,478 of
 #   the measured steps, the request at the front of the queue waited although the free slots in all
@@ -717,22 +726,22 @@ print("block size:", 16)
 #   request with `o` output tokens runs `o` steps, in this simulator as in lesson 09's engine: both
 #   run the package's one scheduler.
 # * The paper's Orca baselines reserve one contiguous range at admission: `max_model_len` (2,048
-#   for the ShareGPT shape, Orca (Max)), the next power of two of the final length (a buddy-style
-#   size class, Orca (Pow2)), or the exact final length (Orca (Oracle), which no engine has, since
-#   the model decides when to stop). The ranges lie first fit in one address space, so the free
-#   slots split into holes. vLLM takes one block of 16 at a time.
-# * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 49 at powers of two,
+#   for the ShareGPT shape, Orca (Max)), the prompt plus the next power of two of the output (a
+#   guess of the output at most twice too long, Orca (Pow2)), or the exact final length (Orca
+#   (Oracle), which no engine has, since the model decides when to stop). The ranges lie first fit
+#   in one address space, so the free slots split into holes. vLLM takes one block of 16 at a time.
+# * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 60 at powers of two,
 #   68 with the oracle and 67 with blocks.
 # * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
-#   on average and produces 34.0 tokens per step, against 27.6 (oracle), 19.8 (powers of two) and
+#   on average and produces 34.0 tokens per step, against 27.6 (oracle), 24.8 (powers of two) and
 #   14.5 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
 # * Peak running misleads: in a burst of 200 the paged policy peaks at 182 but preempts 43 times;
 #   compare mean running and tokens per step.
 # * The paper's Figure 2, measured in its 15,728 slots while requests wait: token states 21.0 %
-#   (Max), 32.1 % (Pow2), 50.2 % (Oracle) and 96.1 % (vLLM), against the paper's 20.4, 26.8, 38.2
+#   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 96.1 % (vLLM), against the paper's 20.4, 26.8, 38.2
 #   and 96.3 %. Max matches; Pow2 and Oracle keep fewer holes here (first fit, not a buddy
-#   allocator), and Pow2 rounds the whole length, not only the output. Paging wastes less than one
-#   block per sequence.
+#   allocator), so more of their memory holds tokens. Paging wastes less than one block per
+#   sequence.
 #
 # **Next, lesson 07:** sharing, where several sequences point at the same blocks: forking a
 # sequence with reference counts and copy-on-write, and prefix caching by block hash. The exercise

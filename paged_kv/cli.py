@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate",
         help="a concurrent workload: paged blocks (vLLM) against contiguous reservation (Orca), as a table",
         description="Serve seeded synthetic requests with paged blocks (vLLM) and with contiguous "
-        "reservation at the maximum length, at the next power of two and at the exact final length "
-        "(the vLLM paper's Orca (Max), (Pow2) and (Oracle), laid out first fit in one address space), "
+        "reservation at the maximum length, at the prompt plus the next power of two of the output and "
+        "at the exact final length (the vLLM paper's Orca (Max), (Pow2) and (Oracle), laid out first "
+        "fit in one address space), "
         "in the same token budget, and print how many sequences run at once, the memory utilization, "
         "the steps to finish and the output tokens per step; with --json, also where the memory went.",
     )

@@ -82,21 +82,50 @@ def test_next_power_of_two():
 def test_contiguous_reservations():
     request = Request("r", 0, prompt_tokens=100, output_tokens=200)  # 300 tokens in the end
     assert ContiguousPolicy("max", 2048).reservation(request) == 2048
-    assert ContiguousPolicy("pow2", 2048).reservation(request) == 512
-    assert ContiguousPolicy("pow2", 400).reservation(request) == 400  # capped at the model's length
+    assert ContiguousPolicy("pow2", 2048).reservation(request) == 356  # 100 + 256 for the output
+    assert ContiguousPolicy("pow2", 320).reservation(request) == 320  # capped at the model's length
     assert ContiguousPolicy("oracle").reservation(request) == 300
     assert PagedPolicy(16).peak_tokens(request) == 304  # 19 blocks of 16
 
 
 def test_reserved_tokens_sizes_the_slot_for_the_final_length():
-    assert [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")] == [2048, 512, 300]
-    assert reserved_tokens("pow2", 200, 56, 2048) == 256  # a power of two is its own size class
-    assert reserved_tokens("pow2", 100, 200, 400) == 400  # capped at the model's length
-    assert reserved_tokens("pow2", 100, 200) == 512  # no cap without a model length
+    assert [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")] == [2048, 356, 300]
+    # The vLLM paper's Orca (Pow2): the prompt exactly, the output rounded up to a power of two.
+    assert reserved_tokens("pow2", 7, 25, 2048) == 7 + 32  # the paper's example: 32 for 25 outputs
+    assert reserved_tokens("pow2", 200, 64, 2048) == 264  # an output of a power of two is its own room
+    assert reserved_tokens("pow2", 300, 1, 2048) == 301  # the prompt is never rounded: not 512
+    assert reserved_tokens("pow2", 150, 200, 400) == 400  # 150 + 256 capped at the model's length
+    assert reserved_tokens("pow2", 100, 200, 400) == 356  # under the cap: untouched
+    assert reserved_tokens("pow2", 100, 200) == 356  # no cap without a model length
+    assert reserved_tokens("pow2", 7, 0) == 7  # no output, no room for it
     assert [reserved_tokens(kind, 1024, 1024, 2048) for kind in CONTIGUOUS_KINDS] == [
         2048
     ] * 3  # exactly fits
     assert reserved_tokens("oracle", 7, 0) == 7  # a prompt alone
+
+
+def _output_room_by_doubling(output_tokens: int) -> int:
+    room = 1 if output_tokens else 0
+    while room < output_tokens:
+        room *= 2
+    return room
+
+
+@given(st.integers(1, 3000), st.integers(0, 3000), st.integers(1, 6000))
+def test_pow2_rounds_only_the_output_and_never_past_the_model(prompt, output, max_model_len):
+    if prompt + output > max_model_len:
+        with pytest.raises(ValueError, match="max_model_len"):
+            reserved_tokens("pow2", prompt, output, max_model_len)
+        return
+    reserved = reserved_tokens("pow2", prompt, output, max_model_len)
+    assert reserved == min(prompt + _output_room_by_doubling(output), max_model_len)
+    assert prompt + output <= reserved <= max_model_len
+    assert reserved - prompt < 2 * output or output == reserved - prompt == 0  # under twice the output
+    assert (
+        reserved_tokens("oracle", prompt, output)
+        <= reserved
+        <= reserved_tokens("max", prompt, output, max_model_len)
+    )
 
 
 @pytest.mark.parametrize("workload", ["sharegpt", "alpaca"])
@@ -134,17 +163,18 @@ def test_contiguous_max_runs_one_at_a_time():
 
 
 def test_contiguous_pow2_runs_two():
-    # Slots of 8, 8 and 4. Step 0: A + B reserve 16; C (20 > 17) waits, first come first served.
-    # A finishes at the end of step 1; C is admitted at step 2 (8 + 4 = 12) and finishes then; B at 4.
+    # Slots of 4 + 2 = 6, 3 + 8 = 11 capped at 10, and 2 + 1 = 3. Step 0: A + B reserve 16; C (19 > 17)
+    # waits, first come first served. A finishes at the end of step 1; C is admitted at step 2
+    # (10 + 3 = 13) and finishes then; B at 4.
     result = simulate(HAND, ContiguousPolicy("pow2", 10), budget_tokens=17)
     assert result.running == [2, 2, 2, 1, 1]
     assert result.waiting == [1, 1, 0, 0, 0]
     assert result.finished == [0, 1, 2, 2, 3]
     assert result.held_tokens == [7, 9, 7, 6, 7]
-    assert result.reserved_tokens == [16, 16, 12, 8, 8]
+    assert result.reserved_tokens == [16, 16, 13, 10, 10]
     assert result.peak_reserved_tokens == 16
     assert result.throughput == pytest.approx(8 / 5)  # 2 + 5 + 1 output tokens in 5 steps
-    # Step 0: A holds 4 of its 6 in 8 slots, B 3 of 8 in 8: 7 tokens, 2 + 5 to come, A's last 2
+    # Step 0: A holds 4 of its 6 in 6 slots, B 3 of 8 in 10: 7 tokens, 2 + 5 to come, B's last 2
     # slots never used, 1 free. Step 1: 5 + 4 tokens, 1 + 4 to come. C waits at both steps.
     assert result.slot_use[:2] == [SlotUse(7, 7, 2, 1), SlotUse(9, 5, 2, 1)]
     assert result.memory_shares == MemoryShares(16, 12, 4, 2, steps=2, capacity=17)
@@ -242,15 +272,16 @@ def test_the_contiguous_oracle_never_preempts_the_same_workload():
 
 
 def test_peak_concurrency_over_time_is_not_monotone_in_the_reservation():
-    # A scheduling anomaly: final lengths 14, 5, 3, 5 in a budget of 20. The oracle runs A + B at
-    # once (19), then A with C, then A with D: never 3. pow2 (slots 16, 8, 4, 8) runs A alone, and
-    # when A finishes B + C + D take exactly 20: a peak of 3. Per step, the oracle still wins.
-    requests = [Request(i, 0, p, o) for i, (p, o) in enumerate([(6, 8), (1, 4), (2, 1), (2, 3)])]
+    # A scheduling anomaly: final lengths 13, 7, 3, 6 in a budget of 20. The oracle runs A + B at
+    # once (20), then A with C, then A with D: never 3. pow2 (slots 5 + 8, 2 + 8, 2 + 1, 4 + 2) runs
+    # A alone, and when A finishes B + C + D take 19: a peak of 3. The oracle still finishes first.
+    requests = [Request(i, 0, p, o) for i, (p, o) in enumerate([(5, 8), (2, 5), (2, 1), (4, 2)])]
     oracle = simulate(requests, ContiguousPolicy("oracle", 16), 20)
     pow2 = simulate(requests, ContiguousPolicy("pow2", 16), 20)
+    assert [ContiguousPolicy("pow2", 16).reservation(r) for r in requests] == [13, 10, 3, 6]
     assert (oracle.peak_running, pow2.peak_running) == (2, 3)
     assert (oracle.running[0], pow2.running[0]) == (2, 1)
-    assert (oracle.steps, pow2.steps) == (8, 12)
+    assert (oracle.steps, pow2.steps) == (8, 13)
 
 
 # ---------------------------------------------------------------------------------- invariants
@@ -455,7 +486,7 @@ def test_no_requests():
         (lambda: simulate([A, A], PagedPolicy(), 64), "request_id"),
         (lambda: simulate([(4, 2)], PagedPolicy(), 64), "requests"),
         (lambda: simulate([A], PagedPolicy(16), 15), "budget_tokens"),  # not one whole block
-        (lambda: simulate([Request(0, 0, 5, 4)], ContiguousPolicy("pow2"), 15), "budget_tokens"),  # 16
+        (lambda: simulate([Request(0, 0, 8, 5)], ContiguousPolicy("pow2"), 15), "budget_tokens"),  # 8 + 8
         (lambda: sequences_that_fit([A], PagedPolicy(), -1), "budget_tokens"),
     ],
 )

@@ -13,9 +13,10 @@ tokens exactly as lesson 09's engine does. The policies:
   engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy` (the paper's Orca baselines): one contiguous range per sequence,
-  reserved at admission, of the maximum model length (``"max"``, Orca (Max)), the next power of
-  two of its final length (``"pow2"``, Orca (Pow2)), or exactly its final length (``"oracle"``,
-  Orca (Oracle), which no real engine can know in advance); :func:`reserved_tokens` is that size.
+  reserved at admission, of the maximum model length (``"max"``, Orca (Max)), the prompt plus the
+  next power of two of its output, at most twice the output (``"pow2"``, Orca (Pow2)), or exactly its
+  final length (``"oracle"``, Orca (Oracle), which no real engine can know in advance);
+  :func:`reserved_tokens` is that size.
   The ranges are laid out first fit in one linear address space
   (:mod:`paged_kv.simulation.contiguous`), so the free slots split into holes.
 
@@ -229,13 +230,17 @@ def reserved_tokens(
 ) -> int:
     """The slots a contiguous reservation of ``kind`` takes for a request, once, at admission.
 
-    The slot cannot grow later, so it is sized for the final length ``prompt_tokens +
-    output_tokens``: ``"max"`` reserves ``max_model_len`` whatever the request, ``"pow2"`` the next
-    power of two of the final length (at most ``max_model_len`` when that is given) and
-    ``"oracle"`` exactly the final length.
+    The slot cannot grow later, so it holds at least the final length ``prompt_tokens +
+    output_tokens``: ``"max"`` reserves ``max_model_len`` whatever the request, ``"oracle"`` exactly
+    the final length, and ``"pow2"``, as the vLLM paper's Orca (Pow2), the prompt plus the next power
+    of two of the output, so the room for outputs is less than twice the output (no room for no
+    output), and at most ``max_model_len`` when that is given. Each is at least the final length
+    and, given ``max_model_len``, at most it.
 
     >>> [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")]
-    [2048, 512, 300]
+    [2048, 356, 300]
+    >>> reserved_tokens("pow2", 7, 25)  # the paper's example: 32 positions for a 25-token output
+    39
 
     Raises:
         ValueError: ``kind`` is not one of :data:`CONTIGUOUS_KINDS`; a length is not an integer
@@ -243,9 +248,9 @@ def reserved_tokens(
             missing for ``"max"``; or the final length is over ``max_model_len``.
     """
     kind = _check_kind(kind)
-    total = check_count("prompt_tokens", prompt_tokens, minimum=1) + check_count(
-        "output_tokens", output_tokens
-    )
+    prompt_tokens = check_count("prompt_tokens", prompt_tokens, minimum=1)
+    output_tokens = check_count("output_tokens", output_tokens)
+    total = prompt_tokens + output_tokens
     if max_model_len is None:
         if kind == "max":
             raise ValueError("max_model_len is needed for kind 'max'")
@@ -254,7 +259,7 @@ def reserved_tokens(
     if kind == "oracle":
         return total
     if kind == "pow2":
-        pow2 = next_power_of_two(total)
+        pow2 = prompt_tokens + (next_power_of_two(output_tokens) if output_tokens else 0)
         return pow2 if max_model_len is None else min(pow2, max_model_len)
     return max_model_len  # type: ignore[return-value]  # "max" has one: checked above
 
@@ -263,9 +268,9 @@ def reserved_tokens(
 class ContiguousPolicy:
     """One contiguous range per sequence, reserved whole at admission and held until it finishes.
 
-    ``kind`` is ``"max"`` (``max_model_len`` slots for everyone), ``"pow2"`` (the next power of two
-    of the final length, at most ``max_model_len`` when that is given) or ``"oracle"`` (exactly the
-    final length): the paper's Orca (Max), Orca (Pow2) and Orca (Oracle). ``"max"`` needs
+    ``kind`` is ``"max"`` (``max_model_len`` slots for everyone), ``"pow2"`` (the prompt plus the
+    next power of two of the output, at most ``max_model_len`` when that is given) or ``"oracle"``
+    (exactly the final length): the paper's Orca (Max), Orca (Pow2) and Orca (Oracle). ``"max"`` needs
     ``max_model_len``. The ranges are laid out first fit in one address space
     (:class:`~paged_kv.simulation.contiguous.FirstFitMemory`), so a request waits when no hole
     holds its range; ``compact=True`` closes the holes instead, whenever that admits a request.
