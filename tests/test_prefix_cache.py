@@ -477,24 +477,34 @@ def test_a_block_matches_only_under_the_very_parent_it_was_cached_after(monkeypa
     cache = PrefixCache()
     first = [(1, 2), (5, 5)]
     hashes = chain_hashes(first)
-    assert cache.insert(first, hashes, [10, 11], []) == 2
+    assert insert(cache, first, [10, 11]) == 2
     # Block 10 is evicted and (2, 1) is cached there: same hash, new contents.
     assert cache.evict(10) and not cache.evict(10)
     other = [(2, 1), (5, 5)]
     assert chain_hashes(other) == hashes
     assert cache.match(other, hashes, 2) == []
-    assert cache.insert(other, hashes, [10, 12], []) == 1  # the (5, 5) hash is taken by block 11
+    assert insert(cache, other, [10, 12]) == 1  # the (5, 5) hash is taken by block 11: the chain ends
     # Block 11 holds (5, 5) after (1, 2), not after (2, 1): the parent check refuses it.
     assert [entry.block_id for entry in cache.match(other, hashes, 2)] == [10]
     assert [entry.block_id for entry in cache.match(first, hashes, 2)] == []
     assert cache.cached_blocks() == {10: (2, 1), 11: (5, 5)}
 
 
+def insert(cache: PrefixCache, blocks, block_ids) -> int:
+    """Cache ``blocks`` in ``block_ids`` from the first on, as a prompt's are; return how many were cached."""
+    before, parent = len(cache), None
+    for tokens, block_id in zip(blocks, block_ids, strict=True):
+        parent = cache.extend(parent, tokens, block_id)
+        if parent is None:
+            break
+    return len(cache) - before
+
+
 def test_prefix_cache_maps_stay_in_step():
     cache = PrefixCache()
     blocks = [(1,), (2,), (3,)]
     hashes = chain_hashes(blocks)
-    assert cache.insert(blocks, hashes, [4, 5, 6], []) == 3 and len(cache) == 3
+    assert insert(cache, blocks, [4, 5, 6]) == 3 and len(cache) == 3
     hits = cache.match(blocks, hashes, 3)
     assert [entry.block_id for entry in hits] == [4, 5, 6]
     assert [entry.token_ids for entry in hits] == blocks
@@ -515,8 +525,9 @@ def test_prefix_cache_stats_hit_rate():
 
 def test_caching_block_allocator_evicts_only_what_allocate_hands_out():
     pool = CachingBlockAllocator(3)
-    block_ids, cached = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
+    block_ids, cached, chain = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
     assert (block_ids, cached) == ([0, 1, 2], 0)
+    assert (chain.last.block_id, chain.num_blocks, chain.tail) == (1, 2, [5])
     assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
     for block_id in reversed(block_ids):
         pool.free(block_id)
