@@ -160,7 +160,8 @@ def hashes_held(manager: BlockManager) -> set[int]:
 @given(conversations())
 def test_decode_blocks_are_cached_by_their_chained_hashes_batched_or_one_by_one(conversation):
     block_size, prompts, forks, steps = conversation
-    num_blocks = sum(blocks_for_tokens(len(p) + len(steps), block_size) + 1 for p in [*prompts, *prompts])
+    sequences = [*prompts, *(prompts[parent] for parent in forks)]  # each may copy one shared block
+    num_blocks = sum(blocks_for_tokens(len(p) + len(steps), block_size) + 1 for p in sequences)
     managers = [BlockManager(num_blocks, block_size, enable_prefix_caching=True) for _ in range(2)]
     events_of(managers[1])  # observed: append_batch takes its loop, not its shortcut
     tokens: dict[object, list[int]] = {}

@@ -288,8 +288,7 @@ class BlockManager:
             for table in tables:
                 table.num_tokens += 1
             if self._chains:
-                for i, (seq_id, table) in enumerate(zip(seq_ids, tables, strict=True)):
-                    self._advance_chain(seq_id, table, None if token_ids is None else token_ids[i : i + 1])
+                self._advance_chains(seq_ids, tables, token_ids)
             return []
         shared = sum(bool(self._shared_blocks(t, t.num_tokens, t.num_tokens + 1)) for t in tables)
         self._check_free(len(full) + shared, f"a decode step of {len(tables)} sequences")
@@ -517,6 +516,21 @@ class BlockManager:
             chain, token_ids, table.block_ids, self.block_size
         ):
             del self._chains[seq_id]
+
+    def _advance_chains(
+        self, seq_ids: Sequence[Hashable], tables: Sequence[BlockTable], token_ids: Sequence[int] | None
+    ) -> None:
+        """:meth:`_advance_chain` for a decode step, one token per sequence, inlined where the token
+        fills no block (the common case: a list append)."""
+        chains, size = self._chains, self.block_size
+        for i, seq_id in enumerate(seq_ids):
+            chain = chains.get(seq_id)
+            if chain is None:
+                continue
+            if token_ids is not None and len(chain.tail) < size - 1:
+                chain.tail.append(token_ids[i])
+            else:
+                self._advance_chain(seq_id, tables[i], None if token_ids is None else token_ids[i : i + 1])
 
     def _shared_blocks(self, table: BlockTable, start: int, end: int) -> list[int]:
         """The logical blocks holding positions ``start .. end - 1`` that another table also holds.

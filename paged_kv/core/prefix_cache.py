@@ -114,6 +114,8 @@ def check_token_ids(
             f"token_ids must hold one id per {per}: {count_name} is {num_prompt_tokens}, "
             f"but token_ids has {len(token_ids)}"
         )
+    if all(type(token) is int for token in token_ids) and min(token_ids, default=0) >= 0:
+        return tuple(token_ids)  # the common case, checked at C speed (a decode step's batch)
     for index, token in enumerate(token_ids):
         if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
             raise ValueError(f"token_ids must be non-negative integers, got {token!r} at index {index}")
