@@ -738,6 +738,20 @@ def test_an_overwrite_ends_the_chain(device):
     assert cache.cached_blocks() == {}
 
 
+def test_an_overwrite_of_a_copied_block_ends_the_chain_too(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("p", 3, [1, 2, 3])
+    write_prompt(cache, "p", [1, 2, 3], device)
+    cache.fork("p", "c")
+    k, v = kv_of([1, 9, 9], device)
+    cache.write_kv("c", k[1:], v[1:], start_position=1)  # the copy's slots 1 and 2, written again
+    assert cache.last_copies == [(0, 1)]
+    decode(cache, "c", [1, 2, 3], [4], device)
+    assert cache.cached_blocks() == {}  # its K/V are not those of (1, 2, 3, 4)
+    decode(cache, "p", [1, 2, 3], [4], device)  # the parent's block is its own K/V: cached
+    assert cache.cached_blocks() == {0: (1, 2, 3, 4)}
+
+
 def test_append_batch_with_ids_caches_what_append_tokens_does_one_by_one():
     # The shortcut (nothing shared, no observer) against the loop (an observer attached).
     batches = [[(0, 5), (1, 6)], [(0, 7), (1, 8)], [(0, 9), (1, 10)]]

@@ -557,6 +557,8 @@ class BlockManager:
             source = table.block_ids[logical]
             copy = self._allocator.allocate()
             table.block_ids[logical] = copy
+            if isinstance(self._allocator, CachingBlockAllocator):
+                self._allocator.copy_written(source, copy)
             self._allocator.free(source)  # shared, so it keeps at least one holder
             copies.append((source, copy))
         return copies

@@ -345,6 +345,11 @@ class CachingBlockAllocator(BlockAllocator):
             self._on_evict(block_id)
         return overwrites
 
+    def copy_written(self, source: int, copy: int) -> None:
+        """A used block ``copy`` now holds ``source``'s K/V (copy-on-write): it has its written slots,
+        so that a later write below them counts as an overwrite, as it would in ``source``."""
+        self._written[copy] = self._written[source]
+
     def _release(self, block_id: int) -> None:
         """A cached block goes to the tail of the free list, to stay cached longest; any other to
         the head, to be reused first."""
