@@ -608,10 +608,15 @@ def test_an_append_without_ids_ends_the_caching_of_the_sequence(device):
     tokens = decode(cache, "a", [1, 2], [3], device, with_ids=False)
     tokens = decode(cache, "a", tokens, [4, 5, 6, 7, 8], device)  # ids again, but the cache lost track
     assert cache.cached_blocks() == {}
+    # An append of no token leaves nothing unknown: the chain goes on.
+    cache.allocate_for_sequence("b", 2, [1, 2])
+    cache.append_tokens("b", 0)
+    decode(cache, "b", [1, 2], [3, 4], device)
+    assert cache.cached_blocks() == {2: (1, 2, 3, 4)}
     # Nor does a sequence allocated without ids ever cache a block.
-    cache.allocate_for_sequence("b", 2)
-    decode(cache, "b", [1, 2], [3, 4, 5, 6], device)
-    assert cache.cached_blocks() == {}
+    cache.allocate_for_sequence("c", 2)
+    decode(cache, "c", [5, 6], [7, 8, 9, 10], device)
+    assert cache.cached_blocks() == {2: (1, 2, 3, 4)}
 
 
 def test_without_prefix_caching_appended_ids_are_checked_and_ignored(device):
@@ -966,7 +971,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
                 self.cache_filled(seq_id, tokens, len(old) // size, block_ids)
                 if new:
                     event("decode: a chain went on")
-            else:  # the cache no longer knows the sequence's tokens
+            elif new:  # the cache no longer knows the sequence's tokens
                 del self.chains[seq_id]
         k, v = kv_of(tokens, self.device)
         self.cache.write_kv(seq_id, k[len(old) :], v[len(old) :], start_position=len(old))

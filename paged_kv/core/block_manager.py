@@ -222,7 +222,7 @@ class BlockManager:
             taken = [self._allocator.allocate() for _ in range(missing)] if missing else []
             table.block_ids += taken
             table.num_tokens = end
-            if self._chains:
+            if self._chains and n:
                 self._advance_chain(seq_id, table, token_ids)
             return taken, []
         taken: list[int] = []
@@ -244,7 +244,7 @@ class BlockManager:
             if self._observers:
                 pair = tuple(copies[-1:]) if kind == "copy_on_write" else ()
                 self._emit(BlockEvent(kind, seq_id, (table.block_ids[logical],), tokens, copies=pair))
-        if self._chains:
+        if self._chains and n:
             self._advance_chain(seq_id, table, token_ids)
         return taken, copies
 
