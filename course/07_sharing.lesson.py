@@ -325,8 +325,8 @@ print("block 1: same hash of its tokens alone:", hash(tokens_first) == hash(toke
 # hashes blocks with SHA-256 by default (its `prefix_caching_hash_algo` setting also offers
 # `sha256_cbor`, `xxhash` and `xxhash_cbor`) and trusts the hash, never comparing tokens on a hit.
 # Its hash also covers *extra keys* beside the tokens: the LoRA adapter, the multimodal inputs that
-# fall in the block, and a per-request `cache_salt` on the first block, so that two adapters or two
-# tenants never share a block. This package hashes with Python's `hash`, 64 bits and easy to
+# fall in the block, prompt embeddings given instead of tokens, and a per-request `cache_salt` on
+# the first block, so that two adapters or two tenants never share a block. This package hashes with Python's `hash`, 64 bits and easy to
 # collide on purpose, and hashes tokens only; so it checks: each cached block keeps its token ids
 # and the cached block it follows, and a hit must match both, the prompt's tokens and the very
 # parent the previous hit found. To see it work, here is a cache whose hash function is as bad as it
@@ -682,16 +682,16 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   free queue and cached ones at the tail.
 # * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
 #   token ids and its extra keys (this lesson's `block_hash`), with `NONE_HASH` as the first block's
-#   parent (`ROOT_HASH`); `generate_block_hash_extra_keys` adds the LoRA, multimodal and
-#   `cache_salt` keys; `get_request_block_hasher` chains the hashes of a request's full blocks as its
+#   parent (`ROOT_HASH`); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt
+#   embedding and `cache_salt` keys; `get_request_block_hasher` chains the hashes of a request's full blocks as its
 #   tokens grow (`chain_hashes`, and the `HashChain` a sequence keeps here).
 # * `vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`, the doubly linked free list of block
 #   objects (`prev_free_block`, `next_free_block`) between `fake_free_list_head` and
 #   `fake_free_list_tail`: the package's `FreeBlockQueue`, with arrays indexed by block id.
-# * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` after each
-#   output token, so a block that fills during decode gets its hash; `KVCacheManager.allocate_slots`
-#   (`vllm/v1/core/kv_cache_manager.py`) then caches it. This is the package's
-#   `append_tokens(seq_id, n, token_ids=...)`.
+# * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` whenever
+#   output tokens arrive, so a block that fills during decode gets its hash;
+#   `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) then caches it. This is the
+#   package's `append_tokens(seq_id, n, token_ids=...)`.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
 #   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
 #   `KVCacheManager.free` frees a request's blocks in reverse order, so a prefix is evicted from its
