@@ -118,6 +118,19 @@ def test_the_engine_with_prefix_caching_gives_hf_tokens(arch, device):
         assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_follow_up_turn_reuses_the_blocks_the_hf_models_answer_filled(arch, device):
+    model = tiny_model(arch, device=str(device))
+    prompt = prompts(1, seed=4, longest=10)[0] + [7] * 10  # 11 to 20 tokens
+    answer = hf_tokens(model, tuple(prompt), 8)
+    turns = [EngineRequest("turn1", prompt, 8), EngineRequest("turn2", [*prompt, *answer, 1, 2], 3, 20)]
+    result = Engine(model, num_blocks=40, block_size=4, enable_prefix_caching=True).run(turns)
+    # Turn 1 leaves its prompt and 7 of its 8 answer tokens in the cache, cached whole block by block.
+    assert result.prefix_cache_hits == (len(prompt) + 8 - 1) // 4 * 4
+    for r in turns:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):

@@ -13,7 +13,7 @@ builds that callable for the two phases, so every model meets the cache the same
   :func:`prefill_attend` does for it alone, so packing changes which matrix products run together,
   never what a token attends to.
 * :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
-  slots the cache's ``append`` chose and attends over each whole sequence.
+  slots the cache's ``append`` chose (:func:`append_decode`) and attends over each whole sequence.
 """
 
 from __future__ import annotations
@@ -162,6 +162,18 @@ def pack_prefills(
     last = torch.tensor(list(itertools.accumulate(num_new)), device=device) - 1
     attend = packed_prefill_attend(cache, seq_ids, starts, num_new)
     return PackedPrefill(tokens[None], positions[None], last, attend)
+
+
+def append_decode(cache: KVCache, seq_ids: Sequence[Hashable], tokens: torch.Tensor) -> torch.Tensor:
+    """``cache.append(seq_ids)`` for a decode step whose input tokens are ``tokens``: their positions.
+
+    A :class:`~paged_kv.model.kv_cache.PagedKVCache` with prefix caching also gets the tokens' ids,
+    so the blocks they fill are cached as a prompt's full blocks are; any other cache is asked as
+    the :class:`~paged_kv.model.kv_cache.KVCache` protocol says.
+    """
+    if isinstance(cache, PagedKVCache) and cache.enable_prefix_caching:
+        return cache.append(seq_ids, token_ids=tokens.tolist())
+    return cache.append(seq_ids)
 
 
 def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:

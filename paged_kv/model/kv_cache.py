@@ -312,14 +312,20 @@ class PagedKVCache(KVCache):
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         return paged_prefill_attention(q, k_cache, v_cache, tables, lengths, query_lens)
 
-    def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+    def append(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Grow every sequence of the batch by one token, all or none; return the new tokens' positions.
 
-        The batch's block tables, lengths and new slots are built here, once per step, for every
-        layer's :meth:`attend`.
+        ``token_ids`` are the new tokens' ids, one per sequence: the decode step's input tokens,
+        whose K/V the layers write next. With prefix caching, a block they fill is cached under its
+        chained hash, as a prompt's full block is (see
+        :meth:`~paged_kv.core.block_manager.BlockManager.append_tokens`), so a later prompt that
+        repeats this conversation reuses the answer's blocks. The batch's block tables, lengths and
+        new slots are built here, once per step, for every layer's :meth:`attend`.
         """
         seq_ids = tuple(seq_ids)
-        copies = self.manager.append_batch(seq_ids)
+        copies = self.manager.append_batch(seq_ids, token_ids)
         self.storage.copy_blocks(copies)
         tables = self.manager.block_rows(seq_ids)
         lengths = [self.manager.table(seq_id).num_tokens for seq_id in seq_ids]
