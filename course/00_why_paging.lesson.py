@@ -449,7 +449,7 @@ except ValueError as error:
 # * `vllm/v1/worker/gpu_worker.py`: `Worker.determine_available_memory` returns the bytes the KV
 #   cache may take: the memory the worker requested, `total_memory * gpu_memory_utilization`
 #   (`request_memory` in `vllm/v1/worker/utils.py`), less the non-KV memory the profiling run
-#   measured (weights, activations), as section 7's `kv_cache_budget` does with the weights alone.
+#   measured (weights, activations), as the package's `kv_cache_budget` of section 7 does with the weights alone.
 # * `vllm/config/cache.py`: `CacheConfig.gpu_memory_utilization` (0.92 by default),
 #   `kv_cache_memory_bytes` (the budget in bytes, skipping the profiling) and
 #   `num_gpu_blocks_override` (the number of blocks, as this course's `num_blocks`).

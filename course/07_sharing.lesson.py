@@ -678,13 +678,13 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   hash): this lesson's `CachingBlockAllocator`. `BlockPool.get_cached_block` looks a hash up and
 #   compares no tokens (`PrefixCache.match` here); `BlockPool.cache_full_blocks` caches the blocks
 #   of a request that became full, prompt blocks and blocks filled during decode alike
-#   (`PrefixCache.extend`); `BlockPool.free_blocks` puts blocks without a hash at the head of the
+#   (`PrefixCache.extend` here); `BlockPool.free_blocks` puts blocks without a hash at the head of the
 #   free queue and cached ones at the tail.
 # * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
 #   token ids and its extra keys (this lesson's `block_hash`), with `NONE_HASH` as the first block's
-#   parent (`ROOT_HASH`); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt
+#   parent (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt
 #   embedding and `cache_salt` keys; `get_request_block_hasher` chains the hashes of a request's full blocks as its
-#   tokens grow (`chain_hashes`, and the `HashChain` a sequence keeps here).
+#   tokens grow (`chain_hashes` here, and the package's `HashChain` that a sequence keeps).
 # * `vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`, the doubly linked free list of block
 #   objects (`prev_free_block`, `next_free_block`) between `fake_free_list_head` and
 #   `fake_free_list_tail`: the package's `FreeBlockQueue`, with arrays indexed by block id.

@@ -172,3 +172,18 @@ def test_main_without_a_tree_says_so(tmp_path, capsys):
 def test_main_refuses_a_file_that_does_not_exist(tree, tmp_path, capsys):
     assert check_vllm_refs.main([str(tmp_path / "nothing.md"), "--vllm", str(tree)]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_name_imported_or_read_as_an_attribute_is_in_the_file():
+    code = "from collections import deque\n\nlimit = self.scheduler_config.max_num_seqs\n"
+    assert is_defined("deque", code) and is_defined("max_num_seqs", code)
+    assert not is_defined("scheduler_config", "max_num_seqs = 1\n")
+
+
+def test_the_course_names_beside_a_citation_are_not_looked_up():
+    text = (
+        "* `vllm/v1/core/block_pool.py`: `get_cached_block` (`PrefixCache.match` here), this"
+        " lesson's `CachingBlockAllocator` and the package's `FreeBlockQueue`; `BlockPool` is here.\n"
+    )
+    (citation,) = citations(text, "lesson.py")
+    assert citation.names == ("get_cached_block", "BlockPool")

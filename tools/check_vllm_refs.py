@@ -9,11 +9,13 @@ is checked against), that
 * every cited ``vllm/....py`` path exists, and
 * every backticked name in the same passage is defined in one of the passage's cited files:
   ``def name``, ``class name``, ``name =`` or ``name: ...`` (an attribute, a field, a parameter, an
-  enum member). A dotted name, ``FlashAttentionImpl.forward``, needs each of its parts defined.
+  enum member), an import of it, or a use as an attribute (``scheduler_config.max_num_seqs``: a
+  setting the file reads). A dotted name, ``FlashAttentionImpl.forward``, needs each of its parts defined.
 
 A passage is a markdown bullet (with its continuation lines), a paragraph, or one cell of a table
-row; only passages that cite a path are checked. A name preceded by "course's" (this course's
-``BlockAllocator``) names this course's code and is not looked up; nor are Python's builtins
+row; only passages that cite a path are checked. A name preceded by "course's", "package's" or
+"lesson's" (this course's ``BlockAllocator``), or followed by "here" (``allocate_prompt`` here),
+names this course's code and is not looked up; nor are Python's builtins
 (``None``, ``ValueError``) and backticked spans that are not plain names (shapes, expressions, calls
 with arguments). The check is a grep, not an import: a
 name it accepts is defined somewhere in the file, which catches renamed and removed names, not a
@@ -43,7 +45,8 @@ DEFAULT_VLLM = Path("/work/vllm-0.33.0")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 VLLM_PATH = re.compile(r"^vllm/[\w./-]+\.py$")
 NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?$")
-COURSE_NAME = re.compile(r"course's\s*$")
+COURSE_NAME = re.compile(r"(?:course|package|lesson)'s\s*$")
+COURSE_NAME_AFTER = re.compile(r"^\s*here\b")
 NOT_NAMES = frozenset(dir(builtins))  # None, True, ValueError, int: not vLLM's names
 BULLET = re.compile(r"^\s*(?:[*-]|\d+\.)\s")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(*]|vLLM)")
@@ -110,7 +113,7 @@ def citations(text: str, source: str, first_line: int = 1) -> list[Citation]:
             span = match.group(1).strip()
             if VLLM_PATH.match(span):
                 paths.append(span)
-            elif _is_vllm_name(span, passage[: match.start()]):
+            elif _is_vllm_name(span, passage[: match.start()], passage[match.end() :]):
                 names.append(span.removesuffix("()"))
         if paths:
             found.append(
@@ -121,9 +124,14 @@ def citations(text: str, source: str, first_line: int = 1) -> list[Citation]:
     return found
 
 
-def _is_vllm_name(span: str, before: str) -> bool:
+def _is_vllm_name(span: str, before: str, after: str) -> bool:
     """Whether a backticked span is a plain name to look up: not a course's name, not a builtin."""
-    return bool(NAME.match(span)) and span not in NOT_NAMES and not COURSE_NAME.search(before)
+    return (
+        bool(NAME.match(span))
+        and span not in NOT_NAMES
+        and not COURSE_NAME.search(before)
+        and not COURSE_NAME_AFTER.match(after)
+    )
 
 
 def is_defined(name: str, code: str) -> bool:
@@ -139,6 +147,8 @@ def _defines(part: str, code: str) -> bool:
         rf"\b{word}\s*(?::[^=\n]+)?=(?!=)",  # an assignment, an attribute, an annotated field
         rf"^\s*{word}\s*[:,]",  # a field or parameter on its own line
         rf"[(,]\s*{word}\s*[:,)=]",  # a parameter inline
+        rf"^\s*(?:from\s+\S+\s+)?import\s+[^\n]*\b{word}\b",  # an import
+        rf"\w\.{word}\b",  # read as an attribute
     )
     return any(re.search(pattern, code, re.MULTILINE) for pattern in patterns)
 
