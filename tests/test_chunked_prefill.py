@@ -410,6 +410,7 @@ def test_a_chunk_must_start_where_the_last_one_ended(device):
     cache.free("a")
 
 
+@torch.no_grad()
 def test_chunks_write_the_same_kv_and_predict_the_same_tokens_as_one_prefill(model, device):
     prompt = torch.tensor(random.Random(2).choices(range(256), k=23), device=device)
     whole = PagedKVCache(CONFIG, 16, 4, device)
