@@ -661,8 +661,9 @@ for budget, r in budgets.items():
 # of it, so a long prompt takes many steps to prefill, the short prompts queue behind it (first
 # come, first served), and the median time to first token climbs to 11 steps. Steps are not seconds,
 # though: the cost of a step grows with its tokens, and a step of 210 tokens costs several of 64.
-# The budget trades a little time to first token for a bound on the time between tokens; vLLM's
-# default is 2,048 tokens for a model thousands of times larger than this one. The tokens per
+# The budget trades a little time to first token for a bound on the time between tokens. vLLM's
+# `EngineArgs` picks a default by device, from 2,048 tokens (an API server on a smaller GPU) to
+# 16,384 (on the largest), for models thousands of times larger than this one. The tokens per
 # step, step by step, for no budget and a budget of 64:
 
 # %%
@@ -692,12 +693,13 @@ plt.show()
 #
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` spends `token_budget` (its
 #   `max_num_scheduled_tokens`, which defaults to `max_num_batched_tokens`) in one pass over
-#   `self.running`, then over the waiting queue, giving each request `num_tokens` minus its
-#   `num_computed_tokens`, capped by what is left: our `Scheduler.schedule` (decodes first is that
-#   pass in order, since the one partly prefilled request is the newest);
-# * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens` (2,048 by default,
-#   `DEFAULT_MAX_NUM_BATCHED_TOKENS`), which must be at least `max_num_seqs`, and
-#   `long_prefill_token_threshold`, a cap per prompt chunk that the course leaves out;
+#   `self.running`, then over the waiting queue, giving each request the tokens it lacks
+#   (`num_tokens_with_spec`, or `num_tokens` for a waiting one, minus `num_computed_tokens`),
+#   capped by what is left: our `Scheduler.schedule` (decodes first is that pass in order, since
+#   the one partly prefilled request is the newest);
+# * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, which must be at least
+#   `max_num_seqs` (its default is set by `EngineArgs` in `vllm/engine/arg_utils.py`, per device),
+#   and `long_prefill_token_threshold`, a cap per prompt chunk that the course leaves out;
 # * `vllm/v1/request.py`: `Request.num_computed_tokens` and `num_tokens`, the counts our
 #   scheduler keeps per request, and `is_prefill_chunk`, our request still prefilling;
 # * `vllm/v1/core/sched/output.py`: `SchedulerOutput.num_scheduled_tokens`, a dict of tokens per
