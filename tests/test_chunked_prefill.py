@@ -464,3 +464,17 @@ def test_the_bench_reports_the_largest_step_and_time_to_first_token():
     rows = bench_chunked.run(**bench_chunked.QUICK)  # raises if a budget changed a token
     largest = rows[0]
     assert largest.unit == "tokens" and largest.measured <= bench_chunked.QUICK["budget"] < largest.baseline
+
+
+def test_a_budget_sweep_runs_each_engine_under_the_budget(cpu_model):
+    from paged_kv.serving.engine import sweep_budgets
+
+    requests = preempting_workload()
+    smallest = min_num_blocks(requests, 4)
+    rows = sweep_budgets(cpu_model, requests, [smallest, 2 * smallest], 4, max_num_batched_tokens=64)
+    for row in rows:
+        engine = Engine(cpu_model, num_blocks=row["num_blocks"], block_size=4, max_num_batched_tokens=64)
+        result = engine.run(requests)
+        assert (row["steps"], row["preemptions"]) == (result.steps, result.preemptions)
+    over = sweep_budgets(cpu_model, requests, [smallest], 4)
+    assert over[0]["steps"] > rows[0]["steps"]  # starting over costs steps that resuming by prefill saves
