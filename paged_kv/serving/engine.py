@@ -22,9 +22,11 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   free blocks, the most recently admitted sequence is *preempted*
   (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
 
-  - ``"recompute"``: its blocks are freed, its output so far is dropped and it goes back to the
-    front of the queue, to start over when it fits again (greedy decoding is deterministic, so it
-    regenerates the same tokens);
+  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. Without a
+    token budget its output so far is dropped and it starts over when it fits again (greedy
+    decoding is deterministic, so it regenerates the same tokens); with one
+    (``max_num_batched_tokens``, vLLM v1's way) it keeps its output and, admitted again, prefills
+    its prompt and that output in chunks, then samples its next token;
   - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
     waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
     come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
@@ -45,8 +47,12 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   reserved per sequence at admission, out of the same budget; a request is admitted while one more
   slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
 
-The generated text depends neither on the mode, nor on the batch, nor on preemption: every request
-gets exactly the tokens :func:`~paged_kv.model.generate` gives its prompt alone.
+With ``max_num_batched_tokens=N`` (paged mode) a step runs at most ``N`` tokens: every running
+decode first, then prompts in chunks (:mod:`~paged_kv.serving.scheduler`).
+
+The generated text depends neither on the mode, nor on the batch, nor on preemption, nor on the
+token budget: every request gets exactly the tokens :func:`~paged_kv.model.generate` gives its
+prompt alone.
 """
 
 from __future__ import annotations
