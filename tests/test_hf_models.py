@@ -146,6 +146,37 @@ def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):
         assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
 
 
+@pytest.mark.parametrize("budget", [1, 4, 7], ids=["budget-1", "block-size", "odd"])
+def test_the_engine_under_a_token_budget_gives_hf_tokens(budget, device):
+    """Chunked prefill (prompt chunks at an offset over the paged cache), with prefix caching, on a
+    Hugging Face Llama: every step at most the budget, and Hugging Face's own tokens."""
+    model = tiny_model("llama", device=str(device))
+    requests = requests_sharing_a_prefix(seed=5)
+    engine = Engine(
+        model, num_blocks=40, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=budget
+    )
+    result = engine.run(requests)
+    assert max(result.tokens_per_step) <= budget and result.prefix_cache_hits > 0
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_engine_under_a_token_budget_and_preemption_gives_hf_tokens(preemption, device):
+    """A recomputed request resumes by prefilling its prompt and generated tokens in chunks."""
+    model = tiny_model("llama", device=str(device))
+    rng = random.Random(4)
+    requests = [
+        EngineRequest(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(4, 12))], 12)
+        for i in range(5)
+    ]
+    engine = Engine(model, num_blocks=12, block_size=4, preemption=preemption, max_num_batched_tokens=5)
+    result = engine.run(requests)
+    assert result.preemptions_by_reason[preemption] > 0 and max(result.tokens_per_step) <= 5
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
 def test_the_wrapped_model_is_left_as_it_was():
     model = tiny_model("llama")
     before = model.config._attn_implementation

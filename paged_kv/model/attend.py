@@ -94,12 +94,14 @@ def packed_prefill_attend(
     offset ``sum(num_new[:i])`` of the packed axis. On a :class:`~paged_kv.model.kv_cache.PagedKVCache`
     each layer writes every new token's K/V at its slot and attends with one
     :func:`~paged_kv.attention.paged.paged_prefill_attention` over the batch's block tables, as
-    vLLM's prefill reads the paged cache. On any other cache each slice is stored and attended as
+    vLLM's prefill reads the paged cache; the tokens may be a **chunk** that ends before the
+    sequence does (chunked prefill): it attends over the positions before it, written by the
+    prefix cache or by earlier chunks, and its own. On any other cache each slice is stored and attended as
     :func:`prefill_attend` does for that prompt alone, in order. Either way, a prompt whose cached
     prefix another prompt of the same forward computes finds it written, layer by layer.
     """
     if isinstance(cache, PagedKVCache):  # one paged_prefill_attention per layer for the whole batch
-        cache.begin_prefill(seq_ids, starts)
+        cache.begin_prefill(seq_ids, starts, num_new)
 
         def attend_paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return cache.attend_prefill_batch(layer, seq_ids, q[0], k[0], v[0])[None]
@@ -136,6 +138,10 @@ def pack_prefills(
     starts: Sequence[int] | None = None,
 ) -> PackedPrefill:
     """Pack prompt ``i``'s positions ``starts[i] ..`` (default: from 0) one after another, for one forward.
+
+    A prompt may be the first tokens of a longer sequence in the cache: then the chunk
+    ``starts[i] .. len(prompts[i]) - 1`` runs, and its last logits predict the token after it (a
+    chunk of a chunked prefill; only a :class:`~paged_kv.model.kv_cache.PagedKVCache` takes one).
 
     Raises:
         ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
