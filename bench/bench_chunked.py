@@ -7,9 +7,9 @@
    every decode that rides in it) and the time to first token in steps, median and p99 (nearest
    rank). The tokens of both runs are compared and must be equal.
 2. The burst of long generations that ``bench_engine`` preempts, on the same pool, three ways:
-   vLLM v1's recompute (under a budget, a victim resumes by prefilling its prompt and the tokens it
-   had generated) against the recompute that starts over (no budget), and swap against v1's
-   recompute: steps to serve every request.
+   recompute under the budget against recompute without one (either way a victim resumes by
+   prefilling its prompt and the tokens it had generated, whole or in chunks), and swap against
+   recompute under the budget: steps to serve every request.
 
 Counts only, no timing: steps and tokens are exact, whatever the machine's load.
 
@@ -80,13 +80,13 @@ def run(
         chunked = serve(model, requests, **pool, max_num_batched_tokens=budget)
         bursty = burst_requests(burst, max_len)
         tight = {"num_blocks": 2 * min_num_blocks(bursty, block_size), "block_size": block_size}
-        over = serve(model, bursty, **tight)
+        unbudgeted = serve(model, bursty, **tight)
         v1 = serve(model, bursty, **tight, max_num_batched_tokens=budget)
         swap = serve(model, bursty, **tight, preemption="swap", max_num_batched_tokens=budget)
-    if chunked.tokens != whole.tokens or not over.tokens == v1.tokens == swap.tokens:
+    if chunked.tokens != whole.tokens or not unbudgeted.tokens == v1.tokens == swap.tokens:
         raise AssertionError("a token budget changed the generated tokens")
     return budget_rows(whole, chunked, num_requests, budget, max_len) + recompute_rows(
-        over, v1, swap, burst, budget, tight["num_blocks"] * block_size
+        unbudgeted, v1, swap, burst, budget, tight["num_blocks"] * block_size
     )
 
 
@@ -124,20 +124,20 @@ def budget_rows(whole: EngineResult, chunked: EngineResult, n: int, budget: int,
 
 
 def recompute_rows(
-    over: EngineResult, v1: EngineResult, swap: EngineResult, burst: int, budget: int, slots: int
+    unbudgeted: EngineResult, v1: EngineResult, swap: EngineResult, burst: int, budget: int, slots: int
 ) -> list[Row]:
     name = f"engine, a burst of {burst} long generations, paged on {slots:,} tokens"
     v1_note = (
-        f"{v1.preemptions} vs {over.preemptions} preemptions, {v1.prefill_tokens_computed:,} vs "
-        f"{over.prefill_tokens_computed:,} tokens prefilled"
+        f"{v1.preemptions} vs {unbudgeted.preemptions} preemptions, {v1.prefill_tokens_computed:,} vs "
+        f"{unbudgeted.prefill_tokens_computed:,} tokens prefilled"
     )
     return [
         Row(
-            f"{name}: steps to serve every request, v1 recompute (max_num_batched_tokens={budget}: resume by "
-            f"prefilling prompt and generated tokens) vs recompute that starts over (no budget; {v1_note})",
+            f"{name}: steps to serve every request, recompute with max_num_batched_tokens={budget} vs "
+            f"without a budget (both resume by prefilling prompt and generated tokens; {v1_note})",
             v1.steps,
-            over.steps,
-            over.steps / v1.steps,
+            unbudgeted.steps,
+            unbudgeted.steps / v1.steps,
             "—",
             None,
             "steps",

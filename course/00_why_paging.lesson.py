@@ -332,8 +332,8 @@ plt.show()
 # * **Orca (Oracle)** has no internal fragmentation in either, and again fewer holes here than with
 #   a buddy allocator (16.0 % against 36.6 %), so more token states (50.2 % against 38.2 %).
 # * **vLLM**: 96.1 % token states against the paper's 96.3 %. What is left is the rest of each
-#   sequence's last block (reservation, 1.7 %) and the free blocks the scheduler keeps as headroom
-#   for the running sequences' next tokens (2.2 %); no block waits for a hole.
+#   sequence's last block (reservation, 1.6 %) and the free blocks the scheduler keeps as headroom
+#   for the running sequences' next tokens (2.3 %); no block waits for a hole.
 #
 # Lesson 06 runs the simulator in detail, with the allocator's holes and what closing them would save.
 

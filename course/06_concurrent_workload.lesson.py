@@ -510,16 +510,17 @@ print(format_table(burst))
 # decode, the free blocks run out, and the sequences that need a new block cannot all get one. The
 # scheduler then **preempts** the most recently admitted sequence: it frees that sequence's blocks
 # and puts it back at the front of the queue, to be **recomputed** later. Here that happens 43
-# times. A preempted sequence starts over: its prefill runs again and its tokens are generated
-# again (lesson 09's engine regenerates exactly the same text). Lesson 08 covers preemption, a second
+# times. A preempted sequence keeps the tokens it generated, and when it fits again one prefill
+# computes the K/V of its prompt and of those tokens again (lesson 09's engine gives exactly the
+# same text). Lesson 08 covers preemption, a second
 # way to do it (swapping to host memory), and a *watermark* of free blocks that makes it rare.
 #
 # So the peak of 182 running sequences says little: it is the count at step 0, before the cache
-# filled up, and the 43 preemptions that followed threw some of that work away. The mean of 46.5
-# running and the 45.1 tokens per step measure what the server sustained. (Tokens per step is the
-# lower of the two because some steps produce a token that a preemption later throws away: every
-# step of a running sequence samples a token, its prefill included.) Even with the thrashing, the
-# paged cache finishes the burst first, in 1,569 steps against 2,416 for the oracle.
+# filled up, and the 43 preemptions that followed threw away the K/V of their victims, to be
+# computed again. The mean of 47.8 running and the 47.8 tokens per step measure what the server
+# sustained. (The two are equal: every step of a running sequence samples a token, its prefill
+# included, and a preempted sequence keeps the tokens it sampled.) Even with the preemptions, the
+# paged cache finishes the burst first, in 1,481 steps against 2,416 for the oracle.
 
 # %%
 paged_burst = burst[0]
@@ -638,8 +639,8 @@ plt.show()
 #   compaction, every range moved down to close the holes whenever that admits a request (a real
 #   server would pay for it by copying the keys and values of every range it moves).
 # * **vLLM: 96.1 % against the paper's 96.3 %.** With blocks of 16 the reservation is the rest of
-#   each sequence's last block, 1.7 %, and internal fragmentation the part of that block beyond the
-#   final length, under 0.05 %. The free slots while a request waits, 2.2 %, are the headroom of one
+#   each sequence's last block, 1.6 %, and internal fragmentation the part of that block beyond the
+#   final length, under 0.05 %. The free slots while a request waits, 2.3 %, are the headroom of one
 #   block per running sequence, plus the blocks the next prompt lacks. The paper does not split its
 #   remaining 3.7 %.
 #

@@ -638,14 +638,17 @@ plt.show()
 # Below that, two things happen. With several system prompts, a prompt that no running request
 # uses must wait on the free list for its next request, while every new request takes fresh blocks
 # from the head; the fewer blocks the pool has beyond what the running requests hold, the sooner it
-# is evicted: with 16 system prompts the hit rate falls to 38.7 % at 256 blocks. And the pool is
-# too small for 32 requests at once, so the scheduler preempts (229 times at 160 blocks with 16
-# system prompts): a preempted request is looked up again when it is admitted again, and finds its
-# own prompt still cached, often more than the system prompt. Those lookups count in the hit rate
-# too, which is why it *rises* again at 160 blocks, and why one system prompt scores above the
-# ideal there (68.2 %). The right panel is the fair measure, the prefill work: without caching,
-# preemption recomputes prompts, 180,278 tokens at 160 blocks against 83,537 when nothing is
-# preempted; the cache computes 48,593 of them with one system prompt and 100,828 with 16. A prefix
+# is evicted: with 16 system prompts the hit rate falls to 32.2 % at 256 blocks. And the pool is
+# too small for 32 requests at once, so the scheduler preempts (132 times at 160 blocks with 16
+# system prompts): a preempted request is looked up again when it is admitted again, with the
+# tokens it had generated after its prompt, and finds its own prompt still cached, often more than
+# the system prompt. Its generated tokens are not found: this simulator's runner samples no real
+# tokens, so the blocks they fill get no hash (the engine's do, as above). Those lookups count in
+# the hit rate too, which is why even one system prompt scores a little under the ideal at 160
+# blocks (60.9 %). The right panel is the fair measure, the prefill work: without caching,
+# preemption recomputes prompts and generated tokens, 151,919 tokens at 160 blocks against 83,537
+# when nothing is preempted; the cache computes 57,064 of them with one system prompt and 107,190
+# with 16. A prefix
 # cache is memory that the running requests do not need *right now*: memory a server with room to
 # spare gets for free, and one that is short of blocks does not have, though it still spares the
 # recomputation of the prompts it preempts.
@@ -662,8 +665,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
-# `requests` counts the lookups: 299 admissions here, the 200 requests and 99 admitted again after
-# a preemption.
+# `requests` counts the lookups: 273 admissions here, the 200 requests and 73 admitted again after
+# a preemption, each looked up with its prompt and the tokens it had generated.
 # vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a real server
 # reads the same way.
 
@@ -729,8 +732,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # * With one shared 256-token system prompt, 200 ShareGPT-shaped requests served by the package's
 #   scheduler find the ideal 61.0 % of their prompt tokens in the cache whenever nothing is
 #   preempted; with 16 system prompts the hit rate falls from the ideal of 56.4 % (2,048 blocks) to
-#   38.7 % at 256. In small pools preempted requests, admitted again, find their own prompts cached:
-#   compare prefill work, not hit rates. The cache lives in the memory the running requests leave
+#   32.2 % at 256. In small pools preempted requests, admitted again, find their own prompts cached
+#   and look up their generated tokens too: compare prefill work, not hit rates. The cache lives in the memory the running requests leave
 #   free.
 #
 # **Next, lesson 08:** running out of blocks, and what a server does then: preempting a sequence by

@@ -148,10 +148,11 @@ print(
 # cache holds; preemption sets it back to 0, and when the request is admitted again the scheduler
 # gives it the tokens it lacks, prompt and generated ones, in chunks of at most a token budget per
 # step (`max_num_batched_tokens`, lesson 09 section 6), and the last chunk samples the next token.
-# The course's engine recomputes that way when it has a budget, `Engine(...,
-# max_num_batched_tokens=64)`, and this lesson gives it one. Without a budget it does the simplest
-# thing, which no version of vLLM does: the request starts over from its prompt and regenerates its
-# tokens one step at a time, so recompute also costs steps. The operating-system analogue is
+# The course's engine recomputes that way too: a victim keeps its generated tokens, and when it is
+# admitted again it prefills its prompt and those tokens, whole, or in chunks under a budget,
+# `Engine(..., max_num_batched_tokens=64)`, which this lesson gives it. The PagedAttention paper
+# (§4.5) does the same, for the same reason: the tokens generated so far are concatenated with the
+# prompt as a new prompt, whose K/V one prefill computes. The operating-system analogue is
 # dropping a clean page of a program's code: it is never written to disk, because it can always be
 # read from the file again.
 #
@@ -262,8 +263,7 @@ NUM_BLOCKS = 2 * smallest
 # longest would take 99 blocks. With 22, the engine must bet.
 #
 # **Predict, then run.** Recompute throws work away and redoes it; swap keeps it. Which of the two
-# finishes the burst in fewer steps, and does either change a single generated token? The table
-# has a third row for contrast: recompute that starts over, with no budget.
+# finishes the burst in fewer steps, and does either change a single generated token?
 
 # %%
 BUDGET = 64  # max_num_batched_tokens: tokens a step may run
@@ -276,10 +276,9 @@ runs = {
     way: Engine(model, **settings, preemption=way, max_num_batched_tokens=BUDGET).run(requests)
     for way in ("recompute", "swap")
 }
-over = Engine(model, **settings).run(requests)  # no budget: a recomputed request starts over
 print(f"{NUM_BLOCKS} blocks of {BLOCK_SIZE}")
 print("preemption        steps  preemptions  recomputed  prefilled  blocks out / in  mean running  same text")
-for way, r in (*runs.items(), ("recompute, over", over)):
+for way, r in runs.items():
     print(
         f"{way:<16}{r.steps:>7}{r.preemptions:>13}{r.recomputed_tokens:>12}{r.prefill_tokens_computed:>11}"
         f"{r.blocks_swapped_out:>11} / {r.blocks_swapped_in:<4}{r.mean_running:>13.1f}  {r.tokens == alone}"
@@ -296,9 +295,7 @@ print(
 # which were computed again by prefill: 233 tokens prefilled in all, the 94 of the prompts, the
 # 131, and the 8 last tokens the victims had sampled and not yet fed back. Swap preempted 9 times,
 # prefilled only the prompts, and moved 39 blocks out and the same 39 back in, 159,744 bytes each
-# way. Both ran 3.4 sequences at once on average. Recompute that starts over is the costly one:
-# 12 preemptions, 115 steps, since it regenerates every lost token one decode step at a time
-# (only its prompts are prefilled again, 187 tokens in all).
+# way. Both ran 3.4 sequences at once on average.
 #
 # On a real model the bytes are what matter. A 7B model's block of 16 tokens holds 8 MiB of K/V
 # (lesson 00: half a mebibyte per token), and a PCIe 4.0 link moves roughly 25 GB/s, so a
@@ -322,10 +319,11 @@ print(
 )
 
 # %% [markdown]
-# The cache served 52 tokens of the recomputed prefills, 181 prefilled instead of 233. Only full
-# blocks are cached, and in this course only the blocks of a prompt, so the tokens a request
-# generated after its last full prompt block are computed again; vLLM also caches the blocks that
-# decoding fills, and a resumed request finds nearly all of its blocks.
+# The cache served 60 tokens of the recomputed prefills, 173 prefilled instead of 233. Only full
+# blocks are cached, the blocks of a prompt and, as in vLLM, the blocks that decoding fills (lesson
+# 07), so a resumed request finds every full block it held that was not evicted meanwhile; the
+# tokens of its last, partly filled block, and those of blocks handed to other requests, are
+# computed again.
 #
 # Step by step, `plot_metrics` draws the sequences running, waiting and (for swap) swapped out, and
 # the utilization, tokens held per slot reserved, on a second axis: the recompute run above, the
@@ -480,7 +478,7 @@ plt.show()
 #   (under the default first-come-first-served policy), until the request fits or is itself the
 #   victim: our `choose_victims`, applied one victim at a time;
 # * `Scheduler._preempt_request` frees the victim's blocks, sets its `num_computed_tokens` to 0 and
-#   puts it at the front of the waiting queue (`prepend_request`): our recompute under a budget;
+#   puts it at the front of the waiting queue (`prepend_request`): our recompute;
 # * in the waiting loop of `Scheduler.schedule`, a request with `num_computed_tokens == 0` looks
 #   its tokens up in the prefix cache and schedules `request.num_tokens` minus the hits, "to
 #   consider the resumed requests, which have output tokens": the resumed prefill of section 2;
@@ -508,12 +506,12 @@ plt.show()
 #   drops its own need. The oldest is never preempted, and `min_num_blocks` makes sure it always
 #   fits.
 # * **Recompute** drops the victim's K/V and requeues it at the front, its computed count back to
-#   0, to prefill its prompt and generated tokens when it resumes (vLLM v1's way, under a token
-#   budget); **swap** copies it to host memory and back into other blocks. Neither changes the text.
+#   0, to prefill its prompt and generated tokens when it resumes (the paper's way and vLLM's, in
+#   chunks under a token budget); **swap** copies it to host memory and back into other blocks. Neither changes the text.
 #   On 12 requests in 22 blocks of 4, with a budget of 64 tokens a step: recompute preempted 8 times
 #   and prefilled 131 lost tokens again, swap preempted 9 times and moved 39 blocks (159,744 bytes)
-#   each way, both in 88 steps; recompute that starts over took 115. With prefix caching the
-#   cache served 52 of the recomputed tokens: freed blocks keep their hashes.
+#   each way, both in 88 steps. With prefix caching the
+#   cache served 60 of the recomputed tokens: freed blocks keep their hashes.
 # * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission (vLLM v1 has one
 #   too, for waiting and preempted requests): 20 % cut the preemptions from 8 to 3 for 2.84
 #   sequences running on average instead of 3.35, and 104 steps instead of 88.

@@ -273,15 +273,20 @@ def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tok
     assert tokens == Engine(model, num_blocks=128, block_size=4).run(requests).tokens
 
 
-def test_v1_recompute_takes_fewer_steps_than_starting_over(model):
+def test_recompute_resumes_by_prefill_with_or_without_a_budget(model):
     requests = preempting_workload()
     num_blocks = min_num_blocks(requests, 4)
-    over = Engine(model, num_blocks=num_blocks, block_size=4).run(requests)
-    v1 = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64).run(requests)
-    assert over.preemptions and v1.preemptions
-    assert v1.tokens == over.tokens
-    assert v1.steps < over.steps
-    assert v1.prefill_tokens_computed > sum(len(r.prompt) for r in requests)  # the resumes prefill
+    roomy = Engine(model, num_blocks=128, block_size=4).run(requests)
+    prompts = sum(len(r.prompt) for r in requests)
+    for budget in (None, 64):
+        result = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget).run(
+            requests
+        )
+        assert result.preemptions_by_reason["recompute"] > 0
+        assert result.tokens == roomy.tokens
+        # A resume prefills the K/V of the tokens it held again, and each victim's last sampled token.
+        assert prompts + result.recomputed_tokens <= result.prefill_tokens_computed
+        assert result.prefill_tokens_computed <= prompts + result.recomputed_tokens + result.preemptions
 
 
 def test_with_prefix_caching_a_resumed_request_hits_its_own_prompt_blocks(model):
@@ -476,5 +481,5 @@ def test_a_budget_sweep_runs_each_engine_under_the_budget(cpu_model):
         engine = Engine(cpu_model, num_blocks=row["num_blocks"], block_size=4, max_num_batched_tokens=64)
         result = engine.run(requests)
         assert (row["steps"], row["preemptions"]) == (result.steps, result.preemptions)
-    over = sweep_budgets(cpu_model, requests, [smallest], 4)
-    assert over[0]["steps"] > rows[0]["steps"]  # starting over costs steps that resuming by prefill saves
+    whole = sweep_budgets(cpu_model, requests, [smallest], 4)
+    assert whole[0]["steps"] == Engine(cpu_model, num_blocks=smallest, block_size=4).run(requests).steps

@@ -41,15 +41,18 @@ def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequ
 
 
 class SpyCache(PagedKVCache):
-    """A PagedKVCache that keeps, per admission, the cached tokens its one manager reported."""
+    """A PagedKVCache that keeps, per admission, the tokens it was given and the cached tokens its
+    one manager reported (a request resumed after recompute is given its generated tokens too)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cached: dict[object, list[int]] = {}
+        self.admitted_tokens: list[int] = []
 
     def add_sequence(self, seq_id, num_tokens, token_ids=None) -> None:
         super().add_sequence(seq_id, num_tokens, token_ids)
         self.cached.setdefault(seq_id, []).append(self.num_cached_tokens(seq_id))
+        self.admitted_tokens.append(num_tokens)
 
     def all_free(self) -> bool:
         return self.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
@@ -76,9 +79,8 @@ def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRe
     assert cache.enable_prefix_caching
     stats = cache.manager.prefix_cache_stats
     assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
-    prompts = {r.request_id: len(r.prompt) for r in requests}
-    admissions = [prompts[seq_id] for seq_id, counts in cache.cached.items() for _ in counts]
-    assert result.prefix_cache_queries == sum(admissions)  # every admission, re-admissions included
+    # Every admission is looked up, re-admissions included, with the tokens each was given.
+    assert result.prefix_cache_queries == sum(cache.admitted_tokens)
     assert result.prefix_cache_hits == sum(sum(counts) for counts in cache.cached.values())
     assert result.prefill_tokens_computed == result.prefix_cache_queries - result.prefix_cache_hits
     assert result.hit_rate == pytest.approx(result.prefix_cache_hits / result.prefix_cache_queries)
@@ -380,7 +382,11 @@ def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
     check_metrics(result, caches[0], requests)
     assert result.prefix_cache_hits % block_size == 0
     for request in requests:
-        assert all(0 <= c < len(request.prompt) for c in caches[0].cached[request.request_id])
+        # A hit leaves at least one token to compute: of the prompt at a first admission, of the
+        # prompt and the generated tokens (at most max_new_tokens - 1) when a recomputed one resumes.
+        first, *resumed = caches[0].cached[request.request_id]
+        assert 0 <= first < len(request.prompt)
+        assert all(0 <= c < len(request.prompt) + request.max_new_tokens - 1 for c in resumed)
 
 
 # -------------------------------------------------------- blocks filled during decode, multi-turn

@@ -249,19 +249,20 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # Blocks of 2 and a budget of 8: 4 blocks. A and B are 2 + 4 tokens each (3 blocks at the end).
     # Step 0: both admitted (a needs 1 + 1 blocks free, b 1 + 2), prefilled, 1 block each. Step 1:
     # both take a 2nd block: 0 free. Step 2: both fill it. Step 3: both need a 3rd block, none is
-    # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B starts
-    # over at step 4 and finishes at step 7.
+    # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B resumes
+    # at step 4: it prefills its prompt and its 3 generated tokens (5 tokens, 3 blocks), samples its
+    # last token and finishes.
     monkeypatch.setattr("paged_kv.simulation.workload.BlockManager", CountingManager)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1
     assert result.all_finished
-    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1]
-    assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
-    assert result.held_tokens == [4, 6, 8, 5, 2, 3, 4, 5]
-    assert result.reserved_tokens == [4, 8, 8, 6, 2, 4, 4, 6]
-    # The real manager did the bookkeeping: B was allocated twice and its 2 first decodes redone.
-    assert CountingManager.last.calls == {"allocate": 3, "append": 3 + 2 + 3, "free": 3}
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 0]
+    assert result.held_tokens == [4, 6, 8, 5, 5]
+    assert result.reserved_tokens == [4, 8, 8, 6, 6]
+    # The real manager did the bookkeeping: B was allocated twice, and no decode was redone (2 + 2 + 1).
+    assert CountingManager.last.calls == {"allocate": 3, "append": 2 + 2 + 1, "free": 3}
     assert CountingManager.last.num_free_blocks == 4
 
 

@@ -22,11 +22,9 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   free blocks, the most recently admitted sequence is *preempted*
   (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
 
-  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. Without a
-    token budget its output so far is dropped and it starts over when it fits again (greedy
-    decoding is deterministic, so it regenerates the same tokens); with one
-    (``max_num_batched_tokens``, vLLM v1's way) it keeps its output and, admitted again, prefills
-    its prompt and that output in chunks, then samples its next token;
+  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. It keeps
+    its output and, admitted again, prefills its prompt and that output (in chunks under a token
+    budget, ``max_num_batched_tokens``, vLLM v1's way), then samples its next token;
   - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
     waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
     come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the

@@ -46,12 +46,15 @@ The blocks of the whole prompt are still taken at admission, by the same admissi
 changes when the K/V is computed, not which blocks hold it. Invariant: at most one request is
 partly prefilled between steps, and it is the newest running one (a chunk is cut short only when
 it spends the last of the budget, so nobody is admitted after it), so "decodes first" is vLLM's
-single pass over its running queue in order. And a sequence preempted by recompute resumes the v1
-way: it keeps the tokens it generated, its computed count goes back to 0, and when it is admitted
-again it prefills its prompt *and* those tokens, in chunks under the budget, then samples the next
-token, instead of generating them again one per step (with prefix caching its prompt's blocks are
-mostly still cached). Without a budget (``None``, the default) nothing of this applies: a step
-prefills every admitted prompt whole, and recompute starts a request over.
+single pass over its running queue in order. Without a budget (``None``, the default) a step
+prefills every admitted prompt whole.
+
+**Recompute resumes by prefill**, with or without a budget, as the PagedAttention paper (§4.5) and
+both vLLM engines do: a sequence preempted by recompute keeps the tokens it generated, its computed
+count goes back to 0, and when it is admitted again it prefills its prompt *and* those tokens (in
+chunks under a budget, whole without one), then samples the next token, instead of generating them
+again one per step. With prefix caching its blocks are mostly still cached: freed blocks keep their
+hashes.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class Prefill(NamedTuple):
 
     Without a budget a chunk is the whole uncached prompt: ``start == num_cached_tokens`` and
     ``end == num_tokens``. ``generated`` is empty except when a request preempted by recompute
-    resumes under a budget: it prefills its prompt followed by the tokens it had generated.
+    resumes: it prefills its prompt followed by the tokens it had generated.
     """
 
     request: SchedulerRequest
@@ -461,15 +464,15 @@ class Scheduler:
 
     def _preempt(self, victim: _Running, fresh: bool) -> Preemption:
         """Swap out or free ``victim`` (one still prefilling is always requeued; ``fresh``: admitted
-        this step, so it threw nothing away). Under a budget a requeued one keeps its generated
-        tokens, to prefill them when it resumes."""
+        this step, so it threw nothing away). A requeued one keeps its generated tokens, to prefill
+        them when it resumes."""
         request_id = victim.request.request_id
         if self.preemption == "swap" and not victim.prefilling:
             self.swapped.appendleft((victim, self.memory.swap_out(request_id)))  # older victims come first
             return Preemption(request_id, "swap", victim.held)
         self.memory.free(request_id)
         self.waiting.appendleft(victim.request)
-        if self.max_num_batched_tokens is not None and victim.generated:
+        if victim.generated:
             self._resumed[request_id] = victim.generated
         return Preemption(request_id, "recompute", 0 if fresh else victim.num_computed_tokens)
 

@@ -499,7 +499,8 @@ def simulate(
     3. the sequences that were running before decode one token each. Paged: a sequence whose last
        block is full takes a new one; when the step needs more blocks than are free, the most
        recently admitted sequences are preempted by recompute (their blocks are freed, they go back
-       to the front of the queue and will start over), counted in ``preemptions``;
+       to the front of the queue and will prefill their prompt and the tokens they had generated
+       when they resume), counted in ``preemptions``;
     4. the step is recorded, with the split of the memory into token states, reservation, internal
        and external fragmentation (``result.slot_use``); then a sequence that holds all its
        output tokens finishes and frees its memory at once.
