@@ -253,9 +253,10 @@ plt.show()
 # runner computes it (`ModelRunner.execute(output)`: the step's prefills in one packed
 # `prefill_batch`, then one batched `decode_step`)
 # and returns the sampled tokens, and `scheduler.update(output, result)` appends them and finishes
-# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()` returning a
-# `SchedulerOutput` (`vllm/v1/core/sched/`), `GPUModelRunner.execute_model`
-# (`vllm/v1/worker/gpu_model_runner.py`) and `Scheduler.update_from_output`. An
+# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()`
+# (`vllm/v1/core/sched/scheduler.py`) returning a `SchedulerOutput` (`vllm/v1/core/sched/output.py`),
+# `GPUModelRunner.execute_model` (`vllm/v1/worker/gpu_model_runner.py`) and
+# `Scheduler.update_from_output`. An
 # `EngineRequest(request_id, prompt, max_new_tokens, arrival_step)` asks for `max_new_tokens` tokens
 # (there is no end-of-sequence token, so it gets exactly that many). `Engine(model, num_blocks=...,
 # block_size=..., mode=...)` serves requests in a budget of `num_blocks * block_size` token slots,
@@ -713,7 +714,8 @@ plt.show()
 #   keeps only the tokens of chunks that end a prompt;
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks of the
 #   tokens scheduled each step; with `full_sequence_must_fit` (the scheduler's
-#   `scheduler_reserve_full_isl`, on by default) admission first checks that the whole prompt fits.
+#   `SchedulerConfig.scheduler_reserve_full_isl` in `vllm/config/scheduler.py`, on by default)
+#   admission first checks that the whole prompt fits.
 #
 # What the course leaves out or does differently: it takes a prompt's blocks all at admission
 # rather than per step, and runs a step's prefill chunks and its decodes as two forwards where vLLM

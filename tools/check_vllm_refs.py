@@ -13,8 +13,9 @@ is checked against), that
   setting the file reads). A dotted name, ``FlashAttentionImpl.forward``, needs each of its parts defined.
 
 A passage is a markdown bullet (with its continuation lines), a paragraph, or one cell of a table
-row; only passages that cite a path are checked. A name preceded by "course's", "package's" or
-"lesson's" (this course's ``BlockAllocator``), or followed by "here" (``allocate_prompt`` here),
+row; only passages that cite a path are checked. A name preceded by "course's", "package's",
+"lesson's" or "our" (this course's ``BlockAllocator``), or followed by "here" (``allocate_prompt``
+here),
 names this course's code and is not looked up; nor are Python's builtins
 (``None``, ``ValueError``) and backticked spans that are not plain names (shapes, expressions, calls
 with arguments). The check is a grep, not an import: a
@@ -45,7 +46,7 @@ DEFAULT_VLLM = Path("/work/vllm-0.33.0")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 VLLM_PATH = re.compile(r"^vllm/[\w./-]+\.py$")
 NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?$")
-COURSE_NAME = re.compile(r"(?:course|package|lesson)'s\s*$")
+COURSE_NAME = re.compile(r"(?:(?:course|package|lesson)'s|\bour)\s*$")
 COURSE_NAME_AFTER = re.compile(r"^\s*here\b")
 NOT_NAMES = frozenset(dir(builtins))  # None, True, ValueError, int: not vLLM's names
 BULLET = re.compile(r"^\s*(?:[*-]|\d+\.)\s")
