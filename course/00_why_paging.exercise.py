@@ -44,11 +44,12 @@ check("00.blocks_for_tokens", blocks_for_tokens)
 # %% [markdown]
 # ## Task 2 · What a paged cache reserves and wastes
 #
-# Write `paged_usage(request_tokens, block_size)` for a list of request lengths. Return a dict with
+# Write `paged_usage(request_tokens, block_size)` for a list of request lengths, each a request's
+# final length (it is done growing, so no slot is reservation for tokens to come). Return a dict with
 #
 # * `used_blocks`: the blocks all requests hold together;
 # * `reserved_tokens`: the slots in those blocks;
-# * `internal_fragmentation_tokens`: reserved slots that hold no token;
+# * `internal_fragmentation_tokens`: reserved slots that hold no token, all beyond the final lengths;
 # * `block_utilization`: tokens held divided by slots reserved (0.0 when nothing is reserved).
 #
 # **Checked:** the six requests of the lesson, `[9, 17, 33, 5, 41, 12]` in blocks of 16 (11 blocks,

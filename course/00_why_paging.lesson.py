@@ -15,7 +15,9 @@
 # 3. compute what a paged cache wastes instead: less than one block per request;
 # 4. reproduce the fragmentation benchmark of six requests (117 tokens held, 176 slots reserved
 #    with blocks against 246 with contiguous slots) and read its metrics;
-# 5. size a KV cache from a GPU's memory the way vLLM does: how many blocks, and tokens, fit.
+# 5. tell reservation, internal and external fragmentation apart, and read the vLLM paper's
+#    Figure 2, where the KV memory goes, beside the same four shares measured by a simulator;
+# 6. size a KV cache from a GPU's memory the way vLLM does: how many blocks, and tokens, fit.
 #
 # Nothing here needs a GPU. Run the cells in order; the ones marked **Predict, then run** ask you to
 # guess the answer before you look.
@@ -134,16 +136,20 @@ print("wasted:  ", baseline.internal_fragmentation_tokens, "tokens")
 print(f"used:     {baseline.utilization:.1%}")
 
 # %% [markdown]
-# Under a quarter. The waste has three sources, and contiguous allocation suffers from all of them:
+# Under a quarter. The PagedAttention paper, which introduced vLLM, names three kinds of waste, and
+# contiguous allocation suffers from all of them:
 #
-# * **reservation**: slots set aside for tokens a request will generate later, idle until then;
-# * **internal fragmentation**: slots for tokens that are never generated, because the request stops
-#   before the maximum length (almost all of A's and C's 8,000);
+# * **reservation**: slots set aside for tokens a request *will* generate, idle until then. They
+#   are used in the end, but while the request runs no other request can use them;
+# * **internal fragmentation**: slots reserved beyond the request's final length, never used at
+#   all, because the request stops before the maximum (almost all of A's and C's 8,000);
 # * **external fragmentation**: when regions of different sizes come and go, the free memory splits
 #   into holes, none big enough for the next request even when their sum would be.
 #
-# The PagedAttention paper, which introduced vLLM, measured that in earlier serving systems only
-# 20.4 % to 38.2 % of the KV cache memory held actual token states; with vLLM the waste was near zero.
+# The three requests above are finished, so nothing more is to come: all 18,630 wasted slots are
+# internal fragmentation. While they were still generating, part of the same slots was reservation.
+# The paper measured that in earlier serving systems only 20.4 % to 38.2 % of the KV cache memory
+# held actual token states, against 96.3 % with vLLM; section 5 measures the same split.
 
 # %% [markdown]
 # ## 3. The paged way: fixed-size blocks, allocated on demand
@@ -156,9 +162,10 @@ print(f"used:     {baseline.utilization:.1%}")
 # (vLLM's default is 16). A request takes blocks only as its tokens need them, and a **block table**
 # records which physical block holds each run of `block_size` tokens. Three consequences:
 #
-# * no reservation: a request holding `n` tokens holds `ceil(n / block_size)` blocks, no more;
-# * internal fragmentation shrinks to the unused tail of the *last* block, fewer than `block_size`
-#   slots per request;
+# * almost no reservation: a request holding `n` tokens holds `ceil(n / block_size)` blocks, no
+#   more, so the only slots it keeps for tokens to come are the rest of its last block;
+# * internal fragmentation shrinks to the part of that last block beyond the final length, fewer
+#   than `block_size` slots per request;
 # * no external fragmentation: every block is the same size, so any free block fits any request.
 #
 # **Predict, then run.** With blocks of 16 tokens, how many blocks do requests of 0, 1, 16, 17 and
@@ -245,7 +252,7 @@ AllocationPlayer(recorded.trace)
 # | `used_blocks`, `free_blocks` | blocks held by some request, blocks on the free list |
 # | `allocated_tokens` | tokens the requests actually hold |
 # | `reserved_tokens` | slots in the used blocks, `used_blocks * block_size` |
-# | `internal_fragmentation_tokens` | reserved slots with no token, `reserved - allocated` |
+# | `internal_fragmentation_tokens` | reserved slots with no token, `reserved - allocated`: the requests are done, so all of it is internal fragmentation |
 # | `block_utilization` | `allocated / reserved` |
 #
 # Paging saves 70 slots here, about 28 % of the contiguous reservation, and that is the *kind* case
@@ -254,7 +261,84 @@ AllocationPlayer(recorded.trace)
 # section 2 ended up using only 20.4 % to 38.2 % of their KV cache.
 
 # %% [markdown]
-# ## 5. How big should a block be?
+# ## 5. Where the memory goes: the paper's Figure 2, measured
+#
+# The paper's figures come from a serving run, not a frozen set of requests: its Figure 2 splits
+# the KV cache memory of each system, averaged over the run, into four parts. It compares vLLM with
+# Orca, the system that introduced continuous batching, rebuilt by the paper's authors with three
+# ways of reserving a contiguous range: the maximum length, **Orca (Max)**; the prompt plus the
+# output's length rounded up to a power of two (room for the output of up to twice its length),
+# **Orca (Pow2)**; and exactly the final length, **Orca (Oracle)**, which no real server knows in
+# advance. For a running request that holds `h` tokens in `r` reserved slots and will end at `f`
+# tokens (prompt plus output), the parts are
+#
+# | part | slots |
+# |---|---|
+# | token states | `h` |
+# | reservation | `min(r, f) - h`: slots for tokens it will still generate |
+# | internal fragmentation | `max(r - f, 0)`: slots beyond its final length |
+# | external fragmentation and others | the free slots, while a request waits for memory |
+#
+# Lesson 06 builds the simulator that measures them: requests arrive, wait, grow a token per step
+# and leave, and each contiguous range is placed first fit in one address space of slots, so holes
+# appear as ranges come and go. It sums the four parts over the steps at which a request waits
+# (when nobody waits, the free slots are idle, not wasted), so they add up to 100 %. Here it serves
+# 200 requests with the lengths of the paper's ShareGPT data set (161 prompt and 338 output tokens
+# on average, 2,048 at most), all arriving at once, in the paper's memory: 15,728 slots, the 12 GB of
+# KV cache of OPT-13B on a 40 GB A100.
+#
+# **Predict, then run.** Orca (Max) reserves 2,048 slots for every request, and 15,728 slots hold
+# 7 of those. What share of the memory can never be used, whatever the requests?
+
+# %%
+from paged_kv.pictures.plots import plot_memory_shares
+from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES
+from paged_kv.simulation.workload import compare_policies
+
+paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=15728, seed=0)
+measured = paged_first[1:] + paged_first[:1]  # the paper's order: Max, Pow2, Oracle, vLLM
+print(f"{'%':<21}" + "".join(f"{column:>12}" for column in ("tokens", "reservation", "internal", "external")))
+for result in measured:
+    percent = result.memory_shares.percent()
+    print(f"{result.policy:<21}" + "".join(f"{percent[name]:>12.1f}" for name in SHARES))
+print("never usable with Orca (Max):", f"{(15728 - 7 * 2048) / 15728:.1%}")
+
+# %%
+bars = []
+for name, result in zip(PAPER_FIGURE_2, measured, strict=True):
+    label = name.replace(" (", "\n(")
+    bars += [(f"{label}\npaper", PAPER_FIGURE_2[name]), ("measured", result.memory_shares.percent())]
+fig, ax = plt.subplots(figsize=(9, 4))
+plot_memory_shares(bars, group=2, ax=ax, title="the KV cache memory: the paper's Figure 2, and measured")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The 1,392 slots left over by seven ranges of 2,048, 8.9 % of the memory, are all of Orca (Max)'s
+# external fragmentation, in the paper as here. Bar by bar:
+#
+# * **Orca (Max)** matches the paper within a point (21.0 % token states against 20.4 %): with the
+#   same mean lengths, a quarter of each 2,048-slot range is ever used, and most of the rest is
+#   internal fragmentation. The small gap comes from the lengths, synthetic here, real there.
+# * In every Orca bar the token states are about 1.5 times the reservation, measured and in the
+#   paper: how a range divides between tokens computed and tokens to come depends on the requests'
+#   lengths, not on the policy.
+# * **Orca (Pow2)** reserves as the paper's does, yet holds far more token states here (44.8 %
+#   against 26.8 %), because it has far less external fragmentation (13.9 % against 41.6 %): the
+#   paper assumes Orca places its ranges with a buddy allocator (power-of-two blocks at aligned
+#   addresses, a freed block merging only with its buddy), where the simulator's first fit merges
+#   any neighbouring holes. Its internal fragmentation comes out near the paper's (11.4 % against
+#   13.6 %); lesson 06 shows why that is partly a coincidence of the lengths.
+# * **Orca (Oracle)** has no internal fragmentation in either, and again fewer holes here than with
+#   a buddy allocator (16.0 % against 36.6 %), so more token states (50.2 % against 38.2 %).
+# * **vLLM**: 96.1 % token states against the paper's 96.3 %. What is left is the rest of each
+#   sequence's last block (reservation, 1.6 %) and the free blocks the scheduler keeps as headroom
+#   for the running sequences' next tokens (2.3 %); no block waits for a hole.
+#
+# Lesson 06 runs the simulator in detail, with the allocator's holes and what closing them would save.
+
+# %% [markdown]
+# ## 6. How big should a block be?
 #
 # The worst case wastes `block_size - 1` slots per request, so smaller blocks waste less. But each
 # block is one more entry in every block table and one more separate read for the attention kernel,
@@ -291,13 +375,14 @@ plt.show()
 # why it is vLLM's default.
 
 # %% [markdown]
-# ## 6. How many blocks fit on a GPU
+# ## 7. How many blocks fit on a GPU
 #
 # A serving engine does not ask you for a number of blocks: it works it out when it starts, from
 # the GPU's memory, in three steps.
 #
-# 1. **The memory it may use**: the GPU's total memory times `gpu_memory_utilization`, 0.9 in vLLM
-#    by default for years (the rest of the card is left to everything else).
+# 1. **The memory it may use**: the GPU's total memory times `gpu_memory_utilization` (0.92 by
+#    default in vLLM 0.33.0; the examples below take 0.9): the rest of the card is left to
+#    everything else.
 # 2. **Less what the model takes besides the cache**: its weights, and the activations of a forward
 #    pass.
 # 3. **Divided by the bytes of one block**, rounded down: `block_size` times the bytes per token of
@@ -356,12 +441,32 @@ except ValueError as error:
     print("ValueError:", error)
 
 # %% [markdown]
-# vLLM does the same when it starts. `Worker.determine_available_memory` (in
-# `vllm/v1/worker/gpu_worker.py`) takes `total_memory * gpu_memory_utilization` less the non-KV
-# memory a profiling run measured; `get_num_blocks` (in `vllm/v1/core/kv_cache_utils.py`) divides
-# that by the page size of one layer's block, `page_size_bytes` of the layer's `FullAttentionSpec`
-# (in `vllm/v1/kv_cache_interface.py`), and by the number of layers. Its `kv_cache_memory_bytes`
-# setting gives the budget in bytes instead, and `num_gpu_blocks_override` the number of blocks.
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. vLLM sizes its pool of blocks once, when the engine starts, from a
+# profiling run of the model on the GPU.
+#
+# * `vllm/v1/worker/gpu_worker.py`: `Worker.determine_available_memory` returns the bytes the KV
+#   cache may take: the memory the worker requested, `total_memory * gpu_memory_utilization`
+#   (`request_memory` in `vllm/v1/worker/utils.py`), less the non-KV memory the profiling run
+#   measured (weights, activations), as the package's `kv_cache_budget` of section 7 does with the weights alone.
+# * `vllm/config/cache.py`: `CacheConfig.gpu_memory_utilization` (0.92 by default),
+#   `kv_cache_memory_bytes` (the budget in bytes, skipping the profiling) and
+#   `num_gpu_blocks_override` (the number of blocks, as this course's `num_blocks`).
+# * `vllm/v1/core/kv_cache_planning.py`: `get_kv_cache_configs` turns each worker's available
+#   memory into a `KVCacheConfig`; for one group of layers, `get_kv_cache_config_from_groups`
+#   divides it by the bytes of one block across the layers, `num_blocks = available_memory //
+#   bytes_per_block`, section 7's formula.
+# * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes`, the bytes of one layer's block
+#   (`block_size` tokens of K and V for the layer's KV heads; summed over the layers, this course's
+#   `KVCacheSpec.bytes_per_block`); `FullAttentionSpec` is the spec of an ordinary attention layer,
+#   and `KVCacheConfig` holds `num_blocks`.
+# * `vllm/v1/engine/core.py`: `EngineCore._initialize_kv_caches` calls the two, then records the
+#   pool's size as `cache_config.num_gpu_blocks`.
+#
+# What the course leaves out or does differently: `kv_cache_budget` subtracts only the weights,
+# where vLLM measures activations and CUDA graphs with a real forward pass; and vLLM plans several
+# groups of layers at once (sliding-window and full attention, say), where this course has one.
 
 # %% [markdown]
 # ## Recap
@@ -369,12 +474,18 @@ except ValueError as error:
 # * The KV cache costs `2 × layers × kv heads × head dim × bytes` per token: 512 KiB for Llama-2-7B
 #   in 16 bits, so its layout decides how many requests fit at once. Only the KV heads are cached:
 #   Llama-3-8B's 32 query heads share 8 KV heads (grouped-query attention), 128 KiB per token.
-# * Contiguous slots must be reserved at the maximum length; the unused part is lost to reservation,
-#   internal and external fragmentation.
+# * Contiguous slots must be reserved at the maximum length; the unused part is lost to
+#   reservation (slots kept for tokens still to come), internal fragmentation (slots beyond the
+#   final length, never used) and external fragmentation (holes too small for the next request).
 # * A paged cache hands out fixed-size blocks on demand; a request wastes at most `block_size - 1`
 #   slots, in its last block, and any free block fits anyone.
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
+# * The paper's Figure 2, measured by the simulator of lesson 06 in the paper's 15,728 slots: token
+#   states fill 21.0 % of the memory with Orca (Max), 44.8 % with Pow2, 50.2 % with the oracle and
+#   96.1 % with vLLM's blocks, against the paper's 20.4, 26.8, 38.2 and 96.3 %. Max matches; Pow2
+#   and the oracle differ by where they place their ranges (first fit here, a buddy allocator
+#   there), which leaves fewer holes here.
 # * An engine sizes its cache when it starts: (total memory × `gpu_memory_utilization` − weights −
 #   activations) // bytes per block. At 0.9, Llama-3-8B in bfloat16 gets 3,401 blocks of 16 tokens
 #   (54,416 tokens) on a 24 GB GPU and 29,205 (467,280 tokens) on an 80 GB one.

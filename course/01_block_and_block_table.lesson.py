@@ -311,6 +311,35 @@ print("the copy:  ", view.block_ids)
 print("the cache: ", cache.get_block_mapping("E"))
 
 # %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. A block is a `KVCacheBlock` of the scheduler's block pool, and a
+# request's block table exists twice: as a list of blocks in the scheduler's KV cache manager, and as
+# a row of integers in the worker, which the attention kernels read.
+#
+# * `vllm/v1/core/kv_cache_utils.py`: `KVCacheBlock` is this course's `Block`: `block_id`, the index
+#   into every layer's cache, `ref_cnt`, the number of requests holding it (this course's
+#   `ref_count`), and `block_hash`, set once the block is full and cached (lesson 07). It also carries
+#   the free list's links, `prev_free_block` and `next_free_block` (lesson 02).
+# * `vllm/v1/core/single_type_kv_cache_manager.py`: `SingleTypeKVCacheManager.req_to_blocks` maps
+#   each request id to its `KVCacheBlock`s in logical order: the scheduler's block table.
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheBlocks` is what the manager hands the scheduler, a
+#   request's `blocks` per KV cache group; `get_block_ids` turns them into lists of block ids, which
+#   travel to the worker.
+# * `vllm/v1/worker/block_table.py`: `BlockTable` is the worker's tables for the whole batch, one row
+#   per request in a `block_table` buffer of `max_num_blocks_per_req` columns of 32-bit integers;
+#   `append_row` adds a request's new block ids to its row and `num_blocks_per_row` counts them.
+# * `vllm/v1/worker/block_table.py`: `MultiGroupBlockTable` holds one `BlockTable` per KV cache group:
+#   a model that mixes full and sliding-window attention layers keeps a table for each kind.
+# * `vllm/v1/core/block_pool.py`: `null_block` is block 0, taken off the free list when the pool is
+#   built and never handed out: a placeholder for table entries that hold nothing.
+#
+# What the course leaves out or does differently: this course's `BlockTable` counts its own tokens;
+# vLLM's tables are lists of block ids only, and a request's token counts live on the request
+# (`num_computed_tokens` in `vllm/v1/request.py`). The course hands out block 0 like any other and
+# keeps one table per sequence, with no KV cache groups.
+
+# %% [markdown]
 # ## Recap
 #
 # * A `Block` names one physical block, `k_cache[block_id]` and `v_cache[block_id]`; its `ref_count` is

@@ -165,7 +165,8 @@ print("free_block_ids:  ", list(cache.snapshot().free_block_ids))
 # tensors: the manager decides once per block, and the storage simply holds one `k_cache` and
 # `v_cache` per layer. vLLM is built this way: the scheduler's `KVCacheManager`
 # (`vllm/v1/core/kv_cache_manager.py`, over a `BlockPool` in `vllm/v1/core/block_pool.py`) hands out
-# block ids and never touches a tensor, and the model runner holds the per-layer `kv_caches`.
+# block ids and never touches a tensor, and the model runner (`vllm/v1/worker/gpu_model_runner.py`)
+# holds the per-layer `kv_caches`.
 
 # %%
 manager, storage = cache.manager, cache.storage
@@ -357,6 +358,38 @@ print("free_block_ids:", list(pool.free_block_ids))
 
 # %%
 AllocatorPlayground(num_blocks=16, block_size=4)
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. The allocator is the scheduler's `BlockPool`, which owns every block,
+# its ref count and the free list, under one `KVCacheManager` for all the layers:
+#
+# * `vllm/v1/core/block_pool.py`: `BlockPool` holds every `KVCacheBlock` (`blocks`) and the
+#   `free_block_queue`: this course's `BlockAllocator`, and with prefix caching this course's
+#   `CachingBlockAllocator` too (`cached_block_hash_to_block`, lesson 07).
+# * `vllm/v1/core/block_pool.py`: `get_new_blocks` takes blocks from the head of the free queue and
+#   raises each one's `ref_cnt` from 0 to 1; asked for more than `get_num_free_blocks` it raises a
+#   `ValueError`, so the manager checks the count first, all or nothing.
+# * `vllm/v1/core/block_pool.py`: `free_blocks` lowers `ref_cnt`, and a block that reaches 0 goes back
+#   to the queue: to the front when it has no hash, to be reused first, to the back when it is
+#   cached, to be evicted last. `touch` is the way back: a hit on a cached free block takes it off
+#   the queue and counts a holder.
+# * `vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue` is the doubly linked free list, threaded
+#   through the blocks' own `prev_free_block` and `next_free_block`, between two sentinels,
+#   `fake_free_list_head` and `fake_free_list_tail`, so that `popleft`, `remove` and `append` are
+#   O(1) with no special case for an empty list; `prepend_n` and `append_n` put a request's freed
+#   blocks back in one splice, and `num_free_blocks` counts the queue.
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager` is this course's `BlockManager`, one for the
+#   model: `allocate_slots` (lesson 04) and `free` work on block ids and never touch a tensor.
+# * `vllm/v1/worker/gpu_model_runner.py`: the model runner's `kv_caches`, one tensor per layer, is the
+#   storage, this course's `KVStorage`.
+#
+# What the course leaves out or does differently: with prefix caching off, vLLM 0.33.0 puts every
+# freed block at the front of the free queue, so the next request reuses it first, where this course
+# appends freed blocks to the tail (section 4); vLLM keeps block 0 back as `null_block`, and running
+# out is `allocate_slots` returning `None`, not an `OutOfBlocksError`. The course's `FreeBlockQueue`
+# is a ring through one sentinel, with its links in two arrays rather than on the blocks.
 
 # %% [markdown]
 # ## Recap

@@ -343,6 +343,36 @@ print("same as one slot_mapping per sequence:", torch.equal(batch_slots, per_seq
 # through.
 
 # %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. The translation runs in the worker, once per step for every token the
+# step computes: positions become slots, and the new K/V are written at those slots.
+#
+# * `vllm/v1/worker/gpu_model_runner.py`: the model runner sets each scheduled token's position,
+#   `positions`, to its request's `num_computed_tokens` plus its index among the step's new tokens,
+#   and each request's `seq_lens`, then has the batch's block table turn the positions into slots.
+# * `vllm/v1/worker/block_table.py`: `BlockTable.compute_slot_mapping` launches
+#   `ComputeSlotMappingKernel`, a Triton kernel that loads `block_numbers` from the request's row at
+#   `pos // virtual_block_size` and stores `slot_ids`, the block number times `KV_CACHE_BLOCK_SIZE`
+#   plus the offset, into `slot_mapping`: section 5's vectorised slot mapping, for the whole step.
+# * `vllm/v1/attention/backends/utils.py`: `PAD_SLOT_ID`, -1, is the slot of a padding token, one the
+#   step computes for a fixed-size batch but that holds no token.
+# * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionImpl.do_kv_cache_update` writes each
+#   layer's new keys and values into `key_cache` and `value_cache` at `slot_mapping`, with
+#   `reshape_and_cache_flash`, whose Python entry is in `vllm/_custom_ops.py` (the kernel is CUDA).
+# * `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py`: `reshape_and_cache_kernel_flash`, the
+#   same write in Triton, turns the slot back into the pair, `block_idx = slot_idx // block_size` and
+#   `block_offset = slot_idx % block_size`, and skips a negative slot (padding).
+# * `vllm/v1/attention/backend.py`: `CommonAttentionMetadata` carries the batch's
+#   `block_table_tensor` (section 6's padded tensor) and `slot_mapping` to every attention backend.
+#
+# What the course leaves out or does differently: the course computes slots and writes K/V with
+# PyTorch indexing, one sequence or one batch at a time; vLLM does both in kernels over the whole
+# step, and its slot kernel also spreads a block over several GPUs when the context is split between
+# them (decode context parallelism). Its table rows are not padded with -1: the lengths say where a
+# row ends, and whatever the entries past it hold does not matter.
+
+# %% [markdown]
 # ## Recap
 #
 # * Position `p` lives in logical block `p // block_size`, at offset `p % block_size`; the block table

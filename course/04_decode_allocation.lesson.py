@@ -415,6 +415,35 @@ plt.show()
 AllocatorPlayground(num_blocks=16, block_size=4)
 
 # %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. On-demand allocation is one call of the scheduler per request and step,
+# `KVCacheManager.allocate_slots`, for however many new tokens the step computes:
+#
+# * `vllm/v1/core/kv_cache_manager.py`: `allocate_slots` takes a request and `num_new_tokens` (1 for a
+#   decode step), works out `num_tokens_need_slot`, the tokens computed plus the new ones, and returns
+#   `None` when the blocks they need, plus `watermark_blocks` for a request still waiting, are more
+#   than the pool has free; otherwise it takes them and returns the new blocks.
+# * `vllm/v1/core/single_type_kv_cache_manager.py`: `get_num_blocks_to_allocate` is the boundary rule:
+#   `num_required_blocks = cdiv(num_tokens, self.block_size)`, less the `num_req_blocks` the request
+#   holds, which is 0 until its blocks are full.
+# * `vllm/v1/core/single_type_kv_cache_manager.py`: `allocate_new_blocks` takes that many blocks from
+#   the pool (lesson 02) and appends them to the request's list in `req_to_blocks`;
+#   `FullAttentionManager` is the `SingleTypeKVCacheManager` of ordinary attention layers.
+# * `vllm/v1/core/kv_cache_coordinator.py`: `KVCacheCoordinator` asks every KV cache group's manager
+#   (`get_num_blocks_to_allocate`, `allocate_new_blocks`), so that a step's allocation is checked for
+#   all groups before any block is taken.
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` asks the manager for each running
+#   request's slots; when there are too few, `_preempt_request` frees another request's blocks (lesson 08).
+#   A finished request's blocks go back at once (`_free_blocks`), and waiting requests are admitted
+#   into the same step: continuous batching.
+#
+# What the course leaves out or does differently: the course appends one token per decode step
+# (`append_tokens`, `append_block_to_sequence`); vLLM's one call covers any number of new tokens: a
+# prompt chunk, a decode token, the `num_lookahead_tokens` of speculative decoding. Its scheduler
+# decides how many by a token budget per step (lessons 06 and 09).
+
+# %% [markdown]
 # ## Recap
 #
 # * Prefill takes `ceil(prompt / block_size)` blocks: 3 blocks of 4 for a 10-token prompt.

@@ -16,7 +16,8 @@
 #    context length, and show that attention over them is unchanged;
 # 3. build the batched, vectorised version, with the padding clamped and the positions past each
 #    context length masked, which is `paged_kv.paged_attention`, and run it for grouped-query
-#    attention, where several query heads share one cached K/V head;
+#    attention, where several query heads share one cached K/V head, and for a prompt chunk of
+#    several new tokens that attends causally to the tokens already cached;
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
 # 5. explain how a dedicated kernel differs (it reads each block in place and can merge the blocks
 #    with an online softmax; the vLLM paper measures a 20 to 26 % overhead, which larger batches more
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import paged_kv
-from paged_kv import PagedKVCacheAllocator, paged_attention
+from paged_kv import PagedKVCacheAllocator, paged_attention, paged_prefill_attention
 from paged_kv.pictures.plots import colour, plot_padded_block_tables, plot_weights_by_block
 from paged_kv.timing import compare_times, how_fast
 
@@ -403,10 +404,13 @@ plt.show()
 # **It copies.** `k_cache[blocks]` builds a contiguous copy of every sequence's K and V, padding
 # included, before attention starts: K and V are read to copy them, the copy is written, then read again
 # to attend. That is three passes over K and V where one would do, and the speed of decode attention is
-# set by how fast it moves K and V through memory. A real kernel reads each block *in place*. For one
-# head, a block is `block_size × head_dim` numbers stored contiguously in the cache (with vLLM's 16
-# tokens and a head dimension of 128 in 16 bits, 4 KiB), so the kernel loads it as one efficient read,
-# then follows the block table to the next. No copy exists.
+# set by how fast it moves K and V through memory. A real kernel reads each block *in place*, where it
+# lies, and follows the block table to the next. No copy exists.
+#
+# How a block lies in memory depends on the layout. In this course's, `(num_blocks, num_heads,
+# block_size, head_dim)`, one head's block is `block_size × head_dim` numbers stored contiguously
+# (16 tokens of 128 dimensions in 16 bits: 4 KiB in one run), which was also the layout of vLLM's
+# original PagedAttention kernel.
 
 # %%
 one_block = cache.k_cache[table_a[0], 0]  # block table_a[0], head 0
@@ -415,6 +419,24 @@ print(
     "a view into k_cache, not a copy:",
     one_block.untyped_storage().data_ptr() == cache.k_cache.untyped_storage().data_ptr(),
 )
+
+# %% [markdown]
+# vLLM v1's FlashAttention backend lays a block out the other way round: token first. Its default
+# layout keeps one layer's cache, in memory, as `(num_blocks, block_size, num_kv_heads, 2 × head_size)`,
+# K and V side by side in the last axis, so what sits together is one token's heads. The backend
+# receives a *view* with the heads before the tokens, `(num_blocks, num_kv_heads, block_size,
+# 2 × head_size)`, and K is its first `head_size` numbers, V the rest. One head's block is then
+# `block_size` runs of `head_dim` numbers, a fixed stride apart: not contiguous, and read in place all
+# the same, through the strides (lesson 10's kernel reads this very view).
+
+# %%
+vllm_memory = torch.cat([cache.k_cache, cache.v_cache], dim=-1).transpose(1, 2).contiguous()
+vllm_view = vllm_memory.transpose(1, 2)  # (num_blocks, num_kv_heads, block_size, 2 * head_size)
+vllm_block = vllm_view[table_a[0], 0, :, :HEAD_DIM]  # the K of block table_a[0], head 0
+print("in memory: ", tuple(vllm_memory.shape), "| the view:", tuple(vllm_view.shape))
+print("one block of one head:", tuple(vllm_block.shape), "| contiguous:", vllm_block.is_contiguous())
+print("its strides:", vllm_block.stride(), "= (num_kv_heads x 2 x head_size, 1)")
+print("the same keys as the course's block:", torch.equal(vllm_block, one_block))
 
 # %% [markdown]
 # **It materialises all the scores.** A softmax needs the maximum and the sum over *all* positions,
@@ -763,9 +785,123 @@ print("query heads that still agree:", same_heads)
 # table. Consecutive groups (`h // group`) are the convention of Hugging Face's models and of vLLM.
 # In vLLM the attention backends are built with both counts: `FlashAttentionImpl` in
 # `vllm/v1/attention/backends/flash_attn.py` takes `num_heads` and `num_kv_heads` (its
-# `num_queries_per_kv` is their quotient), its cache has the shape `(2, num_blocks, block_size,
-# num_kv_heads, head_size)`, and the kernel maps each query head to its K/V head itself, as
-# `paged_attention` does.
+# `num_queries_per_kv` is their quotient), its cache holds `num_kv_heads` heads per token, and the
+# kernel maps each query head to its K/V head itself, as this course's `paged_attention` does.
+
+# %% [markdown]
+# ## 8. Several new tokens at once: a prompt chunk over the cache
+#
+# Decode brings one new token per sequence. A prompt brings many, and they do not always start at
+# position 0. Sequence `p` below holds 13 tokens: the first 8 are already in the cache, and a chunk of
+# 5 new tokens, positions 8 to 12, is computed now. Its K/V are written into the cache first (lesson
+# 03's slots), then each new token attends to the cached positions and to the new ones up to its own,
+# **causally**: the query at position `8 + i` sees positions `0 .. 8 + i`, never a later one. Two
+# situations of a serving engine produce exactly this query of `q` tokens at an offset:
+#
+# * **chunked prefill.** A long prompt is split into chunks that fit a step's token budget; each chunk
+#   attends to the earlier chunks, which earlier steps left in the cache.
+# * **a prefix-cache hit** (lesson 07). The first blocks of the prompt are found already computed, in
+#   blocks another request filled; only the rest is computed, attending to them.
+#
+# A fresh prompt is the case of an offset of 0, and decode the case of `q = 1`: one function covers all
+# three. The package's is `paged_prefill_attention`: the new queries packed one sequence after another,
+# the block tables, each sequence's length (new tokens included) and its number of new tokens. The
+# reference is SDPA with `is_causal=True` on the whole sequence held contiguously, of which the chunk
+# is the last 5 rows.
+
+# %%
+CACHED, CHUNK = 8, 5  # 8 tokens already in the cache, a chunk of 5 new ones
+gen = torch.Generator().manual_seed(7)
+q_p, k_p, v_p = torch.randn(3, CACHED + CHUNK, NUM_HEADS, HEAD_DIM, generator=gen).to(device)
+cache.allocate_for_sequence("p", CACHED)  # the earlier chunk, or the blocks of a prefix-cache hit
+cache.write_kv("p", k_p[:CACHED], v_p[:CACHED])
+cache.append_tokens("p", CHUNK)  # the chunk's slots...
+cache.write_kv("p", k_p[CACHED:], v_p[CACHED:], start_position=CACHED)  # ...and its K/V, before attention
+print("block table of p:", cache.get_block_mapping("p"), "| length", cache.sequence_length("p"))
+
+out_chunk = paged_prefill_attention(
+    q_p[CACHED:], cache.k_cache, cache.v_cache, cache.block_tables_tensor(["p"]), [13], [CHUNK]
+)
+whole = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q_p, k_p, v_p)), is_causal=True)
+print("chunk output:", tuple(out_chunk.shape), "= (new tokens, heads, head_dim)")
+print(
+    "equals the last 5 rows of causal SDPA on all 13:",
+    torch.allclose(out_chunk, whole.transpose(0, 1)[CACHED:], **TOL),
+)
+
+# %% [markdown]
+# **Predict, then run.** Two ways to get it wrong: attend over the chunk alone, as if it were a fresh
+# prompt, or over all 13 positions without the causal mask. Which of the 5 rows still agree in each
+# case?
+
+# %%
+expected_chunk = whole.transpose(0, 1)[CACHED:]
+alone = F.scaled_dot_product_attention(*(t[CACHED:].transpose(0, 1) for t in (q_p, k_p, v_p)), is_causal=True)
+no_mask = F.scaled_dot_product_attention(
+    q_p[CACHED:].transpose(0, 1), k_p.transpose(0, 1), v_p.transpose(0, 1)
+)
+for name, wrong in [("the chunk alone", alone), ("no causal mask", no_mask)]:
+    rows = [torch.allclose(wrong.transpose(0, 1)[i], expected_chunk[i], **TOL) for i in range(CHUNK)]
+    print(f"{name:>15}: rows that agree {rows}")
+
+# %% [markdown]
+# The chunk alone is wrong everywhere: every new token misses the 8 cached ones. Without the mask only
+# the last row agrees, because position 12, the last, may see all 13 anyway; every earlier row also
+# sees tokens that come after it, which a causal model never sees in training.
+#
+# One call takes a whole batch of such queries, of any mix of lengths. Below, `a` decodes (1 new
+# token, its query of section 1, over its 11) while `p` computes its chunk; the rows are packed `a`'s
+# first, then `p`'s, and each row comes out as in its own call.
+
+# %%
+mixed = paged_prefill_attention(
+    torch.cat([q_a[None], q_p[CACHED:]]),  # 1 + 5 query rows, one sequence after the other
+    cache.k_cache,
+    cache.v_cache,
+    cache.block_tables_tensor(["a", "p"]),
+    context_lens=[11, 13],
+    query_lens=[1, CHUNK],
+)
+print("packed rows:", mixed.shape[0])
+print("row 0, a's decode, equals section 1's SDPA:", torch.allclose(mixed[0], out_sdpa, **TOL))
+print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[1:], out_chunk, **TOL))
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. Attention over the paged cache lives in the attention backends,
+# `vllm/v1/attention/backends/`, one per kernel family, each handed one layer's cache and the batch's
+# metadata:
+#
+# * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionImpl.forward` takes the step's
+#   `query` (every scheduled token of every request, packed) and one layer's `kv_cache`, a view of
+#   shape `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; it splits it into `key_cache` and
+#   `value_cache` and calls the kernel once for the whole batch. `num_queries_per_kv` is the GQA group.
+# * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionMetadata` carries what this lesson's
+#   functions take: `block_table` (this course's `block_tables`), `seq_lens` (the lengths, new tokens
+#   included: this course's `context_lens`), and `query_start_loc`, where each request's queries start in the packed
+#   batch (the running sum of `query_lens`), with `max_query_len` and `max_seq_len`.
+# * `vllm/v1/kv_cache_layout.py`: `KVCacheLayout` names the order in memory of a cache's axes
+#   (layer, block, head, token, content); `LBNHC` puts a block's tokens before its heads, so one
+#   head's block is strided (section 5). It is the first of `_DEFAULT_LAYOUT_PREFERENCE` in
+#   `vllm/v1/attention/backends/utils.py`, which `resolve_kv_cache_layout` follows when the
+#   backends, FlashAttention's among them, state no preference.
+# * `vllm/v1/kv_cache_interface.py`: `create_kv_cache_views` turns one flat buffer into a view per
+#   layer, with the strides `compute_layout_strides` works out for the layout.
+# * `vllm/v1/attention/ops/paged_attn.py`: `PagedAttention.split_kv_cache` still views a cache in the
+#   original PagedAttention kernel's layout, heads before tokens, so that one head's block is
+#   contiguous, as in this course.
+# * `vllm/v1/attention/backends/flex_attention.py`: the FlexAttention backend, this course's `"flex"`
+#   strategy grown up: the keys are the whole pool, and `physical_to_logical_mapping` inverts the
+#   block tables so that a mask function can ask where a pool slot sits in a request.
+# * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` splits the same view
+#   into K and V and calls `unified_attention`, the Triton kernel lesson 10 reads.
+#
+# What the course leaves out or does differently: the kernels vLLM runs are compiled CUDA (FlashAttention)
+# or Triton, fused and reading blocks in place, where this course's strategies are PyTorch operations;
+# the course keeps K and V in two tensors, heads before tokens, and runs decode (`paged_attention`) and
+# prefill (`paged_prefill_attention`) as two calls, where vLLM's backends take every query token of a
+# step, decode and prefill mixed, in one.
 
 # %% [markdown]
 # ## Recap
@@ -781,7 +917,8 @@ print("query heads that still agree:", same_heads)
 #   nothing. This is `paged_kv.paged_attention`.
 # * The order of the blocks matters only through the cut at `context_len`: gathering in sorted block
 #   order put a stale slot among `a`'s 11 positions.
-# * A dedicated kernel reads each block in place (16 tokens × `head_dim` per head in vLLM) and can
+# * A dedicated kernel reads each block in place (in this course's layout one head's block is
+#   contiguous; in vLLM v1's FlashAttention layout, tokens before heads, it is strided) and can
 #   merge the blocks with an online softmax (a running max, a running sum and an accumulator,
 #   rescaled when the max grows); the vLLM paper measures its kernel 20 to 26 % slower than
 #   contiguous attention, and paging repays that with much larger batches.
@@ -795,6 +932,10 @@ print("query heads that still agree:", same_heads)
 #   token for Llama-3-8B in 16 bits instead of 512 KiB. Query head `h` reads K/V head
 #   `h // (num_heads // num_kv_heads)`, as `repeat_kv` and SDPA's `enable_gqa` pair them; every
 #   strategy of `paged_attention` takes such caches without repeating K/V.
+# * A prompt chunk of `q` new tokens at an offset (chunked prefill, or the rest of a prompt after a
+#   prefix-cache hit) attends causally to the cached positions and its own: `paged_prefill_attention`
+#   equals the last `q` rows of causal SDPA on the whole sequence (5 of 13 here). The chunk alone is
+#   wrong in every row; without the causal mask only the last row is right.
 #
 # **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
 # times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,

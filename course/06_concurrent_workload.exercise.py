@@ -58,15 +58,18 @@ check("06.next_power_of_two", next_power_of_two)
 # reserved for a request whose final length is `prompt_tokens + output_tokens`:
 #
 # * `"max"`: `max_model_len`, whatever the request;
-# * `"pow2"`: the next power of two of the final length, but never more than `max_model_len`;
+# * `"pow2"`: the vLLM paper's Orca (Pow2), which over-reserves only the room for the output, by less
+#   than twice: the prompt's `prompt_tokens` slots plus the next power of two of `output_tokens`
+#   (32 slots for a 25-token output), but never more than `max_model_len` in all;
 # * `"oracle"`: exactly the final length.
 #
 # Raise a `ValueError` whose message contains `kind` for any other kind, and one whose message
 # contains `max_model_len` when the final length is longer than `max_model_len`.
 #
-# **Checked:** a request of 100 + 200 tokens with `max_model_len` 2,048 (2,048, 512 and 300 slots);
-# 200 + 56 tokens under `"pow2"` (256); 100 + 200 tokens under `"pow2"` with `max_model_len` 400
-# (400), and 250 + 250 with 500 (500); a request of exactly `max_model_len`; the two errors; and agreement with
+# **Checked:** a request of 100 + 200 tokens with `max_model_len` 2,048 (2,048, 356 = 100 + 256 and
+# 300 slots); under `"pow2"`, 300 + 1 tokens (301: the prompt is not rounded), 200 + 64 (264: 64 is
+# already a power of two), 150 + 200 with `max_model_len` 400 (400, not 406) and 250 + 250 with 500
+# (500); a request of exactly `max_model_len`; the two errors; and agreement with
 # `paged_kv.simulation.workload.ContiguousPolicy(kind, max_model_len).reservation(request)` for 200 sampled
 # ShareGPT-shaped and 200 Alpaca-shaped requests.
 
@@ -74,7 +77,7 @@ check("06.next_power_of_two", next_power_of_two)
 # %%
 def reserved_tokens(kind: str, prompt_tokens: int, output_tokens: int, max_model_len: int) -> int:
     """The slots a contiguous policy of this kind reserves for the request at admission."""
-    ### BEGIN SOLUTION: compute the final length (prompt + output), check it, then pick max_model_len, its capped power of two, or itself
+    ### BEGIN SOLUTION: compute the final length (prompt + output), check it, then pick max_model_len, the prompt plus the output's power of two (capped), or the final length
     total = prompt_tokens + output_tokens
     if kind not in ("max", "pow2", "oracle"):
         raise ValueError(f"kind must be 'max', 'pow2' or 'oracle', got {kind!r}")
@@ -83,7 +86,7 @@ def reserved_tokens(kind: str, prompt_tokens: int, output_tokens: int, max_model
     if kind == "max":
         return max_model_len
     if kind == "pow2":
-        return min(next_power_of_two(total), max_model_len)
+        return min(prompt_tokens + next_power_of_two(output_tokens), max_model_len)
     return total
     ### END SOLUTION
 
@@ -134,8 +137,11 @@ check("06.reserved_tokens", reserved_tokens)
 # * the requests `sample_requests("alpaca", 30, seed=0, arrival_rate=1.0)`, each handed to `step`
 #   at its `arrival_step`, in a budget of 1,024: the number of sequences in each step's forward pass
 #   (those still running after it plus those that finished in it) equals the `running` series of
-#   `simulate(requests, policy, 1024)`, for `ContiguousPolicy("oracle")` and for
-#   `ContiguousPolicy("max", 512)`.
+#   `simulate(requests, policy, 1024)`, for `ContiguousPolicy("oracle", compact=True)` and for
+#   `ContiguousPolicy("max", 512)`. Your batcher counts free slots and never looks for a hole, so
+#   it is compared with the simulator's compacted memory, which moves the reservations together
+#   whenever that lets a request in (with `max`, every reservation is the same size, and first fit
+#   never meets a hole too small).
 
 
 # %%
@@ -184,8 +190,10 @@ check("06.continuous_batcher", ContinuousBatcher)
 #
 # With all three tasks done, this serves the 200 ShareGPT-shaped requests of lesson 06 (arriving at
 # 0.2 per step, in 32,768 slots) with your scheduler and each contiguous reservation. Compare the
-# steps and the mean running sequences with the lesson's table. Then try a larger budget, or
-# `arrival_rate=None`: how much does each policy gain?
+# steps and the mean running sequences with the lesson's table: Orca (Max) matches it, while your
+# Pow2 and Oracle finish sooner than the lesson's, because your batcher counts free slots and never
+# meets a hole (it matches `ContiguousPolicy(kind, 2048, compact=True)`). Then try a larger budget,
+# or `arrival_rate=None`: how much does each policy gain?
 
 # %%
 requests = sample_requests("sharegpt", 200, seed=0, arrival_rate=0.2)
@@ -202,4 +210,4 @@ for kind in ("max", "pow2", "oracle"):
         running_sum += len(batcher.running) + len(finished)  # the finished ones ran in this step too
         done += len(finished)
         step += 1
-    print(f"contiguous/{kind:<7} {step:>5} steps, {running_sum / step:.1f} sequences running on average")
+    print(f"{kind:<7} {step:>5} steps, {running_sum / step:.1f} sequences running on average")

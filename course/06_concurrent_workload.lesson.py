@@ -12,13 +12,16 @@
 #
 # 1. trace a request through a serving step (arrive, wait, admit and prefill, decode, finish and
 #    release) and explain why continuous batching releases a finished request's memory at once;
-# 2. compute what paged blocks and three contiguous reservations (maximum length, next power of two,
-#    exact final length) set aside for a request, and explain why the exact one is out of reach;
+# 2. compute what paged blocks and three contiguous reservations (maximum length, the prompt plus a
+#    power of two for the output, exact final length) set aside for a request, and explain why the
+#    exact one is out of reach;
 # 3. sample workloads shaped like ShareGPT and Alpaca and compute how many sequences fit in a fixed
 #    budget under each policy;
 # 4. run a concurrent workload through the four policies, read memory utilization, running
 #    sequences and tokens per step, and explain why the peak number of running sequences misleads;
-# 5. compare the fraction of reserved memory that holds tokens with lesson 00 and the vLLM paper.
+# 5. measure where the memory goes, token states, reservation, internal and external
+#    fragmentation, as the vLLM paper's Figure 2 does, and explain each difference from the paper's
+#    bars.
 #
 # Nothing here needs a GPU, and every simulation takes a fraction of a second.
 
@@ -44,10 +47,10 @@ from paged_kv.simulation.workload import (
 
 # One colour per policy, from the Okabe-Ito palette: paged in blue as in lesson 00.
 COLOURS = {
-    "paged/16": "#0072B2",
-    "contiguous/max": "#D55E00",
-    "contiguous/pow2": "#E69F00",
-    "contiguous/oracle": "#009E73",
+    "vLLM (blocks of 16)": "#0072B2",
+    "Orca (Max)": "#D55E00",
+    "Orca (Pow2)": "#E69F00",
+    "Orca (Oracle)": "#009E73",
 }
 print("paged_kv", paged_kv.__version__)
 
@@ -140,16 +143,21 @@ AllocationPlayer(recorded.trace)
 # ## 2. Four memory policies
 #
 # Before it admits a request, the scheduler must know where that request's keys and values will
-# go. The simulator compares four answers:
+# go. The simulator compares four answers, named as in the vLLM paper (Kwon et al., *Efficient
+# Memory Management for Large Language Model Serving with PagedAttention*, SOSP 2023). Its
+# baseline is Orca, the serving system that introduced continuous batching; Orca's code is not
+# public, so the paper's authors rebuilt it with three ways of reserving a contiguous range:
 #
-# * **`contiguous/max`**: one contiguous slot as long as the longest sequence the model serves,
+# * **Orca (Max)**: one contiguous range as long as the longest sequence the model serves,
 #   `max_model_len`, for every request. It needs no knowledge of the request; it is what lesson 00
 #   called the simple way.
-# * **`contiguous/pow2`**: one contiguous slot of the next power of two at or above the final length.
-# * **`contiguous/oracle`**: one contiguous slot of exactly the final length, prompt plus output.
-# * **`paged/16`**: blocks of 16 slots on demand. At admission the request takes the blocks its
-#   prompt fills (and the scheduler checks that one block of headroom per running sequence is free
-#   as well, section 1); then a new block each time its last one is full.
+# * **Orca (Pow2)**: one contiguous range of the prompt's length plus the next power of two at or
+#   above the output's length: room for the output of at most twice what it needs, 32 slots for a
+#   25-token answer.
+# * **Orca (Oracle)**: one contiguous range of exactly the final length, prompt plus output.
+# * **vLLM (blocks of 16)**: blocks of 16 slots on demand. At admission the request takes the blocks
+#   its prompt fills (and the scheduler checks that one block of headroom per running sequence is
+#   free as well, section 1); then a new block each time its last one is full.
 #
 # **The oracle is out of reach.** The engine knows the prompt, but the model decides when to stop:
 # it emits an end-of-sequence token whenever the answer is complete, and the user's `max_tokens` is
@@ -159,12 +167,13 @@ AllocationPlayer(recorded.trace)
 # **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*
 # instead of arbitrary sizes. A **buddy allocator**, the one Linux uses for physical pages, splits a
 # free region of $2^k$ slots into two "buddies" of $2^{k-1}$, and merges two free buddies back
-# into one. Rounding every request up to a power of two keeps allocation and freeing fast and
-# freed space easy to reuse, at the price of internal fragmentation of up to half the slot. In this
-# simulator `pow2` rounds the *final* length, which it knows just as the oracle does: it measures
-# what rounding to size classes costs. A real engine would start with the prompt's size class and
-# move the sequence to a slot twice as large each time it fills up, copying its keys and values, to
-# end in the same size class.
+# into one. Rounding a size up to a power of two keeps allocation and freeing fast and freed space
+# easy to reuse, at the price of internal fragmentation of up to half the rounded size. The paper's
+# Orca (Pow2) rounds only the part the engine does not know: the prompt is there at admission and
+# gets exactly its slots, while the room for the output is the output's length rounded up to a
+# power of two. That stands for an engine whose guess of the output length is never short and at
+# most twice too long; the simulator, like the paper, rounds the true output length, which it knows
+# just as the oracle does. So Pow2 measures what a good but imperfect length prediction costs.
 #
 # **Predict, then run.** The ShareGPT-shaped workload below allows prompts and outputs of up to
 # 1,024 tokens each, so `max_model_len` is 2,048. A request has a 100-token prompt and will generate
@@ -175,28 +184,29 @@ request = Request("r", arrival_step=0, prompt_tokens=100, output_tokens=200)
 print("max_model_len:", SHAREGPT.max_model_len, " final length:", request.total_tokens)
 for kind in ("max", "pow2", "oracle"):
     policy = ContiguousPolicy(kind, SHAREGPT.max_model_len)
-    print(f"{policy.name:<18} reserves {policy.reservation(request):>5} slots at admission")
+    print(f"{policy.name:<21} reserves {policy.reservation(request):>5} slots at admission")
 paged = PagedPolicy(block_size=16)
 at_admission = blocks_for_tokens(request.prompt_tokens, 16) * 16
 print(
-    f"{paged.name:<18} reserves {at_admission:>5} slots at admission, {paged.peak_tokens(request)} at the end"
+    f"{paged.name:<21} reserves {at_admission:>5} slots at admission, {paged.peak_tokens(request)} at the end"
 )
 
 # %% [markdown]
-# The contiguous slots are fixed at admission: 2,048, 512 (the power of two above 300) and 300. The
-# paged request starts with the 7 blocks its 100-token prompt needs, 112 slots, and grows one block
-# every 16 tokens up to 19 blocks, 304 slots (it stores at most 299 tokens: its last one is sampled,
-# never fed back). The picture follows the request through its life (the
-# right panel zooms in): the black line is what it holds, the coloured lines what each policy reserves.
+# The contiguous slots are fixed at admission: 2,048; 356, the 100-token prompt plus 256 (the power
+# of two above the 200-token output); and 300. The paged request starts with the 7 blocks its
+# 100-token prompt needs, 112 slots, and grows one block every 16 tokens up to 19 blocks, 304 slots
+# (it stores at most 299 tokens: its last one is sampled, never fed back). The picture follows the
+# request through its life (the right panel zooms in): the black line is what it holds, the
+# coloured lines what each policy reserves.
 
 # %%
 life = range(request.output_tokens)  # step 0 is the prefill, then one token per step
 held = [request.prompt_tokens + step for step in life]
-lines = {
-    f"contiguous/{kind}": [ContiguousPolicy(kind, SHAREGPT.max_model_len).reservation(request)] * len(held)
-    for kind in ("max", "pow2", "oracle")
-}
-lines["paged/16"] = [blocks_for_tokens(h, 16) * 16 for h in held]
+lines = {}
+for kind in ("max", "pow2", "oracle"):
+    policy = ContiguousPolicy(kind, SHAREGPT.max_model_len)
+    lines[policy.name] = [policy.reservation(request)] * len(held)
+lines[paged.name] = [blocks_for_tokens(h, 16) * 16 for h in held]
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
 for ax, top in zip(axes, (2200, 560), strict=True):
     for name, reserved in lines.items():
@@ -213,9 +223,46 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The gap between a coloured line and the black one is reserved memory that holds nothing. Even the
-# oracle's gap is large early in the request's life, because it sets aside room for 200 tokens that
-# do not exist yet. The paged staircase never rises more than one block above the black line.
+# The gap between a coloured line and the black one is reserved memory that holds nothing, and the
+# paper tells two kinds apart. Below the request's final length (300), the gap is **reservation**:
+# slots kept for tokens the request will still generate; they will be used, but until then no other
+# request can use them. Above it, the gap is **internal fragmentation**: slots reserved beyond the
+# final length, never used at all. The oracle has no internal fragmentation, but its reservation is
+# large early in the request's life, because it sets aside room for 200 tokens that do not exist
+# yet. Max and Pow2 have both. The paged staircase never rises more than one block above the black
+# line: its reservation is the rest of the last block, and only the slots of that block beyond the
+# final length, 4 here (304 - 300), end up as internal fragmentation.
+#
+# ### Where the ranges go: first fit, with holes
+#
+# A contiguous range must be one unbroken run of slots. The simulator lays the ranges out in one
+# linear address space of `budget_tokens` slots, as a memory allocator would
+# (`paged_kv.simulation.contiguous.ContiguousAllocator`): a new range starts at the lowest address
+# of the first **hole** (run of free slots) large enough (**first fit**), and a freed range merges
+# with the holes on either side. Ranges of different sizes come and go, so the free slots split into
+# holes: that is **external fragmentation**, the third waste of lesson 00.
+#
+# **Predict, then run.** Ten slots hold three ranges of 3, 3 and 4 slots. The first and the last
+# finish, so 7 of the 10 slots are free. Can a request that needs 5 slots start?
+
+# %%
+from paged_kv.simulation.contiguous import ContiguousAllocator
+
+space = ContiguousAllocator(10)
+for name, size in [("a", 3), ("b", 3), ("c", 4)]:
+    print(f"{name} gets {size} slots from address {space.allocate(name, size).start}")
+space.free("a")
+space.free("c")
+print("holes (start, size):", [tuple(hole) for hole in space.holes])
+print("free slots:", space.free_slots, " largest hole:", space.largest_hole, " 5 fit:", space.fits(5))
+space.free("b")
+print("after b finishes:", [tuple(hole) for hole in space.holes], " 5 fit:", space.fits(5))
+
+# %% [markdown]
+# No: 7 slots are free, but in holes of 3 and 4 on either side of `b`, so the request waits until
+# `b` finishes and the three ranges merge back into one hole of 10. A paged cache never meets this:
+# any free block fits any request. The simulator counts each step at which the request at the front
+# of the queue waits although the free slots in all would hold it (`blocked_by_holes`, section 7).
 
 # %% [markdown]
 # ## 3. Two workloads
@@ -298,9 +345,9 @@ fits = {name: [] for name in COLOURS}
 for dist, requests in ((SHAREGPT, sharegpt_requests), (ALPACA, alpaca_requests)):
     for policy in policies(dist):
         fits[policy.name].append(sequences_that_fit(requests, policy, BUDGETS[dist.name]))
-print(f"{'policy':<20}{'sharegpt':>10}{'alpaca':>10}")
+print(f"{'policy':<21}{'sharegpt':>10}{'alpaca':>10}")
 for name, (on_sharegpt, on_alpaca) in fits.items():
-    print(f"{name:<20}{on_sharegpt:>10}{on_alpaca:>10}")
+    print(f"{name:<21}{on_sharegpt:>10}{on_alpaca:>10}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -317,8 +364,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reserving the maximum fits 16 and 8 sequences, by construction. Powers of two fit 3 to 5 times
-# as many, the oracle and the paged policy 4 to 7 times as many. The paged policy fits slightly
+# Reserving the maximum fits 16 and 8 sequences, by construction. Rounding the output up to a power
+# of two fits 60 and 45, about 4 and 6 times as many; the oracle and the paged policy 4 to 7 times
+# as many. The paged policy fits slightly
 # fewer than the oracle here (67 against 68, 52 against 59): counted at their final lengths, paged
 # sequences lose the unused tail of their last block, which the oracle does not. Alpaca's short
 # sequences feel that tail more.
@@ -356,15 +404,15 @@ print(f"200 requests arriving from step {arrivals[0]} to step {arrivals[-1]}")
 print()
 print(format_table(sharegpt))
 print()
-print(f"{'policy':<18}{'most waiting':>14}{'running, summed over the steps':>32}")
+print(f"{'policy':<21}{'most waiting':>14}{'running, summed over the steps':>32}")
 for result in sharegpt:
-    print(f"{result.policy:<18}{max(result.waiting):>14}{sum(result.running):>32}")
+    print(f"{result.policy:<21}{max(result.waiting):>14}{sum(result.running):>32}")
 
 # %% [markdown]
 # The same 200 requests, arriving at the same moments, in the same memory. The paged cache
 # finishes them in 2,083 steps, reserving the maximum takes 4,895. It produces 34.0 tokens per step
 # against 14.5: 2.3 times the throughput. It never makes a request wait: every request is admitted
-# the step it arrives, while the contiguous policies build queues of up to 128, 94 and 45 requests.
+# the step it arrives, while the contiguous policies build queues of up to 128, 80 and 67 requests.
 # It even beats the oracle, which reserves each sequence's full length from its first step.
 #
 # The first picture plots, step by step, the fraction of reserved slots that hold a token.
@@ -385,7 +433,7 @@ plt.show()
 # %% [markdown]
 # While requests keep arriving, each policy stays in its own band: paged just under 1, the oracle
 # a little above 0.5 (a sequence starts with its prompt and fills its slot one token at a time, so
-# over its life it is a little more than half full), powers of two around 0.4, the maximum around
+# over its life it is a little more than half full), powers of two around 0.5, the maximum around
 # 0.2. Towards the end, the last sequences run alone and fill their slots, so the
 # contiguous lines climb: the oracle's nearly reaches 1, since its last sequence ends one token
 # short of full (its last token is sampled, never stored). (The first 9 steps reserve nothing: the
@@ -420,7 +468,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# `contiguous/max` is stuck at 16 running sequences (32,768 / 2,048) while its queue climbs; the
+# Orca (Max) is stuck at 16 running sequences (32,768 / 2,048) while its queue climbs; the
 # paged cache runs every request that has arrived and not finished. Summed over the steps, the
 # running counts are the same for every policy (70,797, the last column above, the output tokens
 # of the 200 requests), because each request runs one step per output token whatever the policy. So a policy that runs more at once
@@ -429,7 +477,7 @@ plt.show()
 #
 # **Predict, then run.** Alpaca's requests are about 6 times shorter than its `max_model_len` on
 # average (81 of 512 tokens), ShareGPT's about 4 times (516 of 2,048). On which workload does the
-# paged policy gain more over `contiguous/max`? Here Alpaca requests arrive at λ = 0.8 per step in
+# paged policy gain more over Orca (Max)? Here Alpaca requests arrive at λ = 0.8 per step in
 # 4,096 slots.
 
 # %%
@@ -437,7 +485,7 @@ alpaca = compare_policies("alpaca", num_requests=200, budget_tokens=4096, seed=0
 print(format_table(alpaca))
 for workload, results in (("sharegpt", sharegpt), ("alpaca", alpaca)):
     paged_tps, max_tps = results[0].throughput, results[1].throughput
-    print(f"{workload}: paged / contiguous/max tokens per step = {paged_tps / max_tps:.1f}")
+    print(f"{workload}: vLLM / Orca (Max) tokens per step = {paged_tps / max_tps:.1f}")
 
 # %% [markdown]
 # On Alpaca the gain is larger, 3.3 times the throughput against 2.3: the shorter the requests
@@ -462,21 +510,24 @@ print(format_table(burst))
 # decode, the free blocks run out, and the sequences that need a new block cannot all get one. The
 # scheduler then **preempts** the most recently admitted sequence: it frees that sequence's blocks
 # and puts it back at the front of the queue, to be **recomputed** later. Here that happens 43
-# times. A preempted sequence starts over: its prefill runs again and its tokens are generated
-# again (lesson 09's engine regenerates exactly the same text). Lesson 08 covers preemption, a second
+# times. A preempted sequence keeps the tokens it generated, and when it fits again one prefill
+# computes the K/V of its prompt and of those tokens again (lesson 09's engine gives exactly the
+# same text). Lesson 08 covers preemption, a second
 # way to do it (swapping to host memory), and a *watermark* of free blocks that makes it rare.
 #
 # So the peak of 182 running sequences says little: it is the count at step 0, before the cache
-# filled up, and the 43 preemptions that followed threw some of that work away. The mean of 46.5
-# running and the 45.1 tokens per step measure what the server sustained. (Tokens per step is the
-# lower of the two because some steps produce a token that a preemption later throws away: every
-# step of a running sequence samples a token, its prefill included.) Even with the thrashing, the
-# paged cache finishes the burst first, in 1,569 steps against 2,163 for the oracle.
+# filled up, and the 43 preemptions that followed threw away the K/V of their victims, to be
+# computed again. The mean of 47.8 running and the 47.8 tokens per step measure what the server
+# sustained. (The two are equal: every step of a running sequence samples a token, its prefill
+# included, and a preempted sequence keeps the tokens it sampled.) Even with the preemptions, the
+# paged cache finishes the burst first, in 1,481 steps against 2,416 for the oracle.
 
 # %%
 paged_burst = burst[0]
 last_wait = max(step for step, waiting in enumerate(paged_burst.waiting) if waiting)
-print(f"paged/16 has requests waiting until step {last_wait}, and finishes at step {paged_burst.steps - 1}")
+print(
+    f"{paged_burst.policy}: requests wait until step {last_wait}, the last finishes at step {paged_burst.steps - 1}"
+)
 fig, ax = plt.subplots(figsize=(8, 3.5))
 for result in burst:
     ax.plot(range(result.steps), result.running, color=COLOURS[result.policy], lw=1, label=result.policy)
@@ -495,28 +546,128 @@ plt.show()
 # oracle, which still has a queue.
 
 # %% [markdown]
-# ## 7. Back to lesson 00: how much of the reservation holds tokens
+# ## 7. Where the memory goes: the paper's Figure 2, measured
 #
-# Lesson 00 quoted the vLLM paper's measurement: in earlier serving systems, which reserve
-# contiguous memory, only 20.4 % to 38.2 % of the KV cache held actual token states, while with vLLM
-# the waste was near zero. Those are the paper's figures, measured on real systems. The simulator
-# gives its own, as the mean utilization of each policy on the two streams of section 5:
+# Lesson 00 quoted the vLLM paper: in Orca, only 20.4 % to 38.2 % of the KV cache memory held
+# token states, in vLLM 96.3 %. Those figures are the paper's Figure 2, one stacked bar per
+# system that splits the memory into four parts. The simulator measures the same four at every step,
+# in **slot-steps** (one slot of the memory during one step). A running sequence that holds `h`
+# tokens in `r` reserved slots, and will end at `f` tokens (prompt plus output), counts
+#
+# | part | slots | what they are |
+# |---|---|---|
+# | token states | `h` | slots that hold a computed token's keys and values |
+# | reservation | `min(r, f) - h` | slots kept for tokens it will still generate |
+# | internal fragmentation | `max(r - f, 0)` | slots reserved beyond its final length, never used |
+#
+# and the rest of the memory, its free slots, is **external fragmentation and others**.
+# `SimulationResult.memory_shares` sums the four over the steps at which a request is still waiting
+# once the step's admissions are done: the steps at which memory limits the server. (At a step with
+# nobody waiting, the free slots are idle, not wasted, and the step is left out.) At those steps
+# every free slot is one the request at the front of the queue could not use: no hole held its
+# range (external fragmentation proper), the free slots in all were too few for it, or, paged, they
+# are the headroom the scheduler keeps for the running sequences' next tokens: the "others" of the
+# paper's label. The four always sum to 100 % (`paged_kv.simulation.shares` has the definitions).
+#
+# The paper measured OPT-13B on one A100 with 40 GB: 12 GB of KV cache, 15.7 thousand slots at
+# 800 KiB a token (40 layers, 5,120 numbers each for K and V, 16 bits each). The simulator takes
+# that memory, 15,728 slots, and the 200 ShareGPT-shaped requests of section 3, arriving together
+# as in section 6. `python -m paged_kv simulate --json --budget-tokens 15728` prints the same
+# figures as JSON.
+#
+# **Predict, then run.** Orca (Oracle) reserves exactly what each request will need. Which of the
+# four parts is zero for it, and which is not, although its reservations are exact?
 
 # %%
-print(f"{'policy':<20}{'sharegpt':>10}{'alpaca':>10}")
-for on_sharegpt, on_alpaca in zip(sharegpt, alpaca, strict=True):
-    print(f"{on_sharegpt.policy:<20}{on_sharegpt.mean_utilization:>10.1%}{on_alpaca.mean_utilization:>10.1%}")
+from paged_kv.pictures.plots import plot_memory_shares
+from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES
+
+PAPER_SLOTS = 15728  # 12 GiB of KV cache at 800 KiB a token
+paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=PAPER_SLOTS, seed=0)
+figure2 = paged_first[1:] + paged_first[:1]  # the paper's order: Max, Pow2, Oracle, vLLM
+columns = ["tokens", "reservation", "internal", "external"]
+print(f"{'%':<21}" + "".join(f"{c:>12}" for c in columns) + f"{'steps measured':>17}{'blocked by holes':>18}")
+for result in figure2:
+    percent = result.memory_shares.percent()
+    measured = f"{result.memory_shares.steps} of {result.steps}"
+    shares = "".join(f"{percent[name]:>12.1f}" for name in SHARES)
+    print(f"{result.policy:<21}{shares}{measured:>17}{result.blocked_by_holes:>18}")
+
+# %%
+bars = []
+for name, result in zip(PAPER_FIGURE_2, figure2, strict=True):
+    label = name.replace(" (", "\n(")
+    bars += [(f"{label}\npaper", PAPER_FIGURE_2[name]), ("measured", result.memory_shares.percent())]
+fig, ax = plt.subplots(figsize=(9, 4))
+plot_memory_shares(bars, group=2, ax=ax, title="the KV cache memory: the paper's Figure 2, and measured")
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
-# Reserving the maximum uses 25 % and 17 %: in the lower part of the paper's range, or below it.
-# Powers of two reach about 39 % and the oracle 60 to 64 %, above the paper's range, and paging 98 %
-# and 91 %: little waste, as the paper found, though Alpaca's short sequences feel the empty tail of
-# their last block more. The simulator is kind to the contiguous policies: it only counts their
-# slots, and never finds the free memory cut into holes too small for the next request (the external
-# fragmentation of lesson 00), which real contiguous systems suffer.
+# Internal fragmentation is zero for the oracle, here and in the paper, since it reserves nothing
+# beyond the final length; its external fragmentation is not, because its ranges of every size
+# leave holes. Bar by bar, where the measurement and the paper differ, and why:
+#
+# * **Orca (Max): nearly the paper's bar** (21.0, 13.8, 56.3 and 8.9 % against 20.4, 13.3, 57.3
+#   and 8.9 %). Every range is 2,048 slots, so 7 fit in 15,728 and the other 1,392 slots, 8.9 %,
+#   can never hold an eighth: that is all of Max's "external fragmentation and others", in the
+#   paper too. Most of each range is never used (56.3 %), because the synthetic requests have the
+#   real data set's mean lengths, 161 + 338 tokens, a quarter of 2,048. The remaining gap of a
+#   point comes from the lengths, log-normal here against the real conversations there.
+# * **Tokens against reservation: the same split everywhere.** In every Orca bar, measured and in the
+#   paper, the token states are about 1.5 times the reservation (21.0 / 13.8, 44.8 / 30.0 and 50.2 /
+#   33.8 here; 20.4 / 13.3, 26.8 / 17.9 and 38.2 / 25.2 there). A contiguous range holds room for
+#   all its tokens from admission on, so how that room divides between tokens already computed and
+#   tokens to come depends on the requests' lengths, which the policy does not change. The policies
+#   differ in the other two parts.
+# * **Orca (Pow2): far fewer holes, so more tokens** (44.8, 30.0, 11.4 and 13.9 % against 26.8,
+#   17.9, 13.6 and 41.6 %). The simulator reserves as the paper does, the prompt plus the output
+#   rounded up to a power of two, but places the ranges differently. The paper assumes that Orca
+#   places them with a *buddy allocator*: blocks of power-of-two sizes at aligned addresses, where a
+#   freed block merges only with its own buddy. First fit places a range at any address and merges
+#   any neighbouring holes, so it is left with fewer and larger holes, and the memory they would
+#   have taken holds tokens and reservations instead. The paper's part also counts "others", which
+#   it does not break down. Internal fragmentation only looks close (11.4 against 13.6 %): beside
+#   the slots the ranges fill by the end (tokens plus reservation) it is 15 % here (11.4 to 74.8)
+#   and 30 % there (13.6 to 44.7). Much of that is the synthetic lengths: 20 of the 200 outputs are
+#   cut at the 1,024-token limit, itself a power of two, so the longest sequences, which hold
+#   memory longest, waste nothing past their final length.
+# * **Orca (Oracle): the same zero, fewer holes** (50.2, 33.8, 0 and 16.0 % against 38.2, 25.2, 0
+#   and 36.6 %). Again the buddy allocator against first fit. The holes cost even so: at 3,478 of
+#   the measured steps, the request at the front of the queue waited although the free slots in all
+#   would have held its range (`blocked_by_holes`). The next cell serves the same requests with
+#   compaction, every range moved down to close the holes whenever that admits a request (a real
+#   server would pay for it by copying the keys and values of every range it moves).
+# * **vLLM: 96.1 % against the paper's 96.3 %.** With blocks of 16 the reservation is the rest of
+#   each sequence's last block, 1.6 %, and internal fragmentation the part of that block beyond the
+#   final length, under 0.05 %. The free slots while a request waits, 2.3 %, are the headroom of one
+#   block per running sequence, plus the blocks the next prompt lacks. The paper does not split its
+#   remaining 3.7 %.
+#
+# The setting differs as well: the paper served the real ShareGPT traces to OPT-13B, with requests
+# arriving at a fixed rate for an hour, where here 200 synthetic requests with the same mean lengths
+# arrive at once and the shares are measured while a request waits. The memory, 15.7 thousand
+# slots, and the maximum length, 2,048, are the paper's.
+
+# %%
+compacted = simulate(
+    sample_requests(SHAREGPT, 200, seed=0), ContiguousPolicy("oracle", 2048, compact=True), PAPER_SLOTS
+)
+for result in (figure2[2], compacted):
+    external = result.memory_shares.percent()["external_fragmentation"]
+    print(
+        f"{result.policy:<25} {result.steps:>5} steps, {result.blocked_by_holes:>5} blocked by holes, "
+        f"external fragmentation {external:.1f} %"
+    )
+
+# %% [markdown]
+# Without holes the oracle finishes in 4,082 steps instead of 4,631, and its free memory while
+# requests wait falls from 16.0 % to 2.7 %. Paging gets the same effect for free: any block fits any
+# request, so there is nothing to compact.
 #
 # Lesson 00 promised that a paged sequence wastes less than one block. The simulator checks it at
-# every step of the ShareGPT stream: the reserved slots that hold no token, per running sequence.
+# every step of the ShareGPT stream of section 5: the reserved slots that hold no token
+# (reservation and internal fragmentation together), per running sequence.
 
 # %%
 paged_run = sharegpt[0]
@@ -532,9 +683,40 @@ print("block size:", 16)
 
 # %% [markdown]
 # Never more than 15 slots, the unused tail of one block, and 7.5 on average: half a block, the
-# expected tail when lengths fall anywhere within a block. Whatever the length of a sequence, paging
+# expected tail when lengths fall anywhere within a block. Most of that tail is reservation, filled
+# by the sequence's next tokens; only the last block's slots past the final length are never used. Whatever the length of a sequence, paging
 # wastes about half a block of it; reserving the maximum wastes everything the sequence does not
 # reach.
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. Continuous batching lives in the v1 scheduler, which builds each step
+# from a queue of waiting requests and a list of running ones.
+#
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` decides one step and returns a
+#   `SchedulerOutput`. It first schedules the running requests, `self.running`, a list in admission
+#   order, then, if nobody was preempted in the step, admits from `self.waiting` while the token
+#   budget (`max_num_scheduled_tokens`) lasts, fewer than `max_num_active_reqs` run (by default
+#   `max_num_running_reqs`, the `max_num_seqs` setting), and the cache finds blocks for the prompt; the first request that does not fit
+#   stops the admissions, first come first served as in this lesson.
+# * In the same loop, a running request that cannot get the blocks of its next tokens makes
+#   `schedule` preempt `self.running[-1]`, the newest, with `Scheduler._preempt_request`: its blocks
+#   are freed, its `num_computed_tokens` set back to 0, and it goes to the front of the waiting
+#   queue (`prepend_request`), to be recomputed, as in section 6.
+# * `vllm/v1/core/sched/request_queue.py`: `FCFSRequestQueue`, a `deque` of requests served first
+#   come first served, and `PriorityRequestQueue`; `create_request_queue` picks one for the
+#   scheduler's `SchedulingPolicy` (`FCFS` by default).
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots`, which takes the blocks for
+#   a request's new tokens or returns None when too few are free, and `KVCacheManager.free`.
+# * `Scheduler.update_from_output` takes the model runner's sampled tokens and, when a request stops,
+#   frees its blocks at once (`Scheduler._free_request`): continuous batching's release.
+#
+# What the course leaves out or does differently: vLLM gives each step a budget of tokens shared by
+# prefills and decodes, so a long prompt can be prefilled over several steps (chunked prefill),
+# where this lesson's scheduler prefills a whole prompt on admission. And vLLM has no contiguous
+# policy: Orca (Max), (Pow2) and (Oracle) exist only in the paper's evaluation, rebuilt by its
+# authors.
 
 # %% [markdown]
 # ## Recap
@@ -544,21 +726,23 @@ print("block size:", 16)
 #   example, 6 steps against 9 with static batching. Its prefill samples its first token, so a
 #   request with `o` output tokens runs `o` steps, in this simulator as in lesson 09's engine: both
 #   run the package's one scheduler.
-# * Contiguous policies reserve a whole slot at admission: `max_model_len` (2,048 for the ShareGPT
-#   shape), the next power of two of the final length (a buddy-style size class), or the exact final
-#   length (an oracle no engine has, since the model decides when to stop). Paging takes one block
-#   of 16 at a time.
-# * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 49 at powers of two,
+# * The paper's Orca baselines reserve one contiguous range at admission: `max_model_len` (2,048
+#   for the ShareGPT shape, Orca (Max)), the prompt plus the next power of two of the output (a
+#   guess of the output at most twice too long, Orca (Pow2)), or the exact final length (Orca
+#   (Oracle), which no engine has, since the model decides when to stop). The ranges lie first fit
+#   in one address space, so the free slots split into holes. vLLM takes one block of 16 at a time.
+# * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 60 at powers of two,
 #   68 with the oracle and 67 with blocks.
 # * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
-#   on average and produces 34.0 tokens per step, against 29.4 (oracle), 21.2 (powers of two) and
+#   on average and produces 34.0 tokens per step, against 27.6 (oracle), 24.8 (powers of two) and
 #   14.5 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
 # * Peak running misleads: in a burst of 200 the paged policy peaks at 182 but preempts 43 times;
 #   compare mean running and tokens per step.
-# * Utilization: paging 98 % (ShareGPT) and 91 % (Alpaca), with less than one block wasted per
-#   sequence; contiguous reservation from 17 % (maximum, Alpaca) to 64 % (oracle, ShareGPT). The
-#   vLLM paper reports 20.4 % to 38.2 % for earlier, contiguous systems and near-zero waste with
-#   paging.
+# * The paper's Figure 2, measured in its 15,728 slots while requests wait: token states 21.0 %
+#   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 96.1 % (vLLM), against the paper's 20.4, 26.8, 38.2
+#   and 96.3 %. Max matches; Pow2 and Oracle keep fewer holes here (first fit, not a buddy
+#   allocator), so more of their memory holds tokens. Paging wastes less than one block per
+#   sequence.
 #
 # **Next, lesson 07:** sharing, where several sequences point at the same blocks: forking a
 # sequence with reference counts and copy-on-write, and prefix caching by block hash. The exercise

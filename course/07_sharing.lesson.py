@@ -19,7 +19,8 @@
 # 3. compute a prompt's chained block hashes, and explain why a block's identity includes its whole
 #    prefix, why a cache hit compares tokens, and why the last prompt token never comes from the cache;
 # 4. trace prefix caching step by step: cached blocks kept on the free list, revived from its middle
-#    in O(1) by a doubly linked list, evicted least recently freed first;
+#    in O(1) by a doubly linked list, evicted least recently freed first, and blocks filled during
+#    decode cached too, so that a chat's next turn reuses the answer's blocks;
 # 5. read how the prefix-cache hit rate of a workload with shared system prompts grows with the
 #    memory budget.
 
@@ -295,7 +296,8 @@ AllocationPlayer(recorded.trace)
 # $$h_0 = \text{hash}(\text{root}, \text{tokens}_0), \qquad h_i = \text{hash}(h_{i-1}, \text{tokens}_i).$$
 #
 # Only **full** blocks are hashed and cached. The partly full last block of a prompt is still being
-# written (decode appends to it), so it is never shared.
+# written (decode appends to it), so it is not shared while it fills; once decode fills it, it is
+# hashed and cached like any other full block (the end of this section shows it).
 #
 # `full_blocks(token_ids, block_size)` cuts a prompt into its full blocks and `chain_hashes` chains
 # them. Two prompts whose second blocks hold the same tokens, `9 9 9 9`, after different first
@@ -319,11 +321,16 @@ print("block 1: same hash of its tokens alone:", hash(tokens_first) == hash(toke
 # ### A hit is verified
 #
 # A hash is a hint, not a proof: two different blocks can hash alike. A production engine either
-# uses a hash for which a collision is practically impossible (vLLM can hash blocks with SHA-256) or
-# checks. This package checks: each cached block keeps its token ids and the cached block it
-# follows, and a hit must match both, the prompt's tokens and the very parent the previous hit
-# found. To see it work, here is a cache whose hash function is as bad as it gets: every block hashes
-# to 0, so every block collides with every other.
+# uses a hash for which a collision is practically impossible, or checks. vLLM does the first: it
+# hashes blocks with SHA-256 by default (its `prefix_caching_hash_algo` setting also offers
+# `sha256_cbor`, `xxhash` and `xxhash_cbor`) and trusts the hash, never comparing tokens on a hit.
+# Its hash also covers *extra keys* beside the tokens: the LoRA adapter, the multimodal inputs that
+# fall in the block, prompt embeddings given instead of tokens, and a per-request `cache_salt` on
+# the first block, so that two adapters or two tenants never share a block. This package hashes with Python's `hash`, 64 bits and easy to
+# collide on purpose, and hashes tokens only; so it checks: each cached block keeps its token ids
+# and the cached block it follows, and a hit must match both, the prompt's tokens and the very
+# parent the previous hit found. To see it work, here is a cache whose hash function is as bad as it
+# gets: every block hashes to 0, so every block collides with every other.
 
 # %%
 with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, token_ids: 0):
@@ -438,7 +445,12 @@ show("7. r3 finishes; r4 arrives with r0's first 12 tokens")
 
 # %% [markdown]
 # 8, not 12: the last-token rule keeps the third block out of reach, so `r4` computes tokens 8 to 11
-# into a fresh block of its own. (That block is not cached, since its hash already names block 2.)
+# into a fresh block of its own. That block is not cached, since its hash already names block 2: in
+# this package a hash names one block, and the equal block stays private. vLLM caches it too, under
+# the same hash (its map from a hash to blocks holds several), but neither engine swaps block 2 into
+# `r4`'s table in its place: a block table only grows, so the block ids the GPU was given for a
+# sequence never change under it. The one-block rule keeps the package's two maps, hash to block and
+# block to hash, inverse of each other, and costs no hit: the equal block already serves the hash.
 #
 # ### Taking a block out of the middle of the free list
 #
@@ -446,10 +458,13 @@ show("7. r3 finishes; r4 arrives with r0's first 12 tokens")
 # lesson 02 that is `free_list.remove(block_id)`, which walks the deque from its head until it finds
 # the block: O(n) in the number of free blocks, and a GPU with 100,000 free blocks would pay that
 # on every cache hit. `BlockAllocator` therefore keeps its free list as a **doubly linked list**
-# threaded through two arrays indexed by block id, `next` and `prev`, as vLLM's
-# `FreeKVCacheBlockQueue` does. A block id *is* its own node, so finding a block costs nothing, and
-# taking it out relinks its two neighbours: `next[prev[b]] = next[b]` and `prev[next[b]] = prev[b]`,
-# O(1) wherever it sits. Taking the head and adding at the tail stay O(1).
+# threaded through two arrays indexed by block id, `next` and `prev`, in a ring through one
+# sentinel. A block id *is* its own node, so finding a block costs nothing, and taking it out
+# relinks its two neighbours: `next[prev[b]] = next[b]` and `prev[next[b]] = prev[b]`, O(1)
+# wherever it sits. Taking the head and adding at the tail stay O(1). vLLM's
+# `FreeKVCacheBlockQueue` is the same list built from objects: each block object carries its
+# `prev_free_block` and `next_free_block`, and the list runs between a fake head and a fake tail
+# block, so that no end is a special case.
 
 # %%
 queue = FreeBlockQueue(8)
@@ -471,6 +486,74 @@ print("backwards:         ", list(reversed(queue)))
 # the ends: a plain allocate and free take about 4 times as long as a deque's `popleft` and `append`,
 # each a single call into C. That is a price in fractions of a microsecond, against the prefill of
 # the blocks a hit saves.
+
+# %% [markdown]
+# ### Blocks filled during decode are cached too
+#
+# A chat resends the whole conversation at every turn: the next prompt is the previous prompt, the
+# model's answer and the user's new message. The answer's K/V were computed during decode, one
+# token per step, so if only prompt blocks were cached, the next turn would find the previous
+# prompt and compute the whole answer again. vLLM v1 caches the answer too: a block that fills
+# during decode gets its chained hash, from its parent's hash and its own tokens, exactly as a
+# prompt block would, and joins the cache.
+#
+# For that the cache must know the tokens it holds, not just how many. `append_tokens(seq_id, n,
+# token_ids=...)` takes the ids of the new tokens; the engine passes them, since a decode step's
+# input tokens are the tokens it appends (`decode_step` hands them to `PagedKVCache.append`). Each
+# sequence keeps its place in the chain: the entry its last full block is found under and the
+# tokens of the block that is filling. When that block fills, it is hashed after that entry and
+# cached; an append without ids ends the chain, since the cache no longer knows what the sequence
+# holds. Invariant: a cached block's hash is the chained hash of exactly the tokens it holds, from
+# the sequence's first block on, whether it filled in prefill or in decode.
+#
+# Turn 1 of a chat: a 10-token prompt (an 8-token system prompt and a question), and an 8-token
+# answer. Each decode step feeds the token sampled before it, so the cache ends the turn holding the
+# prompt and the first 7 answer tokens: the last sampled token is never fed.
+
+# %%
+chat = PagedKVCacheAllocator(num_blocks=16, block_size=4, num_heads=1, head_dim=1, enable_prefix_caching=True)
+prompt_1 = [*range(100, 108), 1, 2]  # 2 full blocks and 2 tokens
+answer = [50, 51, 52, 53, 54, 55, 56, 57]  # what the model generated
+chat.allocate_for_sequence("turn 1", len(prompt_1), prompt_1)
+for token in answer[:-1]:  # one decode step per token
+    chat.append_tokens("turn 1", 1, token_ids=[token])
+print("turn 1 holds", chat.sequence_length("turn 1"), "tokens in blocks", chat.get_block_mapping("turn 1"))
+for block, tokens in chat.cached_blocks().items():
+    print(f"    block {block} cached, holding {tokens}")
+held = [*prompt_1, *answer[:-1]]
+hashes = {chat.manager.allocator.prefix_cache.entry(b).block_hash for b in chat.cached_blocks()}
+print("the hashes a prompt of the same 17 tokens gets:", hashes == set(chain_hashes(full_blocks(held, 4))))
+chat.free_sequence("turn 1")
+
+# %% [markdown]
+# Blocks 2 and 3 filled during decode, block 2 with the question's last two tokens and the first two
+# of the answer. Their hashes are those a prompt of the same tokens would get, so a prompt that
+# starts with these 17 tokens finds them.
+#
+# **Predict, then run.** Turn 2 resends the conversation and asks something new: 10 + 8 + 3 = 21
+# tokens. How many come from the cache? And how many would, had the decode steps not passed their
+# token ids?
+
+# %%
+prompt_2 = [*prompt_1, *answer, 3, 4, 5]
+chat.allocate_for_sequence("turn 2", len(prompt_2), prompt_2)
+print("turn 2:", len(prompt_2), "tokens,", chat.num_cached_tokens("turn 2"), "from the cache")
+
+prompts_only = PagedKVCacheAllocator(16, 4, 1, 1, enable_prefix_caching=True)
+prompts_only.allocate_for_sequence("turn 1", len(prompt_1), prompt_1)
+prompts_only.append_tokens("turn 1", len(answer) - 1)  # the same steps, without their ids
+prompts_only.free_sequence("turn 1")
+prompts_only.allocate_for_sequence("turn 2", len(prompt_2), prompt_2)
+print("with prompt blocks only:", prompts_only.num_cached_tokens("turn 2"), "from the cache")
+
+# %% [markdown]
+# 16 against 8: with decode blocks cached, turn 2 computes only its last 5 tokens; without, it
+# computes the question's end and the whole answer again. The 16 are the four full blocks of the 17
+# tokens turn 1 held, within the `n - 1` of the last-token rule. `bench/bench_multiturn.py` serves 16
+# conversations of 4 turns each through the engine and the tiny GPT (block 16): caching the blocks
+# filled during decode computes 1,749 prefill tokens instead of 3,109 (1.78 times fewer), a hit rate
+# of 78.6 % instead of 61.9 %, exactly the ideal the chained hashes give; the generated tokens are
+# the same.
 
 # %% [markdown]
 # ## 4. How much a prefix cache saves, and how much memory it needs
@@ -555,14 +638,17 @@ plt.show()
 # Below that, two things happen. With several system prompts, a prompt that no running request
 # uses must wait on the free list for its next request, while every new request takes fresh blocks
 # from the head; the fewer blocks the pool has beyond what the running requests hold, the sooner it
-# is evicted: with 16 system prompts the hit rate falls to 38.7 % at 256 blocks. And the pool is
-# too small for 32 requests at once, so the scheduler preempts (229 times at 160 blocks with 16
-# system prompts): a preempted request is looked up again when it is admitted again, and finds its
-# own prompt still cached, often more than the system prompt. Those lookups count in the hit rate
-# too, which is why it *rises* again at 160 blocks, and why one system prompt scores above the
-# ideal there (68.2 %). The right panel is the fair measure, the prefill work: without caching,
-# preemption recomputes prompts, 180,278 tokens at 160 blocks against 83,537 when nothing is
-# preempted; the cache computes 48,593 of them with one system prompt and 100,828 with 16. A prefix
+# is evicted: with 16 system prompts the hit rate falls to 32.2 % at 256 blocks. And the pool is
+# too small for 32 requests at once, so the scheduler preempts (132 times at 160 blocks with 16
+# system prompts): a preempted request is looked up again when it is admitted again, with the
+# tokens it had generated after its prompt, and finds its own prompt still cached, often more than
+# the system prompt. Its generated tokens are not found: this simulator's runner samples no real
+# tokens, so the blocks they fill get no hash (the engine's do, as above). Those lookups count in
+# the hit rate too, which is why even one system prompt scores a little under the ideal at 160
+# blocks (60.9 %). The right panel is the fair measure, the prefill work: without caching,
+# preemption recomputes prompts and generated tokens, 151,919 tokens at 160 blocks against 83,537
+# when nothing is preempted; the cache computes 57,064 of them with one system prompt and 107,190
+# with 16. A prefix
 # cache is memory that the running requests do not need *right now*: memory a server with room to
 # spare gets for free, and one that is short of blocks does not have, though it still spares the
 # recomputation of the prompts it preempts.
@@ -579,10 +665,48 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
-# `requests` counts the lookups: 299 admissions here, the 200 requests and 99 admitted again after
-# a preemption.
+# `requests` counts the lookups: 273 admissions here, the 200 requests and 73 admitted again after
+# a preemption, each looked up with its prompt and the tokens it had generated.
 # vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a real server
 # reads the same way.
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. Sharing by ref count, the chained block hashes and the cache of full
+# blocks on the free list live in vLLM v1's KV cache manager, `vllm/v1/core/`.
+#
+# * `vllm/v1/core/block_pool.py`: `BlockPool` holds every `KVCacheBlock`, the free queue and the
+#   map from hash to cached block (`BlockHashToBlockMap`, which may hold several blocks under one
+#   hash): this lesson's `CachingBlockAllocator`. `BlockPool.get_cached_block` looks a hash up and
+#   compares no tokens (`PrefixCache.match` here); `BlockPool.cache_full_blocks` caches the blocks
+#   of a request that became full, prompt blocks and blocks filled during decode alike
+#   (`PrefixCache.extend` here); `BlockPool.free_blocks` puts blocks without a hash at the head of the
+#   free queue and cached ones at the tail.
+# * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
+#   token ids and its extra keys (this lesson's `block_hash`), with `NONE_HASH` as the first block's
+#   parent (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt
+#   embedding and `cache_salt` keys; `get_request_block_hasher` chains the hashes of a request's full blocks as its
+#   tokens grow (`chain_hashes` here, and the package's `HashChain` that a sequence keeps).
+# * `vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`, the doubly linked free list of block
+#   objects (`prev_free_block`, `next_free_block`) between `fake_free_list_head` and
+#   `fake_free_list_tail`: the package's `FreeBlockQueue`, with arrays indexed by block id.
+# * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` whenever
+#   output tokens arrive, so a block that fills during decode gets its hash;
+#   `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) then caches it. This is the
+#   package's `append_tokens(seq_id, n, token_ids=...)`.
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
+#   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
+#   `KVCacheManager.free` frees a request's blocks in reverse order, so a prefix is evicted from its
+#   end.
+# * `vllm/config/cache.py`: `CacheConfig.prefix_caching_hash_algo`, `"sha256"` by default, or
+#   `"sha256_cbor"`, `"xxhash"`, `"xxhash_cbor"`; `CacheConfig.enable_prefix_caching` is `True` by
+#   default.
+#
+# What the course leaves out or does differently: it hashes tokens only, with Python's `hash`, and
+# so compares each hit's tokens and parent, where vLLM trusts SHA-256 and adds extra keys; it keeps
+# one block per hash, where vLLM also caches a second equal block (neither engine changes a block
+# table to de-duplicate it).
 
 # %% [markdown]
 # ## Recap
@@ -601,11 +725,15 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # * Freed cached blocks stay on the free list, evicted least recently freed first, last block of a
 #   prefix first; a freed block with nothing cached goes to the head and is reused first. A hit revives them from the middle of the doubly linked free list in O(1): about
 #   0.7 µs at 1,000 and at 100,000 free blocks, where `deque.remove` grows 84 to 120 times.
+# * Blocks filled during decode are cached too, when the appends give their token ids (the engine
+#   passes each decode step's input tokens): a chat's next turn found 16 of its 21 tokens in the
+#   cache instead of 8; over 16 four-turn conversations, 1.78 times fewer prefill tokens. vLLM
+#   hashes with SHA-256 by default, with extra keys, and trusts the hash.
 # * With one shared 256-token system prompt, 200 ShareGPT-shaped requests served by the package's
 #   scheduler find the ideal 61.0 % of their prompt tokens in the cache whenever nothing is
 #   preempted; with 16 system prompts the hit rate falls from the ideal of 56.4 % (2,048 blocks) to
-#   38.7 % at 256. In small pools preempted requests, admitted again, find their own prompts cached:
-#   compare prefill work, not hit rates. The cache lives in the memory the running requests leave
+#   32.2 % at 256. In small pools preempted requests, admitted again, find their own prompts cached
+#   and look up their generated tokens too: compare prefill work, not hit rates. The cache lives in the memory the running requests leave
 #   free.
 #
 # **Next, lesson 08:** running out of blocks, and what a server does then: preempting a sequence by

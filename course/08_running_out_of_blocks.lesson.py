@@ -13,8 +13,9 @@
 #
 # 1. explain why a paged engine runs out of blocks in the middle of a decode step, and why vLLM
 #    then preempts whole sequences, the most recently admitted first;
-# 2. compare the two ways to preempt, recompute and swap, by what each costs (tokens computed again,
-#    blocks copied to host memory and back), and show that neither changes the generated text;
+# 2. compare the two ways to preempt, recompute and swap, by what each costs (tokens computed again
+#    by prefill, blocks copied to host memory and back), and show that neither changes the
+#    generated text;
 # 3. explain the admission watermark and measure how it trades running sequences for preemptions;
 # 4. read the preemptions, steps and running sequences of a workload against the memory budget,
 #    from the smallest budget that can serve it to one where nothing is ever preempted.
@@ -143,10 +144,17 @@ print(
 # does it in one **prefill**, the pass that runs many tokens through the model at once and writes
 # the K/V of all of them (the way a new prompt enters the cache), over the prompt and the tokens
 # generated so far; a GPU runs that far faster than the decode steps, one token each, that first
-# produced them. This course's engine does the simplest
-# thing: the request starts over from its prompt and regenerates its tokens one step at a time, so
-# here recompute also costs steps. The operating-system analogue is dropping a clean page of a
-# program's code: it is never written to disk, because it can always be read from the file again.
+# produced them. vLLM v1 keeps a count of each request's *computed* tokens, those whose K/V the
+# cache holds; preemption sets it back to 0, and when the request is admitted again the scheduler
+# gives it the tokens it lacks, prompt and generated ones, in chunks of at most a token budget per
+# step (`max_num_batched_tokens`, lesson 09 section 6), and the last chunk samples the next token.
+# The course's engine recomputes that way too: a victim keeps its generated tokens, and when it is
+# admitted again it prefills its prompt and those tokens, whole, or in chunks under a budget,
+# `Engine(..., max_num_batched_tokens=64)`, which this lesson gives it. The PagedAttention paper
+# (§4.5) does the same, for the same reason: the tokens generated so far are concatenated with the
+# prompt as a new prompt, whose K/V one prefill computes. The operating-system analogue is
+# dropping a clean page of a program's code: it is never written to disk, because it can always be
+# read from the file again.
 #
 # **Swap.** Copy the victim's K/V to host memory, free its blocks, and when enough blocks are free
 # again, give it fresh ones (whichever are free: the block table changes, the content does not) and
@@ -161,8 +169,8 @@ print(
 #   all. Its weights come from a seeded random generator, not from training, so no download is
 #   needed: its text is noise, but deterministic noise, which is all a test of "the same text after
 #   a preemption" needs, and it runs in milliseconds on a CPU.
-# * **`PagedKVCache`** is the paged cache of a whole model: one `PagedKVCacheAllocator` per layer,
-#   all given the same calls, so they hold the same block tables. A token's K and V take
+# * **`PagedKVCache`** is the paged cache of a whole model: one block manager for every layer (the
+#   block tables) and one pool of K/V blocks per layer, all indexed by the same block ids. A token's K and V take
 #   `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes in this model, so a block of 4
 #   tokens holds 4 KiB. `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a
 #   sequence, every layer at once (`paged_kv.kv.swap`; the exercise builds them for one allocator).
@@ -223,7 +231,10 @@ print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens ==
 # a pool of `num_blocks` blocks. Each step it admits waiting requests first come, first served,
 # while `admits` says they fit, and prefills them; then every running sequence decodes one token,
 # once the newest have been preempted if the step needs it, by `choose_victims` itself
-# (`preemption="recompute"` or `"swap"`); finished requests free their blocks at once.
+# (`preemption="recompute"` or `"swap"`); finished requests free their blocks at once. With
+# `max_num_batched_tokens=64` a step runs at most 64 tokens, decodes first, and a long prefill
+# continues in the next step; here it matters only for the recomputed requests, which prefill the
+# tokens they had generated.
 #
 # Twelve requests arrive at once, each a prompt of 4 to 12 random bytes asking for 17 to 37 tokens,
 # in blocks of 4. `min_num_blocks` gives the smallest pool that can serve them; the engine gets
@@ -255,19 +266,21 @@ NUM_BLOCKS = 2 * smallest
 # finishes the burst in fewer steps, and does either change a single generated token?
 
 # %%
+BUDGET = 64  # max_num_batched_tokens: tokens a step may run
 alone = {
     r.request_id: generate(model, [r.prompt], r.max_new_tokens, cache="contiguous").tokens[0]
     for r in requests
 }
+settings = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE}
 runs = {
-    way: Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption=way).run(requests)
+    way: Engine(model, **settings, preemption=way, max_num_batched_tokens=BUDGET).run(requests)
     for way in ("recompute", "swap")
 }
 print(f"{NUM_BLOCKS} blocks of {BLOCK_SIZE}")
-print("preemption  steps  preemptions  recomputed tokens  blocks out / in  mean running  same text as alone")
+print("preemption        steps  preemptions  recomputed  prefilled  blocks out / in  mean running  same text")
 for way, r in runs.items():
     print(
-        f"{way:<10}{r.steps:>7}{r.preemptions:>13}{r.recomputed_tokens:>19}"
+        f"{way:<16}{r.steps:>7}{r.preemptions:>13}{r.recomputed_tokens:>12}{r.prefill_tokens_computed:>11}"
         f"{r.blocks_swapped_out:>11} / {r.blocks_swapped_in:<4}{r.mean_running:>13.1f}  {r.tokens == alone}"
     )
 bytes_per_block = 2 * config.num_layers * config.d_model * 4 * BLOCK_SIZE  # K and V, float32
@@ -277,12 +290,12 @@ print(
 )
 
 # %% [markdown]
-# Swap finishes in 88 steps, recompute in 115, and the text is the same either way, token for token
-# the text each request gets alone. Recompute preempted 12 times and threw away the K/V of 177
-# tokens, all of which were computed again: the prompts in one prefill each, the generated tokens
-# one decode step at a time. That is where its extra 27 steps go. Swap preempted 9 times and moved
-# 39 blocks out and the same 39 back in, 159,744 bytes each way. Both ran 3.4 sequences at once on
-# average.
+# Both finish in 88 steps, and the text is the same every way, token for token the text each
+# request gets alone. Recompute preempted 8 times and threw away the K/V of 131 tokens, all of
+# which were computed again by prefill: 233 tokens prefilled in all, the 94 of the prompts, the
+# 131, and the 8 last tokens the victims had sampled and not yet fed back. Swap preempted 9 times,
+# prefilled only the prompts, and moved 39 blocks out and the same 39 back in, 159,744 bytes each
+# way. Both ran 3.4 sequences at once on average.
 #
 # On a real model the bytes are what matter. A 7B model's block of 16 tokens holds 8 MiB of K/V
 # (lesson 00: half a mebibyte per token), and a PCIe 4.0 link moves roughly 25 GB/s, so a
@@ -291,6 +304,26 @@ print(
 # copies cannot use the bus's bandwidth; recomputation costs the same whatever the block size; for
 # blocks of 16 to 64 tokens the two perform about the same. vLLM's current engine (V1) preempts by
 # recomputation, which needs no host memory at all.
+#
+# A recomputed request often finds part of its K/V still there. Its freed blocks keep their hashes
+# (lesson 07's prefix cache: a freed block stays cached on the free list until it is reused), so
+# with `enable_prefix_caching=True` the resumed prefill looks its tokens up like any prompt and
+# computes only what the cache lacks, as vLLM's resumed requests do:
+
+# %%
+cached = Engine(model, **settings, max_num_batched_tokens=BUDGET, enable_prefix_caching=True).run(requests)
+print(
+    f"recompute with prefix caching: {cached.preemptions} preemptions, "
+    f"{cached.prefill_tokens_computed} tokens prefilled instead of {runs['recompute'].prefill_tokens_computed}, "
+    f"{cached.prefix_cache_hits} served by the cache; same text: {cached.tokens == alone}"
+)
+
+# %% [markdown]
+# The cache served 60 tokens of the recomputed prefills, 173 prefilled instead of 233. Only full
+# blocks are cached, the blocks of a prompt and, as in vLLM, the blocks that decoding fills (lesson
+# 07), so a resumed request finds every full block it held that was not evicted meanwhile; the
+# tokens of its last, partly filled block, and those of blocks handed to other requests, are
+# computed again.
 #
 # Step by step, `plot_metrics` draws the sequences running, waiting and (for swap) swapped out, and
 # the utilization, tokens held per slot reserved, on a second axis: the recompute run above, the
@@ -323,17 +356,20 @@ plt.show()
 # prompt and the headroom, rounded up to whole blocks, `ceil(watermark * num_blocks)`. The reserve
 # absorbs the growth of the running sequences for a while, at the price of admitting fewer of them.
 # vLLM's earlier (V0) block manager kept a watermark of 1 % of the blocks, "to avoid frequent cache
-# eviction" as its comment says. It rounded down (`int(watermark * num_gpu_blocks)`), so a pool of
-# fewer than 100 blocks kept none; the course's engine rounds up, so that any watermark above zero
-# keeps at least one block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks
-# free.
+# eviction" as its comment says. vLLM v1 has one again: `SchedulerConfig.watermark`, a fraction of
+# the blocks (0 by default), which its `KVCacheManager` turns into `watermark_blocks`; when it
+# allocates the slots of a waiting or a preempted request, and some request is already scheduled,
+# it requires that many blocks to stay free besides, and it never holds them back from a running
+# request. Both round down (`int(watermark * num_blocks)`), so a pool of fewer than 100 blocks keeps
+# nothing at 1 %; the course's engine rounds up, so that any watermark above zero keeps at least
+# one block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks free.
 #
-# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 12 times. How many
+# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 8 times. How many
 # preemptions are left with a 20 % watermark (5 blocks kept free), and what does that cost?
 
 # %%
 watermarks = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
-engines = {w: Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, watermark=w) for w in watermarks}
+engines = {w: Engine(model, **settings, watermark=w, max_num_batched_tokens=BUDGET) for w in watermarks}
 marked = {w: engine.run(requests) for w, engine in engines.items()}
 print(f"recompute, {NUM_BLOCKS} blocks of {BLOCK_SIZE}")
 print("watermark  kept free  preemptions  mean running  steps")
@@ -341,14 +377,15 @@ for w, r in marked.items():
     print(f"{w:>9.0%}{engines[w].watermark_blocks:>11}{r.preemptions:>13}{r.mean_running:>14.2f}{r.steps:>7}")
 
 # %% [markdown]
-# A 20 % watermark cuts the preemptions from 12 to 4, and the price is concurrency: 2.86 sequences
-# running on average instead of 3.40, since 5 of the 22 blocks are off limits to admission. The
-# steps barely move (118 against 115): fewer preemptions mean less work redone, fewer running
-# sequences mean less work per step, and here the two nearly cancel. From 30 % on, the preemptions
-# dwindle (3, 2, 1) while the concurrency keeps falling (2.69, 2.61, 2.46). On a GPU a decode step
-# reads all the model's weights whatever the batch, so a step costs about the same for 3 sequences
-# as for 2, and fewer running sequences means fewer tokens per second. A watermark is worth what the
-# preemptions it avoids cost; a small one, as vLLM's 1 %, catches the worst of them.
+# A 20 % watermark cuts the preemptions from 8 to 3, and the price is concurrency: 2.84 sequences
+# running on average instead of 3.35, since 5 of the 22 blocks are off limits to admission. The
+# steps grow, 104 against 88: a recomputed request prefills what it lost in a step or two, so the
+# preemptions the watermark avoids cost few steps, and the sequences it keeps waiting cost more.
+# From 30 % on, the preemptions dwindle (2, 2, 1) while the concurrency keeps falling (2.63, 2.61,
+# 2.34). On a GPU a decode step reads all the model's weights whatever the batch, so a step costs
+# about the same for 3 sequences as for 2, and fewer running sequences means fewer tokens per
+# second. A watermark is worth what the preemptions it avoids cost (here, the computation of the
+# tokens recomputed); a small one catches the worst of them.
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -373,15 +410,16 @@ plt.show()
 # ## 4. Preemptions against the memory budget
 #
 # The watermark moves the bet; memory changes the odds. `sweep_budgets(model, requests,
-# num_blocks_list, block_size, preemption)` serves the same requests once per budget and returns a
-# row per budget: steps, preemptions, recomputed tokens, blocks swapped out, running sequences. The
+# num_blocks_list, block_size, preemption, max_num_batched_tokens=64)` serves the same requests once
+# per budget and returns a row per budget: steps, preemptions, recomputed tokens, blocks swapped out, running sequences. The
 # sweep runs from `min_num_blocks`, 11, to 99, where every request fits at its longest and nothing
 # can be preempted, both ways.
 
 # %%
 budgets = [smallest, 14, 18, NUM_BLOCKS, 33, 44, 66, at_longest]
 sweeps = {
-    way: sweep_budgets(model, requests, budgets, BLOCK_SIZE, preemption=way) for way in ("recompute", "swap")
+    way: sweep_budgets(model, requests, budgets, BLOCK_SIZE, preemption=way, max_num_batched_tokens=BUDGET)
+    for way in ("recompute", "swap")
 }
 print("blocks    recompute: preemptions  steps  mean running    swap: preemptions  steps  mean running")
 for a, b in zip(sweeps["recompute"], sweeps["swap"], strict=True):
@@ -414,21 +452,48 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At the smallest budget the engine mostly thrashes: recompute preempts 23 times and needs 274
+# At the smallest budget the engine mostly thrashes: recompute preempts 10 times and needs 185
 # steps, swap 13 times and 182 steps, with fewer than 2 sequences running on average. Each added
-# block helps, fast at first: at 22 blocks (twice the minimum) the steps are down to 115 and 88, and
-# at 44 to 59 and 54. The preemptions fall less smoothly (swap preempts 9 times at 22 blocks, once
+# block helps, fast at first: at 22 blocks (twice the minimum) the steps are down to 88 both ways,
+# and at 44 to 54. The preemptions fall less smoothly (swap preempts 9 times at 22 blocks, once
 # more than at 18): one preemption more or less depends on which sequences happen to cross a block
-# boundary together. So does the mean running of recompute, which dips at 66 blocks (5.77 against
-# 6.22 at 44): a long request preempted early starts over and finishes alone, long after the others.
-# At 99 blocks nothing is preempted either way, both take 37 steps (the longest output) and run 7.97
-# sequences on average. Swap needs fewer steps than recompute at every budget below that, since this
-# engine's recompute regenerates what it threw away one step at a time.
+# boundary together. At 99 blocks nothing is preempted either way, both take 37 steps (the longest
+# output) and run 7.97 sequences on average. Recompute by prefill takes as many steps as swap at
+# every budget but the smallest, so in steps the two are even; what separates them is the rest of
+# the bill, the tokens recompute computes again against the blocks swap copies twice over the bus.
 #
 # The two vertical lines, dashed and dotted, bound the range where preemption matters. Below
 # `min_num_blocks` some request cannot run at all; above "all at their longest" the bet cannot fail.
 # A real server sits in between, much nearer the left line than the right: holding every sequence
 # at its longest is exactly the waste that paging set out to avoid.
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. Preemption lives in v1's scheduler, the watermark in its KV cache
+# manager:
+#
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` calls `KVCacheManager.allocate_slots`
+#   for each running request and, while it returns `None`, preempts `self.running[-1]`, the newest
+#   (under the default first-come-first-served policy), until the request fits or is itself the
+#   victim: our `choose_victims`, applied one victim at a time;
+# * `Scheduler._preempt_request` frees the victim's blocks, sets its `num_computed_tokens` to 0 and
+#   puts it at the front of the waiting queue (`prepend_request`): our recompute;
+# * in the waiting loop of `Scheduler.schedule`, a request with `num_computed_tokens == 0` looks
+#   its tokens up in the prefix cache and schedules `request.num_tokens` minus the hits, "to
+#   consider the resumed requests, which have output tokens": the resumed prefill of section 2;
+# * `vllm/v1/core/block_pool.py`: `BlockPool.free_blocks` puts a freed block that holds a hash at
+#   the tail of the free queue, still cached: why a resumed request hits its own blocks;
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager` takes `watermark` and keeps
+#   `watermark_blocks = int(watermark * kv_cache_config.num_blocks)`, which `allocate_slots` adds to
+#   the blocks a `WAITING` or `PREEMPTED` request needs when `has_scheduled_reqs`;
+#   `vllm/config/scheduler.py`: `SchedulerConfig.watermark`, in `[0, 1)`, 0 by default;
+# * `vllm/v1/request.py`: `Request.num_preemptions` counts a request's preemptions, and
+#   `RequestStatus.PREEMPTED` marks one waiting to resume.
+#
+# What the course leaves out or does differently: vLLM v1 has no swap (a preempted request's K/V
+# is recomputed, or reloaded by a KV connector), and it allocates blocks step by step, so it
+# preempts when a step's tokens do not fit rather than when the decode step's new blocks do not.
 
 # %% [markdown]
 # ## Recap
@@ -440,14 +505,19 @@ plt.show()
 #   blocks, the most recently admitted first, until the step fits; a victim frees its blocks and
 #   drops its own need. The oldest is never preempted, and `min_num_blocks` makes sure it always
 #   fits.
-# * **Recompute** drops the victim's K/V and requeues it at the front; **swap** copies it to host
-#   memory and back into other blocks. Neither changes the text. On 12 requests in 22 blocks of 4:
-#   recompute preempted 12 times and redid 177 tokens in 115 steps, swap preempted 9 times and moved
-#   39 blocks (159,744 bytes) each way in 88 steps.
-# * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission: 20 % cut the
-#   preemptions from 12 to 4 for 2.86 sequences running on average instead of 3.40.
-# * Against the budget: from 23 preemptions (recompute) and 13 (swap) at the smallest pool, 11
-#   blocks, to none at 99, where every request fits at its longest.
+# * **Recompute** drops the victim's K/V and requeues it at the front, its computed count back to
+#   0, to prefill its prompt and generated tokens when it resumes (the paper's way and vLLM's, in
+#   chunks under a token budget); **swap** copies it to host memory and back into other blocks. Neither changes the text.
+#   On 12 requests in 22 blocks of 4, with a budget of 64 tokens a step: recompute preempted 8 times
+#   and prefilled 131 lost tokens again, swap preempted 9 times and moved 39 blocks (159,744 bytes)
+#   each way, both in 88 steps. With prefix caching the
+#   cache served 60 of the recomputed tokens: freed blocks keep their hashes.
+# * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission (vLLM v1 has one
+#   too, for waiting and preempted requests): 20 % cut the preemptions from 8 to 3 for 2.84
+#   sequences running on average instead of 3.35, and 104 steps instead of 88.
+# * Against the budget: from 10 preemptions (recompute) and 13 (swap) at the smallest pool, 11
+#   blocks, to none at 99, where every request fits at its longest; recompute and swap take the
+#   same steps at every pool but the smallest.
 #
 # **Next, lesson 09:** end to end. The tiny GPT and the engine taken apart: prefill and decode
 # through the cache, the engine's loop step by step, and a ShareGPT-shaped stream served with paged

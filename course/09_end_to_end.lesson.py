@@ -16,7 +16,8 @@
 # 2. show that greedy generation with the paged cache gives exactly the tokens of the contiguous
 #    cache, for a batch of prompts of different lengths, even in a fragmented pool;
 # 3. trace the engine's loop: admission with one block of headroom per running sequence, a new block
-#    only at a block boundary during decode, and memory released the step a request finishes;
+#    only at a block boundary during decode, memory released the step a request finishes, and a
+#    token budget that prefills long prompts in chunks;
 # 4. serve a ShareGPT-shaped workload in the same memory with paged blocks and with contiguous
 #    slots, and compare running sequences, steps and memory utilization;
 # 5. weigh what paging costs (a slower attention kernel, some bookkeeping) against what it saves,
@@ -252,9 +253,10 @@ plt.show()
 # runner computes it (`ModelRunner.execute(output)`: the step's prefills in one packed
 # `prefill_batch`, then one batched `decode_step`)
 # and returns the sampled tokens, and `scheduler.update(output, result)` appends them and finishes
-# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()` returning a
-# `SchedulerOutput` (`vllm/v1/core/sched/`), `GPUModelRunner.execute_model`
-# (`vllm/v1/worker/gpu_model_runner.py`) and `Scheduler.update_from_output`. An
+# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()`
+# (`vllm/v1/core/sched/scheduler.py`) returning a `SchedulerOutput` (`vllm/v1/core/sched/output.py`),
+# `GPUModelRunner.execute_model` (`vllm/v1/worker/gpu_model_runner.py`) and
+# `Scheduler.update_from_output`. An
 # `EngineRequest(request_id, prompt, max_new_tokens, arrival_step)` asks for `max_new_tokens` tokens
 # (there is no end-of-sequence token, so it gets exactly that many). `Engine(model, num_blocks=...,
 # block_size=..., mode=...)` serves requests in a budget of `num_blocks * block_size` token slots,
@@ -567,6 +569,159 @@ assert all(served.tokens[r.request_id] == hf_generate(r.prompt, 12) for r in str
 print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_running} running: tokens identical")
 
 # %% [markdown]
+# ## 6. A token budget: chunked prefill
+#
+# So far a step prefills every prompt it admits, whole. A step's work is its tokens, one per
+# decode and all of each prompt's, and every sequence in the step waits for all of them: when a
+# 200-token prompt arrives, the dozen sequences decoding beside it get their next token only after
+# those 200 tokens have gone through the model. A server cares about both latencies, the **time to
+# first token** of a new request and the time between two tokens of a running one, and a long
+# prompt in an unbounded step hurts the second.
+#
+# vLLM's scheduler bounds a step instead, by a **token budget**, `max_num_batched_tokens`. Each
+# request keeps a count of its *computed* tokens, those whose K/V the cache holds
+# (`num_computed_tokens`), and each step hands out at most the budget's tokens so that the counts
+# catch up with the requests' tokens: first one token to every running decode, then what is left
+# to **chunks** of prompts, the partly prefilled prompt first, then newly admitted ones, each
+# taking as many of its remaining tokens as the budget allows. A chunk is positions `c .. c + n - 1`
+# of its prompt, computed after `c` others: its queries attend over the cached positions before it
+# and its own, which is `paged_prefill_attention` at an offset, the same call as after a prefix
+# cache hit (lesson 07). Only the chunk that reaches the end of the prompt samples a token; an
+# earlier chunk's last logits predict a prompt token we already know. Admission stops when the
+# budget is spent, so at most one prompt is ever partly prefilled, the newest.
+#
+# Which blocks does a chunk use? The course takes all of a prompt's blocks at admission, by the same
+# admission rule as before, and chunks fill them: chunking changes *when* the K/V is computed, not
+# where it lies. (vLLM takes the blocks of each step's tokens as it schedules them, after checking
+# at admission that the whole prompt would fit.) `Engine(..., max_num_batched_tokens=8)` on a
+# 19-token prompt, with a 5-token prompt arriving a step later, shows the schedule step by step:
+# `EngineResult.scheduled_tokens` lists each step's `(request, tokens)` pairs, decodes first.
+#
+# **Predict, then run.** At which step does `b`, arriving at step 1, get its first token?
+
+# %%
+budgeted = [
+    EngineRequest("a", encode("a 19-token prompt.."), max_new_tokens=3),
+    EngineRequest("b", encode("short"), max_new_tokens=3, arrival_step=1),
+]
+chunked = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=8).run(budgeted)
+for step, scheduled in enumerate(chunked.scheduled_tokens):
+    print(f"step {step}: " + ", ".join(f"{request} {n}" for request, n in scheduled))
+print("first token at step:", chunked.first_token_step)
+print("time to first token (steps):", chunked.time_to_first_token)
+whole = Engine(model, num_blocks=16, block_size=4).run(budgeted)
+print("same tokens as without a budget:", chunked.tokens == whole.tokens)
+
+# %% [markdown]
+# At step 2. `a`'s 19 tokens take three steps, 8, 8 and 3. `b` arrives at step 1, when `a`'s
+# second chunk has spent the budget, and waits; at step 2 `a`'s last chunk samples its first token
+# and leaves 5 tokens of the budget, which admit `b` with a chunk of 5, its whole prompt, so `b`
+# samples in the same step. From then on both decode, one token each. Time to first token: 3 steps
+# for `a`, 2 for `b`. Without a budget `a` would have been one step of 19 tokens, and `b` admitted
+# the step it arrived.
+#
+# Now a stream where it matters: 48 requests, one arriving per step, with short prompts of 4 to 16
+# tokens, except every eighth, which brings a long one of 160 to 200. The same 128 blocks of 16,
+# enough never to preempt, and three budgets: none, 32 and 64 tokens a step. The table gives the
+# steps, the largest step in tokens, and the time to first token in steps (from arrival to the step
+# that samples it, both counted), median and 99th percentile (nearest rank).
+
+# %%
+rng = random.Random(1)
+long_stream = []
+for i in range(48):
+    length = rng.randint(160, 200) if i % 8 == 0 else rng.randint(4, 16)
+    prompt = [rng.randrange(256) for _ in range(length)]
+    long_stream.append(EngineRequest(f"r{i}", prompt, rng.randint(8, 24), arrival_step=i))
+
+
+def nearest_rank(values, share):
+    ordered = sorted(values)
+    return ordered[max(0, -(-len(ordered) * share // 100) - 1)]
+
+
+budgets = {}
+for budget in (None, 32, 64):
+    budgets[budget] = Engine(model, num_blocks=128, block_size=16, max_num_batched_tokens=budget).run(
+        long_stream
+    )
+print("budget  steps  largest step  mean running  TTFT median  TTFT p99  same tokens")
+for budget, r in budgets.items():
+    ttft = list(r.time_to_first_token.values())
+    print(
+        f"{budget or 'none':>6}{r.steps:>7}{max(r.tokens_per_step):>14}{r.mean_running:>14.1f}"
+        f"{statistics.median(ttft):>13.0f}{nearest_rank(ttft, 99):>10}  {r.tokens == budgets[None].tokens}"
+    )
+
+# %% [markdown]
+# A budget of 64 bounds every step to 64 tokens, against 210 without one, in the same 68 steps:
+# a long prompt now spreads over three or four steps, beside the decodes, where before it made one
+# step three times the size of the others. The median request still gets its first token in the
+# step it arrives; the long prompts wait a few steps more (the 99th percentile goes from 1 to 4).
+# A budget of 32 is too tight for this stream: about 10 sequences decode at once and take a third
+# of it, so a long prompt takes many steps to prefill, the short prompts queue behind it (first
+# come, first served), and the median time to first token climbs to 11 steps. Steps are not seconds,
+# though: the cost of a step grows with its tokens, and a step of 210 tokens costs several of 64.
+# The budget trades a little time to first token for a bound on the time between tokens. vLLM's
+# `EngineArgs` picks a default by device, from 2,048 tokens (an API server on a smaller GPU) to
+# 16,384 (on the largest), for models thousands of times larger than this one. The tokens per
+# step, step by step, for no budget and a budget of 64:
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+ax.plot(budgets[None].tokens_per_step, color="#E69F00", label="no budget")
+ax.plot(budgets[64].tokens_per_step, color="#0072B2", label="max_num_batched_tokens = 64")
+ax.axhline(64, color="#0072B2", linestyle=":", linewidth=1)
+ax.set_xlabel("step")
+ax.set_ylabel("tokens in the step")
+ax.set_title("48 requests, every 8th with a 160- to 200-token prompt: the tokens each step runs")
+ax.legend(frameon=False)
+ax.spines[["top", "right"]].set_visible(False)
+plt.show()
+
+# %% [markdown]
+# Without a budget the steps are a few tokens, the decodes, with a spike of about 200 at every long
+# prompt; with one, the spike is cut at 64 and its rest runs in the next steps, so the line is
+# flatter and never crosses the dotted bound. `bench/bench_chunked.py` measures the same on a
+# larger stream and lesson 08 uses the budget's other effect: a request preempted by recompute
+# resumes by prefilling, in chunks, the tokens it had generated.
+
+# %% [markdown]
+# ## In vLLM
+#
+# Checked against vLLM 0.33.0. The engine's loop is vLLM v1's scheduler and model runner, with the
+# token budget in the scheduler:
+#
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` spends `token_budget` (its
+#   `max_num_scheduled_tokens`, which defaults to `max_num_batched_tokens`) in one pass over
+#   `self.running`, then over the waiting queue, giving each request the tokens it lacks
+#   (`num_tokens_with_spec`, or `num_tokens` for a waiting one, minus `num_computed_tokens`),
+#   capped by what is left: our `Scheduler.schedule` (decodes first is that pass in order, since
+#   the one partly prefilled request is the newest);
+# * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, which must be at least
+#   `max_num_seqs` (its default is set by `EngineArgs` in `vllm/engine/arg_utils.py`, per device),
+#   and `long_prefill_token_threshold`, a cap per prompt chunk that the course leaves out;
+# * `vllm/v1/request.py`: `Request.num_computed_tokens` and `num_tokens`, the counts our
+#   scheduler keeps per request, and `is_prefill_chunk`, our request still prefilling;
+# * `vllm/v1/core/sched/output.py`: `SchedulerOutput.num_scheduled_tokens`, a dict of tokens per
+#   request, and `total_num_scheduled_tokens`: our `SchedulerOutput.scheduled` and
+#   `num_scheduled_tokens`;
+# * `Scheduler._update_after_schedule` advances `num_computed_tokens` as soon as a step is
+#   scheduled, and `Scheduler.update_from_output` appends the sampled tokens: our `schedule` and
+#   `update`;
+# * `vllm/v1/worker/gpu_model_runner.py`: `GPUModelRunner.execute_model` runs the step, and its
+#   `discard_request_mask` drops what a partial chunk sampled: our `ModelRunner.execute`, which
+#   keeps only the tokens of chunks that end a prompt;
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks of the
+#   tokens scheduled each step; with `full_sequence_must_fit` (the scheduler's
+#   `SchedulerConfig.scheduler_reserve_full_isl` in `vllm/config/scheduler.py`, on by default)
+#   admission first checks that the whole prompt fits.
+#
+# What the course leaves out or does differently: it takes a prompt's blocks all at admission
+# rather than per step, and runs a step's prefill chunks and its decodes as two forwards where vLLM
+# flattens them into one; speculative decoding and asynchronous scheduling are out of scope.
+
+# %% [markdown]
 # ## Recap
 #
 # * Generation has two phases: **prefill** runs the whole prompt and stores its K and V in every
@@ -587,6 +742,10 @@ print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_runnin
 # * The costs: `paged_attention` at 1.3 to 2 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
 #   a step costs the same for more sequences.
+# * A token budget, `max_num_batched_tokens`, bounds a step: decodes first, then prompt chunks that
+#   attend over the cache at an offset, the same tokens. On 48 requests with a long prompt every
+#   eighth, a budget of 64 cut the largest step from 210 tokens to 64 in the same 68 steps, for a
+#   99th-percentile time to first token of 4 steps instead of 1.
 # * A Hugging Face Llama (SmolLM2-135M's architecture: 30 layers, 9 query heads over 3 K/V heads,
 #   rotary positions) runs on the same cache and engine through the same `prefill` and `decode_step`
 #   and gives exactly Hugging Face's greedy tokens; its cache is sized by the K/V heads, 22.5 KiB per

@@ -15,7 +15,7 @@
 # 1. explain how a kernel's launch grid splits decode attention into programs, one per (sequence,
 #    KV head), and show which blocks of the pool each program reads;
 # 2. compute the address of any key in the cache from its strides, for this course's layout and for
-#    vLLM v1's `(2, num_blocks, block_size, num_kv_heads, head_size)`, and read both with one kernel;
+#    vLLM v1's, tokens before heads with K and V side by side, and read both with one kernel;
 # 3. build the kernel's loop: a block id loaded from the table, the last block's tail masked, the
 #    blocks merged with the online softmax, and show it equals the gather strategy;
 # 4. compute what the kernel reads per step and explain why the block size matters to it;
@@ -294,16 +294,23 @@ for block_size in (8, 16, 32):
 # ## 8. This course's layout beside vLLM v1's
 #
 # This course keeps K and V in two tensors of axes `(num_blocks, num_kv_heads, block_size, head_dim)`:
-# one head's slots of a block are contiguous. vLLM v1's FlashAttention backend keeps one tensor of shape
-# `(2, num_blocks, block_size, num_kv_heads, head_size)` (its `get_kv_cache_shape`): K and V first,
-# and within a block, one slot's heads are contiguous. The kernel does not care: it takes every axis's
-# stride, so `kv_cache[0].permute(0, 2, 1, 3)`, a *view* with this course's axis order and vLLM's
-# memory, is read in place, with no copy. Only the strides differ.
+# one head's slots of a block are contiguous. vLLM 0.33.0 keeps one buffer per layer, and in its
+# default layout that layer's memory is `(num_blocks, block_size, num_kv_heads, 2 × head_size)`:
+# within a block, one slot's heads sit together, each with its K and V side by side. Its attention
+# backends receive a *view* of it with the heads before the slots, `(num_blocks, num_kv_heads,
+# block_size, 2 × head_size)`, which is this course's axis order over vLLM's memory; K is the first
+# `head_size` numbers of the last axis and V the rest. The kernel does not care: it takes every axis's
+# stride, so the two halves of that view are read in place, with no copy. Only the strides differ.
 
 # %%
-vllm_cache = torch.stack([cache.k_cache, cache.v_cache]).transpose(2, 3).contiguous()
-print("vLLM v1 cache shape:", tuple(vllm_cache.shape))
-k_view, v_view = (t.permute(0, 2, 1, 3) for t in vllm_cache.unbind(0))
+vllm_layer = torch.cat([cache.k_cache, cache.v_cache], dim=-1).transpose(1, 2).contiguous()
+print(
+    "vLLM's memory, one layer:",
+    tuple(vllm_layer.shape),
+    "= (num_blocks, block_size, num_kv_heads, 2 x head_dim)",
+)
+kv_view = vllm_layer.transpose(1, 2)  # the view the backend receives: heads before slots
+k_view, v_view = kv_view[..., :HEAD_DIM], kv_view[..., HEAD_DIM:]
 print("course k_cache strides:", cache.k_cache.stride())
 print("vLLM K, as a view:     ", k_view.stride(), "contiguous:", k_view.is_contiguous())
 if KERNELS:
@@ -313,24 +320,36 @@ else:
     print(MISSING)
 
 # %% [markdown]
-# ## 9. Where vLLM's Triton attention lives
+# ## In vLLM
 #
-# In `vllm-project/vllm` (read at commit `001ceb3e98e7`), the `TRITON_ATTN` backend is
-# `vllm/v1/attention/backends/triton_attn.py`; its `forward` calls `unified_attention` from
-# `vllm/attention/ops/triton_unified_attention.py`. There, `kernel_unified_attention_2d` is this
-# lesson's kernel grown up:
+# Checked against vLLM 0.33.0. vLLM's Triton attention is the `TRITON_ATTN` backend (named in
+# `vllm/v1/attention/backends/registry.py`), whose kernel is this lesson's kernel grown up:
 #
-# * `kv_head_idx = tl.program_id(1)`, and the rows of its tile are the query heads of that K/V head,
-#   `kv_head_idx * num_queries_per_kv + offs_m % num_queries_per_kv`: the same grouping as here;
-# * its cache is `[num_blks, blk_size, num_kv_heads, head_size]`, reached through four strides
-#   (`stride_k_cache_0` to `stride_k_cache_3`), and it loads `physical_block_idx` from
-#   `block_tables_ptr + block_table_offset + seq_offset // BLOCK_SIZE`, once per token of a tile;
-# * its loop keeps `M`, `L` and `acc` in float32 and rescales by `alpha = tl.exp(M - m_j)`;
-# * what it adds: `program_id(0)` runs over blocks of query tokens, so one kernel does prefill,
-#   chunked prefill and decode (a causal mask within the new tokens), plus sliding windows, ALiBi,
-#   soft-capping, attention sinks and fp8 caches; and a `kernel_unified_attention_3d` that splits a
-#   long context into segments run by separate programs and merged afterwards (flash-decoding), so a
-#   small batch still fills the GPU.
+# * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` takes the layer's
+#   `kv_cache` view, splits it into `key_cache` and `value_cache` (it moves the slots before the
+#   heads, then cuts the last axis in two) and calls `unified_attention` with the `block_table`,
+#   `seqused_k` (the lengths) and `cu_seqlens_q` (where each request's query tokens start).
+# * `vllm/v1/attention/ops/triton_unified_attention.py`: `unified_attention` picks the grid and
+#   launches `kernel_unified_attention`; `num_queries_per_kv` is the course's `GROUP`.
+# * `vllm/v1/attention/ops/triton_unified_attention.py`: in `kernel_unified_attention`,
+#   `kv_head_idx = tl.program_id(1)` is this kernel's second grid axis, and the rows of a program's
+#   tile are the query heads of that K/V head, `query_offset_1`; `tl.program_id(0)` runs over
+#   blocks of query tokens, so the one kernel does prefill, chunked prefill and decode.
+# * `vllm/v1/attention/ops/triton_unified_attention.py`: its loop loads `physical_block_idx` from
+#   `block_tables_ptr`, once per token of a tile (`seq_offset // BLOCK_SIZE`), so a tile of
+#   `TILE_SIZE` tokens may span several blocks, and reaches K and V through four strides each,
+#   `stride_k_cache_0` to `stride_k_cache_3`.
+# * `vllm/v1/attention/ops/triton_attention_helpers.py`: `softmax_step` is the online softmax of
+#   section 6: the running maximum `M`, the sum `L`, and `alpha`, the factor the kernel rescales its
+#   accumulator by.
+# * `vllm/v1/attention/ops/triton_unified_attention.py`: with `IS_3D`, a third grid axis splits a long
+#   context into segments run by separate programs, and `reduce_segments` merges their partial
+#   results (flash-decoding), so that a small batch still fills the GPU.
+#
+# What the course leaves out or does differently: the kernel here decodes only (one query token per
+# sequence, a program per (sequence, K/V head)) and loads one whole block per step; vLLM's adds query
+# tiles with a causal mask, sliding windows, ALiBi, soft-capping, attention sinks, fp8 and
+# per-token-head quantised caches, and the split into segments.
 
 # %% [markdown]
 # ## Recap
@@ -345,8 +364,9 @@ else:
 #   `exp(m_old - m_new)`; the result equals the gather strategy within 1e-5.
 # * One step reads `2 * BLOCK_SIZE * HEAD_DIM` numbers; 1,000 tokens take 125, 63 or 32 steps with
 #   blocks of 8, 16 or 32, at 4 KiB, 8 KiB or 16 KiB per step in float16 with head dimension 128.
-# * Strides make the layout a detail: the same kernel reads vLLM v1's `(2, num_blocks, block_size,
-#   num_kv_heads, head_size)` cache in place.
+# * Strides make the layout a detail: the same kernel reads, in place, the K and V halves of vLLM
+#   0.33.0's per-layer view `(num_blocks, num_kv_heads, block_size, 2 × head_size)`, whose memory
+#   keeps a block's tokens before its heads.
 #
 # **Next:** the exercise, `exercises/10_writing_the_kernel.ipynb`, has you write the kernel's body; the
 # grader runs it in Triton's interpreter and names the classic mistakes: a position off by one, the

@@ -97,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser(
         "simulate",
-        help="a concurrent workload: paged blocks against contiguous reservation, as a table",
-        description="Serve seeded synthetic requests with paged blocks and with contiguous reservation "
-        "at the maximum length, at the next power of two and at the exact final length (oracle), in "
-        "the same token budget, and print how many sequences run at once, the memory utilization, "
-        "the steps to finish and the output tokens per step.",
+        help="a concurrent workload: paged blocks (vLLM) against contiguous reservation (Orca), as a table",
+        description="Serve seeded synthetic requests with paged blocks (vLLM) and with contiguous "
+        "reservation at the maximum length, at the prompt plus the next power of two of the output and "
+        "at the exact final length (the vLLM paper's Orca (Max), (Pow2) and (Oracle), laid out first "
+        "fit in one address space), "
+        "in the same token budget, and print how many sequences run at once, the memory utilization, "
+        "the steps to finish and the output tokens per step; with --json, also where the memory went.",
     )
     simulate.add_argument(
         "--workload", choices=sorted(WORKLOADS), default="sharegpt", help="the length distribution (sharegpt)"
@@ -118,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean requests arriving per step (default: all arrive at step 0)",
     )
     simulate.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (0)")
+    simulate.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of the table: each policy's figures and the shares of the KV memory "
+        "holding token states, reservation, internal and external fragmentation (the vLLM paper's "
+        "Figure 2), over the steps at which a request waited",
+    )
 
     commands.add_parser(
         "check-env",
@@ -166,6 +175,18 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as error:  # a block larger than the budget, say
         parser.exit(USAGE_ERROR, f"{parser.prog} simulate: error: {error}\n")
     first = results[0]
+    if args.json:
+        report = {
+            "workload": dist.name,
+            "num_requests": first.num_requests,
+            "budget_tokens": first.budget_tokens,
+            "block_size": args.block_size,
+            "arrival_rate": args.arrival_rate,
+            "seed": args.seed,
+            "policies": [result.summary() for result in results],
+        }
+        print(json.dumps(report, indent=2))
+        return 0
     arrivals = "all at step 0" if args.arrival_rate is None else f"{args.arrival_rate:g} per step"
     print(
         f"workload {dist.name}: {first.num_requests} requests (mean prompt "

@@ -21,6 +21,7 @@ from paged_kv import (
     blocks_for_tokens,
     generate,
 )
+from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 
 
 def events_of(manager: BlockManager) -> list[BlockEvent]:
@@ -135,6 +136,57 @@ def test_append_tokens_takes_the_same_blocks_observed_or_not(pool, n):
                 outcomes.append(str(error))
         assert outcomes[0] == outcomes[1]
         assert quiet.snapshot() == watched.snapshot()
+
+
+# --------------------------------------------------------------- decode blocks cached as prompt blocks
+
+
+@st.composite
+def conversations(draw):
+    """Prompts over a small alphabet (so equal blocks are common), some forks, and decode steps."""
+    block_size = draw(st.integers(1, 4))
+    prompts = draw(st.lists(st.lists(st.integers(0, 1), max_size=9), min_size=1, max_size=4))
+    forks = draw(st.lists(st.integers(0, len(prompts) - 1), max_size=2))
+    steps = draw(st.lists(st.lists(st.integers(0, 1), min_size=len(prompts) + len(forks),
+                                   max_size=len(prompts) + len(forks)), max_size=10))  # fmt: skip
+    return block_size, prompts, forks, steps
+
+
+def hashes_held(manager: BlockManager) -> set[int]:
+    pool = manager.allocator.prefix_cache
+    return {pool.entry(block_id).block_hash for block_id in manager.cached_blocks()}
+
+
+@given(conversations())
+def test_decode_blocks_are_cached_by_their_chained_hashes_batched_or_one_by_one(conversation):
+    block_size, prompts, forks, steps = conversation
+    sequences = [*prompts, *(prompts[parent] for parent in forks)]  # each may copy one shared block
+    num_blocks = sum(blocks_for_tokens(len(p) + len(steps), block_size) + 1 for p in sequences)
+    managers = [BlockManager(num_blocks, block_size, enable_prefix_caching=True) for _ in range(2)]
+    events_of(managers[1])  # observed: append_batch takes its loop, not its shortcut
+    tokens: dict[object, list[int]] = {}
+    for manager in managers:
+        for seq_id, prompt in enumerate(prompts):
+            manager.allocate(seq_id, len(prompt), prompt)
+            tokens[seq_id] = list(prompt)
+        for child, parent in enumerate(forks):
+            manager.fork(parent, f"fork-{child}")
+            tokens[f"fork-{child}"] = list(tokens[parent])
+    seq_ids = list(managers[0].seq_ids)
+    for step in steps:
+        managers[0].append_batch(seq_ids, step)
+        for seq_id, token in zip(seq_ids, step, strict=True):
+            managers[1].append_tokens(seq_id, 1, [token])
+            tokens[seq_id].append(token)
+    assert managers[0].snapshot() == managers[1].snapshot()
+    assert managers[0].cached_blocks() == managers[1].cached_blocks()
+    # Nothing was evicted: the cache holds the chained hash of every full block of every
+    # sequence, whether it filled in prefill or in decode, and nothing else.
+    expected = {h for t in tokens.values() for h in chain_hashes(full_blocks(t, block_size))}
+    assert hashes_held(managers[0]) == expected
+    for block_id, held in managers[0].cached_blocks().items():  # each under the hash of its tokens
+        entry = managers[0].allocator.prefix_cache.entry(block_id)
+        assert entry.token_ids == held and len(held) == block_size
 
 
 # ----------------------------------------------------------------------------- events

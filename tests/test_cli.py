@@ -308,11 +308,11 @@ def test_simulate_prints_the_comparison_table():
     assert "budget 32768 tokens" in header and "seed 0" in header
     assert columns.split("  ")[0] == "policy" and columns.split()[-1] == "preemptions"
     assert set(rule) == {"-", " "}
-    assert [row.split()[0] for row in rows] == [
-        "paged/16",
-        "contiguous/max",
-        "contiguous/pow2",
-        "contiguous/oracle",
+    assert [row.split("  ")[0] for row in rows] == [
+        "vLLM (blocks of 16)",
+        "Orca (Max)",
+        "Orca (Pow2)",
+        "Orca (Oracle)",
     ]
     # The table is what the package computes for the same arguments.
     assert result.stdout.endswith(format_table(compare_policies("sharegpt", 200, 32768, 0)) + "\n")
@@ -330,7 +330,41 @@ def test_simulate_passes_every_argument_through(capsys):
     assert "arrivals 0.5 per step" in out.splitlines()[0]
     expected = compare_policies("alpaca", 30, 1024, seed=3, arrival_rate=0.5, block_size=8)
     assert out.endswith(format_table(expected) + "\n")
-    assert "paged/8" in out
+    assert "vLLM (blocks of 8)" in out
+
+
+@pytest.mark.lesson06
+def test_simulate_json_prints_the_shares_of_the_memory_for_each_policy():
+    args = ["--workload", "alpaca", "--num-requests", "40", "--budget-tokens", "1024", "--seed", "2"]
+    result = run_cli("simulate", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {k: v for k, v in report.items() if k != "policies"} == {
+        "workload": "alpaca",
+        "num_requests": 40,
+        "budget_tokens": 1024,
+        "block_size": 16,
+        "arrival_rate": None,
+        "seed": 2,
+    }
+    expected = compare_policies("alpaca", 40, 1024, seed=2)
+    assert [p["policy"] for p in report["policies"]] == [r.policy for r in expected]
+    for policy, result in zip(report["policies"], expected, strict=True):
+        assert policy == json.loads(json.dumps(result.summary()))
+        shares = policy["memory_shares"]
+        assert sum(shares["percent"].values()) == pytest.approx(100)
+        parts = [shares[name] for name in shares["percent"]]
+        assert sum(parts) == shares["capacity"] * shares["steps"] == 1024 * shares["steps"] > 0
+        assert policy["steps"] == result.steps and policy["preemptions"] == result.preemptions
+    assert report["policies"][3]["memory_shares"]["internal_fragmentation"] == 0  # Orca (Oracle)
+
+
+@pytest.mark.lesson06
+def test_simulate_json_says_null_when_no_request_ever_waited(capsys):
+    assert main(["simulate", "--json", "--num-requests", "1", "--budget-tokens", "4096"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for policy in report["policies"]:
+        assert policy["memory_shares"]["steps"] == 0 and policy["memory_shares"]["percent"] is None
 
 
 @pytest.mark.lesson06
@@ -350,7 +384,10 @@ def test_simulate_passes_every_argument_through(capsys):
             ["--budget-tokens", "1000"],
             "--budget-tokens must hold one sequence of the maximum length, 2048 tokens for sharegpt",
         ),
-        (["--block-size", "40000"], "budget_tokens 32768 cannot hold request 0 alone: paged/40000"),
+        (
+            ["--block-size", "40000"],
+            "cannot hold request 0 alone: vLLM (blocks of 40000)",
+        ),
     ],
 )
 def test_simulate_bad_arguments_give_one_line_and_exit_2(args, message, capsys):

@@ -314,18 +314,20 @@ def test_swap_brings_the_preempted_sequence_back_where_it_stopped(model: TinyGPT
 
 
 @pytest.mark.lesson08
-def test_recompute_drops_the_preempted_output_and_starts_over(model: TinyGPT) -> None:
+def test_recompute_frees_the_victim_and_resumes_it_by_prefill(model: TinyGPT) -> None:
     requests = two_growing_requests()
     result = Engine(model, num_blocks=4, block_size=2, preemption="recompute").run(requests)
-    # The same step 3, but b's 4 tokens are thrown away: it is admitted again at step 4 and needs
-    # a prefill and three decode steps, finishing at step 7 instead of 4.
-    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1]
-    assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
-    assert result.swapped == [0] * 8
+    # The same step 3, but b's K/V is thrown away, not its 3 tokens: it is admitted again at step 4,
+    # prefills its prompt and those tokens (5) and samples its last one, finishing at step 4, as swap
+    # does, having computed the K/V of its 4 held tokens again.
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 0]
+    assert result.swapped == [0] * 5
     assert result.admitted_step == {"a": 0, "b": 4}
-    assert result.finished_step == {"a": 3, "b": 7}
+    assert result.finished_step == {"a": 3, "b": 4}
     assert result.preemptions_by_reason == {"recompute": 1, "swap": 0}
     assert (result.blocks_swapped_out, result.blocks_swapped_in, result.recomputed_tokens) == (0, 0, 4)
+    assert result.scheduled_tokens[4] == (("b", 5),)
     assert result.tokens == {r.request_id: alone(model, r) for r in requests}
 
 

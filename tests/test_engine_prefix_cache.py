@@ -11,9 +11,11 @@ import random
 
 import pytest
 import torch
-from hypothesis import event, given, target
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
@@ -39,15 +41,18 @@ def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequ
 
 
 class SpyCache(PagedKVCache):
-    """A PagedKVCache that keeps, per admission, the cached tokens its one manager reported."""
+    """A PagedKVCache that keeps, per admission, the tokens it was given and the cached tokens its
+    one manager reported (a request resumed after recompute is given its generated tokens too)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cached: dict[object, list[int]] = {}
+        self.admitted_tokens: list[int] = []
 
     def add_sequence(self, seq_id, num_tokens, token_ids=None) -> None:
         super().add_sequence(seq_id, num_tokens, token_ids)
         self.cached.setdefault(seq_id, []).append(self.num_cached_tokens(seq_id))
+        self.admitted_tokens.append(num_tokens)
 
     def all_free(self) -> bool:
         return self.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
@@ -74,9 +79,8 @@ def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRe
     assert cache.enable_prefix_caching
     stats = cache.manager.prefix_cache_stats
     assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
-    prompts = {r.request_id: len(r.prompt) for r in requests}
-    admissions = [prompts[seq_id] for seq_id, counts in cache.cached.items() for _ in counts]
-    assert result.prefix_cache_queries == sum(admissions)  # every admission, re-admissions included
+    # Every admission is looked up, re-admissions included, with the tokens each was given.
+    assert result.prefix_cache_queries == sum(cache.admitted_tokens)
     assert result.prefix_cache_hits == sum(sum(counts) for counts in cache.cached.values())
     assert result.prefill_tokens_computed == result.prefix_cache_queries - result.prefix_cache_hits
     assert result.hit_rate == pytest.approx(result.prefix_cache_hits / result.prefix_cache_queries)
@@ -378,7 +382,119 @@ def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
     check_metrics(result, caches[0], requests)
     assert result.prefix_cache_hits % block_size == 0
     for request in requests:
-        assert all(0 <= c < len(request.prompt) for c in caches[0].cached[request.request_id])
+        # A hit leaves at least one token to compute: of the prompt at a first admission, of the
+        # prompt and the generated tokens (at most max_new_tokens - 1) when a recomputed one resumes.
+        first, *resumed = caches[0].cached[request.request_id]
+        assert 0 <= first < len(request.prompt)
+        assert all(0 <= c < len(request.prompt) + request.max_new_tokens - 1 for c in resumed)
+
+
+# -------------------------------------------------------- blocks filled during decode, multi-turn
+
+
+class PromptBlocksOnly(SpyCache):
+    """The baseline: a decode step's token ids are not passed on, so only prompt blocks are cached."""
+
+    def append(self, seq_ids, token_ids=None):
+        return super().append(seq_ids)
+
+
+def prompt_only_spy():
+    caches: list[PromptBlocksOnly] = []
+
+    def factory(*args, **kwargs) -> PromptBlocksOnly:
+        caches.append(PromptBlocksOnly(*args, **kwargs))
+        return caches[-1]
+
+    return factory, caches
+
+
+def expected_hits(prompt: list[int], computed: set[int], block_size: int) -> int:
+    """The tokens a prompt finds: its longest run of leading full blocks whose chained hashes are
+    ``computed``, at most ``len(prompt) - 1`` tokens."""
+    hashes = chain_hashes(full_blocks(prompt, block_size))[: (len(prompt) - 1) // block_size]
+    hits = next((i for i, h in enumerate(hashes) if h not in computed), len(hashes))
+    return hits * block_size
+
+
+def test_a_follow_up_turn_hits_the_blocks_its_answer_filled(model: TinyGPT, device: torch.device) -> None:
+    prompt = [*SYSTEM, 1]  # 10 tokens: two full blocks of 4
+    first = EngineRequest("turn1", prompt, 8)
+    answer = alone(model, first)
+    # The cache ends turn 1 holding 10 + 8 - 1 = 17 tokens (the last answer token is never fed):
+    # four full blocks. The next turn is the prompt, the answer and a new message, 21 tokens.
+    second = EngineRequest("turn2", [*prompt, *answer, 5, 6, 7], 4, arrival_step=10)
+    model = model.to(device)
+    try:
+        results, caches = {}, {}
+        for name, (factory, built) in (("decode", spy()), ("prompts", prompt_only_spy())):
+            engine = Engine(
+                model, num_blocks=16, block_size=4, enable_prefix_caching=True, cache_factory=factory
+            )
+            results[name], caches[name] = engine.run([first, second]), built[0]
+            assert_alone(model, results[name], [first, second])
+    finally:
+        model.to("cpu")
+    assert results["decode"].finished_step["turn1"] < results["decode"].admitted_step["turn2"]
+    assert caches["decode"].cached["turn2"] == [(10 + 8 - 1) // 4 * 4] == [16]
+    assert caches["prompts"].cached["turn2"] == [10 // 4 * 4] == [8]
+    assert results["decode"].prefill_tokens_computed == 10 + (21 - 16)
+    assert results["prompts"].prefill_tokens_computed == 10 + (21 - 8)
+    check_metrics(results["decode"], caches["decode"], [first, second])
+
+
+@st.composite
+def chats(draw) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """1 to 3 conversations under one system prompt: each turn's new message, and answer lengths."""
+    system = draw(st.lists(st.integers(0, 255), max_size=6))
+    num_turns = draw(st.integers(2, 3))
+    messages = [
+        [system + draw(st.lists(st.integers(0, 255), min_size=1, max_size=3))]
+        + [draw(st.lists(st.integers(0, 255), min_size=1, max_size=4)) for _ in range(num_turns - 1)]
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    answers = draw(st.lists(st.integers(1, 6), min_size=num_turns, max_size=num_turns))
+    return messages, answers
+
+
+@settings(max_examples=25)  # each example serves a few conversations through the model
+@given(conversation=chats(), block_size=st.sampled_from([1, 2, 4]))
+def test_multi_turn_chats_get_the_same_text_and_the_hits_the_chained_hashes_say(
+    model: TinyGPT, conversation, block_size: int
+) -> None:
+    messages, answers = conversation
+    gap = max(answers) + 1  # turn k arrives at step k * gap, once every turn before it has finished
+    requests, prompts = [], [[] for _ in messages]
+    for turn, length in enumerate(answers):
+        for chat, said in enumerate(messages):
+            prompts[chat] = prompts[chat] + said[turn]
+            request = EngineRequest((chat, turn), prompts[chat], length, arrival_step=turn * gap)
+            requests.append(request)
+            prompts[chat] = prompts[chat] + alone(model, request)
+    factory, caches = spy()
+    num_blocks = sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens, block_size) for r in requests)
+    engine = Engine(
+        model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True, cache_factory=factory
+    )
+    result = engine.run(requests)
+    assert_alone(model, result, requests)
+    check_metrics(result, caches[0], requests)
+    # No block was evicted (the pool holds every request at once), so a prompt finds exactly the
+    # full blocks whose chained hashes were computed before it: the prompts admitted before it,
+    # and the prompts and fed answer tokens (all but the last) of the turns that finished.
+    computed: set[int] = set()
+    for turn in range(len(answers)):
+        this_turn = [r for r in requests if r.request_id[1] == turn]
+        for request in this_turn:  # admitted together, in order
+            assert result.admitted_step[request.request_id] == turn * gap
+            assert caches[0].cached[request.request_id] == [
+                expected_hits(request.prompt, computed, block_size)
+            ]
+            computed |= set(chain_hashes(full_blocks(request.prompt, block_size)))
+        for request in this_turn:
+            held = request.prompt + result.tokens[request.request_id][:-1]
+            computed |= set(chain_hashes(full_blocks(held, block_size)))
+    event(f"answer blocks hit: {result.prefix_cache_hits > 0}")
 
 
 def test_prefix_caching_is_off_by_default(model: TinyGPT) -> None:

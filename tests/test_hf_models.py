@@ -118,6 +118,19 @@ def test_the_engine_with_prefix_caching_gives_hf_tokens(arch, device):
         assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_follow_up_turn_reuses_the_blocks_the_hf_models_answer_filled(arch, device):
+    model = tiny_model(arch, device=str(device))
+    prompt = prompts(1, seed=4, longest=10)[0] + [7] * 10  # 11 to 20 tokens
+    answer = hf_tokens(model, tuple(prompt), 8)
+    turns = [EngineRequest("turn1", prompt, 8), EngineRequest("turn2", [*prompt, *answer, 1, 2], 3, 20)]
+    result = Engine(model, num_blocks=40, block_size=4, enable_prefix_caching=True).run(turns)
+    # Turn 1 leaves its prompt and 7 of its 8 answer tokens in the cache, cached whole block by block.
+    assert result.prefix_cache_hits == (len(prompt) + 8 - 1) // 4 * 4
+    for r in turns:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):
@@ -129,6 +142,37 @@ def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):
     ]
     result = Engine(model, num_blocks=12, block_size=4, preemption=preemption).run(requests)
     assert result.preemptions_by_reason[preemption] > 0
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 7], ids=["budget-1", "block-size", "odd"])
+def test_the_engine_under_a_token_budget_gives_hf_tokens(budget, device):
+    """Chunked prefill (prompt chunks at an offset over the paged cache), with prefix caching, on a
+    Hugging Face Llama: every step at most the budget, and Hugging Face's own tokens."""
+    model = tiny_model("llama", device=str(device))
+    requests = requests_sharing_a_prefix(seed=5)
+    engine = Engine(
+        model, num_blocks=40, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=budget
+    )
+    result = engine.run(requests)
+    assert max(result.tokens_per_step) <= budget and result.prefix_cache_hits > 0
+    for r in requests:
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_engine_under_a_token_budget_and_preemption_gives_hf_tokens(preemption, device):
+    """A recomputed request resumes by prefilling its prompt and generated tokens in chunks."""
+    model = tiny_model("llama", device=str(device))
+    rng = random.Random(4)
+    requests = [
+        EngineRequest(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(4, 12))], 12)
+        for i in range(5)
+    ]
+    engine = Engine(model, num_blocks=12, block_size=4, preemption=preemption, max_num_batched_tokens=5)
+    result = engine.run(requests)
+    assert result.preemptions_by_reason[preemption] > 0 and max(result.tokens_per_step) <= 5
     for r in requests:
         assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
 

@@ -9,14 +9,17 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.pictures.plots import (
+    MEMORY_SHARES,
     plot_block_tables,
     plot_free_list_steps,
     plot_held_and_reserved,
+    plot_memory_shares,
     plot_padded_block_tables,
     plot_positions_in_pool,
     plot_reservations,
     plot_weights_by_block,
 )
+from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES
 
 pytestmark = pytest.mark.lesson00
 
@@ -171,3 +174,41 @@ def test_weights_by_block_draw_one_bar_per_held_position_and_hatch_the_masked_sl
         plot_weights_by_block([0.5, 0.5, 0.0], [7, 2], 4, 2)
     with pytest.raises(ValueError, match=r"context_len must be in 1 \.\. 8, got 0"):
         plot_weights_by_block(weights, [7, 2], 4, 0)
+
+
+def test_memory_shares_stack_each_bar_to_its_shares_and_box_what_a_source_does_not_split():
+    assert [key for key, _, _ in MEMORY_SHARES] == list(SHARES)  # the simulator's four shares
+    measured = {"token_states": 50.0, "reservation": 30.0, "internal_fragmentation": 0.0}
+    measured["external_fragmentation"] = 20.0
+    bars = [("Oracle\npaper", PAPER_FIGURE_2["Orca (Oracle)"]), ("Oracle\nmeasured", measured)]
+    ax = plot_memory_shares([*bars, ("vLLM\npaper", PAPER_FIGURE_2["vLLM"])], group=2)
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    heights = [round(p.get_height(), 1) for p in boxes]
+    # Oracle in the paper: 38.2, 25.2, no internal fragmentation, 36.6; measured: 50, 30, 20;
+    # vLLM: 96.3 and a dashed box for the 3.7 % the paper does not split.
+    assert heights == [38.2, 25.2, 36.6, 50.0, 30.0, 20.0, 96.3, 3.7]
+    assert [round(p.get_y(), 1) for p in boxes] == [0, 38.2, 63.4, 0, 50.0, 80.0, 0, 96.3]
+    assert boxes[-1].get_linestyle() == "--"
+    xs = sorted({round(p.get_x() + p.get_width() / 2, 1) for p in boxes})
+    assert xs == [0, 1, 2.6]  # a gap after each group of two
+    assert [t.get_text() for t in ax.texts] == ["38.2", "25.2", "36.6", "50.0", "30.0", "20.0", "96.3"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [name for _, name, _ in MEMORY_SHARES] + ["not broken down"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "Oracle\npaper",
+        "Oracle\nmeasured",
+        "vLLM\npaper",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shares", "match"),
+    [
+        ({"token_states": 50.0}, "must give the shares"),
+        (dict.fromkeys(SHARES, 30.0), "sum to at most 100"),
+        ({**dict.fromkeys(SHARES, 10.0), "reservation": -1.0}, "at least 0"),
+    ],
+)
+def test_memory_shares_refuse_bars_that_are_not_shares_of_the_memory(shares, match):
+    with pytest.raises(ValueError, match=match):
+        plot_memory_shares([("bad", shares)])

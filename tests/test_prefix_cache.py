@@ -9,15 +9,17 @@ sequence back equal to :func:`kv_of` its tokens proves that every shared block h
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -477,24 +479,34 @@ def test_a_block_matches_only_under_the_very_parent_it_was_cached_after(monkeypa
     cache = PrefixCache()
     first = [(1, 2), (5, 5)]
     hashes = chain_hashes(first)
-    assert cache.insert(first, hashes, [10, 11], []) == 2
+    assert insert(cache, first, [10, 11]) == 2
     # Block 10 is evicted and (2, 1) is cached there: same hash, new contents.
     assert cache.evict(10) and not cache.evict(10)
     other = [(2, 1), (5, 5)]
     assert chain_hashes(other) == hashes
     assert cache.match(other, hashes, 2) == []
-    assert cache.insert(other, hashes, [10, 12], []) == 1  # the (5, 5) hash is taken by block 11
+    assert insert(cache, other, [10, 12]) == 1  # the (5, 5) hash is taken by block 11: the chain ends
     # Block 11 holds (5, 5) after (1, 2), not after (2, 1): the parent check refuses it.
     assert [entry.block_id for entry in cache.match(other, hashes, 2)] == [10]
     assert [entry.block_id for entry in cache.match(first, hashes, 2)] == []
     assert cache.cached_blocks() == {10: (2, 1), 11: (5, 5)}
 
 
+def insert(cache: PrefixCache, blocks, block_ids) -> int:
+    """Cache ``blocks`` in ``block_ids`` from the first on, as a prompt's are; return how many were cached."""
+    before, parent = len(cache), None
+    for tokens, block_id in zip(blocks, block_ids, strict=True):
+        parent = cache.extend(parent, tokens, block_id)
+        if parent is None:
+            break
+    return len(cache) - before
+
+
 def test_prefix_cache_maps_stay_in_step():
     cache = PrefixCache()
     blocks = [(1,), (2,), (3,)]
     hashes = chain_hashes(blocks)
-    assert cache.insert(blocks, hashes, [4, 5, 6], []) == 3 and len(cache) == 3
+    assert insert(cache, blocks, [4, 5, 6]) == 3 and len(cache) == 3
     hits = cache.match(blocks, hashes, 3)
     assert [entry.block_id for entry in hits] == [4, 5, 6]
     assert [entry.token_ids for entry in hits] == blocks
@@ -515,8 +527,9 @@ def test_prefix_cache_stats_hit_rate():
 
 def test_caching_block_allocator_evicts_only_what_allocate_hands_out():
     pool = CachingBlockAllocator(3)
-    block_ids, cached = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
+    block_ids, cached, chain = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
     assert (block_ids, cached) == ([0, 1, 2], 0)
+    assert (chain.last.block_id, chain.num_blocks, chain.tail) == (1, 2, [5])
     assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
     for block_id in reversed(block_ids):
         pool.free(block_id)
@@ -525,6 +538,239 @@ def test_caching_block_allocator_evicts_only_what_allocate_hands_out():
     assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
     assert pool.allocate() == 2 and pool.allocate() == 1
     assert pool.prefix_cache.cached_blocks() == {0: (1, 2)}
+
+
+# --------------------------------------------------------------------- blocks filled during decode
+
+
+def decode(cache, seq_id, tokens, new, device="cpu", with_ids=True):
+    """Append ``new`` after ``tokens`` (what the sequence holds) and write their K/V; return all tokens."""
+    grown = [*tokens, *new]
+    cache.append_tokens(seq_id, len(new), new if with_ids else None)
+    k, v = kv_of(grown, device)
+    cache.write_kv(seq_id, k[len(tokens) :], v[len(tokens) :], start_position=len(tokens))
+    return grown
+
+
+def chained(tokens, block_size=BLOCK):
+    """Each full block's chained hash and tokens, as the cache should hold them: ``{hash: tokens}``."""
+    blocks = full_blocks(tokens, block_size)
+    return dict(zip(chain_hashes(blocks), blocks, strict=True))
+
+
+def hashes_held(cache):
+    """``{hash: tokens}`` of every cached block."""
+    pool = cache.manager.allocator.prefix_cache
+    return {pool.entry(b).block_hash: tokens for b, tokens in cache.cached_blocks().items()}
+
+
+def test_a_block_filled_during_decode_gets_the_chained_hash_of_its_tokens(device):
+    cache = caching(8, device)
+    prompt = [*X, 1, 2]  # blocks 0 and 1 full and cached, block 2 holds 2 tokens
+    cache.allocate_for_sequence("a", 10, prompt)
+    write_prompt(cache, "a", prompt, device)
+    tokens = decode(cache, "a", prompt, [3], device)
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:])}  # block 2 is not full yet
+    tokens = decode(cache, "a", tokens, [4, 5, 6, 7, 8, 9], device)  # fills block 2, then block 3
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:]), 2: (1, 2, 3, 4), 3: (5, 6, 7, 8)}
+    # Exactly the hashes a prompt of these tokens would get: chained from the first block.
+    assert hashes_held(cache) == chained(tokens)
+    assert reads_back(cache, "a", tokens, device)
+
+
+def test_a_follow_up_turn_reuses_the_answers_blocks(device):
+    cache = caching(12, device)
+    prompt = [*X, 1, 2]
+    cache.allocate_for_sequence("turn1", 10, prompt)
+    write_prompt(cache, "turn1", prompt, device)
+    held = decode(cache, "turn1", prompt, [20, 21, 22, 23, 24, 25, 26], device)  # 17 tokens: 4 full blocks
+    cache.free_sequence("turn1")
+    # The next turn's prompt: the previous prompt, the answer, and a new message.
+    turn2 = [*held, 27, 30, 31, 32, 33]
+    table = cache.allocate_for_sequence("turn2", len(turn2), turn2)
+    assert cache.num_cached_tokens("turn2") == 16  # the prompt's 2 full blocks and the answer's 2
+    assert table.block_ids[:4] == [0, 1, 2, 3]
+    write_prompt(cache, "turn2", turn2, device)
+    assert reads_back(cache, "turn2", turn2, device)
+    # With prompt blocks only, the same turn finds the prompt's 8 tokens and no more.
+    only_prompts = caching(12, device)
+    only_prompts.allocate_for_sequence("turn1", 10, prompt)
+    write_prompt(only_prompts, "turn1", prompt, device)
+    decode(only_prompts, "turn1", prompt, [20, 21, 22, 23, 24, 25, 26], device, with_ids=False)
+    only_prompts.free_sequence("turn1")
+    only_prompts.allocate_for_sequence("turn2", len(turn2), turn2)
+    assert only_prompts.num_cached_tokens("turn2") == 8
+
+
+def test_an_append_without_ids_ends_the_caching_of_the_sequence(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 2, [1, 2])
+    tokens = decode(cache, "a", [1, 2], [3], device, with_ids=False)
+    tokens = decode(cache, "a", tokens, [4, 5, 6, 7, 8], device)  # ids again, but the cache lost track
+    assert cache.cached_blocks() == {}
+    # An append of no token leaves nothing unknown: the chain goes on.
+    cache.allocate_for_sequence("b", 2, [1, 2])
+    cache.append_tokens("b", 0)
+    decode(cache, "b", [1, 2], [3, 4], device)
+    assert cache.cached_blocks() == {2: (1, 2, 3, 4)}
+    # Nor does a sequence allocated without ids ever cache a block.
+    cache.allocate_for_sequence("c", 2)
+    decode(cache, "c", [5, 6], [7, 8, 9, 10], device)
+    assert cache.cached_blocks() == {2: (1, 2, 3, 4)}
+
+
+def test_without_prefix_caching_appended_ids_are_checked_and_ignored(device):
+    cache = make_cache(8, BLOCK, device=device)
+    cache.allocate_for_sequence("a", 3, [1, 2, 3])
+    assert cache.append_tokens("a", 2, [4, 5]) == [1]
+    cache.append_batch(["a"], [6])
+    assert cache.sequence_length("a") == 6 and cache.cached_blocks() == {}
+    with nothing_changes(cache), pytest.raises(ValueError, match="token_ids"):
+        cache.append_tokens("a", 1, [-1])
+
+
+@pytest.mark.parametrize(
+    ("n", "token_ids", "match"),
+    [
+        (2, [1], "one id per appended token: n is 2, but token_ids has 1"),
+        (1, [1, 2], "n is 1, but token_ids has 2"),
+        (1, [-3], "non-negative integers, got -3 at index 0"),
+        (1, [1.5], "got 1.5 at index 0"),
+        (1, "a", "list of integers, got str"),
+        (1, torch.tensor([[1]]), "1-D integer tensor"),
+    ],
+)
+def test_bad_appended_ids_are_value_errors_that_change_nothing(n, token_ids, match):
+    cache = caching(8)
+    cache.allocate_for_sequence("a", 3, [1, 2, 3])
+    with nothing_changes(cache), pytest.raises(ValueError, match=match):
+        cache.append_tokens("a", n, token_ids)
+    assert cache.sequence_length("a") == 3
+    # The chain is untouched too: a good append still caches the block it fills.
+    cache.append_tokens("a", 1, [4])
+    assert cache.cached_blocks() == {0: (1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "match"),
+    [([4], "one id per sequence: len\\(seq_ids\\) is 2, but token_ids has 1"), ([4, None], "got None")],
+)
+def test_bad_batch_ids_are_value_errors_that_change_nothing(token_ids, match):
+    cache = caching(8)
+    for seq_id in "ab":
+        cache.allocate_for_sequence(seq_id, 3, [1, 2, 3])
+    with nothing_changes(cache), pytest.raises(ValueError, match=match):
+        cache.append_batch(["a", "b"], token_ids)
+    cache.append_batch(["a", "b"], [4, 5])
+    assert cache.cached_blocks() == {0: (1, 2, 3, 4), 1: (1, 2, 3, 5)}
+
+
+def test_a_sequence_that_decodes_an_equal_block_goes_on_through_it(device):
+    cache = caching(16, device)
+    prompt = [*X, 1, 2]
+    for seq_id in ("a", "b"):  # b shares a's two prompt blocks
+        cache.allocate_for_sequence(seq_id, 10, prompt)
+        write_prompt(cache, seq_id, prompt, device)
+    answer = [3, 4, 5, 6, 7, 8]
+    a = decode(cache, "a", prompt, answer[:2], device)  # fills a's block 2
+    b = decode(cache, "b", prompt, answer, device)  # fills b's block 3, equal to a's block 2, then block 4
+    # b's block 3 stays private (a hash names one block), and b's next block is cached after
+    # a's block 2, whose K/V are the same.
+    assert cache.get_block_mapping("b") == [0, 1, 3, 4]
+    assert cache.cached_blocks() == {0: tuple(X[:4]), 1: tuple(X[4:]), 2: (1, 2, 3, 4), 4: (5, 6, 7, 8)}
+    pool = cache.manager.allocator.prefix_cache
+    assert pool.entry(4).parent is pool.entry(2)
+    assert hashes_held(cache) == chained(b)
+    turn = [*b, 11]
+    assert cache.allocate_for_sequence("c", len(turn), turn).block_ids[:4] == [0, 1, 2, 4]
+    assert cache.num_cached_tokens("c") == 16
+    write_prompt(cache, "c", turn, device)
+    for seq_id, tokens in (("a", a), ("b", b), ("c", turn)):
+        assert reads_back(cache, seq_id, tokens, device)
+
+
+def test_a_repeated_prompt_of_whole_blocks_caches_its_own_answer(device):
+    # The prompt is exactly two blocks: its second block is recomputed (the last prompt token
+    # always is), equal to the cached one, so the chain goes on through the cached block.
+    cache = caching(12, device)
+    cache.allocate_for_sequence("first", 8, X)
+    write_prompt(cache, "first", X, device)
+    cache.free_sequence("first")
+    assert cache.allocate_for_sequence("again", 8, X).block_ids == [0, 2]
+    write_prompt(cache, "again", X, device)
+    again = decode(cache, "again", X, [5, 6, 7, 8, 9], device)
+    assert cache.cached_blocks()[3] == (5, 6, 7, 8)
+    turn = [*again, 10]
+    assert cache.allocate_for_sequence("turn", len(turn), turn).block_ids[:3] == [0, 1, 3]
+    assert cache.num_cached_tokens("turn") == 12
+    write_prompt(cache, "turn", turn, device)
+    assert reads_back(cache, "turn", turn, device)
+
+
+def test_a_fork_goes_on_from_its_parents_place_in_the_chain(device):
+    cache = caching(12, device)
+    prompt = [*X, 1, 2]
+    cache.allocate_for_sequence("p", 10, prompt)
+    write_prompt(cache, "p", prompt, device)
+    cache.fork("p", "c")
+    p = decode(cache, "p", prompt, [3, 4], device)
+    c = decode(cache, "c", prompt, [5, 6], device)  # copy-on-write of block 2, then filled
+    assert hashes_held(cache) == chained(p) | chained(c)
+    assert reads_back(cache, "p", p, device) and reads_back(cache, "c", c, device)
+
+
+def test_the_chain_ends_when_its_last_block_loses_its_hash(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 5, [*X[:4], 1])
+    write_prompt(cache, "a", [*X[:4], 1], device)
+    assert cache.reset_prefix_cache() == 1
+    decode(cache, "a", [*X[:4], 1], [2, 3, 4], device)  # fills block 1, whose parent is gone
+    assert cache.cached_blocks() == {}
+    # Before its first full block a sequence's chain starts at the root, which a reset keeps.
+    cache.allocate_for_sequence("b", 1, [7])
+    cache.reset_prefix_cache()
+    decode(cache, "b", [7], [8, 9, 10], device)
+    assert list(cache.cached_blocks().values()) == [(7, 8, 9, 10)]
+
+
+def test_an_overwrite_ends_the_chain(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("a", 3, [1, 2, 3])
+    write_prompt(cache, "a", [1, 2, 3], device)
+    k, v = kv_of([9, 9, 9], device)
+    cache.write_kv("a", k[2:], v[2:], start_position=2)  # slot 2 again: the cache cannot know its token
+    decode(cache, "a", [1, 2, 3], [4], device)
+    assert cache.cached_blocks() == {}
+
+
+def test_an_overwrite_of_a_copied_block_ends_the_chain_too(device):
+    cache = caching(8, device)
+    cache.allocate_for_sequence("p", 3, [1, 2, 3])
+    write_prompt(cache, "p", [1, 2, 3], device)
+    cache.fork("p", "c")
+    k, v = kv_of([1, 9, 9], device)
+    cache.write_kv("c", k[1:], v[1:], start_position=1)  # the copy's slots 1 and 2, written again
+    assert cache.last_copies == [(0, 1)]
+    decode(cache, "c", [1, 2, 3], [4], device)
+    assert cache.cached_blocks() == {}  # its K/V are not those of (1, 2, 3, 4)
+    decode(cache, "p", [1, 2, 3], [4], device)  # the parent's block is its own K/V: cached
+    assert cache.cached_blocks() == {0: (1, 2, 3, 4)}
+
+
+def test_append_batch_with_ids_caches_what_append_tokens_does_one_by_one():
+    # The shortcut (nothing shared, no observer) against the loop (an observer attached).
+    batches = [[(0, 5), (1, 6)], [(0, 7), (1, 8)], [(0, 9), (1, 10)]]
+    caches = [caching(16), caching(16, record=True), caching(16)]
+    for cache in caches:
+        for seq_id in (0, 1):
+            cache.allocate_for_sequence(seq_id, 2, [1, 2])
+    for batch in batches:
+        caches[0].append_batch([s for s, _ in batch], [t for _, t in batch])
+        caches[1].append_batch([s for s, _ in batch], torch.tensor([t for _, t in batch]))
+        for seq_id, token in batch:
+            caches[2].append_tokens(seq_id, 1, [token])
+    assert caches[0].cached_blocks() == caches[1].cached_blocks() == caches[2].cached_blocks()
+    assert hashes_held(caches[0]) == chained([1, 2, 5, 7]) | chained([1, 2, 6, 8])
 
 
 # ------------------------------------------------------------------------- the state machine
@@ -543,11 +789,23 @@ def weak_block_hash(parent_hash, token_ids):
     return hash((parent_hash, sum(token_ids)))
 
 
+class Entry(NamedTuple):
+    """The model's cache entry: the block, a serial number naming the entry, and its parent's."""
+
+    block_id: int
+    serial: int
+    parent: int | None
+
+
 class PrefixCachingMachine(RuleBasedStateMachine):
-    """Prefix-cached allocation, decode, free and eviction against a reference model.
+    """Prefix-cached allocation, decode (with or without token ids), free and eviction against a model.
 
     The model keeps the free list (a list), the ref counts, and the cache as a dict from a whole
-    prefix (a tuple of tokens ending at a block boundary) to its block: no hashes, so no collisions.
+    prefix (a tuple of tokens ending at a block boundary) to its entry: no hashes, so no collisions.
+    An entry has a serial number, so that an entry cached again after an eviction is a new one, and
+    names its parent's; each sequence whose tokens the cache knows has a chain, the serial of the
+    entry its last full block is found under (``None`` before its first). A block that fills during
+    a decode with token ids is cached by the same rule as a prompt's.
     ``exact`` machines check that the allocator matches the model step by step. The weak-hash machine
     patches ``block_hash`` to collide often, where the model cannot predict what gets cached; it
     still checks that nothing unsafe ever happens: every block a prompt reuses holds exactly its
@@ -575,8 +833,10 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.next_seq_id = 0
         self.free = list(range(MACHINE_BLOCKS))
         self.refs = [0] * MACHINE_BLOCKS
-        self.cached: dict[tuple[int, ...], int] = {}  # whole prefix -> block
+        self.cached: dict[tuple[int, ...], Entry] = {}  # whole prefix -> its entry
         self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> whole prefix, for cached blocks
+        self.chains: dict[int, int | None] = {}  # seq id -> the serial its next full block follows
+        self.serials = itertools.count()
         self.written: dict[int, tuple[int, ...]] = {}  # block -> the prefix whose last block it holds
         self.stats = [0, 0, 0]
 
@@ -595,14 +855,36 @@ class PrefixCachingMachine(RuleBasedStateMachine):
                 del self.cached[prefix]
         return taken
 
-    def expected_hits(self, tokens: list[int]) -> list[int]:
-        hits = []
+    def expected_hits(self, tokens: list[int]) -> list[Entry]:
+        hits: list[Entry] = []
         for i in range(max(0, (len(tokens) - 1) // MACHINE_BLOCK_SIZE)):
-            block_id = self.cached.get(tuple(tokens[: (i + 1) * MACHINE_BLOCK_SIZE]))
-            if block_id is None:
+            entry = self.cached.get(tuple(tokens[: (i + 1) * MACHINE_BLOCK_SIZE]))
+            if entry is None or entry.parent != (hits[-1].serial if hits else None):
                 break
-            hits.append(block_id)
+            hits.append(entry)
         return hits
+
+    def extend(self, parent: int | None, prefix: tuple[int, ...], block_id: int) -> int | str | None:
+        """The model of ``PrefixCache.extend``: the serial the chain goes on from, or ``"ended"``."""
+        live = {entry.serial for entry in self.cached.values()}
+        if parent is not None and parent not in live:
+            return "ended"  # the parent was evicted: nothing after it can be found
+        entry = self.cached.get(prefix)
+        if entry is not None:  # an equal block: the chain goes on through it, if it has our parent
+            return entry.serial if entry.parent == parent else "ended"
+        entry = Entry(block_id, next(self.serials), parent)
+        self.cached[prefix] = entry
+        self.prefix_of[block_id] = prefix
+        return entry.serial
+
+    def cache_filled(self, seq_id: int, tokens: list[int], first: int, block_ids: list[int]) -> None:
+        """The model of caching the full blocks ``first ..`` of a sequence, as its chain goes on."""
+        parent = self.chains.pop(seq_id)
+        for i in range(first, len(tokens) // MACHINE_BLOCK_SIZE):
+            parent = self.extend(parent, tuple(tokens[: (i + 1) * MACHINE_BLOCK_SIZE]), block_ids[i])
+            if parent == "ended":
+                return
+        self.chains[seq_id] = parent
 
     def pick(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.tokens)), label="seq_id")
@@ -631,7 +913,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         table = self.attempt(lambda: self.cache.allocate_for_sequence(seq_id, n, tokens))
         if self.exact:
             fresh = blocks_for_tokens(n, size) - len(expected_hits)
-            revived = [b for b in expected_hits if self.refs[b] == 0]
+            revived = [e for e in expected_hits if self.refs[e.block_id] == 0]
             assert (table is None) == (fresh + len(revived) > len(self.free))
         if table is None:
             return
@@ -645,19 +927,16 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         # off its head and evict, the new full blocks are cached unless their prefix already is.
         hits = table.block_ids[:num_hits]
         if self.exact:
-            assert hits == expected_hits
+            assert hits == [entry.block_id for entry in expected_hits]
         for block_id in hits:
             if self.refs[block_id] == 0:
                 self.free.remove(block_id)
             self.refs[block_id] += 1
         block_ids = hits + self.take_fresh(blocks_for_tokens(n, size) - num_hits)
         assert table.block_ids == block_ids
-        for i in range(num_hits, n // size):
-            prefix = tuple(tokens[: (i + 1) * size])
-            if prefix in self.cached:
-                break
-            self.cached[prefix] = block_ids[i]
-            self.prefix_of[block_ids[i]] = prefix
+        if self.exact:
+            self.chains[seq_id] = expected_hits[-1].serial if num_hits else None
+            self.cache_filled(seq_id, tokens, num_hits, block_ids)
         self.stats = [self.stats[0] + 1, self.stats[1] + n, self.stats[2] + cached]
         # Prefill: only the uncached tail is written.
         write_prompt(self.cache, seq_id, tokens, self.device)
@@ -669,22 +948,38 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.tokens[seq_id] = list(tokens)
 
     @precondition(lambda self: bool(self.tokens))
-    @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=2 * MACHINE_BLOCK_SIZE + 1))
-    def decode(self, data: st.DataObject, new: list[int]) -> None:
+    @rule(
+        data=st.data(),
+        new=st.lists(st.integers(0, 2), max_size=2 * MACHINE_BLOCK_SIZE + 1),
+        with_ids=st.sampled_from([True, True, True, False]),
+    )
+    def decode(self, data: st.DataObject, new: list[int], with_ids: bool) -> None:
         seq_id = self.pick(data)
-        old = self.tokens[seq_id]
+        old, size = self.tokens[seq_id], MACHINE_BLOCK_SIZE
         table = self.cache.get_block_table(seq_id)
-        missing = max(0, blocks_for_tokens(len(old) + len(new), MACHINE_BLOCK_SIZE) - table.num_blocks)
-        appended = self.attempt(lambda: self.cache.append_tokens(seq_id, len(new)))
+        missing = max(0, blocks_for_tokens(len(old) + len(new), size) - table.num_blocks)
+        ids = new if with_ids else None
+        appended = self.attempt(lambda: self.cache.append_tokens(seq_id, len(new), ids))
         assert (appended is None) == (missing > len(self.free))
         if appended is None:
             return
         assert appended == self.take_fresh(missing)
         tokens = old + new
+        block_ids = self.cache.get_block_mapping(seq_id)
+        if self.exact and seq_id in self.chains:
+            if with_ids:  # each block the new tokens fill is cached as a prompt's would be
+                self.cache_filled(seq_id, tokens, len(old) // size, block_ids)
+                if new:
+                    event("decode: a chain went on")
+            elif new:  # the cache no longer knows the sequence's tokens
+                del self.chains[seq_id]
         k, v = kv_of(tokens, self.device)
         self.cache.write_kv(seq_id, k[len(old) :], v[len(old) :], start_position=len(old))
-        for block_id in self.cache.get_block_mapping(seq_id)[len(old) // MACHINE_BLOCK_SIZE :]:
-            self.written.pop(block_id, None)  # partly written: not a prompt's full block
+        for i, block_id in enumerate(block_ids[len(old) // size :], start=len(old) // size):
+            if (i + 1) * size <= len(tokens):
+                self.written[block_id] = tuple(tokens[: (i + 1) * size])  # full: the K/V of its prefix
+            else:
+                self.written.pop(block_id, None)
         self.tokens[seq_id] = tokens
 
     @precondition(lambda self: bool(self.tokens))
@@ -707,6 +1002,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
                 freed.append(block_id)
         assert self.cache.free_sequence(seq_id) == freed
         del self.tokens[seq_id]
+        self.chains.pop(seq_id, None)
 
     @rule()
     def reset(self) -> None:
@@ -714,7 +1010,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         assert self.cache.reset_prefix_cache() == dropped
         assert self.cache.cached_blocks() == {}
         self.cached.clear()
-        self.prefix_of.clear()
+        self.prefix_of.clear()  # a chain past its first block ends: its parent is gone
         self.stats = [0, 0, 0]
 
     # ---------------------------------------------------------------------------- invariants
@@ -739,7 +1035,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             assert entry.block_hash == chain_hashes(full_blocks(prefix, MACHINE_BLOCK_SIZE))[-1]
         assert self.cache.prefix_cache_stats == PrefixCacheStats(*self.stats)
         if self.exact:
-            assert cached == {b: prefix[-MACHINE_BLOCK_SIZE:] for prefix, b in self.cached.items()}
+            assert cached == {e.block_id: prefix[-MACHINE_BLOCK_SIZE:] for prefix, e in self.cached.items()}
 
     @invariant()
     def every_sequence_reads_back_its_own_kv(self) -> None:

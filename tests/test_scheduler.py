@@ -141,7 +141,7 @@ def test_every_request_is_in_one_place_and_the_memory_ends_empty(arrivals, block
         places = [s.request.request_id for s in scheduler.running] + [r.request_id for r in scheduler.waiting]
         assert len(places) == len(set(places)) and not set(places) & set(finished)
         assert result.held_tokens <= result.reserved_tokens <= num_blocks * block_size
-        assert output.num_scheduled_tokens == sum(p.num_computed_tokens for p in output.prefills) + len(
+        assert output.num_scheduled_tokens == sum(p.num_new_tokens for p in output.prefills) + len(
             output.decodes
         )
         finished.update(result.finished)

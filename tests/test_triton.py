@@ -89,20 +89,21 @@ def test_blocks_repeated_in_a_row_and_shared_between_rows(
     torch.testing.assert_close(out, gathered, **TOLERANCES[torch.float32])
 
 
-def vllm_kv(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, seed, k_and_v_axis):
-    """K and V views, in this course's axis order, of one vLLM v1 cache tensor.
+def vllm_kv(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, seed):
+    """K and V views, in this course's axis order, of one vLLM 0.33.0 layer cache.
 
-    ``k_and_v_axis`` 0 is the FlashAttention backend's ``(2, num_blocks, block_size, num_kv_heads,
-    head_size)``; 1 is ``(num_blocks, 2, ...)``, the Triton backend's. ``.permute(0, 2, 1, 3)`` moves
-    the heads before the slots without a copy: the kernel reads vLLM's memory through the strides.
+    vLLM's memory for a layer is ``(num_blocks, block_size, num_kv_heads, 2 * head_size)``; its
+    backends receive the view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and cut
+    the last axis into K and V. Neither half is contiguous: the kernel reads vLLM's memory in place,
+    through the strides.
     """
-    shape = [num_blocks, block_size, num_kv_heads, head_dim]
-    shape.insert(k_and_v_axis, 2)
-    kv = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=device)
-    return tuple(t.permute(0, 2, 1, 3) for t in kv.unbind(k_and_v_axis))
+    shape = (num_blocks, block_size, num_kv_heads, 2 * head_dim)
+    memory = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=device)
+    view = memory.transpose(1, 2)
+    return view[..., :head_dim], view[..., head_dim:]
 
 
-@pytest.mark.parametrize("layout", ["course", "vllm-flash", "vllm-triton"])
+@pytest.mark.parametrize("layout", ["course", "vllm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_every_dtype_and_both_layouts(kernel_device, dtype, layout):
     """Half and bfloat16 caches are accumulated in float32, as the reference computes them; they
@@ -116,10 +117,7 @@ def test_every_dtype_and_both_layouts(kernel_device, dtype, layout):
             torch.randn(shape, generator=gen).to(dtype=dtype, device=kernel_device) for _ in "kv"
         )
     else:
-        axis = 0 if layout == "vllm-flash" else 1
-        k_cache, v_cache = vllm_kv(
-            num_blocks, block_size, num_kv_heads, head_dim, dtype, kernel_device, 5, axis
-        )
+        k_cache, v_cache = vllm_kv(num_blocks, block_size, num_kv_heads, head_dim, dtype, kernel_device, 5)
         assert not k_cache.is_contiguous()  # read in place, through vLLM's strides
     query = torch.randn(3, 4, head_dim, generator=torch.Generator().manual_seed(6)).to(
         dtype=dtype, device=kernel_device

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from paged_kv import BlockManager
 from paged_kv.serving.protocols import BlockCache, SwappingCache
+from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.simulation.workload import (
     ALPACA,
     CONTIGUOUS_KINDS,
@@ -81,21 +82,50 @@ def test_next_power_of_two():
 def test_contiguous_reservations():
     request = Request("r", 0, prompt_tokens=100, output_tokens=200)  # 300 tokens in the end
     assert ContiguousPolicy("max", 2048).reservation(request) == 2048
-    assert ContiguousPolicy("pow2", 2048).reservation(request) == 512
-    assert ContiguousPolicy("pow2", 400).reservation(request) == 400  # capped at the model's length
+    assert ContiguousPolicy("pow2", 2048).reservation(request) == 356  # 100 + 256 for the output
+    assert ContiguousPolicy("pow2", 320).reservation(request) == 320  # capped at the model's length
     assert ContiguousPolicy("oracle").reservation(request) == 300
     assert PagedPolicy(16).peak_tokens(request) == 304  # 19 blocks of 16
 
 
 def test_reserved_tokens_sizes_the_slot_for_the_final_length():
-    assert [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")] == [2048, 512, 300]
-    assert reserved_tokens("pow2", 200, 56, 2048) == 256  # a power of two is its own size class
-    assert reserved_tokens("pow2", 100, 200, 400) == 400  # capped at the model's length
-    assert reserved_tokens("pow2", 100, 200) == 512  # no cap without a model length
+    assert [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")] == [2048, 356, 300]
+    # The vLLM paper's Orca (Pow2): the prompt exactly, the output rounded up to a power of two.
+    assert reserved_tokens("pow2", 7, 25, 2048) == 7 + 32  # the paper's example: 32 for 25 outputs
+    assert reserved_tokens("pow2", 200, 64, 2048) == 264  # an output of a power of two is its own room
+    assert reserved_tokens("pow2", 300, 1, 2048) == 301  # the prompt is never rounded: not 512
+    assert reserved_tokens("pow2", 150, 200, 400) == 400  # 150 + 256 capped at the model's length
+    assert reserved_tokens("pow2", 100, 200, 400) == 356  # under the cap: untouched
+    assert reserved_tokens("pow2", 100, 200) == 356  # no cap without a model length
+    assert reserved_tokens("pow2", 7, 0) == 7  # no output, no room for it
     assert [reserved_tokens(kind, 1024, 1024, 2048) for kind in CONTIGUOUS_KINDS] == [
         2048
     ] * 3  # exactly fits
     assert reserved_tokens("oracle", 7, 0) == 7  # a prompt alone
+
+
+def _output_room_by_doubling(output_tokens: int) -> int:
+    room = 1 if output_tokens else 0
+    while room < output_tokens:
+        room *= 2
+    return room
+
+
+@given(st.integers(1, 3000), st.integers(0, 3000), st.integers(1, 6000))
+def test_pow2_rounds_only_the_output_and_never_past_the_model(prompt, output, max_model_len):
+    if prompt + output > max_model_len:
+        with pytest.raises(ValueError, match="max_model_len"):
+            reserved_tokens("pow2", prompt, output, max_model_len)
+        return
+    reserved = reserved_tokens("pow2", prompt, output, max_model_len)
+    assert reserved == min(prompt + _output_room_by_doubling(output), max_model_len)
+    assert prompt + output <= reserved <= max_model_len
+    assert reserved - prompt < 2 * output or output == reserved - prompt == 0  # under twice the output
+    assert (
+        reserved_tokens("oracle", prompt, output)
+        <= reserved
+        <= reserved_tokens("max", prompt, output, max_model_len)
+    )
 
 
 @pytest.mark.parametrize("workload", ["sharegpt", "alpaca"])
@@ -133,16 +163,22 @@ def test_contiguous_max_runs_one_at_a_time():
 
 
 def test_contiguous_pow2_runs_two():
-    # Slots of 8, 8 and 4. Step 0: A + B reserve 16; C (20 > 17) waits, first come first served.
-    # A finishes at the end of step 1; C is admitted at step 2 (8 + 4 = 12) and finishes then; B at 4.
+    # Slots of 4 + 2 = 6, 3 + 8 = 11 capped at 10, and 2 + 1 = 3. Step 0: A + B reserve 16; C (19 > 17)
+    # waits, first come first served. A finishes at the end of step 1; C is admitted at step 2
+    # (10 + 3 = 13) and finishes then; B at 4.
     result = simulate(HAND, ContiguousPolicy("pow2", 10), budget_tokens=17)
     assert result.running == [2, 2, 2, 1, 1]
     assert result.waiting == [1, 1, 0, 0, 0]
     assert result.finished == [0, 1, 2, 2, 3]
     assert result.held_tokens == [7, 9, 7, 6, 7]
-    assert result.reserved_tokens == [16, 16, 12, 8, 8]
+    assert result.reserved_tokens == [16, 16, 13, 10, 10]
     assert result.peak_reserved_tokens == 16
     assert result.throughput == pytest.approx(8 / 5)  # 2 + 5 + 1 output tokens in 5 steps
+    # Step 0: A holds 4 of its 6 in 6 slots, B 3 of 8 in 10: 7 tokens, 2 + 5 to come, B's last 2
+    # slots never used, 1 free. Step 1: 5 + 4 tokens, 1 + 4 to come. C waits at both steps.
+    assert result.slot_use[:2] == [SlotUse(7, 7, 2, 1), SlotUse(9, 5, 2, 1)]
+    assert result.memory_shares == MemoryShares(16, 12, 4, 2, steps=2, capacity=17)
+    assert result.blocked_by_holes == 0
 
 
 def test_contiguous_oracle_runs_all_three():
@@ -213,19 +249,20 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # Blocks of 2 and a budget of 8: 4 blocks. A and B are 2 + 4 tokens each (3 blocks at the end).
     # Step 0: both admitted (a needs 1 + 1 blocks free, b 1 + 2), prefilled, 1 block each. Step 1:
     # both take a 2nd block: 0 free. Step 2: both fill it. Step 3: both need a 3rd block, none is
-    # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B starts
-    # over at step 4 and finishes at step 7.
+    # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B resumes
+    # at step 4: it prefills its prompt and its 3 generated tokens (5 tokens, 3 blocks), samples its
+    # last token and finishes.
     monkeypatch.setattr("paged_kv.simulation.workload.BlockManager", CountingManager)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1
     assert result.all_finished
-    assert result.running == [2, 2, 2, 1, 1, 1, 1, 1]
-    assert result.waiting == [0, 0, 0, 1, 0, 0, 0, 0]
-    assert result.held_tokens == [4, 6, 8, 5, 2, 3, 4, 5]
-    assert result.reserved_tokens == [4, 8, 8, 6, 2, 4, 4, 6]
-    # The real manager did the bookkeeping: B was allocated twice and its 2 first decodes redone.
-    assert CountingManager.last.calls == {"allocate": 3, "append": 3 + 2 + 3, "free": 3}
+    assert result.running == [2, 2, 2, 1, 1]
+    assert result.waiting == [0, 0, 0, 1, 0]
+    assert result.held_tokens == [4, 6, 8, 5, 5]
+    assert result.reserved_tokens == [4, 8, 8, 6, 6]
+    # The real manager did the bookkeeping: B was allocated twice, and no decode was redone (2 + 2 + 1).
+    assert CountingManager.last.calls == {"allocate": 3, "append": 2 + 2 + 1, "free": 3}
     assert CountingManager.last.num_free_blocks == 4
 
 
@@ -236,15 +273,16 @@ def test_the_contiguous_oracle_never_preempts_the_same_workload():
 
 
 def test_peak_concurrency_over_time_is_not_monotone_in_the_reservation():
-    # A scheduling anomaly: final lengths 14, 5, 3, 5 in a budget of 20. The oracle runs A + B at
-    # once (19), then A with C, then A with D: never 3. pow2 (slots 16, 8, 4, 8) runs A alone, and
-    # when A finishes B + C + D take exactly 20: a peak of 3. Per step, the oracle still wins.
-    requests = [Request(i, 0, p, o) for i, (p, o) in enumerate([(6, 8), (1, 4), (2, 1), (2, 3)])]
+    # A scheduling anomaly: final lengths 13, 7, 3, 6 in a budget of 20. The oracle runs A + B at
+    # once (20), then A with C, then A with D: never 3. pow2 (slots 5 + 8, 2 + 8, 2 + 1, 4 + 2) runs
+    # A alone, and when A finishes B + C + D take 19: a peak of 3. The oracle still finishes first.
+    requests = [Request(i, 0, p, o) for i, (p, o) in enumerate([(5, 8), (2, 5), (2, 1), (4, 2)])]
     oracle = simulate(requests, ContiguousPolicy("oracle", 16), 20)
     pow2 = simulate(requests, ContiguousPolicy("pow2", 16), 20)
+    assert [ContiguousPolicy("pow2", 16).reservation(r) for r in requests] == [13, 10, 3, 6]
     assert (oracle.peak_running, pow2.peak_running) == (2, 3)
     assert (oracle.running[0], pow2.running[0]) == (2, 1)
-    assert (oracle.steps, pow2.steps) == (8, 12)
+    assert (oracle.steps, pow2.steps) == (8, 13)
 
 
 # ---------------------------------------------------------------------------------- invariants
@@ -270,6 +308,15 @@ def check_invariants(result: SimulationResult, requests: list[Request]) -> None:
     assert all(x <= y for x, y in zip(result.finished, result.finished[1:], strict=False))
     for held, reserved in zip(result.held_tokens, result.reserved_tokens, strict=True):
         assert 0 <= held <= reserved <= result.budget_tokens
+    assert len(result.slot_use) == result.steps
+    for use, held, reserved in zip(result.slot_use, result.held_tokens, result.reserved_tokens, strict=True):
+        assert sum(use) == result.budget_tokens and min(use) >= 0
+        assert use.token_states == held
+        assert use.external_fragmentation == result.budget_tokens - reserved
+    shares = result.memory_shares
+    assert shares.steps == sum(1 for waiting in result.waiting if waiting)
+    if shares.steps:
+        assert sum(shares.percent().values()) == pytest.approx(100)
     done_before = [0, *result.finished][:-1]  # a sequence finishing at step t runs at step t
     for running, waiting, done in zip(result.running, result.waiting, done_before, strict=True):
         assert running + waiting + done <= len(requests)
@@ -285,6 +332,24 @@ def test_every_policy_keeps_the_invariants(workload, block_size):
         check_invariants(result, requests)
         if isinstance(policy, ContiguousPolicy):
             assert result.preemptions == 0  # the slot always holds the final length
+
+
+@given(workloads(), st.sampled_from([1, 4, 16]))
+def test_a_paged_sequence_wastes_less_than_a_block_and_never_waits_for_a_hole(workload, block_size):
+    requests, budget = workload
+    result = simulate(requests, PagedPolicy(block_size), budget)
+    for use, running in zip(result.slot_use, result.running, strict=True):
+        assert use.reservation + use.internal_fragmentation <= running * (block_size - 1)
+    assert result.blocked_by_holes == 0
+
+
+@given(workloads())
+def test_compaction_never_waits_for_a_hole(workload):
+    requests, budget = workload
+    for kind in ("pow2", "oracle"):
+        compacted = simulate(requests, ContiguousPolicy(kind, MAX_LEN, compact=True), budget)
+        assert compacted.blocked_by_holes == 0
+        check_invariants(compacted, requests)
 
 
 @given(workloads())
@@ -315,10 +380,10 @@ def test_paged_fits_more_sequences_than_contiguous_max_on_sharegpt():
     # 100 requests: more than any policy runs at once, so the budget decides.
     paged, maximum, pow2, oracle = compare_policies("sharegpt", num_requests=100, budget_tokens=32768, seed=0)
     assert [r.policy for r in (paged, maximum, pow2, oracle)] == [
-        "paged/16",
-        "contiguous/max",
-        "contiguous/pow2",
-        "contiguous/oracle",
+        "vLLM (blocks of 16)",
+        "Orca (Max)",
+        "Orca (Pow2)",
+        "Orca (Oracle)",
     ]
     assert maximum.peak_running == 32768 // 2048
     assert paged.mean_running > 2 * maximum.mean_running
@@ -337,7 +402,9 @@ def test_format_table():
     assert lines[0].split("  ")[0] == "policy"
     assert "mean util %" in lines[0] and "tokens/step" in lines[0] and "preemptions" in lines[0]
     assert set(lines[1]) == {"-", " "}
-    assert [line.split()[0] for line in lines[2:]] == [r.policy for r in results]
+    assert [line[: len(r.policy) + 2] for line, r in zip(lines[2:], results, strict=True)] == [
+        r.policy + "  " for r in results
+    ]
     assert len({len(line) for line in lines}) == 1  # aligned
     assert lines[2].split()[-1] == str(results[0].preemptions)
 
@@ -349,6 +416,29 @@ def test_progress_bar_and_max_steps(capsys):
     cut = simulate(requests, PagedPolicy(), 4096, max_steps=3)
     assert cut.steps == 3 and not cut.all_finished
     assert cut.running == full.running[:3]
+
+
+def test_the_policies_are_named_as_in_the_paper():
+    assert [ContiguousPolicy(kind, 2048).name for kind in CONTIGUOUS_KINDS] == [
+        "Orca (Max)",
+        "Orca (Pow2)",
+        "Orca (Oracle)",
+    ]
+    assert ContiguousPolicy("oracle", compact=True).name == "Orca (Oracle), compacted"
+    assert PagedPolicy(8).name == "vLLM (blocks of 8)"
+
+
+def test_figure_2_measured_on_a_sharegpt_burst():
+    # The paper's setting: about 15,700 KV slots (OPT-13B on an A100-40GB), ShareGPT, 2,048 at most.
+    paged, maximum, pow2, oracle = compare_policies("sharegpt", num_requests=120, budget_tokens=15728, seed=0)
+    shares = {r.policy: r.memory_shares.percent() for r in (paged, maximum, pow2, oracle)}
+    tokens = [shares[r.policy]["token_states"] for r in (maximum, pow2, oracle, paged)]
+    assert tokens == sorted(tokens) and tokens[-1] > 90  # Max < Pow2 < Oracle < vLLM
+    assert shares["Orca (Max)"]["internal_fragmentation"] > 50  # most of 2,048 is never used
+    assert shares["Orca (Oracle)"]["internal_fragmentation"] == 0  # it reserves the final length
+    assert shares["Orca (Max)"]["external_fragmentation"] == pytest.approx(100 * (15728 - 7 * 2048) / 15728)
+    assert maximum.blocked_by_holes == 0 < min(pow2.blocked_by_holes, oracle.blocked_by_holes)
+    assert paged.blocked_by_holes == 0
 
 
 def test_no_requests():
@@ -382,6 +472,7 @@ def test_no_requests():
         (lambda: PagedPolicy(0), "block_size"),
         (lambda: ContiguousPolicy("exact"), "kind"),
         (lambda: ContiguousPolicy("max"), "max_model_len"),
+        (lambda: ContiguousPolicy("oracle", compact="yes"), "compact"),
         (lambda: ContiguousPolicy("max", 10).reservation(Request(0, 0, 8, 8)), "max_model_len"),
         (lambda: next_power_of_two(0), "n"),
         (lambda: reserved_tokens("exact", 100, 200, 2048), "kind"),
@@ -396,7 +487,7 @@ def test_no_requests():
         (lambda: simulate([A, A], PagedPolicy(), 64), "request_id"),
         (lambda: simulate([(4, 2)], PagedPolicy(), 64), "requests"),
         (lambda: simulate([A], PagedPolicy(16), 15), "budget_tokens"),  # not one whole block
-        (lambda: simulate([Request(0, 0, 5, 4)], ContiguousPolicy("pow2"), 15), "budget_tokens"),  # 16
+        (lambda: simulate([Request(0, 0, 8, 5)], ContiguousPolicy("pow2"), 15), "budget_tokens"),  # 8 + 8
         (lambda: sequences_that_fit([A], PagedPolicy(), -1), "budget_tokens"),
     ],
 )

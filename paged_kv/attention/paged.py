@@ -24,9 +24,9 @@ ordinary multi-head attention the case of equal counts. Query head ``h`` reads K
 products broadcast over the group, so K and V are never copied once per query head. vLLM's
 kernels take the two counts too: in ``vllm/v1/attention/backends/flash_attn.py``,
 ``FlashAttentionImpl`` is built with ``num_heads`` and ``num_kv_heads``, its queries are
-``[num_tokens, num_heads, head_size]`` over a cache of ``[2, num_blocks, block_size,
-num_kv_heads, head_size]`` (``get_kv_cache_shape``), and ``num_queries_per_kv = num_heads //
-num_kv_heads``.
+``[num_tokens, num_heads, head_size]`` over one cache tensor per layer, ``[num_blocks,
+num_kv_heads, block_size, 2 * head_size]`` (K and V side by side in the last axis; vLLM 0.33.0),
+and ``num_queries_per_kv = num_heads // num_kv_heads``.
 """
 
 from __future__ import annotations

@@ -16,18 +16,17 @@ would load them once per query head, ``num_heads // num_kv_heads`` times as ofte
 
 The kernel takes every tensor's strides, so it reads any view of the cache whose axes are
 ``(num_blocks, num_kv_heads, block_size, head_dim)``: this course's layout, contiguous, and vLLM
-v1's, without a copy. vLLM's FlashAttention backend keeps one tensor of ``(2, num_blocks,
-block_size, num_kv_heads, head_size)`` (``get_kv_cache_shape`` in
-``vllm/v1/attention/backends/flash_attn.py``); ``kv_cache[0].permute(0, 2, 1, 3)`` is its K in this
-course's axis order, with the strides of vLLM's memory.
+v1's, without a copy. In vLLM 0.33.0 an attention backend receives one tensor per layer, a view
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` of memory laid out ``(num_blocks,
+block_size, num_kv_heads, 2 * head_size)`` (``KVCacheLayout`` in ``vllm/v1/kv_cache_layout.py``):
+the first ``head_size`` numbers of its last axis are K, the rest V, and both halves are read in
+place through their strides.
 
-Where vLLM's Triton attention lives (read in ``vllm-project/vllm``):
-``vllm/v1/attention/backends/triton_attn.py`` is the ``TRITON_ATTN`` backend. Its
-``TritonAttentionImpl.forward`` splits the cache into K and V (``kv_cache.unbind(1)``: in the
-version read, this backend's own ``get_kv_cache_shape`` puts the 2 second, ``(num_blocks, 2,
-block_size, num_kv_heads, head_size)``) and calls ``unified_attention`` from
-``vllm/attention/ops/triton_unified_attention.py``. There ``kernel_unified_attention_2d`` runs one
-program per (block of query tokens, KV head), the query heads of that KV head being rows of one
+Where vLLM's Triton attention lives (vLLM 0.33.0): ``vllm/v1/attention/backends/triton_attn.py``
+is the ``TRITON_ATTN`` backend. Its ``TritonAttentionImpl.forward`` splits the layer's cache into
+``key_cache`` and ``value_cache`` and calls ``unified_attention`` from
+``vllm/v1/attention/ops/triton_unified_attention.py``, which launches ``kernel_unified_attention``:
+one program per (block of query tokens, KV head), the query heads of that KV head being rows of one
 tile; it loads the physical block id of each tile of keys from the block table, computes the K/V
 offsets from the cache's four strides, and keeps a running maximum ``M``, sum ``L`` and accumulator
 ``acc`` in float32. It also does prefill and chunked prefill (several query tokens per sequence,

@@ -56,6 +56,11 @@ def _next_power_of_two(c: Checker, next_power_of_two_fn) -> None:
     c.holds("next_power_of_two(n) for n from 1 to 4096", wrong is None, "paged_kv's answers", wrong)
 
 
+FINAL_LENGTH_ROUNDED_HINT = (
+    "the vLLM paper's Orca (Pow2) rounds only the output up to a power of two: the prompt's 300 tokens "
+    "are known and get exactly 300 slots, the 1-token output 1 (rounding the final length, 301, would "
+    "reserve 512)"
+)
 PROMPT_ONLY_HINT = (
     "a contiguous slot is reserved once, at admission, for the final length prompt + output, not for "
     "the prompt alone: it cannot grow later (only the paged policy starts with the prompt's blocks)"
@@ -77,22 +82,28 @@ def _reserved_tokens(c: Checker, reserved_tokens) -> None:
         PROMPT_ONLY_HINT,
     )
     c.equal(
+        'reserved_tokens("pow2", 300, 1, 2048)',
+        lambda: reserved_tokens("pow2", 300, 1, 2048),
+        301,
+        FINAL_LENGTH_ROUNDED_HINT,
+    )
+    c.equal(
         'reserved_tokens("pow2", 100, 200, 2048)',
         lambda: reserved_tokens("pow2", 100, 200, 2048),
-        512,
-        "the next power of two of the final length, 300, is 512; " + PROMPT_ONLY_HINT,
+        356,
+        "the prompt's 100 slots plus the next power of two of the output, 256 for 200 tokens: 356",
     )
     c.equal(
-        'reserved_tokens("pow2", 200, 56, 2048)',
-        lambda: reserved_tokens("pow2", 200, 56, 2048),
-        256,
-        "200 + 56 = 256 is already a power of two: its size class is 256, not 512",
+        'reserved_tokens("pow2", 200, 64, 2048)',
+        lambda: reserved_tokens("pow2", 200, 64, 2048),
+        264,
+        "an output of 64 tokens is already a power of two: its room is 64, so 200 + 64 = 264, not 328",
     )
     c.equal(
-        'reserved_tokens("pow2", 100, 200, 400)',
-        lambda: reserved_tokens("pow2", 100, 200, 400),
+        'reserved_tokens("pow2", 150, 200, 400)',
+        lambda: reserved_tokens("pow2", 150, 200, 400),
         400,
-        "cap the power of two at max_model_len: no sequence is longer, so no slot needs more",
+        "cap the reservation at max_model_len: 150 + 256 = 406, but no sequence is longer than 400",
     )
     for kind, max_model_len, expected in [("max", 2048, 2048), ("pow2", 2048, 2048), ("oracle", 2048, 2048)]:
         c.equal(
@@ -105,7 +116,7 @@ def _reserved_tokens(c: Checker, reserved_tokens) -> None:
         'reserved_tokens("pow2", 250, 250, 500)',
         lambda: reserved_tokens("pow2", 250, 250, 500),
         500,
-        "512 is more than max_model_len (500): cap at max_model_len",
+        "250 + 256 = 506 is more than max_model_len (500): cap at max_model_len",
     )
     c.raises(
         'reserved_tokens("exact", 100, 200, 2048)',
@@ -271,7 +282,11 @@ def _continuous_batcher(c: Checker, batcher_class) -> None:
 
     requests = sample_requests("alpaca", 30, seed=0, arrival_rate=1.0)
     for policy, written, reserve in (
-        (ContiguousPolicy("oracle"), 'ContiguousPolicy("oracle")', "final_length"),
+        (
+            ContiguousPolicy("oracle", compact=True),
+            'ContiguousPolicy("oracle", compact=True)',
+            "final_length",
+        ),
         (ContiguousPolicy("max", 512), 'ContiguousPolicy("max", 512)', "lambda r: 512"),
     ):
         expected = simulate(requests, policy, 1024).running

@@ -465,7 +465,8 @@ def _read(cache, seq: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------------- Task 3
 
 FULL_ONLY_HINT = (
-    "hash full blocks only: a partly full last block is still being written and is never shared, so "
+    "hash full blocks only: a partly full last block is still being written and is not shared while "
+    "it fills, so "
     "[1, 2, 3] in blocks of 4 has no hash"
 )
 CHAIN_HINT = (

@@ -114,15 +114,17 @@ def launch(kernel: Callable, query, k_cache, v_cache, block_tables, context_lens
 def _case(lengths, block_size, num_kv_heads, group, seed, layout):
     """Inputs of one case: scattered blocks of stale data, a query of ``num_kv_heads * group`` heads.
 
-    ``layout`` ``"vllm"`` copies the cache into vLLM v1's ``(2, num_blocks, block_size, num_kv_heads,
-    head_size)`` tensor and passes permuted views of it, read through their strides.
+    ``layout`` ``"vllm"`` copies the cache into vLLM 0.33.0's default layout of one layer,
+    ``(num_blocks, block_size, num_kv_heads, 2 * head_size)`` in memory (K and V side by side), and
+    passes the K and V halves of its heads-first view, read through their strides.
     """
-    cache = _scattered(lengths, block_size, num_kv_heads, 8, seed=1000 + seed)
+    head_dim = 8
+    cache = _scattered(lengths, block_size, num_kv_heads, head_dim, seed=1000 + seed)
     k_cache, v_cache = cache.k_cache, cache.v_cache
     if layout == "vllm":
-        kv = torch.stack([k_cache, v_cache]).transpose(2, 3).contiguous()
-        k_cache, v_cache = (t.permute(0, 2, 1, 3) for t in kv.unbind(0))
-    query = _randn(len(lengths), num_kv_heads * group, 8, seed=2000 + seed)
+        view = torch.cat([k_cache, v_cache], dim=-1).transpose(1, 2).contiguous().transpose(1, 2)
+        k_cache, v_cache = view[..., :head_dim], view[..., head_dim:]
+    query = _randn(len(lengths), num_kv_heads * group, head_dim, seed=2000 + seed)
     tables = cache.block_tables_tensor(range(len(lengths)))
     context_lens = torch.tensor(lengths, device=query.device)
     return query, k_cache, v_cache, tables, context_lens

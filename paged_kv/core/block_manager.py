@@ -16,7 +16,10 @@ Invariants, true after every call (and unchanged by a call that raises):
   first give the writer its own copy of such a block (returned as a ``(source, copy)`` pair), so
   every holder of a shared block holds the same tokens in it;
 * with prefix caching, a cached block's K/V never change under its hash (see
-  :class:`~paged_kv.core.prefix_cache.CachingBlockAllocator`).
+  :class:`~paged_kv.core.prefix_cache.CachingBlockAllocator`), and its hash is the chained hash of
+  exactly the tokens it holds, from its sequence's first block on, whether it filled in prefill or
+  in decode (a sequence whose appends give their ``token_ids`` keeps a
+  :class:`~paged_kv.core.prefix_cache.HashChain`).
 
 Every successful change is announced to the observers as a :class:`~paged_kv.core.events.BlockEvent`;
 the recorder of the widgets' traces is one (:class:`~paged_kv.core.trace.Recorder`).
@@ -32,7 +35,7 @@ from paged_kv.core import mapping
 from paged_kv.core.block import BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.events import BlockEvent, Observer
-from paged_kv.core.prefix_cache import CachingBlockAllocator, PrefixCacheStats, check_token_ids
+from paged_kv.core.prefix_cache import CachingBlockAllocator, HashChain, PrefixCacheStats, check_token_ids
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.usage import BlockUsage
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
@@ -47,7 +50,8 @@ class BlockManager:
 
     Sequence ids can be any hashable value. With ``enable_prefix_caching=True`` a prompt allocated
     with its ``token_ids`` reuses the blocks of its longest cached prefix (full blocks only, see
-    :mod:`paged_kv.core.prefix_cache`).
+    :mod:`paged_kv.core.prefix_cache`), and its full blocks are cached; while every append gives its
+    ``token_ids`` too, each block that fills during decode is cached the same way.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
@@ -62,6 +66,8 @@ class BlockManager:
             self._allocator = BlockAllocator(self.num_blocks)
         self._tables: dict[Hashable, BlockTable] = {}
         self._cached_tokens: dict[Hashable, int] = {}
+        # Per sequence whose tokens are known, its place in the chain of block hashes.
+        self._chains: dict[Hashable, HashChain] = {}
 
     def __repr__(self) -> str:
         return (
@@ -155,7 +161,9 @@ class BlockManager:
         what = f"sequence {seq_id!r} ({num_tokens} tokens)"
         cached = 0
         if token_ids is not None and isinstance(self._allocator, CachingBlockAllocator):
-            block_ids, cached = self._allocator.allocate_prompt(token_ids, self.block_size, what)
+            block_ids, cached, chain = self._allocator.allocate_prompt(token_ids, self.block_size, what)
+            if chain is not None:
+                self._chains[seq_id] = chain
         else:
             block_ids = self._take(blocks_for_tokens(num_tokens, self.block_size), what)
         table = BlockTable(block_ids, num_tokens)
@@ -169,7 +177,9 @@ class BlockManager:
             self._emit(BlockEvent("allocate", seq_id, tuple(block_ids), tokens=(1, num_tokens)))
         return table.copy()
 
-    def append_tokens(self, seq_id: Hashable, n: int = 1) -> tuple[list[int], Copies]:
+    def append_tokens(
+        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> tuple[list[int], Copies]:
         """Grow a sequence by ``n`` tokens, taking blocks only where a token finds no room of its own.
 
         Token ``t + 1`` of a sequence holding ``t`` tokens needs a new block when ``t`` is a multiple
@@ -180,18 +190,27 @@ class BlockManager:
         O(blocks the tokens touch), one for a decode step; with nothing shared and no observer,
         the blocks are taken at once, with the same outcome.
 
+        ``token_ids`` are the ids of the ``n`` new tokens. With prefix caching, and a sequence
+        whose tokens the manager knows (allocated with ``token_ids``, every append since with
+        its ids), each block the tokens fill is cached under its chained hash, as a prompt's full
+        block would be: a later prompt that starts with this sequence's tokens reuses it. An append
+        without ids ends that: the manager no longer knows the sequence's tokens, so none of its
+        later blocks is cached. Without prefix caching ``token_ids`` are checked and ignored.
+
         Returns:
             The blocks taken, in table order, and the ``(shared block, copy)`` pairs whose K/V the
             caller must copy before writing the new tokens.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
-            ValueError: ``n`` is negative.
+            ValueError: ``n`` is negative, or ``token_ids`` is not ``n`` non-negative integers.
             OutOfBlocksError: too few blocks are free for the copies and new blocks together (the
                 sequence does not grow at all).
         """
         table = self._table(seq_id)
         n = check_count("n", n)
+        if token_ids is not None:
+            token_ids = check_token_ids(token_ids, n, "n", "appended token")
         size, end = self.block_size, table.num_tokens + n
         shared = (
             self._shared_blocks(table, table.num_tokens, end) if self._allocator.num_shared_blocks else ()
@@ -203,6 +222,8 @@ class BlockManager:
             taken = [self._allocator.allocate() for _ in range(missing)] if missing else []
             table.block_ids += taken
             table.num_tokens = end
+            if self._chains and n:
+                self._advance_chain(seq_id, table, token_ids)
             return taken, []
         taken: list[int] = []
         copies: Copies = []
@@ -223,22 +244,29 @@ class BlockManager:
             if self._observers:
                 pair = tuple(copies[-1:]) if kind == "copy_on_write" else ()
                 self._emit(BlockEvent(kind, seq_id, (table.block_ids[logical],), tokens, copies=pair))
+        if self._chains and n:
+            self._advance_chain(seq_id, table, token_ids)
         return taken, copies
 
-    def append_batch(self, seq_ids: Iterable[Hashable]) -> Copies:
+    def append_batch(
+        self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> Copies:
         """One token for every sequence of a decode step, all or none: the engine's hot path.
 
-        The same as ``append_tokens(seq_id, 1)`` for each sequence in order (the same blocks, in
-        the same order, the same events), checked first for the whole batch, so a batch that does
-        not fit changes nothing. Without shared blocks or observers it takes a shortcut with the
-        same outcome: a block for each sequence whose blocks are full, then one more token each.
+        The same as ``append_tokens(seq_id, 1, [token_ids[i]])`` for each sequence in order (the
+        same blocks, in the same order, the same events, the same blocks cached), checked first for
+        the whole batch, so a batch that does not fit changes nothing. ``token_ids`` holds the id
+        of each sequence's new token (the step's input tokens), or is ``None``. Without shared
+        blocks or observers it takes a shortcut with the same outcome: a block for each sequence
+        whose blocks are full, then one more token each.
 
         Returns:
             The ``(shared block, copy)`` pairs to copy before the step writes its K/V.
 
         Raises:
             UnknownSequenceError: a sequence is not allocated.
-            ValueError: a sequence appears twice.
+            ValueError: a sequence appears twice, or ``token_ids`` is not one non-negative integer
+                per sequence.
             OutOfBlocksError: the batch needs more blocks than are free (``needed`` and ``free``
                 count the whole batch).
         """
@@ -247,6 +275,8 @@ class BlockManager:
         if len(set(seq_ids)) != len(seq_ids):
             repeated = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise ValueError(f"seq_ids must be distinct, but {repeated!r} appears more than once")
+        if token_ids is not None:
+            token_ids = check_token_ids(token_ids, len(seq_ids), "len(seq_ids)", "sequence")
         size = self.block_size  # the boundary rule of mapping.needs_new_block, inlined: the hot path
         full = [table for table in tables if table.num_tokens == len(table.block_ids) * size]
         if not self._allocator.num_shared_blocks and not self._observers:
@@ -257,12 +287,14 @@ class BlockManager:
                 table.block_ids.append(allocate())
             for table in tables:
                 table.num_tokens += 1
+            if self._chains:
+                self._advance_chains(seq_ids, tables, token_ids)
             return []
         shared = sum(bool(self._shared_blocks(t, t.num_tokens, t.num_tokens + 1)) for t in tables)
         self._check_free(len(full) + shared, f"a decode step of {len(tables)} sequences")
         copies: Copies = []
-        for seq_id in seq_ids:
-            copies += self.append_tokens(seq_id, 1)[1]
+        for i, seq_id in enumerate(seq_ids):
+            copies += self.append_tokens(seq_id, 1, None if token_ids is None else token_ids[i : i + 1])[1]
         return copies
 
     def append_block(self, seq_id: Hashable) -> int:
@@ -310,6 +342,8 @@ class BlockManager:
             self._allocator.add_ref(block_id)
         child = parent.copy()
         self._tables[child_id] = child
+        if parent_id in self._chains:  # the same tokens: the child goes on from the parent's place
+            self._chains[child_id] = self._chains[parent_id].copy()
         if self._observers:
             self._emit(BlockEvent("fork", child_id, tuple(child.block_ids), parent=parent_id))
         return child.copy()
@@ -329,6 +363,7 @@ class BlockManager:
         if table is None:
             return []
         self._cached_tokens.pop(seq_id, None)
+        self._chains.pop(seq_id, None)
         order = reversed(table.block_ids) if self.enable_prefix_caching else table.block_ids
         freed = [block_id for block_id in order if self._allocator.free(block_id)]
         if self._observers:
@@ -341,7 +376,8 @@ class BlockManager:
         A block the positions fall in that another sequence also holds is replaced by a fresh
         copy in the writer's table (copy-on-write). With prefix caching, a cached block that only
         this sequence holds and whose written slots are written again loses its hash, since its
-        K/V may no longer be those of its tokens.
+        K/V may no longer be those of its tokens, and the sequence loses its hash chain: none of
+        its later blocks is cached.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
@@ -367,7 +403,8 @@ class BlockManager:
             for logical in range(start // size, (end - 1) // size + 1):
                 base = logical * size
                 first, last = max(start, base) - base, min(end, base + size) - base
-                self._allocator.record_write(table.block_ids[logical], first, last)
+                if self._allocator.record_write(table.block_ids[logical], first, last):
+                    self._chains.pop(seq_id, None)
         return copies
 
     # ------------------------------------------------------------------------------ look-ups
@@ -469,6 +506,32 @@ class BlockManager:
         if count > self._allocator.num_free_blocks:
             raise OutOfBlocksError(count, self._allocator.num_free_blocks, what)
 
+    def _advance_chain(self, seq_id: Hashable, table: BlockTable, token_ids: Sequence[int] | None) -> None:
+        """After an append: cache the blocks the new tokens filled, or drop the sequence's chain when
+        their ids are unknown (``None``) or the chain ended."""
+        chain = self._chains.get(seq_id)
+        if chain is None:
+            return
+        if token_ids is None or not self._allocator.cache_full_blocks(  # type: ignore[attr-defined]
+            chain, token_ids, table.block_ids, self.block_size
+        ):
+            del self._chains[seq_id]
+
+    def _advance_chains(
+        self, seq_ids: Sequence[Hashable], tables: Sequence[BlockTable], token_ids: Sequence[int] | None
+    ) -> None:
+        """:meth:`_advance_chain` for a decode step, one token per sequence, inlined where the token
+        fills no block (the common case: a list append)."""
+        chains, size = self._chains, self.block_size
+        for i, seq_id in enumerate(seq_ids):
+            chain = chains.get(seq_id)
+            if chain is None:
+                continue
+            if token_ids is not None and len(chain.tail) < size - 1:
+                chain.tail.append(token_ids[i])
+            else:
+                self._advance_chain(seq_id, tables[i], None if token_ids is None else token_ids[i : i + 1])
+
     def _shared_blocks(self, table: BlockTable, start: int, end: int) -> list[int]:
         """The logical blocks holding positions ``start .. end - 1`` that another table also holds.
 
@@ -494,6 +557,8 @@ class BlockManager:
             source = table.block_ids[logical]
             copy = self._allocator.allocate()
             table.block_ids[logical] = copy
+            if isinstance(self._allocator, CachingBlockAllocator):
+                self._allocator.copy_written(source, copy)
             self._allocator.free(source)  # shared, so it keeps at least one holder
             copies.append((source, copy))
         return copies

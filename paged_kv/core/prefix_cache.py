@@ -7,8 +7,13 @@ chain of hashes, one per **full** block of the prompt::
     hash_0 = block_hash(ROOT_HASH, tokens of block 0)
     hash_i = block_hash(hash_{i-1}, tokens of block i)
 
-Only full blocks are hashed and shared; the partly full last block of a prompt is always private
-(the sequence keeps writing into it during decode).
+Only full blocks are hashed and shared; the partly full last block of a prompt stays private while
+it fills. A sequence whose appended token ids are given keeps its place in the chain
+(:class:`HashChain`), so a block that fills during decode gets its hash exactly as a prompt block
+would, from its parent's hash and its own tokens, and is cached too (as in vLLM v1): a follow-up
+turn whose prompt is the previous prompt, the answer and a new message reuses the answer's blocks.
+Invariant: a cached block's hash is the chained hash of exactly the tokens it holds, from the
+sequence's first block on, whether it filled in prefill or in decode.
 
 A hash is only a hint: two different prefixes can hash alike. :class:`PrefixCache` therefore keeps,
 for each cached block, its token ids and the cached block it follows (its parent), and a hit must
@@ -79,10 +84,17 @@ def chain_hashes(blocks: Sequence[TokenIds]) -> list[int]:
     return hashes
 
 
-def check_token_ids(token_ids: object, num_prompt_tokens: int) -> TokenIds:
+def check_token_ids(
+    token_ids: object,
+    num_prompt_tokens: int,
+    count_name: str = "num_prompt_tokens",
+    per: str = "prompt token",
+) -> TokenIds:
     """``token_ids`` as a tuple of ints, when it holds ``num_prompt_tokens`` non-negative integers.
 
     A list, tuple or range of ints (numpy integer scalars too) or a 1-D integer tensor is accepted.
+    ``count_name`` and ``per`` name the count in the message (``"n"`` and ``"appended token"`` for
+    the tokens of an append).
 
     Raises:
         ValueError: naming ``token_ids``: not a sequence of integers, a negative or boolean id, or
@@ -99,9 +111,11 @@ def check_token_ids(token_ids: object, num_prompt_tokens: int) -> TokenIds:
         raise ValueError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
     if len(token_ids) != num_prompt_tokens:
         raise ValueError(
-            f"token_ids must hold one id per prompt token: num_prompt_tokens is {num_prompt_tokens}, "
+            f"token_ids must hold one id per {per}: {count_name} is {num_prompt_tokens}, "
             f"but token_ids has {len(token_ids)}"
         )
+    if all(type(token) is int for token in token_ids) and min(token_ids, default=0) >= 0:
+        return tuple(token_ids)  # the common case, checked at C speed (a decode step's batch)
     for index, token in enumerate(token_ids):
         if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
             raise ValueError(f"token_ids must be non-negative integers, got {token!r} at index {index}")
@@ -143,6 +157,26 @@ class CachedBlock:
     parent: CachedBlock | None = field(repr=False)
 
 
+@dataclass(eq=False)
+class HashChain:
+    """Where a sequence stands in the chain of block hashes: what its next full block is hashed after.
+
+    ``last`` is the entry its last full block is found under (its own block's, or an equal
+    block's), ``None`` before its first full block; ``num_blocks`` counts its full blocks, so the
+    block that fills next is logical block ``num_blocks``; ``tail`` holds the token ids already in
+    that block (fewer than a block). A sequence whose tokens the cache does not know (allocated or
+    grown without token ids) has no chain.
+    """
+
+    last: CachedBlock | None
+    num_blocks: int
+    tail: list[int] = field(default_factory=list)
+
+    def copy(self) -> HashChain:
+        """The same place in the chain, with a tail of its own (for a fork)."""
+        return HashChain(self.last, self.num_blocks, list(self.tail))
+
+
 class PrefixCache:
     """The maps of prefix caching, and its counters: no blocks are taken or freed here.
 
@@ -150,8 +184,9 @@ class PrefixCache:
 
     * ``hash -> entry`` and ``block id -> entry`` hold the same entries: a block holds at most one
       hash and a hash names at most one block;
-    * every entry's parent is ``None`` (the first block of a prompt) or was cached before it, and
-      its hash is ``block_hash(parent's hash, its tokens)`` over its prompt's blocks.
+    * every entry's parent is ``None`` (the first block of a sequence) or was cached before it,
+      and its hash is ``block_hash(parent's hash, its tokens)``: the chained hash of exactly the
+      tokens from its sequence's first block to its own, whether it filled in prefill or decode.
     """
 
     def __init__(self) -> None:
@@ -192,33 +227,39 @@ class PrefixCache:
             parent = entry
         return hits
 
-    def insert(
-        self,
-        blocks: Sequence[TokenIds],
-        hashes: Sequence[int],
-        block_ids: Sequence[int],
-        hits: list[CachedBlock],
-    ) -> int:
-        """Cache the full blocks after the hits: block ``i`` of the prompt lives in ``block_ids[i]``.
+    def extend(
+        self, parent: CachedBlock | None, tokens: TokenIds, block_id: int, block_hash_: int | None = None
+    ) -> CachedBlock | None:
+        """Cache a full block that follows ``parent`` (``None``: a sequence's first block) in ``block_id``.
 
-        A block whose hash is already taken (by an equal block that the hit limit skipped, or by a
-        collision) stays private, and so do the blocks after it, which would have no cached parent.
-        The blocks in ``block_ids`` past the hits must hold no hash (fresh from ``allocate``).
+        The one rule for every full block after a sequence's hits, whether it filled in prefill or
+        in decode. Its hash is ``block_hash(parent's hash, tokens)`` (``block_hash_``, when the
+        caller computed it already). Then:
+
+        * the hash is free: ``block_id`` is cached under it, with ``parent`` as its parent;
+        * an equal block holds it (the same tokens after the same parent, such as a block the hit
+          limit left out, or two sequences that decoded the same tokens): ``block_id`` stays
+          private, and the chain goes on through the equal block, whose K/V are the same;
+        * another block holds it (a collision), or ``parent`` is no longer cached (evicted, or a
+          reset): nothing is cached and the chain ends, since no later block could be found after
+          this one.
+
+        ``block_id`` must hold no hash (fresh from ``allocate``).
 
         Returns:
-            How many blocks were cached.
+            The entry the sequence's next full block follows, or ``None`` when the chain ends.
         """
-        parent = hits[-1] if hits else None
-        cached = 0
-        for index in range(len(hits), len(blocks)):
-            if hashes[index] in self._by_hash:
-                break
-            entry = CachedBlock(block_ids[index], hashes[index], blocks[index], parent)
-            self._by_hash[entry.block_hash] = entry
-            self._by_block[entry.block_id] = entry
-            parent = entry
-            cached += 1
-        return cached
+        if parent is not None and self._by_block.get(parent.block_id) is not parent:
+            return None
+        if block_hash_ is None:
+            block_hash_ = block_hash(ROOT_HASH if parent is None else parent.block_hash, tokens)
+        entry = self._by_hash.get(block_hash_)
+        if entry is not None:
+            return entry if entry.parent is parent and entry.token_ids == tokens else None
+        entry = CachedBlock(block_id, block_hash_, tokens, parent)
+        self._by_hash[block_hash_] = entry
+        self._by_block[block_id] = entry
+        return entry
 
     def evict(self, block_id: int) -> bool:
         """Forget the hash a block holds, if any (its K/V are about to be overwritten).
@@ -262,6 +303,8 @@ class CachingBlockAllocator(BlockAllocator):
       cached prefix (vLLM v1's free queue does the same);
     * ``allocate_prompt`` is all or nothing: when it raises, no ref count, free list entry, hash or
       counter has changed;
+    * a block that fills during decode is cached by :meth:`cache_full_blocks` under the same rule
+      as a prompt's full blocks, so its hash is that of exactly its sequence's tokens up to it;
     * a cached block's K/V never change under its hash: :meth:`record_write` forgets the hash of a
       cached block that is written again where it was written before (the cache's writes report
       every block they touch), so the cache never serves new K/V for old tokens.
@@ -289,7 +332,7 @@ class CachingBlockAllocator(BlockAllocator):
         return block_id
 
     def record_write(self, block_id: int, first: int, end: int) -> bool:
-        """Note a write into slots ``first .. end - 1`` of a used block; return whether it evicted.
+        """Note a write into slots ``first .. end - 1`` of a used block; return whether it overwrote.
 
         A write that starts below the slots already written overwrites K/V: if the block is cached,
         its hash is forgotten first, since the new K/V may not be those of its tokens. Writes are
@@ -298,10 +341,14 @@ class CachingBlockAllocator(BlockAllocator):
         """
         overwrites = first < self._written[block_id]
         self._written[block_id] = max(self._written[block_id], end)
-        evicted = overwrites and self._prefix_cache.evict(block_id)
-        if evicted and self._on_evict is not None:
+        if overwrites and self._prefix_cache.evict(block_id) and self._on_evict is not None:
             self._on_evict(block_id)
-        return evicted
+        return overwrites
+
+    def copy_written(self, source: int, copy: int) -> None:
+        """A used block ``copy`` now holds ``source``'s K/V (copy-on-write): it has its written slots,
+        so that a later write below them counts as an overwrite, as it would in ``source``."""
+        self._written[copy] = self._written[source]
 
     def _release(self, block_id: int) -> None:
         """A cached block goes to the tail of the free list, to stay cached longest; any other to
@@ -311,7 +358,9 @@ class CachingBlockAllocator(BlockAllocator):
         else:
             self._free.append(block_id)
 
-    def allocate_prompt(self, token_ids: TokenIds, block_size: int, what: str) -> tuple[list[int], int]:
+    def allocate_prompt(
+        self, token_ids: TokenIds, block_size: int, what: str
+    ) -> tuple[list[int], int, HashChain | None]:
         """The blocks of a new prompt: cached ones for its longest cached prefix, fresh ones after.
 
         At most ``len(token_ids) - 1`` tokens come from the cache: the caller always computes the
@@ -320,12 +369,13 @@ class CachingBlockAllocator(BlockAllocator):
 
         The cached blocks are taken first (out of the free list, or one more reference), then the
         fresh ones from the head of the free list, which evicts whatever they held. The fresh full
-        blocks are then cached under the prompt's hashes: the caller must write their K/V before
-        another prompt can reuse them.
+        blocks are then cached under the prompt's hashes (:meth:`PrefixCache.extend`): the caller
+        must write their K/V before another prompt can reuse them.
 
         Returns:
-            The prompt's block ids, in table order, and how many leading tokens were cached (a
-            multiple of ``block_size``).
+            The prompt's block ids, in table order; how many leading tokens were cached (a
+            multiple of ``block_size``); and the prompt's :class:`HashChain`, for the blocks its
+            decode fills (``None`` when the chain ended at a collision).
 
         Raises:
             OutOfBlocksError: the fresh blocks plus the cached blocks that sit on the free list
@@ -347,7 +397,38 @@ class CachingBlockAllocator(BlockAllocator):
             else:
                 self.add_ref(block_id)
         block_ids = hit_ids + self.allocate_blocks(num_fresh)
-        self._prefix_cache.insert(blocks, hashes, block_ids, hits)
+        last = hits[-1] if hits else None
+        chain: HashChain | None = None
+        for index in range(len(hits), len(blocks)):
+            last = self._prefix_cache.extend(last, blocks[index], block_ids[index], hashes[index])
+            if last is None:
+                break
+        else:
+            chain = HashChain(last, len(blocks), list(token_ids[len(blocks) * block_size :]))
         num_cached_tokens = len(hits) * block_size
         self._prefix_cache.record(len(token_ids), num_cached_tokens)
-        return block_ids, num_cached_tokens
+        return block_ids, num_cached_tokens, chain
+
+    def cache_full_blocks(
+        self, chain: HashChain, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int
+    ) -> bool:
+        """A sequence grew by ``token_ids``: cache each of its blocks that they fill, as a prompt's.
+
+        ``block_ids`` is the sequence's block table after the growth; the block that fills is
+        hashed after ``chain.last`` with the tokens ``chain.tail`` and ``token_ids`` put in it, and
+        cached by :meth:`PrefixCache.extend`; ``chain`` moves past it. Nothing is taken or freed.
+        The caller must write the K/V of the new tokens before another prompt can reuse them.
+
+        Returns:
+            Whether the chain goes on (``False``: it ended, and the caller drops it).
+        """
+        tail = chain.tail
+        tail.extend(token_ids)
+        while len(tail) >= block_size:
+            tokens = tuple(tail[:block_size])
+            del tail[:block_size]
+            chain.last = self._prefix_cache.extend(chain.last, tokens, block_ids[chain.num_blocks])
+            chain.num_blocks += 1
+            if chain.last is None:
+                return False
+        return True

@@ -152,7 +152,9 @@ class PagedKVCacheAllocator:
         """
         return self.manager.allocate(seq_id, num_prompt_tokens, token_ids)
 
-    def append_tokens(self, seq_id: Hashable, n: int = 1) -> list[int]:
+    def append_tokens(
+        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> list[int]:
         """Grow a sequence by ``n`` tokens, taking new blocks only when its last block is full or shared.
 
         A sequence holding ``t`` tokens in full blocks (``t % block_size == 0``) needs a new block
@@ -165,31 +167,42 @@ class PagedKVCacheAllocator:
         reference and stays, unchanged, with its other holders. Full shared blocks take no new token
         and stay shared. :attr:`last_copies` lists the ``(shared block, copy)`` pairs.
 
+        ``token_ids``, the ids of the ``n`` new tokens, matter with prefix caching: for a sequence
+        allocated with its ``token_ids`` and grown with them ever since, each block the new tokens
+        fill is cached under its chained hash, exactly as a prompt's full block is, so a later
+        prompt that starts with this sequence's tokens (the previous prompt, the answer and a new
+        message) reuses it. Write the new tokens' K/V before allocating such a prompt. An append
+        without ids stops the caching of the sequence's later blocks. Without prefix caching
+        ``token_ids`` are checked and otherwise ignored.
+
         Returns:
             The ids of the blocks the sequence took, in table order: the copies of shared blocks,
             then the blocks appended (often none). A sequence that shares nothing takes copies never.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not allocated.
-            ValueError: ``n`` is negative.
+            ValueError: ``n`` is negative, or ``token_ids`` is not ``n`` non-negative integers.
             OutOfBlocksError: too few blocks are free for the copies and the new blocks together
                 (the sequence does not grow at all and nothing is copied).
         """
-        taken, copies = self.manager.append_tokens(seq_id, n)
+        taken, copies = self.manager.append_tokens(seq_id, n, token_ids)
         if copies:
             self.storage.copy_blocks(copies)
         self._last_copies = copies
         return taken
 
-    def append_batch(self, seq_ids: Iterable[Hashable]) -> None:
+    def append_batch(
+        self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> None:
         """One token for every sequence of a decode step, all or none (see :meth:`BlockManager.append_batch`).
 
+        ``token_ids``, one per sequence, are the new tokens' ids, as for :meth:`append_tokens`.
         Shared blocks the tokens land in are copied first; :attr:`last_copies` lists the copies.
 
         Raises:
             UnknownSequenceError, ValueError, OutOfBlocksError: as the manager's, changing nothing.
         """
-        copies = self.manager.append_batch(seq_ids)
+        copies = self.manager.append_batch(seq_ids, token_ids)
         self.storage.copy_blocks(copies)
         self._last_copies = copies
 

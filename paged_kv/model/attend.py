@@ -13,7 +13,7 @@ builds that callable for the two phases, so every model meets the cache the same
   :func:`prefill_attend` does for it alone, so packing changes which matrix products run together,
   never what a token attends to.
 * :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
-  slots the cache's ``append`` chose and attends over each whole sequence.
+  slots the cache's ``append`` chose (:func:`append_decode`) and attends over each whole sequence.
 """
 
 from __future__ import annotations
@@ -94,12 +94,14 @@ def packed_prefill_attend(
     offset ``sum(num_new[:i])`` of the packed axis. On a :class:`~paged_kv.model.kv_cache.PagedKVCache`
     each layer writes every new token's K/V at its slot and attends with one
     :func:`~paged_kv.attention.paged.paged_prefill_attention` over the batch's block tables, as
-    vLLM's prefill reads the paged cache. On any other cache each slice is stored and attended as
+    vLLM's prefill reads the paged cache; the tokens may be a **chunk** that ends before the
+    sequence does (chunked prefill): it attends over the positions before it, written by the
+    prefix cache or by earlier chunks, and its own. On any other cache each slice is stored and attended as
     :func:`prefill_attend` does for that prompt alone, in order. Either way, a prompt whose cached
     prefix another prompt of the same forward computes finds it written, layer by layer.
     """
     if isinstance(cache, PagedKVCache):  # one paged_prefill_attention per layer for the whole batch
-        cache.begin_prefill(seq_ids, starts)
+        cache.begin_prefill(seq_ids, starts, num_new)
 
         def attend_paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return cache.attend_prefill_batch(layer, seq_ids, q[0], k[0], v[0])[None]
@@ -137,6 +139,10 @@ def pack_prefills(
 ) -> PackedPrefill:
     """Pack prompt ``i``'s positions ``starts[i] ..`` (default: from 0) one after another, for one forward.
 
+    A prompt may be the first tokens of a longer sequence in the cache: then the chunk
+    ``starts[i] .. len(prompts[i]) - 1`` runs, and its last logits predict the token after it (a
+    chunk of a chunked prefill; only a :class:`~paged_kv.model.kv_cache.PagedKVCache` takes one).
+
     Raises:
         ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
             or a start is not in ``0 .. len(prompt) - 1`` (naming it).
@@ -162,6 +168,18 @@ def pack_prefills(
     last = torch.tensor(list(itertools.accumulate(num_new)), device=device) - 1
     attend = packed_prefill_attend(cache, seq_ids, starts, num_new)
     return PackedPrefill(tokens[None], positions[None], last, attend)
+
+
+def append_decode(cache: KVCache, seq_ids: Sequence[Hashable], tokens: torch.Tensor) -> torch.Tensor:
+    """``cache.append(seq_ids)`` for a decode step whose input tokens are ``tokens``: their positions.
+
+    A :class:`~paged_kv.model.kv_cache.PagedKVCache` with prefix caching also gets the tokens' ids,
+    so the blocks they fill are cached as a prompt's full blocks are; any other cache is asked as
+    the :class:`~paged_kv.model.kv_cache.KVCache` protocol says.
+    """
+    if isinstance(cache, PagedKVCache) and cache.enable_prefix_caching:
+        return cache.append(seq_ids, token_ids=tokens.tolist())
+    return cache.append(seq_ids)
 
 
 def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:

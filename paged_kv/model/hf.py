@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_kv.kv.sizing import module_bytes
-from paged_kv.model.attend import Attend, decode_attend, pack_prefills
+from paged_kv.model.attend import Attend, append_decode, decode_attend, pack_prefills
 from paged_kv.model.config import GPTConfig
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class HFCausalLM:
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one token per sequence ``(batch,)`` at the cache's positions; logits ``(batch, vocab)``."""
-        positions = cache.append(seq_ids)
+        positions = append_decode(cache, seq_ids, tokens)
         return self._forward(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]
 
     def _forward(

@@ -148,6 +148,9 @@ class PagedKVCache(KVCache):
             config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
         self._recorder = Recorder(self.manager) if record else None
+        self._unwritten: dict[
+            Hashable, int
+        ] = {}  # a prompt not fully prefilled -> its first unwritten position
         self.block_size, self.device = block_size, self.storage.device
         self._step: tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._prefill: (
@@ -184,8 +187,10 @@ class PagedKVCache(KVCache):
         """Allocate the prompt's blocks, once for every layer; with prefix caching and ``token_ids``,
         the cached prefix's blocks are reused (see :meth:`num_cached_tokens`)."""
         self.manager.allocate(seq_id, num_tokens, token_ids)
+        cached = self.manager.num_cached_tokens(seq_id)
         if self.manager.enable_prefix_caching:  # the prefill writes the uncached tail
-            self.manager.prepare_write(seq_id, self.manager.num_cached_tokens(seq_id), num_tokens)
+            self.manager.prepare_write(seq_id, cached, num_tokens)
+        self._unwritten[seq_id] = cached
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
@@ -211,6 +216,7 @@ class PagedKVCache(KVCache):
             )
         self._check_write(seq_id, k, v, 0)
         self.storage.write(layer, self._block_ids(seq_id), k, v)
+        self._unwritten.pop(seq_id, None)
 
     def attend_prefill(
         self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
@@ -247,29 +253,46 @@ class PagedKVCache(KVCache):
             )
         block_ids = self._block_ids(seq_id)
         self.storage.write(layer, block_ids, k, v, start)
+        self._unwritten.pop(seq_id, None)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         return paged_prefill_attention(q, k_cache, v_cache, block_ids[None], [length], [len(k)])
 
-    def begin_prefill(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
+    def begin_prefill(
+        self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int] | None = None
+    ) -> None:
         """Lay out one packed prefill of the batch, once for every layer's :meth:`attend_prefill_batch`.
 
-        Sequence ``i`` computes positions ``starts[i] ..`` to its length: its uncached tail, so
-        ``starts[i]`` must be :meth:`num_cached_tokens`. Its tokens come after those of the
-        sequences before it. The block tables, lengths, query lengths and each packed token's slot
-        are built here, as :meth:`append` builds a decode step's.
+        Sequence ``i`` computes positions ``starts[i] .. starts[i] + num_new[i] - 1`` (default: to
+        its length), attending over every position up to its own. ``starts[i]`` must be the
+        sequence's first position not yet written: :meth:`num_cached_tokens` for its first
+        chunk, where the previous chunk ended for a later one (chunked prefill, vLLM's
+        ``num_computed_tokens``; a whole prompt may also be laid out again from its cached
+        tokens). Its tokens come after those of the sequences before it. The block tables,
+        lengths, query lengths and each packed token's slot are built here, as :meth:`append`
+        builds a decode step's, and the chunk counts as written from here on.
 
         Raises:
-            ValueError: a start is not the sequence's cached tokens; nothing is laid out.
+            ValueError: a start is not the sequence's cached tokens or next unwritten position,
+                or a chunk is empty or runs past the sequence; nothing is laid out.
         """
         seq_ids = tuple(seq_ids)
         lengths = [self.manager.sequence_length(seq_id) for seq_id in seq_ids]
-        for seq_id, start, length in zip(seq_ids, starts, lengths, strict=True):
+        ends = lengths if num_new is None else [start + n for start, n in zip(starts, num_new, strict=True)]
+        for seq_id, start, end, length in zip(seq_ids, starts, ends, lengths, strict=True):
             cached = self.manager.num_cached_tokens(seq_id)
-            if start != cached or start >= length:
+            expected = self._unwritten.get(seq_id, cached)
+            if start != expected or not start < end <= length:
                 raise ValueError(
-                    f"start {start} of sequence {seq_id!r} must be its {cached} cached tokens, "
-                    f"below its {length} tokens: a prefill computes the uncached tail"
+                    f"start {start} of sequence {seq_id!r} must be its {expected} cached tokens "
+                    f"(or computed ones), below an end of at most its {length} tokens, got end {end}: "
+                    f"a prefill computes the positions not yet written"
                 )
+        for seq_id, end, length in zip(seq_ids, ends, lengths, strict=True):
+            if end < length:
+                self._unwritten[seq_id] = end
+            else:
+                self._unwritten.pop(seq_id, None)
+        lengths = ends
         device = self.device
         tables = self.manager.block_rows(seq_ids)
         width = len(tables[0]) if tables else 0
@@ -312,14 +335,20 @@ class PagedKVCache(KVCache):
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         return paged_prefill_attention(q, k_cache, v_cache, tables, lengths, query_lens)
 
-    def append(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+    def append(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Grow every sequence of the batch by one token, all or none; return the new tokens' positions.
 
-        The batch's block tables, lengths and new slots are built here, once per step, for every
-        layer's :meth:`attend`.
+        ``token_ids`` are the new tokens' ids, one per sequence: the decode step's input tokens,
+        whose K/V the layers write next. With prefix caching, a block they fill is cached under its
+        chained hash, as a prompt's full block is (see
+        :meth:`~paged_kv.core.block_manager.BlockManager.append_tokens`), so a later prompt that
+        repeats this conversation reuses the answer's blocks. The batch's block tables, lengths and
+        new slots are built here, once per step, for every layer's :meth:`attend`.
         """
         seq_ids = tuple(seq_ids)
-        copies = self.manager.append_batch(seq_ids)
+        copies = self.manager.append_batch(seq_ids, token_ids)
         self.storage.copy_blocks(copies)
         tables = self.manager.block_rows(seq_ids)
         lengths = [self.manager.table(seq_id).num_tokens for seq_id in seq_ids]
@@ -346,6 +375,14 @@ class PagedKVCache(KVCache):
         return paged_attention(q, self.storage.k_caches[layer], self.storage.v_caches[layer], tables, lengths)
 
     def free(self, seq_id: Hashable) -> None:
+        """Give the sequence's blocks back. A prompt freed before its prefill wrote every position
+        (preempted between chunks) first loses the hashes of the blocks it had not written, so that
+        the prefix cache never serves K/V nobody computed."""
+        unwritten = self._unwritten.pop(seq_id, None)
+        if unwritten is not None and self.manager.enable_prefix_caching:
+            # The scheduler lets no other prompt share a block before it is computed, so this
+            # writes no copy: it only forgets the hashes of the blocks from ``unwritten`` on.
+            self.manager.prepare_write(seq_id, unwritten, self.manager.sequence_length(seq_id))
         self.manager.free(seq_id)
 
     def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from torch import nn
 from paged_kv.kv.sizing import module_bytes
 from paged_kv.model.attend import (
     Attend,
+    append_decode,
     causal_attention,
     check_prefill_start,
     decode_attend,
@@ -165,5 +166,5 @@ class TinyGPT(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one new token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
-        positions = cache.append(seq_ids)  # where each new token goes
+        positions = append_decode(cache, seq_ids, tokens)  # where each new token goes
         return self.run(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]

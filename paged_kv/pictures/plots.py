@@ -435,3 +435,83 @@ def plot_held_and_reserved(
     ax.set_ylabel("token slots")
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+MEMORY_SHARES = (  # key, legend label, style: the parts of the vLLM paper's Figure 2, bottom to top
+    ("token_states", "token states", {"facecolor": PALETTE[0], "edgecolor": "white", "linewidth": 0.5}),
+    (
+        "reservation",
+        "reservation",
+        {"facecolor": "#F5CB7A", "edgecolor": "#A66F00", "hatch": "..", "linewidth": 0.5},
+    ),
+    ("internal_fragmentation", "internal fragmentation", WASTE),
+    (
+        "external_fragmentation",
+        "external fragmentation & others",
+        {"facecolor": "white", "edgecolor": "#777777", "hatch": "xx", "linewidth": 0.5},
+    ),
+)
+LABEL_BOX = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}
+NOT_SPLIT = {"facecolor": "white", "edgecolor": "#333333", "linewidth": 0.8, "linestyle": "--"}
+
+
+def plot_memory_shares(
+    bars: Sequence[tuple[str, dict[str, float | None]]],
+    *,
+    group: int = 1,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Stacked bars of the KV memory, one per ``(label, shares)``, as the vLLM paper's Figure 2 draws them.
+
+    ``shares`` maps each key of :data:`MEMORY_SHARES` (token states, reservation, internal and
+    external fragmentation) to a percentage; the bar stacks them bottom to top and writes each part
+    of at least 4 %. A share of None is one the source does not break down: what the bar's given
+    shares leave of 100 % is drawn as one dashed box. Bars come in groups of ``group`` (a system
+    measured and in the paper, say), with a gap between groups.
+
+    Raises:
+        ValueError: a bar lacks a share, a share is negative, or the shares exceed 100 %.
+    """
+    group = max(1, int(group))
+    ax = _axes(ax, (max(4.0, 1.0 * len(bars) + 2), 4))
+    keys = [key for key, _, _ in MEMORY_SHARES]
+    xs = [i + 0.6 * (i // group) for i in range(len(bars))]
+    for x, (label, shares) in zip(xs, bars, strict=True):
+        if set(shares) != set(keys):
+            raise ValueError(f"bar {label!r} must give the shares {keys}, got {sorted(shares)}")
+        given = [value for value in shares.values() if value is not None]
+        if any(value < 0 for value in given) or sum(given) > 100.05:
+            raise ValueError(f"bar {label!r}: shares must be at least 0 and sum to at most 100, got {shares}")
+        bottom = 0.0
+        for key, _, style in MEMORY_SHARES:
+            value = shares[key]
+            if not value:
+                continue
+            ax.add_patch(Rectangle((x - 0.4, bottom), 0.8, value, **style))
+            if value >= 4:
+                ax.text(
+                    x,
+                    bottom + value / 2,
+                    f"{value:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if key == "token_states" else "#222222",
+                    bbox=None if key == "token_states" else LABEL_BOX,
+                )
+            bottom += value
+        if None in shares.values() and bottom < 100:
+            ax.add_patch(Rectangle((x - 0.4, bottom), 0.8, 100 - bottom, **NOT_SPLIT))
+    handles = [Patch(label=name, **style) for _, name, style in MEMORY_SHARES]
+    if any(None in shares.values() for _, shares in bars):
+        handles.append(Patch(label="not broken down", **NOT_SPLIT))
+    ax.set_xticks(xs, [label for label, _ in bars], fontsize=8)
+    ax.set_xlim(min(xs, default=0) - 0.7, max(xs, default=0) + 0.7)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% of the KV cache memory")
+    ax.legend(handles=handles, frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.spines[["top", "right"]].set_visible(False)
+    if title:
+        ax.set_title(title, loc="left", fontsize=11)
+    return ax

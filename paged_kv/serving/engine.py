@@ -22,9 +22,9 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   free blocks, the most recently admitted sequence is *preempted*
   (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
 
-  - ``"recompute"``: its blocks are freed, its output so far is dropped and it goes back to the
-    front of the queue, to start over when it fits again (greedy decoding is deterministic, so it
-    regenerates the same tokens);
+  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. It keeps
+    its output and, admitted again, prefills its prompt and that output (in chunks under a token
+    budget, ``max_num_batched_tokens``, vLLM v1's way), then samples its next token;
   - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
     waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
     come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
@@ -45,8 +45,12 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
   reserved per sequence at admission, out of the same budget; a request is admitted while one more
   slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
 
-The generated text depends neither on the mode, nor on the batch, nor on preemption: every request
-gets exactly the tokens :func:`~paged_kv.model.generate` gives its prompt alone.
+With ``max_num_batched_tokens=N`` (paged mode) a step runs at most ``N`` tokens: every running
+decode first, then prompts in chunks (:mod:`~paged_kv.serving.scheduler`).
+
+The generated text depends neither on the mode, nor on the batch, nor on preemption, nor on the
+token budget: every request gets exactly the tokens :func:`~paged_kv.model.generate` gives its
+prompt alone.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ from paged_kv.serving.scheduler import (
     SchedulerOutput,
     SchedulerRequest,
     StepResult,
+    check_budget,
     run_steps,
 )
 from paged_kv.validate import check_count, check_hashable
@@ -129,15 +134,21 @@ class EngineResult:
     ``reserved_tokens`` (paged: used blocks times ``block_size``; contiguous: running times
     ``max_model_len``) and ``utilization``, held / reserved (0.0 when nothing is reserved).
     ``admitted_step`` and ``finished_step`` give, per request, the step it was (last) admitted and
-    the step it finished (a swapped-in sequence is not admitted again).
+    the step it finished (a swapped-in sequence is not admitted again); ``first_token_step`` the
+    step that sampled its first output token (the first time, if it was preempted and started
+    over), and :attr:`time_to_first_token` the steps from its arrival to that one, counting both.
+    ``scheduled_tokens`` holds one tuple per step of ``(request_id, tokens)`` pairs, what the step
+    ran (decodes first, then prefill chunks: :attr:`SchedulerOutput.scheduled`), and
+    :attr:`tokens_per_step` their sums: with ``max_num_batched_tokens`` none is above it.
 
     ``preemptions_by_reason`` counts preemptions per way (``"recompute"``, ``"swap"``) and
     :attr:`preemptions` is their total. ``recomputed_tokens`` counts the tokens whose K/V a
     recompute preemption threw away, to be computed again; ``blocks_swapped_out`` and
     ``blocks_swapped_in`` count the blocks' worth of K/V copied to host memory and back.
 
-    ``prefill_tokens_computed`` counts the prompt tokens that prefills ran through the model (a
-    request admitted again after a recompute preemption counts again). With prefix caching,
+    ``prefill_tokens_computed`` counts the tokens that prefills ran through the model (a request
+    admitted again after a recompute preemption counts again; under a budget that includes the
+    generated tokens it prefills when it resumes). With prefix caching,
     ``prefix_cache_queries`` counts the prompt tokens looked up in the cache (every admission's
     whole prompt), ``prefix_cache_hits`` those served from it, and :attr:`hit_rate` is their ratio;
     ``prefill_tokens_computed == prefix_cache_queries - prefix_cache_hits``. Without it, both are 0.
@@ -165,6 +176,20 @@ class EngineResult:
     prefill_tokens_computed: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    scheduled_tokens: list[tuple[tuple[Hashable, int], ...]] = field(default_factory=list)
+    first_token_step: dict[Hashable, int] = field(default_factory=dict)
+    arrival_step: dict[Hashable, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> list[int]:
+        """The tokens each step ran (its prefill chunks and decodes)."""
+        return [sum(n for _, n in step) for step in self.scheduled_tokens]
+
+    @property
+    def time_to_first_token(self) -> dict[Hashable, int]:
+        """Per request, in steps: ``first_token_step - arrival_step + 1`` (1 when the step it arrives
+        in samples its first token), in request order."""
+        return {r: self.first_token_step[r] - a + 1 for r, a in self.arrival_step.items()}
 
     @property
     def hit_rate(self) -> float:
@@ -222,6 +247,13 @@ class Engine:
     are settings of the paged mode, and so is ``enable_prefix_caching`` (see the module docstring),
     which a ``cache_factory`` must accept as a keyword argument.
 
+    ``max_num_batched_tokens`` (None: no budget) caps the tokens a step runs, as vLLM's setting:
+    each step gives every running decode its token first, then prefills prompts in chunks with
+    what is left, and a request preempted by recompute resumes by prefilling its prompt and the
+    tokens it had generated (see :mod:`~paged_kv.serving.scheduler`). The tokens do not change. It
+    is a setting of the paged mode, on a :class:`~paged_kv.model.kv_cache.PagedKVCache` (which can
+    run a prompt chunk at an offset).
+
     Raises:
         ValueError: a bad argument, named in the message.
     """
@@ -242,6 +274,7 @@ class Engine:
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         ignore_eos: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = model = as_causal_lm(model)
         if not isinstance(ignore_eos, bool):
@@ -283,6 +316,12 @@ class Engine:
                 f"enable_prefix_caching=True, which {self.cache_factory!r} does not accept"
             )
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_batched_tokens = check_budget(max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None and mode != "paged":
+            raise ValueError(
+                "max_num_batched_tokens is a setting of the paged mode: a prompt chunk attends over "
+                "the paged cache at an offset"
+            )
         limit = model.config.max_len
         self.max_model_len = (
             limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
@@ -332,9 +371,12 @@ class Engine:
         """
         requests = self._check_requests(requests)
         cache, memory = self._new_memory()
-        scheduler = Scheduler(memory, preemption=self.preemption)
+        scheduler = Scheduler(
+            memory, preemption=self.preemption, max_num_batched_tokens=self.max_num_batched_tokens
+        )
         runner = ModelRunner(self.model, cache, self.device)
         result = EngineResult(self.mode, self.budget_tokens)
+        result.arrival_step = {r.request_id: r.arrival_step for r in requests}
         stop = frozenset() if self.ignore_eos else frozenset(getattr(self.model, "eos_token_ids", ()))
         arrivals = [(r.arrival_step, _scheduler_request(r, stop)) for r in requests]
         bar = progress_bar(len(requests), f"engine ({self.mode})") if progress else None
@@ -401,6 +443,11 @@ class Engine:
                 f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
                 f"attend_prefill(...), but {type(cache).__name__} lacks them"
             )
+        if self.max_num_batched_tokens is not None and not isinstance(cache, PagedKVCache):
+            raise ValueError(
+                f"max_num_batched_tokens needs a PagedKVCache, which runs a prompt chunk at an offset; "
+                f"{type(cache).__name__} is not one"
+            )
         check_cache_fits(cache, self.model.config)
         memory = PagedMemory(
             cache,
@@ -442,11 +489,16 @@ class Engine:
     def _record(self, output: SchedulerOutput, step: StepResult, result: EngineResult) -> None:
         """Add one step's counts to ``result``."""
         for prefill in output.prefills:
-            result.admitted_step[prefill.request.request_id] = output.step
-            result.prefill_tokens_computed += prefill.num_computed_tokens
-            if self.enable_prefix_caching:
-                result.prefix_cache_queries += prefill.request.num_prompt_tokens
-                result.prefix_cache_hits += prefill.num_cached_tokens
+            request_id = prefill.request.request_id
+            result.prefill_tokens_computed += prefill.num_new_tokens
+            if prefill.is_first:
+                result.admitted_step[request_id] = output.step
+                if self.enable_prefix_caching:
+                    result.prefix_cache_queries += prefill.num_tokens
+                    result.prefix_cache_hits += prefill.num_cached_tokens
+            if prefill.samples and not prefill.generated:
+                result.first_token_step.setdefault(request_id, output.step)
+        result.scheduled_tokens.append(output.scheduled)
         for preemption in output.preemptions:
             result.preemptions_by_reason[preemption.way] += 1
             if preemption.way == "swap":
@@ -509,13 +561,15 @@ def sweep_budgets(
     preemption: str = "recompute",
     watermark: float = 0.0,
     progress: bool = False,
+    max_num_batched_tokens: int | None = None,
 ) -> list[dict[str, int | float]]:
     """Serve the same ``requests`` in the paged mode once per budget in ``num_blocks_list``.
 
     Returns one row per budget, in order, ready for a table or a plot: ``num_blocks``,
     ``budget_tokens``, ``steps``, ``preemptions``, ``recomputed_tokens``, ``blocks_swapped_out``,
     ``peak_running``, ``mean_running`` and ``mean_utilization``. :func:`min_num_blocks` gives the
-    smallest budget that can serve ``requests``.
+    smallest budget that can serve ``requests``. ``max_num_batched_tokens`` is the engines' token
+    budget (None: none; with one, recompute resumes by prefilling, see :class:`Engine`).
 
     Raises:
         ValueError: a bad argument, as :class:`Engine` and :meth:`Engine.run` raise it.
@@ -523,7 +577,14 @@ def sweep_budgets(
     if isinstance(num_blocks_list, str | bytes) or not isinstance(num_blocks_list, Sequence):
         raise ValueError(f"num_blocks_list must be a list of block counts, got {num_blocks_list!r}")
     engines = [
-        Engine(model, num_blocks=n, block_size=block_size, preemption=preemption, watermark=watermark)
+        Engine(
+            model,
+            num_blocks=n,
+            block_size=block_size,
+            preemption=preemption,
+            watermark=watermark,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         for n in num_blocks_list
     ]
     bar = progress_bar(len(engines), f"sweep ({preemption})", unit="budget") if progress else None

@@ -4,6 +4,11 @@ A contiguous engine must reserve, for every request, a slot as long as the longe
 serve. Paging reserves whole blocks, so it wastes at most ``block_size - 1`` slots per request.
 :func:`paged_usage` and :func:`contiguous_baseline` are the arithmetic of each layout;
 :func:`fragmentation_report` allocates the requests in a real paged cache and puts both side by side.
+
+Each request's count is its final length: it is done growing. So every reserved slot that holds no
+token is **internal fragmentation** (reserved beyond the final length, never used), and none is
+**reservation** (slots kept for tokens still to come), the other waste of the vLLM paper's Figure 2,
+which only a request still generating has; :mod:`paged_kv.simulation.shares` measures both over time.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ class ContiguousUsage:
 
     Fields:
         reserved_tokens: ``len(requests) * slot_tokens``.
-        internal_fragmentation_tokens: reserved slots that hold no token.
+        internal_fragmentation_tokens: reserved slots that hold no token (beyond the final
+            lengths: internal fragmentation).
         utilization: tokens held / tokens reserved (0.0 when nothing is reserved).
     """
 

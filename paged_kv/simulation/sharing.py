@@ -101,8 +101,9 @@ class ServeResult:
     """What one run of :func:`serve` computed and found.
 
     Fields:
-        prompt_tokens: the prompt tokens of every admission (a request preempted by recompute is
-            admitted, and looked up in the cache, again).
+        prompt_tokens: the tokens every admission prefills (a request preempted by recompute is
+            admitted, and looked up in the cache, again, with the tokens it had generated after its
+            prompt).
         cached_tokens: the leading prompt tokens the prefix cache held (``num_cached_tokens``,
             summed over the admissions); 0 without prefix caching.
         stats: the cache's ``prefix_cache_stats`` at the end: with prefix caching,
@@ -167,8 +168,8 @@ def serve(
     prompt_tokens = cached = steps = preemptions = 0
     scheduler = Scheduler(memory, max_num_seqs=max_running)
     for output, _ in run_steps(scheduler, CountingRunner(memory), arrivals):
-        prompt_tokens += sum(p.request.num_prompt_tokens for p in output.prefills)
-        cached += sum(p.num_cached_tokens for p in output.prefills)
+        prompt_tokens += sum(p.num_tokens for p in output.prefills if p.is_first)
+        cached += sum(p.num_cached_tokens for p in output.prefills if p.is_first)
         preemptions += len(output.preemptions)
         steps += 1
     return ServeResult(prompt_tokens, cached, cache.manager.prefix_cache_stats, steps, preemptions)

@@ -8,17 +8,23 @@ they hold and reserve. It runs the package's one scheduler,
 only counts tokens (:class:`~paged_kv.serving.model_runner.CountingRunner`), so it counts steps and
 tokens exactly as lesson 09's engine does. The policies:
 
-* :class:`PagedPolicy`: blocks of ``block_size`` tokens, taken on demand from a
+* :class:`PagedPolicy` (vLLM): blocks of ``block_size`` tokens, taken on demand from a
   :class:`BlockBookkeeping` (the package's block manager with no model behind it), admitted by the
   engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
-* :class:`ContiguousPolicy`: one contiguous slot per sequence, reserved at admission, of the maximum
-  model length (``"max"``), the next power of two of its final length (``"pow2"``), or exactly its
-  final length (``"oracle"``, which no real engine can know in advance); :func:`reserved_tokens`
-  is that size.
+* :class:`ContiguousPolicy` (the paper's Orca baselines): one contiguous range per sequence,
+  reserved at admission, of the maximum model length (``"max"``, Orca (Max)), the prompt plus the
+  next power of two of its output, at most twice the output (``"pow2"``, Orca (Pow2)), or exactly its
+  final length (``"oracle"``, Orca (Oracle), which no real engine can know in advance);
+  :func:`reserved_tokens` is that size.
+  The ranges are laid out first fit in one linear address space
+  (:mod:`paged_kv.simulation.contiguous`), so the free slots split into holes.
 
-:func:`sample_requests` draws seeded synthetic lengths shaped like ShareGPT or Alpaca, and
-:func:`compare_policies` with :func:`format_table` puts the four policies side by side.
+Every step, the simulation also splits the memory into token states, reservation, internal and
+external fragmentation (:mod:`paged_kv.simulation.shares`); :attr:`SimulationResult.memory_shares`
+sums them as the paper's Figure 2 does. :func:`sample_requests` draws seeded synthetic lengths
+shaped like ShareGPT or Alpaca, and :func:`compare_policies` with :func:`format_table` puts the
+four policies side by side.
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.progress import progress_bar
-from paged_kv.serving.memory import ContiguousMemory, KVMemory, PagedMemory
+from paged_kv.serving.memory import KVMemory, PagedMemory
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import Scheduler, run_steps
+from paged_kv.serving.scheduler import RunnerOutput, Scheduler, SchedulerOutput, run_steps
+from paged_kv.simulation.contiguous import FirstFitMemory
+from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.validate import check_count, check_hashable
 
 # ------------------------------------------------------------------------------------ the requests
@@ -182,7 +190,8 @@ class PagedPolicy:
 
     @property
     def name(self) -> str:
-        return f"paged/{self.block_size}"
+        """``"vLLM (blocks of 16)"``: the paged policy, named after the paper's system."""
+        return f"vLLM (blocks of {self.block_size})"
 
     def peak_tokens(self, request: Request) -> int:
         """The most slots the sequence ever reserves: its final length, rounded up to whole blocks."""
@@ -201,6 +210,8 @@ class PagedPolicy:
 
 
 CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
+CONTIGUOUS_NAMES = {"max": "Max", "pow2": "Pow2", "oracle": "Oracle"}
+"""How the paper names each kind: Orca (Max), Orca (Pow2), Orca (Oracle)."""
 
 
 def next_power_of_two(n: int) -> int:
@@ -219,13 +230,17 @@ def reserved_tokens(
 ) -> int:
     """The slots a contiguous reservation of ``kind`` takes for a request, once, at admission.
 
-    The slot cannot grow later, so it is sized for the final length ``prompt_tokens +
-    output_tokens``: ``"max"`` reserves ``max_model_len`` whatever the request, ``"pow2"`` the next
-    power of two of the final length (at most ``max_model_len`` when that is given) and
-    ``"oracle"`` exactly the final length.
+    The slot cannot grow later, so it holds at least the final length ``prompt_tokens +
+    output_tokens``: ``"max"`` reserves ``max_model_len`` whatever the request, ``"oracle"`` exactly
+    the final length, and ``"pow2"``, as the vLLM paper's Orca (Pow2), the prompt plus the next power
+    of two of the output, so the room for outputs is less than twice the output (no room for no
+    output), and at most ``max_model_len`` when that is given. Each is at least the final length
+    and, given ``max_model_len``, at most it.
 
     >>> [reserved_tokens(kind, 100, 200, 2048) for kind in ("max", "pow2", "oracle")]
-    [2048, 512, 300]
+    [2048, 356, 300]
+    >>> reserved_tokens("pow2", 7, 25)  # the paper's example: 32 positions for a 25-token output
+    39
 
     Raises:
         ValueError: ``kind`` is not one of :data:`CONTIGUOUS_KINDS`; a length is not an integer
@@ -233,9 +248,9 @@ def reserved_tokens(
             missing for ``"max"``; or the final length is over ``max_model_len``.
     """
     kind = _check_kind(kind)
-    total = check_count("prompt_tokens", prompt_tokens, minimum=1) + check_count(
-        "output_tokens", output_tokens
-    )
+    prompt_tokens = check_count("prompt_tokens", prompt_tokens, minimum=1)
+    output_tokens = check_count("output_tokens", output_tokens)
+    total = prompt_tokens + output_tokens
     if max_model_len is None:
         if kind == "max":
             raise ValueError("max_model_len is needed for kind 'max'")
@@ -244,22 +259,26 @@ def reserved_tokens(
     if kind == "oracle":
         return total
     if kind == "pow2":
-        pow2 = next_power_of_two(total)
+        pow2 = prompt_tokens + (next_power_of_two(output_tokens) if output_tokens else 0)
         return pow2 if max_model_len is None else min(pow2, max_model_len)
     return max_model_len  # type: ignore[return-value]  # "max" has one: checked above
 
 
 @dataclass(frozen=True)
 class ContiguousPolicy:
-    """One contiguous slot per sequence, reserved whole at admission and held until it finishes.
+    """One contiguous range per sequence, reserved whole at admission and held until it finishes.
 
-    ``kind`` is ``"max"`` (``max_model_len`` slots for everyone), ``"pow2"`` (the next power of two
-    of the final length, at most ``max_model_len`` when that is given) or ``"oracle"`` (exactly the
-    final length). ``"max"`` needs ``max_model_len``.
+    ``kind`` is ``"max"`` (``max_model_len`` slots for everyone), ``"pow2"`` (the prompt plus the
+    next power of two of the output, at most ``max_model_len`` when that is given) or ``"oracle"``
+    (exactly the final length): the paper's Orca (Max), Orca (Pow2) and Orca (Oracle). ``"max"`` needs
+    ``max_model_len``. The ranges are laid out first fit in one address space
+    (:class:`~paged_kv.simulation.contiguous.FirstFitMemory`), so a request waits when no hole
+    holds its range; ``compact=True`` closes the holes instead, whenever that admits a request.
     """
 
     kind: str
     max_model_len: int | None = None
+    compact: bool = False
 
     def __post_init__(self) -> None:
         _check_kind(self.kind)
@@ -267,10 +286,14 @@ class ContiguousPolicy:
             check_count("max_model_len", self.max_model_len, minimum=1)
         elif self.kind == "max":
             raise ValueError("max_model_len is needed for kind 'max'")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"compact must be True or False, got {self.compact!r}")
 
     @property
     def name(self) -> str:
-        return f"contiguous/{self.kind}"
+        """The paper's name: ``"Orca (Max)"``, ``"Orca (Pow2)"``, ``"Orca (Oracle)"``, + ``", compacted"``."""
+        name = f"Orca ({CONTIGUOUS_NAMES[self.kind]})"
+        return f"{name}, compacted" if self.compact else name
 
     def reservation(self, request: Request) -> int:
         """The slots reserved for ``request`` at admission: :func:`reserved_tokens` of its lengths."""
@@ -289,9 +312,12 @@ class ContiguousPolicy:
         """The slots a contiguous policy may reserve: the whole budget."""
         return budget_tokens
 
-    def memory(self, budget_tokens: int, record: bool = False) -> ContiguousMemory:
-        """``budget_tokens`` slots, one :meth:`reservation` per sequence (``record`` records nothing)."""
-        return ContiguousMemory(budget_tokens, lambda r: self.reservation(_request(r)))
+    def memory(self, budget_tokens: int, record: bool = False) -> FirstFitMemory:
+        """One address space of ``budget_tokens`` slots, one :meth:`reservation` per sequence, first fit.
+
+        ``record`` records nothing: only the paged memory has frames to animate.
+        """
+        return FirstFitMemory(budget_tokens, lambda r: self.reservation(_request(r)), compact=self.compact)
 
 
 Policy = PagedPolicy | ContiguousPolicy
@@ -332,6 +358,11 @@ class BlockBookkeeping:
     def free(self, seq_id: Hashable) -> None:
         self.manager.free(seq_id)
 
+    def sequences(self) -> dict[Hashable, tuple[int, int]]:
+        """Each sequence's ``(tokens held, slots reserved)``: its length, and its blocks' slots."""
+        size = self.manager.block_size
+        return {seq_id: (t.num_tokens, len(t.block_ids) * size) for seq_id, t in self.manager.tables.items()}
+
     @property
     def trace(self) -> list[TraceFrame]:
         """The recorded frames (empty unless built with ``record=True``)."""
@@ -355,10 +386,16 @@ def sequences_that_fit(requests: Sequence[Request], policy: Policy, budget_token
 class SimulationResult:
     """What :func:`simulate` saw: totals, and one entry per step in each series.
 
-    ``running``, ``held_tokens`` and ``reserved_tokens`` are measured during the step's forward
-    pass (finishing sequences included); ``waiting`` counts requests that have arrived but do not
-    run; ``finished`` counts requests done by the end of the step. Invariants:
-    ``held_tokens[t] <= reserved_tokens[t] <= budget_tokens`` and ``finished`` never decreases.
+    ``running``, ``held_tokens``, ``reserved_tokens`` and ``slot_use`` are measured during the
+    step's forward pass (finishing sequences included); ``waiting`` counts requests that have
+    arrived but do not run; ``finished`` counts requests done by the end of the step.
+    ``slot_use[t]`` splits the ``budget_tokens`` slots of step ``t`` four ways
+    (:class:`~paged_kv.simulation.shares.SlotUse`); ``blocked_by_holes`` counts the steps at which
+    the request at the front of the queue waited although the free slots in all would have held
+    its contiguous range (external fragmentation; always 0 for paged and compacted memories).
+    Invariants: ``held_tokens[t] <= reserved_tokens[t] <= budget_tokens``, ``slot_use[t]`` sums
+    to ``budget_tokens`` with ``slot_use[t].token_states == held_tokens[t]``, and ``finished``
+    never decreases.
     """
 
     policy: str
@@ -367,12 +404,21 @@ class SimulationResult:
     prompt_tokens: int
     output_tokens: int
     preemptions: int = 0
+    blocked_by_holes: int = 0
     trace: list[TraceFrame] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     held_tokens: list[int] = field(default_factory=list)
     reserved_tokens: list[int] = field(default_factory=list)
+    slot_use: list[SlotUse] = field(default_factory=list)
+
+    @property
+    def memory_shares(self) -> MemoryShares:
+        """Token states, reservation, internal and external fragmentation, in slot-steps, over the
+        steps at which a request waited (:mod:`paged_kv.simulation.shares` defines them)."""
+        waited = (use for use, waiting in zip(self.slot_use, self.waiting, strict=True) if waiting)
+        return MemoryShares.measure(waited, self.budget_tokens)
 
     @property
     def steps(self) -> int:
@@ -411,6 +457,20 @@ class SimulationResult:
         """Output tokens per step (a preempted sequence's recomputed tokens are not counted twice)."""
         return self.output_tokens / self.steps if self.steps else 0.0
 
+    def summary(self) -> dict[str, object]:
+        """The figures of :func:`format_table`'s row, ``blocked_by_holes`` and ``memory_shares``, for JSON."""
+        return {
+            "policy": self.policy,
+            "steps": self.steps,
+            "mean_running": self.mean_running,
+            "peak_running": self.peak_running,
+            "mean_utilization": self.mean_utilization,
+            "tokens_per_step": self.throughput,
+            "preemptions": self.preemptions,
+            "blocked_by_holes": self.blocked_by_holes,
+            "memory_shares": self.memory_shares.as_dict(),
+        }
+
 
 def _request(request: SchedulerRequest) -> Request:
     """A scheduler's request back as a :class:`Request` (for a policy's reservation)."""
@@ -434,14 +494,16 @@ def simulate(
     1. requests whose ``arrival_step`` has come join the back of the waiting queue;
     2. waiting requests are admitted first come first served while they fit, stopping at the first
        that does not (paged: :func:`~paged_kv.serving.memory.admits`, the prompt's blocks plus one
-       block of headroom per running sequence; contiguous: the reservation fits in the free
-       slots); an admitted request prefills, which samples its first output token;
+       block of headroom per running sequence; contiguous: a hole holds the reservation, first
+       fit); an admitted request prefills, which samples its first output token;
     3. the sequences that were running before decode one token each. Paged: a sequence whose last
        block is full takes a new one; when the step needs more blocks than are free, the most
        recently admitted sequences are preempted by recompute (their blocks are freed, they go back
-       to the front of the queue and will start over), counted in ``preemptions``;
-    4. the step is recorded; then a sequence that holds all its output tokens finishes and frees
-       its memory at once.
+       to the front of the queue and will prefill their prompt and the tokens they had generated
+       when they resume), counted in ``preemptions``;
+    4. the step is recorded, with the split of the memory into token states, reservation, internal
+       and external fragmentation (``result.slot_use``); then a sequence that holds all its
+       output tokens finishes and frees its memory at once.
 
     A request with ``o`` output tokens thus runs for ``o`` steps if it is never preempted, as in
     the engine. Runs until every request has finished, or for ``max_steps`` steps.
@@ -491,13 +553,37 @@ def simulate(
             bar.close()
     if isinstance(memory, PagedMemory):
         result.trace = memory.cache.trace
+    else:
+        result.blocked_by_holes = memory.blocked_by_holes
     return result
 
 
+class _MeasuringRunner(CountingRunner):
+    """A counting runner that splits the memory's slots (:class:`SlotUse`) once the step's tokens are in."""
+
+    def __init__(self, memory: KVMemory, final_lengths: dict[Hashable, int], capacity: int) -> None:
+        super().__init__(memory)
+        self.final_lengths, self.capacity = final_lengths, capacity
+        self.last: SlotUse | None = None
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        sampled = super().execute(output)
+        memory = self.memory
+        sequences = memory.cache.sequences() if isinstance(memory, PagedMemory) else memory.sequences()
+        self.last = SlotUse.measure(
+            ((held, reserved, self.final_lengths[seq_id]) for seq_id, (held, reserved) in sequences.items()),
+            self.capacity,
+        )
+        return sampled
+
+
 def _run(memory: KVMemory, arrivals: list, max_steps: int, result: SimulationResult, bar) -> None:
-    """The scheduler's steps over ``memory`` with a counting runner, recorded into ``result``."""
+    """The scheduler's steps over ``memory`` with a measuring runner, recorded into ``result``."""
     finished = 0
-    for output, step in run_steps(Scheduler(memory), CountingRunner(memory), arrivals, max_steps):
+    final_lengths = {r.request_id: r.num_prompt_tokens + r.max_new_tokens for _, r in arrivals}
+    runner = _MeasuringRunner(memory, final_lengths, result.budget_tokens)
+    for output, step in run_steps(Scheduler(memory), runner, arrivals, max_steps):
+        result.slot_use.append(runner.last)
         result.preemptions += len(output.preemptions)
         result.running.append(step.num_running)
         result.waiting.append(step.num_waiting)
@@ -520,7 +606,7 @@ def compare_policies(
     arrival_rate: float | None = None,
     block_size: int = 16,
 ) -> list[SimulationResult]:
-    """Run paged blocks and the three contiguous reservations on the same sampled requests."""
+    """Run vLLM's paged blocks and the three Orca reservations on the same sampled requests, in that order."""
     dist = _workload(workload)
     requests = sample_requests(dist, num_requests, seed, arrival_rate)
     policies: list[Policy] = [PagedPolicy(block_size)]

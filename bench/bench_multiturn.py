@@ -1,0 +1,241 @@
+"""Multi-turn chat: blocks filled during decode are cached too, so a follow-up turn reuses the answer.
+
+A tiny :class:`~paged_kv.model.tiny_gpt.TinyGPT` serves ``num_chats`` conversations of ``num_turns``
+turns under one shared system prompt. Each turn's prompt is the previous turn's prompt, its answer
+and a new message (lengths drawn from ``message`` and ``answer``, seeded); turn ``k`` of every
+conversation arrives at step ``k * gap``, after turn ``k - 1`` has finished, as a user who reads
+the answer before writing again. The answers are what the model generates greedily for each prompt
+alone, computed first, so that every prompt is known before the engine runs.
+
+The engine runs with prefix caching twice on the same requests: as the package does, where a
+decode step passes its tokens' ids to the cache and every block that fills is cached (vLLM v1),
+and with a cache that drops those ids, so that only prompt blocks are cached (the package before
+issue 15). Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against
+the ideal (every full block of the previous prompt and answer, computed from the chained hashes),
+on a pool that holds every request at once and on a tight one where cached blocks are evicted;
+the tokens, which must equal the answers of each prompt alone; and what the ids cost the decode
+step's bookkeeping (``BlockManager.append_batch`` with the step's token ids against without).
+
+    .venv/bin/python bench/bench_multiturn.py
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import Row, text_table
+
+from paged_kv import BlockManager
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.prefix_cache import chain_hashes, full_blocks
+from paged_kv.model.config import GPTConfig
+from paged_kv.model.generation import generate
+from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.timing import compare_times, torch_threads
+
+IDEAL_TARGET = 0.99  # the share of the ideal hit rate decode-block caching must reach on the ample pool
+
+
+class PromptBlocksOnly(PagedKVCache):
+    """The baseline: the decode step's token ids are dropped, so only prompt blocks are cached."""
+
+    def append(self, seq_ids, token_ids=None):
+        return super().append(seq_ids)
+
+
+def chat_requests(
+    model: TinyGPT,
+    num_chats: int,
+    num_turns: int,
+    system_tokens: int,
+    message: tuple[int, int],
+    answer: tuple[int, int],
+    seed: int = 0,
+) -> tuple[list[EngineRequest], dict]:
+    """Every turn of every conversation, turn by turn, and each one's answer (request id -> tokens).
+
+    Turn ``k`` arrives at step ``k * gap``.
+    A prompt is the conversation so far: the system prompt and first message, then for each later
+    turn the previous answer (the model's greedy tokens for the previous prompt alone) and a new
+    message. ``gap`` is the longest answer plus one, so turn ``k`` has finished when turn ``k + 1``
+    arrives (given a pool that admits a whole turn at once).
+    """
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(system_tokens)]
+    lengths = [[rng.randint(*answer) for _ in range(num_chats)] for _ in range(num_turns)]
+    gap = max(max(turn) for turn in lengths) + 1
+    history = [list(system) for _ in range(num_chats)]
+    requests, answers = [], {}
+    for turn in range(num_turns):
+        for chat in range(num_chats):
+            history[chat] += [rng.randrange(256) for _ in range(rng.randint(*message))]
+            request = EngineRequest((chat, turn), list(history[chat]), lengths[turn][chat], turn * gap)
+            requests.append(request)
+            alone = generate(model, [request.prompt], request.max_new_tokens, cache="contiguous")
+            answers[request.request_id] = alone.tokens[0]
+            history[chat] += answers[request.request_id]
+    return requests, answers
+
+
+def ideal_hits(requests: list[EngineRequest], answers: dict, block_size: int) -> int:
+    """The prompt tokens an unbounded cache serves: for each prompt, its leading full blocks whose
+    chained hashes an earlier prompt or fed answer token computed (at most ``len(prompt) - 1``).
+
+    Requests are taken in arrival order, those of one step in order, each seeing the prompts
+    admitted before it and the answers of the steps before (all but each answer's last token,
+    which is sampled and never fed).
+    """
+    computed: set[int] = set()
+    hits = 0
+    for step in sorted({r.arrival_step for r in requests}):
+        arriving = [r for r in requests if r.arrival_step == step]
+        for request in arriving:
+            hashes = chain_hashes(full_blocks(request.prompt, block_size))
+            usable = hashes[: (len(request.prompt) - 1) // block_size]
+            hits += block_size * next((i for i, h in enumerate(usable) if h not in computed), len(usable))
+            computed.update(hashes)
+        for request in arriving:
+            held = request.prompt + answers[request.request_id][:-1]
+            computed.update(chain_hashes(full_blocks(held, block_size)))
+    return hits
+
+
+CACHES = {"decode": PagedKVCache, "prompts": PromptBlocksOnly}
+"""The two caches the engine runs on: decode-block caching (the package) and prompt blocks only."""
+
+
+def engines(model: TinyGPT, num_blocks: int, block_size: int) -> dict[str, Engine]:
+    """An engine with prefix caching on each of :data:`CACHES`, by the same name."""
+    settings = {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": True}
+    return {name: Engine(model, cache_factory=factory, **settings) for name, factory in CACHES.items()}
+
+
+def decode_steps_of(num_seqs: int, steps: int, block_size: int, with_ids: bool) -> Callable[[], None]:
+    """A call that runs ``steps`` decode steps of ``num_seqs`` sequences (100-token prompts) on a new
+    prefix-caching manager, each step's ``append_batch`` with the step's token ids or without."""
+
+    def decode() -> None:
+        manager = BlockManager(num_seqs * blocks_for_tokens(100 + steps, block_size), block_size,
+                               enable_prefix_caching=True)  # fmt: skip
+        seq_ids = list(range(num_seqs))
+        for seq_id in seq_ids:
+            manager.allocate(seq_id, 100, [(seq_id * 7 + i) % 256 for i in range(100)])
+        tokens = [seq_id % 256 for seq_id in seq_ids]
+        for _ in range(steps):
+            manager.append_batch(seq_ids, tokens if with_ids else None)
+
+    return decode
+
+
+def run(
+    num_chats: int = 16,
+    num_turns: int = 4,
+    system_tokens: int = 32,
+    message: tuple[int, int] = (8, 32),
+    answer: tuple[int, int] = (16, 48),
+    block_size: int = 16,
+    tight: float = 0.75,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    head_dim: int = 16,
+    max_len: int = 384,
+    threads: int = 1,
+    decode_seqs: int = 256,
+    decode_steps: int = 256,
+    repeats: int = 3,
+) -> list[Row]:
+    """Serve the chats on an ample pool (every request at once) and on a tight one (``tight`` times
+    the blocks of the largest turn at its longest), with decode blocks cached and with prompt blocks
+    only; time the ample runs and the decode step's bookkeeping (``repeats`` interleaved rounds)."""
+    config = GPTConfig(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, max_len=max_len)
+    with torch_threads(threads):
+        model = TinyGPT(config, seed=0).eval()
+        requests, answers = chat_requests(model, num_chats, num_turns, system_tokens, message, answer)
+        longest = {r.request_id: len(r.prompt) + r.max_new_tokens for r in requests}
+        need = {request_id: blocks_for_tokens(n, block_size) for request_id, n in longest.items()}
+        largest_turn = max(sum(need[(chat, turn)] for chat in range(num_chats)) for turn in range(num_turns))
+        pools = {
+            "ample": sum(need.values()),
+            "tight": max(max(need.values()) + 1, round(tight * largest_turn)),
+        }
+        built = {pool: engines(model, blocks, block_size) for pool, blocks in pools.items()}
+        runs = {pool: {name: e.run(requests) for name, e in pair.items()} for pool, pair in built.items()}
+        wall = compare_times({name: partial(e.run, requests) for name, e in built["ample"].items()},
+                             repeats=repeats, warmup=0)  # fmt: skip
+    bookkeeping = compare_times(
+        {
+            ids: decode_steps_of(decode_seqs, decode_steps, block_size, ids == "with")
+            for ids in ("with", "without")
+        },
+        repeats=repeats,
+        warmup=1,
+    )
+    equal = sum(result.tokens == answers for pair in runs.values() for result in pair.values())
+    ideal = ideal_hits(requests, answers, block_size)
+    queries = sum(len(r.prompt) for r in requests)
+    name = (
+        f"multi-turn chat, {num_chats} conversations x {num_turns} turns ({len(requests)} prompts, "
+        f"{queries:,} prompt tokens; messages {message[0]}-{message[1]}, answers {answer[0]}-{answer[1]} "
+        f"tokens, a {system_tokens}-token system prompt), block {block_size}, tiny GPT"
+    )
+    rows = []
+    for pool, blocks in pools.items():
+        decode, prompt_only = runs[pool]["decode"], runs[pool]["prompts"]
+        where = f"{name}, {pool} pool of {blocks:,} blocks"
+        rows += [
+            Row(f"{where}: prefill tokens computed, decode blocks cached vs prompt blocks only",
+                decode.prefill_tokens_computed, prompt_only.prefill_tokens_computed,
+                prompt_only.prefill_tokens_computed / decode.prefill_tokens_computed, "—", None, "tokens"),
+            Row(f"{where}: hit rate in prompt tokens, decode blocks cached vs prompt blocks only "
+                f"({decode.prefix_cache_hits:,} vs {prompt_only.prefix_cache_hits:,} prefill tokens saved)",
+                100 * decode.hit_rate, 100 * prompt_only.hit_rate, decode.hit_rate / prompt_only.hit_rate,
+                "—", None, "%"),
+        ]  # fmt: skip
+    ample = runs["ample"]["decode"]
+    where = f"{name}, ample pool of {pools['ample']:,} blocks"
+    ratio = ample.prefix_cache_hits / ideal
+    runs_total = sum(len(pair) for pair in runs.values())
+    rows += [
+        Row(f"{where}: hit rate vs the ideal (every full block of the previous prompt and answer, from "
+            f"the chained hashes)", 100 * ample.hit_rate, 100 * ideal / queries, ratio,
+            f">= {IDEAL_TARGET}x", ratio >= IDEAL_TARGET, "%"),
+        Row(f"{where}: wall time of a run, CPU, {threads} thread(s), decode blocks cached vs prompt blocks "
+            f"only (time ratio, median of {repeats} interleaved rounds)", wall.median("decode"),
+            wall.median("prompts"),
+            wall.ratio("decode", "prompts"), "—", None, "s"),
+        Row(f"{name}: runs whose tokens equal each prompt's answer alone (both pools, both cachings)",
+            equal, runs_total, equal / runs_total, "all", equal == runs_total, "runs"),
+        Row(f"{decode_steps} decode steps of {decode_seqs} seqs (100-token prompts, block {block_size}), "
+            f"prefix caching: BlockManager.append_batch with the step's token ids vs without (time ratio)",
+            bookkeeping.median("with") * 1e3, bookkeeping.median("without") * 1e3,
+            bookkeeping.ratio("with", "without"), "—", None, "ms"),
+    ]  # fmt: skip
+    return rows
+
+
+# Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
+QUICK = {
+    "num_chats": 3,
+    "num_turns": 2,
+    "system_tokens": 4,
+    "message": (2, 5),
+    "answer": (3, 6),
+    "block_size": 4,
+    "max_len": 64,
+    "head_dim": 8,
+    "decode_seqs": 8,
+    "decode_steps": 8,
+    "repeats": 1,
+}
+
+
+if __name__ == "__main__":
+    print(text_table(run()))

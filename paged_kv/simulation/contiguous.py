@@ -1,0 +1,272 @@
+"""Contiguous reservations in one linear address space: first fit, with holes (lessons 00 and 06).
+
+A contiguous KV cache gives each sequence one unbroken range of slots, reserved whole at admission
+and held until the sequence finishes. :class:`ContiguousAllocator` lays those ranges out in one
+address space of ``capacity`` slots, ``0 .. capacity - 1``, the way a memory allocator would:
+
+* **first fit**: a range of ``size`` slots starts at the lowest address of the first hole (free
+  run) that holds it;
+* **holes merge**: a freed range joins the holes on either side, so two holes are never adjacent.
+
+Ranges of different sizes come and go, so the free slots split into holes. A request that finds no
+hole large enough must wait, *even when the free slots in all would hold it*: that is **external
+fragmentation**, which :class:`FirstFitMemory` (the scheduler's memory over an allocator) counts
+in :attr:`FirstFitMemory.blocked_by_holes`. :meth:`ContiguousAllocator.compact` closes the holes by
+sliding every range down (what a contiguous cache would pay for by copying K/V);
+``FirstFitMemory(compact=True)`` does so whenever that admits a request.
+
+Invariants, after every call (a call that raises changes nothing):
+
+* the ranges in use never overlap, and each lies inside ``0 .. capacity - 1``;
+* the holes are exactly the slots no range uses, sorted by address, and no two touch;
+* ``free_slots + used_slots == capacity``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
+
+from paged_kv.errors import UnknownSequenceError
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.validate import check_count, check_hashable
+
+
+class Extent(NamedTuple):
+    """``size`` slots from address ``start`` on: ``start .. start + size - 1``."""
+
+    start: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        """The first address after the extent."""
+        return self.start + self.size
+
+
+class ContiguousAllocator:
+    """First fit over one address space of ``capacity`` slots (see the module for the invariants).
+
+    >>> space = ContiguousAllocator(10)
+    >>> space.allocate("a", 4), space.allocate("b", 3), space.allocate("c", 3)
+    (Extent(start=0, size=4), Extent(start=4, size=3), Extent(start=7, size=3))
+    >>> space.free("a"); space.free("c")
+    >>> space.holes, space.free_slots, space.fits(4), space.fits(5)
+    ([Extent(start=0, size=4), Extent(start=7, size=3)], 7, True, False)
+
+    Raises:
+        ValueError: ``capacity`` is not a whole number of at least 1.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = check_count("capacity", capacity, minimum=1)
+        self._holes: list[Extent] = [Extent(0, self.capacity)]  # sorted by start, never touching
+        self._ranges: dict[Hashable, Extent] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ContiguousAllocator(capacity={self.capacity}, used={self.used_slots}, "
+            f"holes={[tuple(h) for h in self._holes]})"
+        )
+
+    @property
+    def holes(self) -> list[Extent]:
+        """The free runs, sorted by address (a copy)."""
+        return list(self._holes)
+
+    @property
+    def ranges(self) -> dict[Hashable, Extent]:
+        """Each owner's range (a copy)."""
+        return dict(self._ranges)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(hole.size for hole in self._holes)
+
+    @property
+    def used_slots(self) -> int:
+        return sum(extent.size for extent in self._ranges.values())
+
+    @property
+    def largest_hole(self) -> int:
+        """The longest range :meth:`allocate` can give now (0 when nothing is free)."""
+        return max((hole.size for hole in self._holes), default=0)
+
+    def __contains__(self, owner: object) -> bool:
+        return owner in self._ranges
+
+    def fits(self, size: int) -> bool:
+        """Whether some hole holds ``size`` slots (``size >= 1``)."""
+        return check_count("size", size, minimum=1) <= self.largest_hole
+
+    def allocate(self, owner: Hashable, size: int) -> Extent:
+        """Give ``owner`` ``size`` slots at the start of the first hole that holds them.
+
+        Raises:
+            ValueError: ``owner`` is unhashable or already holds a range, ``size`` is not a whole
+                number of at least 1, or no hole holds ``size`` slots (the message says the largest).
+        """
+        check_hashable("owner", owner)
+        if owner in self._ranges:
+            raise ValueError(f"owner {owner!r} already holds {self._ranges[owner]}")
+        size = check_count("size", size, minimum=1)
+        for i, hole in enumerate(self._holes):
+            if hole.size >= size:
+                extent = Extent(hole.start, size)
+                if hole.size == size:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = Extent(hole.start + size, hole.size - size)
+                self._ranges[owner] = extent
+                return extent
+        raise ValueError(
+            f"no hole holds size={size} slots: the largest of {len(self._holes)} holes has "
+            f"{self.largest_hole} ({self.free_slots} free in all)"
+        )
+
+    def free(self, owner: Hashable) -> None:
+        """Give ``owner``'s range back; it merges with the holes it touches.
+
+        Raises:
+            UnknownSequenceError: ``owner`` holds no range (a ``KeyError``).
+        """
+        if check_hashable("owner", owner) not in self._ranges:
+            raise UnknownSequenceError(owner)
+        extent = self._ranges.pop(owner)
+        holes = self._holes
+        i = bisect.bisect_left(holes, extent)  # the first hole after the range
+        start, end = extent.start, extent.end
+        if i < len(holes) and holes[i].start == end:  # merge with the hole after
+            end = holes.pop(i).end
+        if i > 0 and holes[i - 1].end == start:  # and with the hole before
+            i -= 1
+            start = holes.pop(i).start
+        holes.insert(i, Extent(start, end - start))
+
+    def compact(self) -> dict[Hashable, Extent]:
+        """Slide every range down, in address order, so the free slots form one hole at the end.
+
+        What a contiguous cache would have to do to use its holes: copy the K/V of every range that
+        moves. Returns the ranges that moved, at their new places.
+        """
+        moved, start = {}, 0
+        for owner, extent in sorted(self._ranges.items(), key=lambda item: item[1].start):
+            if extent.start != start:
+                moved[owner] = self._ranges[owner] = Extent(start, extent.size)
+            start += extent.size
+        self._holes = [Extent(start, self.capacity - start)] if start < self.capacity else []
+        return moved
+
+
+class FirstFitMemory:
+    """The scheduler's :class:`~paged_kv.serving.memory.KVMemory` over a :class:`ContiguousAllocator`.
+
+    ``reserve(request)`` gives the slots a request reserves when it is admitted; a request is
+    admitted when some hole holds them (first fit), and its range stays until it finishes. With
+    ``compact=True`` a request that the free slots in all would hold is admitted too: the
+    allocator is compacted first (:meth:`ContiguousAllocator.compact`, counted in
+    :attr:`compactions`), which is what a memory without external fragmentation would admit.
+    Nothing is ever preempted or swapped: the range holds the sequence at its longest, which
+    :meth:`serves_alone` checks. The memory keeps each sequence's length (its prompt, then one
+    more token per :meth:`append`) for :meth:`sequences`.
+
+    Raises:
+        ValueError: ``budget_tokens`` is not a count of at least 1, or ``reserve`` is not callable.
+    """
+
+    can_swap = False
+
+    def __init__(
+        self, budget_tokens: int, reserve: Callable[[SchedulerRequest], int], *, compact: bool = False
+    ) -> None:
+        self.allocator = ContiguousAllocator(check_count("budget_tokens", budget_tokens, minimum=1))
+        if not callable(reserve):
+            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
+        self.reserve = reserve
+        self.compact = bool(compact)
+        self.blocked_by_holes = 0
+        """Refused admissions that the free slots in all would have held: no single hole did."""
+        self.compactions = 0
+        """Compactions made to admit a request (``compact=True`` only)."""
+        self._lengths: dict[Hashable, int] = {}
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.allocator.capacity
+
+    def serves_alone(self, request: SchedulerRequest) -> bool:
+        size = self.reserve(request)
+        return request.num_prompt_tokens + request.max_new_tokens - 1 <= size <= self.budget_tokens
+
+    def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
+        size = self.reserve(request)
+        if self.allocator.fits(size):
+            return True
+        if size <= self.allocator.free_slots:
+            if self.compact:
+                return True  # add_sequence compacts first
+            self.blocked_by_holes += 1
+        return False
+
+    def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
+        raise NotImplementedError("a contiguous memory never swaps")
+
+    def add_sequence(self, request: SchedulerRequest) -> int:
+        """Give the request its range, compacting first when that is what admits it (``compact=True``).
+
+        Raises:
+            ValueError: the request's id holds a range already, or no hole holds its range; nothing
+                changes.
+        """
+        if request.request_id in self.allocator:
+            raise ValueError(f"request_id {request.request_id!r} holds a range already")
+        size = self.reserve(request)
+        if self.compact and not self.allocator.fits(size) and size <= self.allocator.free_slots:
+            self.allocator.compact()
+            self.compactions += 1
+        self.allocator.allocate(request.request_id, size)
+        self._lengths[request.request_id] = request.num_prompt_tokens
+        return 0
+
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        return False
+
+    @property
+    def num_free_blocks(self) -> int:
+        """The free slots (a contiguous memory has no blocks a decode step could take)."""
+        return self.allocator.free_slots
+
+    def blocks_held(self, num_tokens: int) -> int:
+        return 0  # freeing a range frees no block a decode step could take
+
+    def append(self, seq_ids: Sequence[Hashable]) -> None:
+        """Each sequence stores one more token, in the range it reserved for its final length."""
+        for seq_id in seq_ids:
+            self._lengths[seq_id] += 1
+
+    def free(self, seq_id: Hashable) -> None:
+        self.allocator.free(seq_id)
+        del self._lengths[seq_id]
+
+    def swap_out(self, seq_id: Hashable) -> object:
+        raise NotImplementedError("a contiguous memory never swaps")
+
+    def swap_in(self, seq_id: Hashable, saved: object) -> None:
+        raise NotImplementedError("a contiguous memory never swaps")
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.allocator.used_slots
+
+    def sequences(self) -> dict[Hashable, tuple[int, int]]:
+        """Each sequence's ``(tokens held, slots reserved)``."""
+        ranges = self.allocator.ranges
+        return {seq_id: (held, ranges[seq_id].size) for seq_id, held in self._lengths.items()}
+
+    def describe_free(self) -> str:
+        allocator = self.allocator
+        return (
+            f"{allocator.free_slots} free token slots out of {allocator.capacity}, the largest hole "
+            f"{allocator.largest_hole}"
+        )
