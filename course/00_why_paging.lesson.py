@@ -292,7 +292,7 @@ AllocationPlayer(recorded.trace)
 
 # %%
 from paged_kv.pictures.plots import plot_memory_shares
-from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES
+from paged_kv.simulation.shares import SHARES, beside_the_paper
 from paged_kv.simulation.workload import compare_policies
 
 paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=15728, seed=0)
@@ -304,10 +304,7 @@ for result in measured:
 print("never usable with Orca (Max):", f"{(15728 - 7 * 2048) / 15728:.1%}")
 
 # %%
-bars = []
-for name, result in zip(PAPER_FIGURE_2, measured, strict=True):
-    label = name.replace(" (", "\n(")
-    bars += [(f"{label}\npaper", PAPER_FIGURE_2[name]), ("measured", result.memory_shares.percent())]
+bars = beside_the_paper([result.memory_shares for result in measured])  # the paper's bar, then ours
 fig, ax = plt.subplots(figsize=(9, 4))
 plot_memory_shares(bars, group=2, ax=ax, title="the KV cache memory: the paper's Figure 2, and measured")
 fig.tight_layout()

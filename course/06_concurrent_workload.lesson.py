@@ -580,7 +580,7 @@ plt.show()
 
 # %%
 from paged_kv.pictures.plots import plot_memory_shares
-from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES
+from paged_kv.simulation.shares import SHARES, beside_the_paper
 
 PAPER_SLOTS = 15728  # 12 GiB of KV cache at 800 KiB a token
 paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=PAPER_SLOTS, seed=0)
@@ -594,10 +594,7 @@ for result in figure2:
     print(f"{result.policy:<21}{shares}{measured:>17}{result.blocked_by_holes:>18}")
 
 # %%
-bars = []
-for name, result in zip(PAPER_FIGURE_2, figure2, strict=True):
-    label = name.replace(" (", "\n(")
-    bars += [(f"{label}\npaper", PAPER_FIGURE_2[name]), ("measured", result.memory_shares.percent())]
+bars = beside_the_paper([result.memory_shares for result in figure2])  # the paper's bar, then ours
 fig, ax = plt.subplots(figsize=(9, 4))
 plot_memory_shares(bars, group=2, ax=ax, title="the KV cache memory: the paper's Figure 2, and measured")
 fig.tight_layout()

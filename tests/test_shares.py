@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES, MemoryShares, SlotUse
+from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES, MemoryShares, SlotUse, beside_the_paper
 
 pytestmark = pytest.mark.lesson06
 
@@ -110,3 +110,27 @@ def test_the_papers_figures():
         if name != "vLLM":
             assert sum(shares.values()) == pytest.approx(100, abs=0.15)  # as printed, to one decimal
     assert [PAPER_FIGURE_2[n]["token_states"] for n in PAPER_FIGURE_2] == [20.4, 26.8, 38.2, 96.3]
+
+
+def test_beside_the_paper_puts_each_measured_bar_after_the_papers():
+    measured = [
+        MemoryShares.measure([SlotUse(5 * i, 1, 0, 19 - 5 * i)], 20) for i in range(len(PAPER_FIGURE_2))
+    ]
+    bars = beside_the_paper(measured)
+    assert [label for label, _ in bars] == [
+        "Orca\n(Max)\npaper",
+        "measured",
+        "Orca\n(Pow2)\npaper",
+        "measured",
+        "Orca\n(Oracle)\npaper",
+        "measured",
+        "vLLM\npaper",
+        "measured",
+    ]
+    assert [shares for _, shares in bars[::2]] == list(PAPER_FIGURE_2.values())
+    assert [shares["token_states"] for _, shares in bars[1::2]] == [0.0, 25.0, 50.0, 75.0]
+
+
+def test_beside_the_paper_needs_one_measurement_per_system():
+    with pytest.raises(ValueError, match="one MemoryShares per system"):
+        beside_the_paper([])

@@ -30,7 +30,7 @@ So the four shares sum to 100 % of the memory over the measured steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -155,3 +155,26 @@ class MemoryShares:
         fields = asdict(self)
         fields["percent"] = self.percent() if self.total else None
         return fields
+
+
+def beside_the_paper(measured: Sequence[MemoryShares]) -> list[tuple[str, dict[str, float | None]]]:
+    """Figure 2's bars: each system's shares as the paper gives them, then as ``measured``, in percent.
+
+    ``measured`` holds one :class:`MemoryShares` per system of :data:`PAPER_FIGURE_2`, in its order
+    (Orca (Max), Orca (Pow2), Orca (Oracle), vLLM). The result is what
+    :func:`~paged_kv.pictures.plots.plot_memory_shares` draws with ``group=2``: the paper's bar and
+    the measured one side by side for each system.
+
+    Raises:
+        ValueError: ``measured`` does not hold one entry per system (or one measured no step).
+    """
+    if len(measured) != len(PAPER_FIGURE_2):
+        raise ValueError(
+            f"measured must hold one MemoryShares per system of the paper's Figure 2 "
+            f"({', '.join(PAPER_FIGURE_2)}), got {len(measured)}"
+        )
+    bars: list[tuple[str, dict[str, float | None]]] = []
+    for (system, paper), shares in zip(PAPER_FIGURE_2.items(), measured, strict=True):
+        label = system.replace(" (", "\n(")
+        bars += [(f"{label}\npaper", paper), ("measured", shares.percent())]
+    return bars
