@@ -21,8 +21,9 @@ One step, in this order:
 3. **preemption**: while the decode step of the sequences that were running before this step's
    admissions (swapped-in ones included) needs more new blocks than are free, the newest running
    sequence is preempted, chosen by :func:`~paged_kv.serving.preemption.choose_victims` (newest
-   first, never the oldest alone): by recompute (its memory is freed, its output dropped, and it
-   goes back to the front of the queue) or by swap (its K/V goes to host memory and it waits in
+   first, never the oldest alone): by recompute (its memory is freed, it keeps its generated
+   tokens, and it goes back to the front of the queue, to prefill them after its prompt when it
+   resumes) or by swap (its K/V goes to host memory and it waits in
    the swapped queue, ahead of every waiting request);
 4. **decode**: those sequences each feed their last token and sample one more;
 5. :meth:`Scheduler.update`: the sampled tokens are appended; a sequence holding
