@@ -279,7 +279,7 @@ AllocationPlayer(recorded.trace)
 # | internal fragmentation | `max(r - f, 0)`: slots beyond its final length |
 # | external fragmentation and others | the free slots, while a request waits for memory |
 #
-# Lesson 06 builds the simulator that measures them: requests arrive, wait, grow a token per step
+# Lesson 07 builds the simulator that measures them: requests arrive, wait, grow a token per step
 # and leave, and each contiguous range is placed first fit in one address space of slots, so holes
 # appear as ranges come and go. It sums the four parts over the steps at which a request waits
 # (when nobody waits, the free slots are idle, not wasted), so they add up to 100 %. Here it serves
@@ -325,14 +325,14 @@ plt.show()
 #   paper assumes Orca places its ranges with a buddy allocator (power-of-two blocks at aligned
 #   addresses, a freed block merging only with its buddy), where the simulator's first fit merges
 #   any neighbouring holes. Its internal fragmentation comes out near the paper's (11.4 % against
-#   13.6 %); lesson 06 shows why that is partly a coincidence of the lengths.
+#   13.6 %); lesson 07 shows why that is partly a coincidence of the lengths.
 # * **Orca (Oracle)** has no internal fragmentation in either, and again fewer holes here than with
 #   a buddy allocator (16.0 % against 36.6 %), so more token states (50.2 % against 38.2 %).
 # * **vLLM**: 96.1 % token states against the paper's 96.3 %. What is left is the rest of each
 #   sequence's last block (reservation, 1.6 %) and the free blocks the scheduler keeps as headroom
 #   for the running sequences' next tokens (2.3 %); no block waits for a hole.
 #
-# Lesson 06 runs the simulator in detail, with the allocator's holes and what closing them would save.
+# Lesson 07 runs the simulator in detail, with the allocator's holes and what closing them would save.
 
 # %% [markdown]
 # ## 6. How big should a block be?
@@ -478,7 +478,7 @@ except ValueError as error:
 #   slots, in its last block, and any free block fits anyone.
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
-# * The paper's Figure 2, measured by the simulator of lesson 06 in the paper's 15,728 slots: token
+# * The paper's Figure 2, measured by the simulator of lesson 07 in the paper's 15,728 slots: token
 #   states fill 21.0 % of the memory with Orca (Max), 44.8 % with Pow2, 50.2 % with the oracle and
 #   96.1 % with vLLM's blocks, against the paper's 20.4, 26.8, 38.2 and 96.3 %. Max matches; Pow2
 #   and the oracle differ by where they place their ranges (first fit here, a buddy allocator

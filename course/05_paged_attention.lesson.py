@@ -427,7 +427,7 @@ print(
 # receives a *view* with the heads before the tokens, `(num_blocks, num_kv_heads, block_size,
 # 2 × head_size)`, and K is its first `head_size` numbers, V the rest. One head's block is then
 # `block_size` runs of `head_dim` numbers, a fixed stride apart: not contiguous, and read in place all
-# the same, through the strides (lesson 10's kernel reads this very view).
+# the same, through the strides (lesson 12's kernel reads this very view).
 
 # %%
 vllm_memory = torch.cat([cache.k_cache, cache.v_cache], dim=-1).transpose(1, 2).contiguous()
@@ -520,7 +520,7 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 #   the scores, `block_size` numbers per block and head, move into each row's table order, where the
 #   mask and the softmax run; the weights move back, and a second batched product with `v_cache` and
 #   a sum per row give the output. (A block several rows share, after a fork or from a prefix cache,
-#   lesson 07, is copied once and meets every row's query.) The price: the products run over the
+#   lesson 08, is copied once and meets every row's query.) The price: the products run over the
 #   whole pool, so blocks nobody reads cost as much as the others.
 # * **`"flex"`** hands the work to PyTorch's FlexAttention (`torch.nn.attention.flex_attention`,
 #   torch 2.5 and later). The keys are the whole pool viewed as one long sequence (a view, no copy),
@@ -800,7 +800,7 @@ print("query heads that still agree:", same_heads)
 #
 # * **chunked prefill.** A long prompt is split into chunks that fit a step's token budget; each chunk
 #   attends to the earlier chunks, which earlier steps left in the cache.
-# * **a prefix-cache hit** (lesson 07). The first blocks of the prompt are found already computed, in
+# * **a prefix-cache hit** (lesson 08). The first blocks of the prompt are found already computed, in
 #   blocks another request filled; only the rest is computed, attending to them.
 #
 # A fresh prompt is the case of an offset of 0, and decode the case of `q = 1`: one function covers all
@@ -895,7 +895,7 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   strategy grown up: the keys are the whole pool, and `physical_to_logical_mapping` inverts the
 #   block tables so that a mask function can ask where a pool slot sits in a request.
 # * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` splits the same view
-#   into K and V and calls `unified_attention`, the Triton kernel lesson 10 reads.
+#   into K and V and calls `unified_attention`, the Triton kernel lesson 12 reads.
 #
 # What the course leaves out or does differently: the kernels vLLM runs are compiled CUDA (FlashAttention)
 # or Triton, fused and reading blocks in place, where this course's strategies are PyTorch operations;
@@ -937,7 +937,7 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   equals the last `q` rows of causal SDPA on the whole sequence (5 of 13 here). The chunk alone is
 #   wrong in every row; without the causal mask only the last row is right.
 #
-# **Next, lesson 06:** a concurrent workload, many sequences arriving and finishing at different
+# **Next, lesson 07:** a concurrent workload, many sequences arriving and finishing at different
 # times, and how much memory paging saves there against contiguous reservations. The exercise for this lesson,
 # `exercises/05_paged_attention.ipynb`, has you write the gather, decode attention and the batched,
 # masked paged attention yourself.

@@ -33,7 +33,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     from paged_kv.checks import TASKS
+    from paged_kv.course_map import LESSONS
 
+    for lesson in LESSONS:
+        config.addinivalue_line("markers", f"lesson{lesson.number}: lesson {lesson.number}, {lesson.title}")
     for task_id in TASKS:
         config.addinivalue_line("markers", f"{task_marker(task_id)}: the graded task {task_id}")
 

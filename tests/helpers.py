@@ -1,5 +1,5 @@
 """Helpers shared by the tests: building allocators, proving a failed call changed nothing, and
-skipping lesson 10's notebooks and tasks where triton cannot be imported."""
+skipping lesson 12's notebooks and tasks where triton cannot be imported."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import EngineRequest
 
 NUM_HEADS, HEAD_DIM = 2, 4
-KERNEL_LESSONS = ("10",)  # lessons whose exercise is a Triton kernel
+KERNEL_LESSONS = ("12",)  # lessons whose exercise is a Triton kernel
 NO_TRITON = pytest.mark.skipif(
     not triton_available(), reason="triton is not installed (it publishes Linux wheels only)"
 )

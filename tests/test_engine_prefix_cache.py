@@ -300,7 +300,7 @@ def test_a_request_arriving_after_the_first_finished_reuses_its_freed_blocks(mod
     check_metrics(result, caches[0], [first, second])
 
 
-@pytest.mark.lesson08
+@pytest.mark.lesson11
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preemption_with_prefix_caching_keeps_the_text(
     model: TinyGPT, preemption: str, device: torch.device
@@ -352,7 +352,7 @@ def shared_prefix_workloads(draw) -> list[EngineRequest]:
     ]
 
 
-@pytest.mark.lesson08
+@pytest.mark.lesson11
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @given(
     requests=shared_prefix_workloads(),

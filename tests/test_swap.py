@@ -22,7 +22,7 @@ from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson11
 
 CONFIG = GPTConfig(num_layers=3, num_heads=2, head_dim=4, max_len=64)
 BLOCK_SIZE = 4

@@ -1,4 +1,4 @@
-"""The Triton decode kernel equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 10).
+"""The Triton decode kernel equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 12).
 
 ``paged_attention(..., strategy="triton")`` against ``strategy="gather"`` (and, for tables that
 repeat a block, against SDPA over what each table lists): scattered, repeated and shared blocks,
@@ -27,7 +27,7 @@ from .test_attention import HEADS, TOLERANCES, head_layouts, random_query, scatt
 if not triton_available():
     pytest.skip("triton is not installed (it publishes Linux wheels only)", allow_module_level=True)
 
-pytestmark = [pytest.mark.lesson05, pytest.mark.lesson10]
+pytestmark = [pytest.mark.lesson05, pytest.mark.lesson12]
 
 
 # Where the tests that need no particular device run the kernel: the CPU when Triton interprets

@@ -1,6 +1,6 @@
 """Widgets that animate block allocation: a player over a recorded trace, and a live playground.
 
-Lessons 00, 02, 04, 06 and 07 show them.
+Lessons 00, 02, 04, 07 and 08 show them.
 
 Both widgets draw the picture of :func:`paged_kv.pictures.pool.render_allocator`: the pool's blocks, who holds
 them, and a caption under the picture.

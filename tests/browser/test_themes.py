@@ -2,7 +2,7 @@
 
 A lesson opened fresh is untrusted: JupyterLab sanitises its HTML outputs (an inline ``<svg>``
 would be stripped to run-together text) and draws no widget view (a widget output falls back to
-the best safe format it holds). This test copies the committed lessons 07 (two
+the best safe format it holds). This test copies the committed lessons 08 (two
 ``render_allocator`` pictures and a player) and 04 (a player and a playground) into a fresh
 JupyterLab, opens them without running anything and checks that every committed picture is
 there: an ``<img>`` that loaded, drawn at its size, on its own white paper with dark ink, its
@@ -21,10 +21,10 @@ import pytest
 
 from tests.browser import harness
 
-pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson07]
+pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson08]
 
 THEMES = {"light": harness.LIGHT_THEME, "dark": harness.DARK_THEME}
-FRESH = ("07_sharing.ipynb", "04_decode_allocation.ipynb")
+FRESH = ("08_sharing.ipynb", "04_decode_allocation.ipynb")
 WHITE = [255, 255, 255, 255]
 INK = "rgb(34, 34, 34)"  # paged_kv.pictures.pool.CARD_INK, the image's ink
 

@@ -1,8 +1,8 @@
-"""Exercise 10's wrong kernels, each the package's kernel with one mistake written into its source
-(:func:`paged_kv.checks.lesson10.mistaken`); the ``lesson10_*.py`` files import one each as the
+"""Exercise 12's wrong kernels, each the package's kernel with one mistake written into its source
+(:func:`paged_kv.checks.lesson12.mistaken`); the ``lesson12_*.py`` files import one each as the
 learner's ``paged_decode_kernel`` (the grader keeps a file's imports, not its other assignments)."""
 
-from paged_kv.checks.lesson10 import mistaken
+from paged_kv.checks.lesson12 import mistaken
 
 # The running maximum is updated, but the running total and acc are not multiplied by exp(m_old - m_new).
 max_not_rescaled = mistaken(
