@@ -60,8 +60,12 @@ print(MISSING or f"Triton {'interprets' if triton_interpreted() else 'compiles'}
 # blocks of a pool full of stale data: one sequence of one full block, a partly full last block,
 # several blocks, a batch of three sequences, grouped-query attention (2 KV heads, 2 query heads
 # each), and vLLM v1's cache layout read through its strides. A wrong output is compared with the
-# classic mistakes: a token position off by one, the tail of the last block not masked, the running
-# maximum not rescaled, a query head reading the wrong KV head, a block id read from the wrong row.
+# classic mistakes: a token position off by one, a live mask written `<= context_len`, the tail of
+# the last block not masked, the block loop one block short (`tl.cdiv(context_len, BLOCK_SIZE) - 1`
+# or `context_len // BLOCK_SIZE`), K or V read one slot after or before its own, the running maximum
+# not rescaled, a query head reading the wrong KV head, a block id read from the wrong row. In
+# Triton's interpreter the check also records the table entries your kernel reads: only those of
+# each sequence's own blocks, which a block loop one block too long oversteps (its output is right).
 
 
 # %%
