@@ -441,7 +441,7 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 # What the course leaves out or does differently: the course appends one token per decode step
 # (`append_tokens`, `append_block_to_sequence`); vLLM's one call covers any number of new tokens: a
 # prompt chunk, a decode token, the `num_lookahead_tokens` of speculative decoding. Its scheduler
-# decides how many by a token budget per step (lessons 07 and 09).
+# decides how many by a token budget per step (lesson 10).
 
 # %% [markdown]
 # ## Recap

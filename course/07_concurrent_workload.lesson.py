@@ -71,9 +71,9 @@ print("paged_kv", paged_kv.__version__)
 #    the free pool.
 #
 # The simulator of this lesson, `paged_kv.simulation.workload.simulate`, runs the package's
-# scheduler, the one lesson 09's engine runs, with a stand-in for the model that only counts tokens.
-# It counts steps as the engine (and vLLM) does: the prefill step samples the first output token,
-# and each later step one more, so a request with `o` output tokens runs for `o` steps.
+# scheduler with a stand-in for the model that only counts tokens (lesson 09 puts a model behind
+# the same scheduler). It counts steps as vLLM does: the prefill step samples the first output
+# token and each later step one more, so a request with `o` output tokens runs for `o` steps.
 #
 # Older servers used **static batching**: they formed a batch, ran it until its *longest* member
 # was done, and only then took new requests, so a short request's memory sat idle until the long
@@ -106,14 +106,12 @@ for step in range(trace.steps):
     )
 
 # %% [markdown]
-# Read it row by row. At step 0 both first requests prefill their 4-token prompts into one block
-# each, and each prefill samples a first token: 8 tokens held in 8 slots. At step 1 each feeds that
-# token in, its fifth, and takes a second block, so 16 of the 24 slots are in use; `late-2` arrives
-# and needs its prompt's 2 blocks plus 3 of headroom (for `short-0`, `long-1` and itself), but only
-# 4 are free: it waits. That step samples `short-0`'s second and last token, so it finishes at the
-# end of step 1 (`finished` is 1) and its 2 blocks go back at once. At step 2 `late-2` is admitted
-# (2 blocks plus 2 of headroom, 4 free) while `long-1` keeps decoding. `held` counts tokens (the
-# token a step samples is stored by the next one), `reserved` counts the slots of the blocks in use.
+# At step 0 both first requests prefill their 4-token prompts into one block each, and each prefill
+# samples a first token. At step 1 each feeds that token in, its fifth, and takes a second block: 16
+# of the 24 slots are in use, and `late-2` needs its prompt's 2 blocks plus 3 of headroom with only
+# 4 free, so it waits. `short-0` samples its last token at step 1 and its 2 blocks go back at once;
+# at step 2 `late-2` is admitted. (`held` counts tokens stored, `reserved` the slots of the blocks in
+# use; a token sampled at a step is stored by the next one.)
 #
 # With static batching, `late-2` would wait for the whole first batch, `long-1` included. The same
 # simulator, run on the first batch alone and then on `late-2` alone, shows what that costs:
@@ -148,32 +146,25 @@ AllocationPlayer(recorded.trace)
 # baseline is Orca, the serving system that introduced continuous batching; Orca's code is not
 # public, so the paper's authors rebuilt it with three ways of reserving a contiguous range:
 #
-# * **Orca (Max)**: one contiguous range as long as the longest sequence the model serves,
-#   `max_model_len`, for every request. It needs no knowledge of the request; it is what lesson 00
-#   called the simple way.
-# * **Orca (Pow2)**: one contiguous range of the prompt's length plus the next power of two at or
-#   above the output's length: room for the output of at most twice what it needs, 32 slots for a
-#   25-token answer.
-# * **Orca (Oracle)**: one contiguous range of exactly the final length, prompt plus output.
-# * **vLLM (blocks of 16)**: blocks of 16 slots on demand. At admission the request takes the blocks
-#   its prompt fills (and the scheduler checks that one block of headroom per running sequence is
-#   free as well, section 1); then a new block each time its last one is full.
+# * **Orca (Max)**: a range of `max_model_len`, the longest sequence the model serves, for every
+#   request: lesson 00's simple way.
+# * **Orca (Pow2)**: the prompt's length plus the next power of two at or above the output's
+#   length: 32 slots for a 25-token answer.
+# * **Orca (Oracle)**: exactly the final length, prompt plus output.
+# * **vLLM (blocks of 16)**: the blocks its prompt fills at admission (with the headroom of section
+#   1), then a new block each time its last one is full.
 #
-# **The oracle is out of reach.** The engine knows the prompt, but the model decides when to stop:
-# it emits an end-of-sequence token whenever the answer is complete, and the user's `max_tokens` is
-# only an upper bound. No engine knows the final length at admission. The oracle is the best any
-# contiguous reservation could do, a bound to compare with, not a design.
+# **The oracle is out of reach.** The model decides when to stop, by emitting an end-of-sequence
+# token, and the user's `max_tokens` is only an upper bound: no engine knows the final length at
+# admission. The oracle is a bound to compare with, not a design.
 #
-# **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*
-# instead of arbitrary sizes. A **buddy allocator**, the one Linux uses for physical pages, splits a
-# free region of $2^k$ slots into two "buddies" of $2^{k-1}$, and merges two free buddies back
-# into one. Rounding a size up to a power of two keeps allocation and freeing fast and freed space
-# easy to reuse, at the price of internal fragmentation of up to half the rounded size. The paper's
-# Orca (Pow2) rounds only the part the engine does not know: the prompt is there at admission and
-# gets exactly its slots, while the room for the output is the output's length rounded up to a
-# power of two. That stands for an engine whose guess of the output length is never short and at
-# most twice too long; the simulator, like the paper, rounds the true output length, which it knows
-# just as the oracle does. So Pow2 measures what a good but imperfect length prediction costs.
+# **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*:
+# a **buddy allocator**, the one Linux uses for physical pages, splits a free region of $2^k$ slots
+# into two "buddies" of $2^{k-1}$ and merges two free buddies back into one, which keeps allocation
+# fast and freed space easy to reuse, at the price of up to half the rounded size. The paper's Orca
+# (Pow2) rounds only the part the engine does not know, the output: it stands for an engine whose
+# guess of the output length is never short and at most twice too long, so it measures what a good
+# but imperfect length prediction costs.
 #
 # **Predict, then run.** The ShareGPT-shaped workload below allows prompts and outputs of up to
 # 1,024 tokens each, so `max_model_len` is 2,048. A request has a 100-token prompt and will generate
@@ -223,15 +214,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The gap between a coloured line and the black one is reserved memory that holds nothing, and the
-# paper tells two kinds apart. Below the request's final length (300), the gap is **reservation**:
-# slots kept for tokens the request will still generate; they will be used, but until then no other
-# request can use them. Above it, the gap is **internal fragmentation**: slots reserved beyond the
-# final length, never used at all. The oracle has no internal fragmentation, but its reservation is
-# large early in the request's life, because it sets aside room for 200 tokens that do not exist
-# yet. Max and Pow2 have both. The paged staircase never rises more than one block above the black
-# line: its reservation is the rest of the last block, and only the slots of that block beyond the
-# final length, 4 here (304 - 300), end up as internal fragmentation.
+# The gap between a coloured line and the black one is reserved memory that holds nothing. Below
+# the request's final length (300) it is **reservation**, slots kept for tokens still to come;
+# above it, **internal fragmentation**, slots never used. The oracle has no internal fragmentation
+# but a large reservation early in the request's life; Max and Pow2 have both. The paged staircase
+# never rises more than one block above the black line, and only 4 slots (304 - 300) end up as
+# internal fragmentation.
 #
 # ### Where the ranges go: first fit, with holes
 #
@@ -277,7 +265,9 @@ print("after b finishes:", [tuple(hole) for hole in space.holes], " 5 fit:", spa
 # `sample_requests(workload, num_requests, seed)` draws synthetic lengths with those means from a
 # log-normal distribution, a common model of text lengths: most requests short, a few very long.
 # Lengths are clipped at 1,024 tokens per prompt and per output for ShareGPT, and at 256 for Alpaca.
-# The same seed always gives the same requests.
+# The same seed always gives the same requests. Both are skewed: most requests are a fraction of the
+# maximum and a few reach it, the worst case for reserving the maximum. (Means of 200 draws from a
+# long-tailed distribution land a few percent from their targets: ShareGPT's output mean is 354 here.)
 
 # %%
 sharegpt_requests = sample_requests(SHAREGPT, num_requests=200, seed=0)
@@ -291,36 +281,6 @@ for dist, requests in ((SHAREGPT, sharegpt_requests), (ALPACA, alpaca_requests))
         f"{dist.name:<10}{statistics.mean(prompts):>12.1f}{statistics.mean(outputs):>12.1f}"
         f"{longest:>9}{dist.max_model_len:>15}"
     )
-
-# %% [markdown]
-# Means of 200 draws from a long-tailed distribution land a few percent from their targets
-# (ShareGPT's output mean is 354 here, not 338); the package's tests check that 5,000 draws land
-# within 5 %. Note the last two columns: the longest of these 200 ShareGPT requests is 1,550
-# tokens, and a `max`-length slot has room for 2,048.
-#
-# The histograms have logarithmic bins, so that both workloads fit on one axis.
-
-# %%
-bins = [2**k for k in range(11)]  # 1, 2, 4, ..., 1024 tokens
-fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
-for ax, part in zip(axes, ("prompt", "output"), strict=True):
-    for dist, requests, colour in (
-        (SHAREGPT, sharegpt_requests, "#0072B2"),
-        (ALPACA, alpaca_requests, "#E69F00"),
-    ):
-        lengths = [getattr(r, f"{part}_tokens") for r in requests]
-        ax.hist(lengths, bins=bins, histtype="step", lw=1.8, color=colour, label=dist.name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"{part} tokens")
-    ax.spines[["top", "right"]].set_visible(False)
-axes[0].set_ylabel("requests (of 200)")
-axes[0].legend(frameon=False)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# Both are skewed: most requests are a fraction of the maximum, and a few outputs reach it. That
-# is the worst case for reserving the maximum: almost every slot ends up mostly empty.
 
 # %% [markdown]
 # ## 4. How many sequences fit in a fixed budget
@@ -349,31 +309,12 @@ print(f"{'policy':<21}{'sharegpt':>10}{'alpaca':>10}")
 for name, (on_sharegpt, on_alpaca) in fits.items():
     print(f"{name:<21}{on_sharegpt:>10}{on_alpaca:>10}")
 
-# %%
-fig, ax = plt.subplots(figsize=(7, 3.2))
-width = 0.2
-for i, (name, row) in enumerate(fits.items()):
-    xs = [w + (i - 1.5) * width for w in range(2)]
-    bars = ax.bar(xs, row, width, color=COLOURS[name], label=name)
-    ax.bar_label(bars, fontsize=8)
-ax.set_xticks(range(2), ["sharegpt (32,768 slots)", "alpaca (4,096 slots)"])
-ax.set_ylabel("sequences that fit at once")
-ax.legend(frameon=False, fontsize=8)
-ax.spines[["top", "right"]].set_visible(False)
-fig.tight_layout()
-plt.show()
-
 # %% [markdown]
-# Reserving the maximum fits 16 and 8 sequences, by construction. Rounding the output up to a power
-# of two fits 60 and 45, about 4 and 6 times as many; the oracle and the paged policy 4 to 7 times
-# as many. The paged policy fits slightly
-# fewer than the oracle here (67 against 68, 52 against 59): counted at their final lengths, paged
-# sequences lose the unused tail of their last block, which the oracle does not. Alpaca's short
-# sequences feel that tail more.
-#
-# This count is a snapshot of everyone at their final length. Over time the paged policy does
-# better than the oracle, because a sequence holds only the tokens it has generated *so far*. The
-# next section shows it.
+# Reserving the maximum fits 16 and 8 sequences, by construction; powers of two fit 60 and 45; the
+# oracle and the paged policy 4 to 7 times as many as the maximum. Paged fits slightly fewer than the
+# oracle (67 against 68, 52 against 59): counted at their final lengths, paged sequences lose the
+# unused tail of their last block. But this is a snapshot of everyone at their final length; over
+# time a paged sequence holds only the tokens it has so far, which the next section shows.
 
 # %% [markdown]
 # ## 5. Serving a stream of requests
@@ -415,32 +356,8 @@ for result in sharegpt:
 # the step it arrives, while the contiguous policies build queues of up to 128, 80 and 67 requests.
 # It even beats the oracle, which reserves each sequence's full length from its first step.
 #
-# The first picture plots, step by step, the fraction of reserved slots that hold a token.
-
-# %%
-fig, ax = plt.subplots(figsize=(8, 3.5))
-for result in sharegpt:
-    ax.plot(range(result.steps), result.utilization, color=COLOURS[result.policy], lw=1, label=result.policy)
-ax.set_ylim(0, 1.2)
-ax.set_xlabel("step")
-ax.set_ylabel("held / reserved")
-ax.set_title("memory utilization over time (sharegpt, λ = 0.2)", loc="left", fontsize=11)
-ax.legend(frameon=False, fontsize=8, loc="upper right", ncol=2)
-ax.spines[["top", "right"]].set_visible(False)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# While requests keep arriving, each policy stays in its own band: paged just under 1, the oracle
-# a little above 0.5 (a sequence starts with its prompt and fills its slot one token at a time, so
-# over its life it is a little more than half full), powers of two around 0.5, the maximum around
-# 0.2. Towards the end, the last sequences run alone and fill their slots, so the
-# contiguous lines climb: the oracle's nearly reaches 1, since its last sequence ends one token
-# short of full (its last token is sampled, never stored). (The first 9 steps reserve nothing: the
-# first request arrives at step 9.)
-#
-# The second picture plots the sequences running (top) and waiting (bottom) at each step. The
-# running counts are noisy, so each line shows the average over a window of 50 steps.
+# The picture plots the sequences running (top) and waiting (bottom) at each step. The running
+# counts are noisy, so each line shows the average over a window of 50 steps.
 
 
 # %%
@@ -508,42 +425,16 @@ print(format_table(burst))
 # %% [markdown]
 # The paged policy admits 182 requests at step 0: their prompts fit, with the headroom. As they
 # decode, the free blocks run out, and the sequences that need a new block cannot all get one. The
-# scheduler then **preempts** the most recently admitted sequence: it frees that sequence's blocks
-# and puts it back at the front of the queue, to be **recomputed** later. Here that happens 43
-# times. A preempted sequence keeps the tokens it generated, and when it fits again one prefill
-# computes the K/V of its prompt and of those tokens again (lesson 09's engine gives exactly the
-# same text). Lesson 11 covers preemption, a second
-# way to do it (swapping to host memory), and a *watermark* of free blocks that makes it rare.
+# scheduler then **preempts** the most recently admitted sequence: it frees its blocks and puts it
+# back at the front of the queue, to be prefilled again, with the tokens it had generated, when it
+# fits. Here that happens 43 times; lesson 11 is about this moment, another way through it
+# (swapping to host memory) and a *watermark* that makes it rare.
 #
 # So the peak of 182 running sequences says little: it is the count at step 0, before the cache
-# filled up, and the 43 preemptions that followed threw away the K/V of their victims, to be
-# computed again. The mean of 47.8 running and the 47.8 tokens per step measure what the server
-# sustained. (The two are equal: every step of a running sequence samples a token, its prefill
-# included, and a preempted sequence keeps the tokens it sampled.) Even with the preemptions, the
-# paged cache finishes the burst first, in 1,481 steps against 2,416 for the oracle.
-
-# %%
-paged_burst = burst[0]
-last_wait = max(step for step, waiting in enumerate(paged_burst.waiting) if waiting)
-print(
-    f"{paged_burst.policy}: requests wait until step {last_wait}, the last finishes at step {paged_burst.steps - 1}"
-)
-fig, ax = plt.subplots(figsize=(8, 3.5))
-for result in burst:
-    ax.plot(range(result.steps), result.running, color=COLOURS[result.policy], lw=1, label=result.policy)
-ax.set_xlabel("step")
-ax.set_ylabel("running")
-ax.set_title("sequences running, all 200 arriving at step 0 (sharegpt)", loc="left", fontsize=11)
-ax.legend(frameon=False, fontsize=8)
-ax.spines[["top", "right"]].set_visible(False)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The blue line starts at the peak of 182 and falls fast, as sequences are preempted back into the
-# queue and others finish. It stays above the contiguous policies while requests wait; once its
-# queue is empty (after the step printed above) it only finishes what is left, and drops below the
-# oracle, which still has a queue.
+# filled up. The mean of 47.8 running and the 47.8 tokens per step measure what the server
+# sustained (every step of a running sequence samples a token, its prefill included), and even with
+# its preemptions the paged cache finishes the burst first, in 1,481 steps against 2,416 for the
+# oracle.
 
 # %% [markdown]
 # ## 7. Where the memory goes: the paper's Figure 2, measured
@@ -560,20 +451,17 @@ plt.show()
 # | reservation | `min(r, f) - h` | slots kept for tokens it will still generate |
 # | internal fragmentation | `max(r - f, 0)` | slots reserved beyond its final length, never used |
 #
-# and the rest of the memory, its free slots, is **external fragmentation and others**.
-# `SimulationResult.memory_shares` sums the four over the steps at which a request is still waiting
-# once the step's admissions are done: the steps at which memory limits the server. (At a step with
-# nobody waiting, the free slots are idle, not wasted, and the step is left out.) At those steps
-# every free slot is one the request at the front of the queue could not use: no hole held its
-# range (external fragmentation proper), the free slots in all were too few for it, or, paged, they
-# are the headroom the scheduler keeps for the running sequences' next tokens: the "others" of the
-# paper's label. The four always sum to 100 % (`paged_kv.simulation.shares` has the definitions).
+# and the free slots are **external fragmentation and others**. `SimulationResult.memory_shares`
+# sums the four over the steps at which a request is still waiting once the step's admissions are
+# done, the steps at which memory limits the server (at a step with nobody waiting, free slots are
+# idle, not wasted). Then every free slot is one the request at the front could not use: no hole
+# held its range, the free slots in all were too few, or, paged, they are the scheduler's headroom.
+# The four sum to 100 % (`paged_kv.simulation.shares` has the definitions).
 #
-# The paper measured OPT-13B on one A100 with 40 GB: 12 GB of KV cache, 15.7 thousand slots at
-# 800 KiB a token (40 layers, 5,120 numbers each for K and V, 16 bits each). The simulator takes
-# that memory, 15,728 slots, and the 200 ShareGPT-shaped requests of section 3, arriving together
-# as in section 6. `python -m paged_kv simulate --json --budget-tokens 15728` prints the same
-# figures as JSON.
+# The paper measured OPT-13B on one 40 GB A100: 12 GB of KV cache, 15,728 slots at 800 KiB a token.
+# The simulator takes that memory and the 200 ShareGPT-shaped requests of section 3, arriving
+# together as in section 6. `python -m paged_kv simulate --json --budget-tokens 15728` prints the
+# same figures as JSON.
 #
 # **Predict, then run.** Orca (Oracle) reserves exactly what each request will need. Which of the
 # four parts is zero for it, and which is not, although its reservations are exact?
@@ -602,49 +490,31 @@ plt.show()
 
 # %% [markdown]
 # Internal fragmentation is zero for the oracle, here and in the paper, since it reserves nothing
-# beyond the final length; its external fragmentation is not, because its ranges of every size
-# leave holes. Bar by bar, where the measurement and the paper differ, and why:
+# beyond the final length; its external fragmentation is not, because ranges of every size leave
+# holes. Bar by bar:
 #
-# * **Orca (Max): nearly the paper's bar** (21.0, 13.8, 56.3 and 8.9 % against 20.4, 13.3, 57.3
-#   and 8.9 %). Every range is 2,048 slots, so 7 fit in 15,728 and the other 1,392 slots, 8.9 %,
-#   can never hold an eighth: that is all of Max's "external fragmentation and others", in the
-#   paper too. Most of each range is never used (56.3 %), because the synthetic requests have the
-#   real data set's mean lengths, 161 + 338 tokens, a quarter of 2,048. The remaining gap of a
-#   point comes from the lengths, log-normal here against the real conversations there.
-# * **Tokens against reservation: the same split everywhere.** In every Orca bar, measured and in the
-#   paper, the token states are about 1.5 times the reservation (21.0 / 13.8, 44.8 / 30.0 and 50.2 /
-#   33.8 here; 20.4 / 13.3, 26.8 / 17.9 and 38.2 / 25.2 there). A contiguous range holds room for
-#   all its tokens from admission on, so how that room divides between tokens already computed and
-#   tokens to come depends on the requests' lengths, which the policy does not change. The policies
-#   differ in the other two parts.
-# * **Orca (Pow2): far fewer holes, so more tokens** (44.8, 30.0, 11.4 and 13.9 % against 26.8,
-#   17.9, 13.6 and 41.6 %). The simulator reserves as the paper does, the prompt plus the output
-#   rounded up to a power of two, but places the ranges differently. The paper assumes that Orca
-#   places them with a *buddy allocator*: blocks of power-of-two sizes at aligned addresses, where a
-#   freed block merges only with its own buddy. First fit places a range at any address and merges
-#   any neighbouring holes, so it is left with fewer and larger holes, and the memory they would
-#   have taken holds tokens and reservations instead. The paper's part also counts "others", which
-#   it does not break down. Internal fragmentation only looks close (11.4 against 13.6 %): beside
-#   the slots the ranges fill by the end (tokens plus reservation) it is 15 % here (11.4 to 74.8)
-#   and 30 % there (13.6 to 44.7). Much of that is the synthetic lengths: 20 of the 200 outputs are
-#   cut at the 1,024-token limit, itself a power of two, so the longest sequences, which hold
-#   memory longest, waste nothing past their final length.
-# * **Orca (Oracle): the same zero, fewer holes** (50.2, 33.8, 0 and 16.0 % against 38.2, 25.2, 0
-#   and 36.6 %). Again the buddy allocator against first fit. The holes cost even so: at 3,478 of
-#   the measured steps, the request at the front of the queue waited although the free slots in all
-#   would have held its range (`blocked_by_holes`). The next cell serves the same requests with
-#   compaction, every range moved down to close the holes whenever that admits a request (a real
-#   server would pay for it by copying the keys and values of every range it moves).
-# * **vLLM: 96.1 % against the paper's 96.3 %.** With blocks of 16 the reservation is the rest of
-#   each sequence's last block, 1.6 %, and internal fragmentation the part of that block beyond the
-#   final length, under 0.05 %. The free slots while a request waits, 2.3 %, are the headroom of one
-#   block per running sequence, plus the blocks the next prompt lacks. The paper does not split its
-#   remaining 3.7 %.
+# * **Orca (Max): the paper's bar within a point** (21.0, 13.8, 56.3 and 8.9 % against 20.4, 13.3,
+#   57.3 and 8.9 %). Seven ranges of 2,048 fit in 15,728 slots and the other 1,392, 8.9 %, can
+#   never hold an eighth: all of Max's "external fragmentation and others", in the paper too. The
+#   gap of a point comes from the lengths, log-normal here, real conversations there.
+# * **Tokens against reservation: the same split in every Orca bar**, about 1.5 to 1, measured and
+#   in the paper: how a contiguous range divides between tokens computed and tokens to come depends
+#   on the requests' lengths, not on the policy.
+# * **Orca (Pow2) and (Oracle): far fewer holes, so more tokens** (44.8 % token states against the
+#   paper's 26.8 %, and 50.2 % against 38.2 %; external fragmentation 13.9 % against 41.6 %, and
+#   16.0 % against 36.6 %). The paper assumes Orca places its ranges with a buddy allocator, where a
+#   freed block merges only with its own buddy; first fit merges any neighbouring holes, so it keeps
+#   fewer and larger ones. Pow2's internal fragmentation only looks close (11.4 against 13.6 %): 20
+#   of the 200 synthetic outputs are cut at the 1,024-token limit, itself a power of two, and waste
+#   nothing past their final length.
+# * **vLLM: 96.1 % against the paper's 96.3 %.** The reservation is the rest of each sequence's last
+#   block, 1.6 %; the free slots while a request waits, 2.3 %, are the headroom of one block per
+#   running sequence, plus the blocks the next prompt lacks.
 #
-# The setting differs as well: the paper served the real ShareGPT traces to OPT-13B, with requests
-# arriving at a fixed rate for an hour, where here 200 synthetic requests with the same mean lengths
-# arrive at once and the shares are measured while a request waits. The memory, 15.7 thousand
-# slots, and the maximum length, 2,048, are the paper's.
+# The holes cost the oracle even so: at 3,478 of the measured steps the request at the front of the
+# queue waited although the free slots in all would have held it (`blocked_by_holes`). The next cell
+# serves the same requests with compaction, every range moved down to close the holes whenever that
+# admits a request (a real server would pay for it by copying the keys and values it moves).
 
 # %%
 compacted = simulate(
@@ -661,29 +531,6 @@ for result in (figure2[2], compacted):
 # Without holes the oracle finishes in 4,082 steps instead of 4,631, and its free memory while
 # requests wait falls from 16.0 % to 2.7 %. Paging gets the same effect for free: any block fits any
 # request, so there is nothing to compact.
-#
-# Lesson 00 promised that a paged sequence wastes less than one block. The simulator checks it at
-# every step of the ShareGPT stream of section 5: the reserved slots that hold no token
-# (reservation and internal fragmentation together), per running sequence.
-
-# %%
-paged_run = sharegpt[0]
-waste = [
-    (reserved - held) / running
-    for held, reserved, running in zip(
-        paged_run.held_tokens, paged_run.reserved_tokens, paged_run.running, strict=True
-    )
-    if running
-]
-print(f"wasted slots per running sequence: at most {max(waste):.1f}, on average {statistics.mean(waste):.1f}")
-print("block size:", 16)
-
-# %% [markdown]
-# Never more than 15 slots, the unused tail of one block, and 7.5 on average: half a block, the
-# expected tail when lengths fall anywhere within a block. Most of that tail is reservation, filled
-# by the sequence's next tokens; only the last block's slots past the final length are never used. Whatever the length of a sequence, paging
-# wastes about half a block of it; reserving the maximum wastes everything the sequence does not
-# reach.
 
 # %% [markdown]
 # ## In vLLM
@@ -691,43 +538,35 @@ print("block size:", 16)
 # Checked against vLLM 0.33.0. Continuous batching lives in the v1 scheduler, which builds each step
 # from a queue of waiting requests and a list of running ones.
 #
-# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` decides one step and returns a
-#   `SchedulerOutput`. It first schedules the running requests, `self.running`, a list in admission
-#   order, then, if nobody was preempted in the step, admits from `self.waiting` while the token
-#   budget (`max_num_scheduled_tokens`) lasts, fewer than `max_num_active_reqs` run (by default
-#   `max_num_running_reqs`, the `max_num_seqs` setting), and the cache finds blocks for the prompt; the first request that does not fit
-#   stops the admissions, first come first served as in this lesson.
-# * In the same loop, a running request that cannot get the blocks of its next tokens makes
-#   `schedule` preempt `self.running[-1]`, the newest, with `Scheduler._preempt_request`: its blocks
-#   are freed, its `num_computed_tokens` set back to 0, and it goes to the front of the waiting
-#   queue (`prepend_request`), to be recomputed, as in section 6.
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` first schedules `self.running`, a list
+#   in admission order, then, if nobody was preempted in the step, admits from `self.waiting` while
+#   fewer than `max_num_running_reqs` (the `max_num_seqs` setting) run and the cache finds blocks for
+#   the prompt; the first request that does not fit stops the admissions, first come first served.
+#   A running request that cannot get its blocks makes it preempt `self.running[-1]`, the newest,
+#   with `Scheduler._preempt_request` (section 6).
 # * `vllm/v1/core/sched/request_queue.py`: `FCFSRequestQueue`, a `deque` of requests served first
 #   come first served, and `PriorityRequestQueue`; `create_request_queue` picks one for the
 #   scheduler's `SchedulingPolicy` (`FCFS` by default).
-# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots`, which takes the blocks for
-#   a request's new tokens or returns None when too few are free, and `KVCacheManager.free`.
-# * `Scheduler.update_from_output` takes the model runner's sampled tokens and, when a request stops,
-#   frees its blocks at once (`Scheduler._free_request`): continuous batching's release.
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks for a
+#   request's new tokens or returns None when too few are free; `KVCacheManager.free` gives them
+#   back, which `Scheduler.update_from_output` does the step a request stops
+#   (`Scheduler._free_request`): continuous batching's release.
 #
-# What the course leaves out or does differently: vLLM gives each step a budget of tokens shared by
-# prefills and decodes, so a long prompt can be prefilled over several steps (chunked prefill),
-# where this lesson's scheduler prefills a whole prompt on admission. And vLLM has no contiguous
-# policy: Orca (Max), (Pow2) and (Oracle) exist only in the paper's evaluation, rebuilt by its
-# authors.
+# What the course leaves out or does differently: vLLM bounds each step by a budget of tokens
+# shared by prefills and decodes (lesson 10), where this lesson's scheduler prefills a whole prompt
+# on admission. And vLLM has no contiguous policy: Orca (Max), (Pow2) and (Oracle) exist only in the
+# paper's evaluation, rebuilt by its authors.
 
 # %% [markdown]
 # ## Recap
 #
-# * A request arrives, waits, is admitted and prefilled, decodes one token per step, and finishes.
-#   With continuous batching its memory goes back the step it finishes: on the three-request
-#   example, 6 steps against 9 with static batching. Its prefill samples its first token, so a
-#   request with `o` output tokens runs `o` steps, in this simulator as in lesson 09's engine: both
-#   run the package's one scheduler.
-# * The paper's Orca baselines reserve one contiguous range at admission: `max_model_len` (2,048
-#   for the ShareGPT shape, Orca (Max)), the prompt plus the next power of two of the output (a
-#   guess of the output at most twice too long, Orca (Pow2)), or the exact final length (Orca
-#   (Oracle), which no engine has, since the model decides when to stop). The ranges lie first fit
-#   in one address space, so the free slots split into holes. vLLM takes one block of 16 at a time.
+# * A request arrives, waits, is admitted and prefilled, decodes one token per step, and finishes;
+#   with continuous batching its memory goes back the step it finishes: 6 steps against 9 with
+#   static batching on the three-request example. A request with `o` output tokens runs `o` steps.
+# * The paper's Orca baselines reserve one contiguous range at admission: `max_model_len` (Max),
+#   the prompt plus the next power of two of the output (Pow2), or the exact final length (Oracle,
+#   which no engine knows). The ranges lie first fit in one address space, so the free slots split
+#   into holes. vLLM takes one block of 16 at a time.
 # * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 60 at powers of two,
 #   68 with the oracle and 67 with blocks.
 # * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
@@ -738,8 +577,7 @@ print("block size:", 16)
 # * The paper's Figure 2, measured in its 15,728 slots while requests wait: token states 21.0 %
 #   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 96.1 % (vLLM), against the paper's 20.4, 26.8, 38.2
 #   and 96.3 %. Max matches; Pow2 and Oracle keep fewer holes here (first fit, not a buddy
-#   allocator), so more of their memory holds tokens. Paging wastes less than one block per
-#   sequence.
+#   allocator), so more of their memory holds tokens.
 #
 # **Next, lesson 08:** sharing, where several sequences point at the same blocks: forking a
 # sequence with reference counts and copy-on-write, and prefix caching by block hash. The exercise

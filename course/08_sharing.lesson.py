@@ -3,12 +3,10 @@
 #
 # So far every block had exactly one owner. Yet requests often hold the same tokens: parallel
 # sampling asks for several answers to one prompt, beam search follows several continuations of one
-# prefix, and a chat application puts the same instructions, its *system prompt*, in front of every
-# user's message. The keys and values of a token depend only on that token and the tokens before
-# it, so identical prefixes have identical K/V, and storing them once is pure gain. An operating
-# system faces the same situation after `fork()`: parent and child share their memory pages and copy
-# a page only when one of them writes to it. A paged KV cache can do the same with its blocks, and
-# the ref counts of lesson 02 are what makes it safe.
+# prefix, and a chat application puts the same *system prompt* in front of every user's message.
+# Identical prefixes have identical K/V, so storing them once is pure gain. An operating system does
+# the same after `fork()`: parent and child share their pages and copy one only when either writes
+# to it. A paged KV cache can do it with its blocks, and lesson 02's ref counts make it safe.
 #
 # **By the end of this lesson you can**
 #
@@ -18,11 +16,10 @@
 #    and why freeing either sequence leaves the other intact;
 # 3. compute a prompt's chained block hashes, and explain why a block's identity includes its whole
 #    prefix, why a cache hit compares tokens, and why the last prompt token never comes from the cache;
-# 4. trace prefix caching step by step: cached blocks kept on the free list, revived from its middle
-#    in O(1) by a doubly linked list, evicted least recently freed first, and blocks filled during
-#    decode cached too, so that a chat's next turn reuses the answer's blocks;
+# 4. trace prefix caching step by step: cached blocks kept on the free list, taken from its middle
+#    in O(1), evicted least recently freed first, and blocks filled during decode cached too;
 # 5. read how the prefix-cache hit rate of a workload with shared system prompts grows with the
-#    memory budget.
+#    memory budget, and why preemptions blur it.
 
 # %%
 from unittest import mock
@@ -35,6 +32,7 @@ import paged_kv
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.core.block_allocator import FreeBlockQueue
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
+from paged_kv.pictures.plots import PALETTE
 from paged_kv.pictures.pool import render_allocator
 from paged_kv.pictures.widgets import AllocationPlayer
 from paged_kv.simulation.sharing import ideal_cached_tokens, serve, system_prompt_requests
@@ -47,15 +45,12 @@ print("paged_kv", paged_kv.__version__)
 # ## 1. Why share: several samples of one prompt
 #
 # With **parallel sampling** a client asks for `n` different answers to one prompt (the `n` of the
-# OpenAI API, or of vLLM's `SamplingParams`). The engine computes the prompt's K/V once, in one
-# prefill, and then `n` sequences decode side by side, each drawing its own random tokens. Up to
-# the end of the prompt their tokens are the same, so their K/V are the same: there is no reason to
-# store the prompt `n` times.
+# OpenAI API, or of vLLM's `SamplingParams`). The prompt's K/V are computed once, and `n` sequences
+# decode side by side from it: there is no reason to store the prompt `n` times.
 #
-# `fork(parent_id, child_id)` starts a new sequence as a copy of an existing one. The child's block
-# table is a copy of the parent's, pointing at the **same physical blocks**, and every one of those
-# blocks gains a reference. No K/V moves, on the host or on the device. This is how Unix `fork()`
-# treats memory: the child gets a copy of the parent's page table, not of its pages.
+# `fork(parent_id, child_id)` starts a new sequence whose block table is a copy of the parent's,
+# pointing at the **same physical blocks**, each of which gains a reference. No K/V moves: Unix
+# `fork()` too gives the child a copy of the parent's page table, not of its pages.
 #
 # Here is the running example of this lesson, in blocks of 4: sequence `A` holds a 10-token prompt
 # in blocks 0, 1 and 2 (the last one half full), and `B` forks from it.
@@ -124,39 +119,12 @@ print(f"saved: {saved} blocks, {saved / copies.used_blocks:.0%}")
 
 # %% [markdown]
 # Without sharing, each sample ends with 1,200 tokens in 75 blocks: 300 blocks. Forked, the samples
-# hold 114: the prompt's 62 full blocks once, shared by all four, and 13 blocks of their own each
-# (tokens 992 to 1,199, logical blocks 62 to 74). Logical block 62 is the prompt's half-full last
-# block: it is where the samples start to differ, so each sample ends up with its own (section 2
-# shows how). That saves 186 blocks, 62 % of the memory, and the longer the prompt compared with the
-# answers, the more it saves. The picture does the sum for 1, 2, 4 and 8 samples.
-
-# %%
-sample_counts = [1, 2, 4, 8]
-own = [blocks_of_samples(n, share=False).used_blocks for n in sample_counts]
-shared = [blocks_of_samples(n, share=True).used_blocks for n in sample_counts]
-print("samples:              ", sample_counts)
-print("blocks, own prompts:  ", own)
-print("blocks, forked:       ", shared)
-
-fig, ax = plt.subplots(figsize=(7, 3.2))
-xs = range(len(sample_counts))
-bars = ax.bar([x - 0.2 for x in xs], own, 0.4, color="#D55E00", label="each sample stores the prompt")
-ax.bar_label(bars, fontsize=8)
-bars = ax.bar([x + 0.2 for x in xs], shared, 0.4, color="#0072B2", label="samples forked from one prompt")
-ax.bar_label(bars, fontsize=8)
-ax.set_xticks(list(xs), [f"n = {n}" for n in sample_counts])
-ax.set_ylabel("blocks of 16 held")
-ax.set_title("n samples of a 1,000-token prompt, 200 tokens each", loc="left", fontsize=11)
-ax.legend(frameon=False, fontsize=8, loc="upper left")
-ax.spines[["top", "right"]].set_visible(False)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# Each extra sample costs 75 blocks when it stores the prompt, but only 13 when it shares it: 8
-# samples hold 166 blocks instead of 600. **Beam search** shares even more: its candidates are forks
-# of forks, they share their common prefix, which grows as decoding goes on, and a candidate that is
-# pruned simply frees its sequence, which drops one reference from each of its blocks.
+# hold 114: the prompt's 62 full blocks once, shared by all four, and 13 blocks of their own each,
+# from logical block 62, the prompt's half-full last block, where they start to differ (section 2
+# shows how). That saves 186 blocks, 62 % of the memory, and the longer the prompt compared with
+# the answers, the more it saves: each extra sample costs 75 blocks when it stores the prompt, only
+# 13 when it shares it. **Beam search** shares even more: its candidates are forks of forks, sharing
+# a common prefix that grows as decoding goes on, and a pruned candidate simply frees its sequence.
 
 # %% [markdown]
 # ## 2. Copy-on-write
@@ -167,11 +135,10 @@ plt.show()
 #
 # The fix is the operating system's **copy-on-write**. The first time a sequence is about to write
 # into a block that another sequence also holds, it gets a fresh block holding a copy of the shared
-# block's K and V, in the shared block's place in its block table; the shared block loses one
-# reference and stays, unchanged, with the other holders. The copy is lazy: it happens on the next
-# `append_tokens` (or `write_kv`) into the shared block, not at the fork, because many forks never
-# write there (a sample can stop after its first token), and a copy made in advance would be waste.
-# `last_copies` lists the `(shared block, copy)` pairs of the last append or write.
+# block's K and V, in that block's place in its table; the shared block loses one reference and stays
+# with the other holders. The copy is lazy, on the next `append_tokens` (or `write_kv`) into the
+# shared block, since many forks never write there. `last_copies` lists the `(shared block, copy)`
+# pairs of the last append or write.
 #
 # **Predict, then run.** `B` generates its 11th token. Which blocks does `B` hold afterwards, and
 # which of them are still shared with `A`?
@@ -212,22 +179,10 @@ print("append_tokens('A', 1) ->", cache.append_tokens("A", 1), "| last_copies:",
 print("A:", cache.get_block_mapping("A"), "| ref counts:", ref_counts(cache))
 
 # %% [markdown]
-# **Predict, then run.** `C` holds an 8-token prompt, exactly two full blocks, and `D` forks from it.
-# Does `D`'s first new token copy a block?
-
-# %%
-cache.allocate_for_sequence("C", 8)
-cache.fork("C", "D")
-print("C:", cache.get_block_mapping("C"), "| D:", cache.get_block_mapping("D"))
-print("append_tokens('D', 1) ->", cache.append_tokens("D", 1), "| last_copies:", cache.last_copies)
-print("C:", cache.get_block_mapping("C"), "| D:", cache.get_block_mapping("D"))
-print("ref counts:", ref_counts(cache))
-
-# %% [markdown]
-# No copy. `D`'s 9th token goes to position 8, the first slot of a third logical block, which `D`
-# does not have yet: it takes a fresh block, 6, exactly as the boundary rule of lesson 04 says, and
-# blocks 4 and 5, full, stay shared. A block is copied only when a token lands in a block that is
-# shared *and* not yet full; after a fork, that is only ever the parent's last block.
+# A block is copied only when a token lands in a block that is shared *and* not yet full: after a
+# fork, only ever the parent's last block. (Had `A` held exactly two full blocks, `B`'s next token
+# would have started a third logical block and taken a fresh block, lesson 04's boundary rule, with
+# no copy at all.)
 #
 # Freeing is just as simple: `free_sequence` drops one reference from each block of the sequence,
 # and a block goes back to the free list only when its last holder lets go. `A` finishes first:
@@ -265,39 +220,32 @@ for frame in recorded.trace:
 AllocationPlayer(recorded.trace)
 
 # %% [markdown]
-# Engines differ in how they organise this. vLLM's first block manager copied on write exactly like
-# this: the scheduler collected the `(source, copy)` pairs of a step and the GPU worker copied those
-# blocks before running the model. vLLM v1 turns a request for `n` samples into `n` child requests
-# instead, which share the prompt's full blocks through prefix caching, the subject of the next
-# section; each child then computes its own partly full last block.
+# vLLM's first block manager copied on write exactly like this, the worker copying a step's
+# `(source, copy)` pairs before running the model. vLLM v1 turns a request for `n` samples into `n`
+# child requests instead, which share the prompt's full blocks through prefix caching, the next
+# section; each child computes its own partly full last block.
 
 # %% [markdown]
 # ## 3. Prefix caching
 #
 # Forking shares a prefix that one request computed for its own samples. **Prefix caching** shares
-# prefixes *between requests*: a new prompt that starts with tokens an earlier prompt already
-# computed reuses those blocks instead of computing them again. Every request of a chat application
-# starts with the same system prompt, every turn of a conversation resends the turns before it, and
-# several questions about one long document all start with the document. For each of them the
-# prefill of the shared part is skipped: less compute, a shorter wait for the first token, and one
-# copy in memory.
-#
-# To reuse a block, the allocator must recognise it. What identifies the K/V of a block?
+# prefixes *between requests*: a new prompt that starts with tokens an earlier prompt computed reuses
+# those blocks. Every request of a chat application starts with the same system prompt, every turn
+# of a conversation resends the turns before it: the prefill of the shared part is skipped, which
+# saves compute, shortens the wait for the first token and keeps one copy in memory. But to reuse a
+# block, the allocator must recognise it. What identifies the K/V of a block?
 #
 # ### A chained hash
 #
 # The K/V of a token depend on the token *and every token before it*: attention mixes the earlier
-# tokens into each layer's hidden state, from which the next layer's keys and values are computed.
-# So two blocks with the same four tokens hold the same K/V only if everything before them is the
-# same too. The identity of a block is therefore its tokens *and* its whole prefix. Hashing the whole
-# prefix for every block would cost O(n²) for an `n`-token prompt; instead, as in vLLM, each full
-# block's hash covers its parent's hash and its own tokens, a chain:
+# tokens into each layer's hidden state. So two blocks with the same four tokens hold the same K/V
+# only if everything before them is the same too: a block's identity is its tokens *and* its whole
+# prefix. Rather than hash the whole prefix for every block (O(n²) for an `n`-token prompt), each
+# full block's hash covers its parent's hash and its own tokens, a chain, as in vLLM:
 #
 # $$h_0 = \text{hash}(\text{root}, \text{tokens}_0), \qquad h_i = \text{hash}(h_{i-1}, \text{tokens}_i).$$
 #
-# Only **full** blocks are hashed and cached. The partly full last block of a prompt is still being
-# written (decode appends to it), so it is not shared while it fills; once decode fills it, it is
-# hashed and cached like any other full block (the end of this section shows it).
+# Only **full** blocks are hashed and cached; a partly full block is hashed once decode fills it.
 #
 # `full_blocks(token_ids, block_size)` cuts a prompt into its full blocks and `chain_hashes` chains
 # them. Two prompts whose second blocks hold the same tokens, `9 9 9 9`, after different first
@@ -320,17 +268,14 @@ print("block 1: same hash of its tokens alone:", hash(tokens_first) == hash(toke
 #
 # ### A hit is verified
 #
-# A hash is a hint, not a proof: two different blocks can hash alike. A production engine either
-# uses a hash for which a collision is practically impossible, or checks. vLLM does the first: it
-# hashes blocks with SHA-256 by default (its `prefix_caching_hash_algo` setting also offers
-# `sha256_cbor`, `xxhash` and `xxhash_cbor`) and trusts the hash, never comparing tokens on a hit.
-# Its hash also covers *extra keys* beside the tokens: the LoRA adapter, the multimodal inputs that
-# fall in the block, prompt embeddings given instead of tokens, and a per-request `cache_salt` on
-# the first block, so that two adapters or two tenants never share a block. This package hashes with Python's `hash`, 64 bits and easy to
-# collide on purpose, and hashes tokens only; so it checks: each cached block keeps its token ids
-# and the cached block it follows, and a hit must match both, the prompt's tokens and the very
-# parent the previous hit found. To see it work, here is a cache whose hash function is as bad as it
-# gets: every block hashes to 0, so every block collides with every other.
+# A hash is a hint, not a proof: two different blocks can hash alike. vLLM hashes blocks with
+# SHA-256 by default (its `prefix_caching_hash_algo` setting also offers `sha256_cbor`, `xxhash` and
+# `xxhash_cbor`), for which a collision is practically impossible, and trusts the hash. Its hash
+# also covers *extra keys* beside the tokens: the LoRA adapter, multimodal inputs, prompt embeddings
+# and a per-request `cache_salt`, so that two adapters or two tenants never share a block. This
+# package hashes tokens only, with Python's 64-bit `hash`, easy to collide on purpose; so it checks:
+# each cached block keeps its token ids and the cached block it follows, and a hit must match both.
+# Here is a cache whose hash function is as bad as it gets: every block hashes to 0.
 
 # %%
 with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, token_ids: 0):
@@ -346,34 +291,29 @@ with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, tok
         )
 
 # %% [markdown]
-# `q`'s first block has the same hash as `p`'s, but its tokens differ, so it is a miss, and `q`
-# computes its own. `p again` finds its first block (4 tokens), but its second block's hash (0
-# again) names an entry whose parent is not the block just found, so that is a miss too. With a hash
-# that bad the cache serves almost nothing, but it never serves wrong K/V.
+# `q`'s first block has the same hash as `p`'s but other tokens: a miss. `p again` finds its first
+# block, but its second block's hash names an entry whose parent is not the block just found: a miss
+# too. With a hash that bad the cache serves almost nothing, but never wrong K/V.
 #
 # ### The last prompt token is always computed
 #
-# The prefill does more than store K/V: its output at the last prompt token is what the model samples
-# the first new token from. If every prompt token came from the cache there would be nothing to run
-# the model on. So at most `n - 1` tokens of an `n`-token prompt come from the cache (vLLM has the
-# same rule), and a prompt made of exactly `k` full blocks reuses at most `k - 1` of them.
+# The prefill's output at the last prompt token is what the first new token is sampled from, so at
+# least that token must run through the model: at most `n - 1` tokens of an `n`-token prompt come
+# from the cache (vLLM has the same rule), and a prompt of exactly `k` full blocks reuses `k - 1`.
 #
 # ### Step by step
 #
 # Here is the whole mechanism on a pool of 10 blocks of 4, in the style of vLLM's design document on
-# prefix caching. Four requests arrive, one after the other; after each step the cell prints every
-# block table, how many prompt tokens came from the cache, and the free list from head to tail, where
-# a `*` marks a block that still holds a cached prefix. Two rules to watch:
+# prefix caching. After each step the cell prints every block table, how many prompt tokens came
+# from the cache, and the free list from head to tail (`*`: a block that still holds a cached
+# prefix). Three rules to watch:
 #
-# * a finished sequence's blocks go back to the free list **with their K/V and hash**: they stay
-#   cached until `allocate` hands them out for new data, and only then is their hash forgotten
-#   (evicted). `allocate` takes the head of the free list, the block freed longest ago, so eviction
-#   is least recently used first;
-# * a freed block that holds **no** cached prefix (a partly full last block, never hashed) goes to
-#   the *head* instead: keeping it is worth nothing, so it is reused before any cached block is
-#   evicted, as in vLLM v1's free queue;
-# * a sequence frees its blocks in **reverse** order, last block first, so that a prefix is evicted
-#   from its end: a cached block is useless without the blocks before it.
+# * a finished sequence's blocks go back to the free list **with their K/V and hash**, cached until
+#   `allocate` hands them out for new data (only then is the hash forgotten, evicted); `allocate`
+#   takes the head, the block freed longest ago, so eviction is least recently used first;
+# * a freed block with **no** cached prefix (a partly full last block) goes to the *head* instead,
+#   to be reused before any cached block is evicted, as in vLLM v1's free queue;
+# * a sequence frees its blocks in **reverse** order, so a prefix is evicted from its end.
 
 # %%
 pool = PagedKVCacheAllocator(num_blocks=10, block_size=4, num_heads=1, head_dim=1, enable_prefix_caching=True)
@@ -413,23 +353,17 @@ print(pool.prefix_cache_stats)
 # %% [markdown]
 # What happened:
 #
-# 1. The cache is empty. `r0` takes blocks 0 to 3; its 3 full blocks, 0, 1 and 2, are hashed and
-#    cached. Block 3, 3 tokens, is private.
+# 1. `r0` takes blocks 0 to 3 and caches its 3 full blocks, 0, 1 and 2; block 3, partly full, is
+#    private.
 # 2. `r1`'s first two blocks hash like `r0`'s: 8 tokens come from the cache, and blocks 0 and 1 gain
-#    a second holder. Its third block holds `108 109 200 201`, which matches `r0`'s third block in
-#    only 2 of 4 tokens: a different hash, a miss. `r1` takes blocks 4 and 5, and caches block 4.
-# 3. `r0` finishes and frees block 3, then block 2 (reverse order). Block 3 holds no hash, so it goes
-#    to the head, to be reused first; block 2 is free *and* cached, at the tail. Blocks 0 and 1 stay
-#    in use: `r1` holds them.
+#    a second holder. Its third block matches `r0`'s in only 2 of 4 tokens: a miss.
+# 3. `r0` finishes and frees its blocks in reverse order: block 3, with no hash, goes to the head, to
+#    be reused first; block 2, cached, to the tail. `r1` still holds blocks 0 and 1.
 # 4. `r1` finishes: its partly full block 5 goes to the head, and blocks 4, 1 and 0 join the tail.
-#    Four of the ten free blocks still hold a cached prefix; blocks 0 and 1 sit at the very end, the
-#    last to be evicted.
-# 5. `r2` finds `r0`'s 3 cached blocks, 12 tokens. They are taken *out of the free list*, from the
-#    middle and the end, and its 4 fresh blocks come from the head: 5, 3, 6 and 7, none of which
-#    held a prefix. It caches its own full blocks 5, 3 and 6.
-# 6. `r3` needs 3 blocks and shares nothing: it takes the head of the free list, 8 and 9 (which held
-#    no hash) and then 4, whose cached prefix is evicted: `r1`'s prompt would now find only 8 tokens.
-#    `r3` caches its own 2 full blocks, 8 and 9.
+# 5. `r2` finds `r0`'s 3 cached blocks, 12 tokens, taken *out of the free list*, from its middle and
+#    its end; its fresh blocks come from the head.
+# 6. `r3` shares nothing: it takes the head of the free list, 8 and 9 (no hash), then 4, whose cached
+#    prefix is evicted.
 #
 # The counters are in tokens, as vLLM's metrics are: 4 prompts, 63 prompt tokens looked up
 # (`queries`), 20 of them found (`hits`, 8 for `r1` and 12 for `r2`).
@@ -445,26 +379,19 @@ show("7. r3 finishes; r4 arrives with r0's first 12 tokens")
 
 # %% [markdown]
 # 8, not 12: the last-token rule keeps the third block out of reach, so `r4` computes tokens 8 to 11
-# into a fresh block of its own. That block is not cached, since its hash already names block 2: in
-# this package a hash names one block, and the equal block stays private. vLLM caches it too, under
-# the same hash (its map from a hash to blocks holds several), but neither engine swaps block 2 into
-# `r4`'s table in its place: a block table only grows, so the block ids the GPU was given for a
-# sequence never change under it. The one-block rule keeps the package's two maps, hash to block and
-# block to hash, inverse of each other, and costs no hit: the equal block already serves the hash.
+# into a fresh block of its own, which stays private (a block table only grows: neither this package
+# nor vLLM swaps block 2 into `r4`'s table).
 #
 # ### Taking a block out of the middle of the free list
 #
-# Step 5 took blocks 0, 1 and 2 from the middle and the end of the free list. With the `deque` of
-# lesson 02 that is `free_list.remove(block_id)`, which walks the deque from its head until it finds
-# the block: O(n) in the number of free blocks, and a GPU with 100,000 free blocks would pay that
-# on every cache hit. `BlockAllocator` therefore keeps its free list as a **doubly linked list**
-# threaded through two arrays indexed by block id, `next` and `prev`, in a ring through one
-# sentinel. A block id *is* its own node, so finding a block costs nothing, and taking it out
-# relinks its two neighbours: `next[prev[b]] = next[b]` and `prev[next[b]] = prev[b]`, O(1)
-# wherever it sits. Taking the head and adding at the tail stay O(1). vLLM's
-# `FreeKVCacheBlockQueue` is the same list built from objects: each block object carries its
-# `prev_free_block` and `next_free_block`, and the list runs between a fake head and a fake tail
-# block, so that no end is a special case.
+# Step 5 took blocks from the middle and the end of the free list. With the `deque` of lesson 02
+# that is `free_list.remove(block_id)`, O(n) in the free blocks: a GPU with 100,000 of them would
+# pay that on every cache hit. `BlockAllocator` therefore keeps its free list as a **doubly linked
+# list** threaded through two arrays indexed by block id, `next` and `prev`, in a ring through one
+# sentinel: a block id *is* its own node, and taking it out relinks its two neighbours,
+# `next[prev[b]] = next[b]` and `prev[next[b]] = prev[b]`, O(1) wherever it sits. vLLM's
+# `FreeKVCacheBlockQueue` is the same list built from block objects (`prev_free_block`,
+# `next_free_block`) between a fake head and a fake tail.
 
 # %%
 queue = FreeBlockQueue(8)
@@ -479,36 +406,25 @@ print("backwards:         ", list(reversed(queue)))
 
 # %% [markdown]
 # The order of the other blocks never changes, so the least recently freed block is still at the
-# head. The cost does not depend on the pool. `bench/bench_prefix_cache.py` times a take from the
-# middle plus a free: about 0.7 µs on a pool of 1,000 free blocks and the same on a pool of 100,000
-# (the ratio of the two was 1.00 to 1.15 in three runs on a 2-core CPU), while `deque.remove` went
-# from about 6 µs to between 0.5 and 0.7 ms, 84 to 120 times more. The linked list costs something at
-# the ends: a plain allocate and free take about 4 times as long as a deque's `popleft` and `append`,
-# each a single call into C. That is a price in fractions of a microsecond, against the prefill of
-# the blocks a hit saves.
+# head. `bench/bench_prefix_cache.py` times a take from the middle plus a free: about 0.7 µs on a
+# pool of 1,000 free blocks and the same on 100,000, while `deque.remove` grows 84 to 120 times.
 
 # %% [markdown]
 # ### Blocks filled during decode are cached too
 #
 # A chat resends the whole conversation at every turn: the next prompt is the previous prompt, the
-# model's answer and the user's new message. The answer's K/V were computed during decode, one
-# token per step, so if only prompt blocks were cached, the next turn would find the previous
-# prompt and compute the whole answer again. vLLM v1 caches the answer too: a block that fills
-# during decode gets its chained hash, from its parent's hash and its own tokens, exactly as a
-# prompt block would, and joins the cache.
+# model's answer and the user's new message. If only prompt blocks were cached, the next turn would
+# compute the whole answer again. vLLM v1 caches the answer too: a block that fills during decode
+# gets its chained hash, exactly as a prompt block would, and joins the cache.
 #
-# For that the cache must know the tokens it holds, not just how many. `append_tokens(seq_id, n,
-# token_ids=...)` takes the ids of the new tokens; the engine passes them, since a decode step's
-# input tokens are the tokens it appends (`decode_step` hands them to `PagedKVCache.append`). Each
-# sequence keeps its place in the chain: the entry its last full block is found under and the
-# tokens of the block that is filling. When that block fills, it is hashed after that entry and
-# cached; an append without ids ends the chain, since the cache no longer knows what the sequence
-# holds. Invariant: a cached block's hash is the chained hash of exactly the tokens it holds, from
-# the sequence's first block on, whether it filled in prefill or in decode.
+# For that the cache must know the tokens it holds. `append_tokens(seq_id, n, token_ids=...)` takes
+# the ids of the new tokens (an engine passes them: a decode step's input tokens are the tokens it
+# appends). Each sequence keeps its place in the chain; when its filling block fills, it is hashed
+# after its parent and cached, and an append without ids ends the chain. Invariant: a cached block's
+# hash is the chained hash of exactly the tokens it holds, from the sequence's first block on.
 #
 # Turn 1 of a chat: a 10-token prompt (an 8-token system prompt and a question), and an 8-token
-# answer. Each decode step feeds the token sampled before it, so the cache ends the turn holding the
-# prompt and the first 7 answer tokens: the last sampled token is never fed.
+# answer, of which the cache holds the first 7 (the last sampled token is never fed).
 
 # %%
 chat = PagedKVCacheAllocator(num_blocks=16, block_size=4, num_heads=1, head_dim=1, enable_prefix_caching=True)
@@ -548,53 +464,50 @@ print("with prompt blocks only:", prompts_only.num_cached_tokens("turn 2"), "fro
 
 # %% [markdown]
 # 16 against 8: with decode blocks cached, turn 2 computes only its last 5 tokens; without, it
-# computes the question's end and the whole answer again. The 16 are the four full blocks of the 17
-# tokens turn 1 held, within the `n - 1` of the last-token rule. `bench/bench_multiturn.py` serves 16
-# conversations of 4 turns each through the engine and the tiny GPT (block 16): caching the blocks
-# filled during decode computes 1,749 prefill tokens instead of 3,109 (1.78 times fewer), a hit rate
-# of 78.6 % instead of 61.9 %, exactly the ideal the chained hashes give; the generated tokens are
-# the same.
+# computes the question's end and the whole answer again. `bench/bench_multiturn.py` serves 16
+# conversations of 4 turns each through the package's engine: caching the blocks filled during
+# decode computes 1.78 times fewer prefill tokens, with the same generated tokens.
 
 # %% [markdown]
 # ## 4. How much a prefix cache saves, and how much memory it needs
 #
-# A cached prefix survives on the free list only until new data needs its blocks. So the memory
-# budget decides how long a prefix that nobody is using stays cached, and with it the hit rate. To
-# see how much, `paged_kv.simulation.sharing` serves a workload of 200 requests, each a 256-token system
-# prompt followed by a user prompt and an answer of ShareGPT-shaped lengths (random token ids, so
-# user prompts share nothing), in blocks of 16. `serve` runs the package's scheduler, the one of
-# lessons 07 and 09, with a stand-in for the model that only counts tokens: the requests queue up at
-# step 0 in order, at most 32 run at once, each prompt is admitted when its blocks and the
-# scheduler's headroom are free (looked up in the prefix cache first), its answer grows one token
-# per step, and a finished request frees its blocks, which stay cached. When a decode step finds no
-# free block, the newest request is preempted and queued again (lesson 11), to be looked up and
-# prefilled anew. We vary the budget, and the number of different system prompts: one (a single
-# application), 4 or 16 (several applications on one server, each request picking one at random).
+# A cached prefix survives on the free list only until new data needs its blocks, so the memory
+# budget decides how long a prefix nobody is using stays cached. `paged_kv.simulation.sharing.serve`
+# runs the package's scheduler with a stand-in for the model that only counts tokens, on 200
+# requests queued at step 0, each a system prompt, a user prompt and an answer of ShareGPT-shaped
+# lengths (random tokens, so user prompts share nothing), at most 32 at once. Each prompt is looked
+# up in the cache when it is admitted; a finished request's blocks stay cached; when a step finds no
+# free block, the newest request is preempted and queued again (lesson 11), to be looked up anew.
+# One system prompt stands for one application, 16 for several sharing a server. The lengths are
+# ShareGPT's divided by 8 (a 32-token system prompt, blocks of 4) so that the sweep takes a few
+# seconds; at full size (256 tokens, blocks of 16, nine budgets) it takes about 20 s on a quiet
+# 2-core machine and draws the same picture.
 #
 # The ideal, `ideal_cached_tokens`, is a cache that never forgets, in a run that never preempts:
-# every request but the first with each system prompt finds that system prompt's 16 full blocks,
-# 256 tokens.
+# every request but the first with each system prompt finds that system prompt's 8 full blocks.
 
 # %%
-BUDGETS = [160, 256, 384, 512, 768, 1024, 1536, 2048, 3072]  # blocks of 16
-SYSTEM_PROMPTS = [1, 4, 16]
+BUDGETS = [64, 128, 256, 512, 1024]  # blocks of 4
+SYSTEM_PROMPTS = [1, 16]
 sweep, ideal = {}, {}
 for count in SYSTEM_PROMPTS:
-    requests = system_prompt_requests(200, system_tokens=256, num_system_prompts=count, seed=0)
-    ideal[count] = ideal_cached_tokens(requests, block_size=16)
-    sweep[count] = [serve(requests, budget, block_size=16, max_running=32) for budget in BUDGETS]
+    requests = system_prompt_requests(200, system_tokens=32, num_system_prompts=count, seed=0, scale=8)
+    ideal[count] = ideal_cached_tokens(requests, block_size=4)
+    sweep[count] = [serve(requests, budget, block_size=4, max_running=32) for budget in BUDGETS]
 # Without caching, the system prompts' tokens do not matter, only the lengths, the same for every count.
-uncached = [serve(requests, budget, block_size=16, max_running=32, caching=False) for budget in BUDGETS]
+uncached = [serve(requests, budget, block_size=4, max_running=32, caching=False) for budget in BUDGETS]
 prompt_tokens = sum(len(request.token_ids) for request in requests)
 print(f"200 requests, {prompt_tokens:,} prompt tokens; hit rate (% of the prompt tokens looked up) by budget")
 print(f"{'system prompts':<16}" + "".join(f"{budget:>7}" for budget in BUDGETS) + "   ideal")
 for count in SYSTEM_PROMPTS:
     rates = "".join(f"{result.hit_rate:>7.1%}" for result in sweep[count])
     print(f"{count:<16}{rates}{ideal[count] / prompt_tokens:>8.1%}")
-print(f"{'preemptions':<16}" + "".join(f"{result.preemptions:>7}" for result in sweep[16]) + "  (16 prompts)")
+for count in SYSTEM_PROMPTS:
+    preempted = "".join(f"{result.preemptions:>7}" for result in sweep[count])
+    print(f"{'preemptions':<16}{preempted}  ({count} system prompt{'s' if count > 1 else ''})")
 
 # %%
-COLOURS = {1: "#0072B2", 4: "#E69F00", 16: "#D55E00"}
+COLOURS = {1: PALETTE[0], 16: PALETTE[5]}
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
 for count in SYSTEM_PROMPTS:
     label = f"{count} system prompt{'s' if count > 1 else ''}"
@@ -621,7 +534,7 @@ for ax in (left, right):
     ax.set_xscale("log", base=2)
     ax.set_xticks(BUDGETS, [str(b) for b in BUDGETS], fontsize=8)
     ax.minorticks_off()
-    ax.set_xlabel("memory budget (blocks of 16)")
+    ax.set_xlabel("memory budget (blocks of 4)")
     ax.spines[["top", "right"]].set_visible(False)
 left.legend(frameon=False, fontsize=8, loc="lower right")
 right.legend(frameon=False, fontsize=8, loc="upper right")
@@ -629,29 +542,19 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the large budgets first, from 1,536 blocks on, where nothing is preempted. With one system
-# prompt the hit rate is the ideal, 61.0 %: a running request always holds the system prompt, or
-# the request that held it has just freed it to the tail of the free list, the last place eviction
-# looks. The model computes 32,593 prompt tokens, 39 % of them, 2.6 times fewer than without
-# caching. With 16 system prompts the cache reaches the ideal, 56.4 %, from 2,048 blocks.
-#
-# Below that, two things happen. With several system prompts, a prompt that no running request
-# uses must wait on the free list for its next request, while every new request takes fresh blocks
-# from the head; the fewer blocks the pool has beyond what the running requests hold, the sooner it
-# is evicted: with 16 system prompts the hit rate falls to 32.2 % at 256 blocks. And the pool is
-# too small for 32 requests at once, so the scheduler preempts (132 times at 160 blocks with 16
-# system prompts): a preempted request is looked up again when it is admitted again, with the
-# tokens it had generated after its prompt, and finds its own prompt still cached, often more than
-# the system prompt. Its generated tokens are not found: this simulator's runner samples no real
-# tokens, so the blocks they fill get no hash (the engine's do, as above). Those lookups count in
-# the hit rate too, which is why even one system prompt scores a little under the ideal at 160
-# blocks (60.9 %). The right panel is the fair measure, the prefill work: without caching,
-# preemption recomputes prompts and generated tokens, 151,919 tokens at 160 blocks against 83,537
-# when nothing is preempted; the cache computes 57,064 of them with one system prompt and 107,190
-# with 16. A prefix
-# cache is memory that the running requests do not need *right now*: memory a server with room to
-# spare gets for free, and one that is short of blocks does not have, though it still spares the
-# recomputation of the prompts it preempts.
+# At 1,024 blocks nothing is preempted, and both hit the ideal: 61.5 % with one system prompt (the
+# model computes 3,986 of the 10,354 prompt tokens, 2.6 times fewer than without caching), 56.9 %
+# with 16. In smaller pools a system prompt that no running request uses is evicted sooner (16
+# prompts fall to 27.1 % at 64 blocks), and the scheduler preempts: a preempted request is looked up
+# again when it is readmitted. That is why one system prompt scores *above* its ideal at 256 blocks
+# (61.7 % against 61.5 %): the ideal counts one lookup per request in a run that never preempts,
+# while the 28 requests preempted there are looked up a second time and find their own prompts still
+# cached, a larger share than the system prompt. At 64 blocks the same lookups pull it *below*
+# (59.1 %): the tokens they had generated are never found, since this simulator's runner samples no
+# real tokens and their blocks get no hash. So compare the prefill work, on the right: without
+# caching, 17,667 tokens at 64 blocks (preemption recomputes) against 10,354 when nothing is
+# preempted; with it, 6,876 (one system prompt) and 12,705 (16). A prefix cache lives in the memory
+# the running requests do not need *right now*.
 #
 # `serve` also returns the allocator's counters, in tokens. For 16 system prompts at 512 blocks:
 
@@ -665,10 +568,9 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
-# `requests` counts the lookups: 273 admissions here, the 200 requests and 73 admitted again after
-# a preemption, each looked up with its prompt and the tokens it had generated.
-# vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a real server
-# reads the same way.
+# `requests` counts the lookups: 212 here, the 200 requests and 12 admitted again after a
+# preemption. vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a
+# real server reads the same way.
 
 # %% [markdown]
 # ## In vLLM
@@ -681,62 +583,48 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   hash): this lesson's `CachingBlockAllocator`. `BlockPool.get_cached_block` looks a hash up and
 #   compares no tokens (`PrefixCache.match` here); `BlockPool.cache_full_blocks` caches the blocks
 #   of a request that became full, prompt blocks and blocks filled during decode alike
-#   (`PrefixCache.extend` here); `BlockPool.free_blocks` puts blocks without a hash at the head of the
-#   free queue and cached ones at the tail.
+#   (`PrefixCache.extend` here); `BlockPool.free_blocks` puts blocks without a hash at the head of
+#   the free queue and cached ones at the tail.
 # * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
-#   token ids and its extra keys (this lesson's `block_hash`), with `NONE_HASH` as the first block's
-#   parent (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt
-#   embedding and `cache_salt` keys; `get_request_block_hasher` chains the hashes of a request's full blocks as its
-#   tokens grow (`chain_hashes` here, and the package's `HashChain` that a sequence keeps).
-# * `vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`, the doubly linked free list of block
-#   objects (`prev_free_block`, `next_free_block`) between `fake_free_list_head` and
-#   `fake_free_list_tail`: the package's `FreeBlockQueue`, with arrays indexed by block id.
+#   token ids and its extra keys (`block_hash` here), with `NONE_HASH` as the first block's parent
+#   (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt embedding
+#   and `cache_salt` keys; `get_request_block_hasher` chains a request's block hashes as its tokens
+#   grow (`chain_hashes` and `HashChain` here). `FreeKVCacheBlockQueue` is the doubly linked free
+#   list of block objects between `fake_free_list_head` and `fake_free_list_tail`.
 # * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` whenever
-#   output tokens arrive, so a block that fills during decode gets its hash;
-#   `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) then caches it. This is the
-#   package's `append_tokens(seq_id, n, token_ids=...)`.
+#   output tokens arrive, so a block that fills during decode gets its hash, and
+#   `KVCacheManager.allocate_slots` then caches it: the package's `append_tokens(seq_id, n,
+#   token_ids=...)`.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
 #   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
-#   `KVCacheManager.free` frees a request's blocks in reverse order, so a prefix is evicted from its
-#   end.
-# * `vllm/config/cache.py`: `CacheConfig.prefix_caching_hash_algo`, `"sha256"` by default, or
-#   `"sha256_cbor"`, `"xxhash"`, `"xxhash_cbor"`; `CacheConfig.enable_prefix_caching` is `True` by
-#   default.
+#   `KVCacheManager.free` frees a request's blocks in reverse order.
+# * `vllm/config/cache.py`: `CacheConfig.prefix_caching_hash_algo`, `"sha256"` by default;
+#   `CacheConfig.enable_prefix_caching` is `True` by default.
 #
 # What the course leaves out or does differently: it hashes tokens only, with Python's `hash`, and
 # so compares each hit's tokens and parent, where vLLM trusts SHA-256 and adds extra keys; it keeps
-# one block per hash, where vLLM also caches a second equal block (neither engine changes a block
-# table to de-duplicate it).
+# one block per hash, where vLLM also caches a second equal block.
 
 # %% [markdown]
 # ## Recap
 #
 # * `fork` shares every block of a sequence through ref counts, with no copy: 4 samples of a
-#   1,000-token prompt (blocks of 16, 200 tokens each) hold 114 blocks instead of 300, 62 of them
-#   shared, and `usage()` counts each shared block once.
+#   1,000-token prompt (blocks of 16, 200 tokens each) hold 114 blocks instead of 300, and `usage()`
+#   counts each shared block once.
 # * Copy-on-write: the first token written into a shared, partly full block copies that block for
-#   the writer (`A`'s block 2 to block 3 for `B`); full shared blocks are never copied, and a fork
-#   of full blocks takes a fresh block at the boundary as usual. Freeing either sequence only drops
-#   references; the other keeps reading its K/V.
-# * Prefix caching identifies a full block by a chained hash of its parent's hash and its tokens,
-#   because a block's K/V depend on its whole prefix; a hit compares the tokens and the parent, so a
-#   collision can cost a hit but never share wrong K/V; at most `n - 1` prompt tokens come from the
-#   cache (a prompt of 3 full cached blocks reuses 2).
-# * Freed cached blocks stay on the free list, evicted least recently freed first, last block of a
-#   prefix first; a freed block with nothing cached goes to the head and is reused first. A hit revives them from the middle of the doubly linked free list in O(1): about
-#   0.7 µs at 1,000 and at 100,000 free blocks, where `deque.remove` grows 84 to 120 times.
-# * Blocks filled during decode are cached too, when the appends give their token ids (the engine
-#   passes each decode step's input tokens): a chat's next turn found 16 of its 21 tokens in the
-#   cache instead of 8; over 16 four-turn conversations, 1.78 times fewer prefill tokens. vLLM
-#   hashes with SHA-256 by default, with extra keys, and trusts the hash.
-# * With one shared 256-token system prompt, 200 ShareGPT-shaped requests served by the package's
-#   scheduler find the ideal 61.0 % of their prompt tokens in the cache whenever nothing is
-#   preempted; with 16 system prompts the hit rate falls from the ideal of 56.4 % (2,048 blocks) to
-#   32.2 % at 256. In small pools preempted requests, admitted again, find their own prompts cached
-#   and look up their generated tokens too: compare prefill work, not hit rates. The cache lives in the memory the running requests leave
-#   free.
+#   the writer (block 2 to block 3 for `B`); full shared blocks are never copied, and freeing either
+#   sequence only drops references.
+# * Prefix caching names a full block by a chained hash of its parent's hash and its tokens, since a
+#   block's K/V depend on its whole prefix; a hit compares tokens and parent, so a collision can
+#   cost a hit but never share wrong K/V; at most `n - 1` prompt tokens come from the cache.
+# * Freed cached blocks stay on the free list, evicted least recently freed first, taken from its
+#   middle in O(1) on a hit; blocks filled during decode are cached too (a chat's next turn found 16
+#   of its 21 tokens cached instead of 8).
+# * With one system prompt, 200 ShareGPT-shaped requests find the ideal 61.5 % of their prompt tokens
+#   cached when nothing is preempted; with 16, the hit rate falls from 56.9 % to 27.1 % in the
+#   smallest pool. Readmitted requests can lift the hit rate above the ideal or pull it below:
+#   compare prefill work.
 #
-# **Next, lesson 11:** running out of blocks, and what a server does then: preempting a sequence by
-# recomputing or swapping its K/V, and a watermark of free blocks at admission. The exercise for this
-# lesson, `exercises/08_sharing.ipynb`, has you write fork, copy-on-write and the lookup of a cached
+# **Next, lesson 09:** the engine: a tiny GPT served with continuous batching on the paged cache,
+# and the step an engine runs. The exercise for this lesson, `exercises/08_sharing.ipynb`, has you write fork, copy-on-write and the lookup of a cached
 # prefix yourself.

@@ -147,7 +147,7 @@ print(
 # produced them. vLLM v1 keeps a count of each request's *computed* tokens, those whose K/V the
 # cache holds; preemption sets it back to 0, and when the request is admitted again the scheduler
 # gives it the tokens it lacks, prompt and generated ones, in chunks of at most a token budget per
-# step (`max_num_batched_tokens`, lesson 09 section 6), and the last chunk samples the next token.
+# step (`max_num_batched_tokens`, lesson 10), and the last chunk samples the next token.
 # The course's engine recomputes that way too: a victim keeps its generated tokens, and when it is
 # admitted again it prefills its prompt and those tokens, whole, or in chunks under a budget,
 # `Engine(..., max_num_batched_tokens=64)`, which this lesson gives it. The PagedAttention paper
@@ -162,22 +162,12 @@ print(
 # cost is the copies: on a GPU, every swapped block crosses the PCIe bus twice. This is the
 # operating system's swap: dirty pages written to disk and read back on the next fault.
 #
-# To see both on real K/V we need a model, and the course has a small one (lesson 09 takes it apart):
-#
-# * **`TinyGPT`** is a GPT of 2 layers, each with 4 attention heads of dimension 16, whose tokens are
-#   bytes (a vocabulary of 256; `encode` gives a text's UTF-8 bytes), about 150,000 parameters in
-#   all. Its weights come from a seeded random generator, not from training, so no download is
-#   needed: its text is noise, but deterministic noise, which is all a test of "the same text after
-#   a preemption" needs, and it runs in milliseconds on a CPU.
-# * **`PagedKVCache`** is the paged cache of a whole model: one block manager for every layer (the
-#   block tables) and one pool of K/V blocks per layer, all indexed by the same block ids. A token's K and V take
-#   `2 × layers × (heads × head_dim)` numbers of 4 bytes: 1,024 bytes in this model, so a block of 4
-#   tokens holds 4 KiB. `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)` swap a
-#   sequence, every layer at once (`paged_kv.kv.swap`; the exercise builds them for one allocator).
-# * **`model.prefill(tokens, seq_id, cache)`** runs a prompt through the model in one pass, once
-#   `cache.add_sequence(seq_id, len(tokens))` has given it blocks, stores its K/V in them, and
-#   returns the logits of every position (the last one picks the first new token); **`model.decode_step(tokens, seq_ids, cache)`** feeds one token per sequence, stores its
-#   K/V, and returns the logits of the next.
+# To see both on real K/V, lesson 09's tiny GPT serves again: `TinyGPT` (2 layers of 4 heads of
+# dimension 16, byte tokens, seeded random weights: deterministic noise, all a test of "the same
+# text after a preemption" needs) on a `PagedKVCache`, one block manager for every layer and one
+# pool of K/V blocks per layer, 1,024 bytes a token. `PagedKVCache.swap_out(seq_id)` and
+# `swap_in(seq_id, saved)` swap a sequence, every layer at once (`paged_kv.kv.swap`; the exercise
+# builds them for one allocator), between `model.prefill` and `model.decode_step` calls.
 #
 # The whole round trip by hand: a prompt is prefilled and decodes 4 tokens in blocks of 4, is
 # swapped out, another sequence takes two blocks, and the prompt comes back and decodes 5 more.
@@ -225,16 +215,10 @@ print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens ==
 # blocks 3 and 4, so `s` comes back in blocks 5, 0 and 1: other blocks, the same keys and values,
 # and the next 5 tokens are the ones it would have generated had it never left.
 #
-# Now both ways on a workload that runs out, served by `paged_kv.serving.engine.Engine`: the
-# package's scheduler, the one lesson 07's simulator runs, with the tiny GPT behind it. It serves `EngineRequest(request_id, prompt,
-# max_new_tokens)`s (greedy, no end-of-sequence token: each gets exactly `max_new_tokens` tokens) in
-# a pool of `num_blocks` blocks. Each step it admits waiting requests first come, first served,
-# while `admits` says they fit, and prefills them; then every running sequence decodes one token,
-# once the newest have been preempted if the step needs it, by `choose_victims` itself
-# (`preemption="recompute"` or `"swap"`); finished requests free their blocks at once. With
-# `max_num_batched_tokens=64` a step runs at most 64 tokens, decodes first, and a long prefill
-# continues in the next step; here it matters only for the recomputed requests, which prefill the
-# tokens they had generated.
+# Now both ways on a workload that runs out, served by lesson 09's `Engine`, which preempts with
+# `choose_victims` itself (`preemption="recompute"` or `"swap"`), under lesson 10's token budget,
+# `max_num_batched_tokens=64`: here it matters only for the recomputed requests, which prefill the
+# tokens they had generated in chunks of at most 64.
 #
 # Twelve requests arrive at once, each a prompt of 4 to 12 random bytes asking for 17 to 37 tokens,
 # in blocks of 4. `min_num_blocks` gives the smallest pool that can serve them; the engine gets
@@ -519,8 +503,9 @@ plt.show()
 #   blocks, to none at 99, where every request fits at its longest; recompute and swap take the
 #   same steps at every pool but the smallest.
 #
-# **Next, lesson 09:** end to end. The tiny GPT and the engine taken apart: prefill and decode
-# through the cache, the engine's loop step by step, and a ShareGPT-shaped stream served with paged
-# blocks and with contiguous slots in the same memory. The exercise for this lesson,
+# **Next, lesson 12:** writing the kernel. Every decode step above ends in `paged_attention`, which
+# does lesson 03's address translation with PyTorch operations; a serving engine hands it to one
+# kernel, whose programs load the block ids from the table and read the keys and values they point
+# to. Lesson 12 writes it in Triton. The exercise for this lesson,
 # `exercises/11_running_out_of_blocks.ipynb`, has you write the watermark rule, the choice of
 # victims and their requeueing, and the swap of a sequence out to host memory and back.
