@@ -175,8 +175,12 @@ def exercise_and_solution(source: Path) -> tuple[nbformat.NotebookNode, nbformat
     return recorded(new_notebook(exercise), source), recorded(new_notebook(solution), source)
 
 
-def execute(notebook: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:
-    """Run every cell in a fresh kernel of this interpreter; a failing cell raises."""
+def execute(notebook: nbformat.NotebookNode, cwd: Path, record_timing: bool = False) -> nbformat.NotebookNode:
+    """Run every cell in a fresh kernel of this interpreter; a failing cell raises.
+
+    ``record_timing`` keeps nbclient's timestamps in each cell's metadata (``bench/notebook_times.py``
+    reads them); the course's notebooks are written without them.
+    """
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
@@ -191,7 +195,7 @@ def execute(notebook: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode
         notebook,
         km=manager,
         timeout=EXECUTION_TIMEOUT_S,
-        record_timing=False,
+        record_timing=record_timing,
         resources={"metadata": {"path": str(cwd)}},
     )
     client.execute()
