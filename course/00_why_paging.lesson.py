@@ -27,7 +27,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens, contiguous_baseline, fragmentation_report
-from paged_kv.pictures.plots import plot_reservations
+from paged_kv.pictures.plots import PALETTE, plot_reservations
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -277,9 +277,12 @@ for size, waste in zip(sizes, wasted, strict=True):
     print(f"block_size {size:>2}: {waste:>3} slots wasted")
 
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(sizes, wasted, marker="o", color="#0072B2", label="paged")
+ax.plot(sizes, wasted, marker="o", color=PALETTE[0], label="paged")
 ax.axhline(
-    contiguous["internal_fragmentation_tokens"], color="#D55E00", ls="--", label="contiguous (41-token slots)"
+    contiguous["internal_fragmentation_tokens"],
+    color=PALETTE[5],
+    ls="--",
+    label="contiguous (41-token slots)",
 )
 ax.set_xscale("log", base=2)
 ax.set_xticks(sizes, [str(s) for s in sizes])

@@ -25,7 +25,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.pictures.plots import plot_held_and_reserved
+from paged_kv.pictures.plots import PALETTE, plot_held_and_reserved
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -380,7 +380,7 @@ print("steps to serve all five: continuous", step, "| static batches of three", 
 
 # %%
 names = list(requests)
-colours = dict(zip(names, ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9"], strict=True))
+colours = dict(zip(names, PALETTE, strict=False))  # the course's sequence colours, one per request
 steps = range(len(history))
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
 base = [0] * len(history)

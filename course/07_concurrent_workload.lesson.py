@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt
 
 import paged_kv
 from paged_kv import blocks_for_tokens
+from paged_kv.pictures.plots import PALETTE
 from paged_kv.simulation.workload import (
     ALPACA,
     SHAREGPT,
@@ -45,12 +46,12 @@ from paged_kv.simulation.workload import (
     simulate,
 )
 
-# One colour per policy, from the Okabe-Ito palette: paged in blue as in lesson 00.
+# One colour per policy, from the course's palette: paged in blue as in lesson 00.
 COLOURS = {
-    "vLLM (blocks of 16)": "#0072B2",
-    "Orca (Max)": "#D55E00",
-    "Orca (Pow2)": "#E69F00",
-    "Orca (Oracle)": "#009E73",
+    "vLLM (blocks of 16)": PALETTE[0],
+    "Orca (Max)": PALETTE[5],
+    "Orca (Pow2)": PALETTE[1],
+    "Orca (Oracle)": PALETTE[2],
 }
 print("paged_kv", paged_kv.__version__)
 

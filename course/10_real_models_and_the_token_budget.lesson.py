@@ -36,7 +36,7 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
-from paged_kv.pictures.plots import plot_block_tables
+from paged_kv.pictures.plots import PALETTE, plot_block_tables
 from paged_kv.serving.engine import Engine, EngineRequest
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
@@ -262,9 +262,9 @@ for budget, r in budgets.items():
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.2))
-ax.plot(budgets[None].tokens_per_step, color="#E69F00", label="no budget")
-ax.plot(budgets[64].tokens_per_step, color="#0072B2", label="max_num_batched_tokens = 64")
-ax.axhline(64, color="#0072B2", linestyle=":", linewidth=1)
+ax.plot(budgets[None].tokens_per_step, color=PALETTE[1], label="no budget")
+ax.plot(budgets[64].tokens_per_step, color=PALETTE[0], label="max_num_batched_tokens = 64")
+ax.axhline(64, color=PALETTE[0], linestyle=":", linewidth=1)
 ax.set_xlabel("step")
 ax.set_ylabel("tokens in the step")
 ax.set_title("48 requests, every 8th with a 160- to 200-token prompt: the tokens each step runs")
