@@ -57,7 +57,7 @@ NOT_CAUSAL = (
 )
 ONE_MORE = (
     "the mask is one off: query i sees one position past its own. It is at position "
-    "context_len - q + i and sees positions <= that one, not < its position + 2"
+    "context_len - q + i and sees positions up to that one (position <= its own), not the next"
 )
 ONE_LESS = (
     "the mask is one off: query i does not see its own position. It is at position "
