@@ -508,9 +508,9 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 # metadata:
 #
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionImpl.forward` takes the step's
-#   `query` and one layer's `kv_cache`, a view of shape `[num_blocks, num_kv_heads, block_size,
-#   2 * head_size]`; it splits it into `key_cache` and `value_cache` and calls the kernel once for
-#   the whole batch, which reads each block in place.
+#   `query` and one layer's `kv_cache`, a view of shape
+#   `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; it splits it into `key_cache` and
+#   `value_cache` and calls the kernel once for the whole batch, which reads each block in place.
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionMetadata` carries what this lesson's
 #   functions take: `block_table` (this course's `block_tables`) and `seq_lens` (this course's
 #   `context_lens`), with `max_seq_len`.

@@ -454,7 +454,7 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionMetadata` carries `query_start_loc`,
 #   where each request's queries start in the packed batch (the running sum of this course's
 #   `query_lens`), beside `seq_lens` (the lengths, new tokens included: this course's
-#   `context_lens`), `block_table`, `max_query_len` and `max_seq_len`: what
+#   `context_lens`), `block_table`, `max_query_len` and `max_seq_len`: what this course's
 #   `paged_prefill_attention` takes in section 3.
 # * `vllm/v1/attention/backends/flex_attention.py`: the FlexAttention backend, this course's `"flex"`
 #   strategy grown up: the keys are the whole pool, and `physical_to_logical_mapping` inverts the

@@ -550,8 +550,9 @@ for result in (figure2[2], compacted):
 #   scheduler's `SchedulingPolicy` (`FCFS` by default).
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks for a
 #   request's new tokens or returns None when too few are free; `KVCacheManager.free` gives them
-#   back, which `Scheduler.update_from_output` does the step a request stops
-#   (`Scheduler._free_request`): continuous batching's release.
+#   back.
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.update_from_output` frees a request's blocks the
+#   step it stops (`Scheduler._free_request`): continuous batching's release.
 #
 # What the course leaves out or does differently: vLLM bounds each step by a budget of tokens
 # shared by prefills and decodes (lesson 10), where this lesson's scheduler prefills a whole prompt

@@ -589,12 +589,12 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   token ids and its extra keys (`block_hash` here), with `NONE_HASH` as the first block's parent
 #   (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt embedding
 #   and `cache_salt` keys; `get_request_block_hasher` chains a request's block hashes as its tokens
-#   grow (`chain_hashes` and `HashChain` here). `FreeKVCacheBlockQueue` is the doubly linked free
+#   grow (the package's `chain_hashes`, and the package's `HashChain`). `FreeKVCacheBlockQueue` is the doubly linked free
 #   list of block objects between `fake_free_list_head` and `fake_free_list_tail`.
 # * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` whenever
-#   output tokens arrive, so a block that fills during decode gets its hash, and
-#   `KVCacheManager.allocate_slots` then caches it: the package's `append_tokens(seq_id, n,
-#   token_ids=...)`.
+#   output tokens arrive, so a block that fills during decode gets its hash, and the KV cache
+#   manager's `allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) then caches it: the package's
+#   `append_tokens(seq_id, n, token_ids=...)`.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
 #   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
 #   `KVCacheManager.free` frees a request's blocks in reverse order.

@@ -457,9 +457,8 @@ for mode, r in results.items():
 # model runner:
 #
 # * `vllm/v1/engine/core.py`: `EngineCore.step` is one step of the loop: `scheduler.schedule()`, then
-#   the model executor's `execute_model` on the `SchedulerOutput`, then
-#   `scheduler.update_from_output` with what the model sampled: our `Engine`'s schedule, execute,
-#   update.
+#   the model executor's `execute_model` on the `SchedulerOutput` and its `sample_tokens`, then
+#   `scheduler.update_from_output` with what was sampled: our `Engine`'s schedule, execute, update.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` decides the step from `self.running` and
 #   `self.waiting`, and admits a waiting request only when `KVCacheManager.allocate_slots`
 #   (`vllm/v1/core/kv_cache_manager.py`) finds blocks for it; `Scheduler.update_from_output` appends
