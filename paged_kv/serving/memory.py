@@ -189,7 +189,17 @@ class PagedMemory:
         )
 
     def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
+        """:func:`admits` beside running sequences; alone, the prompt's blocks must be free, no more.
+
+        The headroom and the watermark keep room for the growth of *other* sequences, and a request
+        that :meth:`serves_alone` grows to its longest within the pool, so alone it needs neither.
+        A fresh request alone passes the rule anyway; a request resumed by recompute, whose prompt
+        now holds its generated tokens, may not, and would otherwise never come back (vLLM, too,
+        keeps its watermark only when some request is already scheduled).
+        """
         blocks = blocks_for_tokens(request.num_prompt_tokens, self.block_size)
+        if num_running == 0:
+            return blocks <= self.cache.num_free_blocks
         return admits(self.cache.num_free_blocks, blocks, num_running, self.keep_free)
 
     def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
