@@ -156,9 +156,10 @@ print(
     f"8 MiB / {format_bytes(server.bytes_per_block)} per block = {server.num_blocks} blocks "
     f"= {server.budget_tokens} token slots"
 )
-stream = [EngineRequest(i, loaded.encode(t), 12, arrival_step=i) for i, t in enumerate(texts * 2)]
+stream = [EngineRequest(i, loaded.encode(t), 8, arrival_step=i) for i, t in enumerate(texts * 2)]
 served = server.run(stream)
-assert all(served.tokens[r.request_id] == hf_generate(r.prompt, 12) for r in stream)
+expected = {tuple(ids): hf_generate(ids, 8) for ids in real_prompts}  # each prompt twice in the stream
+assert all(served.tokens[r.request_id] == expected[tuple(r.prompt)] for r in stream)
 print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_running} running: tokens identical")
 
 # %% [markdown]
