@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import event, given, target
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from paged_kv.model.config import GPTConfig
@@ -23,7 +23,7 @@ from paged_kv.serving.engine import (
 )
 from paged_kv.serving.memory import admits, watermark_blocks
 
-from .helpers import alone
+from .helpers import alone, max_examples
 
 pytestmark = pytest.mark.lesson09
 
@@ -430,8 +430,13 @@ def workloads(draw) -> list[EngineRequest]:
     ]
 
 
+# Each example runs the model through the engine, and its cost is the model's: 125 examples per
+# preemption under ci, 25 in the dev profile. The scheduling space is also covered step by step
+# without a model (tests/test_scheduler.py and tests/test_chunked_prefill.py's state machines), and
+# the cache's by tests/test_stateful.py.
 @pytest.mark.lesson11
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@settings(max_examples=max_examples(25))
 @given(
     requests=workloads(),
     block_size=st.sampled_from([1, 2, 4]),
