@@ -52,7 +52,7 @@ def test_the_lesson_plan_gives_each_lessons_reading_as_the_notebooks_have_it():
         assert row is not None, f"lessons/README.md has no row for lesson {stem[:2]}"
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert f"{reading.words:,}" in cells and str(reading.code_lines) in cells, (stem, cells)
-        assert f"{reading.minutes:.0f}" in cells, (stem, reading.minutes, cells)
+        assert f"{reading.minutes:.1f}" in cells, (stem, reading.minutes, cells)
 
 
 def test_committed_notebooks_match_their_sources():
