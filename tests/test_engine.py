@@ -470,6 +470,22 @@ def test_any_workload_on_any_budget_gets_the_text_of_each_prompt_alone(
 
 
 @pytest.mark.lesson11
+def test_a_request_resumed_alone_comes_back_though_its_prompt_and_the_watermark_exceed_the_rule(
+    model,
+) -> None:
+    # The example hypothesis found: request 2 is preempted after generating most of its 11 tokens;
+    # once the others finish it runs alone, and its prompt (1 token and the 9 or so it generated),
+    # one block of headroom and a watermark of ceil(0.5 * 11) = 6 blocks exceed the 11 blocks. Alone it
+    # needs only its prompt's blocks: no other sequence grows, and it fits at its longest.
+    requests = [EngineRequest(0, [0], 1), EngineRequest(1, [0], 10), EngineRequest(2, [0], 11)]
+    requests += [EngineRequest(i, [0], 1) for i in range(3, 7)]
+    num_blocks = min_num_blocks(requests, block_size=1, watermark=0.5)
+    result = Engine(model, num_blocks=num_blocks, block_size=1, watermark=0.5).run(requests)
+    assert result.preemptions >= 1
+    assert all(result.tokens[r.request_id] == alone(model, r) for r in requests)
+
+
+@pytest.mark.lesson11
 def test_min_num_blocks_counts_the_admission_the_peak_and_the_watermark() -> None:
     request = EngineRequest("x", [1, 2, 3], 10)  # admission: 1 + 1 blocks; at its longest 12 tokens: 3
     assert min_num_blocks([request], block_size=4) == 3
