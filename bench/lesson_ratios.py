@@ -41,10 +41,10 @@ def busy_loop() -> None:
 
 
 def ratios(notebook: nbformat.NotebookNode) -> dict[str, float]:
-    """Each ratio the notebook's cells printed, by the text of its line up to the number.
+    """Each ratio the notebook's cells printed, by the text of its line around the number.
 
-    A ratio "slower than" is returned as it is, one "faster than" as its inverse, so that every
-    figure reads as the same thing: the first contender's time over the second's.
+    A ratio is returned as the first contender's time over the second's: "3 times slower than" is
+    3, "4 times faster than" is 1/4.
     """
     found = {}
     for index, cell in enumerate(notebook.cells):
@@ -56,6 +56,15 @@ def ratios(notebook: nbformat.NotebookNode) -> dict[str, float]:
                     key = f"cell {index}: {line[: match.start()].strip()} ... {line[match.end() :].strip()}"
                     found[key] = value if match["way"] == "slower" else 1 / value
     return found
+
+
+def described(low: float, high: float) -> str:
+    """A range of time ratios in the lessons' words: "13 to 27 times slower", "2.1 to 3 times faster"."""
+    if low >= 1:
+        return f"{low:.3g} to {high:.3g} times slower"
+    if high <= 1:
+        return f"{1 / high:.3g} to {1 / low:.3g} times faster"
+    return f"{1 / low:.3g} times faster to {high:.3g} times slower"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     seen[key].append(value)
             print(f"\n{stem}: time of the first over the second (above 1: slower)")
             for key, values in seen.items():
-                print(f"  {min(values):6.2f} to {max(values):6.2f}   {key}")
+                print(f"  {described(min(values), max(values)):<36} {key}")
     finally:
         for burner in burners:
             burner.kill()

@@ -21,7 +21,7 @@
 #    sequence;
 # 4. pack decodes and prompt chunks of different lengths into one call, as an engine's step does.
 #
-# Run the cells in order; two of them time the strategies and take a few seconds each.
+# Run the cells in order; two of them time the strategies, in 5 s each on a quiet 2-core CPU (8 s busy).
 
 # %%
 import warnings
@@ -184,13 +184,12 @@ for strategy in ("gather", "in_place", "flex"):
     print(f"{strategy:>8}: {how_fast(timings.ratio(strategy, 'SDPA'))} SDPA on contiguous K/V")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, this cell ran 19 times: 5 on a quiet machine, the
-# others while other programs wanted both cores (load averages up to 8). **Gather** came out 13 to
-# 27 times slower than SDPA, and unfused **flex** 29 to 78 times slower. **In place** ranged from 2
-# times slower to, once, 1.3 times *faster* (SDPA on one thread suffers from a busy machine too);
-# on the quiet runs alone, gather was 15 to 19 times slower, in place 1.3 to 1.5, flex 35 to 40.
-# Your numbers will differ with the machine and with what else it is doing, but gather and flex
-# stay far behind, and in place within a small factor of SDPA.
+# On the 2-core CPU this course was written on, this cell ran 12 times, 6 on a quiet machine and 6
+# with two other processes computing on both cores (`bench/lesson_ratios.py`). **Gather** came out
+# 11 to 15 times slower than SDPA quiet (11 to 18 busy), and unfused **flex** 26 to 37 times slower
+# (24 to 38 busy). **In place** came out 1.1 to 1.7 times slower quiet (1.1 to 1.3 busy: SDPA on one
+# thread suffers from a busy machine too). Your numbers will differ with the machine and with what
+# else it is doing, but gather and flex stay far behind, and in place within a small factor of SDPA.
 #
 # The copy is the gap between gather and in place: it moves the batch's whole K and V twice more
 # than attention needs, and on a CPU moving memory is what decode attention spends its time on, so
@@ -222,10 +221,11 @@ print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gatherin
 
 # %% [markdown]
 # Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
-# blocks: in the same 19 runs, in place came out 1.5 to 8 times slower than gather for the two
-# sequences (3.5 to 3.9 on the quiet runs). The two cost about the same when the batch read about
-# an eighth of the pool (4 of the 32 sequences); `"auto"` draws its line at half, on the safe side,
-# where in place was already two and a half to four times as fast as gather. A real
+# blocks: in the same 12 runs, in place came out 2.9 to 3.9 times slower than gather for the two
+# sequences quiet (3.4 to 4 busy). The two cost about the same when the batch read about an eighth
+# of the pool (4 of the 32 sequences: in place 1.1 to 1.5 times slower in three quiet runs);
+# `"auto"` draws its line at half, on the safe side, where in place was already 2.2 to 4.3 times as
+# fast as gather. A real
 # engine's kernel has no such trade-off: it follows each row's block table and reads only those
 # blocks, in place.
 
@@ -473,8 +473,8 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 # * `paged_attention(..., strategy=)`: `"gather"` copies every block (three passes over K and V),
 #   `"in_place"` reads each block once where it lies but pays for the whole pool, `"flex"` is
 #   FlexAttention with a block mask, fast only compiled on a GPU. All of them equal SDPA. On a
-#   2-core CPU, 32 sequences of 512 tokens: gather 13 to 27 times slower than SDPA on contiguous
-#   K/V, in place within a factor of 2. `"auto"` reads in place when the batch reads at least half
+#   2-core CPU, 32 sequences of 512 tokens: gather 11 to 18 times slower than SDPA on contiguous
+#   K/V, quiet or busy, in place within a factor of 2. `"auto"` reads in place when the batch reads at least half
 #   the pool, in float32, and gathers otherwise.
 # * Grouped-query attention shares each K/V head among a group of query heads (Llama-3-8B: 32 over
 #   8), multi-query attention shares one among all; the cache holds only the K/V heads, 128 KiB per

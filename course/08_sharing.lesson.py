@@ -180,9 +180,8 @@ print("A:", cache.get_block_mapping("A"), "| ref counts:", ref_counts(cache))
 
 # %% [markdown]
 # A block is copied only when a token lands in a block that is shared *and* not yet full: after a
-# fork, only ever the parent's last block. (Had `A` held exactly two full blocks, `B`'s next token
-# would have started a third logical block and taken a fresh block, lesson 04's boundary rule, with
-# no copy at all.)
+# fork, only ever the parent's last block. (Had `A` held two full blocks, `B`'s next token would
+# have taken a fresh block by lesson 04's boundary rule, with no copy.)
 #
 # Freeing is just as simple: `free_sequence` drops one reference from each block of the sequence,
 # and a block goes back to the free list only when its last holder lets go. `A` finishes first:
@@ -220,10 +219,8 @@ for frame in recorded.trace:
 AllocationPlayer(recorded.trace)
 
 # %% [markdown]
-# vLLM's first block manager copied on write exactly like this, the worker copying a step's
-# `(source, copy)` pairs before running the model. vLLM v1 turns a request for `n` samples into `n`
-# child requests instead, which share the prompt's full blocks through prefix caching, the next
-# section; each child computes its own partly full last block.
+# vLLM v1 turns a request for `n` samples into `n` child requests instead, which share the prompt's
+# full blocks through prefix caching, the next section; each computes its own partly full last block.
 
 # %% [markdown]
 # ## 3. Prefix caching
@@ -353,17 +350,15 @@ print(pool.prefix_cache_stats)
 # %% [markdown]
 # What happened:
 #
-# 1. `r0` takes blocks 0 to 3 and caches its 3 full blocks, 0, 1 and 2; block 3, partly full, is
-#    private.
+# 1. `r0` takes blocks 0 to 3 and caches its 3 full blocks; block 3, partly full, is private.
 # 2. `r1`'s first two blocks hash like `r0`'s: 8 tokens come from the cache, and blocks 0 and 1 gain
 #    a second holder. Its third block matches `r0`'s in only 2 of 4 tokens: a miss.
-# 3. `r0` finishes and frees its blocks in reverse order: block 3, with no hash, goes to the head, to
-#    be reused first; block 2, cached, to the tail. `r1` still holds blocks 0 and 1.
-# 4. `r1` finishes: its partly full block 5 goes to the head, and blocks 4, 1 and 0 join the tail.
-# 5. `r2` finds `r0`'s 3 cached blocks, 12 tokens, taken *out of the free list*, from its middle and
-#    its end; its fresh blocks come from the head.
-# 6. `r3` shares nothing: it takes the head of the free list, 8 and 9 (no hash), then 4, whose cached
-#    prefix is evicted.
+# 3. `r0` finishes and frees its blocks in reverse order: block 3, with no hash, goes to the head;
+#    block 2, cached, to the tail. `r1` still holds blocks 0 and 1.
+# 4. `r1` finishes: its partly full block 5 goes to the head, blocks 4, 1 and 0 to the tail.
+# 5. `r2` finds `r0`'s 3 cached blocks, taken *out of the free list* from its middle and its end.
+# 6. `r3` shares nothing: it takes the head, 8 and 9 (no hash), then 4, whose cached prefix is
+#    evicted.
 #
 # The counters are in tokens, as vLLM's metrics are: 4 prompts, 63 prompt tokens looked up
 # (`queries`), 20 of them found (`hits`, 8 for `r1` and 12 for `r2`).
@@ -406,8 +401,9 @@ print("backwards:         ", list(reversed(queue)))
 
 # %% [markdown]
 # The order of the other blocks never changes, so the least recently freed block is still at the
-# head. `bench/bench_prefix_cache.py` times a take from the middle plus a free: about 0.7 µs on a
-# pool of 1,000 free blocks and the same on 100,000, while `deque.remove` grows 84 to 120 times.
+# head. `bench/bench_prefix_cache.py` times a take from the middle plus a free: 1.0 to 1.6 µs on a
+# pool of 1,000 free blocks and the same on 100,000 on a quiet 2-core machine (1.5 to 1.9 µs with two
+# busy processes beside it), while `deque.remove` grows 124 to 143 times from one pool to the other.
 
 # %% [markdown]
 # ### Blocks filled during decode are cached too
@@ -480,8 +476,8 @@ print("with prompt blocks only:", prompts_only.num_cached_tokens("turn 2"), "fro
 # free block, the newest request is preempted and queued again (lesson 11), to be looked up anew.
 # One system prompt stands for one application, 16 for several sharing a server. The lengths are
 # ShareGPT's divided by 8 (a 32-token system prompt, blocks of 4) so that the sweep takes a few
-# seconds; at full size (256 tokens, blocks of 16, nine budgets) it takes about 20 s on a quiet
-# 2-core machine and draws the same picture.
+# seconds; at full size (256 tokens, blocks of 16, nine budgets, four series) it takes 20 to 25 s on a
+# quiet 2-core machine, 31 s with two busy processes beside it, and draws the same picture.
 #
 # The ideal, `ideal_cached_tokens`, is a cache that never forgets, in a run that never preempts:
 # every request but the first with each system prompt finds that system prompt's 8 full blocks.
@@ -579,12 +575,11 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # blocks on the free list live in vLLM v1's KV cache manager, `vllm/v1/core/`.
 #
 # * `vllm/v1/core/block_pool.py`: `BlockPool` holds every `KVCacheBlock`, the free queue and the
-#   map from hash to cached block (`BlockHashToBlockMap`, which may hold several blocks under one
-#   hash): this lesson's `CachingBlockAllocator`. `BlockPool.get_cached_block` looks a hash up and
-#   compares no tokens (`PrefixCache.match` here); `BlockPool.cache_full_blocks` caches the blocks
-#   of a request that became full, prompt blocks and blocks filled during decode alike
-#   (`PrefixCache.extend` here); `BlockPool.free_blocks` puts blocks without a hash at the head of
-#   the free queue and cached ones at the tail.
+#   map from hash to cached block (`BlockHashToBlockMap`): this lesson's `CachingBlockAllocator`.
+#   `BlockPool.get_cached_block` looks a hash up and compares no tokens; `BlockPool.cache_full_blocks`
+#   caches a request's blocks that became full, in prefill or in decode (`PrefixCache.extend`
+#   here); `BlockPool.free_blocks` puts blocks without a hash at the head of the free queue and
+#   cached ones at the tail.
 # * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
 #   token ids and its extra keys (`block_hash` here), with `NONE_HASH` as the first block's parent
 #   (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt embedding

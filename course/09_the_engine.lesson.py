@@ -22,7 +22,8 @@
 # 5. weigh what paging costs (a slower attention kernel, some bookkeeping) against what it saves,
 #    with the numbers of the course's benchmarks and of the vLLM paper.
 #
-# Everything runs on a laptop CPU in a few seconds; a GPU is used when there is one. Lesson 10 runs
+# The cells run in 6 to 8 s on a quiet 2-core CPU (10 s with two busy processes beside it); a GPU
+# is used when there is one. Lesson 10 runs
 # a Hugging Face model on the same engine and gives its steps a token budget.
 
 # %%
@@ -422,9 +423,10 @@ plt.show()
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
 # step of attention (32 sequences, 8 heads of dimension 64, contexts of 1,024 tokens in scattered
-# blocks of 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.3 to
-# 2 times** as long on the CPU (the ratio moves from one run to the next on a small machine). Gathering the blocks into a contiguous copy first, the simple way of
-# lesson 05, would cost more than 15 times the whole of SDPA for the copy alone, which is why
+# blocks of 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.7 to
+# 2.2 times** as long on a quiet 2-core CPU, and 1.9 to 9 times with two busy processes beside it
+# (the benchmark's two threads then wait their turn). Gathering the blocks into a contiguous copy first, the simple way of
+# lesson 05, would cost about 15 times the whole of SDPA for the copy alone, which is why
 # `paged_attention` reads the blocks where they lie. On GPUs, the vLLM paper measures its
 # PagedAttention kernel at **20 to 26 %** more latency than FasterTransformer's contiguous kernel.
 # Around the attention, every step builds block tables and scatters the new keys and values into
@@ -436,7 +438,7 @@ plt.show()
 # 2 to 4 times the throughput of earlier systems at the same latency, a much bigger gain than the
 # attention kernel's overhead. The tiny model on a CPU is a poor stand-in for that: its weights are
 # tiny, each step's cost grows with the batch, and the benchmark measures about the same tokens
-# per second as the contiguous engine (1.0 to 1.05 times). What it does show, on any machine, is the work done
+# per second as the contiguous engine (1.07 to 1.2 times quiet, 1.24 to 1.29 busy). What it does show, on any machine, is the work done
 # per step, output tokens divided by steps:
 
 # %%
@@ -495,7 +497,7 @@ for mode, r in results.items():
 # * On 96 ShareGPT-shaped requests in 2,048 slots: 17.3 sequences running on average against 7.2
 #   (2.4 times), 226 steps against 544, utilization 89 % against 24 %, the same tokens. The
 #   benchmark's burst of 160 requests gives 2.5 times.
-# * The costs: `paged_attention` at 1.3 to 2 times SDPA on the CPU, the vLLM kernel 20 to 26 % slower
+# * The costs: `paged_attention` at 1.7 to 2.2 times SDPA on a quiet CPU, the vLLM kernel 20 to 26 % slower
 #   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
 #   a step costs the same for more sequences.
 #

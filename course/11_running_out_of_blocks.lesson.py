@@ -20,7 +20,8 @@
 # 4. read the preemptions, steps and running sequences of a workload against the memory budget,
 #    from the smallest budget that can serve it to one where nothing is ever preempted.
 #
-# Everything runs on a laptop CPU in a few seconds; a GPU is used when there is one.
+# The cells run in about 12 s on a quiet 2-core CPU (18 s with two busy processes beside it); a GPU
+# is used when there is one.
 
 # %%
 import random
