@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 
 from paged_kv.checks._core import Checker, Mistake, answers, diagnose, task
+from paged_kv.checks.lesson09 import _one_thread
 from paged_kv.device import default_device
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.hub import SMOLLM2_ARCHITECTURE
@@ -44,21 +45,6 @@ from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
 
 Step = list[tuple[Hashable, int]]
-
-
-def _one_thread(check: Callable[..., None]) -> Callable[..., None]:
-    """Run a check with one torch thread: its models are tiny (lesson 09's checks do the same)."""
-
-    @functools.wraps(check)
-    def run(*args: object) -> None:
-        saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            check(*args)
-        finally:
-            torch.set_num_threads(saved)
-
-    return run
 
 
 # ------------------------------------------------------------------------------- Task 1
