@@ -82,13 +82,6 @@ FIRST_MAP_NOTES = (
     "with chunked prefill (10); running out of blocks (11) now comes after both, since it uses them",
 )
 
-#: The lessons the next issues add, at the end of the map.
-PLANNED = (
-    ("13", "hybrid models: sliding-window layers, KV-cache groups and the null block"),
-    ("14", "what a vLLM user meets: the start-up sizing, its errors, the settings, the metrics, fp8"),
-    ("15", "serving: an online engine behind an OpenAI-compatible API"),
-)
-
 _STEM = re.compile(r"(\d\d)(?:_([a-z0-9_]+?))?(?:\.|$)")
 
 
