@@ -82,7 +82,7 @@ FIRST_MAP_NOTES = (
     "with chunked prefill (10); running out of blocks (11) now comes after both, since it uses them",
 )
 
-_STEM = re.compile(r"(\d\d)(?:_([a-z0-9_]+?))?(?:\.|$)")
+_STEM = re.compile(r"(\d\d)(?:_|\.|$)")
 
 
 def lesson(number: str) -> Lesson:
