@@ -31,10 +31,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## create .venv and install the pinned environment
 
+# JupyterLab refuses to start as root (uid 0, as in most containers) without --allow-root: make lab
+# passes it then, and only then. Expanded when a recipe uses it, so other targets never run `id`.
+AS_ROOT = $(filter 0,$(shell id -u 2>/dev/null))
+AS_ROOT_NOTE := make lab: running as root (uid 0), so JupyterLab is started with --allow-root
+
 lab: $(STAMP) ## open your copy of the course, my_course/, in JupyterLab (flags: LAB_ARGS="--port 8899")
 	$(BIN)/python tools/lab_setup.py --work "$(WORK)"
+	$(if $(AS_ROOT),@echo "$(AS_ROOT_NOTE)")
 	$(BIN)/jupyter lab --ServerApp.root_dir="$(abspath $(WORK))" --LabApp.default_url=/lab/tree/lessons \
-		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(if $(AS_ROOT),--allow-root) $(LAB_ARGS)
 
 site: $(STAMP) ## build the lessons into a static site to read offline: open site/index.html (needs npm)
 	$(BIN)/python tools/build_site.py --out site
@@ -56,7 +62,9 @@ format: $(STAMP) ## let ruff fix what it can and format the code
 	$(BIN)/ruff format .
 
 test-lesson: $(STAMP) ## the tests and notebooks of one lesson: make test-lesson LESSON=02
-	@test -n "$(LESSON)" || { echo "usage: make test-lesson LESSON=02"; exit 2; }
+	@$(BIN)/python -c 'import sys; from paged_kv.course_map import BY_NUMBER; lesson = sys.argv[1]; \
+	lesson in BY_NUMBER or sys.exit("usage: make test-lesson LESSON=NN, NN one of the lessons " \
+	+ " ".join(BY_NUMBER) + " (two digits); got LESSON=" + repr(lesson))' "$(LESSON)"
 	$(BIN)/python -m pytest -m lesson$(LESSON) $(PYTEST_ARGS)
 	$(BIN)/python -m pytest $(LESSON_NBVAL) lessons/$(LESSON)_*.ipynb
 	$(BIN)/python -m pytest $(SOLUTION_NBVAL) solutions/$(LESSON)_*.ipynb

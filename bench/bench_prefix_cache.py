@@ -9,7 +9,7 @@
    by a ShareGPT-shaped user prompt (block size 16): prefill tokens computed with prefix caching
    against without, the hit rate in tokens against the ideal (every request but the first finds
    the whole system prompt), and the allocator's time per request, hashing included. The workload
-   and the serving loop are :mod:`paged_kv.simulation.sharing`'s, which lesson 07 also runs.
+   and the serving loop are :mod:`paged_kv.simulation.sharing`'s, which lesson 08 also runs.
 
     .venv/bin/python bench/bench_prefix_cache.py
 """

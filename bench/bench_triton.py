@@ -1,4 +1,4 @@
-"""The Triton decode kernel (lesson 10): compiled on CUDA against the other strategies; interpreted on a CPU.
+"""The Triton decode kernel (lesson 12): compiled on CUDA against the other strategies; interpreted on a CPU.
 
 On CUDA (when there is one) the kernel, ``paged_attention(..., strategy="triton")``, is timed at
 ``bench_attention``'s sizes (batch 32, 8 heads, head dim 64, context 1,024, block size 16, the
@@ -10,7 +10,7 @@ and each ratio is the median of the rounds' kernel time over the other's: below 
 faster. Without a GPU these rows are skipped, and the run says so.
 
 On the CPU the kernel runs in Triton's interpreter, which executes each program with numpy: it is
-timed at lesson 10's sizes (4 sequences of up to 4 blocks of 16 tokens, seeded lengths, 4 heads of
+timed at lesson 12's sizes (4 sequences of up to 4 blocks of 16 tokens, seeded lengths, 4 heads of
 head dim 16) beside the reference ``strategy="gather"`` on the same inputs, for scale only: the
 interpreter is for writing and checking a kernel, not for speed, so there is no target. The row
 runs with one torch thread: with two, the gather's tiny operations, alternating with the interpreter's
@@ -62,7 +62,7 @@ def check_close(case: dict[str, torch.Tensor], name: str, expected: torch.Tensor
 def lesson_case(
     batch: int, num_heads: int, head_dim: int, block_size: int, max_blocks: int, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Lesson 10's inputs: ``batch`` sequences of seeded lengths from 1 to ``max_blocks`` full blocks
+    """Lesson 12's inputs: ``batch`` sequences of seeded lengths from 1 to ``max_blocks`` full blocks
     (the first one full, so a sequence reads every block of its table), scattered over the pool."""
     case = make_case(batch, num_heads, head_dim, max_blocks * block_size, block_size, seed=seed)
     lengths = torch.randint(
@@ -76,7 +76,7 @@ def lesson_case(
 def cpu_rows(
     batch: int, num_heads: int, head_dim: int, block_size: int, max_blocks: int, repeats: int
 ) -> list[Row]:
-    """The interpreted kernel against the gather, at lesson 10's sizes, for information."""
+    """The interpreted kernel against the gather, at lesson 12's sizes, for information."""
     case = lesson_case(batch, num_heads, head_dim, block_size, max_blocks)
     check_close(case, "triton", strategy(case, "gather"))
     timings = compare_times(
@@ -85,7 +85,7 @@ def cpu_rows(
         threads=1,
     )
     name = (
-        f"Triton kernel in Triton's interpreter (lesson 10's sizes: {batch} sequences of up to {max_blocks} "
+        f"Triton kernel in Triton's interpreter (lesson 12's sizes: {batch} sequences of up to {max_blocks} "
         f"blocks of {block_size}, {num_heads} heads of dim {head_dim}, fp32) vs strategy='gather': "
         "CPU, 1 thread"
     )
@@ -129,7 +129,7 @@ def run(
     repeats: int = 9,
     cuda_sizes: tuple[int, int, int, int, int] = (32, 8, 64, 1_024, 16),
 ) -> list[Row]:
-    """The CPU row at lesson 10's sizes where Triton interprets, or the CUDA rows at ``cuda_sizes``
+    """The CPU row at lesson 12's sizes where Triton interprets, or the CUDA rows at ``cuda_sizes``
     (batch, heads, head dim, context, block size) where it compiles for a GPU; the run prints which
     rows it skipped, and gives no row, with a note, where triton is not installed."""
     if not triton_available():

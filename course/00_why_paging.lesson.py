@@ -15,8 +15,7 @@
 # 3. compute what a paged cache wastes instead: less than one block per request;
 # 4. reproduce the fragmentation benchmark of six requests (117 tokens held, 176 slots reserved
 #    with blocks against 246 with contiguous slots) and read its metrics;
-# 5. tell reservation, internal and external fragmentation apart, and read the vLLM paper's
-#    Figure 2, where the KV memory goes, beside the same four shares measured by a simulator;
+# 5. tell reservation, internal and external fragmentation apart;
 # 6. size a KV cache from a GPU's memory the way vLLM does: how many blocks, and tokens, fit.
 #
 # Nothing here needs a GPU. Run the cells in order; the ones marked **Predict, then run** ask you to
@@ -28,7 +27,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens, contiguous_baseline, fragmentation_report
-from paged_kv.pictures.plots import plot_reservations
+from paged_kv.pictures.plots import PALETTE, plot_reservations
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -73,7 +72,7 @@ print(f"a 2,048-token request: {2048 * per_token:>12,} bytes = {2048 * per_token
 # query heads reads one K/V head: Llama-3-8B's 32 query heads read 8 KV heads, four each.
 # **Multi-query attention** (MQA) is the extreme, one K/V head for all the query heads (Falcon-7B:
 # 71 query heads, 1 KV head). The attention still computes every query head; only the cache
-# shrinks (lesson 05 shows the attention side).
+# shrinks (lesson 06 shows the attention side).
 #
 # **Predict, then run.** Llama-3-8B has Llama 2's 32 layers and head size of 128, with 8 KV heads
 # instead of 32. What does one token of it cost?
@@ -149,7 +148,8 @@ print(f"used:     {baseline.utilization:.1%}")
 # The three requests above are finished, so nothing more is to come: all 18,630 wasted slots are
 # internal fragmentation. While they were still generating, part of the same slots was reservation.
 # The paper measured that in earlier serving systems only 20.4 % to 38.2 % of the KV cache memory
-# held actual token states, against 96.3 % with vLLM; section 5 measures the same split.
+# held actual token states, against 96.3 % with vLLM; lesson 07 measures the same split with a
+# serving simulator.
 
 # %% [markdown]
 # ## 3. The paged way: fixed-size blocks, allocated on demand
@@ -261,81 +261,7 @@ AllocationPlayer(recorded.trace)
 # section 2 ended up using only 20.4 % to 38.2 % of their KV cache.
 
 # %% [markdown]
-# ## 5. Where the memory goes: the paper's Figure 2, measured
-#
-# The paper's figures come from a serving run, not a frozen set of requests: its Figure 2 splits
-# the KV cache memory of each system, averaged over the run, into four parts. It compares vLLM with
-# Orca, the system that introduced continuous batching, rebuilt by the paper's authors with three
-# ways of reserving a contiguous range: the maximum length, **Orca (Max)**; the prompt plus the
-# output's length rounded up to a power of two (room for the output of up to twice its length),
-# **Orca (Pow2)**; and exactly the final length, **Orca (Oracle)**, which no real server knows in
-# advance. For a running request that holds `h` tokens in `r` reserved slots and will end at `f`
-# tokens (prompt plus output), the parts are
-#
-# | part | slots |
-# |---|---|
-# | token states | `h` |
-# | reservation | `min(r, f) - h`: slots for tokens it will still generate |
-# | internal fragmentation | `max(r - f, 0)`: slots beyond its final length |
-# | external fragmentation and others | the free slots, while a request waits for memory |
-#
-# Lesson 06 builds the simulator that measures them: requests arrive, wait, grow a token per step
-# and leave, and each contiguous range is placed first fit in one address space of slots, so holes
-# appear as ranges come and go. It sums the four parts over the steps at which a request waits
-# (when nobody waits, the free slots are idle, not wasted), so they add up to 100 %. Here it serves
-# 200 requests with the lengths of the paper's ShareGPT data set (161 prompt and 338 output tokens
-# on average, 2,048 at most), all arriving at once, in the paper's memory: 15,728 slots, the 12 GB of
-# KV cache of OPT-13B on a 40 GB A100.
-#
-# **Predict, then run.** Orca (Max) reserves 2,048 slots for every request, and 15,728 slots hold
-# 7 of those. What share of the memory can never be used, whatever the requests?
-
-# %%
-from paged_kv.pictures.plots import plot_memory_shares
-from paged_kv.simulation.shares import SHARES, beside_the_paper
-from paged_kv.simulation.workload import compare_policies
-
-paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=15728, seed=0)
-measured = paged_first[1:] + paged_first[:1]  # the paper's order: Max, Pow2, Oracle, vLLM
-print(f"{'%':<21}" + "".join(f"{column:>12}" for column in ("tokens", "reservation", "internal", "external")))
-for result in measured:
-    percent = result.memory_shares.percent()
-    print(f"{result.policy:<21}" + "".join(f"{percent[name]:>12.1f}" for name in SHARES))
-print("never usable with Orca (Max):", f"{(15728 - 7 * 2048) / 15728:.1%}")
-
-# %%
-bars = beside_the_paper([result.memory_shares for result in measured])  # the paper's bar, then ours
-fig, ax = plt.subplots(figsize=(9, 4))
-plot_memory_shares(bars, group=2, ax=ax, title="the KV cache memory: the paper's Figure 2, and measured")
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The 1,392 slots left over by seven ranges of 2,048, 8.9 % of the memory, are all of Orca (Max)'s
-# external fragmentation, in the paper as here. Bar by bar:
-#
-# * **Orca (Max)** matches the paper within a point (21.0 % token states against 20.4 %): with the
-#   same mean lengths, a quarter of each 2,048-slot range is ever used, and most of the rest is
-#   internal fragmentation. The small gap comes from the lengths, synthetic here, real there.
-# * In every Orca bar the token states are about 1.5 times the reservation, measured and in the
-#   paper: how a range divides between tokens computed and tokens to come depends on the requests'
-#   lengths, not on the policy.
-# * **Orca (Pow2)** reserves as the paper's does, yet holds far more token states here (44.8 %
-#   against 26.8 %), because it has far less external fragmentation (13.9 % against 41.6 %): the
-#   paper assumes Orca places its ranges with a buddy allocator (power-of-two blocks at aligned
-#   addresses, a freed block merging only with its buddy), where the simulator's first fit merges
-#   any neighbouring holes. Its internal fragmentation comes out near the paper's (11.4 % against
-#   13.6 %); lesson 06 shows why that is partly a coincidence of the lengths.
-# * **Orca (Oracle)** has no internal fragmentation in either, and again fewer holes here than with
-#   a buddy allocator (16.0 % against 36.6 %), so more token states (50.2 % against 38.2 %).
-# * **vLLM**: 96.1 % token states against the paper's 96.3 %. What is left is the rest of each
-#   sequence's last block (reservation, 1.6 %) and the free blocks the scheduler keeps as headroom
-#   for the running sequences' next tokens (2.3 %); no block waits for a hole.
-#
-# Lesson 06 runs the simulator in detail, with the allocator's holes and what closing them would save.
-
-# %% [markdown]
-# ## 6. How big should a block be?
+# ## 5. How big should a block be?
 #
 # The worst case wastes `block_size - 1` slots per request, so smaller blocks waste less. But each
 # block is one more entry in every block table and one more separate read for the attention kernel,
@@ -351,9 +277,12 @@ for size, waste in zip(sizes, wasted, strict=True):
     print(f"block_size {size:>2}: {waste:>3} slots wasted")
 
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(sizes, wasted, marker="o", color="#0072B2", label="paged")
+ax.plot(sizes, wasted, marker="o", color=PALETTE[0], label="paged")
 ax.axhline(
-    contiguous["internal_fragmentation_tokens"], color="#D55E00", ls="--", label="contiguous (41-token slots)"
+    contiguous["internal_fragmentation_tokens"],
+    color=PALETTE[5],
+    ls="--",
+    label="contiguous (41-token slots)",
 )
 ax.set_xscale("log", base=2)
 ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -372,7 +301,7 @@ plt.show()
 # why it is vLLM's default.
 
 # %% [markdown]
-# ## 7. How many blocks fit on a GPU
+# ## 6. How many blocks fit on a GPU
 #
 # A serving engine does not ask you for a number of blocks: it works it out when it starts, from
 # the GPU's memory, in three steps.
@@ -446,14 +375,14 @@ except ValueError as error:
 # * `vllm/v1/worker/gpu_worker.py`: `Worker.determine_available_memory` returns the bytes the KV
 #   cache may take: the memory the worker requested, `total_memory * gpu_memory_utilization`
 #   (`request_memory` in `vllm/v1/worker/utils.py`), less the non-KV memory the profiling run
-#   measured (weights, activations), as the package's `kv_cache_budget` of section 7 does with the weights alone.
+#   measured (weights, activations), as the package's `kv_cache_budget` of section 6 does with the weights alone.
 # * `vllm/config/cache.py`: `CacheConfig.gpu_memory_utilization` (0.92 by default),
 #   `kv_cache_memory_bytes` (the budget in bytes, skipping the profiling) and
 #   `num_gpu_blocks_override` (the number of blocks, as this course's `num_blocks`).
 # * `vllm/v1/core/kv_cache_planning.py`: `get_kv_cache_configs` turns each worker's available
 #   memory into a `KVCacheConfig`; for one group of layers, `get_kv_cache_config_from_groups`
 #   divides it by the bytes of one block across the layers, `num_blocks = available_memory //
-#   bytes_per_block`, section 7's formula.
+#   bytes_per_block`, section 6's formula.
 # * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes`, the bytes of one layer's block
 #   (`block_size` tokens of K and V for the layer's KV heads; summed over the layers, this course's
 #   `KVCacheSpec.bytes_per_block`); `FullAttentionSpec` is the spec of an ordinary attention layer,
@@ -478,11 +407,6 @@ except ValueError as error:
 #   slots, in its last block, and any free block fits anyone.
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
-# * The paper's Figure 2, measured by the simulator of lesson 06 in the paper's 15,728 slots: token
-#   states fill 21.0 % of the memory with Orca (Max), 44.8 % with Pow2, 50.2 % with the oracle and
-#   96.1 % with vLLM's blocks, against the paper's 20.4, 26.8, 38.2 and 96.3 %. Max matches; Pow2
-#   and the oracle differ by where they place their ranges (first fit here, a buddy allocator
-#   there), which leaves fewer holes here.
 # * An engine sizes its cache when it starts: (total memory × `gpu_memory_utilization` − weights −
 #   activations) // bytes per block. At 0.9, Llama-3-8B in bfloat16 gets 3,401 blocks of 16 tokens
 #   (54,416 tokens) on a 24 GB GPU and 29,205 (467,280 tokens) on an 80 GB one.

@@ -53,7 +53,7 @@ print("k_cache[5]:", tuple(cache.k_cache[5].shape), "= (num_heads, block_size, h
 #
 # * `ref_count == 0`: no sequence holds the block; it is free.
 # * `ref_count == 1`: one sequence owns it.
-# * `ref_count > 1`: several sequences share it (a forked sequence, or a common prompt prefix; lesson 07).
+# * `ref_count > 1`: several sequences share it (a forked sequence, or a common prompt prefix; lesson 08).
 #
 # A new block starts free. It holds no tensor and no sequence id: only what the allocator of lesson 02
 # needs to decide whether the block can be handed out.
@@ -319,7 +319,7 @@ print("the cache: ", cache.get_block_mapping("E"))
 #
 # * `vllm/v1/core/kv_cache_utils.py`: `KVCacheBlock` is this course's `Block`: `block_id`, the index
 #   into every layer's cache, `ref_cnt`, the number of requests holding it (this course's
-#   `ref_count`), and `block_hash`, set once the block is full and cached (lesson 07). It also carries
+#   `ref_count`), and `block_hash`, set once the block is full and cached (lesson 08). It also carries
 #   the free list's links, `prev_free_block` and `next_free_block` (lesson 02).
 # * `vllm/v1/core/single_type_kv_cache_manager.py`: `SingleTypeKVCacheManager.req_to_blocks` maps
 #   each request id to its `KVCacheBlock`s in logical order: the scheduler's block table.

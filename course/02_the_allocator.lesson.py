@@ -79,7 +79,7 @@ print("free_block_ids:", list(pool.free_block_ids))
 # Block 3: freed blocks queue up behind the blocks that were already free, first in, first out. Any
 # free block would be correct, since every block has the same size, but the order has two
 # consequences. Blocks that come back are the last to be reused, which matters once a freed block
-# still holds useful K/V (prefix caching, lesson 07). And as requests come and go, a new request gets
+# still holds useful K/V (prefix caching, lesson 08). And as requests come and go, a new request gets
 # blocks from all over the pool, as section 4 shows.
 
 # %% [markdown]
@@ -87,7 +87,7 @@ print("free_block_ids:", list(pool.free_block_ids))
 #
 # Each block has a **ref count**, the number of holders (block tables) it has. `allocate` sets it to 1.
 # `add_ref` records one more holder: that is how two sequences share a block, for instance a forked
-# sequence and its parent sharing their prompt (lesson 07). `free` drops one holder and returns `True`
+# sequence and its parent sharing their prompt (lesson 08). `free` drops one holder and returns `True`
 # only when the count reaches 0 and the block goes back on the free list; otherwise it returns `False`
 # and the block stays in use.
 
@@ -253,7 +253,7 @@ AllocationPlayer(replay.trace)
 # | any call that raises | the allocator's state is exactly what it was |
 #
 # The last rule is what lets the caller carry on: a scheduler that catches `OutOfBlocksError` waits,
-# or preempts another request (lesson 08), and it can only do that if the failed call left nothing
+# or preempts another request (lesson 11), and it can only do that if the failed call left nothing
 # half done. The pool now holds `req-b` in block 3 and `req-c` in blocks 4, 0 and 1; one block is
 # free. `snapshot()` records the whole state (free list in order, ref counts, every table), so
 # comparing a snapshot from before the failed calls with one from after shows whether anything moved.
@@ -367,7 +367,7 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #
 # * `vllm/v1/core/block_pool.py`: `BlockPool` holds every `KVCacheBlock` (`blocks`) and the
 #   `free_block_queue`: this course's `BlockAllocator`, and with prefix caching this course's
-#   `CachingBlockAllocator` too (`cached_block_hash_to_block`, lesson 07).
+#   `CachingBlockAllocator` too (`cached_block_hash_to_block`, lesson 08).
 # * `vllm/v1/core/block_pool.py`: `get_new_blocks` takes blocks from the head of the free queue and
 #   raises each one's `ref_cnt` from 0 to 1; asked for more than `get_num_free_blocks` it raises a
 #   `ValueError`, so the manager checks the count first, all or nothing.

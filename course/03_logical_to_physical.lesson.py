@@ -282,11 +282,12 @@ for n in (4096, LONG_TOKENS):
     print(f"{n:>6} tokens: the tensor expression is {how_fast(timings.ratio('tensor', 'loop'))} the loop")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, over ten runs of this cell, five on a quiet machine
-# and five with two other programs keeping both cores busy, the expression came out 16 to 28 times
-# faster than the loop at 4,096 tokens (17 to 49 times on the busy machine) and 25 to 26 times
-# faster at 65,536 (21 to 30 busy). Your factors will differ with the machine and its load; the
-# direction will not. At 4,096 tokens the expression takes a few tens of microseconds, much of it a
+# On the 2-core CPU this course was written on, over twelve runs of this cell, six on a quiet
+# machine and six with two other processes computing on both cores (`bench/lesson_ratios.py --busy
+# 2`), the expression came out 13 to 20 times faster than the loop at 4,096 tokens (15 to 17 times on
+# the busy machine) and 28 to 29 times faster at 65,536 (24 to 32 busy); earlier runs on the same
+# kind of machine gave up to 49 times at 4,096 and 36 at 65,536. Your factors will differ with the
+# machine and its load; the direction will not. At 4,096 tokens the expression takes a few tens of microseconds, much of it a
 # fixed price per operation, which other programs easily disturb: hence the wide range. At 65,536
 # both sides work in proportion to the tokens, about 200 ns of Python per token for the loop against
 # under 10 ns for the expression's five operations, and the factor settles. On a GPU the loop would

@@ -228,7 +228,7 @@ check("04.finish_and_admit", finish_and_admit)
 # functions: five requests, a pool of 10 blocks of 4, at most 3 running. Compare its log with the
 # lesson's. Then try `max_running=4`: at step 4, two sequences need a block and none is free, and
 # your `decode_step` refuses the step without changing anything. What an engine does then is the
-# subject of lesson 08.
+# subject of lesson 11.
 
 # %%
 requests = {"A": (6, 9), "B": (3, 4), "C": (9, 6), "D": (5, 7), "E": (2, 5)}  # prompt, tokens to generate

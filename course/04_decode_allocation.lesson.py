@@ -25,7 +25,7 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.pictures.plots import plot_held_and_reserved
+from paged_kv.pictures.plots import PALETTE, plot_held_and_reserved
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -247,7 +247,7 @@ print("49 tokens:", blog.get_block_mapping("req-a"))
 # `append_tokens` does two things at once: it takes the blocks that are missing and counts the new
 # tokens. A serving engine splits them. Before it runs a decode step for the whole batch, its
 # scheduler makes sure every sequence has a slot for its next token, taking a block for those that
-# need one; if the pool cannot provide them all, it must make room first (lesson 08). Only then does
+# need one; if the pool cannot provide them all, it must make room first (lesson 11). Only then does
 # the model run, and the tokens are counted.
 #
 # `cache.append_block_to_sequence(seq_id)` is that first half: it adds one free block to the table
@@ -283,7 +283,7 @@ print("c:", cache.get_block_table("c"))
 # Five requests wait, each with its prompt length and the number of tokens it will generate (a real
 # server learns the second only when the model emits an end token). The pool has 10 blocks of 4, and
 # the batch has room for 3 sequences. The pool is tight: A, C and D at their full lengths would need
-# 11 blocks, but in this run the requests finish in time and the pool never runs dry (lesson 08
+# 11 blocks, but in this run the requests finish in time and the pool never runs dry (lesson 11
 # handles the case where it does). Every step:
 #
 # 1. each running sequence decodes one token (`append_tokens`, which takes a block when the boundary
@@ -295,10 +295,10 @@ print("c:", cache.get_block_table("c"))
 # The K/V writes are left out; they do not change which blocks are taken.
 #
 # This admission rule is the simplest there is: a request joins when its prompt's blocks are free.
-# The package has one scheduler, `paged_kv.serving.scheduler.Scheduler`, which lesson 06's
+# The package has one scheduler, `paged_kv.serving.scheduler.Scheduler`, which lesson 07's
 # simulator and lesson 09's engine both run; it is more careful, and admits a request only when one
 # block of headroom per running sequence is free as well, so that the next decode step cannot run
-# dry (lessons 06 and 08 show why).
+# dry (lessons 07 and 11 show why).
 #
 # **Predict, then run.** B (3 prompt tokens, 4 to generate) finishes first. When it does, which
 # request takes its place, and does it get B's blocks?
@@ -380,7 +380,7 @@ print("steps to serve all five: continuous", step, "| static batches of three", 
 
 # %%
 names = list(requests)
-colours = dict(zip(names, ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9"], strict=True))
+colours = dict(zip(names, PALETTE, strict=False))  # the course's sequence colours, one per request
 steps = range(len(history))
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
 base = [0] * len(history)
@@ -409,7 +409,7 @@ plt.show()
 # press **decode step** again and again: every sequence grows by one token, and a sequence takes a
 # block only on the step after its blocks fill up. Finish one to free its blocks at once, add a new
 # one into them, and decode until the pool runs out: the step is refused as a whole, with the number
-# of blocks it needed, and nothing changes (lesson 08 shows what a real engine does then).
+# of blocks it needed, and nothing changes (lesson 11 shows what a real engine does then).
 
 # %%
 AllocatorPlayground(num_blocks=16, block_size=4)
@@ -434,14 +434,14 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #   (`get_num_blocks_to_allocate`, `allocate_new_blocks`), so that a step's allocation is checked for
 #   all groups before any block is taken.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` asks the manager for each running
-#   request's slots; when there are too few, `_preempt_request` frees another request's blocks (lesson 08).
+#   request's slots; when there are too few, `_preempt_request` frees another request's blocks (lesson 11).
 #   A finished request's blocks go back at once (`_free_blocks`), and waiting requests are admitted
 #   into the same step: continuous batching.
 #
 # What the course leaves out or does differently: the course appends one token per decode step
 # (`append_tokens`, `append_block_to_sequence`); vLLM's one call covers any number of new tokens: a
 # prompt chunk, a decode token, the `num_lookahead_tokens` of speculative decoding. Its scheduler
-# decides how many by a token budget per step (lessons 06 and 09).
+# decides how many by a token budget per step (lesson 10).
 
 # %% [markdown]
 # ## Recap

@@ -1,4 +1,4 @@
-"""The command line: ``python -m paged_kv fragmentation | simulate | check-env`` (lessons 00 and 06).
+"""The command line: ``python -m paged_kv fragmentation | simulate | check-env`` (lessons 00 and 07).
 
 Bad arguments print one line on stderr and exit with status 2, never a traceback.
 """

@@ -5,9 +5,9 @@ The README's troubleshooting section and every lesson's set-up point to it.
 The minimum versions here are the ones ``pyproject.toml`` states (a test keeps them in step).
 Whether the Hugging Face Hub answers is reported for information only: the course runs offline
 (lesson 09 then serves a random-weight stand-in instead of real weights,
-:func:`paged_kv.model.hub.load_model`), so it never fails the check. Triton, lesson 10's kernel, is
+:func:`paged_kv.model.hub.load_model`), so it never fails the check. Triton, lesson 12's kernel, is
 a requirement on Linux and information elsewhere: it publishes Linux wheels only, so ``pyproject.toml``
-installs it on Linux alone, and lesson 10's kernel cells and the Triton tests skip without it.
+installs it on Linux alone, and lesson 12's kernel cells and the Triton tests skip without it.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def check_triton(platform_name: str = sys.platform) -> Check:
     check = check_package(*TRITON)
     if platform_name == "linux":
         return check
-    note = f"Linux wheels only: on {platform_name} lesson 10's kernel cells and the Triton tests skip"
+    note = f"Linux wheels only: on {platform_name} lesson 12's kernel cells and the Triton tests skip"
     return Check(check.name, check.found, check.ok, note, required=False)
 
 

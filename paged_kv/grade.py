@@ -22,29 +22,31 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from paged_kv.cli import USAGE_ERROR, _Parser
+from paged_kv.course_map import current_lesson, lesson_of_name, notebook_lesson
 from paged_kv.grading import PACKAGE, GradeReport, grade, lessons
 from paged_kv.grading.runner import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, STATUS_TEXT
 
 MARK = {"passed": "\N{CHECK MARK}"}
-METADATA_KEY = "paged_kv"  # where tools/build_course.py writes a notebook's lesson
 
 
 def lesson_of(source: str) -> str | None:
-    """The lesson of a notebook's metadata, else the number a file name starts with, else ``None``.
+    """The lesson of a notebook's metadata, else the one its file name says, else ``None``.
 
-    ``02_the_allocator.ipynb`` gives ``02``, and so does a copy of it under any name. A file that
-    cannot be read gives what its name says: grading it reports why it cannot be read.
+    ``02_the_allocator.ipynb`` gives ``02``, and so does a copy of it under any name. A notebook
+    built before the course was renumbered records its first-map number, which gives the lesson its
+    tasks belong to now (``06``, a concurrent workload, gives ``07``), and so does its old name
+    (:mod:`paged_kv.course_map`). A file that cannot be read gives what its name says: grading it
+    reports why it cannot be read.
     """
     path = Path(source)
     if path.suffix == ".ipynb":
         try:
-            lesson = json.loads(path.read_text(encoding="utf-8"))["metadata"][METADATA_KEY]["lesson"]
+            recorded = notebook_lesson(json.loads(path.read_text(encoding="utf-8"))["metadata"])
         except (OSError, ValueError, KeyError, TypeError):
-            lesson = None
-        if isinstance(lesson, str) and re.fullmatch(r"\d\d", lesson):
+            recorded = None
+        if recorded is not None and (lesson := current_lesson(*recorded)) is not None:
             return lesson
-    match = re.match(r"(\d\d)(?:_|\.|$)", path.name)
-    return match.group(1) if match else None
+    return lesson_of_name(path.name)
 
 
 def format_report(report: GradeReport) -> str:

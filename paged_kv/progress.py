@@ -1,4 +1,4 @@
-"""Progress bars for long runs (lessons 06, 08, 09): tqdm, imported only when a bar is asked for."""
+"""Progress bars for long runs (lessons 07, 09, 11): tqdm, imported only when a bar is asked for."""
 
 from __future__ import annotations
 

@@ -22,6 +22,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One CPU thread per test process. The tests' tensors are tiny, so a second thread only costs its
+# hand-offs, and `make test` already runs a pytest-xdist worker per core (-n 2 on two cores): two
+# threads in each worker made them wait on each other, the engine's property tests taking several
+# times longer on a busy machine. The results are the same (no tensor here is large enough for
+# torch to split a kernel between threads); tests/test_timing.py checks its own thread settings.
+torch.set_num_threads(1)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -33,7 +40,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     from paged_kv.checks import TASKS
+    from paged_kv.course_map import LESSONS
 
+    for lesson in LESSONS:
+        config.addinivalue_line("markers", f"lesson{lesson.number}: lesson {lesson.number}, {lesson.title}")
     for task_id in TASKS:
         config.addinivalue_line("markers", f"{task_marker(task_id)}: the graded task {task_id}")
 

@@ -1,5 +1,6 @@
-"""Helpers shared by the tests: building allocators, proving a failed call changed nothing, and
-skipping lesson 10's notebooks and tasks where triton cannot be imported."""
+"""Helpers shared by the tests: building allocators, proving a failed call changed nothing,
+skipping lesson 12's notebooks and tasks where triton cannot be imported, and the example count of
+the costliest property tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from hypothesis import settings
 
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.attention.triton_decode import triton_available
@@ -17,7 +19,7 @@ from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import EngineRequest
 
 NUM_HEADS, HEAD_DIM = 2, 4
-KERNEL_LESSONS = ("10",)  # lessons whose exercise is a Triton kernel
+KERNEL_LESSONS = ("12",)  # lessons whose exercise is a Triton kernel
 NO_TRITON = pytest.mark.skipif(
     not triton_available(), reason="triton is not installed (it publishes Linux wheels only)"
 )
@@ -31,6 +33,19 @@ def lesson_marks(lesson: str) -> list[pytest.MarkDecorator]:
 def by_lesson(paths, lesson_of=lambda path: path.name[:2]) -> list:
     """``paths`` (notebooks or files, each of lesson ``lesson_of(path)``) as parameters with its marks."""
     return [pytest.param(path, marks=lesson_marks(lesson_of(path))) for path in paths]
+
+
+def max_examples(dev: int) -> int:
+    """A test's own example count: ``dev`` under the dev profile, and as many times more under
+    another profile as that profile's ``max_examples`` is larger (five times under ci, 300 / 60).
+
+    For a property test whose every example is costly (it runs the model through the engine) and
+    whose space other tests also cover step by step (the scheduler's and the cache's state
+    machines): ``@settings(max_examples=max_examples(25))`` runs 25 examples in the edit-test
+    loop and 125 in CI.
+    """
+    scale = settings.default.max_examples / settings.get_profile("dev").max_examples
+    return max(1, round(dev * scale))
 
 
 def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.device = "cpu", **kw):
@@ -67,15 +82,23 @@ def kv_of(tokens, device="cpu"):
     A rolling hash of the prefix below 2**20, spread over heads and dims: every value is an exact
     float32 integer, and two positions share values only when their prefixes hash alike. Prefix
     caching is correct exactly when a block is shared by prompts with the same prefix up to it.
+
+    The state machines ask for the same sequences' K/V after every step, so the values are computed
+    once per tokens and device; each call returns new tensors, which the caller may change.
     """
+    k = _k_of(tuple(int(token) for token in tokens), str(device))
+    return k.clone(), -k
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_of(tokens: tuple[int, ...], device: str) -> torch.Tensor:
     rows, rolling = [], 0
     for token in tokens:
         rolling = (rolling * 1_000_003 + token + 1) % 1_048_573
         rows.append(rolling * 8)
     base = torch.tensor(rows, dtype=torch.float64).view(-1, 1, 1)
     offsets = torch.arange(NUM_HEADS * HEAD_DIM, dtype=torch.float64).view(1, NUM_HEADS, HEAD_DIM) + 1
-    k = (base + offsets).to(dtype=torch.float32, device=device)
-    return k, -k
+    return (base + offsets).to(dtype=torch.float32, device=device)
 
 
 @contextmanager

@@ -200,7 +200,7 @@ def test_engine_bench_rows_report_concurrency_against_the_target():
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
 
 
-@pytest.mark.lesson07
+@pytest.mark.lesson08
 def test_deque_free_list_takes_and_frees_like_block_allocator():
     package, baseline = BlockAllocator(8), bench_prefix_cache.DequeFreeList(8)
     for block_id in (3, 5, 0, 7):
@@ -217,7 +217,7 @@ def test_deque_free_list_takes_and_frees_like_block_allocator():
     assert all(25 <= b < 75 for b in middle)
 
 
-@pytest.mark.lesson07
+@pytest.mark.lesson08
 def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
     rows = bench_prefix_cache.run(**bench_prefix_cache.QUICK)
     flat = [row for row in rows if "(flat)" in row.target]
@@ -313,7 +313,7 @@ def test_hf_bench_quick_run_reports_speed_equality_and_bytes(tmp_path):
     assert "## bench_hf" in text and all(f"| {row.name} |" in text for row in rows)
 
 
-@pytest.mark.lesson10
+@pytest.mark.lesson12
 def test_triton_bench_case_has_lesson_10s_lengths_over_scattered_blocks():
     case = bench_triton.lesson_case(4, 4, 16, block_size=16, max_blocks=4, seed=3)
     lengths = case["context_lens"].tolist()
@@ -324,7 +324,7 @@ def test_triton_bench_case_has_lesson_10s_lengths_over_scattered_blocks():
         assert torch.equal(k, case["k"][b, :, :length].transpose(0, 1))
 
 
-@pytest.mark.lesson10
+@pytest.mark.lesson12
 def test_triton_bench_check_catches_a_wrong_strategy():
     case = bench_triton.lesson_case(2, 2, 8, block_size=4, max_blocks=2)
     bench_triton.check_close(case, "in_place", bench_triton.strategy(case, "gather"))
@@ -332,7 +332,7 @@ def test_triton_bench_check_catches_a_wrong_strategy():
         bench_triton.check_close(case, "gather", bench_triton.strategy(case, "gather").flip(0))
 
 
-@pytest.mark.lesson10
+@pytest.mark.lesson12
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (it publishes Linux wheels only)")
 def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(capsys):
     rows = bench_triton.run(**bench_triton.QUICK)

@@ -17,7 +17,7 @@ import bench_multiturn
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 
-pytestmark = pytest.mark.lesson07
+pytestmark = pytest.mark.lesson08
 
 CONFIG = GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64)
 

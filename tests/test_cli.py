@@ -172,7 +172,7 @@ def test_triton_is_information_off_linux_and_never_fails_the_report(monkeypatch,
     found = version or "not installed"
     assert (check.found, check.required) == (found, False)
     assert check.line() == (
-        f"triton       {found:<24} INFO  (Linux wheels only: on {platform_name} lesson 10's kernel "
+        f"triton       {found:<24} INFO  (Linux wheels only: on {platform_name} lesson 12's kernel "
         "cells and the Triton tests skip)"
     )
     python = env_check.check_python()
@@ -295,10 +295,10 @@ def test_version_tuple(text, expected):
     assert env_check.version_tuple(text) == expected
 
 
-# ------------------------------------------------------------------------ simulate (lesson 06)
+# ------------------------------------------------------------------------ simulate (lesson 07)
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson07
 def test_simulate_prints_the_comparison_table():
     result = run_cli("simulate")
     assert result.returncode == 0, result.stderr
@@ -318,7 +318,7 @@ def test_simulate_prints_the_comparison_table():
     assert result.stdout.endswith(format_table(compare_policies("sharegpt", 200, 32768, 0)) + "\n")
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson07
 def test_simulate_passes_every_argument_through(capsys):
     args = ["--workload", "alpaca", "--num-requests", "30", "--budget-tokens", "1024"]
     args += ["--block-size", "8", "--arrival-rate", "0.5", "--seed", "3"]
@@ -333,7 +333,7 @@ def test_simulate_passes_every_argument_through(capsys):
     assert "vLLM (blocks of 8)" in out
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson07
 def test_simulate_json_prints_the_shares_of_the_memory_for_each_policy():
     args = ["--workload", "alpaca", "--num-requests", "40", "--budget-tokens", "1024", "--seed", "2"]
     result = run_cli("simulate", "--json", *args)
@@ -359,7 +359,7 @@ def test_simulate_json_prints_the_shares_of_the_memory_for_each_policy():
     assert report["policies"][3]["memory_shares"]["internal_fragmentation"] == 0  # Orca (Oracle)
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson07
 def test_simulate_json_says_null_when_no_request_ever_waited(capsys):
     assert main(["simulate", "--json", "--num-requests", "1", "--budget-tokens", "4096"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -367,7 +367,7 @@ def test_simulate_json_says_null_when_no_request_ever_waited(capsys):
         assert policy["memory_shares"]["steps"] == 0 and policy["memory_shares"]["percent"] is None
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson07
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -1,4 +1,4 @@
-"""The contiguous allocator: first fit over one address space, holes that merge (lessons 00 and 06)."""
+"""The contiguous allocator: first fit over one address space, holes that merge (lessons 00 and 07)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from paged_kv.serving.request import SchedulerRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.contiguous import ContiguousAllocator, Extent, FirstFitMemory
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson07
 
 
 # ------------------------------------------------------------------------------- the allocator

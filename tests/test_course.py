@@ -10,7 +10,8 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 
 from paged_kv.checks import TASKS
-from tools import build_course
+from paged_kv.course_map import COURSE_MAP
+from tools import build_course, reading_time
 from tools.build_course import SourceError, exercise_and_solution, parse_percent, split_solutions
 
 from .helpers import by_lesson
@@ -30,10 +31,28 @@ def test_the_course_has_its_notebooks():
         assert sorted(p.stem for p in (ROOT / folder).glob("*.ipynb")) == stems, folder
 
 
-@pytest.mark.parametrize("path", EXERCISES + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_exercises_and_solutions_carry_their_lesson_in_their_metadata(path):
-    # paged_kv.grade reads it, so that a renamed copy of the notebook still grades as its lesson
-    assert nbformat.read(path, as_version=4).metadata["paged_kv"] == {"lesson": path.name[:2]}
+@pytest.mark.parametrize("path", LESSONS + EXERCISES + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_notebook_carries_its_lesson_and_the_courses_map_in_its_metadata(path):
+    # paged_kv.grade reads it, so that a renamed copy of the notebook still grades as its lesson, and
+    # make lab tells a notebook of this map from one made before the renumbering
+    expected = {"lesson": path.name[:2], "course_map": COURSE_MAP}
+    assert nbformat.read(path, as_version=4).metadata["paged_kv"] == expected
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_a_lesson_is_one_sitting_to_read(path):
+    reading = reading_time.reading(nbformat.read(path, as_version=4))
+    assert reading.minutes < reading_time.LIMIT_MINUTES, (reading.words, reading.code_lines)
+
+
+def test_the_lesson_plan_gives_each_lessons_reading_as_the_notebooks_have_it():
+    plan = (ROOT / "lessons" / "README.md").read_text()
+    for stem, reading in reading_time.lesson_readings().items():
+        row = next((line for line in plan.splitlines() if line.startswith(f"| {stem[:2]} |")), None)
+        assert row is not None, f"lessons/README.md has no row for lesson {stem[:2]}"
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert f"{reading.words:,}" in cells and str(reading.code_lines) in cells, (stem, cells)
+        assert f"{reading.minutes:.1f}" in cells, (stem, reading.minutes, cells)
 
 
 def test_committed_notebooks_match_their_sources():
@@ -150,7 +169,7 @@ def test_exercise_and_solution_carry_the_lesson_of_their_source(tmp_path):
         "# %%\ndef f():\n    ### BEGIN SOLUTION: return 1\n    return 1\n    ### END SOLUTION\n"
     )
     for notebook in exercise_and_solution(source):
-        assert notebook.metadata["paged_kv"] == {"lesson": "07"}
+        assert notebook.metadata["paged_kv"] == {"lesson": "07", "course_map": COURSE_MAP}
 
 
 def test_an_exercise_source_not_named_after_its_lesson_is_refused(tmp_path):

@@ -21,7 +21,7 @@ from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks, plot_metrics
 
-from .helpers import alone
+from .helpers import alone, max_examples
 
 pytestmark = pytest.mark.lesson09
 
@@ -300,7 +300,7 @@ def test_a_request_arriving_after_the_first_finished_reuses_its_freed_blocks(mod
     check_metrics(result, caches[0], [first, second])
 
 
-@pytest.mark.lesson08
+@pytest.mark.lesson11
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preemption_with_prefix_caching_keeps_the_text(
     model: TinyGPT, preemption: str, device: torch.device
@@ -352,8 +352,12 @@ def shared_prefix_workloads(draw) -> list[EngineRequest]:
     ]
 
 
-@pytest.mark.lesson08
+# As tests/test_engine.py's property test, of which this is the prefix-caching twin: a model run
+# per example, 125 per preemption under ci and 25 in the dev profile; the prefix cache's own space
+# is covered by the state machines of tests/test_prefix_cache.py and tests/test_stateful.py.
+@pytest.mark.lesson11
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@settings(max_examples=max_examples(25))
 @given(
     requests=shared_prefix_workloads(),
     block_size=st.sampled_from([1, 2, 4]),

@@ -1,4 +1,4 @@
-"""fork and copy-on-write, step by step in blocks of 4 (lesson 07).
+"""fork and copy-on-write, step by step in blocks of 4 (lesson 08).
 
 The running example follows vLLM's docs: a parent of 10 tokens holds blocks [0, 1, 2], the last
 one half full. A fork shares all three; the child's first new token lands in block 2, which is
@@ -15,7 +15,7 @@ from paged_kv import BlockTable, OutOfBlocksError, UnknownSequenceError
 
 from .helpers import fails_cleanly, kv_for, make_cache, unchanged
 
-pytestmark = pytest.mark.lesson07
+pytestmark = pytest.mark.lesson08
 
 
 def parent_of_ten(device, num_blocks: int = 8, **kw):

@@ -186,3 +186,81 @@ def test_git_ignores_the_working_copy_and_the_site():
         check=False,
     ).stdout.split()
     assert ignored == ["my_course/lessons/00_why_paging.ipynb", "site/index.html"]
+
+
+# ------------------------------------------------------------------ a copy made before the renumbering
+
+
+def notebook(path: Path, metadata: dict | None, body: str = "") -> Path:
+    """A minimal notebook file with ``metadata["paged_kv"]`` (none when ``metadata`` is None)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {} if metadata is None else {"paged_kv": metadata}
+    path.write_text(
+        json.dumps({"cells": [], "metadata": meta, "nbformat": 4, "nbformat_minor": 5, "b": body})
+    )
+    return path
+
+
+def first_map_copy(work: Path) -> Path:
+    """A working copy of the first map: lessons recorded nothing, exercises and solutions no map."""
+    notebook(work / "lessons" / "06_concurrent_workload.ipynb", None)
+    notebook(work / "lessons" / "05_paged_attention.ipynb", None)
+    notebook(work / "exercises" / "06_concurrent_workload.ipynb", {"lesson": "06"}, "my work")
+    notebook(work / "exercises" / "05_paged_attention.ipynb", {"lesson": "05"}, "my attention")
+    notebook(work / "exercises" / "mine.ipynb", {"lesson": "08"}, "renamed by me")
+    notebook(work / "solutions" / "10_writing_the_kernel.ipynb", {"lesson": "10"})
+    (work / "lessons" / "README.md").write_text("the first map's plan")
+    return work
+
+
+def test_a_first_map_copy_is_brought_to_this_map_and_nothing_is_lost(tmp_path):
+    work = first_map_copy(tmp_path / "work")
+    before = {p.read_bytes() for p in work.rglob("*") if p.is_file()}
+
+    moves = lab_setup.migrate_first_map(work)
+
+    moved = {m.source.relative_to(work).as_posix(): m.target.relative_to(work).as_posix() for m in moves}
+    assert moved == {
+        "exercises/06_concurrent_workload.ipynb": "exercises/07_concurrent_workload.ipynb",  # the work
+        "lessons/06_concurrent_workload.ipynb": "first_map/lessons/06_concurrent_workload.ipynb",
+        "lessons/05_paged_attention.ipynb": "first_map/lessons/05_paged_attention.ipynb",
+        "solutions/10_writing_the_kernel.ipynb": "first_map/solutions/10_writing_the_kernel.ipynb",
+        "lessons/README.md": "first_map/lessons/README.md",
+    }
+    # the same bytes, under their new names: the learner's own names and same-named exercises stay
+    assert {p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+    assert (work / "exercises" / "mine.ipynb").exists()
+    assert (work / "exercises" / "05_paged_attention.ipynb").exists()
+    assert lab_setup.migrate_first_map(work) == []  # a second run moves nothing
+
+
+def test_a_move_whose_target_exists_is_not_made(tmp_path):
+    work = first_map_copy(tmp_path / "work")
+    notebook(work / "exercises" / "07_concurrent_workload.ipynb", {"lesson": "07", "course_map": 2}, "new")
+
+    moves = lab_setup.migrate_first_map(work)
+
+    assert "exercises/06_concurrent_workload.ipynb" not in {
+        m.source.relative_to(work).as_posix() for m in moves
+    }
+    assert json.loads((work / "exercises" / "07_concurrent_workload.ipynb").read_text())["b"] == "new"
+    assert json.loads((work / "exercises" / "06_concurrent_workload.ipynb").read_text())["b"] == "my work"
+
+
+def test_a_copy_of_this_map_moves_nothing(tmp_path):
+    work = tmp_path / "work"
+    lab_setup.sync_working_copy(ROOT, work)
+    assert lab_setup.migrate_first_map(work) == []
+
+
+def test_make_lab_says_what_moved_in_a_first_map_copy(tmp_path, capsys):
+    work, settings = first_map_copy(tmp_path / "work"), tmp_path / "settings"
+    assert lab_setup.main(["--work", str(work), "--settings", str(settings)]) == 0
+    out = capsys.readouterr().out
+
+    assert "your copy predates the course's map of 13 lessons" in out
+    assert "exercises/06_concurrent_workload.ipynb -> exercises/07_concurrent_workload.ipynb" in out
+    assert "lesson 05 was split" in out and "nothing was deleted" in out
+    assert (work / "lessons" / "07_concurrent_workload.ipynb").read_bytes() == (
+        ROOT / "lessons" / "07_concurrent_workload.ipynb"
+    ).read_bytes()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
-from matplotlib.colors import to_rgba
+from matplotlib.colors import to_hex, to_rgba
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.pictures.plots import (
     MEMORY_SHARES,
+    PALETTE,
+    contrast_ratio,
     plot_block_tables,
     plot_free_list_steps,
     plot_held_and_reserved,
@@ -160,6 +162,39 @@ def test_padded_block_tables_hatch_the_padding_and_colour_the_highlighted_row():
             plot_padded_block_tables(*bad)
     with pytest.raises(ValueError, match="highlight must be a row index below 2, got 2"):
         plot_padded_block_tables([[1], [2]], ["a", "b"], highlight=2)
+
+
+def labels_on_sequence_colours(ax) -> list[tuple[str, str, str]]:
+    """Every text drawn inside a rectangle filled with a sequence colour: (text, its colour, the fill)."""
+    palette = {to_rgba(fill): fill for fill in PALETTE}
+    found = []
+    for text in ax.texts:
+        x, y = text.get_position()
+        under = [
+            palette[p.get_facecolor()]
+            for p in ax.patches
+            if isinstance(p, Rectangle)
+            and p.get_facecolor() in palette
+            and p.get_x() <= x <= p.get_x() + p.get_width()
+            and p.get_y() <= y <= p.get_y() + p.get_height()
+        ]
+        if text.get_text() and under:
+            found.append((text.get_text(), to_hex(text.get_color()), under[-1]))
+    return found
+
+
+def test_a_number_on_a_sequence_colour_is_black_or_white_whichever_reads_better():
+    cache = PagedKVCacheAllocator(8, 4, 1, 1)
+    cache.allocate_for_sequence("s", 30)  # eight logical blocks, eight colours
+    pictures = [
+        plot_positions_in_pool(cache.snapshot(), "s"),
+        plot_padded_block_tables([list(range(8)), [0, -1, -1, -1, -1, -1, -1, -1]], ["s", "t"]),
+    ]
+    for ax in pictures:
+        labels = labels_on_sequence_colours(ax)
+        assert {fill for _, _, fill in labels} == set(PALETTE)
+        faint = [label for label in labels if contrast_ratio(label[1], label[2]) < 4.5]
+        assert not faint, faint
 
 
 def test_weights_by_block_draw_one_bar_per_held_position_and_hatch_the_masked_slots():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from paged_kv import OutOfBlocksError
 from paged_kv.serving.preemption import choose_victims
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson11
 
 
 def test_a_step_that_fits_preempts_nobody():

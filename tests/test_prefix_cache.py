@@ -1,4 +1,4 @@
-"""Prefix caching: chained block hashes, reuse of cached blocks, LRU eviction, counters (lesson 07).
+"""Prefix caching: chained block hashes, reuse of cached blocks, LRU eviction, counters (lesson 08).
 
 The scenarios follow the style of vLLM's prefix-caching design document: a small block size, a
 few blocks, one request at a time, the free list and the cache checked after every step. Every
@@ -37,7 +37,7 @@ from paged_kv.core.prefix_cache import (
 
 from .helpers import HEAD_DIM, NUM_HEADS, kv_of, make_cache, unchanged
 
-pytestmark = pytest.mark.lesson07
+pytestmark = pytest.mark.lesson08
 
 BLOCK = 4  # the scenarios' block size
 

@@ -1,4 +1,4 @@
-"""The one scheduler (lessons 06, 08, 09): its steps, its memories, and the simulator and engine on it."""
+"""The one scheduler (lessons 07, 09, 11): its steps, its memories, and the simulator and engine on it."""
 
 from __future__ import annotations
 

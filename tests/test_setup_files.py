@@ -109,18 +109,19 @@ def free_port() -> int:
     reason="runs `make lab` only from the project's own .venv",
 )
 def test_make_lab_serves_jupyterlab_on_loopback(tmp_path):
+    """As a learner runs it: no --allow-root in LAB_ARGS, so as root (CI's containers) it is the
+    Makefile that lets JupyterLab start."""
     port = free_port()
-    flags = (
-        f"--no-browser --allow-root --ip=127.0.0.1 --port={port} "
-        "--IdentityProvider.token= --ServerApp.password="
-    )
-    lab = subprocess.Popen(  # in a working copy of its own, not the repository's my_course/
-        ["make", "--no-print-directory", "lab", f"WORK={tmp_path / 'my_course'}", f"LAB_ARGS={flags}"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    flags = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token= --ServerApp.password="
+    output = tmp_path / "make_lab.log"
+    with output.open("w") as log:  # the child keeps its own copy of the file
+        lab = subprocess.Popen(  # in a working copy of its own, not the repository's my_course/
+            ["make", "--no-print-directory", "lab", f"WORK={tmp_path / 'my_course'}", f"LAB_ARGS={flags}"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -139,6 +140,62 @@ def test_make_lab_serves_jupyterlab_on_loopback(tmp_path):
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(timeout=30)
+    assert (ROOT_NOTE in output.read_text().splitlines()) == (os.geteuid() == 0)
+
+
+ROOT_NOTE = "make lab: running as root (uid 0), so JupyterLab is started with --allow-root"
+
+
+@pytest.mark.skipif(shutil.which("make") is None or not hasattr(os, "geteuid"), reason="needs make and a uid")
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_make_lab_passes_allow_root_as_root_only_and_keeps_lab_args(tmp_path, uid):
+    """``make -n`` prints what ``make lab`` would run, here under an ``id`` that says ``uid``."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "id").write_text(f"#!/bin/sh\necho {uid}\n")
+    (fake / "id").chmod(0o755)
+    result = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "-n",
+            "lab",
+            f"WORK={tmp_path / 'w'}",
+            "LAB_ARGS=--port 8899 --no-browser",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (command,) = [line for line in result.stdout.splitlines() if "NeverCheckForUpdate" in line]
+    assert command.endswith("--port 8899 --no-browser"), "LAB_ARGS come last, untouched"
+    assert ("--allow-root" in command.split()) == (uid == 0)
+    assert (ROOT_NOTE in result.stdout) == (uid == 0)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("lesson", ["2", "13"])
+def test_make_test_lesson_refuses_a_lesson_not_in_the_course_map_with_its_usage(lesson):
+    result = subprocess.run(  # this interpreter's bin, and no stamp: nothing is installed
+        [
+            "make",
+            "--no-print-directory",
+            "test-lesson",
+            f"LESSON={lesson}",
+            "STAMP=",
+            f"BIN={Path(sys.executable).parent}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "usage: make test-lesson LESSON=NN, NN one of the lessons 00 01 02" in result.stderr
+    assert f"got LESSON={lesson!r}" in result.stderr
+    assert "pytest" not in result.stdout, "it ran tests for a lesson that is not in the map"
 
 
 def test_the_readme_example_runs_and_prints_what_it_shows():

@@ -1,4 +1,4 @@
-"""The four shares of the KV memory, as the vLLM paper's Figure 2 splits it (lessons 00 and 06)."""
+"""The four shares of the KV memory, as the vLLM paper's Figure 2 splits it (lessons 00 and 07)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from paged_kv.simulation.shares import PAPER_FIGURE_2, SHARES, MemoryShares, SlotUse, beside_the_paper
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson07
 
 
 def test_a_sequence_splits_into_tokens_reservation_and_internal_fragmentation():

@@ -1,4 +1,4 @@
-"""paged_kv.simulation.sharing: the shared-system-prompt workload, its ideal hits, serving it (lesson 07)."""
+"""paged_kv.simulation.sharing: the shared-system-prompt workload, its ideal hits, serving it (lesson 08)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from paged_kv.simulation.sharing import (
 )
 from paged_kv.simulation.workload import SHAREGPT, sample_requests
 
-pytestmark = pytest.mark.lesson07
+pytestmark = pytest.mark.lesson08
 
 
 # ------------------------------------------------------------------------------ the workload

@@ -52,8 +52,8 @@ pytestmark = [
     pytest.mark.lesson02,
     pytest.mark.lesson03,
     pytest.mark.lesson04,
-    pytest.mark.lesson07,
     pytest.mark.lesson08,
+    pytest.mark.lesson11,
 ]
 
 NUM_BLOCKS, BLOCK_SIZE = 12, 2

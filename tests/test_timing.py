@@ -73,20 +73,29 @@ def test_median_time_is_compare_times_for_one_callable(clock):
     assert median_time(costs, repeats=3, warmup=1) == 3.0  # samples 3, 2, 7
 
 
-def test_threads_are_fixed_while_timing_and_restored_after_even_on_an_error():
+@pytest.fixture
+def three_threads():
+    """Torch at three intra-op threads, a number nothing else sets (tests/conftest.py sets one), so
+    that fixing threads to 1 and restoring them both show."""
     saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(saved)
+
+
+def test_threads_are_fixed_while_timing_and_restored_after_even_on_an_error(three_threads):
     seen = []
     compare_times({"f": lambda: seen.append(torch.get_num_threads())}, repeats=1, warmup=0, threads=1)
-    assert seen == [1] and torch.get_num_threads() == saved
+    assert seen == [1] and torch.get_num_threads() == three_threads
 
     def boom():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         compare_times({"boom": boom}, threads=1)
-    assert torch.get_num_threads() == saved
+    assert torch.get_num_threads() == three_threads
     with torch_threads(None):
-        assert torch.get_num_threads() == saved
+        assert torch.get_num_threads() == three_threads
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,7 @@ from paged_kv.core.trace import EVENTS, TraceFrame
 
 from .helpers import fails_cleanly, kv_for, make_cache
 
-pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04, pytest.mark.lesson07]
+pytestmark = [pytest.mark.lesson02, pytest.mark.lesson04, pytest.mark.lesson08]
 
 
 def scripted() -> PagedKVCacheAllocator:

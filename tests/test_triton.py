@@ -1,4 +1,4 @@
-"""The Triton decode kernel equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 10).
+"""The Triton decode kernel equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 12).
 
 ``paged_attention(..., strategy="triton")`` against ``strategy="gather"`` (and, for tables that
 repeat a block, against SDPA over what each table lists): scattered, repeated and shared blocks,
@@ -27,7 +27,7 @@ from .test_attention import HEADS, TOLERANCES, head_layouts, random_query, scatt
 if not triton_available():
     pytest.skip("triton is not installed (it publishes Linux wheels only)", allow_module_level=True)
 
-pytestmark = [pytest.mark.lesson05, pytest.mark.lesson10]
+pytestmark = [pytest.mark.lesson05, pytest.mark.lesson12]
 
 
 # Where the tests that need no particular device run the kernel: the CPU when Triton interprets
@@ -286,3 +286,61 @@ def test_auto_never_picks_the_kernel(monkeypatch):
         cache = scattered_cache(lengths)
         query, tables = random_query(cache, len(lengths)), cache.block_tables_tensor(range(len(lengths)))
         paged_attention(query, cache.k_cache, cache.v_cache, tables, lengths)
+
+
+def _loads_seen() -> bool:
+    from paged_kv.checks.lesson12 import loads_seen
+    from paged_kv.device import default_device
+
+    return loads_seen(default_device())
+
+
+LOADS_SEEN = pytest.mark.skipif(
+    not _loads_seen(), reason="the loads of a kernel are recorded in Triton's interpreter, on the CPU, only"
+)
+
+
+@LOADS_SEEN
+def test_the_kernel_check_sees_every_table_entry_a_kernel_reads():
+    """Exercise 12's check records the loads of a launch (lesson12.table_reads): the package's kernel
+    reads exactly entries j < ceil(context_lens[b] / block_size) of each row b, a loop one block too
+    long the entry after them as well."""
+    from paged_kv.attention.triton_kernel import paged_decode_kernel
+    from paged_kv.checks.lesson12 import CASES, _case, launch, loads_seen, mistaken, table_reads
+
+    one_long = mistaken(("tl.cdiv(context_len, BLOCK_SIZE)", "tl.cdiv(context_len, BLOCK_SIZE) + 1"))
+    for seed, (_, lengths, block_size, num_kv_heads, group, layout) in enumerate(CASES):
+        inputs = _case(lengths, block_size, num_kv_heads, group, seed, layout)
+        assert loads_seen(inputs[0].device)
+        held = {(b, j) for b, n in enumerate(lengths) for j in range(-(-n // block_size))}
+        with table_reads(inputs[3]) as read:
+            launch(paged_decode_kernel, *inputs)
+        assert read == held
+        with table_reads(inputs[3]) as read:
+            launch(one_long, *inputs)
+        assert read == held | {(b, -(-n // block_size)) for b, n in enumerate(lengths)}
+
+
+@LOADS_SEEN
+def test_the_kernel_checks_cases_keep_reads_one_slot_off_inside_their_tensors():
+    """K and V one slot before or after their own, and a loop one block too long, load only memory of
+    the case's tensors: the guard blocks around the caches and the table's column of padding."""
+    from paged_kv.checks.lesson12 import CASES, _case, launch, loaded_addresses, mistaken
+
+    kernels = [
+        mistaken((f"slots[:, None] * {x}_stride_slot", f"(slots[:, None] {sign} 1) * {x}_stride_slot"))
+        for x in "kv"
+        for sign in "+-"
+    ]
+    kernels.append(mistaken(("tl.cdiv(context_len, BLOCK_SIZE)", "tl.cdiv(context_len, BLOCK_SIZE) + 1")))
+    for seed, (_, lengths, block_size, num_kv_heads, group, layout) in enumerate(CASES):
+        inputs = _case(lengths, block_size, num_kv_heads, group, seed, layout)
+        memory = [
+            (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+            for storage in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in inputs}.values()
+        ]
+        for kernel in kernels:
+            with loaded_addresses() as addresses:
+                launch(kernel, *inputs)
+            assert addresses
+            assert all(any(start <= a < end for start, end in memory) for a in addresses)

@@ -1,4 +1,4 @@
-"""BlockUsage: the pool's metrics, with shared blocks and their tokens counted once (lessons 02, 07)."""
+"""BlockUsage: the pool's metrics, with shared blocks and their tokens counted once (lessons 02, 08)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from paged_kv import BlockTable, BlockUsage
 from paged_kv.core.usage import block_tokens
 
-pytestmark = [pytest.mark.lesson02, pytest.mark.lesson07]
+pytestmark = [pytest.mark.lesson02, pytest.mark.lesson08]
 
 SEED_METRICS = {
     "used_blocks",

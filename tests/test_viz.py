@@ -7,15 +7,18 @@ forms check that the default image form holds exactly the same SVG, on a card of
 from __future__ import annotations
 
 import base64
+import itertools
+import math
 import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import AllocatorSnapshot, BlockTable, PagedKVCacheAllocator
-from paged_kv.pictures.plots import PALETTE
+from paged_kv.pictures.plots import MIN_PAGE_CONTRAST, PAGE_BACKGROUNDS, PALETTE, contrast_ratio
 from paged_kv.pictures.pool import (
     CARD_BORDER,
     CARD_INK,
@@ -377,6 +380,99 @@ def test_a_sequence_keeps_its_colour_from_its_id():
 def test_label_text_contrasts_with_its_fill():
     assert text_colour("#000000") == "#FFFFFF" and text_colour("#0072B2") == "#FFFFFF"
     assert text_colour("#F0E442") == "#000000" and text_colour("#E69F00") == "#000000"
+    labels = {fill: round(contrast(text_colour(fill), fill), 2) for fill in PALETTE}
+    assert min(labels.values()) >= 4.5, labels  # WCAG AA for text, on every sequence colour
+
+
+def test_every_sequence_colour_stands_out_on_every_page_light_or_dark():
+    # The widgets and the inline picture have no paper of their own: a block's fill sits on the
+    # page, white or near black. 3:1 is WCAG's minimum for graphics (1.4.11).
+    assert MIN_PAGE_CONTRAST == 3 and len(set(PALETTE)) == len(PALETTE) == 8
+    assert CARD_PAPER in PAGE_BACKGROUNDS.values()  # the image form's card is one of the pages
+    low = [
+        (fill, page, round(contrast(fill, background), 2))
+        for fill in PALETTE
+        for page, background in PAGE_BACKGROUNDS.items()
+        if contrast(fill, background) < MIN_PAGE_CONTRAST
+    ]
+    assert not low, low
+    assert all(0.165 <= luminance(fill) <= 0.28 for fill in PALETTE)  # the band the palette states
+    assert contrast_ratio("#0F70D6", "#212121") == pytest.approx(contrast("#0F70D6", "#212121"))
+
+
+def css_colour(css: str, variable: str) -> str:
+    """A theme variable's colour as ``#RRGGBB``: ``#111``, ``white`` or ``var(--md-grey-900,#212121)``."""
+    value = re.search(rf"{variable}:\s*([^;]+);", css).group(1).strip()
+    value = re.sub(r"^var\(--[\w-]+,\s*(.+)\)$", r"\1", value).strip()
+    value = {"white": "#FFFFFF", "black": "#000000"}.get(value, value)
+    if re.fullmatch(r"#[0-9a-fA-F]{3}", value):
+        value = "#" + "".join(c * 2 for c in value[1:])
+    return value.upper()
+
+
+def test_the_page_backgrounds_are_those_of_the_installed_jupyterlab_themes():
+    jupyterlab = pytest.importorskip("jupyterlab")
+    themes = Path(jupyterlab.__file__).parent / "themes" / "@jupyterlab"
+    dark = (themes / "theme-dark-extension" / "index.css").read_text()
+    light = (themes / "theme-light-extension" / "index.css").read_text()
+    seen = {
+        "dark 0": css_colour(dark, "--jp-layout-color0"),
+        "dark 1": css_colour(dark, "--jp-layout-color1"),
+        "light 0": css_colour(light, "--jp-layout-color0"),
+        "light 1": css_colour(light, "--jp-layout-color1"),
+    }
+    assert seen == {"dark 0": "#111111", "dark 1": "#212121", "light 0": "#FFFFFF", "light 1": "#FFFFFF"}
+    assert set(seen.values()) <= set(PAGE_BACKGROUNDS.values())
+
+
+# Simulated colour vision deficiency (Machado, Oliveira and Fernandes 2009, severity 1), applied to
+# linear RGB.
+CVD = {
+    "protanopia": (
+        (0.152286, 1.052583, -0.204868),
+        (0.114503, 0.786281, 0.099216),
+        (-0.003882, -0.048116, 1.051998),
+    ),
+    "deuteranopia": (
+        (0.367322, 0.860646, -0.227968),
+        (0.280085, 0.672501, 0.047413),
+        (-0.011820, 0.042940, 0.968881),
+    ),
+}
+
+
+def cielab(colour: str, deficiency: str | None = None) -> tuple[float, float, float]:
+    """CIE L*a*b* (D65) of ``#RRGGBB``, as a reader with ``deficiency`` sees it (roughly)."""
+
+    def linear(pair: str) -> float:
+        c = int(pair, 16) / 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    rgb = [linear(colour[i : i + 2]) for i in (1, 3, 5)]
+    if deficiency:
+        rgb = [
+            min(1.0, max(0.0, sum(m * c for m, c in zip(row, rgb, strict=True)))) for row in CVD[deficiency]
+        ]
+    r, g, b = rgb
+    xyz = (
+        (0.4124564 * r + 0.3575761 * g + 0.1804375 * b) / 0.95047,
+        0.2126729 * r + 0.7151522 * g + 0.0721750 * b,
+        (0.0193339 * r + 0.1191920 * g + 0.9503041 * b) / 1.08883,
+    )
+    fx, fy, fz = (t ** (1 / 3) if t > (6 / 29) ** 3 else t / (3 * (6 / 29) ** 2) + 4 / 29 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def test_the_sequence_colours_stay_apart_for_colour_blind_readers_too():
+    # CIE76 distances (2.3 is a just noticeable difference): the closest pair is blue and violet
+    # (25), and in the simulations blue and violet, then orange and olive (11, protanopia), and red
+    # and olive (11, deuteranopia). Okabe-Ito's closest were 26, 21 and 17.
+    for deficiency, minimum in ((None, 20), ("protanopia", 9), ("deuteranopia", 9)):
+        closest = min(
+            (math.dist(cielab(one, deficiency), cielab(two, deficiency)), one, two)
+            for one, two in itertools.combinations(PALETTE, 2)
+        )
+        assert closest[0] >= minimum, (deficiency, closest)
 
 
 def test_short_labels_keep_both_ends():

@@ -1,4 +1,4 @@
-"""The concurrent workload simulator: paged blocks against contiguous reservation (lesson 06)."""
+"""The concurrent workload simulator: paged blocks against contiguous reservation (lesson 07)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from paged_kv.simulation.workload import (
     simulate,
 )
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson07
 
 # ------------------------------------------------------------------------------------ the requests
 

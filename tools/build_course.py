@@ -14,8 +14,10 @@ A solution region in an exercise source is marked, inside a code cell, by
     ### END SOLUTION
 
 and the exercise gets, at the same indentation, ``raise NotImplementedError("a hint of what to do")``.
-Exercises and solutions are written without outputs, and carry their lesson in their metadata,
-``{"paged_kv": {"lesson": "NN"}}``, so that ``python -m paged_kv.grade`` grades a renamed copy.
+Exercises and solutions are written without outputs. Every notebook carries its lesson and the
+course's map in its metadata, ``{"paged_kv": {"lesson": "NN", "course_map": 2}}``
+(:mod:`paged_kv.course_map`), so that ``python -m paged_kv.grade`` grades a renamed copy and
+``make lab`` recognises a learner's copy made before the course was renumbered.
 
 Usage:
     python tools/build_course.py               build everything, executing the lessons
@@ -36,13 +38,14 @@ from pathlib import Path
 
 import nbformat
 
+from paged_kv.course_map import COURSE_MAP, LESSONS, METADATA_KEY
+
 ROOT = Path(__file__).resolve().parent.parent
 COURSE = ROOT / "course"
 CELL_MARKER = re.compile(r"^# %%(?P<markdown> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION(?::\s*(?P<hint>.*\S))?\s*$")
 END = re.compile(r"^\s*### END SOLUTION\s*$")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-METADATA_KEY = "paged_kv"  # notebook metadata: {"lesson": "NN"}, read by paged_kv.grade
 EXECUTION_TIMEOUT_S = 120
 
 
@@ -132,6 +135,20 @@ def new_notebook(cells: list[tuple[str, str, list[str]]]) -> nbformat.NotebookNo
     return notebook
 
 
+def lesson_number(source: Path) -> str:
+    """The two digits a source's name starts with: its lesson."""
+    lesson = re.match(r"(\d\d)_", source.name)
+    if lesson is None:
+        raise SourceError(f"{source.name}: a course source's name starts with its lesson, NN_")
+    return lesson.group(1)
+
+
+def recorded(notebook: nbformat.NotebookNode, source: Path) -> nbformat.NotebookNode:
+    """``notebook`` with its lesson and the course's map in its metadata."""
+    notebook.metadata[METADATA_KEY] = {"lesson": lesson_number(source), "course_map": COURSE_MAP}
+    return notebook
+
+
 def lesson_notebook(source: Path) -> nbformat.NotebookNode:
     cells = parse_percent(source.read_text(), source.name)
     for cell in cells:
@@ -139,7 +156,7 @@ def lesson_notebook(source: Path) -> nbformat.NotebookNode:
             raise SourceError(
                 f"{source.name}:{cell.line_number}: solution markers belong in exercise sources"
             )
-    return new_notebook([(c.kind, c.source, c.tags) for c in cells])
+    return recorded(new_notebook([(c.kind, c.source, c.tags) for c in cells]), source)
 
 
 def exercise_and_solution(source: Path) -> tuple[nbformat.NotebookNode, nbformat.NotebookNode]:
@@ -155,17 +172,15 @@ def exercise_and_solution(source: Path) -> tuple[nbformat.NotebookNode, nbformat
         solution.append((cell.kind, "\n".join(solution_lines), cell.tags))
     if exercise == solution:
         raise SourceError(f"{source.name}: an exercise needs at least one '### BEGIN SOLUTION' region")
-    lesson = re.match(r"(\d\d)_", source.name)
-    if lesson is None:
-        raise SourceError(f"{source.name}: an exercise source's name starts with its lesson, NN_")
-    notebooks = new_notebook(exercise), new_notebook(solution)
-    for notebook in notebooks:
-        notebook.metadata[METADATA_KEY] = {"lesson": lesson.group(1)}
-    return notebooks
+    return recorded(new_notebook(exercise), source), recorded(new_notebook(solution), source)
 
 
-def execute(notebook: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:
-    """Run every cell in a fresh kernel of this interpreter; a failing cell raises."""
+def execute(notebook: nbformat.NotebookNode, cwd: Path, record_timing: bool = False) -> nbformat.NotebookNode:
+    """Run every cell in a fresh kernel of this interpreter; a failing cell raises.
+
+    ``record_timing`` keeps nbclient's timestamps in each cell's metadata (``bench/notebook_times.py``
+    reads them); the course's notebooks are written without them.
+    """
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
@@ -180,7 +195,7 @@ def execute(notebook: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode
         notebook,
         km=manager,
         timeout=EXECUTION_TIMEOUT_S,
-        record_timing=False,
+        record_timing=record_timing,
         resources={"metadata": {"path": str(cwd)}},
     )
     client.execute()
@@ -196,6 +211,9 @@ def write(notebook: nbformat.NotebookNode, path: Path) -> None:
 
 def stems(only: list[str] | None) -> list[str]:
     found = sorted({p.name.split(".")[0] for p in COURSE.glob("*.py")})
+    unmapped = sorted(set(found) - {lesson.stem for lesson in LESSONS})
+    if unmapped:
+        raise SourceError(f"{', '.join(unmapped)}: not a lesson of paged_kv.course_map.LESSONS")
     if only:
         found = [s for s in found if s.split("_")[0] in only or s in only]
         if not found:
@@ -230,9 +248,11 @@ def check(only: list[str] | None = None) -> list[str]:
             if not path.exists():
                 problems.append(f"lessons/{stem}.ipynb is missing")
                 continue
-            committed = nbformat.read(path, as_version=4)
-            if sources_of(committed) != sources_of(lesson_notebook(lesson_source)):
+            committed, built = nbformat.read(path, as_version=4), lesson_notebook(lesson_source)
+            if sources_of(committed) != sources_of(built):
                 problems.append(f"lessons/{stem}.ipynb differs from course/{lesson_source.name}")
+            if committed.metadata.get(METADATA_KEY) != built.metadata[METADATA_KEY]:
+                problems.append(f"lessons/{stem}.ipynb records another lesson or map than its source")
             unrun = [c for c in committed.cells if c.cell_type == "code" and c.execution_count is None]
             if unrun:
                 problems.append(f"lessons/{stem}.ipynb has {len(unrun)} code cells that were never executed")

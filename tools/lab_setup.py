@@ -8,7 +8,9 @@ Two things:
   copy of the course, ``my_course/`` (``lessons/``, ``exercises/``, ``solutions/``). A file is
   copied only when the copy lacks it: the learner's work is never overwritten, and a notebook that
   a later ``git pull`` brings is added. Deleting a file of the copy and running ``make lab`` again
-  starts that lesson over.
+  starts that lesson over. A copy made before the course was renumbered (December 2026,
+  :mod:`paged_kv.course_map`) is brought to the new map first, and the learner is told what moved
+  (:func:`migrate_first_map`).
 * **JupyterLab's settings.** The news pop-up ("Would you like to receive official Jupyter news?")
   and the update check are switched off in the environment's ``overrides.json`` (the defaults of
   every user of this ``.venv``; a user's own settings still win).
@@ -23,7 +25,10 @@ import argparse
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from paged_kv.course_map import FIRST_MAP, FIRST_MAP_NOTES, LESSONS, METADATA_KEY, current_lesson, lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORK = ROOT / "my_course"
@@ -32,6 +37,33 @@ COPIED = ("*.ipynb", "*.md")  # the notebooks, and the lesson plan lessons/READM
 # JupyterLab's notification plugin: no news pop-up, no update check.
 NOTIFICATION_PLUGIN = "@jupyterlab/apputils-extension:notification"
 LAB_OVERRIDES = {NOTIFICATION_PLUGIN: {"fetchNews": "false", "checkForUpdates": False}}
+# Where a working copy's notebooks of the first map go, as they were, when it is brought to this one.
+FIRST_MAP_FOLDER = "first_map"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One file of the working copy moved by :func:`migrate_first_map`, and why."""
+
+    source: Path
+    target: Path
+    why: str
+
+
+def check_working_copy(source: Path, work: Path) -> list[Path]:
+    """The course folders of ``source``; raises unless ``work`` can be a working copy of them.
+
+    Raises:
+        ValueError: ``source`` has none of the course folders, or ``work`` is ``source`` or one
+            of its course folders (the copy would be the committed notebooks themselves).
+    """
+    source, work = Path(source).resolve(), Path(work).resolve()
+    folders = [source / name for name in COURSE_FOLDERS if (source / name).is_dir()]
+    if not folders:
+        raise ValueError(f"source: {source} has none of the course folders {', '.join(COURSE_FOLDERS)}")
+    if work == source or any(work == folder or work.is_relative_to(folder) for folder in folders):
+        raise ValueError(f"work: {work} would be the course itself; choose a folder of its own")
+    return folders
 
 
 def sync_working_copy(source: Path, work: Path) -> list[Path]:
@@ -46,11 +78,7 @@ def sync_working_copy(source: Path, work: Path) -> list[Path]:
             of its course folders (the copy would be the committed notebooks themselves).
     """
     source, work = Path(source).resolve(), Path(work).resolve()
-    folders = [source / name for name in COURSE_FOLDERS if (source / name).is_dir()]
-    if not folders:
-        raise ValueError(f"source: {source} has none of the course folders {', '.join(COURSE_FOLDERS)}")
-    if work == source or any(work == folder or work.is_relative_to(folder) for folder in folders):
-        raise ValueError(f"work: {work} would be the course itself; choose a folder of its own")
+    folders = check_working_copy(source, work)
     copied = []
     for folder in folders:
         for pattern in COPIED:
@@ -62,6 +90,82 @@ def sync_working_copy(source: Path, work: Path) -> list[Path]:
                 shutil.copy2(path, target)
                 copied.append(target)
     return copied
+
+
+def _first_map_lesson(path: Path) -> str | None:
+    """The first-map lesson of a working copy's notebook, or ``None`` when it is not of the first map.
+
+    Every notebook the course builds now records ``{"lesson": ..., "course_map": 2}``. The first map's
+    exercises and solutions recorded a lesson without a map, and its lessons recorded nothing, so a
+    lesson notebook is of the first map when it records nothing and bears a first-map name.
+    """
+    try:
+        metadata = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    entry = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+    first_map_names = {stem: number for number, (stem, _) in FIRST_MAP.items()}
+    if isinstance(entry, dict):
+        if "course_map" in entry or entry.get("lesson") not in FIRST_MAP:
+            return None
+        return entry["lesson"]
+    if entry is None and path.parent.name == "lessons":
+        return first_map_names.get(path.stem)
+    return None
+
+
+def migrate_first_map(work: Path) -> list[Move]:
+    """Bring a working copy made before the course was renumbered to this map; return what moved.
+
+    * An exercise of the first map is the learner's work: when it bears its lesson's first-map name
+      and its lesson's name now differs (``06_concurrent_workload`` is ``07_concurrent_workload``), it
+      is renamed to the new name, unchanged; the grader reads its first-map metadata and grades it
+      as the lesson its tasks belong to now. Under any other name it stays where it is.
+    * A lesson or a solution of the first map is course material: it moves, unchanged, to
+      ``work/first_map/<folder>/``, and :func:`sync_working_copy` then copies the new notebooks in.
+      When any notebook was of the first map, so is ``lessons/README.md``, the plan it follows.
+
+    Invariants: nothing is deleted or overwritten (a move whose target exists is not made), and a
+    copy already on this map moves nothing.
+    """
+    work = Path(work)
+    moves: list[Move] = []
+    for folder in COURSE_FOLDERS:
+        for path in sorted((work / folder).glob("*.ipynb")):
+            old = _first_map_lesson(path)
+            if old is None:
+                continue
+            now = lesson(current_lesson(old, None))
+            if folder == "exercises":
+                if path.stem != FIRST_MAP[old][0] or path.stem == now.stem:
+                    continue
+                target = path.with_name(f"{now.stem}.ipynb")
+                why = f"your work on lesson {now.number}, {now.title.lower()}, as you left it"
+            else:
+                target = work / FIRST_MAP_FOLDER / folder / path.name
+                why = f"first-map lesson {old}, kept as it was; lesson {now.number} replaces it"
+            if not target.exists():
+                moves.append(Move(path, target, why))
+    plan = work / "lessons" / "README.md"
+    kept = work / FIRST_MAP_FOLDER / "lessons" / "README.md"
+    if moves and plan.exists() and not kept.exists():
+        moves.append(Move(plan, kept, "the first map's plan"))
+    for move in moves:
+        move.target.parent.mkdir(parents=True, exist_ok=True)
+        move.source.rename(move.target)
+    return moves
+
+
+def first_map_report(moves: list[Move], work: Path) -> list[str]:
+    """What :func:`migrate_first_map` did, in words, for the learner."""
+    lines = [
+        f"lab_setup: your copy predates the course's map of {len(LESSONS)} lessons; it now follows it:",
+        *(f"  {note}" for note in FIRST_MAP_NOTES),
+    ]
+    for move in moves:
+        lines.append(f"  {move.source.relative_to(work)} -> {move.target.relative_to(work)} ({move.why})")
+    lines.append("  the notebooks of the new map are copied in beside your work; nothing was deleted")
+    return lines
 
 
 def lab_settings_dir() -> Path:
@@ -103,12 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", type=Path, help="where overrides.json goes (the environment's)")
     args = parser.parse_args(argv)
     try:
+        check_working_copy(ROOT, args.work)
+        moved = migrate_first_map(args.work)
         copied = sync_working_copy(ROOT, args.work)
         overrides = write_lab_overrides(args.settings or lab_settings_dir())
     except (ValueError, OSError) as error:
         print(f"lab_setup: {error}", file=sys.stderr)
         return 1
     where = args.work.resolve()
+    if moved:
+        print("\n".join(first_map_report(moved, where)))
     if copied:
         print(f"lab_setup: copied {len(copied)} course files into {where} (your work lives there)")
     else:

@@ -1,4 +1,4 @@
-"""Attention over the paged cache (decode, prefill): gather, in place, FlexAttention, Triton (lessons 05, 10).
+"""Attention over the paged cache (decode, prefill): gather, in place, FlexAttention, Triton (lessons 05, 12).
 
 The package's face: ``from paged_kv.attention import paged_attention`` works; each name lives in
 :mod:`paged_kv.attention.paged` (patch it there).

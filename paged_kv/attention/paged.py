@@ -6,7 +6,7 @@ at offset ``p % block_size`` of block ``block_tables[b, p // block_size]``. This
 reference implementation the course builds in lesson 05: it gathers every sequence's blocks with
 advanced indexing, then runs ordinary attention with the positions past ``context_len`` masked out.
 A fast kernel such as vLLM's computes the same thing while reading the blocks in place, without the
-gathered copy; :mod:`paged_kv.attention.triton_decode` is such a kernel, in Triton (lesson 10).
+gathered copy; :mod:`paged_kv.attention.triton_decode` is such a kernel, in Triton (lesson 12).
 
 The two halves are public for one sequence as well: :func:`gather_kv` reads a sequence's K and V
 through its block table into contiguous tensors, and :func:`decode_attention` is the attention of

@@ -1,7 +1,7 @@
-"""Paged decode attention as a Triton kernel that does the address translation itself (lessons 05, 10).
+"""Paged decode attention as a Triton kernel that does the address translation itself (lessons 05, 12).
 
 Lesson 05 computes paged attention with PyTorch operations: gather the blocks, or read them in place
-with batched products. Lesson 10 writes the kernel a real engine runs instead: it is handed the
+with batched products. Lesson 12 writes the kernel a real engine runs instead: it is handed the
 whole cache and the block tables, and each program finds its sequence's tokens itself, lesson 03's
 translation done in pointer arithmetic (token ``p`` is offset ``p % block_size`` of block
 ``block_tables[b, p // block_size]``), and combines the blocks with lesson 05's online softmax.
@@ -97,7 +97,7 @@ def triton_decode(
     Returns ``(batch, num_heads, head_dim)`` in the query's dtype, computed in float32.
 
     ``kernel`` is the plain function to launch, made a kernel by ``triton.jit`` on first use: by
-    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 10's exercise
+    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 12's exercise
     passes the learner's, which takes the same arguments.
 
     Raises:

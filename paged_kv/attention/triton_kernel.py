@@ -1,4 +1,4 @@
-"""The paged decode kernel in Triton's language (lesson 10); importing this module imports triton, through
+"""The paged decode kernel in Triton's language (lesson 12); importing this module imports triton, through
 :mod:`paged_kv.attention.triton_language` (its interpreter where there is no GPU, unless triton came first).
 
 :func:`paged_decode_kernel` is a plain function written in Triton's language, not yet a kernel:

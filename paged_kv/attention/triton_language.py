@@ -1,6 +1,6 @@
-"""Triton's language, ``tl``, in a mode this machine can run, for lesson 10's kernels and their checks.
+"""Triton's language, ``tl``, in a mode this machine can run, for lesson 12's kernels and their checks.
 
-``from paged_kv.attention.triton_language import tl`` is how lesson 10, its exercise and its grader
+``from paged_kv.attention.triton_language import tl`` is how lesson 12, its exercise and its grader
 import Triton. Triton fixes its mode, compiler or interpreter, when it is first imported, from
 ``TRITON_INTERPRET``; so this module first sets ``TRITON_INTERPRET=1`` where there is no CUDA
 device and triton is not imported yet (the kernel then runs in Triton's interpreter, on CPU tensors,
@@ -40,7 +40,7 @@ try:
     import triton.language as tl
 except ImportError:
     MISSING = (
-        "triton is not installed here: it publishes Linux wheels only, so lesson 10's kernels cannot run"
+        "triton is not installed here: it publishes Linux wheels only, so lesson 12's kernels cannot run"
     )
     tl = _NoTriton()
 

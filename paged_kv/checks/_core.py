@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paged_kv.course_map import current_task_id
+
 PASS, FAIL = "\N{CHECK MARK}", "\N{BALLOT X}"
 Hint = str | Callable[[], str]
 """A hint, or a function that derives it from the learner's code; it is only called on a failure."""
@@ -437,6 +439,7 @@ def check(task_id: str, *objects: object) -> None:
         KeyError: ``task_id`` names no task.
     """
     __tracebackhide__ = True
+    task_id = current_task_id(task_id, TASKS)  # a check cell of an exercise built before the renumbering
     if task_id not in TASKS:
         raise KeyError(f"no task {task_id!r}; the tasks are {', '.join(sorted(TASKS))}")
     current = TASKS[task_id]

@@ -1,543 +1,641 @@
-"""Checks of exercise 08: admission with a watermark, victims and their requeueing, swapping K/V out and in.
+"""Checks of exercise 08: fork, copy-on-write, and the lookup of a cached prefix by chained block hash.
 
-The admission rule is checked on examples at the boundary, then against the engine's rule,
-:func:`paged_kv.serving.memory.admits`, on a grid of cases one block on either side of it. The victims are
-checked on small cases that each isolate one mistake, then against
-:func:`paged_kv.serving.preemption.choose_victims` on random cases. The swap round trip runs on a
-:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` on the default device whose pool starts full of stale
-random K/V and whose freed blocks are overwritten before the sequence comes back, so a copy that is
-not a copy, a block that is not written, or a token lost on the way gives a visibly wrong answer.
-When an answer is wrong, the check looks for the classic mistakes and names the one it finds.
+Tasks 1 and 2 work on the exercise's ``SharedCache`` (a ``BlockAllocator``, block tables and K/V
+pools on :func:`~paged_kv.device.default_device`), whose every block starts full of distinct values,
+so a K/V copy that is missing, or made the wrong way round, shows. Task 2 shares blocks by hand
+(a copied table and ``add_ref``), not with the learner's ``fork``, so each task is graded on its own;
+it ends with a seeded run of forks, appends and frees compared step by step with
+:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`. Task 3 compares the hashes with
+:func:`~paged_kv.core.prefix_cache.chain_hashes`, and the lookup with the blocks the package's prefix cache
+reuses for the same prompts.
 """
 
 from __future__ import annotations
 
-import math
 import random
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
-from paged_kv.checks._core import Checker, answers, diagnose, task
-from paged_kv.checks.lesson03 import kv_mixup
+from paged_kv.checks._core import Checker, task
+from paged_kv.core.block import BlockTable
+from paged_kv.core.prefix_cache import ROOT_HASH, block_hash, chain_hashes, full_blocks
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
-from paged_kv.serving.memory import admits, watermark_blocks
-from paged_kv.serving.preemption import choose_victims as package_victims
+
+NUM_HEADS, HEAD_DIM, BLOCK = 2, 4, 4
+
+State = tuple[dict[Hashable, tuple[list[int], int]], tuple[int, ...], tuple[int, ...]]
+
+
+def _new_cache(c: Checker, cache_class, num_blocks: int):
+    """A ``SharedCache`` of ``num_blocks`` blocks of 4 on the default device, every K/V value distinct."""
+    call = f"cache = SharedCache({num_blocks}, {BLOCK}, {NUM_HEADS}, {HEAD_DIM}, device)"
+    device = default_device()
+    cache = c.run(call, lambda: cache_class(num_blocks, BLOCK, NUM_HEADS, HEAD_DIM, device=device))
+    shape = (num_blocks, NUM_HEADS, BLOCK, HEAD_DIM)
+    values = torch.arange(1, num_blocks * NUM_HEADS * BLOCK * HEAD_DIM + 1, dtype=torch.float32)
+    cache.k_cache.copy_(values.view(shape))
+    cache.v_cache.copy_(-values.view(shape))
+    return cache
+
+
+def _state(cache, num_blocks: int) -> State:
+    """The bookkeeping: each table as (block ids, tokens), the ref counts, the free list."""
+    tables = {seq: (list(t.block_ids), t.num_tokens) for seq, t in cache.tables.items()}
+    refs = tuple(cache.allocator.ref_count(b) for b in range(num_blocks))
+    return tables, refs, tuple(cache.allocator.free_block_ids)
+
+
+def _refs(cache, num_blocks: int) -> list[int]:
+    return [cache.allocator.ref_count(b) for b in range(num_blocks)]
+
+
+def _fails_cleanly(
+    c: Checker, cache, num_blocks: int, call: str, thunk: Callable[[], object], error: type, hint: str
+) -> None:
+    """``thunk()`` raises ``error`` and changes no table, ref count, free list entry or K/V value."""
+    before = _state(cache, num_blocks)
+    k, v = cache.k_cache.clone(), cache.v_cache.clone()
+    c.raises(call, thunk, error, hint)
+    after = _state(cache, num_blocks)
+    c.holds(
+        f"the tables, ref counts and free list after {call}",
+        after == before,
+        f"unchanged: {before}",
+        after,
+        hint,
+    )
+    c.holds(
+        f"cache.k_cache and cache.v_cache after {call}",
+        torch.equal(cache.k_cache, k) and torch.equal(cache.v_cache, v),
+        "unchanged",
+        "changed",
+        hint,
+    )
+
 
 # ------------------------------------------------------------------------------- Task 1
 
-RULE = (
-    "admit when prompt_blocks + (num_running + 1) + ceil(watermark * num_blocks) <= num_free_blocks: the "
-    "prompt's blocks, one block of headroom per running sequence (the new one included) and the watermark"
+COPY_TABLE_HINT = (
+    "give the child a copy of the parent's table (table.copy(), or BlockTable(list(ids), n)): the same "
+    "BlockTable object in both entries would make the child's next token grow the parent's table too"
+)
+ADD_REF_HINT = (
+    "add one reference to each of the parent's blocks (cache.allocator.add_ref): a block's ref count is "
+    "the number of tables that hold it, and without it the first of the two to finish frees blocks the "
+    "other still reads"
+)
+NO_BLOCK_HINT = (
+    "fork takes no block and moves no K/V: the child shares the parent's blocks, and a block is copied "
+    "only later, when a token is written into it (task 2)"
 )
 
 
-def _rounds_down(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + int(watermark * num_blocks) <= free
-
-
-def _of_free(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + math.ceil(watermark * free) <= free
-
-
-def _no_own_headroom(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + watermark_blocks(watermark, num_blocks) <= free
-
-
-def _no_watermark(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 <= free
-
-
-def _strict(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + watermark_blocks(watermark, num_blocks) < free
-
-
-ADMISSION_MISTAKES: list[tuple[Callable[..., bool], str]] = [
-    (
-        _rounds_down,
-        "the watermark is rounded down: 1 % of 50 blocks is half a block, and int() keeps none free. Round "
-        "up, math.ceil(watermark * num_blocks), so that any watermark above 0 keeps at least one block",
-    ),
-    (
-        _of_free,
-        "the watermark is a fraction of all the blocks, num_blocks, not of the blocks free now: "
-        "ceil(watermark * num_blocks)",
-    ),
-    (
-        _no_own_headroom,
-        "the new sequence has no headroom of its own: it decodes in the next step too, so the headroom "
-        "is num_running + 1 blocks",
-    ),
-    (_no_watermark, "the watermark is ignored: keep ceil(watermark * num_blocks) blocks free besides"),
-    (_strict, "exactly enough free blocks is enough: compare with <=, not <"),
-]
-
-# (num_free_blocks, prompt_blocks, num_running, num_blocks, watermark) on both sides of the rule
-BOUNDARY = [
-    (6, 3, 2, 40, 0.0, True),
-    (5, 3, 2, 40, 0.0, False),
-    (4, 3, 0, 40, 0.0, True),
-    (3, 3, 0, 40, 0.0, False),
-    (10, 3, 2, 40, 0.1, True),
-    (9, 3, 2, 40, 0.1, False),
-    (6, 3, 1, 50, 0.01, True),
-    (5, 3, 1, 50, 0.01, False),
-    (20, 4, 5, 100, 0.1, True),
-    (19, 4, 5, 100, 0.1, False),
-    (10, 1, 0, 16, 0.5, True),
-    (9, 1, 0, 16, 0.5, False),
-]
-GRID_BLOCKS = (12, 40, 50, 100)
-GRID_WATERMARKS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5)
-
-
-def _reference(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return admits(free, blocks, running, watermark_blocks(watermark, num_blocks))
-
-
-def _grid() -> list[tuple[int, int, int, int, float]]:
-    """Cases one block short of the rule, exactly at it and one block over."""
-    cases = []
-    for num_blocks in GRID_BLOCKS:
-        for watermark in GRID_WATERMARKS:
-            for blocks in (1, 3):
-                for running in (0, 2, 5):
-                    needed = blocks + running + 1 + watermark_blocks(watermark, num_blocks)
-                    cases += [
-                        (free, blocks, running, num_blocks, watermark)
-                        for free in range(needed - 1, needed + 2)
-                    ]
-    return [case for case in cases if 0 <= case[0] <= case[3]]
-
-
-def _admission_hint(admit: Callable[..., object]) -> str:
-    """The classic mistake that ``admit`` makes on the grid, else the rule."""
-    return diagnose(admit, ADMISSION_MISTAKES, answers(_grid()), RULE)
-
-
-@task("08.admit_with_watermark", "admission with a watermark", needs=("admit_with_watermark",))
-def _admit_with_watermark(c: Checker, admit) -> None:
-    hint = _admission_hint(admit)
-    for free, blocks, running, num_blocks, watermark, expected in BOUNDARY:
-        kept = watermark_blocks(watermark, num_blocks)
-        needs = f"{blocks} + {running + 1} of headroom + {kept} kept free"
+@task("08.fork", "fork a sequence: share every block", needs=("SharedCache", "fork"))
+def _fork(c: Checker, cache_class, fork) -> None:
+    cache = _new_cache(c, cache_class, 8)
+    c.equal('cache.allocate_for_sequence("A", 10)', lambda: cache.allocate_for_sequence("A", 10), [0, 1, 2])
+    k, v = cache.k_cache.clone(), cache.v_cache.clone()
+    c.equal(
+        'fork(cache, "A", "B")',
+        lambda: fork(cache, "A", "B"),
+        [0, 1, 2],
+        "return the child's block ids, which are the parent's, [0, 1, 2]: " + NO_BLOCK_HINT,
+    )
+    c.equal(
+        'cache.tables["B"].block_ids',
+        lambda: list(cache.tables["B"].block_ids),
+        [0, 1, 2],
+        "the child's table holds the parent's block ids, in the same order",
+    )
+    c.equal(
+        'cache.tables["B"].num_tokens',
+        lambda: cache.tables["B"].num_tokens,
+        10,
+        "the child holds the parent's tokens: copy num_tokens too",
+    )
+    c.holds(
+        'cache.tables["B"] is not cache.tables["A"]',
+        cache.tables["B"] is not cache.tables["A"]
+        and cache.tables["B"].block_ids is not cache.tables["A"].block_ids,
+        "two BlockTable objects with two block_ids lists",
+        "the child's table (or its block_ids list) is the parent's own object",
+        COPY_TABLE_HINT,
+    )
+    c.equal(
+        "[cache.allocator.ref_count(b) for b in range(8)]",
+        lambda: _refs(cache, 8),
+        [2, 2, 2, 0, 0, 0, 0, 0],
+        ADD_REF_HINT,
+    )
+    c.equal(
+        "cache.allocator.free_block_ids",
+        lambda: tuple(cache.allocator.free_block_ids),
+        (3, 4, 5, 6, 7),
+        NO_BLOCK_HINT,
+    )
+    c.holds(
+        "cache.k_cache and cache.v_cache after the fork",
+        torch.equal(cache.k_cache, k) and torch.equal(cache.v_cache, v),
+        "unchanged",
+        "changed",
+        NO_BLOCK_HINT,
+    )
+    returned = c.run('ids = fork(cache, "B", "C")', lambda: fork(cache, "B", "C"))
+    c.holds(
+        "type(ids)",
+        isinstance(returned, list),
+        "list",
+        type(returned).__name__,
+        "return the child's block ids as a new list",
+    )
+    returned.append(99)
+    c.equal(
+        'cache.tables["C"].block_ids after ids.append(99)',
+        lambda: list(cache.tables["C"].block_ids),
+        [0, 1, 2],
+        "return a new list (list(table.block_ids)): the caller may change it, the table must not change",
+    )
+    c.equal(
+        "[cache.allocator.ref_count(b) for b in range(8)]  # after a fork of the fork",
+        lambda: _refs(cache, 8),
+        [3, 3, 3, 0, 0, 0, 0, 0],
+        "a fork of a fork shares the same blocks once more: " + ADD_REF_HINT,
+    )
+    for seq, expected in (("A", []), ("B", []), ("C", [0, 1, 2])):
         c.equal(
-            f"admit_with_watermark({free}, {blocks}, {running}, {num_blocks}, {watermark})  # needs {needs}",
-            lambda args=(free, blocks, running, num_blocks, watermark): bool(admit(*args)),
+            f'cache.free_sequence("{seq}")',
+            lambda seq=seq: cache.free_sequence(seq),
             expected,
-            hint,
+            "a shared block goes back to the free list only when its last holder frees it: " + ADD_REF_HINT,
         )
-    result = c.run("admit_with_watermark(6, 3, 2, 40, 0.0)", lambda: admit(6, 3, 2, 40, 0.0))
-    c.holds(
-        "type(admit_with_watermark(6, 3, 2, 40, 0.0))",
-        type(result) is bool,
-        "bool",
-        type(result).__name__,
-        "return the comparison itself, True or False",
+
+    cache = _new_cache(c, cache_class, 8)
+    c.run('cache.allocate_for_sequence("A", 10)', lambda: cache.allocate_for_sequence("A", 10))
+    c.run('cache.allocate_for_sequence("B", 3)', lambda: cache.allocate_for_sequence("B", 3))
+    _fails_cleanly(
+        c,
+        cache,
+        8,
+        'fork(cache, "ghost", "X")',
+        lambda: fork(cache, "ghost", "X"),
+        KeyError,
+        "the parent must exist: cache.tables[parent_id] raises KeyError for an unknown id",
     )
-    grid = _grid()
-    call = f"admit_with_watermark(...) on {len(grid)} cases one block either side of the rule"
-    wrong = c.run(
-        call, lambda: next((case for case in grid if bool(admit(*case)) != _reference(*case)), None)
-    )
-    if wrong is not None:
-        c.equal(f"admit_with_watermark{wrong}", lambda: bool(admit(*wrong)), _reference(*wrong), hint)
-    c.holds(
-        call,
-        wrong is None,
-        "the answers of paged_kv.serving.memory.admits with the watermark kept free",
-        wrong,
-    )
+    for parent, child in (("A", "B"), ("A", "A")):
+        _fails_cleanly(
+            c,
+            cache,
+            8,
+            f'fork(cache, "{parent}", "{child}")',
+            lambda parent=parent, child=child: fork(cache, parent, child),
+            ValueError,
+            f'"{child}" is already allocated: raise ValueError before you add any reference (forking '
+            "into a live id would overwrite its table and leak its blocks)",
+        )
+    c.equal('cache.allocate_for_sequence("E", 0)', lambda: cache.allocate_for_sequence("E", 0), [])
+    c.equal('fork(cache, "E", "F")', lambda: fork(cache, "E", "F"), [], "an empty parent shares no block")
+    c.equal('cache.tables["F"].num_tokens', lambda: cache.tables["F"].num_tokens, 0)
 
 
 # ------------------------------------------------------------------------------- Task 2
 
-VICTIMS_RULE = (
-    "take sequences from the end of running (the newest) until the others fit: each victim's blocks "
-    "become free, and it no longer needs a block itself"
+BOUNDARY_HINT = (
+    "a sequence of n tokens takes a fresh block for its next token exactly when its blocks are full, "
+    "n == len(block_ids) * block_size (lesson 04); otherwise the token lands in block_ids[n // block_size]"
 )
-NEVER_OLDEST = (
-    "never preempt the oldest sequence: with nothing running, nothing would ever finish. When only the "
-    "oldest is left and it still does not fit, raise OutOfBlocksError(needed, free)"
+COPY_ONE_HINT = (
+    "copy only the block the new token lands in, when it is shared (ref count above 1): full blocks "
+    "take no new token, so they stay shared"
+)
+REPLACE_HINT = (
+    "the copy takes the shared block's place in the writer's table; the other holders keep the shared "
+    "block, so their tables do not change"
+)
+DROP_REF_HINT = (
+    "the writer no longer holds the shared block: drop one reference to it (cache.allocator.free), or "
+    "its ref count stays 2 for ever and the block is never freed (a leak)"
+)
+DATA_HINT = (
+    "copy the shared block's K and V into the new block (cache.k_cache[new] = cache.k_cache[old], and "
+    "the same for v_cache): a fresh block holds stale data, and the writer would lose its prefix"
+)
+DIRECTION_HINT = (
+    "copy from the shared block into the new one, not the other way round: the shared block's K/V "
+    "must stay as they are for its other holders"
+)
+IN_PLACE_HINT = (
+    "a block with one holder is the writer's own: write in place and take nothing (after B's copy, "
+    "block 2 is A's alone)"
 )
 
 
-def _victims(running: list, free: int, *, newest_first=True, frees=True, need_leaves=True) -> list:
-    """The rule, or a classic mistake (a keyword set to False); raises when the oldest alone does not fit."""
-    order = running[::-1] if newest_first else running
-    needed = sum(needs for _, _, needs in running)
-    victims = []
-    while needed > free:
-        if len(victims) == len(running) - 1:
-            raise OutOfBlocksError(needed, free)
-        seq_id, blocks, needs = order[len(victims)]
-        victims.append(seq_id)
-        free += blocks if frees else 0
-        needed -= needs if need_leaves else 0
-    return victims
+def _share(c: Checker, cache, parent: str, child: str) -> None:
+    """``child`` shares every block of ``parent``, set up by hand: a copied table and one more reference."""
+
+    def share() -> None:
+        table = cache.tables[parent]
+        cache.tables[child] = BlockTable(list(table.block_ids), table.num_tokens)
+        for block_id in table.block_ids:
+            cache.allocator.add_ref(block_id)
+
+    c.run(f"share {parent}'s blocks with {child} by hand (a copied table and add_ref)", share)
 
 
-VICTIM_MISTAKES: list[tuple[Callable[[list, int], list], str]] = [
-    (
-        lambda running, free: _victims(running, free, newest_first=False),
-        "you preempted the oldest sequences first: preempt the newest first (the end of running), so that "
-        "the requests that came first keep their place (first come, first served)",
-    ),
-    (
-        lambda running, free: _victims(running, free)[::-1],
-        "the right victims in the wrong order: list them newest first, the order they are preempted in",
-    ),
-    (
-        lambda running, free: _victims(running, free, frees=False),
-        "a victim's blocks become free: add its blocks to the free count, and the sequences left may fit",
-    ),
-    (
-        lambda running, free: _victims(running, free, need_leaves=False),
-        "a victim does not decode in this step: take its needs_block out of the blocks the step needs",
-    ),
-]
-
-# (running, num_free_blocks, expected victims): each case tells one mistake from the rule
-VICTIM_CASES = [
-    ([("a", 3, True), ("b", 2, True)], 2, []),
-    ([("a", 3, False), ("b", 2, False)], 0, []),
-    ([("a", 3, True), ("b", 2, True), ("c", 2, True)], 1, ["c"]),
-    ([("a", 4, True), ("b", 1, True), ("c", 1, True), ("d", 1, True)], 0, ["d", "c"]),
-    ([("a", 4, True), ("b", 2, False)], 0, ["b"]),
-    ([("a", 4, True), ("b", 1, True), ("c", 0, True)], 2, ["c"]),
-    ([("a", 1, True), ("b", 3, True), ("c", 2, True), ("d", 2, False)], 1, ["d"]),
-]
-
-
-def _random_cases(count: int, seed: int) -> list[tuple[list, int]]:
-    """Random cases where the oldest alone fits, so that every answer is a list."""
-    rng = random.Random(seed)
-    cases = []
-    while len(cases) < count:
-        running = [(f"s{i}", rng.randint(0, 5), rng.random() < 0.6) for i in range(rng.randint(1, 8))]
-        free = rng.randint(0, 4)
-        try:
-            package_victims(running, free)
-        except OutOfBlocksError:
-            continue
-        cases.append((running, free))
-    return cases
-
-
-def _outcome(choose: Callable[..., object], running: list, free: int) -> object:
-    try:
-        return choose(list(running), free)
-    except Exception as error:  # the learner's bug, or a mistake that raises: compared by type
-        return type(error)
-
-
-def _victims_hint(choose: Callable[..., object]) -> str:
-    """The classic mistake that ``choose`` makes on the examples and random cases, else the rule."""
-    cases = [(running, free) for running, free, _ in VICTIM_CASES] + _random_cases(100, 81)
-    answers = [_outcome(choose, *case) for case in cases]
-    for mistake, hint in VICTIM_MISTAKES:
-        if answers == [_outcome(mistake, *case) for case in cases]:
-            return hint
-    return VICTIMS_RULE
-
-
-REQUEUED_AT_THE_BACK = (
-    "the victims went to the back of the queue: they arrived before every request still waiting, so they "
-    "go to the front (first come, first served)"
+@task(
+    "08.copy_on_write", "append a token, copying a shared block first", needs=("SharedCache", "append_token")
 )
-REQUEUE_MISTAKES: list[tuple[Callable[[deque, list], None], str]] = [
-    (lambda waiting, victims: waiting.extend(victims), REQUEUED_AT_THE_BACK),
-    (lambda waiting, victims: waiting.extend(victims[::-1]), REQUEUED_AT_THE_BACK),
-    (
-        lambda waiting, victims: waiting.extendleft(victims[::-1]),
-        "the victims are at the front but the newest first: the oldest victim was admitted first, so it "
-        "comes first (appendleft each victim in the order given, or waiting.extendleft(victims))",
-    ),
-]
-REQUEUE_RULE = (
-    "put the victims at the front of waiting, in place, the oldest victim first: appendleft each victim in "
-    "the order given (newest first), or waiting.extendleft(victims)"
-)
-REQUEUE_CASES = [(["w1", "w2"], ["c", "b"]), ([], ["b"]), (["w1"], []), (["w1"], ["d", "c", "b"])]
+def _copy_on_write(c: Checker, cache_class, append_token) -> None:
+    cache = _new_cache(c, cache_class, 8)
+    c.run('cache.allocate_for_sequence("S", 5)', lambda: cache.allocate_for_sequence("S", 5))
+    c.equal(
+        '[append_token(cache, "S") for _ in range(4)]  # S holds 5 tokens in [0, 1]',
+        lambda: [append_token(cache, "S") for _ in range(4)],
+        [None, None, None, 2],
+        "tokens 6, 7 and 8 fit in block 1 (return None), token 9 takes a fresh block, 2. " + BOUNDARY_HINT,
+    )
+    c.equal(
+        'cache.tables["S"].num_tokens', lambda: cache.tables["S"].num_tokens, 9, "each call adds one token"
+    )
 
-
-def _requeue_hint(got: list, waiting: list, victims: list) -> str:
-    for mistake, hint in REQUEUE_MISTAKES:
-        queue = deque(waiting)
-        mistake(queue, list(victims))
-        if got == list(queue):
-            return hint
-    if got == waiting:
-        return "change waiting itself, in place (the engine keeps that deque); return nothing"
-    return REQUEUE_RULE
-
-
-@task("08.choose_victims", "who is preempted, and where they wait", needs=("choose_victims", "requeue"))
-def _choose_victims(c: Checker, choose_victims, requeue) -> None:
-    hint = _victims_hint(choose_victims)
-    for running, free, expected in VICTIM_CASES:
-        c.equal(
-            f"choose_victims({running}, {free})",
-            lambda running=running, free=free: choose_victims(list(running), free),
-            expected,
-            hint,
-        )
-    running = [("a", 2, True), ("b", 1, True), ("c", 1, True)]
-    given = list(running)
-    c.run(f"choose_victims({given}, 0)", lambda: choose_victims(given, 0))
+    cache = _new_cache(c, cache_class, 8)
+    c.run('cache.allocate_for_sequence("A", 10)', lambda: cache.allocate_for_sequence("A", 10))
+    _share(c, cache, "A", "B")
+    k, v = cache.k_cache.clone(), cache.v_cache.clone()
+    c.equal(
+        'append_token(cache, "B")  # A and B share [0, 1, 2], 10 tokens',
+        lambda: append_token(cache, "B"),
+        3,
+        "B's 11th token lands in block 2, which A also holds: copy it into a fresh block (3, the head of "
+        "the free list) and return the copy's id; " + COPY_ONE_HINT,
+    )
+    c.equal(
+        'cache.tables["B"].block_ids', lambda: list(cache.tables["B"].block_ids), [0, 1, 3], COPY_ONE_HINT
+    )
+    c.equal('cache.tables["A"].block_ids', lambda: list(cache.tables["A"].block_ids), [0, 1, 2], REPLACE_HINT)
+    c.equal(
+        '(cache.tables["A"].num_tokens, cache.tables["B"].num_tokens)',
+        lambda: (cache.tables["A"].num_tokens, cache.tables["B"].num_tokens),
+        (10, 11),
+        "only the sequence that appends grows",
+    )
+    c.equal(
+        "[cache.allocator.ref_count(b) for b in range(8)]",
+        lambda: _refs(cache, 8),
+        [2, 2, 1, 1, 0, 0, 0, 0],
+        DROP_REF_HINT,
+    )
     c.holds(
-        f"running after choose_victims({running}, 0)",
-        given == running,
-        repr(running),
-        repr(given),
-        "leave running as it is (the engine still holds it): take victims by index, or from a copy",
+        "cache.k_cache[2] and cache.v_cache[2] after the copy",
+        torch.equal(cache.k_cache[2], k[2]) and torch.equal(cache.v_cache[2], v[2]),
+        "unchanged: A's K/V",
+        "changed",
+        DIRECTION_HINT,
     )
-    for running in ([("a", 5, True), ("b", 0, False)], [("a", 5, True)]):
-        c.raises(
-            f"choose_victims({running}, 0)  # even 'a' alone does not fit",
-            lambda running=running: choose_victims(list(running), 0),
-            OutOfBlocksError,
-            NEVER_OLDEST,
-        )
-    cases = _random_cases(300, 80)
-    call = "choose_victims(running, free) on 300 random cases"
-    wrong = c.run(
-        call,
-        lambda: next(
-            (case for case in cases if _outcome(choose_victims, *case) != package_victims(*case)), None
-        ),
+    c.holds(
+        "cache.k_cache[3] and cache.v_cache[3] after the copy",
+        torch.equal(cache.k_cache[3], k[2]) and torch.equal(cache.v_cache[3], v[2]),
+        "block 2's K and V",
+        "something else",
+        DATA_HINT,
     )
-    if wrong is not None:
-        running, free = wrong
-        c.equal(
-            f"choose_victims({running}, {free})",
-            lambda: choose_victims(list(running), free),
-            package_victims(running, free),
-            hint,
-        )
-    c.holds(call, wrong is None, "paged_kv.serving.preemption.choose_victims's answers", wrong)
+    others = [0, 1, 4, 5, 6, 7]
+    c.holds(
+        "the K/V of blocks 0, 1, 4, 5, 6 and 7 after the copy",
+        torch.equal(cache.k_cache[others], k[others]) and torch.equal(cache.v_cache[others], v[others]),
+        "unchanged",
+        "changed",
+        "copy one block: the shared block the token lands in, into the new block",
+    )
+    c.equal('append_token(cache, "A")', lambda: append_token(cache, "A"), None, IN_PLACE_HINT)
+    c.equal(
+        'cache.tables["A"].block_ids', lambda: list(cache.tables["A"].block_ids), [0, 1, 2], IN_PLACE_HINT
+    )
+    c.equal(
+        "[cache.allocator.ref_count(b) for b in range(8)]",
+        lambda: _refs(cache, 8),
+        [2, 2, 1, 1, 0, 0, 0, 0],
+        IN_PLACE_HINT,
+    )
 
-    for waiting, victims in REQUEUE_CASES:
-        queue = deque(waiting)
-        call = f"requeue(waiting, {victims})  # waiting = deque({waiting}); victims newest first"
-        c.run(call, lambda queue=queue, victims=victims: requeue(queue, list(victims)))
-        expected, got = victims[::-1] + waiting, list(queue)
+    cache = _new_cache(c, cache_class, 8)
+    c.run('cache.allocate_for_sequence("P", 8)', lambda: cache.allocate_for_sequence("P", 8))
+    _share(c, cache, "P", "Q")
+    k, v = cache.k_cache.clone(), cache.v_cache.clone()
+    full_hint = (
+        "Q's 9th token starts a third block: take a fresh one at the boundary (2) and copy nothing. "
+        + COPY_ONE_HINT
+    )
+    c.equal(
+        'append_token(cache, "Q")  # P and Q share [0, 1], two full blocks',
+        lambda: append_token(cache, "Q"),
+        2,
+        full_hint,
+    )
+    c.equal('cache.tables["Q"].block_ids', lambda: list(cache.tables["Q"].block_ids), [0, 1, 2], full_hint)
+    c.equal(
+        "[cache.allocator.ref_count(b) for b in range(8)]",
+        lambda: _refs(cache, 8),
+        [2, 2, 1, 0, 0, 0, 0, 0],
+        full_hint,
+    )
+    c.holds(
+        "cache.k_cache and cache.v_cache after Q's 9th token",
+        torch.equal(cache.k_cache, k) and torch.equal(cache.v_cache, v),
+        "unchanged",
+        "changed",
+        full_hint,
+    )
+
+    cache = _new_cache(c, cache_class, 3)
+    c.run('cache.allocate_for_sequence("A", 10)', lambda: cache.allocate_for_sequence("A", 10))
+    _share(c, cache, "A", "B")
+    out_hint = (
+        "the copy needs a free block and none is free: raise OutOfBlocksError before changing anything "
+        "(no reference dropped, no table changed, no token counted)"
+    )
+    _fails_cleanly(
+        c,
+        cache,
+        3,
+        'append_token(cache, "B")  # no block free',
+        lambda: append_token(cache, "B"),
+        OutOfBlocksError,
+        out_hint,
+    )
+    cache = _new_cache(c, cache_class, 3)
+    c.run('cache.allocate_for_sequence("A", 12)', lambda: cache.allocate_for_sequence("A", 12))
+    _fails_cleanly(
+        c,
+        cache,
+        3,
+        'append_token(cache, "A")  # 3 full blocks, no block free',
+        lambda: append_token(cache, "A"),
+        OutOfBlocksError,
+        "token 13 needs a fresh block and none is free: raise OutOfBlocksError, change nothing",
+    )
+    _fails_cleanly(
+        c,
+        cache,
+        3,
+        'append_token(cache, "ghost")',
+        lambda: append_token(cache, "ghost"),
+        KeyError,
+        "an unknown sequence: cache.tables[seq_id] raises KeyError",
+    )
+
+    _against_the_package(c, cache_class, append_token)
+
+
+def _against_the_package(c: Checker, cache_class, append_token) -> None:
+    """Seeded forks, appends and frees on the learner's cache and on the package's, compared step by step."""
+    rng = random.Random(7)
+    cache = _new_cache(c, cache_class, 24)
+    twin = PagedKVCacheAllocator(24, BLOCK, NUM_HEADS, HEAD_DIM, device=default_device())
+    twin.k_cache.copy_(cache.k_cache)
+    twin.v_cache.copy_(cache.v_cache)
+    calls = ["cache.allocate_for_sequence(0, 6)"]
+    c.run(calls[-1], lambda: cache.allocate_for_sequence(0, 6))
+    twin.allocate_for_sequence(0, 6)
+    next_id = 1
+    for _ in range(60):
+        live = list(twin.seq_ids)
+        roll = rng.random()
+        if roll < 0.15 and len(live) < 5:
+            parent = rng.choice(live)
+            calls.append(f"fork {parent} into {next_id} by hand")
+            _share(c, cache, parent, next_id)
+            twin.fork(parent, next_id)
+            next_id += 1
+        elif roll < 0.22 and len(live) > 1:
+            seq = rng.choice(live)
+            calls.append(f"cache.free_sequence({seq})")
+            c.run(calls[-1], lambda seq=seq: cache.free_sequence(seq))
+            twin.free_sequence(seq)
+        else:
+            seq = rng.choice(live)
+            if twin.needs_new_block(seq) and not twin.num_free_blocks:
+                continue
+            calls.append(f"append_token(cache, {seq})")
+            taken = twin.append_tokens(seq, 1)
+            expected = taken[0] if taken else None
+            c.equal(
+                "; ".join(calls[-4:]),
+                lambda seq=seq: append_token(cache, seq),
+                expected,
+                "the package's append_tokens took " + (f"block {expected}" if taken else "no block"),
+            )
+        tables = {seq: (twin.get_block_mapping(seq), twin.sequence_length(seq)) for seq in twin.seq_ids}
+        refs = tuple(twin.ref_count(b) for b in range(24))
+        got = _state(cache, 24)
         c.holds(
-            f"waiting after {call}",
-            got == expected,
-            f"deque({expected})",
-            f"deque({got})",
-            _requeue_hint(got, waiting, victims),
+            f"the tables, ref counts and free list after {len(calls)} calls (the last: {calls[-1]})",
+            got == (tables, refs, twin.snapshot().free_block_ids),
+            str((tables, refs, twin.snapshot().free_block_ids)),
+            got,
+            "a seeded run of forks, appends and frees must leave your cache as the package's: "
+            + COPY_ONE_HINT,
         )
+        for seq in twin.seq_ids:
+            expected_k, expected_v = twin.read_kv(seq)
+            got_k, got_v = _read(cache, seq)
+            c.holds(
+                f"the K/V of sequence {seq} after {len(calls)} calls (the last: {calls[-1]})",
+                torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v),
+                "the package's",
+                "different K/V",
+                DATA_HINT,
+            )
+
+
+def _read(cache, seq: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V a sequence's table reads from the learner's pools, as ``(tokens, heads, head_dim)``."""
+    table = cache.tables[seq]
+    index = torch.tensor(table.block_ids, dtype=torch.long, device=cache.k_cache.device)
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        blocks = pool[index].transpose(1, 2)  # (blocks, block_size, heads, head_dim)
+        return blocks.reshape(-1, NUM_HEADS, HEAD_DIM)[: table.num_tokens]
+
+    return gather(cache.k_cache), gather(cache.v_cache)
 
 
 # ------------------------------------------------------------------------------- Task 3
 
-HEADS, DIM = 2, 8
-HOST = (
-    "swap_out returns the sequence's K and V in host memory: read_kv gathers them from its blocks, then "
-    "put them on the CPU (.cpu()) and free the sequence"
+FULL_ONLY_HINT = (
+    "hash full blocks only: a partly full last block is still being written and is not shared while "
+    "it fills, so "
+    "[1, 2, 3] in blocks of 4 has no hash"
 )
-KV_ORDER = "K and V are swapped: return (k, v), and write k to k_cache and v to v_cache"
-WRITE_BACK = (
-    "write the saved K and V into the new blocks: allocator.write_kv(seq_id, k.to(allocator.device), "
-    "v.to(allocator.device))"
+CHAIN_HINT = (
+    "chain the hashes: h_0 = block_hash(ROOT_HASH, tokens of block 0), h_i = block_hash(h_{i-1}, "
+    "tokens of block i); hashing a block without its parent gives two equal blocks after different "
+    "prefixes the same hash, though their K/V differ"
 )
-ALL_OR_NOTHING = (
-    "a call that raises changes nothing: let allocate_for_sequence (all or nothing) take every block the "
-    "sequence needs before anything is written, or check the free blocks first"
+TUPLE_HINT = "hash each block's tokens as a tuple: block_hash(parent_hash, tuple(block_tokens))"
+LAST_TOKEN_HINT = (
+    "at most len(token_ids) - 1 tokens come from the cache: the model must still compute the last "
+    "prompt token to sample the first new one, so a prompt of exactly 3 cached full blocks reuses 2 "
+    "(at most (len(token_ids) - 1) // block_size blocks)"
+)
+FIRST_MISS_HINT = (
+    "the first miss ends the run: a block's K/V depend on every block before it, so a cached block is "
+    "only useful after its whole prefix"
+)
+VERIFY_HINT = (
+    "compare the stored token ids with the prompt's block: a hash is only a hint, and two different "
+    "blocks can hash alike; trusting the hash alone would share another prompt's K/V"
 )
 
 
-def _stale(allocator: PagedKVCacheAllocator, generator: torch.Generator) -> None:
-    """Fill the whole pool with random K/V, as if old sequences had used every block."""
-    for pool in (allocator.k_cache, allocator.v_cache):
-        pool.copy_(torch.randn(pool.shape, generator=generator))
-
-
-def _kv(num_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    k, v = (torch.randn(num_tokens, HEADS, DIM, generator=generator) for _ in range(2))
-    return k.to(default_device()), v.to(default_device())
-
-
-def _pool(num_blocks: int, sequences: list[tuple[str, int]], generator: torch.Generator) -> tuple:
-    """A pool of stale blocks of 4 holding ``(seq_id, tokens)`` sequences with random K/V; their K/V by id."""
-    allocator = PagedKVCacheAllocator(num_blocks, 4, HEADS, DIM, device=default_device())
-    _stale(allocator, generator)
-    kv = {}
-    for seq_id, tokens in sequences:
-        allocator.allocate_for_sequence(seq_id, tokens)
-        kv[seq_id] = _kv(tokens, generator)
-        allocator.write_kv(seq_id, *kv[seq_id])
-    return allocator, kv
-
-
-def _state(allocator: PagedKVCacheAllocator) -> str:
-    held = "; ".join(
-        f"{s!r} holds {allocator.sequence_length(s)} tokens in blocks {allocator.get_block_mapping(s)}"
-        for s in allocator.seq_ids
-    )
-    return f"{held or 'no sequence'}; {allocator.num_free_blocks} blocks free"
-
-
-def _kv_hint(got: tuple, k: torch.Tensor, v: torch.Tensor, otherwise: str) -> str:
-    got_k, got_v = (t.to(k.device) for t in got)
-    if torch.equal(got_k, v) and torch.equal(got_v, k):
-        return KV_ORDER
-    mixup = kv_mixup(got_k, got_v, k, v)
-    if mixup:
-        return mixup
-    if got_k.shape[0] == k.shape[0] - 1 and torch.equal(got_k, k[:-1]):
-        return "the last token is missing: a sequence of n tokens holds positions 0 to n - 1, all of them"
-    return otherwise
-
-
-def _fails_cleanly(
-    c: Checker, call: str, allocator: PagedKVCacheAllocator, thunk, error: type, hint: str
-) -> None:
-    """``thunk`` raises ``error`` and leaves the allocator, K/V included, exactly as it was."""
-    before, state = allocator.snapshot(), _state(allocator)
-    k_before, v_before = allocator.k_cache.clone(), allocator.v_cache.clone()
-    c.raises(call, thunk, error, hint)
-    c.holds(
-        f"the allocator after {call}",
-        allocator.snapshot() == before
-        and torch.equal(allocator.k_cache, k_before)
-        and torch.equal(allocator.v_cache, v_before),
-        f"unchanged: {state}",
-        _state(allocator),
-        ALL_OR_NOTHING,
-    )
-
-
-def _round_trip(c: Checker, swap_out, swap_in, num_tokens: int, seed: int) -> None:
-    """Swap 'a' out next to 'b', let another sequence write over every free block, swap 'a' back in."""
-    generator = torch.Generator().manual_seed(seed)
-    allocator, kv = _pool(12, [("a", num_tokens), ("b", 9)], generator)
-    (k, v), old_blocks = kv["a"], allocator.get_block_mapping("a")
-    free_before = allocator.num_free_blocks
-    call = f"saved = swap_out(allocator, 'a')  # {_state(allocator)}, blocks of 4"
-    saved = c.run(call, lambda: swap_out(allocator, "a"), HOST)
-    c.holds(
-        call,
-        isinstance(saved, tuple) and len(saved) == 2 and all(isinstance(t, torch.Tensor) for t in saved),
-        "a tuple (k, v) of two tensors",
-        repr(saved) if not isinstance(saved, tuple) else f"a tuple of {len(saved)}",
-        "return the K and V that read_kv gives, as a tuple (k, v)",
-    )
-    c.holds(
-        "[t.shape for t in saved]",
-        saved[0].shape == k.shape and saved[1].shape == v.shape,
-        f"two of {tuple(k.shape)}: (tokens, num_heads, head_dim)",
-        f"{tuple(saved[0].shape)} and {tuple(saved[1].shape)}",
-        _kv_hint(saved, k, v, "save every token the sequence holds, as read_kv returns them"),
-    )
-    c.holds(
-        "[t.device.type for t in saved]",
-        all(t.device.type == "cpu" for t in saved),
-        "['cpu', 'cpu']: host memory",
-        [t.device.type for t in saved],
-        HOST,
-    )
-    c.holds(
-        "saved",
-        torch.equal(saved[0], k.cpu()) and torch.equal(saved[1], v.cpu()),
-        "(k, v): the K and V 'a' held",
-        "other tensors",
-        _kv_hint(saved, k, v, HOST),
-    )
-    c.holds(
-        "('a' in allocator, allocator.num_free_blocks)  # after swap_out",
-        "a" not in allocator and allocator.num_free_blocks == free_before + len(old_blocks),
-        (False, free_before + len(old_blocks)),
-        ("a" in allocator, allocator.num_free_blocks),
-        "after copying, free the sequence (allocator.free_sequence): its blocks serve others meanwhile",
-    )
-
-    # Another sequence takes every free block, the ones 'a' left included, and writes over them.
-    filler = allocator.num_free_blocks * allocator.block_size
-    allocator.allocate_for_sequence("c", filler)
-    allocator.write_kv("c", *_kv(filler, generator))
-    c.holds(
-        f"saved  # after another sequence wrote over every free block, {old_blocks} included",
-        torch.equal(saved[0], k.cpu()) and torch.equal(saved[1], v.cpu()),
-        "unchanged: the K and V 'a' held",
-        "changed",
-        "the saved tensors share memory with the pool: save copies (read_kv gathers one; .cpu() of a "
-        "CUDA tensor makes one), not views of k_cache and v_cache",
-    )
-    allocator.free_sequence("c")
-
-    call = f"swap_in(allocator, 'a', saved)  # {_state(allocator)}"
-    c.run(call, lambda: swap_in(allocator, "a", saved))
-    length = allocator.sequence_length("a") if "a" in allocator else None
-    c.holds(
-        "allocator.sequence_length('a')  # after swap_in",
-        length == num_tokens,
-        num_tokens,
-        "'a' is not allocated" if length is None else length,
-        "give the sequence blocks for every saved token, the last one included: "
-        "allocate_for_sequence(seq_id, k.shape[0]), then write them all",
-    )
-    got = c.run("allocator.read_kv('a')", lambda: allocator.read_kv("a"))
-    c.holds(
-        f"allocator.read_kv('a')  # after swap_in, now in blocks {allocator.get_block_mapping('a')}",
-        torch.equal(got[0], k) and torch.equal(got[1], v),
-        f"the K and V 'a' held in blocks {old_blocks}",
-        "other values",
-        _kv_hint(got, k, v, WRITE_BACK),
-    )
-    c.holds(
-        "allocator.num_free_blocks  # after swap_in",
-        allocator.num_free_blocks == free_before,
-        free_before,
-        allocator.num_free_blocks,
-        f"{num_tokens} tokens take {len(old_blocks)} block(s) of 4: allocate exactly those",
-    )
+def _entries(token_ids: list[int], first_block: int) -> dict[int, tuple[tuple[int, ...], int]]:
+    """The exercise's cache entries for the full blocks of a prompt stored in blocks ``first_block, ...``."""
+    blocks = full_blocks(token_ids, BLOCK)
+    return {
+        h: (tokens, first_block + i)
+        for i, (tokens, h) in enumerate(zip(blocks, chain_hashes(blocks), strict=True))
+    }
 
 
 @task(
-    "08.swap_round_trip",
-    "swapping a sequence's K/V out to host memory and back",
-    needs=("swap_out", "swap_in"),
+    "08.prefix_lookup",
+    "chained block hashes and the cached prefix of a prompt",
+    needs=("block_hashes", "cached_prefix"),
 )
-def _swap_round_trip(c: Checker, swap_out, swap_in) -> None:
-    for seed, num_tokens in enumerate((6, 8, 1)):
-        _round_trip(c, swap_out, swap_in, num_tokens, seed)
+def _prefix_lookup(c: Checker, block_hashes, cached_prefix) -> None:
+    c.equal("block_hashes([], 4)", lambda: list(block_hashes([], 4)), [], "an empty prompt has no block")
+    c.equal("block_hashes([1, 2, 3], 4)", lambda: list(block_hashes([1, 2, 3], 4)), [], FULL_ONLY_HINT)
+    one = block_hash(ROOT_HASH, (1, 2, 3, 4))
+    c.equal(
+        "block_hashes([1, 2, 3, 4], 4)",
+        lambda: list(block_hashes([1, 2, 3, 4], 4)),
+        [one],
+        "the first block's parent is ROOT_HASH: [block_hash(ROOT_HASH, (1, 2, 3, 4))]. " + TUPLE_HINT,
+    )
+    prompt = [1, 2, 3, 4, 9, 9, 9, 9, 7]
+    c.equal(
+        f"block_hashes({prompt}, 4)",
+        lambda: list(block_hashes(prompt, 4)),
+        [one, block_hash(one, (9, 9, 9, 9))],
+        CHAIN_HINT + "; the last token, 7, is in no full block",
+    )
+    call = "block_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4)[1] != block_hashes([5, 6, 7, 8, 9, 9, 9, 9], 4)[1]"
+    differ = c.run(
+        call,
+        lambda: (
+            list(block_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4))[1]
+            != list(block_hashes([5, 6, 7, 8, 9, 9, 9, 9], 4))[1]
+        ),
+    )
+    c.holds(
+        call,
+        differ,
+        "different hashes: the same tokens after different prefixes",
+        "the same hash",
+        CHAIN_HINT,
+    )
+    rng = random.Random(3)
+    for block_size in (1, 2, 4, 16):
+        for length in (0, block_size - 1, block_size, 3 * block_size + 1, 50):
+            tokens = [rng.randrange(50) for _ in range(length)]
+            c.equal(
+                f"block_hashes({tokens}, {block_size})",
+                lambda tokens=tokens, block_size=block_size: list(block_hashes(tokens, block_size)),
+                chain_hashes(full_blocks(tokens, block_size)),
+                CHAIN_HINT,
+            )
 
-    generator = torch.Generator().manual_seed(80)
-    allocator, _ = _pool(8, [("a", 9)], generator)
-    saved = c.run(
-        "saved = swap_out(allocator, 'a')  # 9 tokens in 3 blocks of 4", lambda: swap_out(allocator, "a")
+    r0 = list(range(100, 115))
+    cache = _entries(r0, 0)
+    c.equal(
+        "cached_prefix(r0, 4, {})  # r0 = [100, ..., 114]",
+        lambda: list(cached_prefix(r0, 4, {})),
+        [],
+        "an empty cache holds nothing",
     )
-    allocator.allocate_for_sequence("big", 24)  # 6 of the 8 blocks: 2 are left, 'a' needs 3
-    _fails_cleanly(
-        c,
-        f"swap_in(allocator, 'a', saved)  # 'a' needs 3 blocks; {_state(allocator)}",
-        allocator,
-        lambda: swap_in(allocator, "a", saved),
-        OutOfBlocksError,
-        "too few free blocks: raise OutOfBlocksError (allocate_for_sequence does) and change nothing",
+    c.equal(
+        "cached_prefix(r0, 4, cache)  # cache: r0's 3 full blocks in blocks 0, 1, 2",
+        lambda: list(cached_prefix(r0, 4, cache)),
+        [0, 1, 2],
+        "r0's 3 full blocks are all cached: return their block ids, in order",
     )
-    allocator.free_sequence("big")
-    allocator.allocate_for_sequence("a", 2)
-    _fails_cleanly(
-        c,
-        "swap_in(allocator, 'a', saved)  # 'a' is allocated already",
-        allocator,
-        lambda: swap_in(allocator, "a", saved),
-        ValueError,
-        "a sequence that is allocated cannot be swapped in: allocate_for_sequence raises ValueError for a "
-        "duplicate seq_id; let it, before anything is written",
+    r1 = [*r0[:10], 200, 201, 202, 203]
+    c.equal(
+        "cached_prefix([100, ..., 109, 200, 201, 202, 203], 4, cache)",
+        lambda: list(cached_prefix(r1, 4, cache)),
+        [0, 1],
+        "the third block, (108, 109, 200, 201), matches r0's in 2 of 4 tokens only: its hash differs, a miss",
     )
-    _fails_cleanly(
-        c,
-        "swap_out(allocator, 'nobody')",
-        allocator,
-        lambda: swap_out(allocator, "nobody"),
-        KeyError,
-        "an unknown sequence is a KeyError (read_kv raises UnknownSequenceError) and frees nothing",
+    c.equal(
+        "cached_prefix(r0[:12], 4, cache)",
+        lambda: list(cached_prefix(r0[:12], 4, cache)),
+        [0, 1],
+        LAST_TOKEN_HINT,
     )
+    c.equal(
+        "cached_prefix(r0[:13], 4, cache)",
+        lambda: list(cached_prefix(r0[:13], 4, cache)),
+        [0, 1, 2],
+        "13 tokens: 12 may come from the cache, and the 13th is computed. " + LAST_TOKEN_HINT,
+    )
+    c.equal(
+        "cached_prefix(r0[:4], 4, cache)", lambda: list(cached_prefix(r0[:4], 4, cache)), [], LAST_TOKEN_HINT
+    )
+    c.equal(
+        "cached_prefix(r0[:3], 4, cache)", lambda: list(cached_prefix(r0[:3], 4, cache)), [], FULL_ONLY_HINT
+    )
+    h0, h1, h2 = chain_hashes(full_blocks(r0, 4))
+    holey = {h0: cache[h0], h2: cache[h2]}
+    c.equal(
+        "cached_prefix(r0, 4, cache without r0's second block)",
+        lambda: list(cached_prefix(r0, 4, holey)),
+        [0],
+        FIRST_MISS_HINT,
+    )
+    forged = {**cache, h1: ((9, 9, 9, 9), 5)}
+    c.equal(
+        "cached_prefix(r0, 4, cache where r0's second hash names block 5 holding (9, 9, 9, 9))",
+        lambda: list(cached_prefix(r0, 4, forged)),
+        [0],
+        VERIFY_HINT,
+    )
+    forged = {h0: ((7, 7, 7, 7), 6), h1: cache[h1], h2: cache[h2]}
+    c.equal(
+        "cached_prefix(r0, 4, cache where r0's first hash names block 6 holding (7, 7, 7, 7))",
+        lambda: list(cached_prefix(r0, 4, forged)),
+        [],
+        VERIFY_HINT + "; " + FIRST_MISS_HINT,
+    )
+    _lookup_against_the_package(c, cached_prefix)
+
+
+def _lookup_against_the_package(c: Checker, cached_prefix) -> None:
+    """Seeded prompts sharing prefixes: the blocks the package's prefix cache reuses, prompt after prompt.
+
+    The pool is large enough that no cached block is ever evicted, so the exercise's dict, grown
+    from every block the package caches, is exactly the package's cache.
+    """
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(4) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
+    twin = PagedKVCacheAllocator(512, BLOCK, 1, 1, enable_prefix_caching=True)
+    cache: dict[int, tuple[tuple[int, ...], int]] = {}
+    for seq in range(30):
+        prompt = rng.choice(prefixes) + [rng.randrange(4) for _ in range(rng.randrange(0, 10))]
+        twin.allocate_for_sequence(seq, len(prompt), prompt)
+        reused = twin.get_block_mapping(seq)[: twin.num_cached_tokens(seq) // BLOCK]
+        c.equal(
+            f"cached_prefix({prompt}, 4, cache)  # prompt {seq} of a seeded run",
+            lambda prompt=prompt: list(cached_prefix(prompt, 4, cache)),
+            reused,
+            "the package's prefix cache reuses these blocks for this prompt: " + LAST_TOKEN_HINT,
+        )
+        cached = twin.cached_blocks()
+        blocks = full_blocks(prompt, BLOCK)
+        mapping = twin.get_block_mapping(seq)
+        for index, (tokens, h) in enumerate(zip(blocks, chain_hashes(blocks), strict=True)):
+            if cached.get(mapping[index]) == tokens:
+                cache.setdefault(h, (tokens, mapping[index]))
+        if rng.random() < 0.3:
+            twin.free_sequence(seq)

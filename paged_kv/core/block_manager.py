@@ -1,6 +1,6 @@
 """The block manager: the block tables, ref counts, free list and prefix cache of a pool, and no tensors.
 
-Lessons 02, 04 and 07 build its parts; this is where they meet. vLLM keeps one such manager
+Lessons 02, 04 and 08 build its parts; this is where they meet. vLLM keeps one such manager
 (``KVCacheManager`` over a ``BlockPool``) for all the layers of a model: a block id names the same
 slot range in every layer's K/V tensors, so the bookkeeping is done once per block, whatever the
 number of layers. The tensors live in :class:`~paged_kv.kv.storage.KVStorage`; what must happen to

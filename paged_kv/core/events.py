@@ -6,7 +6,7 @@ the changes happen. An observer sees the manager already changed, so it can take
 Recording a trace for the widgets (:class:`~paged_kv.core.trace.Recorder`) is one such observer; a
 call that raises emits nothing, so an observer only ever sees what really happened.
 
-The kinds (lessons 02, 04 and 07):
+The kinds (lessons 02, 04 and 08):
 
 * ``"allocate"``: a prompt got its blocks (``blocks``, the new table; ``tokens``, ``(1, n)`` for a
   prompt of ``n`` tokens, ``n`` possibly 0);

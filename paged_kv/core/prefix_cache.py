@@ -1,4 +1,4 @@
-"""Prefix caching: a new prompt reuses the K/V blocks of a prefix an earlier prompt computed (lesson 07).
+"""Prefix caching: a new prompt reuses the K/V blocks of a prefix an earlier prompt computed (lesson 08).
 
 The K/V of a token depend on the token and on every token before it, so a block of a prompt is
 identified by its own token ids *and* the whole prefix before it. As vLLM does, the identity is a

@@ -6,7 +6,7 @@ what the manager does and has no code path of its own. The trace is a "start" fr
 pool, then one frame after every allocation, fork, copy-on-write and release, and one after *each
 token* an append places, so an animation can step token by token. Each frame holds a snapshot, a
 one-line caption, the event's name, the sequence it concerns and the blocks it touched (the ones a
-picture outlines). ``PagedKVCacheAllocator(..., record=True)`` keeps one (lessons 00, 02, 04, 07).
+picture outlines). ``PagedKVCacheAllocator(..., record=True)`` keeps one (lessons 00, 02, 04, 08).
 The caption helpers below are the only place the wording lives.
 """
 

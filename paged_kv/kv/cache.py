@@ -1,4 +1,4 @@
-"""The one-layer paged KV cache of lessons 02 to 07: a block manager and one layer of K/V storage.
+"""The one-layer paged KV cache of lessons 02 to 08: a block manager and one layer of K/V storage.
 
 :class:`PagedKVCacheAllocator` is a facade: the bookkeeping is a
 :class:`~paged_kv.core.block_manager.BlockManager` (:attr:`~PagedKVCacheAllocator.manager`), the

@@ -1,4 +1,4 @@
-"""Swapping a sequence's K/V out to host memory and back: preemption without recomputation (lesson 08).
+"""Swapping a sequence's K/V out to host memory and back: preemption without recomputation (lesson 11).
 
 When the device runs out of blocks, an engine can lend a sequence's blocks to others without
 throwing its work away: copy the K and V it holds, every layer, to CPU tensors, free its blocks,

@@ -1,4 +1,4 @@
-"""Where the tiny GPT keeps its K and V: a contiguous baseline and the paged cache (lessons 08, 09).
+"""Where the tiny GPT keeps its K and V: a contiguous baseline and the paged cache (lessons 09, 11).
 
 The attention layers call the small :class:`KVCache` protocol, with two back-ends:
 
@@ -390,11 +390,11 @@ class PagedKVCache(KVCache):
         return self.storage.read(layer, self._block_ids(seq_id), self.manager.sequence_length(seq_id))
 
     def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
-        """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 08)."""
+        """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 11)."""
         return swap.swap_out(self.manager, self.storage, seq_id)
 
     def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
-        """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 08)."""
+        """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 11)."""
         swap.swap_in(self.manager, self.storage, seq_id, saved)
 
     def _block_ids(self, seq_id: Hashable) -> torch.Tensor:

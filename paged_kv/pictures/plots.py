@@ -1,8 +1,9 @@
 """The course's static pictures, drawn with matplotlib from plain data (lessons 00-09).
 
 Each function draws on an ``Axes`` it is given (or a new figure) and returns the ``Axes``, so lessons
-can combine them. Colours come from the Okabe-Ito palette, which stays distinguishable for
-colour-blind readers; wasted space is hatched as well as grey, so it never depends on colour alone.
+can combine them. Sequence colours come from :data:`PALETTE`, eight colours that stay apart for
+colour-blind readers and read on a light and on a dark page alike; wasted space is hatched as well
+as grey, so it never depends on colour alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,32 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.snapshot import AllocatorSnapshot
 
-PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
+# The pages a sequence colour is drawn on. The widgets and the inline picture paint no background
+# of their own: they sit on the page of JupyterLab's light theme or VS Code's light one (white),
+# JupyterLab's dark theme (--jp-layout-color0, the notebook's background, and --jp-layout-color1,
+# the cells' editors and table rows, both in theme-dark-extension/index.css) or VS Code's dark one
+# (its editor background). The image form of the picture and matplotlib's figures bring their own
+# white paper.
+PAGE_BACKGROUNDS = {
+    "white": "#FFFFFF",  # JupyterLab Light, VS Code Light, the picture's card, matplotlib's figures
+    "jupyterlab-dark-layout-color0": "#111111",
+    "jupyterlab-dark-layout-color1": "#212121",
+    "vscode-dark": "#1F1F1F",  # VS Code's Dark Modern theme
+}
+MIN_PAGE_CONTRAST = 3.0  # WCAG 2's minimum for graphics (1.4.11, non-text contrast)
+
+# The sequence colours, A to H: blue, orange, green, reddish purple, sky blue, red, olive, violet.
+# THE INVARIANT: each keeps MIN_PAGE_CONTRAST (3:1) against every background of PAGE_BACKGROUNDS,
+# because its WCAG relative luminance lies between 0.165 and 0.28 (3.19:1 or more against white,
+# 3.30:1 or more against #212121). The Okabe-Ito palette they replace did not: on white its yellow
+# had 1.3:1 and its orange and sky blue 2.3:1, and on JupyterLab's dark page its black had 1.1:1.
+# Within that band the hues keep any two colours apart (CIEDE2000 17 or more; 7.5 or more in
+# simulations of protanopia and deuteranopia, Machado et al. 2009, and 10 in one of tritanopia):
+# pairs those simulations bring together (blue and violet, orange and olive) sit at opposite ends of
+# the band. A label on a fill is black or white, whichever contrasts more (:func:`text_colour`):
+# 4.5:1 or more on every colour. Colour is never the only cue: every block carries its sequence's
+# label too. tests/test_viz.py checks the invariant, and the browser tests measure it on the page.
+PALETTE = ("#0F70D6", "#D47A00", "#13894E", "#D12F9E", "#169CC2", "#EE1F4E", "#74761C", "#897FFF")
 WASTE = {"facecolor": "#DDDDDD", "edgecolor": "#888888", "hatch": "///", "linewidth": 0.5}
 FREE = {"facecolor": "white", "edgecolor": "#BBBBBB", "linewidth": 0.8}
 
@@ -24,6 +50,40 @@ FREE = {"facecolor": "white", "edgecolor": "#BBBBBB", "linewidth": 0.8}
 def colour(index: int) -> str:
     """The colour of the ``index``-th sequence."""
     return PALETTE[index % len(PALETTE)]
+
+
+def relative_luminance(colour: str) -> float:
+    """The WCAG 2 relative luminance of ``#RRGGBB``: 0 for black, 1 for white.
+
+    >>> relative_luminance("#000000"), relative_luminance("#FFFFFF")
+    (0.0, 1.0)
+    """
+
+    def channel(hex_pair: str) -> float:
+        c = int(hex_pair, 16) / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(colour[i : i + 2]) for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast_ratio(one: str, two: str) -> float:
+    """The WCAG 2 contrast ratio of two ``#RRGGBB`` colours, from 1 (the same) to 21 (black on white).
+
+    >>> round(contrast_ratio("#000000", "#FFFFFF"), 2), round(contrast_ratio("#777777", "#FFFFFF"), 2)
+    (21.0, 4.48)
+    """
+    high, low = sorted((relative_luminance(one), relative_luminance(two)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def text_colour(fill: str) -> str:
+    """White or black, whichever contrasts more with ``fill`` (``#RRGGBB``), by WCAG luminance.
+
+    >>> text_colour("#0F70D6"), text_colour("#D47A00")
+    ('#FFFFFF', '#000000')
+    """
+    return "#FFFFFF" if contrast_ratio(fill, "#FFFFFF") > contrast_ratio(fill, "#000000") else "#000000"
 
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
@@ -281,14 +341,16 @@ def plot_positions_in_pool(snapshot: AllocatorSnapshot, seq_id: Hashable, *, ax:
         style = WASTE if hatch else {"facecolor": fill or "white", "edgecolor": "none"}
         ax.add_patch(Rectangle((x, y), 1, 1, **style))
         ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="#444444", lw=0.8))
-        ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=10, weight="bold", color="white")
         strong = fill not in (None, "#BBBBBB")
-        corner_colour = "white" if strong else "#555555"
-        ax.text(x + 0.95, y + 0.05, corner, ha="right", va="bottom", fontsize=6, color=corner_colour)
+        ink = text_colour(fill) if strong else "#555555"
+        ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=10, weight="bold", color=ink)
+        ax.text(x + 0.95, y + 0.05, corner, ha="right", va="bottom", fontsize=6, color=ink)
 
     for block_id in range(rows):  # the pool: row = physical block, column = offset
         y = rows - 1 - block_id
         ax.text(pool_x - 0.2, y + 0.5, f"block {block_id}", ha="right", va="center", fontsize=9)
+        if block_id in table.block_ids:
+            continue  # drawn below, in the sequence's colours (a slot's number drawn twice would blur)
         for offset in range(size):
             grey = "#BBBBBB" if offset < held_by_others.get(block_id, 0) else None
             slot(pool_x + offset, y, grey, False, "", str(block_id * size + offset))
@@ -353,8 +415,8 @@ def plot_padded_block_tables(
             else:
                 fill = colour(j) if strong else "#E8E8E8"
                 ax.add_patch(Rectangle((j, y), 1, 1, facecolor=fill, edgecolor="#444444"))
-            text_colour = "white" if strong else "#222222"
-            ax.text(j + 0.5, y + 0.5, str(block_id), ha="center", va="center", fontsize=9, color=text_colour)
+            ink = text_colour(colour(j)) if strong else "#222222"
+            ax.text(j + 0.5, y + 0.5, str(block_id), ha="center", va="center", fontsize=9, color=ink)
     ax.set_xlim(0, width)
     ax.set_ylim(0, len(rows))
     ax.set_xticks([j + 0.5 for j in range(width)], [str(j) for j in range(width)])

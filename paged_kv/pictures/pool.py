@@ -37,11 +37,14 @@ block fills (the palette, grey waste) are fixed colours whose labels are black o
   Code). Blocks show tooltips on hover. The widgets use it: a widget view is only ever drawn
   where the notebook is trusted.
 
-Colours are the Okabe-Ito palette of :mod:`paged_kv.pictures.plots`. A sequence keeps its colour from one
+Colours are the :data:`~paged_kv.pictures.plots.PALETTE` of :mod:`paged_kv.pictures.plots`, eight
+colours that each keep 3:1 contrast against every page the picture meets, white or dark
+(:data:`~paged_kv.pictures.plots.PAGE_BACKGROUNDS`): the inline form has no paper of its own, so a
+block stands out in JupyterLab's dark theme as in its light one. A sequence keeps its colour from one
 frame of an animation to the next because the colour comes from its id, not from its position: a
 trailing number or letter picks the palette entry (``A``, ``B``, ``C`` and ``req-0``, ``req-1``,
-``req-2`` get consecutive colours, cycling after eight), any other id a stable hash. Labels on dark
-fills are white and on light fills black.
+``req-2`` get consecutive colours, cycling after eight), any other id a stable hash. A label on a
+fill is black or white, whichever contrasts more (:func:`text_colour`, 4.5:1 or more on each colour).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.usage import BlockUsage
 from paged_kv.core.usage import block_tokens as tokens_per_block
-from paged_kv.pictures.plots import FREE, PALETTE, WASTE
+from paged_kv.pictures.plots import FREE, PALETTE, WASTE, text_colour
 from paged_kv.validate import check_count
 
 __all__ = [
@@ -133,18 +136,6 @@ def seq_colour(seq_id: Hashable) -> str:
     else:
         index = zlib.crc32(text.encode("utf-8", "replace"))
     return PALETTE[index % len(PALETTE)]
-
-
-def text_colour(fill: str) -> str:
-    """White or black, whichever contrasts more with ``fill`` (``#RRGGBB``), by WCAG luminance."""
-
-    def channel(hex_pair: str) -> float:
-        c = int(hex_pair, 16) / 255
-        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
-
-    r, g, b = (channel(fill[i : i + 2]) for i in (1, 3, 5))
-    luminance = 0.2126 * r + 0.7152 * g + 0.0722 * b
-    return "#FFFFFF" if 1.05 / (luminance + 0.05) > (luminance + 0.05) / 0.05 else "#000000"
 
 
 def short_label(seq_id: Hashable, limit: int = POOL_LABEL_CHARS) -> str:

@@ -1,6 +1,6 @@
 """Widgets that animate block allocation: a player over a recorded trace, and a live playground.
 
-Lessons 00, 02, 04, 06 and 07 show them.
+Lessons 00, 02, 04, 07 and 08 show them.
 
 Both widgets draw the picture of :func:`paged_kv.pictures.pool.render_allocator`: the pool's blocks, who holds
 them, and a caption under the picture.
@@ -16,7 +16,9 @@ them at a time. Its caption reads ``"7/41 · seq B, token 17: block 5 appended"`
 
 Both widgets draw the picture inline, in the page's own text colour on the page's background, so
 they read well in light and dark themes alike (:func:`~paged_kv.pictures.pool.render_allocator`); their
-status lines carry their own colours.
+status lines carry their own colours. The blocks' colours sit on that background too: each of the
+eight (:data:`~paged_kv.pictures.plots.PALETTE`, sequences A to H) keeps 3:1 against a white page
+and against JupyterLab's and VS Code's dark ones.
 
 **A still for a notebook opened before it runs.** An untrusted notebook (a lesson opened fresh,
 before its cells run) and a viewer with no widget JavaScript cannot draw a widget view: they show

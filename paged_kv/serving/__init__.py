@@ -1,4 +1,4 @@
-"""Serving: the one scheduler, the memory it admits into, its runners and the engine (lessons 06, 08, 09).
+"""Serving: the one scheduler, the memory it admits into, its runners and the engine (lessons 07, 09, 11).
 
 * :mod:`~paged_kv.serving.scheduler`: :class:`~paged_kv.serving.scheduler.Scheduler`, which decides
   each step (swap-ins, admissions with prefill, preemptions, decodes) as a ``SchedulerOutput`` and

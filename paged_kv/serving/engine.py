@@ -6,7 +6,7 @@ model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model), and relea
 soon as they finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
 loop of a serving engine: ``output = scheduler.schedule(); result = runner.execute(output);
 scheduler.update(output, result)``, with the package's one
-:class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 06's
+:class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 07's
 simulator runs the same scheduler with no model) and a
 :class:`~paged_kv.serving.model_runner.ModelRunner`.
 
@@ -526,7 +526,7 @@ def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -
     )
 
 
-# ------------------------------------------------------------------------- budgets, for lesson 08
+# ------------------------------------------------------------------------- budgets, for lesson 11
 
 
 def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16, watermark: float = 0.0) -> int:

@@ -1,8 +1,8 @@
-"""The KV memory a scheduler admits into: paged blocks or contiguous reservations (lessons 06, 08, 09).
+"""The KV memory a scheduler admits into: paged blocks or contiguous reservations (lessons 07, 09, 11).
 
 :class:`~paged_kv.serving.scheduler.Scheduler` asks its memory the questions of
 :class:`KVMemory` and nothing else, so the same scheduler runs the engine's paged and contiguous
-modes and every policy of lesson 06's simulator:
+modes and every policy of lesson 07's simulator:
 
 * :class:`PagedMemory`: blocks of a :class:`~paged_kv.serving.protocols.BlockCache`, taken on
   demand as sequences grow. A request is admitted by **the** admission rule, :func:`admits`: its
@@ -104,7 +104,7 @@ def admits(num_free_blocks: int, blocks: int, num_running: int, keep_free: int =
     """The paged admission rule: can a sequence taking ``blocks`` blocks now join ``num_running`` others?
 
     Yes when its blocks, one block of headroom per running sequence (itself included: the most the
-    next decode step can take) and ``keep_free`` blocks (the watermark) are all free (lessons 08, 09).
+    next decode step can take) and ``keep_free`` blocks (the watermark) are all free (lessons 09, 11).
     """
     headroom = num_running + 1
     return blocks + headroom + keep_free <= num_free_blocks
@@ -118,7 +118,7 @@ def check_watermark(watermark: object) -> float:
 
 
 def watermark_blocks(watermark: float, num_blocks: int) -> int:
-    """The blocks an admission ``watermark`` (a fraction of the pool) keeps free: rounded up (lesson 08).
+    """The blocks an admission ``watermark`` (a fraction of the pool) keeps free: rounded up (lesson 11).
 
     Rounding up means any watermark above 0 keeps at least one block free (vLLM V0 rounded down).
     """
@@ -189,7 +189,17 @@ class PagedMemory:
         )
 
     def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
+        """:func:`admits` beside running sequences; alone, the prompt's blocks must be free, no more.
+
+        The headroom and the watermark keep room for the growth of *other* sequences, and a request
+        that :meth:`serves_alone` grows to its longest within the pool, so alone it needs neither.
+        A fresh request alone passes the rule anyway; a request resumed by recompute, whose prompt
+        now holds its generated tokens, may not, and would otherwise never come back (vLLM, too,
+        keeps its watermark only when some request is already scheduled).
+        """
         blocks = blocks_for_tokens(request.num_prompt_tokens, self.block_size)
+        if num_running == 0:
+            return blocks <= self.cache.num_free_blocks
         return admits(self.cache.num_free_blocks, blocks, num_running, self.keep_free)
 
     def can_swap_in(self, num_tokens: int, num_running: int) -> bool:

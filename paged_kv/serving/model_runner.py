@@ -1,4 +1,4 @@
-"""Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 06, 09).
+"""Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 07, 09).
 
 * :class:`ModelRunner` runs a :class:`~paged_kv.model.causal_lm.CausalLM` (the tiny GPT or a
   Hugging Face model) on the cache: the step's prefill chunks in one packed ``prefill_batch``, each

@@ -1,4 +1,4 @@
-"""Choosing what to preempt when a decode step finds too few free blocks (lesson 08).
+"""Choosing what to preempt when a decode step finds too few free blocks (lesson 11).
 
 A paged engine admits a request on a bet: that the blocks the running sequences will take as they
 grow will be there when they are needed. When a decode step needs more new blocks than are free,

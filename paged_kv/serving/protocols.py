@@ -1,4 +1,4 @@
-"""What the scheduler and the engine need of a paged cache, as `typing.Protocol` classes (lessons 06-09).
+"""What the scheduler and the engine need of a paged cache, as `typing.Protocol` classes (lessons 07-09).
 
 A protocol states a contract by its methods, not by a base class: the package's
 :class:`~paged_kv.model.kv_cache.PagedKVCache`, lesson 09's ``MyPagedCache`` and the tensor-free
@@ -12,8 +12,8 @@ them without inheriting from them. The layers:
   methods of :class:`~paged_kv.model.kv_cache.KVCache` (what :class:`~paged_kv.serving.engine.Engine`
   drives);
 * two capabilities on top, each checked with ``isinstance`` before a run needs it:
-  :class:`SwappingCache` (``preemption="swap"``, lesson 08) and :class:`PrefixCachingCache`
-  (``enable_prefix_caching=True``, lesson 07).
+  :class:`SwappingCache` (``preemption="swap"``, lesson 11) and :class:`PrefixCachingCache`
+  (``enable_prefix_caching=True``, lesson 08).
 
 ``runtime_checkable`` protocols check that the methods exist, not their signatures; the engine's
 tests check the rest.
@@ -70,7 +70,7 @@ class PagedCache(BlockCache, Protocol):
 
 @runtime_checkable
 class SwappingCache(Protocol):
-    """A cache that can copy a sequence's K/V to host memory and back (lesson 08)."""
+    """A cache that can copy a sequence's K/V to host memory and back (lesson 11)."""
 
     def swap_out(self, seq_id: Hashable) -> object:
         """Copy the sequence's K/V to host memory, free its blocks, return what was saved."""
@@ -83,7 +83,7 @@ class SwappingCache(Protocol):
 
 @runtime_checkable
 class PrefixCachingCache(Protocol):
-    """A cache whose prompts, added with their token ids, reuse cached prefix blocks (lesson 07).
+    """A cache whose prompts, added with their token ids, reuse cached prefix blocks (lesson 08).
 
     ``add_sequence(seq_id, num_tokens, token_ids=...)`` takes the prompt's token ids as well.
     """

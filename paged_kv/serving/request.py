@@ -1,4 +1,4 @@
-"""A request as the scheduler and the memory it admits into see it (lessons 06, 08, 09)."""
+"""A request as the scheduler and the memory it admits into see it (lessons 07, 09, 11)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The scheduler: what runs at each step of continuous batching (lessons 06, 08, 09).
+"""The scheduler: what runs at each step of continuous batching (lessons 07, 09, 11).
 
 One scheduler serves the engine (:class:`~paged_kv.serving.engine.Engine`, a real model behind it),
-lesson 06's simulator (:func:`~paged_kv.simulation.workload.simulate`) and lesson 07's shared-prompt
+lesson 07's simulator (:func:`~paged_kv.simulation.workload.simulate`) and lesson 08's shared-prompt
 workload (:func:`~paged_kv.simulation.sharing.serve`), the last two with a runner that only counts
 tokens. It follows vLLM v1's split: :meth:`Scheduler.schedule` decides a step and returns it as a
 value, a :class:`SchedulerOutput`; a runner computes it (:mod:`paged_kv.serving.model_runner`); and

@@ -1,4 +1,4 @@
-"""Contiguous reservations in one linear address space: first fit, with holes (lessons 00 and 06).
+"""Contiguous reservations in one linear address space: first fit, with holes (lessons 00 and 07).
 
 A contiguous KV cache gives each sequence one unbroken range of slots, reserved whole at admission
 and held until the sequence finishes. :class:`ContiguousAllocator` lays those ranges out in one

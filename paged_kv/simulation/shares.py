@@ -1,4 +1,4 @@
-"""Where the KV memory goes: the four shares of the vLLM paper's Figure 2, measured (lessons 00 and 06).
+"""Where the KV memory goes: the four shares of the vLLM paper's Figure 2, measured (lessons 00 and 07).
 
 The PagedAttention paper (Kwon et al., SOSP 2023) splits the KV cache memory of a serving system
 into four parts. This module measures the same four, in **slot-steps**: one token slot of the

@@ -9,7 +9,7 @@ that counts tokens instead of running a model) over ``num_blocks`` blocks, with 
 caching, and :class:`ServeResult` says how many prompt tokens the cache served.
 :func:`ideal_cached_tokens` is what a cache that forgets nothing serves (user prompts that happen
 to start alike aside): every request but the first with each system prompt finds that system
-prompt's full blocks. Lesson 07 plots the hit rate against the pool size with them, and
+prompt's full blocks. Lesson 08 plots the hit rate against the pool size with them, and
 ``bench/bench_prefix_cache.py`` measures the hit rate against the ideal.
 
 :func:`serve` puts every request in the queue at step 0, in order, and lets the scheduler run at
@@ -136,7 +136,7 @@ def serve(
     max_running: int,
     caching: bool = True,
 ) -> ServeResult:
-    """Serve the requests, queued in order at step 0, at most ``max_running`` at once (lesson 07).
+    """Serve the requests, queued in order at step 0, at most ``max_running`` at once (lesson 08).
 
     The scheduler is the engine's (:class:`~paged_kv.serving.scheduler.Scheduler`, ``max_num_seqs
     = max_running``) over a :class:`~paged_kv.simulation.workload.BlockBookkeeping` of

@@ -1,4 +1,4 @@
-"""A concurrent serving workload: paged blocks against contiguous reservation, step by step (lesson 06).
+"""A concurrent serving workload: paged blocks against contiguous reservation, step by step (lesson 07).
 
 Requests arrive, wait, are admitted, prefill, decode one token per step and finish; a finished
 sequence releases its memory at once (continuous batching). :func:`simulate` serves a list of
@@ -325,7 +325,7 @@ Policy = PagedPolicy | ContiguousPolicy
 
 class BlockBookkeeping:
     """Paged blocks with no model and no tensor behind them: the
-    :class:`~paged_kv.serving.protocols.BlockCache` the simulators' scheduler admits into (lessons 06, 07).
+    :class:`~paged_kv.serving.protocols.BlockCache` the simulators' scheduler admits into (lessons 07, 08).
 
     It is the package's :class:`~paged_kv.core.block_manager.BlockManager`, the bookkeeping the
     engine's cache uses, so the blocks are taken, shared, cached and freed exactly as in the engine;

@@ -138,7 +138,7 @@ cache.free_sequence("A")
 len(cache.trace)""",
     ),
     ("code", "AllocationPlayer(cache.trace, interval_ms=150)"),
-    ("code", "AllocatorPlayground(num_blocks=12, block_size=4)"),
+    ("code", "AllocatorPlayground(num_blocks=16, block_size=4)"),  # eight sequences A to H fit
 ]
 
 
@@ -424,12 +424,8 @@ def caption(html: str) -> str:
 
 # ---------------------------------------------------------------------------------- contrast
 
-# For every text in the elements ``selector`` matches inside ``root`` (SVG <text>, or HTML elements
-# with a text node of their own), the WCAG contrast of its computed colour against what is painted
-# behind its centre: the first opaque fill of an SVG shape or HTML background under it (an HTML
-# element's own background included), by hit testing, or the page's white when nothing is opaque.
-# A translucent text colour is blended over its backdrop first. Texts out of view are skipped.
-TEXT_CONTRASTS = """(root, selector) => {
+# Colours in JavaScript: a computed ``rgb()``/``rgba()`` as {r, g, b, a}, WCAG luminance and contrast.
+COLOUR_JS = """
     const rgba = text => {
         const m = /rgba?\\(([^)]+)\\)/.exec(text || '');
         if (!m) return null;
@@ -444,6 +440,17 @@ TEXT_CONTRASTS = """(root, selector) => {
         const [high, low] = [luminance(x), luminance(y)].sort((p, q) => q - p);
         return (high + 0.05) / (low + 0.05);
     };
+"""
+
+# For every text in the elements ``selector`` matches inside ``root`` (SVG <text>, or HTML elements
+# with a text node of their own), the WCAG contrast of its computed colour against what is painted
+# behind its centre: the first opaque fill of an SVG shape or HTML background under it (an HTML
+# element's own background included), by hit testing, or the page's white when nothing is opaque.
+# A translucent text colour is blended over its backdrop first. Texts out of view are skipped.
+TEXT_CONTRASTS = (
+    """(root, selector) => {"""
+    + COLOUR_JS
+    + """
     const shapes = new Set(['rect', 'circle', 'ellipse', 'path', 'polygon', 'polyline']);
     const paint = el => el instanceof SVGElement
         ? (shapes.has(el.localName) ? rgba(getComputedStyle(el).fill) : null)  // <svg>, <g>: no paint
@@ -473,9 +480,73 @@ TEXT_CONTRASTS = """(root, selector) => {
     }
     return results;
 }"""
+)
 
 
 TEXTS = "text, div, span, label, button"  # the elements whose own text a contrast check reads
+
+# For every inline <svg> under ``root``: the page behind it (the first opaque background of the SVG
+# or an element around it: the inline picture paints none of its own, so this is the notebook's,
+# the output area's or the host page's colour) and every colour a visible <rect> is filled with
+# that is not a grey (the paper, the free blocks, the waste, the usage gauge are greys: what is
+# left are the sequences' colours), with how many shapes have it and its contrast with the page.
+SEQUENCE_FILLS = (
+    """root => {"""
+    + COLOUR_JS
+    + """
+    const results = [];
+    for (const svg of root.querySelectorAll('svg')) {
+        if (svg.getBoundingClientRect().width === 0) continue;  // a hidden frame of a Stack
+        let page = null;
+        for (let el = svg; el && !page; el = el.parentElement) {
+            const colour = rgba(getComputedStyle(el).backgroundColor);
+            if (colour && colour.a > 0.5) page = colour;
+        }
+        page = page || {r: 255, g: 255, b: 255, a: 1};  // nothing painted: the browser's white canvas
+        const fills = new Map();
+        for (const shape of svg.querySelectorAll('rect')) {
+            const fill = rgba(getComputedStyle(shape).fill);
+            const box = shape.getBoundingClientRect();
+            if (!fill || fill.a < 0.99 || box.width === 0 || box.height === 0) continue;
+            if (Math.max(fill.r, fill.g, fill.b) - Math.min(fill.r, fill.g, fill.b) < 8) continue;  // grey
+            const key = [fill.r, fill.g, fill.b].join(',');
+            const seen = fills.get(key)
+                || {fill: [fill.r, fill.g, fill.b], shapes: 0, ratio: ratio(fill, page)};
+            seen.shapes += 1;
+            fills.set(key, seen);
+        }
+        results.push({page: [page.r, page.g, page.b], fills: [...fills.values()]});
+    }
+    return results;
+}"""
+)
+
+
+def sequence_fills(root: Locator) -> list[dict[str, Any]]:
+    """The page behind each inline picture under ``root`` and its sequences' colours (``SEQUENCE_FILLS``)."""
+    return root.evaluate(SEQUENCE_FILLS)
+
+
+def hex_colour(rgb: list[int]) -> str:
+    """``[r, g, b]`` as ``#RRGGBB``."""
+    return "#" + "".join(f"{round(c):02X}" for c in rgb)
+
+
+def faint_sequence_fills(root: Locator, minimum: float = 3.0) -> tuple[list[str], set[str], set[str]]:
+    """The sequences' colours of the inline pictures under ``root`` below ``minimum`` against the page.
+
+    Returns the failures (``"#RRGGBB on #RRGGBB: 2.3:1"``), every colour seen and every page seen,
+    all as ``#RRGGBB``; 3:1 is WCAG's minimum for graphics (1.4.11).
+    """
+    failures, colours, pages = [], set(), set()
+    for picture in sequence_fills(root):
+        page = hex_colour(picture["page"])
+        pages.add(page)
+        for seen in picture["fills"]:
+            colours.add(hex_colour(seen["fill"]))
+            if seen["ratio"] < minimum:
+                failures.append(f"{hex_colour(seen['fill'])} on {page}: {seen['ratio']:.2f}:1")
+    return failures, colours, pages
 
 
 def text_contrasts(root: Locator, selector: str = TEXTS) -> list[dict[str, Any]]:
@@ -509,8 +580,8 @@ def low_contrast_in_view(page: Page, root: Locator, what: str, minimum: float = 
 
 
 # For every <img> under ``root``: whether it loaded, its drawn size, and for an SVG image, the colour
-# of its corner pixel (the picture's own paper) and the share of dark pixels (its ink), read back
-# through a canvas.
+# of its corner pixel (the picture's own paper), the share of dark pixels (its ink) and the colours
+# that fill large areas of it (its sequences' colours), read back through a canvas.
 IMAGES = """root => [...root.querySelectorAll('img')].map(img => {
     const box = img.getBoundingClientRect();
     const out = {src: img.src, loaded: img.complete && img.naturalWidth > 0,
@@ -525,6 +596,21 @@ IMAGES = """root => [...root.querySelectorAll('img')].map(img => {
         let dark = 0;
         for (let i = 0; i < pixels.length; i += 4) dark += pixels[i] + pixels[i + 1] + pixels[i + 2] < 150;
         out.dark_share = dark / (pixels.length / 4);
+        // The colours (not greys) of areas: pixels whose four neighbours have the same colour, at
+        // least 100 of them. That leaves out the blended pixels of edges, outlines and text.
+        const w = canvas.width, row = 4 * w, counts = new Map();
+        const same = (i, j) => pixels[i] === pixels[j] && pixels[i + 1] === pixels[j + 1]
+            && pixels[i + 2] === pixels[j + 2] && pixels[i + 3] === pixels[j + 3];
+        for (let i = row; i < pixels.length - row; i += 4) {
+            const [r, g, b] = [pixels[i], pixels[i + 1], pixels[i + 2]];
+            if (pixels[i + 3] < 255 || Math.max(r, g, b) - Math.min(r, g, b) < 8) continue;  // a grey
+            const x = (i / 4) % w;
+            if (x === 0 || x === w - 1 || !same(i, i - 4) || !same(i, i + 4)) continue;
+            if (!same(i, i - row) || !same(i, i + row)) continue;
+            const key = `${r},${g},${b}`;
+            counts.set(key, (counts.get(key) || 0) + 1);
+        }
+        out.fills = [...counts].filter(([, n]) => n >= 100).map(([key]) => key.split(',').map(Number));
     }
     return out;
 })"""

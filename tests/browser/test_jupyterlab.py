@@ -7,7 +7,10 @@ playground, then clicks "add sequence": the click goes to the kernel, and the pl
 must change. It goes on clicking until the pool runs out: the refusal's own caption and the
 warning must show. Every visible text of the player and the playground (the pictures' SVG text,
 captions, status lines, controls) must contrast with what is painted behind it (WCAG AA, 4.5:1),
-computed from the browser's styles.
+computed from the browser's styles. The blocks' colours, which the pictures draw straight on the
+notebook's background, must keep 3:1 against it (WCAG's minimum for graphics): the playground's
+full pool holds eight sequences, A to H, so every colour of the palette is measured, in the light
+theme and in the dark one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 
 import pytest
 
+from paged_kv.pictures.plots import MIN_PAGE_CONTRAST, PAGE_BACKGROUNDS, PALETTE
 from tests.browser import harness
 
 pytestmark = [pytest.mark.browser, pytest.mark.lesson04]
@@ -92,9 +96,29 @@ def assert_readable(output, what):
     )
 
 
+def assert_colours_stand_out(output, what, theme, expected=None):
+    """Every sequence colour drawn in ``output`` keeps 3:1 against the page behind the picture.
+
+    The page is measured too: white in the light theme, one of the dark theme's backgrounds in the
+    dark one (``PAGE_BACKGROUNDS``, which the palette is chosen against). ``expected``: the colours
+    that must all be there.
+    """
+    faint, colours, pages = harness.faint_sequence_fills(output, MIN_PAGE_CONTRAST)
+    dark = {
+        PAGE_BACKGROUNDS["jupyterlab-dark-layout-color0"],
+        PAGE_BACKGROUNDS["jupyterlab-dark-layout-color1"],
+    }
+    allowed = dark if theme == harness.DARK_THEME else {PAGE_BACKGROUNDS["white"]}
+    assert pages and pages <= allowed, f"{what} sits on {pages} in {theme}, not on {allowed}"
+    assert colours, f"{what} shows no sequence colour"
+    if expected is not None:
+        assert colours == set(expected), f"{what} shows the colours {sorted(colours)}, not {sorted(expected)}"
+    assert not faint, f"sequence colours of {what} below {MIN_PAGE_CONTRAST}:1 in {theme}: {faint}"
+
+
 @pytest.mark.parametrize("theme", THEMES.values(), ids=THEMES.keys())
 def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
-    page, jupyterlab, widget_notebook, screenshot
+    page, jupyterlab, widget_notebook, screenshot, theme
 ):
     _notebook, name = widget_notebook
     page.goto(f"{jupyterlab}/lab/tree/widgets.ipynb")
@@ -118,6 +142,7 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     assert "<svg" in frame_html, f"the player of {name} shows no SVG picture: {frame_html[:300]!r}"
     assert player.locator(".widget-slider").count() >= 1, "the player has no slider"
     assert_readable(player, f"the player of {name}")
+    assert_colours_stand_out(player, f"the player of {name}", theme)
 
     playground = harness.playground(page)
     playground.scroll_into_view_if_needed()
@@ -162,3 +187,5 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     assert "1 blocks" not in refused
     assert "out of blocks" in warning.inner_text()
     assert_readable(playground, f"the refused playground of {name}")
+    # The full pool holds sequences A to H: all eight colours, on the notebook's own background.
+    assert_colours_stand_out(playground, f"the full playground of {name}", theme, expected=PALETTE)

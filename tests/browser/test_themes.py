@@ -2,12 +2,19 @@
 
 A lesson opened fresh is untrusted: JupyterLab sanitises its HTML outputs (an inline ``<svg>``
 would be stripped to run-together text) and draws no widget view (a widget output falls back to
-the best safe format it holds). This test copies the committed lessons 07 (two
+the best safe format it holds). This test copies the committed lessons 08 (two
 ``render_allocator`` pictures and a player) and 04 (a player and a playground) into a fresh
 JupyterLab, opens them without running anything and checks that every committed picture is
 there: an ``<img>`` that loaded, drawn at its size, on its own white paper with dark ink, its
 caption in contrast, its
 texts styled inside the image. It does so in the light theme and in the dark one.
+
+A page without JupyterLab's CSS variables, as VS Code's output view is, gets both forms of a
+picture of sequences A to H and a full playground's picture, drawn fresh in its dark and its light
+colours: every text must contrast with what lies behind it, and every sequence colour keep 3:1
+against the page (inline: the blocks' computed fills against the page's background) or against the
+image's own paper (its pixels). The committed lessons are not measured so: their pictures are only
+as new as the last rebuild.
 
 The live widgets in both themes are checked by ``test_jupyterlab.py``.
 """
@@ -19,12 +26,13 @@ import shutil
 
 import pytest
 
+from paged_kv.pictures.plots import MIN_PAGE_CONTRAST, PAGE_BACKGROUNDS, PALETTE, contrast_ratio
 from tests.browser import harness
 
-pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson07]
+pytestmark = [pytest.mark.browser, pytest.mark.lesson04, pytest.mark.lesson08]
 
 THEMES = {"light": harness.LIGHT_THEME, "dark": harness.DARK_THEME}
-FRESH = ("07_sharing.ipynb", "04_decode_allocation.ipynb")
+FRESH = ("08_sharing.ipynb", "04_decode_allocation.ipynb")
 WHITE = [255, 255, 255, 255]
 INK = "rgb(34, 34, 34)"  # paged_kv.pictures.pool.CARD_INK, the image's ink
 
@@ -94,23 +102,43 @@ def test_a_lesson_opened_before_it_runs_shows_every_picture(browser, tmp_path, t
 
 # A page with none of JupyterLab's CSS variables, as VS Code's output view is: its own text colour
 # on its own background (VS Code's default dark and light editor colours).
-HOSTS = {"vscode-dark": ("#1F1F1F", "#CCCCCC"), "vscode-light": ("#FFFFFF", "#3B3B3B")}
+HOSTS = {"vscode-dark": (PAGE_BACKGROUNDS["vscode-dark"], "#CCCCCC"), "vscode-light": ("#FFFFFF", "#3B3B3B")}
+
+
+def eight_sequences():
+    """A pool of 16 blocks holding sequences A to H, one colour each; B is a fork of A."""
+    from paged_kv import PagedKVCacheAllocator
+
+    cache = PagedKVCacheAllocator(16, 4, 1, 1)
+    cache.allocate_for_sequence("A", 10)
+    cache.fork("A", "B")
+    for seq_id in "CDEFGH":
+        cache.allocate_for_sequence(seq_id, 3)
+    return cache.snapshot()
+
+
+def full_playground():
+    """A playground's picture (the widget's inline HTML) after eight 'add sequence': A to H."""
+    from paged_kv.pictures.widgets import AllocatorPlayground
+
+    playground = AllocatorPlayground(num_blocks=16, block_size=4)
+    for _ in range(8):
+        playground.add_sequence()
+    assert playground.cache.seq_ids == tuple("ABCDEFGH")
+    return playground.picture.value
 
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_both_forms_read_well_on_a_page_without_jupyterlabs_variables(page, host, screenshot):
-    from paged_kv import PagedKVCacheAllocator
     from paged_kv.pictures.pool import render_allocator
 
-    cache = PagedKVCacheAllocator(8, 4, 1, 1)
-    cache.allocate_for_sequence("A", 10)
-    cache.fork("A", "B")
-    snapshot = cache.snapshot()
+    snapshot = eight_sequences()
     background, colour = HOSTS[host]
     pictures = [
         render_allocator(snapshot, caption=f"inline={inline}", highlight=[1], inline=inline)
         for inline in (True, False)
     ]
+    pictures.append(full_playground())
     page.set_content(
         f'<body style="margin:8px;background-color:{background};color:{colour};font-family:sans-serif">'
         + "".join(f'<div class="picture">{picture}</div>' for picture in pictures)
@@ -118,6 +146,21 @@ def test_both_forms_read_well_on_a_page_without_jupyterlabs_variables(page, host
     )
     page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
     screenshot(page, host)
-    for index, what in enumerate(("the inline picture", "the image on its card")):
-        failures, checked = harness.low_contrast(page.locator(".picture").nth(index), 4.5)
-        assert checked >= (10 if index == 0 else 1) and not failures, (what, failures[:5])
+    described = ("the inline picture", "the image on its card", "the playground's picture")
+    for index, what in enumerate(described):
+        picture = page.locator(".picture").nth(index)
+        picture.scroll_into_view_if_needed()
+        failures, checked = harness.low_contrast(picture, 4.5)
+        assert checked >= (10 if index != 1 else 1) and not failures, (what, failures[:5])
+
+    # Every sequence's colour stands out on the page (3:1): inline, the blocks' computed fills
+    # against the page's background; in the image, its pixels against its own paper.
+    for index in (0, 2):
+        faint, colours, pages = harness.faint_sequence_fills(page.locator(".picture").nth(index))
+        assert pages == {background} and colours == set(PALETTE), (described[index], pages, colours)
+        assert not faint, (described[index], faint)
+    (image,) = harness.images(page.locator(".picture").nth(1))
+    paper = harness.hex_colour(image["corner"][:3])
+    fills = {harness.hex_colour(fill) for fill in image["fills"]}
+    assert paper == "#FFFFFF" and fills == set(PALETTE), (paper, fills)
+    assert all(contrast_ratio(fill, paper) >= MIN_PAGE_CONTRAST for fill in fills)

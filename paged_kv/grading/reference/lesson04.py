@@ -6,7 +6,7 @@
 ``finish_and_admit`` are lesson 04's teaching scheduler steps, written here on the package's cache
 (:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`). The package itself has one scheduler,
 :class:`~paged_kv.serving.scheduler.Scheduler`, whose admission rule keeps headroom for the next
-decode step (lessons 06, 08, 09); lesson 08 reuses ``decode_step`` as lesson 04's.
+decode step (lessons 07, 09, 11); lesson 11 reuses ``decode_step`` as lesson 04's.
 """
 
 from collections import deque as _deque

@@ -1,62 +1,30 @@
-"""Exercise 06 graded on the package: ``next_power_of_two`` and ``reserved_tokens`` are the size
-classes and the contiguous reservation of :mod:`paged_kv.simulation.workload`
-(``ContiguousPolicy.reservation`` delegates to ``reserved_tokens``). ``ContinuousBatcher`` is the
-exercise's teaching scheduler, contiguous reservations only: the package's one scheduler,
-:class:`~paged_kv.serving.scheduler.Scheduler`, which ``simulate`` runs, decides the same steps
-for a contiguous memory (the checks compare the two).
+"""Exercise 06 graded on the package: ``gqa_decode_attention`` is
+:func:`paged_kv.attention.paged.paged_attention` itself (it takes caches of fewer K/V heads than the
+query has, query head ``h`` reading K/V head ``h // (num_heads // num_kv_heads)``); ``packed_attention``
+is :func:`paged_kv.attention.paged.paged_prefill_attention` itself, and ``chunk_attention`` is that
+function on a batch of one sequence, all its query rows new. Their extra ``scale`` keeps its default,
+``1 / sqrt(head_dim)``. They are bound here at import, so the checks, which make
+``paged_kv.attention.paged``'s functions raise while a learner's code runs, still grade the package
+through them.
 """
 
-from collections import deque as _deque
-from dataclasses import dataclass as _dataclass
+from collections.abc import Sequence as _Sequence
 
-from paged_kv.simulation.workload import Request as _Request
-from paged_kv.simulation.workload import next_power_of_two, reserved_tokens
+import torch as _torch
 
-__all__ = ["ContinuousBatcher", "Running", "next_power_of_two", "reserved_tokens"]
+from paged_kv.attention.paged import paged_attention as gqa_decode_attention
+from paged_kv.attention.paged import paged_prefill_attention as packed_attention
 
-
-@_dataclass
-class Running:
-    """A sequence being served: its request, the slots reserved for it, the output tokens it holds."""
-
-    request: _Request
-    reserved: int
-    generated: int = 1  # its prefill samples the first output token
+__all__ = ["chunk_attention", "gqa_decode_attention", "packed_attention"]
 
 
-class ContinuousBatcher:
-    """Continuous batching with one contiguous reservation per sequence, first come first served."""
-
-    def __init__(self, budget_tokens: int, reserve) -> None:
-        self.free_tokens = budget_tokens
-        self.reserve = reserve  # request -> slots reserved for it at admission
-        self.waiting: _deque[_Request] = _deque()  # the oldest at the front
-        self.running: list[Running] = []  # in admission order
-
-    def step(self, arrivals=()) -> list:
-        """One step of the engine; returns the ids of the requests that finished in it."""
-        self.waiting.extend(arrivals)
-        self.decode()
-        self.admit()
-        return self.finish()
-
-    def decode(self) -> None:
-        """Every running sequence samples one more token."""
-        for seq in self.running:
-            seq.generated += 1
-
-    def admit(self) -> None:
-        """Admit from the front of the queue while the reservation fits; each prefills its first token."""
-        while self.waiting and self.reserve(self.waiting[0]) <= self.free_tokens:
-            request = self.waiting.popleft()
-            reserved = self.reserve(request)
-            self.free_tokens -= reserved
-            self.running.append(Running(request, reserved))
-
-    def finish(self) -> list:
-        """Release the sequences that hold all their output at once; return their ids."""
-        finished = [seq for seq in self.running if seq.generated == seq.request.output_tokens]
-        for seq in finished:
-            self.free_tokens += seq.reserved
-        self.running = [seq for seq in self.running if seq.generated < seq.request.output_tokens]
-        return [seq.request.request_id for seq in finished]
+def chunk_attention(
+    query: _torch.Tensor,
+    k_cache: _torch.Tensor,
+    v_cache: _torch.Tensor,
+    block_table: _torch.Tensor | _Sequence[int],
+    context_len: int,
+) -> _torch.Tensor:
+    """The last ``query.shape[0]`` of a sequence's ``context_len`` positions, attending causally."""
+    row = _torch.as_tensor(block_table, device=query.device)[None]
+    return packed_attention(query, k_cache, v_cache, row, [int(context_len)], [query.shape[0]])

@@ -1,86 +1,62 @@
-"""Exercise 07 graded on the package.
-
-``SharedCache`` is :class:`paged_kv.kv.cache.PagedKVCacheAllocator` seen as the exercise's class: its pool
-as ``allocator``, its tables as ``tables`` (the cache's own dict), and ``allocate_for_sequence``
-returning the block ids. ``fork`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.fork` and
-``append_token`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.append_tokens` of one token, which
-copies a shared block on write. ``block_hashes`` is :func:`paged_kv.core.prefix_cache.chain_hashes` of the
-prompt's :func:`~paged_kv.core.prefix_cache.full_blocks`. ``cached_prefix`` states, on the exercise's plain
-``{hash: (token_ids, block_id)}`` dict, the rule the package's prefix cache applies
-(:meth:`~paged_kv.core.prefix_cache.PrefixCache.match` under the limit of
-:meth:`~paged_kv.core.prefix_cache.CachingBlockAllocator.allocate_prompt`): the leading full blocks whose
-hash is cached with the same tokens, the first miss ending the run, at most ``len - 1`` tokens. The
-package also checks each hit's parent entry, which the exercise's dict does not hold.
+"""Exercise 07 graded on the package: ``next_power_of_two`` and ``reserved_tokens`` are the size
+classes and the contiguous reservation of :mod:`paged_kv.simulation.workload`
+(``ContiguousPolicy.reservation`` delegates to ``reserved_tokens``). ``ContinuousBatcher`` is the
+exercise's teaching scheduler, contiguous reservations only: the package's one scheduler,
+:class:`~paged_kv.serving.scheduler.Scheduler`, which ``simulate`` runs, decides the same steps
+for a contiguous memory (the checks compare the two).
 """
 
-from collections.abc import Hashable as _Hashable
-from collections.abc import Sequence as _Sequence
+from collections import deque as _deque
+from dataclasses import dataclass as _dataclass
 
-import torch as _torch
+from paged_kv.simulation.workload import Request as _Request
+from paged_kv.simulation.workload import next_power_of_two, reserved_tokens
 
-from paged_kv.core.block import BlockTable as _BlockTable
-from paged_kv.core.block_allocator import BlockAllocator as _BlockAllocator
-from paged_kv.core.prefix_cache import chain_hashes as _chain_hashes
-from paged_kv.core.prefix_cache import full_blocks as _full_blocks
-from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-
-__all__ = ["SharedCache", "append_token", "block_hashes", "cached_prefix", "fork"]
+__all__ = ["ContinuousBatcher", "Running", "next_power_of_two", "reserved_tokens"]
 
 
-class SharedCache(_PagedKVCacheAllocator):
-    """The package's paged cache, with the exercise's view of its state."""
+@_dataclass
+class Running:
+    """A sequence being served: its request, the slots reserved for it, the output tokens it holds."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_heads: int = 1,
-        head_dim: int = 1,
-        device: str | _torch.device = "cpu",
-    ) -> None:
-        super().__init__(num_blocks, block_size, num_heads, head_dim, device=device)
-
-    @property
-    def allocator(self) -> _BlockAllocator:
-        """The pool: its free list and ref counts."""
-        return self.manager.allocator
-
-    @property
-    def tables(self) -> dict[_Hashable, _BlockTable]:
-        """The live block tables, by sequence id (the manager's own dict, not a copy)."""
-        return self.manager.tables
-
-    def allocate_for_sequence(self, seq_id: _Hashable, num_tokens: int) -> list[int]:
-        """Give a new sequence the blocks for its prompt and return their ids, all or nothing."""
-        return super().allocate_for_sequence(seq_id, num_tokens).block_ids
+    request: _Request
+    reserved: int
+    generated: int = 1  # its prefill samples the first output token
 
 
-def fork(cache: SharedCache, parent_id: _Hashable, child_id: _Hashable) -> list[int]:
-    """Start ``child_id`` sharing every block of ``parent_id``; return the child's block ids."""
-    return cache.fork(parent_id, child_id).block_ids
+class ContinuousBatcher:
+    """Continuous batching with one contiguous reservation per sequence, first come first served."""
 
+    def __init__(self, budget_tokens: int, reserve) -> None:
+        self.free_tokens = budget_tokens
+        self.reserve = reserve  # request -> slots reserved for it at admission
+        self.waiting: _deque[_Request] = _deque()  # the oldest at the front
+        self.running: list[Running] = []  # in admission order
 
-def append_token(cache: SharedCache, seq_id: _Hashable) -> int | None:
-    """Grow the sequence by one token; the block it took (fresh, or a copy of a shared one), else None."""
-    taken = cache.append_tokens(seq_id, 1)
-    return taken[0] if taken else None
+    def step(self, arrivals=()) -> list:
+        """One step of the engine; returns the ids of the requests that finished in it."""
+        self.waiting.extend(arrivals)
+        self.decode()
+        self.admit()
+        return self.finish()
 
+    def decode(self) -> None:
+        """Every running sequence samples one more token."""
+        for seq in self.running:
+            seq.generated += 1
 
-def block_hashes(token_ids: _Sequence[int], block_size: int) -> list[int]:
-    """The chained hash of each full block of the prompt."""
-    return _chain_hashes(_full_blocks(token_ids, block_size))
+    def admit(self) -> None:
+        """Admit from the front of the queue while the reservation fits; each prefills its first token."""
+        while self.waiting and self.reserve(self.waiting[0]) <= self.free_tokens:
+            request = self.waiting.popleft()
+            reserved = self.reserve(request)
+            self.free_tokens -= reserved
+            self.running.append(Running(request, reserved))
 
-
-def cached_prefix(
-    token_ids: _Sequence[int], block_size: int, cache: dict[int, tuple[tuple[int, ...], int]]
-) -> list[int]:
-    """The block ids of the longest cached run of leading full blocks, at most ``len - 1`` tokens."""
-    blocks = _full_blocks(token_ids, block_size)
-    limit = max(0, (len(token_ids) - 1) // block_size)
-    hits = []
-    for tokens, block_hash in zip(blocks[:limit], _chain_hashes(blocks), strict=False):
-        entry = cache.get(block_hash)
-        if entry is None or tuple(entry[0]) != tokens:
-            break
-        hits.append(entry[1])
-    return hits
+    def finish(self) -> list:
+        """Release the sequences that hold all their output at once; return their ids."""
+        finished = [seq for seq in self.running if seq.generated == seq.request.output_tokens]
+        for seq in finished:
+            self.free_tokens += seq.reserved
+        self.running = [seq for seq in self.running if seq.generated < seq.request.output_tokens]
+        return [seq.request.request_id for seq in finished]

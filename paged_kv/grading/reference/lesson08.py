@@ -1,46 +1,86 @@
-"""Exercise 08 graded on the package: ``admit_with_watermark`` is the engine's admission rule,
-:func:`paged_kv.serving.memory.admits`, with the watermark's ``ceil(watermark * num_blocks)`` blocks kept
-free; ``choose_victims`` is :func:`paged_kv.serving.preemption.choose_victims`, and ``requeue`` puts the
-victims back at the front of the queue the way the engine does (``appendleft``, newest first);
-``swap_out`` and ``swap_in`` are :mod:`paged_kv.kv.swap` on one allocator, with the saved K/V as a
-``(k, v)`` pair instead of a :class:`~paged_kv.kv.swap.SwappedKV`.
+"""Exercise 08 graded on the package.
+
+``SharedCache`` is :class:`paged_kv.kv.cache.PagedKVCacheAllocator` seen as the exercise's class: its pool
+as ``allocator``, its tables as ``tables`` (the cache's own dict), and ``allocate_for_sequence``
+returning the block ids. ``fork`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.fork` and
+``append_token`` is :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.append_tokens` of one token, which
+copies a shared block on write. ``block_hashes`` is :func:`paged_kv.core.prefix_cache.chain_hashes` of the
+prompt's :func:`~paged_kv.core.prefix_cache.full_blocks`. ``cached_prefix`` states, on the exercise's plain
+``{hash: (token_ids, block_id)}`` dict, the rule the package's prefix cache applies
+(:meth:`~paged_kv.core.prefix_cache.PrefixCache.match` under the limit of
+:meth:`~paged_kv.core.prefix_cache.CachingBlockAllocator.allocate_prompt`): the leading full blocks whose
+hash is cached with the same tokens, the first miss ending the run, at most ``len - 1`` tokens. The
+package also checks each hit's parent entry, which the exercise's dict does not hold.
 """
 
-from collections import deque as _deque
 from collections.abc import Hashable as _Hashable
+from collections.abc import Sequence as _Sequence
 
 import torch as _torch
 
-from paged_kv.kv import swap as _swap
+from paged_kv.core.block import BlockTable as _BlockTable
+from paged_kv.core.block_allocator import BlockAllocator as _BlockAllocator
+from paged_kv.core.prefix_cache import chain_hashes as _chain_hashes
+from paged_kv.core.prefix_cache import full_blocks as _full_blocks
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.serving.memory import admits as _admits
-from paged_kv.serving.memory import watermark_blocks
-from paged_kv.serving.preemption import choose_victims
 
-__all__ = ["admit_with_watermark", "choose_victims", "requeue", "swap_in", "swap_out"]
+__all__ = ["SharedCache", "append_token", "block_hashes", "cached_prefix", "fork"]
 
 
-def admit_with_watermark(
-    num_free_blocks: int, prompt_blocks: int, num_running: int, num_blocks: int, watermark: float
-) -> bool:
-    """The prompt blocks, one of headroom per running sequence (itself included), the watermark: all free."""
-    return _admits(num_free_blocks, prompt_blocks, num_running, watermark_blocks(watermark, num_blocks))
+class SharedCache(_PagedKVCacheAllocator):
+    """The package's paged cache, with the exercise's view of its state."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int = 1,
+        head_dim: int = 1,
+        device: str | _torch.device = "cpu",
+    ) -> None:
+        super().__init__(num_blocks, block_size, num_heads, head_dim, device=device)
+
+    @property
+    def allocator(self) -> _BlockAllocator:
+        """The pool: its free list and ref counts."""
+        return self.manager.allocator
+
+    @property
+    def tables(self) -> dict[_Hashable, _BlockTable]:
+        """The live block tables, by sequence id (the manager's own dict, not a copy)."""
+        return self.manager.tables
+
+    def allocate_for_sequence(self, seq_id: _Hashable, num_tokens: int) -> list[int]:
+        """Give a new sequence the blocks for its prompt and return their ids, all or nothing."""
+        return super().allocate_for_sequence(seq_id, num_tokens).block_ids
 
 
-def requeue(waiting: _deque, victims: list) -> None:
-    """Put ``victims`` (newest first) at the front of ``waiting``, the oldest victim first."""
-    waiting.extendleft(victims)
+def fork(cache: SharedCache, parent_id: _Hashable, child_id: _Hashable) -> list[int]:
+    """Start ``child_id`` sharing every block of ``parent_id``; return the child's block ids."""
+    return cache.fork(parent_id, child_id).block_ids
 
 
-def swap_out(allocator: _PagedKVCacheAllocator, seq_id: _Hashable) -> tuple[_torch.Tensor, _torch.Tensor]:
-    """The sequence's K and V copied to host memory; its blocks freed."""
-    saved = _swap.swap_out(allocator.manager, allocator.storage, seq_id)
-    return saved.k[0], saved.v[0]
+def append_token(cache: SharedCache, seq_id: _Hashable) -> int | None:
+    """Grow the sequence by one token; the block it took (fresh, or a copy of a shared one), else None."""
+    taken = cache.append_tokens(seq_id, 1)
+    return taken[0] if taken else None
 
 
-def swap_in(
-    allocator: _PagedKVCacheAllocator, seq_id: _Hashable, saved: tuple[_torch.Tensor, _torch.Tensor]
-) -> None:
-    """Fresh blocks for the saved tokens, the K and V copied back; all or nothing."""
-    k, v = saved
-    _swap.swap_in(allocator.manager, allocator.storage, seq_id, _swap.SwappedKV(k.shape[0], (k,), (v,)))
+def block_hashes(token_ids: _Sequence[int], block_size: int) -> list[int]:
+    """The chained hash of each full block of the prompt."""
+    return _chain_hashes(_full_blocks(token_ids, block_size))
+
+
+def cached_prefix(
+    token_ids: _Sequence[int], block_size: int, cache: dict[int, tuple[tuple[int, ...], int]]
+) -> list[int]:
+    """The block ids of the longest cached run of leading full blocks, at most ``len - 1`` tokens."""
+    blocks = _full_blocks(token_ids, block_size)
+    limit = max(0, (len(token_ids) - 1) // block_size)
+    hits = []
+    for tokens, block_hash in zip(blocks[:limit], _chain_hashes(blocks), strict=False):
+        entry = cache.get(block_hash)
+        if entry is None or tuple(entry[0]) != tokens:
+            break
+        hits.append(entry[1])
+    return hits

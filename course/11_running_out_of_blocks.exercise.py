@@ -1,0 +1,245 @@
+# %% [markdown]
+# # Exercise 11 · Running out of blocks
+#
+# In this exercise you write the three decisions of lesson 11 that keep a paged engine going when
+# its blocks run out: the admission rule with a watermark, the choice of which sequences to preempt
+# (and where they wait afterwards), and the swap of a sequence's K/V to host memory and back. Each
+# task says what to build and how it is checked; the cell after it runs the check and prints a
+# tick, or tells you which call gave which wrong answer.
+#
+# Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
+# cell, then its check cell. The finished versions are `paged_kv.serving.memory.admits`,
+# `paged_kv.serving.preemption.choose_victims` and `paged_kv.kv.swap`; try without looking first.
+#
+# When every task passes, save the notebook and grade the whole exercise from a terminal in the
+# repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
+# `.venv/bin/python -m paged_kv.grade my_course/exercises/11_running_out_of_blocks.ipynb`
+# prints each task's points and what went wrong where a task lost them. A copy under another name
+# grades too: the notebook records its lesson.
+
+# %%
+import math
+from collections import deque
+
+import torch
+
+import paged_kv
+from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.checks import check
+
+device = paged_kv.default_device()
+
+# %% [markdown]
+# ## Task 1 · Admission with a watermark
+#
+# Lesson 09's engine admits the request at the front of the queue when the blocks of its prompt,
+# plus **one block of headroom per running sequence, the new one included**, are free. The
+# watermark adds a reserve on top: a fraction `watermark` of *all* the pool's `num_blocks` blocks,
+# rounded **up** to whole blocks, `ceil(watermark * num_blocks)`, that admission leaves free for the
+# decode steps after the next one.
+#
+# Write `admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark)`:
+# whether a request whose prompt takes `prompt_blocks` blocks is admitted next to `num_running`
+# running sequences (not counting itself), when `num_free_blocks` of the pool's `num_blocks` blocks
+# are free. Return a `bool`.
+#
+# **Checked:** a watermark of 0 (lesson 09's rule: 6 free blocks admit a 3-block prompt next to 2
+# running sequences, 5 do not); a 10 % watermark of 40 blocks (4 kept free); 1 % of 50 blocks, half
+# a block, which keeps 1 block free, not 0; 10 % of 100 blocks with only 20 free (the watermark is
+# of all the blocks, not of the free ones); half of 16 blocks; that the result is a `bool`; and
+# agreement with `paged_kv.serving.memory.admits` on a grid of cases one block either side of the rule.
+
+
+# %%
+def admit_with_watermark(
+    num_free_blocks: int, prompt_blocks: int, num_running: int, num_blocks: int, watermark: float
+) -> bool:
+    """Whether the prompt's blocks, num_running + 1 blocks of headroom and the watermark's blocks are free."""
+    ### BEGIN SOLUTION: keep ceil(watermark * num_blocks) blocks free (math.ceil rounds up), besides the prompt's blocks and num_running + 1 of headroom
+    keep_free = math.ceil(watermark * num_blocks)
+    return prompt_blocks + (num_running + 1) + keep_free <= num_free_blocks
+    ### END SOLUTION
+
+
+# %%
+check("11.admit_with_watermark", admit_with_watermark)
+
+# %% [markdown]
+# ## Task 2 · Who is preempted, and where they wait
+#
+# Before a decode step, the engine counts the new blocks the step needs: one for each running
+# sequence whose blocks are full. When more are needed than are free, it preempts sequences, the
+# **newest first**, until the step fits. Each victim helps twice: its blocks become free, and it no
+# longer decodes in this step, so its own need goes too. The oldest sequence is never preempted:
+# with nothing running, nothing would ever finish.
+#
+# Write `choose_victims(running, num_free_blocks)`. `running` lists the running sequences in
+# admission order, oldest first, each as a tuple `(seq_id, blocks, needs_block)`: the blocks it
+# holds (all of which preempting it frees) and whether its next token needs a new block (`True` or
+# `False`). Return the list of the victims' ids, newest first (`[]` when the step fits already).
+# Leave `running` as it is. When even the oldest sequence alone does not fit, raise
+# `OutOfBlocksError(needed, free)`.
+#
+# Then write `requeue(waiting, victims)`: put the victims, given newest first as `choose_victims`
+# returns them, back at the **front** of `waiting`, a `deque` of ids, in place. They were admitted
+# before every request still waiting, so they come first, and among them the oldest victim first.
+#
+# **Checked:** steps that fit (nobody preempted); one victim whose blocks cover the others; two
+# victims; a victim that needs no block but frees two; a victim that holds no block; the list
+# `running` after the call; two cases where the oldest alone does not fit (`OutOfBlocksError`);
+# agreement with `paged_kv.serving.preemption.choose_victims` on 300 random cases; and `requeue` with two
+# victims before two waiting requests, into an empty queue, with no victims, and with three victims.
+
+
+# %%
+def choose_victims(running: list[tuple], num_free_blocks: int) -> list:
+    """The ids of the sequences to preempt, newest first, so that the others' next decode step fits."""
+    ### BEGIN SOLUTION: count the blocks needed; while more are needed than are free, take the newest sequence not yet taken (never the oldest: raise OutOfBlocksError), add its blocks to the free ones and take its need away
+    needed = sum(needs for _, _, needs in running)
+    free = num_free_blocks
+    victims = []
+    while needed > free:
+        if len(victims) == len(running) - 1:
+            raise OutOfBlocksError(needed, free, "the oldest running sequence alone")
+        seq_id, blocks, needs = running[-1 - len(victims)]
+        victims.append(seq_id)
+        free += blocks
+        needed -= needs
+    return victims
+    ### END SOLUTION
+
+
+def requeue(waiting: deque, victims: list) -> None:
+    """Put the victims (newest first) at the front of waiting, the oldest victim first."""
+    ### BEGIN SOLUTION: appendleft each victim in the order given: the newest goes in first and ends up behind the older ones
+    for seq_id in victims:
+        waiting.appendleft(seq_id)
+    ### END SOLUTION
+
+
+# %%
+check("11.choose_victims", choose_victims, requeue)
+
+# %% [markdown]
+# ## Task 3 · Swapping out and back in
+#
+# Preemption by swap keeps a victim's work: its K and V go to host memory, its blocks go back to the
+# pool, and when blocks are free again it gets fresh ones, whichever they are, and its K and V are
+# copied into them. Write, for one `PagedKVCacheAllocator`:
+#
+# * `swap_out(allocator, seq_id)`: return the sequence's K and V as a tuple `(k, v)` of **CPU**
+#   tensors of shape `(num_tokens, num_heads, head_dim)` (`read_kv` gathers them from the blocks;
+#   `.cpu()` copies them to the host when the pool is on a GPU), then free the sequence. An unknown
+#   `seq_id` raises `KeyError` and frees nothing.
+# * `swap_in(allocator, seq_id, saved)`: give `seq_id` blocks for every saved token and write the
+#   saved K and V back, on the allocator's device. All or nothing: when too few blocks are free,
+#   raise `OutOfBlocksError` and change nothing; a `seq_id` that is allocated already is a
+#   `ValueError`, and changes nothing either. `allocate_for_sequence` raises both for you, before
+#   anything is written.
+#
+# **Checked**, on pools of blocks of 4 on `paged_kv.default_device()` full of stale random K/V:
+# sequences of 6, 8 and 1 tokens swapped out next to another sequence (the saved tensors' shapes,
+# device, values, and the blocks freed), another sequence writing over every free block while they
+# are out (the saved K/V must not change), then swapped back in, into other physical blocks (the
+# length, the K/V read back, the free blocks); a swap-in with too few free blocks; a swap-in of a
+# sequence that is allocated; a swap-out of an unknown sequence.
+
+
+# %%
+def swap_out(allocator: PagedKVCacheAllocator, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence's K and V copied to host memory, as (k, v); then its blocks are freed."""
+    ### BEGIN SOLUTION: read_kv, copy both tensors to the CPU (.cpu()), then free_sequence
+    k, v = allocator.read_kv(seq_id)
+    saved = (k.cpu(), v.cpu())
+    allocator.free_sequence(seq_id)
+    return saved
+    ### END SOLUTION
+
+
+def swap_in(allocator: PagedKVCacheAllocator, seq_id, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Fresh blocks for the saved tokens, and the saved K and V written back; all or nothing."""
+    ### BEGIN SOLUTION: allocate_for_sequence(seq_id, k.shape[0]) (it raises before anything changes), then write_kv with k and v moved to allocator.device
+    k, v = saved
+    allocator.allocate_for_sequence(seq_id, k.shape[0])
+    allocator.write_kv(seq_id, k.to(allocator.device), v.to(allocator.device))
+    ### END SOLUTION
+
+
+# %%
+check("11.swap_round_trip", swap_out, swap_in)
+
+# %% [markdown]
+# ## Putting it together
+#
+# A bookkeeping engine built from your three functions. Eight sequences arrive at once, each with
+# a prompt and a final length; every step, swapped-out sequences come back first while they fit,
+# then (when none is left out) waiting requests are admitted under the watermark, then your
+# `choose_victims` makes room, the victims are swapped out and requeued, and every running sequence
+# gains one token. The K and V of token `p` of sequence `s` are the number `100 * s + p` (and its
+# negative), so when a sequence finishes, its K/V must read back as exactly those numbers, however
+# many times it went to host memory and came back in other blocks. Try other watermarks, or fewer
+# blocks.
+
+
+# %%
+def kv_of(seq: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of tokens first .. first + count - 1 of sequence seq: 100 * seq + position, and minus that."""
+    k = torch.arange(100 * seq + first, 100 * seq + first + count, dtype=torch.float32, device=device)
+    return k.view(-1, 1, 1), -k.view(-1, 1, 1)
+
+
+def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: float) -> None:
+    """Run (seq, prompt_tokens, final_tokens) requests to the end; print what happened."""
+    allocator = PagedKVCacheAllocator(num_blocks, 4, 1, 1, device=device)
+    final = {seq: total for seq, _, total in requests}
+    waiting, swapped, running, saved = deque(requests), deque(), [], {}
+    steps = preemptions = intact = 0
+    while waiting or swapped or running:
+        while swapped and admit_with_watermark(
+            allocator.num_free_blocks,
+            blocks_for_tokens(len(saved[swapped[0]][0]), 4),
+            len(running),
+            num_blocks,
+            0,
+        ):
+            seq = swapped.popleft()
+            swap_in(allocator, seq, saved.pop(seq))
+            running.append(seq)
+        while not swapped and waiting:
+            seq, prompt, _ = waiting[0]
+            if not admit_with_watermark(
+                allocator.num_free_blocks, blocks_for_tokens(prompt, 4), len(running), num_blocks, watermark
+            ):
+                break
+            waiting.popleft()
+            allocator.allocate_for_sequence(seq, prompt)
+            allocator.write_kv(seq, *kv_of(seq, 0, prompt))
+            running.append(seq)
+        candidates = [(s, len(allocator.get_block_mapping(s)), allocator.needs_new_block(s)) for s in running]
+        victims = choose_victims(candidates, allocator.num_free_blocks)
+        for seq in victims:
+            saved[seq] = swap_out(allocator, seq)
+            running.remove(seq)
+        requeue(swapped, victims)
+        preemptions += len(victims)
+        for seq in running:
+            length = allocator.sequence_length(seq)
+            allocator.append_tokens(seq, 1)
+            allocator.write_kv(seq, *kv_of(seq, length, 1), start_position=length)
+        for seq in [s for s in running if allocator.sequence_length(s) == final[s]]:
+            k, v = allocator.read_kv(seq)
+            intact += torch.equal(k, kv_of(seq, 0, final[seq])[0]) and torch.equal(
+                v, kv_of(seq, 0, final[seq])[1]
+            )
+            allocator.free_sequence(seq)
+            running.remove(seq)
+        steps += 1
+    print(
+        f"{num_blocks} blocks, watermark {watermark}: {steps} steps, {preemptions} preemptions, "
+        f"{intact} of {len(requests)} sequences with intact K/V, {allocator.num_free_blocks} blocks free at the end"
+    )
+
+
+burst = [(seq, 3 + seq % 4, 24 + 2 * seq) for seq in range(8)]
+serve(burst, num_blocks=16, watermark=0.0)
+serve(burst, num_blocks=16, watermark=0.25)

@@ -1,0 +1,12 @@
+"""The factor 2 forgotten: only K counted, as if the cache kept no V."""
+
+from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+
+BREAKS = "10.kv_bytes_per_token"
+MESSAGE = "K and V are counted once"
+
+
+def kv_bytes_per_token(config, bytes_per_number):
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * num_kv_heads * head_dim * bytes_per_number  # the mistake: no 2

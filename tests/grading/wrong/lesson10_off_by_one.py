@@ -1,6 +1,0 @@
-"""The live slots of a block counted from position 1: the last token of each sequence is never attended."""
-
-from tests.grading.wrong._kernels import off_by_one as paged_decode_kernel
-
-BREAKS = "10.paged_decode_kernel"
-MESSAGE = "a token's position is off by one"

@@ -1,6 +1,0 @@
-"""Only the padding to a power of two is masked: the last block's slots past context_len are attended."""
-
-from tests.grading.wrong._kernels import tail_unmasked as paged_decode_kernel
-
-BREAKS = "10.paged_decode_kernel"
-MESSAGE = "the tail of the last block is not masked"

@@ -1,0 +1,13 @@
+"""The watermark taken as a fraction of the blocks free now instead of all the blocks."""
+
+import math
+
+from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+
+BREAKS = "11.admit_with_watermark"
+MESSAGE = "not of the blocks free now"
+
+
+def admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark):
+    keep_free = math.ceil(watermark * num_free_blocks)  # the mistake: should be num_blocks
+    return prompt_blocks + num_running + 1 + keep_free <= num_free_blocks

@@ -1,0 +1,6 @@
+"""The block loop runs to context_len // BLOCK_SIZE: a partly full last block is never visited."""
+
+from tests.grading.wrong._kernels import loop_rounds_down as paged_decode_kernel
+
+BREAKS = "12.paged_decode_kernel"
+MESSAGE = "the block loop stops one block short when the last block is partly full: context_len // BLOCK_SIZE"
