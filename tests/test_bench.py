@@ -28,7 +28,7 @@ from _timing import FLAT_LIMIT  # noqa: E402
 from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator  # noqa: E402
 from paged_kv.attention.paged import gather_kv  # noqa: E402
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted  # noqa: E402
-from paged_kv.core.mapping import slot_mapping  # noqa: E402
+from paged_kv.kv.slots import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402

@@ -9,6 +9,7 @@ as grey, so it never depends on colour alone.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -16,6 +17,9 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.snapshot import AllocatorSnapshot
+
+if TYPE_CHECKING:
+    from paged_kv.serving.engine import EngineResult
 
 # The pages a sequence colour is drawn on. The widgets and the inline picture paint no background
 # of their own: they sit on the page of JupyterLab's light theme or VS Code's light one (white),
@@ -576,4 +580,29 @@ def plot_memory_shares(
     ax.spines[["top", "right"]].set_visible(False)
     if title:
         ax.set_title(title, loc="left", fontsize=11)
+    return ax
+
+
+def plot_metrics(result: EngineResult, ax: Axes | None = None) -> Axes:
+    """Running and waiting (and swapped, if any) sequences per step, with utilization on a second
+    axis, from an :class:`~paged_kv.serving.engine.EngineResult`; returns ``ax``."""
+    ax = _axes(ax, (8, 3.5))
+    steps = range(result.steps)
+    ax.plot(steps, result.running, label="running", color="#0072B2")
+    ax.plot(steps, result.waiting, label="waiting", color="#E69F00", linestyle="--")
+    if any(result.swapped):
+        ax.plot(steps, result.swapped, label="swapped", color="#CC79A7", linestyle="-.")
+    ax.set_xlabel("step")
+    ax.set_ylabel("sequences")
+    reasons = ", ".join(f"{n} by {reason}" for reason, n in result.preemptions_by_reason.items() if n)
+    ax.set_title(
+        f"{result.mode}: {result.budget_tokens} token slots, {result.preemptions} preemptions"
+        + (f" ({reasons})" if reasons else "")
+    )
+    twin = ax.twinx()
+    twin.plot(steps, result.utilization, label="utilization", color="#009E73", linestyle=":")
+    twin.set_ylim(0, 1.05 * max([1.0, *result.utilization]))  # above 1 only when blocks are shared
+    twin.set_ylabel("utilization (held / reserved)")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
     return ax
