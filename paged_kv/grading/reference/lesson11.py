@@ -10,10 +10,9 @@ front of the queue the way the scheduler does (``appendleft``, newest first);
 
 from collections import deque as _deque
 from collections.abc import Hashable as _Hashable
+from collections.abc import Sequence as _Sequence
 
 import torch as _torch
-
-from collections.abc import Sequence as _Sequence
 
 from paged_kv.errors import OutOfBlocksError as _OutOfBlocksError
 from paged_kv.kv import swap as _swap
@@ -95,7 +94,7 @@ def choose_victims(running: _Sequence[_Candidate], num_free_blocks: int) -> list
 
 
 def _check_running(running: object) -> list[_Candidate]:
-    if isinstance(running, str | bytes) or not isinstance(running, Sequence):
+    if isinstance(running, str | bytes) or not isinstance(running, _Sequence):
         raise ValueError(f"running must be a list of (seq_id, blocks, needs_block) tuples, got {running!r}")
     seen: set[_Hashable] = set()
     candidates = []
