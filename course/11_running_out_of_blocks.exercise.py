@@ -179,13 +179,13 @@ check("11.swap_round_trip", swap_out, swap_in)
 # %% [markdown]
 # ## Putting it together
 #
-# A bookkeeping engine built from your three functions, in the order of vLLM's step. Eight
-# sequences arrive at once, each with a prompt and a final length. Every step, swapped-out
-# sequences come back first while their K/V and next token fit; then your `choose_victims` makes
-# room for the running sequences' next tokens, the victims are swapped out and requeued, and every
-# running sequence gains one token; then, only if nobody was preempted and nobody is swapped out,
-# waiting requests are admitted under your watermark rule (their prefill: they decode from the next
-# step). The K and V of token `p` of sequence `s` are the number `100 * s + p` (and its negative),
+# A bookkeeping engine built from your three functions, in the order of the course's scheduler.
+# Eight sequences arrive at once, each with a prompt and a final length. Every step, your
+# `choose_victims` makes room for the running sequences' next tokens, the victims are swapped out
+# and requeued, and every running sequence gains one token; then, only if nobody was preempted,
+# swapped-out sequences come back while their K/V and next token fit, and, only if none is left
+# out, waiting requests are admitted under your watermark rule (both decode from the next step).
+# The K and V of token `p` of sequence `s` are the number `100 * s + p` (and its negative),
 # so when a sequence finishes, its K/V must read back as exactly those numbers, however many times
 # it went to host memory and came back in other blocks. Try other watermarks, or fewer blocks.
 
@@ -204,16 +204,6 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
     waiting, swapped, running, saved = deque(requests), deque(), [], {}
     steps = preemptions = intact = 0
     while waiting or swapped or running:
-        while swapped and admit_with_watermark(  # its K/V and its next token, no watermark
-            allocator.num_free_blocks,
-            blocks_for_tokens(len(saved[swapped[0]][0]) + 1, 4),
-            len(running),
-            num_blocks,
-            0,
-        ):
-            seq = swapped.popleft()
-            swap_in(allocator, seq, saved.pop(seq))
-            running.append(seq)
         candidates = [(s, len(allocator.get_block_mapping(s)), allocator.needs_new_block(s)) for s in running]
         victims = choose_victims(candidates, allocator.num_free_blocks)
         for seq in victims:
@@ -225,6 +215,16 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
             length = allocator.sequence_length(seq)
             allocator.append_tokens(seq, 1)
             allocator.write_kv(seq, *kv_of(seq, length, 1), start_position=length)
+        while not victims and swapped and admit_with_watermark(  # its K/V and next token, no watermark
+            allocator.num_free_blocks,
+            blocks_for_tokens(len(saved[swapped[0]][0]) + 1, 4),
+            len(running),
+            num_blocks,
+            0,
+        ):
+            seq = swapped.popleft()
+            swap_in(allocator, seq, saved.pop(seq))
+            running.append(seq)
         while not victims and not swapped and waiting:
             seq, prompt, _ = waiting[0]
             if not admit_with_watermark(
