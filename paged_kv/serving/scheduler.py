@@ -6,10 +6,7 @@ workload (:func:`~paged_kv.simulation.sharing.serve`), the last two with a runne
 tokens. It is vLLM v1's scheduler (``Scheduler.schedule`` and ``Scheduler.update_from_output`` in
 ``vllm/v1/core/sched/scheduler.py``, vLLM 0.33.0), first come first served:
 
-1. **swap-in** (only after a swap preemption, which vLLM v1 does not have: the course keeps the
-   paper's second way, lesson 11): swapped-out requests come back, oldest first, while their
-   blocks and their next token fit; each decodes this step;
-2. **the running requests, in list order** (admission order): each is given
+1. **the running requests, in list order** (admission order): each is given
    ``num_scheduled_tokens = min(tokens not yet computed, budget left)`` (one for a decode, the rest
    of its prompt for a partial prefill) and the memory's
    :meth:`~paged_kv.serving.protocols.KVMemory.allocate_slots` is asked for their slots **now**,
@@ -19,6 +16,10 @@ tokens. It is vLLM v1's scheduler (``Scheduler.schedule`` and ``Scheduler.update
    K/V copied to host memory by the runner, its blocks freed), and the slots are asked for again;
    when the request itself was the newest, it is preempted and the loop ends. Decodes come
    before the partial prefill only because a partly prefilled request is always the newest;
+2. **swap-in**, when nobody was preempted in this step (only after a swap preemption, which vLLM
+   v1 does not have: the course keeps the paper's second way, lesson 11, in vLLM V0's order):
+   swapped-out requests come back, oldest first, while their blocks and their next token fit;
+   each decodes this step;
 3. **admission**, when nobody was preempted in this step and nothing is swapped out: waiting
    requests, oldest first, while ``max_num_seqs`` and the budget allow. The prefix cache is
    looked up (:meth:`~paged_kv.serving.protocols.KVMemory.get_computed_blocks`), and the request
@@ -278,8 +279,8 @@ class Scheduler:
         self.waiting.append(Request(request))
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step (see the module): swap-ins, the running requests' tokens and blocks,
-        preemptions, admissions; then advance each scheduled request's computed tokens.
+        """Decide this step (see the module): the running requests' tokens and blocks, preemptions,
+        swap-ins, admissions; then advance each scheduled request's computed tokens.
 
         Raises:
             RuntimeError: nothing is scheduled while requests wait (a memory whose answers
@@ -288,10 +289,11 @@ class Scheduler:
         if self._output is not None:
             raise RuntimeError(f"step {self._step} was scheduled already: call update_from_output first")
         step = _Step(self.max_num_batched_tokens)
-        self._swap_in(step)
         self._schedule_running(step)
-        if not step.preemptions and not self.swapped:
-            self._admit(step)
+        if not step.preemptions:
+            self._swap_in(step)
+            if not self.swapped:
+                self._admit(step)
         if not step.num_scheduled and self.has_unfinished_requests:
             raise RuntimeError(
                 f"step {self._step}: nothing can run, yet requests wait; the memory has "
@@ -391,9 +393,6 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget_left != 0:
             request = self.running[index]
-            if request.request_id in step.num_scheduled:  # swapped in this step
-                index += 1
-                continue
             num_new = step.clip(request.num_tokens - request.num_computed_tokens)
             while True:
                 block_ids = self.memory.allocate_slots(request.request, num_new, request.all_token_ids)
