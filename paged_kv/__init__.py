@@ -37,8 +37,9 @@ from paged_kv.model.hub import load_model
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import Scheduler, SchedulerOutput
+from paged_kv.serving.scheduler import Scheduler
 from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
 

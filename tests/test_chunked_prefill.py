@@ -49,7 +49,9 @@ def paged(num_blocks: int, block_size: int, *, caching: bool = False) -> KVCache
 
 def schedules(scheduler: Scheduler, arrivals) -> list[tuple]:
     """Each step's ``(request, tokens)`` pairs, with a counting runner."""
-    return [tuple(out.num_scheduled_tokens.items()) for out, _ in run_steps(scheduler, CountingRunner(), arrivals)]
+    return [
+        tuple(out.num_scheduled_tokens.items()) for out, _ in run_steps(scheduler, CountingRunner(), arrivals)
+    ]
 
 
 def workload(seed: int, n: int = 8, longest: int = 30, shared: int = 0) -> list[EngineRequest]:
@@ -127,7 +129,12 @@ def test_with_prefix_caching_the_first_chunk_starts_after_the_cached_blocks():
             [(0, SchedulerRequest("a", 7, 1, prompt)), (5, SchedulerRequest("b", 7, 1, prompt))],
         )
     )
-    b = [(new.num_computed_tokens, out.num_scheduled_tokens["b"]) for out, _ in steps for new in out.scheduled_new_reqs if new.req_id == "b"]
+    b = [
+        (new.num_computed_tokens, out.num_scheduled_tokens["b"])
+        for out, _ in steps
+        for new in out.scheduled_new_reqs
+        if new.req_id == "b"
+    ]
     assert b == [(6, 1)]  # three blocks hit: only the last prompt token runs
 
 
@@ -241,7 +248,9 @@ def preempting_workload() -> list[EngineRequest]:
 def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tokens(model):
     requests = preempting_workload()
     budget = 3
-    engine = Engine(model, num_blocks=min_num_blocks(requests, 4), block_size=4, max_num_batched_tokens=budget)
+    engine = Engine(
+        model, num_blocks=min_num_blocks(requests, 4), block_size=4, max_num_batched_tokens=budget
+    )
     outputs = []
     build = engine._new_step_loop
 
@@ -250,7 +259,15 @@ def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tok
         execute = runner.execute_model
 
         def execute_model(output):
-            outputs.append((output, {r.request_id: (r.num_computed_tokens, r.num_tokens, len(r.output_token_ids)) for r in scheduler.running}))
+            outputs.append(
+                (
+                    output,
+                    {
+                        r.request_id: (r.num_computed_tokens, r.num_tokens, len(r.output_token_ids))
+                        for r in scheduler.running
+                    },
+                )
+            )
             return execute(output)
 
         runner.execute_model = execute_model
@@ -262,7 +279,7 @@ def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tok
     for output, state in outputs:
         assert output.total_num_scheduled_tokens <= budget
         for new in output.scheduled_new_reqs:
-            computed, num_tokens, generated = state[new.req_id]
+            _, num_tokens, generated = state[new.req_id]
             if generated:  # a resume: its prompt and the tokens it had generated, from 0
                 resumed += 1
                 assert new.num_computed_tokens == 0 and len(new.token_ids) == num_tokens
@@ -342,7 +359,11 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
             return
         running = self.scheduler.running
         assert len(running) <= self.budget
-        partial = [i for i, r in enumerate(running) if r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids]
+        partial = [
+            i
+            for i, r in enumerate(running)
+            if r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
+        ]
         assert partial in ([], [len(running) - 1])
 
     @invariant()
@@ -353,7 +374,9 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         places += [r.request_id for r in self.scheduler.waiting] + list(self.finished)
         assert sorted(places) == sorted(self.added)
         if not self.memory.enable_prefix_caching:  # shared blocks count once
-            used = sum(blocks_for_tokens(r.num_computed_tokens, self.block_size) for r in self.scheduler.running)
+            used = sum(
+                blocks_for_tokens(r.num_computed_tokens, self.block_size) for r in self.scheduler.running
+            )
             assert self.memory.num_free_blocks == self.num_blocks - used
 
 

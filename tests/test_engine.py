@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.pictures.plots import plot_metrics
 from paged_kv.serving.engine import (
     Engine,
     EngineRequest,
@@ -18,7 +19,6 @@ from paged_kv.serving.engine import (
     min_num_blocks,
     sweep_budgets,
 )
-from paged_kv.pictures.plots import plot_metrics
 from paged_kv.serving.memory import watermark_blocks
 
 from .helpers import alone, max_examples
@@ -228,7 +228,10 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
         ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs"),
         ({"num_blocks": 4, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"num_blocks": 4, "attention_strategy": "magic"}, "attention_strategy"),
-        ({"num_blocks": 4, "mode": "contiguous", "max_model_len": 64, "enable_prefix_caching": True}, "prefix"),
+        (
+            {"num_blocks": 4, "mode": "contiguous", "max_model_len": 64, "enable_prefix_caching": True},
+            "prefix",
+        ),
         ({"num_blocks": 4, "preemption": "drop"}, "preemption"),
         ({"num_blocks": 4, "preemption": None}, "preemption"),
         ({"num_blocks": 4, "watermark": -0.1}, "watermark"),

@@ -246,12 +246,31 @@ def test_physical_location_refuses_what_is_not_a_count(position, block_size):
 def test_slot_mapping_on_a_plain_tensor_table(device):
     table = torch.tensor([5, 2, 7], device=device)
     positions = torch.tensor([10, 0, 4, 5], device=device)
-    slots = slots.slot_mapping(table, positions, 4)
-    assert slots.tolist() == [30, 20, 8, 9]
-    assert slots.dtype == torch.long and slots.device == positions.device
+    got = slots.slot_mapping(table, positions, 4)
+    assert got.tolist() == [30, 20, 8, 9]
+    assert got.dtype == torch.long and got.device == positions.device
     # An int32 table, as block_tables_tensor gives, still yields long slots.
     assert slots.slot_mapping(table.int(), positions, 4).dtype == torch.long
     assert slots.slot_mapping(table, positions[:0], 4).tolist() == []
+
+
+def test_slot_mapping_of_a_batch_reads_each_tokens_row(device):
+    # Two requests' rows, padded: token t is position positions[t] of the request in rows[t].
+    table = torch.tensor([[5, 2, -1], [7, 0, 3]], dtype=torch.int32, device=device)
+    positions = torch.tensor([5, 0, 1, 9], device=device)
+    rows = torch.tensor([0, 1, 1, 1], device=device)
+    got = slots.slot_mapping(table, positions, 4, rows=rows)
+    assert got.tolist() == [9, 28, 29, 13] and got.dtype == torch.long
+    one_by_one = [
+        slots.slot_mapping(table[r].long(), positions[t : t + 1], 4).item()
+        for t, r in enumerate(rows.tolist())
+    ]
+    assert got.tolist() == one_by_one
+
+
+def test_physical_locations_of_many_positions(device):
+    table = torch.tensor([5, 2, 7], device=device)
+    positions = torch.tensor([10, 0, 4, 5], device=device)
     blocks, offsets = slots.physical_locations(table, positions, 4)
     assert blocks.tolist() == [7, 5, 2, 2] and offsets.tolist() == [2, 0, 0, 1]
 

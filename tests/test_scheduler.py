@@ -206,7 +206,9 @@ def test_swap_preemption_moves_the_blocks_and_brings_them_back():
 
 
 def test_contiguous_memory_reserves_at_admission_and_never_preempts():
-    memory = ContiguousMemory(12, lambda r: r.num_prompt_tokens + r.max_new_tokens, seat_tokens=6, block_size=2)
+    memory = ContiguousMemory(
+        12, lambda r: r.num_prompt_tokens + r.max_new_tokens, seat_tokens=6, block_size=2
+    )
     scheduler = Scheduler(memory)
     steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
     assert [result.reserved_tokens for _, result in steps] == [12, 12, 12, 12]
@@ -304,7 +306,9 @@ def small_workloads(draw):
 
 @settings(max_examples=max_examples(25), deadline=None)
 @given(small_workloads(), st.sampled_from([2, 4]), st.integers(0, 6), st.integers(0, 100))
-def test_the_simulator_counts_the_steps_and_tokens_the_engine_counts(model, requests, block_size, extra, seed):
+def test_the_simulator_counts_the_steps_and_tokens_the_engine_counts(
+    model, requests, block_size, extra, seed
+):
     num_blocks = 24 // block_size + extra  # the longest request holds 21 tokens at most
     simulated = simulate(requests, PagedPolicy(block_size), num_blocks * block_size)
     served = Engine(model, num_blocks=num_blocks, block_size=block_size).run(engine_requests(requests, seed))

@@ -328,9 +328,7 @@ class BlockManager:
             self._advance_chain(seq_id, table, token_ids)
         return taken, copies
 
-    def append_batch(
-        self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | None = None
-    ) -> Copies:
+    def append_batch(self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | None = None) -> Copies:
         """One token for every sequence of a decode step, all or none: the engine's hot path.
 
         The same as ``append_tokens(seq_id, 1, [token_ids[i]])`` for each sequence in order (the
@@ -584,7 +582,8 @@ class BlockManager:
         end = start + num_new_tokens
         if token_ids is not None and len(token_ids) < end:
             raise ValueError(
-                f"token_ids must cover the sequence's {end} tokens, through the new ones, got {len(token_ids)}"
+                f"token_ids must cover the sequence's {end} tokens, through the new ones, "
+                f"got {len(token_ids)}"
             )
         if computed is not None and computed.block_ids:
             cache = self._allocator.prefix_cache  # type: ignore[attr-defined]  # hits come from one
@@ -594,7 +593,11 @@ class BlockManager:
             self._refuse_shared(seq_id)
         hit_ids = held if table is None else []
         free = self._allocator.num_free_blocks
-        fit = end if num_tokens_to_fit is None else max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
+        fit = (
+            end
+            if num_tokens_to_fit is None
+            else max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
+        )
         if self._blocks_needed(len(held), hit_ids, fit) + keep_free > free:
             return None
         if table is None:

@@ -36,7 +36,6 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.errors import OutOfBlocksError
@@ -414,7 +413,9 @@ class CachingBlockAllocator(BlockAllocator):
         ``len(token_ids) - 1`` tokens (the last token is always computed). Nothing changes (vLLM:
         ``find_longest_cache_hit`` of its ``FullAttentionManager``)."""
         blocks = full_blocks(token_ids, block_size)
-        return self._prefix_cache.match(blocks, chain_hashes(blocks), max(0, (len(token_ids) - 1) // block_size))
+        return self._prefix_cache.match(
+            blocks, chain_hashes(blocks), max(0, (len(token_ids) - 1) // block_size)
+        )
 
     def num_revived(self, hit_ids: Sequence[int]) -> int:
         """How many of the hit blocks sit on the free list: taking them costs free blocks too."""

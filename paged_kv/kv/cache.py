@@ -16,13 +16,13 @@ from collections.abc import Hashable, Iterable, Sequence
 import torch
 
 from paged_kv.core import mapping
-from paged_kv.kv import slots
 from paged_kv.core.block import BlockTable
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.core.usage import BlockUsage
+from paged_kv.kv import slots
 from paged_kv.kv.storage import KVStorage
 from paged_kv.validate import check_count
 

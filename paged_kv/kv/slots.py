@@ -44,7 +44,8 @@ def slot_mapping(
 
     >>> slot_mapping(torch.tensor([5, 2, 7]), torch.arange(6), 4).tolist()
     [20, 21, 22, 23, 8, 9]
-    >>> slot_mapping(torch.tensor([[5, 2], [7, -1]]), torch.tensor([5, 0, 1]), 4, rows=torch.tensor([0, 1, 1])).tolist()
+    >>> table, rows = torch.tensor([[5, 2], [7, -1]]), torch.tensor([0, 1, 1])
+    >>> slot_mapping(table, torch.tensor([5, 0, 1]), 4, rows=rows).tolist()
     [9, 28, 29]
     """
     if rows is not None:

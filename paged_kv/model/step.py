@@ -50,10 +50,14 @@ class BlockTables:
             outgrow ``max_blocks_per_req``; nothing changes.
     """
 
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, max_num_reqs: int, max_blocks_per_req: int, device: str | torch.device = "cpu"
+    ) -> None:
         self.max_num_reqs = check_count("max_num_reqs", max_num_reqs, minimum=1)
         self.max_blocks_per_req = check_count("max_blocks_per_req", max_blocks_per_req, minimum=1)
-        self.table = torch.full((self.max_num_reqs, self.max_blocks_per_req), PAD, dtype=torch.int32, device=device)
+        self.table = torch.full(
+            (self.max_num_reqs, self.max_blocks_per_req), PAD, dtype=torch.int32, device=device
+        )
         self.num_blocks = [0] * self.max_num_reqs
         self.rows: dict[Hashable, int] = {}
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))

@@ -9,7 +9,6 @@ as grey, so it never depends on colour alone.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -17,9 +16,6 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.snapshot import AllocatorSnapshot
-
-if TYPE_CHECKING:
-    from paged_kv.serving.engine import EngineResult
 
 # The pages a sequence colour is drawn on. The widgets and the inline picture paint no background
 # of their own: they sit on the page of JupyterLab's light theme or VS Code's light one (white),
@@ -583,7 +579,7 @@ def plot_memory_shares(
     return ax
 
 
-def plot_metrics(result: EngineResult, ax: Axes | None = None) -> Axes:
+def plot_metrics(result: object, ax: Axes | None = None) -> Axes:
     """Running and waiting (and swapped, if any) sequences per step, with utilization on a second
     axis, from an :class:`~paged_kv.serving.engine.EngineResult`; returns ``ax``."""
     ax = _axes(ax, (8, 3.5))

@@ -79,19 +79,14 @@ from paged_kv.serving.memory import (
     watermark_blocks,
 )
 from paged_kv.serving.model_runner import ModelRunner
+from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.protocols import KVMemory
-from paged_kv.serving.scheduler import (
-    PREEMPTIONS,
-    Scheduler,
-    SchedulerOutput,
-    SchedulerRequest,
-    StepResult,
-    check_budget,
-    run_steps,
-)
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import PREEMPTIONS, Scheduler, StepResult, check_budget, run_steps
 from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -297,7 +292,9 @@ class Engine:
         if attention_strategy not in STRATEGIES:
             raise ValueError(f"attention_strategy must be one of {STRATEGIES}, got {attention_strategy!r}")
         limit = config.max_len
-        max_model_len = limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
+        max_model_len = (
+            limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
+        )
         if max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_len {limit}")
         if mode == "contiguous" and max_model_len > blocks * block_size:
@@ -316,7 +313,9 @@ class Engine:
             ),
             SchedulerConfig(
                 max_model_len=max_model_len,
-                max_num_seqs=None if max_num_seqs is None else check_count("max_num_seqs", max_num_seqs, minimum=1),
+                max_num_seqs=None
+                if max_num_seqs is None
+                else check_count("max_num_seqs", max_num_seqs, minimum=1),
                 max_num_batched_tokens=check_budget(max_num_batched_tokens),
                 watermark=watermark,
                 preemption=preemption,
@@ -431,7 +430,9 @@ class Engine:
             )
             num_storage_blocks = memory.num_blocks
         else:
-            manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=cache.enable_prefix_caching)
+            manager = BlockManager(
+                self.num_blocks, self.block_size, enable_prefix_caching=cache.enable_prefix_caching
+            )
             memory = KVCacheManager(manager, watermark=scheduler_config.watermark)
             num_storage_blocks = self.num_blocks
         config = self.model.config

@@ -109,7 +109,9 @@ class KVCacheManager:
     def max_tokens(self, request: SchedulerRequest) -> int:
         return self.num_blocks * self.block_size
 
-    def get_computed_blocks(self, request: SchedulerRequest, token_ids: tuple[int, ...] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
         """The cached prefix of ``token_ids`` (none without prefix caching or token ids)."""
         if token_ids is None or not self.manager.enable_prefix_caching:
             return ComputedBlocks()
@@ -213,7 +215,9 @@ class ContiguousMemory:
         size = self.reserve(request)
         return size if size <= self.budget_tokens else 0
 
-    def get_computed_blocks(self, request: SchedulerRequest, token_ids: tuple[int, ...] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
         return ComputedBlocks()
 
     def allocate_slots(

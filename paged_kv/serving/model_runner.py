@@ -1,4 +1,4 @@
-"""Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 07, 09, 10).
+"""Runners: what computes the step a :class:`~paged_kv.serving.scheduler.Scheduler` decided (lessons 07-10).
 
 * :class:`ModelRunner` runs a :class:`~paged_kv.model.causal_lm.CausalLM` (the tiny GPT or a
   Hugging Face model) over a :class:`~paged_kv.kv.storage.KVStorage`, as vLLM's model runner does
@@ -35,7 +35,7 @@ from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.step import BlockTables, prepare_attention
-from paged_kv.serving.scheduler import ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -92,12 +92,16 @@ class ModelRunner:
         query_lens = [scheduled[r] for r in req_ids]
         computed = [s.num_computed_tokens for s in states]
         metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size)
-        tokens = [t for s, c, n in zip(states, computed, query_lens, strict=True) for t in s.token_ids[c : c + n]]
+        tokens = [
+            t for s, c, n in zip(states, computed, query_lens, strict=True) for t in s.token_ids[c : c + n]
+        ]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         attend = step_attend(metadata, self.storage, self.strategy)
         logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
         sampled = {}
-        for req_id, state, n, token in zip(req_ids, states, query_lens, logits.argmax(dim=-1).tolist(), strict=True):
+        for req_id, state, n, token in zip(
+            req_ids, states, query_lens, logits.argmax(dim=-1).tolist(), strict=True
+        ):
             state.num_computed_tokens += n
             if state.num_computed_tokens == len(state.token_ids):
                 state.token_ids.append(token)
@@ -152,7 +156,9 @@ class ModelRunner:
     @staticmethod
     def _check_blocks(req_id: Hashable, block_ids: tuple[int, ...], num_blocks: int) -> None:
         if any(not 0 <= b < num_blocks for b in block_ids):
-            raise ValueError(f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}")
+            raise ValueError(
+                f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}"
+            )
 
     def _update_states(self, output: SchedulerOutput) -> None:
         """Apply ``output`` to the rows and the request states (vLLM: ``_update_states``)."""

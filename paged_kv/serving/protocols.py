@@ -18,13 +18,11 @@ object what it is (no ``isinstance`` probe): a memory says what it can do throug
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from paged_kv.core.block_manager import ComputedBlocks
-
-if TYPE_CHECKING:
-    from paged_kv.serving.request import SchedulerRequest
-    from paged_kv.serving.scheduler import ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.request import SchedulerRequest
 
 
 class KVMemory(Protocol):
@@ -56,7 +54,9 @@ class KVMemory(Protocol):
         """The most tokens ``request`` could ever hold here, alone: more, and it can never be served."""
         ...
 
-    def get_computed_blocks(self, request: SchedulerRequest, token_ids: tuple[int, ...] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
         """The cached prefix of a new request's ``token_ids`` (prompt, and any tokens it resumes with)."""
         ...
 

@@ -52,89 +52,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from paged_kv.serving.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    Preemption,
+    SchedulerOutput,
+)
 from paged_kv.serving.protocols import KVMemory, Runner
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
 
 PREEMPTIONS = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """A request the runner has no row for: admitted, resumed after recompute, or swapped back in
-    (vLLM: ``NewRequestData``).
-
-    ``token_ids`` are its tokens so far (the prompt, then the tokens it generated before a
-    preemption); ``block_ids`` all its blocks, prefix-cache hits first; ``num_computed_tokens``
-    the tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V).
-    """
-
-    req_id: Hashable
-    token_ids: tuple[int, ...] | None
-    block_ids: tuple[int, ...]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True)
-class CachedRequestData:
-    """The requests the runner already has a row for, scheduled again (vLLM: ``CachedRequestData``):
-    the blocks each gained this step (appended to its row) and its computed tokens before the step."""
-
-    req_ids: tuple[Hashable, ...] = ()
-    new_block_ids: tuple[tuple[int, ...], ...] = ()
-    num_computed_tokens: tuple[int, ...] = ()
-
-
-class Preemption(NamedTuple):
-    """A request preempted this step by ``way`` (``"recompute"`` or ``"swap"``); ``num_tokens`` is the
-    K/V it held (for a recompute, what is thrown away and computed again)."""
-
-    request_id: Hashable
-    way: str
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What step ``step`` runs, as :meth:`Scheduler.schedule` decided it (vLLM: ``SchedulerOutput``).
-
-    ``num_scheduled_tokens`` maps each scheduled request to its tokens this step, in the order the
-    runner flattens them (the running requests in list order, then new ones), and
-    ``total_num_scheduled_tokens`` is their sum. The blocks of those tokens are taken already: a
-    new request's in ``scheduled_new_reqs``, the others' new ones in ``scheduled_cached_reqs``.
-    ``preemptions`` lists the requests preempted to make room, newest first;
-    ``blocks_to_swap_out`` maps each request swapped out to the blocks whose K/V the runner copies
-    to host memory before the forward (vLLM V0's name), and ``blocks_to_swap_in`` each request
-    swapped back to the blocks it copies them into. ``finished_req_ids`` are the requests that
-    finished since the last step: the runner drops their rows. Frozen: the runner needs nothing
-    else from the scheduler.
-    """
-
-    step: int
-    num_scheduled_tokens: Mapping[Hashable, int] = field(default_factory=dict)
-    total_num_scheduled_tokens: int = 0
-    scheduled_new_reqs: tuple[NewRequestData, ...] = ()
-    scheduled_cached_reqs: CachedRequestData = CachedRequestData()
-    preemptions: tuple[Preemption, ...] = ()
-    blocks_to_swap_out: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
-    blocks_to_swap_in: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
-    finished_req_ids: frozenset[Hashable] = frozenset()
-
-    @property
-    def preempted_req_ids(self) -> frozenset[Hashable]:
-        """vLLM's ``preempted_req_ids``: the requests preempted this step, either way."""
-        return frozenset(p.request_id for p in self.preemptions)
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    """What a runner computed for a :class:`SchedulerOutput` (vLLM: ``ModelRunnerOutput``): the token
-    sampled for each request whose scheduled tokens reached its end (a decode, or the last chunk of
-    a prefill); a partial chunk samples nothing."""
-
-    sampled: Mapping[Hashable, int]
 
 
 @dataclass(frozen=True)
@@ -200,7 +130,9 @@ class Request:
     def finished(self) -> bool:
         """All ``max_new_tokens`` generated, or the last one is a stop token."""
         request, output = self.request, self.output_token_ids
-        return len(output) == request.max_new_tokens or (bool(output) and output[-1] in request.stop_token_ids)
+        return len(output) == request.max_new_tokens or (
+            bool(output) and output[-1] in request.stop_token_ids
+        )
 
     def append_output(self, token: int) -> None:
         self.output_token_ids.append(token)
@@ -306,9 +238,7 @@ class Scheduler:
             dict(step.num_scheduled),
             sum(step.num_scheduled.values()),
             tuple(step.new_reqs),
-            CachedRequestData(
-                tuple(step.cached), tuple(step.cached_blocks), tuple(step.cached_computed)
-            ),
+            CachedRequestData(tuple(step.cached), tuple(step.cached_blocks), tuple(step.cached_computed)),
             tuple(step.preemptions),
             dict(step.swap_out),
             dict(step.swap_in),
@@ -328,7 +258,9 @@ class Scheduler:
         if output is not self._output:
             raise ValueError(f"output must be the SchedulerOutput of step {self._step}, got {output!r}")
         scheduled = output.num_scheduled_tokens
-        sampling = [r for r in self.running if r.request_id in scheduled and r.num_computed_tokens == r.num_tokens]
+        sampling = [
+            r for r in self.running if r.request_id in scheduled and r.num_computed_tokens == r.num_tokens
+        ]
         missing = [r.request_id for r in sampling if r.request_id not in result.sampled]
         if missing:
             raise ValueError(f"the runner's result has no sampled token for {missing!r}")
@@ -384,12 +316,14 @@ class Scheduler:
             self.running.append(request)
             step.swap_in[request.request_id] = tuple(block_ids)
             step.new_reqs.append(
-                NewRequestData(request.request_id, request.token_ids, tuple(block_ids), request.num_computed_tokens)
+                NewRequestData(
+                    request.request_id, request.token_ids, tuple(block_ids), request.num_computed_tokens
+                )
             )
             step.schedule(request.request_id, 1)
 
     def _schedule_running(self, step: _Step) -> None:
-        """Give each running request its tokens and their slots, preempting the newest when they do not fit."""
+        """Give each running request its tokens and their slots; preempt the newest when they do not fit."""
         index = 0
         while index < len(self.running) and step.budget_left != 0:
             request = self.running[index]

@@ -217,7 +217,9 @@ class FirstFitMemory:
         size = self.reserve(request)
         return size if size <= self.budget_tokens else 0
 
-    def get_computed_blocks(self, request: SchedulerRequest, token_ids: tuple[int, ...] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
         return ComputedBlocks()
 
     def allocate_slots(

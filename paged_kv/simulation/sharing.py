@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.serving.memory import serves_alone
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import SchedulerRequest

@@ -41,8 +41,9 @@ from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.progress import progress_bar
 from paged_kv.serving.memory import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, run_steps
+from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.contiguous import FirstFitMemory
 from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.validate import check_count, check_hashable
@@ -203,7 +204,9 @@ class PagedPolicy:
 
     def memory(self, budget_tokens: int, record: bool = False) -> BlockBookkeeping:
         """The ``budget_tokens // block_size`` blocks of the budget, as the scheduler's memory."""
-        return BlockBookkeeping(BlockManager(budget_tokens // self.block_size, self.block_size), record=record)
+        return BlockBookkeeping(
+            BlockManager(budget_tokens // self.block_size, self.block_size), record=record
+        )
 
 
 CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
@@ -532,7 +535,9 @@ def simulate(
 class _MeasuringRunner(CountingRunner):
     """A counting runner that splits the memory's slots (:class:`SlotUse`) once the step's tokens are in."""
 
-    def __init__(self, memory: BlockBookkeeping | FirstFitMemory, final_lengths: dict[Hashable, int], capacity: int) -> None:
+    def __init__(
+        self, memory: BlockBookkeeping | FirstFitMemory, final_lengths: dict[Hashable, int], capacity: int
+    ) -> None:
         self.memory, self.final_lengths, self.capacity = memory, final_lengths, capacity
         self.last: SlotUse | None = None
 
@@ -548,7 +553,9 @@ class _MeasuringRunner(CountingRunner):
         return sampled
 
 
-def _run(memory: BlockBookkeeping | FirstFitMemory, arrivals: list, max_steps: int, result: SimulationResult, bar) -> None:
+def _run(
+    memory: BlockBookkeeping | FirstFitMemory, arrivals: list, max_steps: int, result: SimulationResult, bar
+) -> None:
     """The scheduler's steps over ``memory`` with a measuring runner, recorded into ``result``."""
     finished = 0
     final_lengths = {r.request_id: r.num_prompt_tokens + r.max_new_tokens for _, r in arrivals}
