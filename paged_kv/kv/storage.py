@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from paged_kv.kv import slots
+from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.validate import check_count
 
 
@@ -69,10 +70,14 @@ class KVStorage:
 
     @property
     def bytes_per_block(self) -> int:
-        """The bytes one block takes in K and V over all layers: what one allocation reserves."""
-        return (
-            2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self._k.element_size()
-        )
+        """The bytes one block takes in K and V over all layers: what one allocation reserves
+        (:meth:`~paged_kv.kv.sizing.KVCacheSpec.bytes_per_block`, the one place it is counted)."""
+        return self.spec.bytes_per_block(self.block_size)
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """What one token of this storage costs: its layers, K/V heads, head size and dtype."""
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A block table's ids as the 1-D LongTensor, on this device, that writes and reads take."""

@@ -61,15 +61,21 @@ class BlockTables:
         self.num_blocks = [0] * self.max_num_reqs
         self.rows: dict[Hashable, int] = {}
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
-        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._pending: dict[tuple[int, int], int] = {}  # (row, column) -> entry: the last write wins
+        self._host: dict[int, list[int]] = {}  # each row's entries, as written: for sync
 
     def add_row(self, req_id: Hashable, block_ids: Sequence[int]) -> int:
-        """Give ``req_id`` a row holding ``block_ids``; return the row."""
+        """Give ``req_id`` a row holding ``block_ids``; return the row. With every row taken the
+        table doubles its rows first (a copy, rare: ``max_num_reqs`` is the usual bound)."""
         if req_id in self.rows:
             raise ValueError(f"request {req_id!r} has a row already")
-        if not self._free_rows:
-            raise ValueError(f"all {self.max_num_reqs} rows are taken: max_num_reqs is too small")
         self._check_width(req_id, len(block_ids))
+        if not self._free_rows:
+            more = torch.full_like(self.table, PAD)
+            self._free_rows = list(range(2 * self.max_num_reqs - 1, self.max_num_reqs - 1, -1))
+            self.num_blocks += [0] * self.max_num_reqs
+            self.table = torch.cat([self.table, more])
+            self.max_num_reqs *= 2
         row = self._free_rows.pop()
         self.rows[req_id] = row
         self.num_blocks[row] = 0
@@ -83,15 +89,24 @@ class BlockTables:
             self._check_width(req_id, self.num_blocks[row] + len(block_ids))
             self._write(row, block_ids)
 
+    def sync(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
+        """Make ``req_id``'s row hold ``block_ids``: the new ones appended, or the whole row written
+        again when an entry changed (a copy-on-write gave the request a block of its own)."""
+        row = self.row(req_id)
+        held = self.num_blocks[row]
+        if len(block_ids) < held or self._entries(row, held) != list(block_ids[:held]):
+            self._check_width(req_id, len(block_ids))
+            self.num_blocks[row] = 0
+            self._write(row, block_ids)
+            self._write_padding(row, len(block_ids), held)
+        else:
+            self.append(req_id, block_ids[held:])
+
     def remove(self, req_id: Hashable) -> None:
         """Drop ``req_id``'s row (an unknown id is a no-op); the row's entries become padding."""
         row = self.rows.pop(req_id, None)
         if row is not None:
-            rows, cols, values = self._pending
-            for i in range(self.num_blocks[row]):
-                rows.append(row)
-                cols.append(i)
-                values.append(PAD)
+            self._write_padding(row, 0, self.num_blocks[row])
             self.num_blocks[row] = 0
             self._free_rows.append(row)
 
@@ -102,26 +117,38 @@ class BlockTables:
             raise ValueError(f"request {req_id!r} has no row in the block table") from None
 
     def block_ids(self, req_id: Hashable) -> list[int]:
-        """The blocks of ``req_id``'s row (reads the device: for checks and pictures)."""
-        self.commit()
-        row = self.row(req_id)
-        return self.table[row, : self.num_blocks[row]].tolist()
+        """The blocks of ``req_id``'s row, from the host's copy of the row (no device read)."""
+        return self._entries(self.row(req_id), self.num_blocks[self.row(req_id)])
 
     def commit(self) -> None:
-        """Make the step's pending writes, in one indexing operation."""
-        rows, cols, values = self._pending
-        if rows:
+        """Make the step's pending writes, in one indexing operation (each cell written once: a row
+        freed and given again in the same step keeps only its last entry)."""
+        if self._pending:
             device = self.table.device
+            cells, values = zip(*self._pending.items(), strict=True)
+            rows, cols = zip(*cells, strict=True)
             index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
             self.table.index_put_(index, torch.tensor(values, dtype=torch.int32, device=device))
-            self._pending = ([], [], [])
+            self._pending = {}
+
+    def _entries(self, row: int, count: int) -> list[int]:
+        """The row's first ``count`` entries as the host last wrote them (no device read)."""
+        entries = self._host.setdefault(row, [])
+        return entries[:count]
+
+    def _write_padding(self, row: int, first: int, end: int) -> None:
+        for col in range(first, end):
+            self._pending[row, col] = PAD
+        if row in self._host:
+            del self._host[row][first:]
 
     def _write(self, row: int, block_ids: Sequence[int]) -> None:
-        rows, cols, values = self._pending
         first = self.num_blocks[row]
-        rows.extend([row] * len(block_ids))
-        cols.extend(range(first, first + len(block_ids)))
-        values.extend(block_ids)
+        for col, block_id in enumerate(block_ids, first):
+            self._pending[row, col] = block_id
+        host = self._host.setdefault(row, [])
+        del host[first:]
+        host.extend(block_ids)
         self.num_blocks[row] = first + len(block_ids)
 
     def _check_width(self, req_id: Hashable, num_blocks: int) -> None:
