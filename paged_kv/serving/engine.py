@@ -1,52 +1,54 @@
 """A continuous-batching engine that serves a stream of requests with a model on the paged cache.
 
-Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (which
-samples their first token), decode one token per step in one batched ``decode_step`` of the
-model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model), and release their memory as
-soon as they finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
-loop of a serving engine: ``output = scheduler.schedule(); result = runner.execute(output);
-scheduler.update(output, result)``, with the package's one
-:class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 07's
-simulator runs the same scheduler with no model) and a
-:class:`~paged_kv.serving.model_runner.ModelRunner`.
+Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (the step
+that computes a prompt's last token samples its first output token), decode one token per step,
+and release their memory as soon as they finish, so a waiting request can take their place at the
+next step (lessons 09-11). The engine is the loop of a serving engine, split as vLLM v1 splits it:
 
-The memory budget is ``num_blocks * block_size`` token slots, spent one of two ways (``mode``):
+1. ``output = scheduler.schedule()``: :class:`~paged_kv.serving.scheduler.Scheduler` gives each
+   request its tokens for the step and takes their blocks now
+   (:meth:`~paged_kv.serving.memory.KVCacheManager.allocate_slots`), preempting the newest
+   running request when they do not fit; the step is a frozen
+   :class:`~paged_kv.serving.outputs.SchedulerOutput`;
+2. ``result = runner.execute_model(output)``: :class:`~paged_kv.serving.model_runner.ModelRunner`
+   applies it to its persistent block table, prepares the step's inputs once and runs one forward
+   of the model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model) over the
+   flattened batch, prefill chunks and decodes together;
+3. ``scheduler.update_from_output(output, result)``: the sampled tokens are appended, and the
+   finished requests free their blocks.
 
-* ``"paged"``: a :class:`~paged_kv.model.kv_cache.PagedKVCache`, or any
-  :class:`~paged_kv.serving.protocols.PagedCache` that ``cache_factory`` builds, under a
-  :class:`~paged_kv.serving.memory.PagedMemory`. A request is admitted when its prompt's
-  blocks, plus a headroom of one block per running sequence (the admitted one included), plus the
-  *watermark*, ``ceil(watermark * num_blocks)`` blocks kept free, are free: the headroom is what the
-  next decode step can need, at most one block per sequence; the watermark keeps room for the steps
-  after it. Blocks are taken on demand as sequences grow. When a decode step still finds too few
-  free blocks, the most recently admitted sequence is *preempted*
-  (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
+Lesson 07's simulator runs the same scheduler with no model. The memory budget is ``num_blocks *
+block_size`` token slots, spent one of two ways (``mode``):
 
-  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. It keeps
-    its output and, admitted again, prefills its prompt and that output (in chunks under a token
-    budget, ``max_num_batched_tokens``, vLLM v1's way), then samples its next token;
-  - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
-    waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
-    come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
-    headroom, and no new request is admitted while any is still swapped out.
+* ``"paged"``: a :class:`~paged_kv.serving.memory.KVCacheManager` over a
+  :class:`~paged_kv.core.block_manager.BlockManager`. A request is admitted when its whole
+  prompt's blocks are free (``scheduler_reserve_full_isl``, vLLM's default), plus the *watermark*,
+  ``ceil(watermark * num_blocks)`` blocks, while another request runs; no block is kept back for
+  the running requests' growth. Blocks are taken as tokens are scheduled. When a running request's
+  next tokens find too few free blocks, the newest running request is *preempted*, one of two
+  ways (``preemption``):
 
-  With ``enable_prefix_caching=True`` the paged cache keeps the blocks of prompt prefixes it has
-  computed (:mod:`paged_kv.core.prefix_cache`). Admission passes the prompt's token ids; a prompt whose
-  leading full blocks are cached (held by a running sequence, or freed by a finished or preempted
-  one and not yet reused: freed blocks count as free and are evicted least recently freed first)
-  reuses them, and its prefill computes only the uncached tail, ``c .. n - 1`` for ``c`` cached
-  tokens out of ``n`` (``c`` is a multiple of ``block_size`` and at most ``n - 1``). Admission still
-  counts every block of the prompt as needed, as if nothing were cached. Preemption is unchanged: a
-  recomputed request queries the cache again when it is admitted again, and may find its own
-  blocks; a swapped-in sequence gets fresh blocks and all its K/V back, sharing nothing.
+  - ``"recompute"`` (vLLM v1's only way): its blocks are freed and it goes back to the front of
+    the queue. It keeps its output and, admitted again, prefills its prompt and that output (in
+    chunks under a token budget), then samples its next token;
+  - ``"swap"`` (the paper's other way, and vLLM V0's): its K/V is copied to host memory by the
+    runner (:mod:`paged_kv.kv.swap`) and its blocks are freed; it waits in a *swapped* queue that
+    comes before the waiting requests: in a step that preempts nobody, swapped requests come back
+    (fresh blocks, K/V copied in) while they fit, and no new request is admitted while any is
+    still swapped out. A victim still prefilling is requeued instead, as recompute.
 
-* ``"contiguous"``: a :class:`~paged_kv.model.kv_cache.ContiguousKVCache` under a
-  :class:`~paged_kv.serving.memory.ContiguousMemory`, with one slot of ``max_model_len`` tokens
-  reserved per sequence at admission, out of the same budget; a request is admitted while one more
-  slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
+  With ``enable_prefix_caching=True`` the manager keeps the blocks of prefixes it has computed
+  (:mod:`paged_kv.core.prefix_cache`): a new request's tokens are looked up, a prefix of cached full
+  blocks (held by a running request, or freed and not yet reused: freed blocks count as free and
+  are evicted least recently freed first) is reused, and the prefill computes only the rest,
+  ``c .. n - 1`` for ``c`` cached tokens out of ``n`` (``c`` a multiple of ``block_size``, at most
+  ``n - 1``). A hit on a block nobody holds takes it off the free list, so it counts at admission.
+  Every block the scheduled tokens fill is cached when they are scheduled, prompt or decode.
 
-With ``max_num_batched_tokens=N`` (paged mode) a step runs at most ``N`` tokens: every running
-decode first, then prompts in chunks (:mod:`~paged_kv.serving.scheduler`).
+* ``"contiguous"``: a :class:`~paged_kv.serving.memory.ContiguousMemory`, one seat of
+  ``max_model_len`` tokens reserved per request at admission, out of the same budget; a request is
+  admitted while one more seat fits. A request never outgrows its seat, so nothing is ever
+  preempted. The runner reads a seat through the same block table as paged blocks.
 
 The generated text depends neither on the mode, nor on the batch, nor on preemption, nor on the
 token budget: every request gets exactly the tokens :func:`~paged_kv.model.generate` gives its

@@ -10,7 +10,7 @@ tokens exactly as lesson 09's engine does. The policies:
 
 * :class:`PagedPolicy` (vLLM): blocks of ``block_size`` tokens, taken on demand from a
   :class:`BlockBookkeeping` (the package's block manager with no model behind it), admitted by the
-  engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
+  engine's rule (vLLM's: the whole prompt's blocks are free); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy` (the paper's Orca baselines): one contiguous range per sequence,
   reserved at admission, of the maximum model length (``"max"``, Orca (Max)), the prompt plus the
@@ -179,9 +179,8 @@ def sample_requests(
 class PagedPolicy:
     """Blocks of ``block_size`` tokens, taken when a sequence's last block is full.
 
-    A request is admitted by the engine's rule, :func:`~paged_kv.serving.memory.admits`: its
-    prompt's blocks plus one block of headroom per running sequence (itself included) are free.
-    Only the prompt's blocks are taken.
+    A request is admitted by the engine's rule (vLLM's): its whole prompt's blocks are free, with no
+    block kept back for the running sequences' growth. Only the prompt's blocks are taken.
     """
 
     block_size: int = 16
@@ -466,15 +465,15 @@ def simulate(
     policy's memory, with a runner that counts tokens instead of running a model:
 
     1. requests whose ``arrival_step`` has come join the back of the waiting queue;
-    2. waiting requests are admitted first come first served while they fit, stopping at the first
-       that does not (paged: :func:`~paged_kv.serving.memory.admits`, the prompt's blocks plus one
-       block of headroom per running sequence; contiguous: a hole holds the reservation, first
-       fit); an admitted request prefills, which samples its first output token;
-    3. the sequences that were running before decode one token each. Paged: a sequence whose last
-       block is full takes a new one; when the step needs more blocks than are free, the most
-       recently admitted sequences are preempted by recompute (their blocks are freed, they go back
-       to the front of the queue and will prefill their prompt and the tokens they had generated
-       when they resume), counted in ``preemptions``;
+    2. the sequences already running decode one token each, in admission order. Paged: a sequence
+       whose last block is full takes a new one when its token is scheduled; when none is free,
+       the most recently admitted sequences are preempted by recompute (their blocks are freed,
+       they go back to the front of the queue and will prefill their prompt and the tokens they
+       had generated when they resume), counted in ``preemptions``;
+    3. if nobody was preempted, waiting requests are admitted first come first served while they
+       fit, stopping at the first that does not (paged: the whole prompt's blocks are free;
+       contiguous: a hole holds the reservation, first fit); an admitted request prefills, which
+       samples its first output token;
     4. the step is recorded, with the split of the memory into token states, reservation, internal
        and external fragmentation (``result.slot_use``); then a sequence that holds all its
        output tokens finishes and frees its memory at once.
