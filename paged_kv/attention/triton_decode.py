@@ -88,17 +88,56 @@ def triton_decode(
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
-    ``query`` is ``(batch, num_heads, head_dim)`` in the caches' dtype, one of
-    :data:`KERNEL_DTYPES`; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks, num_kv_heads,
-    block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read in place),
-    ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)`` of any
-    integer dtype whose first ``ceil(context_lens[b] / block_size)`` entries of row ``b`` are valid
-    block ids, and ``context_lens`` a long tensor of values ``>= 1``, all on the query's device.
-    Returns ``(batch, num_heads, head_dim)`` in the query's dtype, computed in float32.
+    ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence; the rest is as
+    for :func:`triton_attention`, ``context_lens`` being its ``seq_lens``. A batch of decodes is
+    the kernel's simplest case: ``query_start_loc = [0, 1, ..., batch]`` and one query token per
+    program (``QUERY_TILE`` 1), each program's rows the ``GROUP`` query heads of its KV head.
+    """
+    batch = query.shape[0]
+    query_start_loc = torch.arange(batch + 1, device=query.device)
+    return triton_attention(
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, 1, scale, kernel
+    )
+
+
+def triton_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float | None,
+    kernel: Callable | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged attention of checked inputs (see ``paged_attention_varlen``) with the Triton kernel:
+    any number of query tokens per sequence, causal inside a chunk, decodes and chunks in one launch.
+
+    ``query`` is ``(num_tokens, num_heads, head_dim)`` in the caches' dtype, one of
+    :data:`KERNEL_DTYPES`, the query tokens of sequence ``b`` being rows ``query_start_loc[b] ..
+    query_start_loc[b + 1] - 1``; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks,
+    num_kv_heads, block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read
+    in place), ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)``
+    of any integer dtype whose first ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are
+    valid block ids; ``seq_lens`` holds each sequence's tokens, its query tokens included (at
+    least its query length), and ``query_start_loc`` ``(batch + 1,)`` starts at 0 and never
+    decreases, both integer tensors on the query's device; ``max_query_len`` is at least the
+    longest query length (a host integer: it sizes the grid, so the launch reads nothing back
+    from the device). Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype, computed
+    in float32.
+
+    The grid is ``(batch, num_kv_heads, ceil(max_query_len / QUERY_TILE))``: program ``(seq,
+    kv_head, tile)`` takes ``QUERY_TILE`` query tokens of sequence ``seq`` (1 for a batch of
+    decodes; else as many as fit 16 rows of (token, query head), as vLLM's ``BLOCK_M`` of 16), and
+    a program whose tile is past its sequence's query tokens returns at once.
 
     ``kernel`` is the plain function to launch, made a kernel by ``triton.jit`` on first use: by
-    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 12's exercise
-    passes the learner's, which takes the same arguments.
+    default :func:`~paged_kv.attention.triton_kernel.paged_attention_kernel`; lesson 12's exercise
+    passes the learner's, which takes the same arguments. ``out``, when given, is the tensor the
+    kernel writes (the query's shape and dtype, as vLLM's ``unified_attention`` takes its ``out``);
+    lesson 12's check fills it with NaN first, so a row a kernel never stores shows.
 
     Raises:
         ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
@@ -127,18 +166,24 @@ def triton_decode(
             "interpreter only: set TRITON_INTERPRET=1 in the environment before triton is first imported"
         )
     _, num_kv_heads, block_size, head_dim = k_cache.shape
-    batch, num_heads, _ = query.shape
+    num_heads = query.shape[1]
+    batch = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    query_tile = query_tile_for(max_query_len, group)
+    if not out.numel() or not batch:
+        return out
     if kernel is None:
-        from paged_kv.attention.triton_kernel import paged_decode_kernel as kernel
-    _jit(kernel)[(batch, num_kv_heads)](
+        from paged_kv.attention.triton_kernel import paged_attention_kernel as kernel
+    _jit(kernel)[(batch, num_kv_heads, triton.cdiv(max_query_len, query_tile))](
         out,
         query,
         k_cache,
         v_cache,
         block_tables,
-        context_lens.contiguous(),
+        seq_lens.contiguous(),
+        query_start_loc.contiguous(),
         head_dim**-0.5 if scale is None else scale,
         *out.stride(),
         *query.stride(),
@@ -146,13 +191,27 @@ def triton_decode(
         *v_cache.stride(),
         *block_tables.stride(),
         GROUP=group,
+        QUERY_TILE=query_tile,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        GROUP_PADDED=triton.next_power_of_2(group),
+        ROWS_PADDED=triton.next_power_of_2(query_tile * group),
         BLOCK_PADDED=triton.next_power_of_2(block_size),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
     )
     return out
+
+
+#: The rows of (query token, query head) a program of several query tokens takes, as vLLM's
+#: ``BLOCK_M``: ``QUERY_TILE = ROWS // GROUP`` tokens (at least 1).
+ROWS = 16
+
+
+def query_tile_for(max_query_len: int, group: int) -> int:
+    """The query tokens per program: 1 for decodes (``max_query_len <= 1``), else ``ROWS // group``
+    (at least 1), no more than ``max_query_len`` rounded up to a power of two."""
+    if max_query_len <= 1:
+        return 1
+    return max(1, min(ROWS // group, 1 << (max_query_len - 1).bit_length()))
 
 
 @functools.cache
