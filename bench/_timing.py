@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,8 @@ class Row:
 
     ``measured`` and ``baseline`` are in ``unit``; ``ratio`` is what ``target`` speaks of (a
     speed-up ``baseline / measured`` or a growth factor, as the name says); ``met`` is ``None``
-    for a row with no target (shown for information).
+    for a row with no target (shown for information). ``spread``, where the ratio is the median of
+    rounds timed in turn, is the smallest and the largest round's ratio (shown after the ratio).
     """
 
     name: str
@@ -31,6 +34,13 @@ class Row:
     target: str
     met: bool | None
     unit: str = "µs"
+    spread: tuple[float, float] | None = None
+
+
+def spread_of(ratios: Iterable[float]) -> tuple[float, tuple[float, float]]:
+    """The median of per-round ratios and their ``(smallest, largest)``: a row's ``ratio`` and ``spread``."""
+    ratios = list(ratios)
+    return statistics.median(ratios), (min(ratios), max(ratios))
 
 
 def interpret_triton_without_a_gpu() -> None:
@@ -97,7 +107,7 @@ def _cells(row: Row) -> tuple[str, ...]:
         _number(row.measured),
         _number(row.baseline),
         row.unit,
-        f"{row.ratio:.2f}x",
+        f"{row.ratio:.2f}x" + ("" if row.spread is None else f" ({row.spread[0]:.2f}-{row.spread[1]:.2f})"),
         row.target,
         _met(row.met).replace("**", ""),
     )
