@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from paged_kv.serving.outputs import (
     CachedRequestData,
@@ -235,13 +236,13 @@ class Scheduler:
             request.num_computed_tokens += step.num_scheduled.get(request.request_id, 0)
         output = SchedulerOutput(
             self._step,
-            dict(step.num_scheduled),
+            MappingProxyType(dict(step.num_scheduled)),
             sum(step.num_scheduled.values()),
             tuple(step.new_reqs),
             CachedRequestData(tuple(step.cached), tuple(step.cached_blocks), tuple(step.cached_computed)),
             tuple(step.preemptions),
-            dict(step.swap_out),
-            dict(step.swap_in),
+            MappingProxyType(dict(step.swap_out)),
+            MappingProxyType(dict(step.swap_in)),
             frozenset(self._finished_ids),
         )
         self._finished_ids.clear()
