@@ -203,7 +203,8 @@ class BlockManager:
                 ``token_ids`` shorter than the tokens it must cover; or the new tokens would land in
                 a shared block. Nothing changes.
         """
-        num_new_tokens = check_count("num_new_tokens", num_new_tokens)
+        if type(num_new_tokens) is not int or num_new_tokens < 0:  # the hot path's cheap test first
+            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         size, allocator = self.block_size, self._allocator
         table = self._tables.get(seq_id) if computed is None else None
         if table is not None and num_tokens_to_fit is None and not self._observers:

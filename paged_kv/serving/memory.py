@@ -129,17 +129,17 @@ class KVCacheManager:
     ) -> list[int] | None:
         """:meth:`BlockManager.allocate_slots` for ``request``; a new one keeps the watermark free
         when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only, and only then)."""
-        new = request.request_id not in self.manager
-        keep_free = self.watermark_blocks if new and has_scheduled_reqs else 0
-        if computed is None and new:
-            computed = ComputedBlocks()
-        return self.manager.allocate_slots(
+        manager = self.manager
+        token_ids = token_ids if manager.enable_prefix_caching else None
+        if computed is None and request.request_id in manager.tables:  # a running request
+            return manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
+        return manager.allocate_slots(
             request.request_id,
             num_new_tokens,
-            token_ids if self.manager.enable_prefix_caching else None,
-            computed=computed,
+            token_ids,
+            computed=ComputedBlocks() if computed is None else computed,
             num_tokens_to_fit=num_tokens_to_fit,
-            keep_free=keep_free,
+            keep_free=self.watermark_blocks if has_scheduled_reqs else 0,
         )
 
     def get_block_ids(self, request_id: Hashable) -> list[int]:

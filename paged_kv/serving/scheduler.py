@@ -113,15 +113,9 @@ class Request:
     def __post_init__(self) -> None:
         prompt = self.request.prompt_token_ids
         self.all_token_ids = None if prompt is None else list(prompt)
-
-    @property
-    def request_id(self) -> Hashable:
-        return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
+        self.request_id: Hashable = self.request.request_id
+        self.num_tokens = self.request.num_prompt_tokens
         """Prompt and output tokens (vLLM: ``Request.num_tokens``)."""
-        return self.request.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def token_ids(self) -> tuple[int, ...] | None:
@@ -137,6 +131,7 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.output_token_ids.append(token)
+        self.num_tokens += 1
         if self.all_token_ids is not None:
             self.all_token_ids.append(token)
 
@@ -258,21 +253,24 @@ class Scheduler:
         """
         if output is not self._output:
             raise ValueError(f"output must be the SchedulerOutput of step {self._step}, got {output!r}")
-        scheduled = output.num_scheduled_tokens
-        sampling = [
-            r for r in self.running if r.request_id in scheduled and r.num_computed_tokens == r.num_tokens
-        ]
-        missing = [r.request_id for r in sampling if r.request_id not in result.sampled]
-        if missing:
-            raise ValueError(f"the runner's result has no sampled token for {missing!r}")
-        prefilled = 0
+        scheduled, sampled = output.num_scheduled_tokens, result.sampled
+        sampling = []  # the requests whose scheduled tokens reached their end
+        prefilled = 0  # the step's tokens below their request's prefill end
         for request in self.running:
             n = scheduled.get(request.request_id, 0)
-            prefilled += max(0, min(n, request.num_prefill_tokens - (request.num_computed_tokens - n)))
+            if n:
+                computed = request.num_computed_tokens
+                if computed == request.num_tokens:
+                    sampling.append(request)
+                if request.num_prefill_tokens > computed - n:
+                    prefilled += min(n, request.num_prefill_tokens - (computed - n))
+        missing = [r.request_id for r in sampling if r.request_id not in sampled]
+        if missing:
+            raise ValueError(f"the runner's result has no sampled token for {missing!r}")
         first = []
         new_tokens = {}
         for request in sampling:
-            token = int(result.sampled[request.request_id])
+            token = int(sampled[request.request_id])
             if not request.output_token_ids:
                 first.append(request.request_id)
             request.append_output(token)
@@ -386,11 +384,13 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def _finish(self) -> tuple[tuple[Hashable, tuple[int, ...]], ...]:
-        done = [request for request in self.running if request.finished]
+        done, still = [], []
+        for request in self.running:
+            (done if request.finished else still).append(request)
         for request in done:
             self.memory.free(request.request_id)
             self._finished_ids.add(request.request_id)
-        self.running = [request for request in self.running if not request.finished]
+        self.running = still
         return tuple((r.request_id, tuple(r.output_token_ids)) for r in done)
 
 
@@ -407,11 +407,11 @@ class _Step:
     preemptions: list[Preemption] = field(default_factory=list)
     swap_out: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
     swap_in: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    budget_left: int | None = None
+    """Tokens the step may still schedule (None: no budget)."""
 
-    @property
-    def budget_left(self) -> int | None:
-        """Tokens the step may still schedule (None: no budget)."""
-        return None if self.budget is None else self.budget - sum(self.num_scheduled.values())
+    def __post_init__(self) -> None:
+        self.budget_left = self.budget
 
     def clip(self, num_tokens: int) -> int:
         left = self.budget_left
@@ -419,6 +419,8 @@ class _Step:
 
     def schedule(self, request_id: Hashable, num_tokens: int) -> None:
         self.num_scheduled[request_id] = num_tokens
+        if self.budget_left is not None:
+            self.budget_left -= num_tokens
 
 
 def check_budget(max_num_batched_tokens: object) -> int | None:
