@@ -1,18 +1,22 @@
-"""Paged decode attention as a Triton kernel that does the address translation itself (lessons 05, 12).
+"""Paged attention as a Triton kernel that does the address translation itself, for decodes and
+prompt chunks packed in one launch (lessons 05, 12).
 
 Lesson 05 computes paged attention with PyTorch operations: gather the blocks, or read them in place
 with batched products. Lesson 12 writes the kernel a real engine runs instead: it is handed the
 whole cache and the block tables, and each program finds its sequence's tokens itself, lesson 03's
 translation done in pointer arithmetic (token ``p`` is offset ``p % block_size`` of block
 ``block_tables[b, p // block_size]``), and combines the blocks with lesson 05's online softmax.
-The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_decode_kernel`; this module
-launches it, for ``paged_attention(..., strategy="triton")``.
+The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_attention_kernel`; this module
+launches it: :func:`triton_attention` for a packed batch of any number of query tokens per sequence
+(``paged_prefill_attention`` and ``paged_attention_varlen`` with ``strategy="triton"``), and
+:func:`triton_decode`, the same kernel on one query token per sequence (``paged_attention``).
 
-One program runs per (sequence, KV head), ``grid = (batch, num_kv_heads)``, and handles the
-``num_heads // num_kv_heads`` query heads that read its KV head (query head ``q`` reads KV head
-``q // (num_heads // num_kv_heads)``, :mod:`paged_kv.attention.heads`). So each block's K and V
-are loaded once per KV head and met by every query head of the group; a program per query head
-would load them once per query head, ``num_heads // num_kv_heads`` times as often.
+One program runs per (sequence, KV head, tile of query tokens), ``grid = (batch, num_kv_heads,
+ceil(max_query_len / QUERY_TILE))``, and handles the ``num_heads // num_kv_heads`` query heads that
+read its KV head (query head ``q`` reads KV head ``q // (num_heads // num_kv_heads)``,
+:mod:`paged_kv.attention.heads`) for up to ``QUERY_TILE`` query tokens, causal inside its
+sequence. So each block's K and V are loaded once per KV head and tile and met by every (query
+token, query head) row of it; a program per query head and token would load them once per row.
 
 The kernel takes every tensor's strides, so it reads any view of the cache whose axes are
 ``(num_blocks, num_kv_heads, block_size, head_dim)``: this course's layout, contiguous, and vLLM
@@ -25,13 +29,19 @@ place through their strides.
 Where vLLM's Triton attention lives (vLLM 0.33.0): ``vllm/v1/attention/backends/triton_attn.py``
 is the ``TRITON_ATTN`` backend. Its ``TritonAttentionImpl.forward`` splits the layer's cache into
 ``key_cache`` and ``value_cache`` and calls ``unified_attention`` from
-``vllm/v1/attention/ops/triton_unified_attention.py``, which launches ``kernel_unified_attention``:
-one program per (block of query tokens, KV head), the query heads of that KV head being rows of one
-tile; it loads the physical block id of each tile of keys from the block table, computes the K/V
-offsets from the cache's four strides, and keeps a running maximum ``M``, sum ``L`` and accumulator
-``acc`` in float32. It also does prefill and chunked prefill (several query tokens per sequence,
-causal), sliding windows, ALiBi, soft-capping and fp8 caches, which this kernel leaves out: here
-each sequence has one query token, the decode step.
+``vllm/v1/attention/ops/triton_unified_attention.py`` with ``cu_seqlens_q`` (the step's
+``query_start_loc``), ``seqused_k`` (``seq_lens``) and ``max_seqlen_q``; it launches
+``kernel_unified_attention`` on ``grid = (total_num_q_blocks, num_kv_heads)``: one program per
+(block of ``BLOCK_Q`` query tokens, KV head), its ``BLOCK_M`` rows the (query token, query head)
+pairs of that block, prefill chunks and decodes in the same launch. The first axis counts every
+sequence's query blocks at once, ``q.shape[0] // BLOCK_Q + num_seqs`` (an upper bound that needs no
+length from the device), and a program finds its sequence by a binary search over the query starts
+(``find_seq_idx`` in ``vllm/v1/attention/ops/triton_attention_helpers.py``); this launcher has a
+sequence axis instead, sized by ``max_query_len``, and lets the programs past a sequence's query
+tokens return. vLLM's kernel loads the physical block id of each tile of keys from the block table,
+computes the K/V offsets from the cache's four strides, keeps a running maximum ``M``, sum ``L`` and
+accumulator ``acc`` in float32, and adds sliding windows, ALiBi, soft-capping, fp8 caches and a
+split of long contexts into segments (``IS_3D``), which this kernel leaves out.
 
 Triton is optional: ``import paged_kv`` never imports it, and :func:`triton_available` says
 whether it is installed. On CUDA the kernel is compiled. On the CPU it runs in Triton's
@@ -88,10 +98,11 @@ def triton_decode(
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
-    ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence; the rest is as
-    for :func:`triton_attention`, ``context_lens`` being its ``seq_lens``. A batch of decodes is
-    the kernel's simplest case: ``query_start_loc = [0, 1, ..., batch]`` and one query token per
-    program (``QUERY_TILE`` 1), each program's rows the ``GROUP`` query heads of its KV head.
+    ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence, in the caches'
+    dtype; the rest is as for :func:`triton_attention`, ``context_lens`` being its ``seq_lens``. A
+    batch of decodes is the kernel's simplest case: ``query_start_loc = [0, 1, ..., batch]`` and one
+    query token per program (``QUERY_TILE`` 1), each program's rows the ``GROUP`` query heads of
+    its KV head.
     """
     batch = query.shape[0]
     query_start_loc = torch.arange(batch + 1, device=query.device)
