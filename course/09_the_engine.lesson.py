@@ -565,8 +565,8 @@ for mode, r in results.items():
 #   (`prepare_inputs`) and runs one forward over the flattened batch: our `ModelRunner`.
 # * `vllm/v1/worker/gpu/block_table.py`: `BlockTables`, the persistent block table on the GPU, one
 #   row per request; `append_block_ids` adds a request's new blocks and `compute_slot_mappings` gives
-#   every token's slot: our `BlockTables` and our `prepare_attention`.
-# * `vllm/v1/worker/gpu/input_batch.py`: `InputBatch` holds the flattened batch's `input_ids`,
+#   every token's slot: our `BlockTables` and our `prepare_attention`. Beside it,
+#   `vllm/v1/worker/gpu/input_batch.py`: `InputBatch` holds the flattened batch's `input_ids`,
 #   `positions`, `query_start_loc`, `seq_lens` and `logits_indices`: our `AttentionMetadata`.
 # * `vllm/v1/worker/gpu_model_runner.py` and `vllm/v1/worker/block_table.py` (`BlockTable`): the V1
 #   model runner, now the fallback.

@@ -325,8 +325,8 @@ plt.show()
 #   `SchedulerConfig.scheduler_reserve_full_isl` in `vllm/config/scheduler.py`, on by default)
 #   admission first checks that the whole prompt fits.
 #
-# What the course leaves out: `long_prefill_token_threshold`, speculative decoding (the `_spec` in
-# `num_tokens_with_spec`) and asynchronous scheduling.
+# What the course leaves out or does differently: `long_prefill_token_threshold`, speculative
+# decoding (the `_spec` in `num_tokens_with_spec`) and asynchronous scheduling.
 
 # %% [markdown]
 # ## Recap
