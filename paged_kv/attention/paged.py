@@ -386,10 +386,11 @@ def _chunks_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, stra
     ``"auto"`` gathers them: a chunk's copy of its blocks is shared by all its query tokens, while
     the in-place product meets every block of the pool with the longest chunk's queries, so it pays
     only when the chunks read nearly the whole pool, and even then its products do the masked
-    half of causal attention too. (Measured on this project's CPU, 32 decodes of 1,024 tokens and a
-    chunk of 256: ``"auto"`` as fast as a decode batch and that chunk apart, 18 times faster than
-    ``"gather"``, which pads every decode to 256 queries, and some 50 times faster than
-    ``"in_place"``; 4 prompts of 512 alone: gathered 1.4 to 3.5 times faster than in place.)
+    half of causal attention too. (Measured on this project's 2-core CPU, busy, 32 decodes of 1,024
+    tokens and a chunk of 256, bench/bench_attention.py: ``"auto"`` within 10 % of the decode batch
+    and the chunk run apart, 18 to 32 times faster than ``"gather"``, which pads every decode to 256
+    queries, and 50 to 70 times faster than ``"in_place"``; 4 prompts of 512 alone: gathered 1.4 to
+    3.5 times faster than in place.)
     """
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     if strategy == "in_place" and k_cache.dtype == compute_dtype:
