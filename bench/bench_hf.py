@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -438,6 +438,7 @@ def run(
     static_requests: int = 64,
     forward_requests: int = 64,
     budget: int = 128,
+    arrival_gap: int = 2,
     max_batch_tokens: int | None = 1024,
     alone: int = 4,
     repeats: int = 3,
@@ -446,8 +447,9 @@ def run(
 ) -> list[Row]:
     """The rows: ``num_requests`` ShareGPT-shaped requests (lengths / ``scale``) served by the Engine
     and by continuous batching; the first ``static_requests`` of them by the Engine and by static
-    batches; the first ``forward_requests`` by the Engine and :class:`TwoForwardEngine` under a
-    token budget of ``budget``.
+    batches; the first ``forward_requests``, one arriving every ``arrival_gap`` steps (so that most
+    admissions prefill beside decodes), by the Engine and :class:`TwoForwardEngine` under a token
+    budget of ``budget``.
 
     ``alone`` requests (the first ones) are also generated one at a time by ``model.generate`` to
     check the Engine's tokens against HF's own cache with no batching. ``max_batch_tokens`` bounds
@@ -471,7 +473,7 @@ def run(
     static_served, static_timings = compare_static(
         engine, model, few, batch_size=batch_size, repeats=repeats, warmup=warmup, threads=threads
     )
-    budgeted = requests[:forward_requests]
+    budgeted = [replace(r, arrival_step=i * arrival_gap) for i, r in enumerate(requests[:forward_requests])]
     forwards, two_engine, forward_timings = compare_forwards(
         model, budgeted, num_blocks=num_blocks, block_size=block_size, budget=budget, repeats=repeats,
         warmup=warmup, threads=threads,
@@ -506,7 +508,9 @@ def run(
     )
     name = model_name.format(n=num_requests, tokens=generated)
     few_name = model_name.format(n=static_requests, tokens=few_generated)
-    budget_name = model_name.format(n=forward_requests, tokens=budget_generated)
+    budget_name = model_name.format(n=forward_requests, tokens=budget_generated).replace(
+        "requests", f"requests arriving one every {arrival_gap} steps", 1
+    )
     plural = "s" if threads != 1 else ""
     note = f"CPU, {threads} thread{plural}, median of {repeats} rounds, range in brackets"
     shares = f"Engine {100 * share['engine']:.1f} %, generate_batch {100 * share['generate_batch']:.1f} %"
