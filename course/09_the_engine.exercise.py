@@ -56,8 +56,8 @@ device = paged_kv.default_device()
 # beside 0 or 2 running requests; prompts of 1, 4, 5 and 8 tokens; a prompt beside 7 running
 # requests; blocks of 1; that the result is a `bool`; and that your answer is what
 # `paged_kv.serving.engine.Engine` does when the request arrives beside requests that are decoding,
-# for 24 combinations of free blocks, prompt and running requests on both sides of the rule. A wrong
-# answer is compared with headroom kept for the running requests (the course's old rule), the blocks
+# for 22 combinations of free blocks, prompt and running requests on both sides of the rule. A wrong
+# answer is compared with headroom kept for the running requests (a block each), the blocks
 # rounded down, a strict `<`, tokens compared with blocks, and a slot made for the first output token.
 
 

@@ -93,8 +93,8 @@ def _first_token_counted(free: int, prompt: int, running: int, size: int) -> boo
 ADMISSION_MISTAKES: list[tuple[Callable[[int, int, int, int], bool], str]] = [
     (
         _headroom,
-        "you kept num_running + 1 blocks of headroom, one per running request and one for the new one, "
-        "the course's old rule. " + NO_HEADROOM,
+        "you kept num_running + 1 blocks of headroom, one per running request and one for the new one, so "
+        "that the next decode step always fits. " + NO_HEADROOM,
     ),
     (_headroom_for_the_others, "you kept one block of headroom per running request. " + NO_HEADROOM),
     (
