@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_kv.timing import Timings, torch_threads
 from paged_kv.timing import median_time as median_time  # the benches' timer is the course's
 
 
@@ -35,6 +37,30 @@ class Row:
     met: bool | None
     unit: str = "µs"
     spread: tuple[float, float] | None = None
+
+
+def compare_thread_times(
+    contestants: dict[str, Callable[[], object]], *, repeats: int, warmup: int, threads: int | None = None
+) -> Timings:
+    """:func:`paged_kv.timing.compare_times` in the CPU time of this thread (``time.thread_time``):
+    ``warmup`` untimed calls of each contestant, then ``repeats`` rounds of one call each, in turn.
+
+    For contestants that compute on this thread only (torch with one thread runs its operations on
+    the caller's): the other processes of a busy machine then move the samples far less than they
+    move wall time. A contestant that works in another thread (transformers' continuous batching
+    does) must be timed with the wall clock instead.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in contestants}
+    with torch_threads(threads):
+        for fn in contestants.values():
+            for _ in range(warmup):
+                fn()
+        for _ in range(repeats):
+            for name, fn in contestants.items():
+                start = time.thread_time()
+                fn()
+                samples[name].append(time.thread_time() - start)
+    return Timings({name: tuple(times) for name, times in samples.items()})
 
 
 def spread_of(ratios: Iterable[float]) -> tuple[float, tuple[float, float]]:

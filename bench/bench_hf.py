@@ -44,7 +44,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Row, spread_of, text_table
+from _timing import Row, compare_thread_times, spread_of, text_table
 from bench_engine import scaled_requests
 
 from paged_kv.model.attend import step_attend
@@ -393,8 +393,8 @@ def compare_forwards(
 ) -> tuple[dict[str, EngineResult], TwoForwardEngine, Timings]:  # fmt: skip
     """Time the Engine (one forward per step) against :class:`TwoForwardEngine` (two) on ``requests``
     under ``max_num_batched_tokens=budget``, interleaved round by round after ``warmup`` untimed runs
-    each: the two results of their last runs, the two-forward engine (its runner counts the mixed
-    steps) and the timings."""
+    each, in the CPU time of this thread (both run there): the two results of their last runs, the
+    two-forward engine (its runner counts the mixed steps) and the timings."""
     settings = {"num_blocks": num_blocks, "block_size": block_size, "max_num_batched_tokens": budget}
     engines = {"one forward": Engine(model, **settings), "two forwards": TwoForwardEngine(model, **settings)}
     results: dict[str, EngineResult] = {}
@@ -405,8 +405,8 @@ def compare_forwards(
 
         return run_it
 
-    timings = compare_times({name: call(name) for name in engines}, repeats=repeats, warmup=warmup,
-                            threads=threads)  # fmt: skip
+    timings = compare_thread_times({name: call(name) for name in engines}, repeats=repeats, warmup=warmup,
+                                   threads=threads)  # fmt: skip
     return results, engines["two forwards"], timings
 
 
@@ -439,6 +439,7 @@ def run(
     forward_requests: int = 64,
     budget: int = 128,
     arrival_gap: int = 2,
+    forward_repeats: int = 5,
     max_batch_tokens: int | None = 1024,
     alone: int = 4,
     repeats: int = 3,
@@ -475,8 +476,8 @@ def run(
     )
     budgeted = [replace(r, arrival_step=i * arrival_gap) for i, r in enumerate(requests[:forward_requests])]
     forwards, two_engine, forward_timings = compare_forwards(
-        model, budgeted, num_blocks=num_blocks, block_size=block_size, budget=budget, repeats=repeats,
-        warmup=warmup, threads=threads,
+        model, budgeted, num_blocks=num_blocks, block_size=block_size, budget=budget,
+        repeats=forward_repeats, warmup=warmup, threads=threads,
     )  # fmt: skip
     ours, cb = served["engine"], served["generate_batch"]
     alone_tokens = {r.request_id: generate_alone(model, r) for r in requests[:alone]}
@@ -513,6 +514,7 @@ def run(
     )
     plural = "s" if threads != 1 else ""
     note = f"CPU, {threads} thread{plural}, median of {repeats} rounds, range in brackets"
+    forward_note = f"CPU, {threads} thread{plural}, thread CPU time, median of {forward_repeats} rounds"
     shares = f"Engine {100 * share['engine']:.1f} %, generate_batch {100 * share['generate_batch']:.1f} %"
     per_token = {
         "engine": static_served["engine"].kv_bytes_per_token_held(bytes_per_token),
@@ -530,7 +532,7 @@ def run(
             f"< {100 * FIXED_SHARE:.0f} % of a run, both", max(share.values()) < FIXED_SHARE, "ms"),
         Row(f"{budget_name}, max_num_batched_tokens={budget}: generated tokens/s, one forward per step "
             f"(the Engine) vs two (prefill chunks, then decodes; {runner.mixed_steps} of {runner.steps} "
-            f"steps mix both) ({note})",
+            f"steps mix both) ({forward_note})",
             budget_generated / forward_timings.median("one forward"),
             budget_generated / forward_timings.median("two forwards"), forward_speedup, "—", None,
             "tokens/s", forward_spread),
@@ -584,6 +586,7 @@ QUICK = {
     "batch_size": 4,
     "alone": 2,
     "repeats": 1,
+    "forward_repeats": 1,
     "warmup": 0,
 }
 
