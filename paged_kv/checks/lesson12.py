@@ -138,7 +138,8 @@ ROWS_SWAPPED = (
 )
 FIRST_TILE_ONLY = (
     "every tile computes the sequence's first query tokens: program (seq, kv_head, tile) takes tokens "
-    "tile * QUERY_TILE + r // GROUP, so the tokens of a prompt longer than one tile are all computed"
+    "tile * QUERY_TILE + r // GROUP (not r // GROUP), so that every token of a prompt longer than one "
+    "tile is computed"
 )
 DEFAULT_HINT = (
     "follow the package's order: program ids, the sequence's first query row and query length, each "
