@@ -15,7 +15,7 @@ each name's home module is in the layer its lesson builds (see ``docs/architectu
 * :mod:`paged_kv.checks` and :mod:`paged_kv.grading`: the exercises' checks and the grader.
 """
 
-from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.attention.paged import paged_attention, paged_attention_varlen, paged_prefill_attention
 from paged_kv.core.block import Block, BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.block_manager import BlockManager
@@ -90,6 +90,7 @@ __all__ = [
     "kv_cache_budget",
     "load_model",
     "paged_attention",
+    "paged_attention_varlen",
     "paged_prefill_attention",
     "sample_requests",
     "simulate",

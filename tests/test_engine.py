@@ -560,3 +560,18 @@ def test_watermark_blocks_is_public_rounds_up_and_checks_its_arguments() -> None
         watermark_blocks(1.0, 22)
     with pytest.raises(ValueError, match="num_blocks"):
         watermark_blocks(0.1, 0)
+
+
+@pytest.mark.parametrize("strategy", ["gather", "in_place", "flex", "triton"])
+def test_every_attention_strategy_serves_the_same_tokens_in_one_forward_per_step(
+    model: TinyGPT, strategy: str
+) -> None:
+    # Steps that mix prefill chunks and decodes, in a pool that preempts: the same tokens whatever
+    # reads the blocks (triton runs in its interpreter on the CPU; flex unfused).
+    if strategy == "triton":
+        pytest.importorskip("triton")
+    requests = random_requests(5, seed=4, max_prompt=10, max_new=6, spread=3)
+    settings = {"num_blocks": 5, "block_size": 4, "max_num_batched_tokens": 6}
+    result = Engine(model, attention_strategy=strategy, **settings).run(requests)
+    assert result.tokens == {r.request_id: alone(model, r) for r in requests}
+    assert result.preemptions > 0 and max(result.tokens_per_step) <= 6

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv.attention.heads import repeat_kv_heads
-from paged_kv.attention.paged import paged_prefill_attention
+from paged_kv.attention.paged import paged_attention_varlen
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.step import AttentionMetadata
@@ -208,14 +208,16 @@ def step_attend(metadata: AttentionMetadata, storage: KVStorage, strategy: str =
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         storage.write_slots(layer, metadata.slot_mapping, k[0], v[0])
-        out = paged_prefill_attention(
+        out = paged_attention_varlen(
             q[0],
             storage.k_caches[layer],
             storage.v_caches[layer],
             metadata.block_table,
             metadata.seq_lens,
-            metadata.query_lens,
+            metadata.query_start_loc,
+            max_query_len=metadata.max_query_len,
             strategy=strategy,
+            check=False,  # prepare_attention built the metadata, checked, once for every layer
         )
         return out[None]
 
