@@ -221,7 +221,7 @@ def prepare_attention(
     total = sum(query_lens)
     request = torch.repeat_interleave(torch.arange(len(rows), device=device), lens, output_size=total)
     positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
-    block_table = tables.table[torch.tensor(rows, device=device), :width]
+    block_table = tables.table[torch.tensor(rows, dtype=torch.long, device=device), :width]
     return AttentionMetadata(
         positions=positions,
         query_start_loc=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
