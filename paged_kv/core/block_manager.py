@@ -208,9 +208,14 @@ class BlockManager:
         size, allocator = self.block_size, self._allocator
         table = self._tables.get(seq_id) if computed is None else None
         if table is not None and num_tokens_to_fit is None and not self._observers:
-            # The hot path of a decode step: nothing to look up, nothing shared, nobody watching.
+            # The hot path of a decode step: nothing to look up, nobody watching.
             start = table.num_tokens
             end = start + num_new_tokens
+            if not allocator._num_shared and end <= len(table.block_ids) * size:  # fits its last block
+                table.num_tokens = end
+                if self._chains and num_new_tokens:
+                    self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
+                return []
             if allocator.num_shared_blocks and self._shared_blocks(table, start, end):
                 self._refuse_shared(seq_id)
             missing = -(-end // size) - len(table.block_ids)
@@ -288,8 +293,19 @@ class BlockManager:
             OutOfBlocksError: too few blocks are free for the copies and new blocks together (the
                 sequence does not grow at all).
         """
-        table = self._table(seq_id)
-        n = check_count("n", n)
+        try:
+            table = self._tables[seq_id]
+        except (KeyError, TypeError):
+            table = self._table(seq_id)  # raises the package's own error
+        if type(n) is not int or n < 0:
+            n = check_count("n", n)
+        if token_ids is None and not self._observers and not self._allocator._num_shared:
+            end = table.num_tokens + n
+            if end <= len(table.block_ids) * self.block_size:  # the common case: it fits its last block
+                table.num_tokens = end
+                if self._chains and n:
+                    self._advance_chain(seq_id, table, None)
+                return [], []
         if token_ids is not None:
             token_ids = check_token_ids(token_ids, n, "n", "appended token")
         size, end = self.block_size, table.num_tokens + n

@@ -1,4 +1,4 @@
-"""Serving: the one scheduler, the memory it takes blocks from, its runners and the engine (lessons 07, 09-11).
+"""Serving: the one scheduler, the memory it takes blocks from, its runners, the engine (lessons 07, 09-11).
 
 * :mod:`~paged_kv.serving.scheduler`: :class:`~paged_kv.serving.scheduler.Scheduler`, vLLM v1's:
   each step's tokens per request and their blocks, preemptions, admissions, as a

@@ -87,6 +87,7 @@ class KVCacheManager:
         self.block_size, self.num_blocks = manager.block_size, manager.num_blocks
         self.watermark = check_watermark(watermark)
         self.watermark_blocks = watermark_blocks(self.watermark, self.num_blocks)
+        self._caching, self._tables = manager.enable_prefix_caching, manager.tables  # read once: the hot path
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -130,8 +131,8 @@ class KVCacheManager:
         """:meth:`BlockManager.allocate_slots` for ``request``; a new one keeps the watermark free
         when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only, and only then)."""
         manager = self.manager
-        token_ids = token_ids if manager.enable_prefix_caching else None
-        if computed is None and request.request_id in manager.tables:  # a running request
+        token_ids = token_ids if self._caching else None
+        if computed is None and request.request_id in self._tables:  # a running request
             return manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
         return manager.allocate_slots(
             request.request_id,

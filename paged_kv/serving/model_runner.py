@@ -34,7 +34,7 @@ from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
-from paged_kv.model.step import BlockTables, prepare_attention
+from paged_kv.model.step import BlockTables, long_tensor, prepare_attention
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -92,10 +92,13 @@ class ModelRunner:
         query_lens = [scheduled[r] for r in req_ids]
         computed = [s.num_computed_tokens for s in states]
         metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size)
-        tokens = [
-            t for s, c, n in zip(states, computed, query_lens, strict=True) for t in s.token_ids[c : c + n]
-        ]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        tokens: list[int] = []
+        for state, c, n in zip(states, computed, query_lens, strict=True):
+            if n == 1:  # a decode: its last token
+                tokens.append(state.token_ids[c])
+            else:
+                tokens += state.token_ids[c : c + n]
+        input_ids = long_tensor(tokens, self.device)
         attend = step_attend(metadata, self.storage, self.strategy)
         logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
         sampled = {}
@@ -156,7 +159,7 @@ class ModelRunner:
 
     @staticmethod
     def _check_blocks(req_id: Hashable, block_ids: tuple[int, ...], num_blocks: int) -> None:
-        if any(not 0 <= b < num_blocks for b in block_ids):
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
             raise ValueError(
                 f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}"
             )

@@ -255,11 +255,12 @@ class Scheduler:
             raise ValueError(f"output must be the SchedulerOutput of step {self._step}, got {output!r}")
         scheduled, sampled = output.num_scheduled_tokens, result.sampled
         sampling = []  # the requests whose scheduled tokens reached their end
-        prefilled = 0  # the step's tokens below their request's prefill end
+        prefilled = held = 0  # the step's tokens below their request's prefill end; the K/V held
         for request in self.running:
+            computed = request.num_computed_tokens
+            held += computed
             n = scheduled.get(request.request_id, 0)
             if n:
-                computed = request.num_computed_tokens
                 if computed == request.num_tokens:
                     sampling.append(request)
                 if request.num_prefill_tokens > computed - n:
@@ -267,24 +268,25 @@ class Scheduler:
         missing = [r.request_id for r in sampling if r.request_id not in sampled]
         if missing:
             raise ValueError(f"the runner's result has no sampled token for {missing!r}")
-        first = []
-        new_tokens = {}
-        for request in sampling:
+        first, new_tokens, done = [], {}, []
+        for request in sampling:  # only a request that sampled can finish
             token = int(sampled[request.request_id])
             if not request.output_token_ids:
                 first.append(request.request_id)
             request.append_output(token)
             new_tokens[request.request_id] = token
+            if request.finished:
+                done.append(request)
         step = StepResult(
             self._step,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
-            held_tokens=sum(r.num_computed_tokens for r in self.running),
+            held_tokens=held,
             reserved_tokens=self.memory.reserved_tokens,
             new_tokens=new_tokens,
             first_tokens=tuple(first),
-            finished=self._finish(),
+            finished=self._finish(done),
             num_prefill_tokens=prefilled,
         )
         self._step += 1
@@ -323,21 +325,23 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its tokens and their slots; preempt the newest when they do not fit."""
+        running, allocate = self.running, self.memory.allocate_slots  # bound once: the hot loop
+        cached, cached_blocks, cached_computed = step.cached, step.cached_blocks, step.cached_computed
         index = 0
-        while index < len(self.running) and step.budget_left != 0:
-            request = self.running[index]
+        while index < len(running) and step.budget_left != 0:
+            request = running[index]
             num_new = step.clip(request.num_tokens - request.num_computed_tokens)
             while True:
-                block_ids = self.memory.allocate_slots(request.request, num_new, request.all_token_ids)
+                block_ids = allocate(request.request, num_new, request.all_token_ids)
                 if block_ids is not None:
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim, step)
                 if victim is request:
                     return
-            step.cached.append(request.request_id)
-            step.cached_blocks.append(tuple(block_ids))
-            step.cached_computed.append(request.num_computed_tokens)
+            cached.append(request.request_id)
+            cached_blocks.append(tuple(block_ids) if block_ids else ())
+            cached_computed.append(request.num_computed_tokens)
             step.schedule(request.request_id, num_new)
             index += 1
 
@@ -383,14 +387,15 @@ class Scheduler:
         victim.num_computed_tokens = 0
         self.waiting.appendleft(victim)
 
-    def _finish(self) -> tuple[tuple[Hashable, tuple[int, ...]], ...]:
-        done, still = [], []
-        for request in self.running:
-            (done if request.finished else still).append(request)
+    def _finish(self, done: list[Request]) -> tuple[tuple[Hashable, tuple[int, ...]], ...]:
+        """Free the requests in ``done`` and drop them from the running ones."""
+        if not done:
+            return ()
         for request in done:
             self.memory.free(request.request_id)
             self._finished_ids.add(request.request_id)
-        self.running = still
+        gone = {id(request) for request in done}
+        self.running = [request for request in self.running if id(request) not in gone]
         return tuple((r.request_id, tuple(r.output_token_ids)) for r in done)
 
 
