@@ -23,8 +23,8 @@
 #    slots, and compare running sequences, steps and utilization;
 # 5. weigh what paging costs against what it saves.
 #
-# The cells run in 6 to 8 s on a quiet 2-core CPU (10 s with two busy processes beside it); a GPU
-# is used when there is one. Lesson 10 runs a Hugging Face model on the same engine and gives its
+# The cells run in 7 to 8.5 s on a quiet 2-core CPU (8 to 12 s with two busy processes beside it);
+# a GPU is used when there is one. Lesson 10 runs a Hugging Face model on the same engine and gives its
 # steps a token budget.
 
 # %%
