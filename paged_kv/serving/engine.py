@@ -128,7 +128,8 @@ class EngineResult:
     step that sampled its first output token (the first time, if it was preempted and started
     over), and :attr:`time_to_first_token` the steps from its arrival to that one, counting both.
     ``scheduled_tokens`` holds one tuple per step of ``(request_id, tokens)`` pairs, what the step
-    ran (decodes first, then prefill chunks: :attr:`SchedulerOutput.scheduled`), and
+    ran (:attr:`~paged_kv.serving.outputs.SchedulerOutput.num_scheduled_tokens`: the running
+    requests in list order, then the new ones), and
     :attr:`tokens_per_step` their sums: with ``max_num_batched_tokens`` none is above it.
 
     ``preemptions_by_reason`` counts preemptions per way (``"recompute"``, ``"swap"``) and
