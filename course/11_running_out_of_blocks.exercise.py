@@ -215,12 +215,16 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
             length = allocator.sequence_length(seq)
             allocator.append_tokens(seq, 1)
             allocator.write_kv(seq, *kv_of(seq, length, 1), start_position=length)
-        while not victims and swapped and admit_with_watermark(  # its K/V and next token, no watermark
-            allocator.num_free_blocks,
-            blocks_for_tokens(len(saved[swapped[0]][0]) + 1, 4),
-            len(running),
-            num_blocks,
-            0,
+        while (
+            not victims
+            and swapped
+            and admit_with_watermark(  # its K/V and next token, no watermark
+                allocator.num_free_blocks,
+                blocks_for_tokens(len(saved[swapped[0]][0]) + 1, 4),
+                len(running),
+                num_blocks,
+                0,
+            )
         ):
             seq = swapped.popleft()
             swap_in(allocator, seq, saved.pop(seq))
