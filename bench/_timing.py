@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_kv.timing import Timings, torch_threads
 from paged_kv.timing import median_time as median_time  # the benches' timer is the course's
 
 
@@ -21,7 +25,8 @@ class Row:
 
     ``measured`` and ``baseline`` are in ``unit``; ``ratio`` is what ``target`` speaks of (a
     speed-up ``baseline / measured`` or a growth factor, as the name says); ``met`` is ``None``
-    for a row with no target (shown for information).
+    for a row with no target (shown for information). ``spread``, where the ratio is the median of
+    rounds timed in turn, is the smallest and the largest round's ratio (shown after the ratio).
     """
 
     name: str
@@ -31,6 +36,37 @@ class Row:
     target: str
     met: bool | None
     unit: str = "µs"
+    spread: tuple[float, float] | None = None
+
+
+def compare_thread_times(
+    contestants: dict[str, Callable[[], object]], *, repeats: int, warmup: int, threads: int | None = None
+) -> Timings:
+    """:func:`paged_kv.timing.compare_times` in the CPU time of this thread (``time.thread_time``):
+    ``warmup`` untimed calls of each contestant, then ``repeats`` rounds of one call each, in turn.
+
+    For contestants that compute on this thread only (torch with one thread runs its operations on
+    the caller's): the other processes of a busy machine then move the samples far less than they
+    move wall time. A contestant that works in another thread (transformers' continuous batching
+    does) must be timed with the wall clock instead.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in contestants}
+    with torch_threads(threads):
+        for fn in contestants.values():
+            for _ in range(warmup):
+                fn()
+        for _ in range(repeats):
+            for name, fn in contestants.items():
+                start = time.thread_time()
+                fn()
+                samples[name].append(time.thread_time() - start)
+    return Timings({name: tuple(times) for name, times in samples.items()})
+
+
+def spread_of(ratios: Iterable[float]) -> tuple[float, tuple[float, float]]:
+    """The median of per-round ratios and their ``(smallest, largest)``: a row's ``ratio`` and ``spread``."""
+    ratios = list(ratios)
+    return statistics.median(ratios), (min(ratios), max(ratios))
 
 
 def interpret_triton_without_a_gpu() -> None:
@@ -97,7 +133,7 @@ def _cells(row: Row) -> tuple[str, ...]:
         _number(row.measured),
         _number(row.baseline),
         row.unit,
-        f"{row.ratio:.2f}x",
+        f"{row.ratio:.2f}x" + ("" if row.spread is None else f" ({row.spread[0]:.2f}-{row.spread[1]:.2f})"),
         row.target,
         _met(row.met).replace("**", ""),
     )

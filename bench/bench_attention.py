@@ -19,6 +19,13 @@ the contiguous K/V, and, for information, against SDPA over K/V repeated to the 
 timed interleaved, round by round (``paged_kv.timing.compare_times``), and each ratio is the
 median of the rounds' ratios.
 
+A third batch is one engine step as vLLM v1 runs it: decodes (32 by default, the same heads, context
+and block size) and one prompt chunk (256 tokens at the end of 1,024) packed together, the
+``paged_prefill_attention`` of a forward that mixes both. Its ``"auto"`` strategy (the decodes as a
+decode batch, read in place, and only the chunk gathered) is timed against the same work as two
+calls, the decodes alone and the chunk alone, and against ``"gather"`` (every row padded to the
+chunk's 256 queries) and ``"in_place"`` (the chunk's queries meet every block of the pool).
+
     .venv/bin/python bench/bench_attention.py
 """
 
@@ -34,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
-from paged_kv.attention.paged import paged_attention
+from paged_kv.attention.paged import paged_attention, paged_prefill_attention
 from paged_kv.timing import compare_times
 
 TARGET_SLOWDOWN = 1.5
@@ -143,9 +150,11 @@ def run(
     repeats: int = 9,
     gqa_batch: int = 8,
     gqa_heads: tuple[int, int] = (32, 8),
+    chunk: int = 256,
 ) -> list[Row]:
     """Time paged attention, SDPA and the gather on the CPU (and CUDA when available), after checking them;
-    then the grouped-query batch (``gqa_batch`` sequences, ``gqa_heads`` = (query heads, KV heads))."""
+    then the grouped-query batch (``gqa_batch`` sequences, ``gqa_heads`` = (query heads, KV heads)),
+    and the mixed step (``batch`` decodes and a chunk of ``chunk`` tokens)."""
     case = make_case(batch, num_heads, head_dim, context, block_size)
     check_equal(case)
     sdpa = median_time(lambda: contiguous(case), repeats=repeats, warmup=2)
@@ -165,6 +174,7 @@ def run(
             "—", None, "ms"),
     ]  # fmt: skip
     rows += gqa_rows(gqa_batch, *gqa_heads, head_dim, context, block_size, repeats)
+    rows += mixed_step_rows(batch, num_heads, head_dim, context, chunk, block_size, repeats)
     if torch.cuda.is_available():
         on_cuda = {key: value.cuda() for key, value in case.items()}
         check_equal(on_cuda)
@@ -222,6 +232,59 @@ def gqa_rows(
     ]  # fmt: skip
 
 
+def mixed_step_rows(
+    batch: int, num_heads: int, head_dim: int, context: int, chunk: int, block_size: int, repeats: int
+) -> list[Row]:
+    """One packed step, ``batch`` decodes and a chunk of ``chunk`` tokens (all at ``context`` tokens):
+    ``paged_prefill_attention``'s strategies against the decodes and the chunk run apart."""
+    case = make_case(batch + 1, num_heads, head_dim, context, block_size, seed=2)
+    query_lens = torch.tensor([1] * batch + [chunk])
+    packed = torch.randn(batch + chunk, num_heads, head_dim, generator=torch.Generator().manual_seed(3))
+    cache = (case["k_cache"], case["v_cache"])
+    tables, lens = case["block_tables"], case["context_lens"]
+
+    def step(strategy: str) -> torch.Tensor:
+        return paged_prefill_attention(packed, *cache, tables, lens, query_lens, strategy=strategy)
+
+    def apart() -> torch.Tensor:
+        decodes = paged_attention(packed[:batch], *cache, tables[:batch], lens[:batch])
+        chunked = paged_prefill_attention(
+            packed[batch:], *cache, tables[batch:], lens[batch:], query_lens[batch:], strategy="gather"
+        )
+        return torch.cat([decodes, chunked])
+
+    expected = apart()
+    for strategy in ("auto", "gather", "in_place"):
+        if not torch.allclose(step(strategy), expected, atol=1e-5, rtol=1e-4):
+            raise AssertionError(
+                f"the packed step's {strategy!r} differs from the decodes and the chunk apart"
+            )
+    timings = compare_times(
+        {
+            "auto": lambda: step("auto"),
+            "apart": apart,
+            "gather": lambda: step("gather"),
+            "in_place": lambda: step("in_place"),
+        },
+        repeats=max(3, repeats // 3),
+    )
+    threads = torch.get_num_threads()
+    name = (
+        f"one packed step, {batch} decodes and a chunk of {chunk} (heads {num_heads}, dim {head_dim}, "
+        f"context {context:,}, block {block_size}, fp32), paged_prefill_attention: "
+        f"CPU, {threads} thread{'s' if threads != 1 else ''}"
+    )
+    auto = timings.median("auto")
+    return [
+        Row(f"{name}, auto vs the decodes and the chunk apart", auto * 1e3, timings.median("apart") * 1e3,
+            timings.ratio("auto", "apart"), "—", None, "ms"),
+        Row(f"{name}, gather vs auto", timings.median("gather") * 1e3, auto * 1e3,
+            timings.ratio("gather", "auto"), "—", None, "ms"),
+        Row(f"{name}, in_place vs auto", timings.median("in_place") * 1e3, auto * 1e3,
+            timings.ratio("in_place", "auto"), "—", None, "ms"),
+    ]  # fmt: skip
+
+
 # Tiny sizes for a smoke run (``run_all.py --quick``, the tests).
 QUICK = {
     "batch": 2,
@@ -232,6 +295,7 @@ QUICK = {
     "repeats": 3,
     "gqa_batch": 2,
     "gqa_heads": (4, 2),
+    "chunk": 9,
 }
 
 

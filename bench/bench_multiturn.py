@@ -7,14 +7,16 @@ conversation arrives at step ``k * gap``, after turn ``k - 1`` has finished, as 
 the answer before writing again. The answers are what the model generates greedily for each prompt
 alone, computed first, so that every prompt is known before the engine runs.
 
-The engine runs with prefix caching twice on the same requests: as the package does, where a
-decode step passes its tokens' ids to the cache and every block that fills is cached (vLLM v1),
-and with a cache that drops those ids, so that only prompt blocks are cached (the package before
-issue 15). Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against
-the ideal (every full block of the previous prompt and answer, computed from the chained hashes),
-on a pool that holds every request at once and on a tight one where cached blocks are evicted;
-the tokens, which must equal the answers of each prompt alone; and what the ids cost the decode
-step's bookkeeping (``BlockManager.append_batch`` with the step's token ids against without).
+The engine runs with prefix caching twice on the same requests: as the package does, where the
+scheduler passes a running request's token ids with every ``allocate_slots`` and every block that
+fills is cached when its tokens are scheduled (vLLM v1), and with a memory that drops those ids for
+running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.serving.memory.KVCacheManager`),
+so that only the blocks of prompts admitted whole are cached (the package before issue 15).
+Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against the ideal
+(every full block of the previous prompt and answer, computed from the chained hashes), on a pool
+that holds every request at once and on a tight one where cached blocks are evicted; the tokens,
+which must equal the answers of each prompt alone; and what the ids cost the decode step's
+bookkeeping (``BlockManager.allocate_slots(seq, 1, token_ids)`` per sequence against no ids).
 
     .venv/bin/python bench/bench_multiturn.py
 """
@@ -36,19 +38,33 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
-from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.memory import KVCacheManager
 from paged_kv.timing import compare_times, torch_threads
 
 IDEAL_TARGET = 0.99  # the share of the ideal hit rate decode-block caching must reach on the ample pool
 
 
-class PromptBlocksOnly(PagedKVCache):
-    """The baseline: the decode step's token ids are dropped, so only prompt blocks are cached."""
+class PromptBlocksOnly(KVCacheManager):
+    """The baseline's memory: a running request's ``allocate_slots`` (its decode tokens, or a later
+    prefill chunk) gets no token ids, so its hash chain ends there and only the blocks its
+    admission filled, its prompt's, are cached."""
 
-    def append(self, seq_ids, token_ids=None):
-        return super().append(seq_ids)
+    def allocate_slots(self, request, num_new_tokens, token_ids=None, **kwargs):
+        if request.request_id in self.manager:
+            token_ids = None
+        return super().allocate_slots(request, num_new_tokens, token_ids, **kwargs)
+
+
+class PromptBlocksOnlyEngine(Engine):
+    """The package's :class:`~paged_kv.serving.engine.Engine` whose scheduler takes its blocks from
+    :class:`PromptBlocksOnly` over the same block manager: nothing else changes."""
+
+    def _new_step_loop(self):
+        scheduler, runner = super()._new_step_loop()
+        scheduler.memory = PromptBlocksOnly(scheduler.memory.manager, watermark=self.watermark)
+        return scheduler, runner
 
 
 def chat_requests(
@@ -108,29 +124,34 @@ def ideal_hits(requests: list[EngineRequest], answers: dict, block_size: int) ->
     return hits
 
 
-CACHES = {"decode": PagedKVCache, "prompts": PromptBlocksOnly}
-"""The two caches the engine runs on: decode-block caching (the package) and prompt blocks only."""
+ENGINES = {"decode": Engine, "prompts": PromptBlocksOnlyEngine}
+"""The two engines: decode-block caching (the package) and prompt blocks only (the baseline)."""
 
 
 def engines(model: TinyGPT, num_blocks: int, block_size: int) -> dict[str, Engine]:
-    """An engine with prefix caching on each of :data:`CACHES`, by the same name."""
+    """Each of :data:`ENGINES` with prefix caching, by the same name."""
     settings = {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": True}
-    return {name: Engine(model, cache_factory=factory, **settings) for name, factory in CACHES.items()}
+    return {name: engine(model, **settings) for name, engine in ENGINES.items()}
 
 
 def decode_steps_of(num_seqs: int, steps: int, block_size: int, with_ids: bool) -> Callable[[], None]:
     """A call that runs ``steps`` decode steps of ``num_seqs`` sequences (100-token prompts) on a new
-    prefix-caching manager, each step's ``append_batch`` with the step's token ids or without."""
+    prefix-caching manager: per step and sequence, the token appended to its ids, then
+    ``allocate_slots(seq_id, 1, ids)`` as the scheduler calls it for a running request, or with no
+    ids (its hash chain ends at the first)."""
 
     def decode() -> None:
         manager = BlockManager(num_seqs * blocks_for_tokens(100 + steps, block_size), block_size,
                                enable_prefix_caching=True)  # fmt: skip
         seq_ids = list(range(num_seqs))
+        ids = {seq_id: [(seq_id * 7 + i) % 256 for i in range(100)] for seq_id in seq_ids}
         for seq_id in seq_ids:
-            manager.allocate(seq_id, 100, [(seq_id * 7 + i) % 256 for i in range(100)])
-        tokens = [seq_id % 256 for seq_id in seq_ids]
-        for _ in range(steps):
-            manager.append_batch(seq_ids, tokens if with_ids else None)
+            manager.allocate(seq_id, 100, ids[seq_id])
+        for step in range(steps):
+            for seq_id in seq_ids:
+                tokens = ids[seq_id]
+                tokens.append((seq_id + step) % 256)
+                manager.allocate_slots(seq_id, 1, tokens if with_ids else None)
 
     return decode
 
@@ -214,7 +235,8 @@ def run(
         Row(f"{name}: runs whose tokens equal each prompt's answer alone (both pools, both cachings)",
             equal, runs_total, equal / runs_total, "all", equal == runs_total, "runs"),
         Row(f"{decode_steps} decode steps of {decode_seqs} seqs (100-token prompts, block {block_size}), "
-            f"prefix caching: BlockManager.append_batch with the step's token ids vs without (time ratio)",
+            f"prefix caching: BlockManager.allocate_slots(seq, 1) per sequence with its token ids vs "
+            f"without (time ratio)",
             bookkeeping.median("with") * 1e3, bookkeeping.median("without") * 1e3,
             bookkeeping.ratio("with", "without"), "—", None, "ms"),
     ]  # fmt: skip

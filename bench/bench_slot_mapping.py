@@ -1,4 +1,4 @@
-"""Slot mapping for one long sequence: ``paged_kv.core.mapping.slot_mapping`` against a per-token Python loop.
+"""Slot mapping for one long sequence: ``paged_kv.kv.slots.slot_mapping`` against a per-token Python loop.
 
 The sequence holds 8,192 tokens in scattered physical blocks (block size 16). The vectorised
 mapping must give the same slots as the loop and be at least 20 times faster on the CPU; on CUDA
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, median_time, text_table
 
-from paged_kv.core.mapping import slot_mapping
+from paged_kv.kv.slots import slot_mapping
 from paged_kv.timing import torch_threads
 
 TARGET_SPEEDUP = 20.0

@@ -126,7 +126,9 @@ check("04.append_block", BlockManager)
 # ## Task 3 · One decode step for a batch, all or nothing
 #
 # Write `decode_step(cache, seq_ids)`: the running sequences `seq_ids` (distinct ids the cache holds)
-# each gain one token. It works in two passes, the way a scheduler does:
+# each gain one token. It works in two passes, so that a step the pool cannot serve changes nothing
+# (vLLM's scheduler instead asks for each request's slot in turn and preempts when one finds no
+# block, lesson 11):
 #
 # 1. **Look.** For every sequence, decide with your `needs_new_block` whether its next token needs a
 #    block (`cache.sequence_length(seq_id)` tokens in `len(cache.get_block_mapping(seq_id))` blocks

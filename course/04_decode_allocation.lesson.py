@@ -245,10 +245,12 @@ print("49 tokens:", blog.get_block_mapping("req-a"))
 # ## 4. The low-level step: `append_block_to_sequence`
 #
 # `append_tokens` does two things at once: it takes the blocks that are missing and counts the new
-# tokens. A serving engine splits them. Before it runs a decode step for the whole batch, its
-# scheduler makes sure every sequence has a slot for its next token, taking a block for those that
-# need one; if the pool cannot provide them all, it must make room first (lesson 11). Only then does
-# the model run, and the tokens are counted.
+# tokens. A serving engine splits them, and takes the blocks first, in its scheduler, before the
+# step runs: the scheduler goes through the running sequences and gives each a slot for its next
+# token, taking a block for one whose blocks are full (vLLM's `KVCacheManager.allocate_slots`); when
+# no block is free, it makes room by preempting a sequence (lesson 11). Only then does the model
+# run, writing each new token's K and V into the slot it was given: the model never allocates.
+# Last, the sampled tokens are counted.
 #
 # `cache.append_block_to_sequence(seq_id)` is that first half: it adds one free block to the table
 # and no tokens. Afterwards the sequence holds a spare block, so `needs_new_block` turns false, and
@@ -294,11 +296,14 @@ print("c:", cache.get_block_table("c"))
 #
 # The K/V writes are left out; they do not change which blocks are taken.
 #
-# This admission rule is the simplest there is: a request joins when its prompt's blocks are free.
-# The package has one scheduler, `paged_kv.serving.scheduler.Scheduler`, which lesson 07's
-# simulator and lesson 09's engine both run; it is more careful, and admits a request only when one
-# block of headroom per running sequence is free as well, so that the next decode step cannot run
-# dry (lessons 07 and 11 show why).
+# This admission rule is the simplest there is, and vLLM's: a request joins when its prompt's blocks
+# are free, and nothing is kept back for the running sequences' growth. The package's one scheduler,
+# `paged_kv.serving.scheduler.Scheduler`, which lesson 07's simulator and lesson 09's engine run,
+# admits by it too, but orders the step as vLLM does: the running sequences get their slots first,
+# then waiting requests join in the blocks left (each prefill samples a first token), then the model
+# runs, and the finished are freed at the end. So a newcomer never takes a block that a running
+# sequence needs in that step. This loop admits after the decode instead, so a newcomer can take a
+# block the next decode needs (lessons 07 and 11 show what the pool running dry costs).
 #
 # **Predict, then run.** B (3 prompt tokens, 4 to generate) finishes first. When it does, which
 # request takes its place, and does it get B's blocks?
@@ -422,8 +427,8 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #
 # * `vllm/v1/core/kv_cache_manager.py`: `allocate_slots` takes a request and `num_new_tokens` (1 for a
 #   decode step), works out `num_tokens_need_slot`, the tokens computed plus the new ones, and returns
-#   `None` when the blocks they need, plus `watermark_blocks` for a request still waiting, are more
-#   than the pool has free; otherwise it takes them and returns the new blocks.
+#   `None` when the blocks they need, plus `watermark_blocks` (0 by default) for a request still
+#   waiting, are more than the pool has free; otherwise it takes them and returns the new blocks.
 # * `vllm/v1/core/single_type_kv_cache_manager.py`: `get_num_blocks_to_allocate` is the boundary rule:
 #   `num_required_blocks = cdiv(num_tokens, self.block_size)`, less the `num_req_blocks` the request
 #   holds, which is 0 until its blocks are full.
@@ -434,9 +439,10 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #   (`get_num_blocks_to_allocate`, `allocate_new_blocks`), so that a step's allocation is checked for
 #   all groups before any block is taken.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` asks the manager for each running
-#   request's slots; when there are too few, `_preempt_request` frees another request's blocks (lesson 11).
-#   A finished request's blocks go back at once (`_free_blocks`), and waiting requests are admitted
-#   into the same step: continuous batching.
+#   request's slots, in list order, before the model runs; when there are too few, it preempts the
+#   newest running request (`_preempt_request`, lesson 11). Then it admits waiting requests into the
+#   blocks left. `Scheduler.update_from_output` appends the sampled tokens and frees a finished
+#   request's blocks at once (`_free_request`), for the next step to admit into: continuous batching.
 #
 # What the course leaves out or does differently: the course appends one token per decode step
 # (`append_tokens`, `append_block_to_sequence`); vLLM's one call covers any number of new tokens: a
@@ -454,7 +460,8 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #   free (n = 3, 7 with blocks of 4) and never when the blocks are full (n = 0, 4, 8), where a token
 #   then has no slot. 48 tokens in blocks of 16 take a 4th block for the 49th.
 # * `append_tokens` takes missing blocks and counts tokens; `append_block_to_sequence` only takes a
-#   block, the step a scheduler runs for the whole batch before the model does.
+#   block: what a scheduler does for each running sequence before the model runs (vLLM's
+#   `allocate_slots`). The model never allocates.
 # * Continuous batching frees a finished request at once and admits a waiting one in the same step:
 #   in our run D and E reused B's blocks, all five were served in 11 steps (16 with static batches
 #   of three), and the pool of 10 peaked at 9 blocks in use.

@@ -82,22 +82,24 @@ print("paged_kv", paged_kv.__version__)
 # rebuilds the batch every step: a finished request releases its memory at once, and a waiting
 # request can start in the very next step.
 #
-# The scheduler admits the request at the front of the queue when the blocks of its prompt, plus one
-# block of **headroom** for every running sequence, itself included, are free: the headroom is the
-# most the next decode step can take, one block per sequence (lesson 11 comes back to this rule).
-# Here are three requests in a tiny paged cache of 6 blocks of 4 slots (24 slots in all):
+# Each step the scheduler first gives every running sequence a slot for its next token, taking a
+# block when its blocks are full (lesson 04). Then it admits requests from the front of the queue
+# while the blocks of each one's whole prompt are free. As in vLLM, nothing is kept back for the
+# running sequences' growth: the pool can fill to its last block, and a decode that then finds no
+# free block preempts the newest running sequence (section 6). Here are three requests in a tiny
+# paged cache of 6 blocks of 4 slots (24 slots in all):
 #
 # | request | arrives at step | prompt | output | final length |
 # |---|---:|---:|---:|---:|
 # | short-0 | 0 | 4 | 2 | 6 |
 # | long-1 | 0 | 4 | 6 | 10 |
-# | late-2 | 1 | 6 | 3 | 9 |
+# | late-2 | 1 | 9 | 3 | 12 |
 #
 # **Predict, then run.** `late-2` arrives at step 1. At which step can it start, given that each of
 # the other two takes a second block at step 1, when it stores its fifth token?
 
 # %%
-tiny = [Request("short-0", 0, 4, 2), Request("long-1", 0, 4, 6), Request("late-2", 1, 6, 3)]
+tiny = [Request("short-0", 0, 4, 2), Request("long-1", 0, 4, 6), Request("late-2", 1, 9, 3)]
 trace = simulate(tiny, PagedPolicy(block_size=4), budget_tokens=24)
 print("step  running  waiting  finished  held  reserved")
 for step in range(trace.steps):
@@ -109,17 +111,18 @@ for step in range(trace.steps):
 # %% [markdown]
 # At step 0 both first requests prefill their 4-token prompts into one block each, and each prefill
 # samples a first token. At step 1 each feeds that token in, its fifth, and takes a second block: 16
-# of the 24 slots are in use, and `late-2` needs its prompt's 2 blocks plus 3 of headroom with only
-# 4 free, so it waits. `short-0` samples its last token at step 1 and its 2 blocks go back at once;
-# at step 2 `late-2` is admitted. (`held` counts tokens stored, `reserved` the slots of the blocks in
-# use; a token sampled at a step is stored by the next one.)
+# of the 24 slots are in use, and `late-2` needs its prompt's 3 blocks with only 2 free, so it waits
+# (an 8-token prompt would have started then, in the last 2 blocks). `short-0` samples its last token
+# at step 1 and its 2 blocks go back at once; at step 2 `late-2` is admitted. (`held` counts tokens
+# stored, `reserved` the slots of the blocks in use; a token sampled at a step is stored by the next
+# one.)
 #
 # With static batching, `late-2` would wait for the whole first batch, `long-1` included. The same
 # simulator, run on the first batch alone and then on `late-2` alone, shows what that costs:
 
 # %%
 first_batch = simulate(tiny[:2], PagedPolicy(block_size=4), budget_tokens=24).steps
-second_batch = simulate([Request("late-2", 0, 6, 3)], PagedPolicy(block_size=4), budget_tokens=24).steps
+second_batch = simulate([Request("late-2", 0, 9, 3)], PagedPolicy(block_size=4), budget_tokens=24).steps
 print("continuous batching: all done after", trace.steps, "steps")
 print("static batching:     all done after", first_batch + second_batch, "steps")
 
@@ -129,8 +132,8 @@ print("static batching:     all done after", first_batch + second_batch, "steps"
 
 # %% [markdown]
 # The same run, animated. `simulate(..., record=True)` keeps the paged allocator's picture after
-# every allocation, token and release. Watch `late-2` wait while the pool is full, then take the
-# blocks `short-0` gives back.
+# every allocation, token and release. Watch `late-2` wait while too few blocks are free, then
+# start in the blocks `short-0` gives back and the two no one took.
 
 # %%
 from paged_kv.pictures.widgets import AllocationPlayer
@@ -152,8 +155,8 @@ AllocationPlayer(recorded.trace)
 # * **Orca (Pow2)**: the prompt's length plus the next power of two at or above the output's
 #   length: 32 slots for a 25-token answer.
 # * **Orca (Oracle)**: exactly the final length, prompt plus output.
-# * **vLLM (blocks of 16)**: the blocks its prompt fills at admission (with the headroom of section
-#   1), then a new block each time its last one is full.
+# * **vLLM (blocks of 16)**: the blocks its prompt fills, taken at admission (section 1), then a new
+#   block each time its last one is full.
 #
 # **The oracle is out of reach.** The model decides when to stop, by emitting an end-of-sequence
 # token, and the user's `max_tokens` is only an upper bound: no engine knows the final length at
@@ -414,28 +417,29 @@ for workload, results in (("sharegpt", sharegpt), ("alpaca", alpaca)):
 # %% [markdown]
 # ## 6. A burst: preemption, and why the peak misleads
 #
-# The paged scheduler admits a request as soon as its prompt fits with one block of headroom per
-# running sequence. That is a bet: the headroom covers the next step, not the hundreds after it, so
-# it hands out memory the running sequences will need later, counting on some of them to finish
-# first. When all 200 ShareGPT requests arrive together at step 0, the bet fails.
+# The paged scheduler admits a request as soon as the blocks of its prompt are free, and keeps
+# nothing back for the sequences already running. That is a bet: it hands out memory the running
+# sequences will need as they grow, counting on some of them to finish first. When all 200 ShareGPT
+# requests arrive together at step 0, the bet fails.
 
 # %%
 burst = compare_policies("sharegpt", num_requests=200, budget_tokens=32768, seed=0)
 print(format_table(burst))
 
 # %% [markdown]
-# The paged policy admits 182 requests at step 0: their prompts fit, with the headroom. As they
-# decode, the free blocks run out, and the sequences that need a new block cannot all get one. The
+# The paged policy admits 195 requests at step 0: their prompts take 2,036 of the 2,048 blocks. As
+# they decode, the free blocks run out, and a sequence that needs a new block finds none. The
 # scheduler then **preempts** the most recently admitted sequence: it frees its blocks and puts it
 # back at the front of the queue, to be prefilled again, with the tokens it had generated, when it
-# fits. Here that happens 43 times; lesson 11 is about this moment, another way through it
-# (swapping to host memory) and a *watermark* that makes it rare.
+# fits. Here that happens 157 times; lesson 11 is about this moment, another way through it
+# (swapping to host memory) and a *watermark* that makes it rarer.
 #
-# So the peak of 182 running sequences says little: it is the count at step 0, before the cache
-# filled up. The mean of 47.8 running and the 47.8 tokens per step measure what the server
+# So the peak of 195 running sequences says little: it is the count at step 0, before the cache
+# filled up. The mean of 48.5 running and the 48.5 tokens per step measure what the server
 # sustained (every step of a running sequence samples a token, its prefill included), and even with
-# its preemptions the paged cache finishes the burst first, in 1,481 steps against 2,416 for the
-# oracle.
+# its preemptions the paged cache finishes the burst first, in 1,460 steps against 2,416 for the
+# oracle. The steps flatter it: the simulator counts a step, not its work, while a real engine
+# computes each victim's prompt and tokens again.
 
 # %% [markdown]
 # ## 7. Where the memory goes: the paper's Figure 2, measured
@@ -456,7 +460,7 @@ print(format_table(burst))
 # sums the four over the steps at which a request is still waiting once the step's admissions are
 # done, the steps at which memory limits the server (at a step with nobody waiting, free slots are
 # idle, not wasted). Then every free slot is one the request at the front could not use: no hole
-# held its range, the free slots in all were too few, or, paged, they are the scheduler's headroom.
+# held its range, or the free slots in all were too few.
 # The four sum to 100 % (`paged_kv.simulation.shares` has the definitions).
 #
 # The paper measured OPT-13B on one 40 GB A100: 12 GB of KV cache, 15,728 slots at 800 KiB a token.
@@ -475,12 +479,13 @@ PAPER_SLOTS = 15728  # 12 GiB of KV cache at 800 KiB a token
 paged_first = compare_policies("sharegpt", num_requests=200, budget_tokens=PAPER_SLOTS, seed=0)
 figure2 = paged_first[1:] + paged_first[:1]  # the paper's order: Max, Pow2, Oracle, vLLM
 columns = ["tokens", "reservation", "internal", "external"]
-print(f"{'%':<21}" + "".join(f"{c:>12}" for c in columns) + f"{'steps measured':>17}{'blocked by holes':>18}")
+header = "".join(f"{c:>12}" for c in columns) + f"{'steps measured':>17}{'blocked by holes':>18}"
+print(f"{'%':<21}{header}{'preemptions':>13}")
 for result in figure2:
     percent = result.memory_shares.percent()
     measured = f"{result.memory_shares.steps} of {result.steps}"
     shares = "".join(f"{percent[name]:>12.1f}" for name in SHARES)
-    print(f"{result.policy:<21}{shares}{measured:>17}{result.blocked_by_holes:>18}")
+    print(f"{result.policy:<21}{shares}{measured:>17}{result.blocked_by_holes:>18}{result.preemptions:>13}")
 
 # %%
 bars = beside_the_paper([result.memory_shares for result in figure2])  # the paper's bar, then ours
@@ -508,9 +513,10 @@ plt.show()
 #   fewer and larger ones. Pow2's internal fragmentation only looks close (11.4 against 13.6 %): 20
 #   of the 200 synthetic outputs are cut at the 1,024-token limit, itself a power of two, and waste
 #   nothing past their final length.
-# * **vLLM: 96.1 % against the paper's 96.3 %.** The reservation is the rest of each sequence's last
-#   block, 1.6 %; the free slots while a request waits, 2.3 %, are the headroom of one block per
-#   running sequence, plus the blocks the next prompt lacks.
+# * **vLLM: 97.4 % against the paper's 96.3 %.** The reservation is the rest of each sequence's last
+#   block, 1.6 %; the free slots while a request waits, 1.0 %, are those the next prompt finds too
+#   few, since nothing is kept back for the running sequences. The price is in compute, not memory:
+#   302 preemptions (the last column).
 #
 # The holes cost the oracle even so: at 3,478 of the measured steps the request at the front of the
 # queue waited although the free slots in all would have held it (`blocked_by_holes`). The next cell
@@ -541,10 +547,11 @@ for result in (figure2[2], compacted):
 #
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` first schedules `self.running`, a list
 #   in admission order, then, if nobody was preempted in the step, admits from `self.waiting` while
-#   fewer than `max_num_running_reqs` (the `max_num_seqs` setting) run and the cache finds blocks for
-#   the prompt; the first request that does not fit stops the admissions, first come first served.
-#   A running request that cannot get its blocks makes it preempt `self.running[-1]`, the newest,
-#   with `Scheduler._preempt_request` (section 6).
+#   fewer than `max_num_active_reqs` (the `max_num_active_seqs` setting, `max_num_seqs` by default)
+#   run and the cache can take the blocks of the whole prompt (`scheduler_reserve_full_isl`, on by
+#   default); the first request that does not fit stops the admissions, first come first served. A
+#   running request that cannot get its blocks makes it preempt `self.running[-1]`, the newest, with
+#   `Scheduler._preempt_request` (section 6).
 # * `vllm/v1/core/sched/request_queue.py`: `FCFSRequestQueue`, a `deque` of requests served first
 #   come first served, and `PriorityRequestQueue`; `create_request_queue` picks one for the
 #   scheduler's `SchedulingPolicy` (`FCFS` by default).
@@ -555,8 +562,8 @@ for result in (figure2[2], compacted):
 #   step it stops (`Scheduler._free_request`): continuous batching's release.
 #
 # What the course leaves out or does differently: vLLM bounds each step by a budget of tokens
-# shared by prefills and decodes (lesson 10), where this lesson's scheduler prefills a whole prompt
-# on admission. And vLLM has no contiguous policy: Orca (Max), (Pow2) and (Oracle) exist only in the
+# shared by prefills and decodes (lesson 10), where this lesson's simulator sets none and prefills
+# a whole prompt on admission. And vLLM has no contiguous policy: Orca (Max), (Pow2) and (Oracle) exist only in the
 # paper's evaluation, rebuilt by its authors.
 
 # %% [markdown]
@@ -574,10 +581,10 @@ for result in (figure2[2], compacted):
 # * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
 #   on average and produces 34.0 tokens per step, against 27.6 (oracle), 24.8 (powers of two) and
 #   14.5 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
-# * Peak running misleads: in a burst of 200 the paged policy peaks at 182 but preempts 43 times;
+# * Peak running misleads: in a burst of 200 the paged policy peaks at 195 but preempts 157 times;
 #   compare mean running and tokens per step.
 # * The paper's Figure 2, measured in its 15,728 slots while requests wait: token states 21.0 %
-#   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 96.1 % (vLLM), against the paper's 20.4, 26.8, 38.2
+#   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 97.4 % (vLLM), against the paper's 20.4, 26.8, 38.2
 #   and 96.3 %. Max matches; Pow2 and Oracle keep fewer holes here (first fit, not a buddy
 #   allocator), so more of their memory holds tokens.
 #

@@ -472,12 +472,14 @@ print("with prompt blocks only:", prompts_only.num_cached_tokens("turn 2"), "fro
 # runs the package's scheduler with a stand-in for the model that only counts tokens, on 200
 # requests queued at step 0, each a system prompt, a user prompt and an answer of ShareGPT-shaped
 # lengths (random tokens, so user prompts share nothing), at most 32 at once. Each prompt is looked
-# up in the cache when it is admitted; a finished request's blocks stay cached; when a step finds no
-# free block, the newest request is preempted and queued again (lesson 11), to be looked up anew.
+# up in the cache when it is admitted; the blocks its prompt and answer fill are cached and stay so
+# when it finishes; when a decode finds no free block, the newest request is preempted and queued
+# again (lessons 07 and 11), to be looked up anew with the tokens it had generated.
 # One system prompt stands for one application, 16 for several sharing a server. The lengths are
 # ShareGPT's divided by 8 (a 32-token system prompt, blocks of 4) so that the sweep takes a few
-# seconds; at full size (256 tokens, blocks of 16, nine budgets, four series) it takes 20 to 25 s on a
-# quiet 2-core machine, 31 s with two busy processes beside it, and draws the same picture.
+# seconds; at full size (256 tokens, blocks of 16, nine budgets, four series) it takes about 35 s of
+# processor time on a 2-core machine, over a minute with busy processes beside it, and draws the
+# same picture.
 #
 # The ideal, `ideal_cached_tokens`, is a cache that never forgets, in a run that never preempts:
 # every request but the first with each system prompt finds that system prompt's 8 full blocks.
@@ -500,7 +502,9 @@ for count in SYSTEM_PROMPTS:
     print(f"{count:<16}{rates}{ideal[count] / prompt_tokens:>8.1%}")
 for count in SYSTEM_PROMPTS:
     preempted = "".join(f"{result.preemptions:>7}" for result in sweep[count])
+    looked_up = "".join(f"{result.prompt_tokens:>7,}" for result in sweep[count])
     print(f"{'preemptions':<16}{preempted}  ({count} system prompt{'s' if count > 1 else ''})")
+    print(f"{'tokens looked up':<16}{looked_up}")
 
 # %%
 COLOURS = {1: PALETTE[0], 16: PALETTE[5]}
@@ -538,19 +542,19 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At 1,024 blocks nothing is preempted, and both hit the ideal: 61.5 % with one system prompt (the
-# model computes 3,986 of the 10,354 prompt tokens, 2.6 times fewer than without caching), 56.9 %
-# with 16. In smaller pools a system prompt that no running request uses is evicted sooner (16
-# prompts fall to 27.1 % at 64 blocks), and the scheduler preempts: a preempted request is looked up
-# again when it is readmitted. That is why one system prompt scores *above* its ideal at 256 blocks
-# (61.7 % against 61.5 %): the ideal counts one lookup per request in a run that never preempts,
-# while the 28 requests preempted there are looked up a second time and find their own prompts still
-# cached, a larger share than the system prompt. At 64 blocks the same lookups pull it *below*
-# (59.1 %): the tokens they had generated are never found, since this simulator's runner samples no
-# real tokens and their blocks get no hash. So compare the prefill work, on the right: without
-# caching, 17,667 tokens at 64 blocks (preemption recomputes) against 10,354 when nothing is
-# preempted; with it, 6,876 (one system prompt) and 12,705 (16). A prefix cache lives in the memory
-# the running requests do not need *right now*.
+# At 1,024 blocks nothing is preempted. One system prompt hits its ideal, 61.5 % (the model computes
+# 3,986 of the 10,354 prompt tokens, 2.6 times fewer than without caching); 16 stop a point short,
+# 55.9 %: the answers' blocks are cached too and, once freed, queue on the free list with the system
+# prompts, so an idle system prompt can reach the head and be evicted. Smaller pools evict sooner and
+# preempt far more (256 times at 64 blocks, one system prompt), as the scheduler keeps no block back
+# for running requests (lesson 07). A readmitted request is looked up again, prompt and generated
+# tokens, and finds much of both: its freed blocks kept their hashes. In small pools these second
+# lookups are most of the tokens looked up (17,230 of 27,584 at 64 blocks) and lift one system
+# prompt *above* its ideal, to 65.8 %, though its first lookups alone find exactly the ideal in every
+# pool. So compare the prefill work, on the right: without caching, 19,433 tokens at 64 blocks
+# (preemption recomputes) against 10,354 when nothing is preempted; with it, 9,424 (one system
+# prompt) and 13,735 (16). A prefix cache lives in the memory the running requests do not need
+# *right now*.
 #
 # `serve` also returns the allocator's counters, in tokens. For 16 system prompts at 512 blocks:
 
@@ -564,9 +568,9 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
-# `requests` counts the lookups: 212 here, the 200 requests and 12 admitted again after a
-# preemption. vLLM reports the same two counters, in tokens, in its metrics, so the hit rate of a
-# real server reads the same way.
+# `requests` counts the lookups: 289 here, the 200 requests and 89 readmitted after a preemption.
+# vLLM counts the same tokens but keeps a readmission's lookup apart (In vLLM, below), so the hit
+# rate a real server logs is that of first lookups.
 
 # %% [markdown]
 # ## In vLLM
@@ -593,6 +597,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
 #   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
 #   `KVCacheManager.free` frees a request's blocks in reverse order.
+# * `vllm/v1/metrics/stats.py`: `PrefixCacheStats` counts `requests`, `queries` and `hits`, and a
+#   preempted request's lookup apart, in `preempted_queries` and `preempted_hits`.
 # * `vllm/config/cache.py`: `CacheConfig.prefix_caching_hash_algo`, `"sha256"` by default;
 #   `CacheConfig.enable_prefix_caching` is `True` by default.
 #
@@ -616,8 +622,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 #   middle in O(1) on a hit; blocks filled during decode are cached too (a chat's next turn found 16
 #   of its 21 tokens cached instead of 8).
 # * With one system prompt, 200 ShareGPT-shaped requests find the ideal 61.5 % of their prompt tokens
-#   cached when nothing is preempted; with 16, the hit rate falls from 56.9 % to 27.1 % in the
-#   smallest pool. Readmitted requests can lift the hit rate above the ideal or pull it below:
+#   cached when nothing is preempted; with 16, 55.9 % (cached answers evict a few system prompts),
+#   and 32.4 % in the smallest pool. Readmitted requests are looked up again and lift the hit rate:
 #   compare prefill work.
 #
 # **Next, lesson 09:** the engine: a tiny GPT served with continuous batching on the paged cache,

@@ -1,16 +1,18 @@
 # %% [markdown]
 # # Exercise 09 · End to end
 #
-# In this exercise you plug a paged KV cache of your own into the tiny GPT and into the engine of
-# lesson 09. First the engine's admission rule, then the bookkeeping of one decode step (which slot
-# each new token's K and V go to), then the cache itself, a class the model and the engine use
-# through the calls of `paged_kv.KVCache`. Each task says what to build and how it is checked; the
-# cell after it runs the check and prints a tick, or tells you which call gave which wrong answer.
+# In this exercise you write three pieces of lesson 09: the engine's admission rule, vLLM's; the
+# bookkeeping of one decode step (which slot each new token's K and V go to, the `slot_mapping` of
+# a step whose requests all decode); and a paged KV cache of your own, a class the tiny GPT's
+# `generate` uses through the calls of `paged_kv.KVCache`. Each task says what to build and how it
+# is checked; the cell after it runs the check and prints a tick, or tells you which call gave which
+# wrong answer.
 #
 # You build on the package's `PagedKVCacheAllocator` (lessons 02 to 04) for the decode step's slots,
 # on its `BlockManager` and `KVStorage`, the two halves that allocator joins (lesson 02), for the
-# cache, and on `paged_attention` (lesson 05). The finished versions are the engine's admission,
-# `paged_kv.serving.memory.admits`, and `paged_kv.PagedKVCache`; try without looking first.
+# cache, and on `paged_attention` (lesson 05). The finished versions are the admission check of
+# `paged_kv.serving.memory.KVCacheManager.allocate_slots` (its `num_tokens_to_fit`) and
+# `paged_kv.PagedKVCache`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
@@ -39,28 +41,31 @@ device = paged_kv.default_device()
 # %% [markdown]
 # ## Task 1 · The admission rule
 #
-# The paged engine admits the request at the front of its queue when the blocks of its prompt, plus
-# **one block of headroom per running sequence**, are free. The headroom is what the next decode step
-# can need: at most one new block per sequence. The request being admitted runs in that step too, so
-# it counts among the running sequences.
+# The engine admits the request at the front of its queue as vLLM does (lesson 09, section 3): when
+# the blocks of its **whole prompt** are free. Nothing is kept back for the requests already running:
+# vLLM admits into a full pool, and when a running request's next token then finds no free block,
+# the newest running request is preempted. (vLLM can also keep a *watermark* of blocks free at
+# admission; that is lesson 11's, and off here.)
 #
 # Write `can_admit(num_free_blocks, prompt_tokens, num_running, block_size)`: whether a request with
-# a prompt of `prompt_tokens` tokens is admitted next to `num_running` running sequences (not
-# counting itself) when `num_free_blocks` blocks of `block_size` slots are free. Return a `bool`.
+# a prompt of `prompt_tokens` tokens is admitted when `num_free_blocks` blocks of `block_size` slots
+# are free and `num_running` other requests run. Return a `bool`. (`num_running` is in the signature
+# on purpose: decide whether it matters.)
 #
-# **Checked:** a 9-token prompt in blocks of 4 next to 2 running sequences with 5, 6 and 7 free
-# blocks (no, yes, yes); an 8-token prompt with 5 free (yes: exactly enough); prompts of 1, 4 and 5
-# tokens with nothing running; that the result is a `bool`; and that your answer is what
-# `paged_kv.serving.engine.Engine` does, for 28 combinations of free blocks, prompt and running sequences on
-# both sides of the rule.
+# **Checked:** a 9-token prompt in blocks of 4 with 2 and 3 free blocks (no, yes: exactly enough),
+# beside 0 or 2 running requests; prompts of 1, 4, 5 and 8 tokens; a prompt beside 7 running
+# requests; blocks of 1; that the result is a `bool`; and that your answer is what
+# `paged_kv.serving.engine.Engine` does when the request arrives beside requests that are decoding,
+# for 22 combinations of free blocks, prompt and running requests on both sides of the rule. A wrong
+# answer is compared with headroom kept for the running requests (a block each), the blocks
+# rounded down, a strict `<`, tokens compared with blocks, and a slot made for the first output token.
 
 
 # %%
 def can_admit(num_free_blocks: int, prompt_tokens: int, num_running: int, block_size: int) -> bool:
-    """Whether the engine admits the request: its prompt's blocks plus one per running sequence are free."""
-    ### BEGIN SOLUTION: the prompt's blocks (rounded up) plus num_running + 1 blocks of headroom must be free
-    headroom = num_running + 1  # the new sequence decodes in the next step too
-    return blocks_for_tokens(prompt_tokens, block_size) + headroom <= num_free_blocks
+    """Whether the engine admits the request: the blocks of its whole prompt are free."""
+    ### BEGIN SOLUTION: the prompt's blocks (rounded up) must be free; the running requests keep no headroom
+    return blocks_for_tokens(prompt_tokens, block_size) <= num_free_blocks  # num_running does not count
     ### END SOLUTION
 
 
@@ -71,7 +76,9 @@ check("09.can_admit", can_admit)
 # ## Task 2 · The slots of a decode step
 #
 # In a decode step every running sequence gains one token, and each layer must know where to store
-# that token's key and value. Write `decode_slots(allocator, seq_ids)`: grow each sequence of
+# that token's key and value: the step's `slot_mapping`, which the engine's runner computes once for
+# every token of a step (lesson 09, section 3) and which you compute here for a step whose requests
+# all decode, on lesson 04's allocator. Write `decode_slots(allocator, seq_ids)`: grow each sequence of
 # `seq_ids` (distinct ids that `allocator`, a `PagedKVCacheAllocator`, holds) by one token, and return
 # a `LongTensor` of shape `(len(seq_ids),)`, on `allocator.device`, with the **slot** of each new
 # token: `block_id * block_size + offset`, where `(block_id, offset)` is the physical location of its
@@ -114,7 +121,8 @@ check("09.decode_slots", decode_slots)
 # %% [markdown]
 # ## Task 3 · Your own paged cache
 #
-# `MyPagedCache` is the cache the model calls (lesson 09, section 1), built the way vLLM builds it:
+# `MyPagedCache` is the cache `generate` hands the model (lesson 09, section 1), built the way vLLM
+# builds its cache:
 # **one block manager for every layer**, and one K/V pool per layer. Its `__init__` is written for
 # you:
 #
@@ -129,8 +137,8 @@ check("09.decode_slots", decode_slots)
 #
 # Write:
 #
-# * `num_free_blocks` (a property) and `needs_new_block(seq_id)`: the engine asks them before it
-#   admits and before each decode step; the manager answers;
+# * `num_free_blocks` (a property) and `needs_new_block(seq_id)`: the two questions task 1's rule and
+#   lesson 04's boundary rule ask; the manager answers;
 # * `add_sequence(seq_id, num_tokens)`: give the prompt its blocks (`self.manager.allocate`), once;
 # * `write_prompt(layer, seq_id, k, v)`: store the prompt's K and V, `(tokens, num_kv_heads,
 #   head_dim)`, in that layer's pool: `self.storage.write(layer, block_ids, k, v)`, with the
@@ -156,9 +164,9 @@ check("09.decode_slots", decode_slots)
 # its output, against attention over the same tokens held contiguously, and that attending changes
 # no length; `free`; then `generate(model, prompts, 12, cache=MyPagedCache(...))` in a shuffled pool
 # of stale blocks, whose tokens and logits (within `1e-4`) must be those of the contiguous cache,
-# with every block free at the end; and `Engine(model, ..., cache_factory=MyPagedCache)` serving
-# two small workloads (one of which preempts), with the tokens of the contiguous engine, more
-# sequences at once, and every block free after the run.
+# with every block free at the end. (The engine does not take your cache: its runner prepares each
+# step's inputs once and writes every layer's K/V through the package's storage, lesson 09's
+# section 3.)
 
 
 # %%
@@ -239,35 +247,31 @@ check("09.paged_cache", MyPagedCache)
 # %% [markdown]
 # ## Putting it together
 #
-# With all three tasks done, this serves lesson 09's stream of 96 ShareGPT-shaped requests (lengths
-# divided by 8) in 2,048 token slots, once with the contiguous engine and once with the paged engine
-# running on your cache, and compares the text and the concurrency. Try a smaller budget, blocks of
-# 4, or `arrival_rate=None` (everyone at once): when does the paged engine start to preempt?
+# With all three tasks done, this generates 20 tokens for three prompts with your cache, in a pool
+# of 32 blocks of 4 (they need 29 at their longest), and compares them with the contiguous cache's. Then it serves lesson 09's three
+# requests with the engine and asks your `can_admit` about the step where `c` arrives, beside two
+# running requests: the engine's answer and yours must agree. Try a smaller pool for your cache, or
+# other arrival steps for `c`.
 
 # %%
-import random
-
-from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.model.generation import generate
+from paged_kv.model.tiny_gpt import TinyGPT, encode
 from paged_kv.serving.engine import Engine, EngineRequest
-from paged_kv.simulation.workload import sample_requests
 
 torch.set_num_threads(1)  # the tiny model's operations are too small to share between threads
 model = TinyGPT(GPTConfig(), seed=0).to(device).eval()
-rng = random.Random(0)
-requests = [
-    EngineRequest(
-        r.request_id,
-        [rng.randrange(256) for _ in range(max(1, round(r.prompt_tokens / 8)))],
-        max(1, round(r.output_tokens / 8)),
-        r.arrival_step,
-    )
-    for r in sample_requests("sharegpt", 96, seed=0, arrival_rate=1.0)
+prompts = [encode(t) for t in ["Hi", "The KV cache", "Paged attention stores K and V in blocks"]]
+mine = generate(model, prompts, 20, cache=MyPagedCache(GPTConfig(), 32, 4, device))
+contiguous = generate(model, prompts, 20, cache="contiguous")
+print("same tokens as the contiguous cache:", mine.tokens == contiguous.tokens)
+
+tiny = [
+    EngineRequest("a", encode("Once upon"), max_new_tokens=6),
+    EngineRequest("b", encode("KV"), max_new_tokens=3),
+    EngineRequest("c", encode("Hello"), max_new_tokens=5, arrival_step=1),
 ]
-mine = Engine(model, num_blocks=128, block_size=16, cache_factory=MyPagedCache).run(requests)
-contiguous = Engine(model, num_blocks=128, block_size=16, mode="contiguous").run(requests)
-print("same tokens as the contiguous engine:", mine.tokens == contiguous.tokens)
-for name, result in (("your paged cache", mine), ("contiguous", contiguous)):
-    print(
-        f"{name:<17} {result.steps:>4} steps, {result.mean_running:.1f} sequences running on average, "
-        f"{result.peak_running} at most, {result.preemptions} preemptions"
-    )
+run = Engine(model, num_blocks=6, block_size=4).run(tiny)
+free_at_step_1 = 6 - run.used_blocks[0]  # a and b took their prompts' blocks at step 0
+yours = can_admit(free_at_step_1, len(tiny[2].prompt), 2, 4)
+engine = "c" in dict(run.scheduled_tokens[1])
+print(f"c at step 1, {free_at_step_1} free blocks: can_admit says {yours}, the engine admitted it: {engine}")

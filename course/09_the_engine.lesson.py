@@ -3,28 +3,29 @@
 #
 # Lessons 00 to 08 built the parts one at a time: blocks and block tables, an allocator with a free
 # list, the translation from a token's position to a slot, on-demand blocks during decode, attention
-# that reads through block tables, a scheduler that lets requests come and go, and blocks shared
-# between sequences. None of them ran a model. This lesson puts them behind a real transformer, a
-# tiny GPT, and serves a stream of requests with it, the way an inference engine such as vLLM does:
-# first checking that the paged cache changes nothing in what the model computes, then measuring
-# what it changes in how many requests the same memory serves at once.
+# that reads through block tables, a scheduler, blocks shared between sequences. None of them ran a
+# model. This lesson puts them behind a tiny GPT and serves a stream of requests with it, the way
+# vLLM does: first checking that the paged cache changes nothing in what the model computes, then
+# following one step of the engine from the scheduler's decision to the model's forward, then
+# measuring how many requests the same memory serves at once.
 #
 # **By the end of this lesson you can**
 #
-# 1. explain the two phases of generation, prefill and decode, and the five calls through which a
-#    model's attention layers use its KV cache;
-# 2. show that greedy generation with the paged cache gives exactly the tokens of the contiguous
-#    cache, for a batch of prompts of different lengths, even in a fragmented pool;
-# 3. trace the engine's loop: admission with one block of headroom per running sequence, a new block
-#    only at a block boundary during decode, memory released the step a request finishes;
+# 1. explain prefill and decode, and the calls through which a model's attention uses its KV cache;
+# 2. show that greedy generation with the paged cache gives exactly the contiguous cache's tokens,
+#    even in a fragmented pool;
+# 3. trace one engine step in vLLM v1's order: the scheduler gives each request its
+#    `num_scheduled_tokens` and takes their blocks with `allocate_slots` (all or nothing, preempting
+#    the newest request when they do not fit), the `SchedulerOutput` carries both to the model runner,
+#    which prepares `positions`, `query_start_loc`, `seq_lens` and the `slot_mapping` once and runs
+#    **one** forward, and `update_from_output` takes the sampled tokens back;
 # 4. serve a ShareGPT-shaped workload in the same memory with paged blocks and with contiguous
-#    slots, and compare running sequences, steps and memory utilization;
-# 5. weigh what paging costs (a slower attention kernel, some bookkeeping) against what it saves,
-#    with the numbers of the course's benchmarks and of the vLLM paper.
+#    slots, and compare running sequences, steps and utilization;
+# 5. weigh what paging costs against what it saves.
 #
-# The cells run in 6 to 8 s on a quiet 2-core CPU (10 s with two busy processes beside it); a GPU
-# is used when there is one. Lesson 10 runs
-# a Hugging Face model on the same engine and gives its steps a token budget.
+# The cells run in 7 to 8.5 s on a quiet 2-core CPU (8 to 12 s with two busy processes beside it);
+# a GPU is used when there is one. Lesson 10 runs a Hugging Face model on the same engine and gives its
+# steps a token budget.
 
 # %%
 import random
@@ -38,8 +39,8 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
-from paged_kv.pictures.plots import plot_block_tables
-from paged_kv.serving.engine import Engine, EngineRequest, plot_metrics
+from paged_kv.pictures.plots import plot_block_tables, plot_metrics, plot_step_batch
+from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.simulation.workload import sample_requests
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
@@ -59,22 +60,19 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 # `TinyGPT` is a decoder-only transformer, the shape of GPT-2 in miniature: token and position
 # embeddings, 2 blocks of causal self-attention and an MLP, and a head that turns the last hidden
 # state into one score (a *logit*) per token of the vocabulary. Its tokens are bytes (`encode` gives
-# the UTF-8 bytes of a text, `decode` turns them back), so the vocabulary has 256 entries. Its
-# weights come from a seeded random generator, not from training: it writes noise. But it is
-# deterministic noise, and that is all this lesson needs, because the question is not whether the
-# text is good but whether two caches produce *the same* text.
+# the UTF-8 bytes of a text, `decode` turns them back). Its weights are seeded random numbers, so it
+# writes noise, but deterministic noise: the question here is not whether the text is good but
+# whether two caches produce *the same* text.
 #
-# Generation runs in two phases.
+# Generation runs in two phases. **Prefill**: the whole prompt goes through the model at once, with
+# causal attention over its own tokens; each attention layer stores the prompt's K and V in the
+# cache, and the logits of the last position give the first new token. **Decode**: then one token
+# per sequence per step, for the whole batch at once; the new token's query attends to every earlier
+# token of its sequence, whose keys and values come from the cache instead of being recomputed.
 #
-# * **Prefill**: the whole prompt goes through the model at once, with ordinary causal attention over
-#   its own queries, keys and values. Each attention layer stores the prompt's K and V in the cache.
-#   The logits of the last position give the first new token.
-# * **Decode**: then, one token per sequence per step, for the whole batch at once. The new token's
-#   query must attend to every earlier token of its sequence, and their keys and values come from
-#   the cache instead of being recomputed: that is what the KV cache is for. Each layer stores the
-#   new token's K and V, and attends over everything the sequence holds.
-#
-# The attention layers see the cache only through five calls, `paged_kv.model.kv_cache.KVCache`:
+# In `generate`, the course's batch generation, the attention layers see the cache only through five
+# calls, `paged_kv.model.kv_cache.KVCache` (the engine of section 3 prepares each step's inputs
+# itself, vLLM's way):
 #
 # | call | when | what a cache does |
 # |---|---|---|
@@ -84,16 +82,12 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 # | `attend(layer, seq_ids, q, k, v)` | each decode step, in each layer | store the new K and V, attend over the whole sequence |
 # | `free(seq_id)` | when a sequence finishes | give its memory back |
 #
-# Two caches implement them. `ContiguousKVCache` is the baseline: per layer and per sequence, one K
-# and one V tensor that grow by concatenation, and PyTorch's `scaled_dot_product_attention` (SDPA)
-# over them. `PagedKVCache` keeps, as vLLM does, **one block manager** for all the layers (the
-# bookkeeping of lessons 02, 04 and 08: block tables, ref counts, the free list, no tensors) and,
-# per layer, a pool of K/V blocks that the same block ids index: `add_sequence` allocates the
-# prompt's blocks once (lesson 02), `write_prompt` writes a layer's K and V into their slots (lesson
-# 03), `append` grows every sequence by one token, taking a block at a boundary (lesson 04), `attend`
-# writes the new K and V and calls `paged_attention` on the block tables (lesson 05), and `free`
-# gives the blocks back. Every layer stores the same tokens at the same slots, so one block table per
-# sequence serves every layer.
+# `ContiguousKVCache`, the baseline, keeps per layer and per sequence one K and one V tensor that grow
+# by concatenation, and runs PyTorch's `scaled_dot_product_attention` (SDPA) over them.
+# `PagedKVCache` keeps, as vLLM does, **one block manager** for all the layers (lessons 02, 04 and
+# 08: block tables, ref counts, the free list, no tensors) and per layer a pool of K/V blocks that
+# the same block ids index, so one block table per sequence serves every layer; `attend` calls
+# lesson 05's `paged_attention`.
 #
 # How large is this model's cache? Each token stores one key and one value vector of `num_heads *
 # head_dim` numbers in every layer.
@@ -131,16 +125,14 @@ with torch.no_grad():
         print(f"decode step {step}: {blocks.sequence_length('s')} tokens, block table {table}")
 
 # %% [markdown]
-# After decode step 1 the sequence holds 8 tokens, filling its two blocks exactly; decode step 2
-# stores the 9th token and is the one that takes block 2. That is lesson 04's boundary rule: a
-# sequence holding `n` tokens needs a new block before its next token exactly when `n` is a multiple
-# of the block size. The next block follows at decode step 6, with the 13th token.
+# Decode step 2 stores the 9th token and takes block 2: lesson 04's boundary rule, a sequence
+# holding `n` tokens needs a new block before its next token exactly when `n` is a multiple of the
+# block size. The next block follows at decode step 6, with the 13th token.
 #
 # The cache must not change what the model computes. Without any cache, the model can run the
-# prompt and the tokens it generated as one sequence (`model(tokens)`, every position attending
-# causally to the ones before it), and the logits at each position must be the ones the cached
-# steps produced. Floating-point sums in a different order differ in the last bits, so the
-# comparison allows a tolerance of `1e-4`.
+# prompt and the tokens it generated as one sequence (`model(tokens)`), and the logits at each
+# position must be those of the cached steps, within `1e-4` (sums in another order differ in the
+# last bits).
 
 # %%
 generated = torch.stack([s.argmax() for s in steps])
@@ -157,14 +149,12 @@ print("free blocks after free:", cache.num_free_blocks, "of", cache.num_blocks)
 # %% [markdown]
 # ## 2. The same text, whichever the cache
 #
-# `generate(model, prompts, max_new_tokens, cache=...)` runs greedy generation for a batch: the
-# prompts are prefilled together in one forward, their tokens packed one after another
-# (`prefill_batch`; each prompt attends only to itself, and on the paged cache one
-# `paged_prefill_attention` per layer reads all of them through their block tables), then every
-# decode step feeds the whole batch's last tokens at once through one `decode_step`. The prompts may have any lengths; the caches deal with that, the
-# contiguous one with a tensor per sequence, the paged one with a block table per sequence. With
-# `cache="paged"` it builds a `PagedKVCache` with just enough blocks of 16; `GenerationResult` holds
-# the new tokens of each prompt and the logits they came from.
+# `generate(model, prompts, max_new_tokens, cache=...)` runs greedy generation for a batch of
+# prompts of any lengths: they are prefilled together in one forward, their tokens packed one after
+# another (`prefill_batch`, each prompt attending only to itself), then every decode step feeds the
+# batch's last tokens at once through one `decode_step`. With `cache="paged"` it builds a
+# `PagedKVCache` with just enough blocks of 16; `GenerationResult` holds the new tokens of each
+# prompt and the logits they came from.
 
 # %%
 texts = ["Hi", "The KV cache", "Paged attention stores K and V in blocks"]
@@ -181,17 +171,15 @@ print(
 )
 
 # %% [markdown]
-# The continuations are noise, as promised (`repr` shows control bytes such as `\x15` escaped, and
-# the `�` are bytes that are not valid UTF-8 on their own), but identical noise: the 60 tokens agree
-# one for one. The logits agree within `1e-4`, not
-# bit for bit: SDPA and `paged_attention` add up the same products in a different order.
+# The continuations are noise, as promised (`repr` escapes control bytes, and the `�` are bytes that
+# are not valid UTF-8 alone), but identical noise: the 60 tokens agree one for one, the logits within
+# `1e-4`.
 #
-# That pool was fresh: its blocks were handed out in order, so each sequence's blocks happened to
-# be neighbours. A server's pool is never like that. Requests come and go, the free list gets
-# shuffled, and every free block still holds the keys and values of whoever used it last. The next
-# cell builds such a pool: 24 blocks of 8, each first filled by an old sequence with random K and
-# V, then freed in a random order. `record=True` keeps a trace of the bookkeeping, so that we can
-# look at the block tables afterwards.
+# That pool was fresh: each sequence's blocks happened to be neighbours. A server's pool is never
+# like that: the free list gets shuffled, and every free block still holds the keys and values of
+# whoever used it last. The next cell builds such a pool, 24 blocks of 8, each first filled by an old
+# sequence with random K and V, then freed in a random order; `record=True` keeps a trace of the
+# bookkeeping, for a picture afterwards.
 #
 # **Predict, then run.** The new sequences get blocks scattered over the pool, full of stale keys
 # and values. Does the text change?
@@ -218,10 +206,10 @@ print(
 print("free blocks after generate:", pool.num_free_blocks)
 
 # %% [markdown]
-# The text does not change. `generate` frees its sequences at the end, so the picture below comes
-# from the trace: the bookkeeping just before the first of them was freed, when the three block
-# tables were at their longest. Each sequence's logical blocks (bottom) point up into the pool (top)
-# wherever the shuffled free list sent them; the hatched part of a block is its unused tail.
+# The text does not change. The picture below comes from the trace, just before `generate` freed
+# the first sequence, when the three block tables were at their longest: each sequence's logical
+# blocks (bottom) point up into the pool (top) wherever the shuffled free list sent them; the
+# hatched part of a block is its unused tail.
 
 # %%
 frames = pool.trace
@@ -233,107 +221,206 @@ plot_block_tables(fullest, title="three prompts in a fragmented pool, at their l
 plt.show()
 
 # %% [markdown]
-# A sequence holds its prompt plus 19 generated tokens (the 20th new token is chosen but never fed
-# back), 21, 31 and 59 tokens: 3, 4 and 8 blocks of 8, 15 of the pool's 24. The prompts took their
-# blocks from the head of the free list, in the shuffled order printed above, and the decode steps
-# took the next ones as each sequence crossed a block boundary, so the tables jump all over the pool.
-# The stale data in those blocks never reaches the attention: every token's K and V are written
-# before they are read, and the slots past each sequence's length are masked (lesson 05).
+# A sequence holds its prompt plus 19 generated tokens (the 20th is sampled, never fed back), 21, 31
+# and 59 tokens: 3, 4 and 8 blocks of 8, taken from the head of the shuffled free list. The stale
+# data in those blocks never reaches the attention: every token's K and V are written before they
+# are read, and the slots past each sequence's length are masked (lesson 05).
 
 # %% [markdown]
-# ## 3. The engine: continuous batching on the paged cache
+# ## 3. One step of the engine, vLLM's way
 #
-# `generate` serves one batch that starts together. A server has requests arriving all the time.
-# `paged_kv.serving.engine.Engine` runs the tiny GPT behind the package's one scheduler,
-# `paged_kv.serving.scheduler.Scheduler`: the scheduler lesson 07's simulator runs with a stand-in
-# for the model, so both count steps and tokens alike. It is split the way serving engines are: each
-# step, `output = scheduler.schedule()` decides what runs and returns it as a value (a
-# `SchedulerOutput`: the admissions to prefill, the sequences to decode, the preemptions), a model
-# runner computes it (`ModelRunner.execute(output)`: the step's prefills in one packed
-# `prefill_batch`, then one batched `decode_step`)
-# and returns the sampled tokens, and `scheduler.update(output, result)` appends them and finishes
-# the requests that are done. vLLM v1 has the same three pieces: `Scheduler.schedule()`
-# (`vllm/v1/core/sched/scheduler.py`) returning a `SchedulerOutput` (`vllm/v1/core/sched/output.py`),
-# `GPUModelRunner.execute_model` (`vllm/v1/worker/gpu_model_runner.py`) and
-# `Scheduler.update_from_output`. An
-# `EngineRequest(request_id, prompt, max_new_tokens, arrival_step)` asks for `max_new_tokens` tokens
-# (there is no end-of-sequence token, so it gets exactly that many). `Engine(model, num_blocks=...,
-# block_size=..., mode=...)` serves requests in a budget of `num_blocks * block_size` token slots,
-# in one of two modes: `"paged"` (a `PagedKVCache`) or `"contiguous"` (a `ContiguousKVCache` with one
-# slot of `max_model_len` tokens reserved per sequence, out of the same budget). Each step of
-# `Engine.run(requests)`:
+# `generate` serves one batch that starts together; a server has requests arriving all the time.
+# `paged_kv.serving.engine.Engine` runs the tiny GPT behind the package's one `Scheduler`, the one
+# lesson 07's simulator runs with a stand-in for the model. Each step is three calls, as in vLLM
+# v1's engine core: `output = scheduler.schedule()` decides what runs and takes its memory, `result
+# = runner.execute_model(output)` computes it, `scheduler.update_from_output(output, result)` takes
+# the sampled tokens back. The scheduler holds no tensor; the runner never allocates or frees.
 #
-# 1. **arrive**: requests whose `arrival_step` has come join the back of the waiting queue;
-# 2. **admit**: first come first served, the request at the front is admitted while it fits, and
-#    its prompt is prefilled (its first token comes from the prefill logits). In contiguous mode it
-#    fits when one more slot of `max_model_len` does. In paged mode it fits when the blocks of its
-#    prompt, plus **one block of headroom per running sequence, the new one included**, are free;
-# 3. **decode**: the sequences that were running before this step's admissions decode one token
-#    each, in one batched `decode_step`; in paged mode, a sequence takes a new block only when it
-#    sits at a block boundary;
-# 4. **finish**: a sequence that has all its tokens leaves, and its memory goes back at once, for the
-#    next step's admissions.
+# **The scheduler decides tokens and blocks, before anything runs.** A request holds `num_tokens`
+# tokens (its prompt, then what it generated), `num_computed_tokens` of them with their K/V in the
+# cache. A step walks the running requests **in list order**, the order they were admitted, and
+# gives each `num_scheduled_tokens = num_tokens - num_computed_tokens`: 1 for a request that decodes
+# (its last sampled token), the rest of its prompt for one being prefilled. For each it calls
+# `allocate_slots(request, num_new_tokens)` at once, which takes the blocks those tokens need (a
+# decode token takes one only at a block boundary), **all or nothing**: the new block ids, or `None`
+# when too few blocks are free. On `None` the scheduler *preempts* the newest running request
+# (`running.pop()`: its blocks freed, back to the front of the queue, lesson 11) and asks again; if
+# the newest is the request itself, it is the one preempted. Then, if nobody was preempted, it admits
+# waiting requests, oldest first, each when the blocks of its **whole prompt** are free. Nothing is
+# kept back for the running requests' growth: vLLM admits into a full pool and counts on preemption
+# (a *watermark* can keep a few blocks free: lesson 11). Last, every scheduled request's
+# `num_computed_tokens` advances by its scheduled tokens.
 #
-# Why the headroom? One decode step adds one token per sequence, so it needs at most one new block
-# per running sequence. Admitting a request only when that many blocks stay free means the next
-# decode step can always run. Later steps may still run out, since every sequence keeps growing; the
-# engine then *preempts* the newest sequence (frees its blocks and puts it back at the front of the
-# queue, to be recomputed later). Lesson 11 is about that case.
+# **The `SchedulerOutput` carries the decision**, a frozen value with vLLM's names:
+# `num_scheduled_tokens` (request id to tokens, in the order the runner flattens them),
+# `total_num_scheduled_tokens`, `scheduled_new_reqs` (each new request's token ids and `block_ids`),
+# `scheduled_cached_reqs` (the `new_block_ids` each running request gained), the preempted and the
+# finished request ids.
 #
-# Three requests in a pool of 6 blocks of 4 slots show the loop at work: `a` and `b` arrive at step
-# 0, `c` at step 1.
+# **The model runner prepares the step once and runs one forward.** It keeps a persistent block
+# table on the cache's device, one row per request (`BlockTables`): a new request's row gets its
+# `block_ids`, a running one's its `new_block_ids`, a finished or preempted one's row is dropped.
+# From the rows it builds, with a few tensor operations and no loop over tokens, what every layer
+# needs for the flattened batch, the step's tokens one request after another:
 #
-# | request | prompt | prompt blocks | new tokens | arrives |
-# |---|---:|---:|---:|---:|
-# | a | `"Once upon"`, 9 tokens | 3 | 6 | 0 |
-# | b | `"KV"`, 2 tokens | 1 | 3 | 0 |
-# | c | `"Hello"`, 5 tokens | 2 | 2 | 1 |
+# * `positions`: request `b`'s tokens sit at positions `num_computed_tokens` onwards;
+# * `query_start_loc`: where each request's tokens start in the batch, and where the batch ends;
+# * `seq_lens`: the tokens each request attends over once this step's are in;
+# * `slot_mapping`: every token's slot, `block_table[b, p // block_size] * block_size + p %
+#   block_size`, lesson 03's translation for the whole batch at once.
 #
-# At step 0, `a` needs its 3 blocks plus 1 of headroom, 4 of the 6 free; then `b` needs 1 block
-# plus 2 of headroom (for `a` and itself), 3 of the 3 left free. Both are admitted.
+# Then **one** forward: every layer writes its new K/V at the `slot_mapping` and runs one paged
+# attention over the flattened batch, causal inside each request's tokens, prefill chunks and
+# decodes alike. Each request whose tokens reached its end samples a token; `update_from_output`
+# appends it, and a request that has all its tokens finishes and frees its blocks at once.
 #
-# **Predict, then run.** `b` finishes at step 2 and gives its block back. At which step is `c`
-# admitted?
+# Here are those pieces built by hand, on a pool of 6 blocks of 4, for `a`, the 9-token prompt
+# `"Once upon"` asking for 6 tokens, and `b`, `"KV"` (2 tokens), for 3. `KVCacheManager` is the
+# scheduler's view of the one `BlockManager` (lesson 02); `KVStorage` holds every layer's K/V pool.
+
+# %%
+from paged_kv.core.block_manager import BlockManager
+from paged_kv.kv.storage import KVStorage
+from paged_kv.model.step import prepare_attention
+from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.model_runner import ModelRunner
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import Scheduler
+
+memory = KVCacheManager(BlockManager(num_blocks=6, block_size=4))
+scheduler = Scheduler(memory)
+storage = KVStorage(config.num_layers, 6, 4, config.num_kv_heads, config.head_dim, torch.float32, device)
+runner = ModelRunner(model, storage, max_num_reqs=3, max_blocks_per_req=4)
+
+
+def request(request_id: str, text: str, max_new_tokens: int) -> SchedulerRequest:
+    prompt = encode(text)
+    return SchedulerRequest(request_id, len(prompt), max_new_tokens, tuple(prompt))
+
+
+def step():
+    """One engine step: schedule (tokens and blocks), execute (one forward), update (tokens back)."""
+    output = scheduler.schedule()
+    result = runner.execute_model(output)
+    scheduler.update_from_output(output, result)
+    return output, result
+
+
+scheduler.add_request(request("a", "Once upon", 6))
+scheduler.add_request(request("b", "KV", 3))
+output, result = step()
+print(f"step 0: num_scheduled_tokens {output.num_scheduled_tokens}")
+for new in output.scheduled_new_reqs:
+    print(f"  new request {new.req_id}: block_ids {new.block_ids}")
+print(f"  sampled {result.sampled}; free blocks: {memory.num_free_blocks} of 6")
+
+# %% [markdown]
+# Step 0 admitted both requests and prefilled both prompts in one forward of 11 tokens: `a`'s 9
+# tokens need 3 blocks, `b`'s 2 one block. Each prefill sampled its request's first token.
+#
+# **Predict, then run.** Now `c`, the 5-token prompt `"Hello"` (5 new tokens), arrives. `a` and `b`
+# hold 4 of the 6 blocks and both decode in the next step; `c`'s prompt needs 2 blocks. Is `c`
+# admitted, and how many tokens does the step's one forward run?
+
+# %%
+scheduler.add_request(request("c", "Hello", 5))
+output, result = step()
+print(f"step 1: num_scheduled_tokens {output.num_scheduled_tokens}")
+print(f"  total_num_scheduled_tokens {output.total_num_scheduled_tokens}")
+cached = output.scheduled_cached_reqs
+for req_id, new_ids, done in zip(
+    cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+):
+    print(f"  running {req_id}: {done} tokens computed before the step, new_block_ids {new_ids}")
+for new in output.scheduled_new_reqs:
+    print(f"  new request {new.req_id}: block_ids {new.block_ids}")
+print(f"  sampled {result.sampled}; free blocks: {memory.num_free_blocks} of 6")
+
+# %% [markdown]
+# Admitted, into a pool it fills: no block is left free. `a`'s 10th token (position 9) and `b`'s 3rd
+# fit in blocks they hold (`new_block_ids` empty), and `c` took 2. The forward ran 7 tokens, two
+# decodes and a whole prompt, and sampled a token for each request.
+#
+# What did the runner hand the layers? `prepare_attention`, the runner's own call, run again on its
+# block table with the step's counts, gives the metadata the forward read; `plot_step_batch` draws
+# the batch's tokens with their positions, their slots, and each request's block-table row.
+
+# %%
+req_ids = list(output.num_scheduled_tokens)
+query_lens = list(output.num_scheduled_tokens.values())
+computed = [runner.requests[r].num_computed_tokens - n for r, n in zip(req_ids, query_lens, strict=True)]
+metadata = prepare_attention(runner.tables, req_ids, computed, query_lens, block_size=4)
+for name in ("positions", "query_start_loc", "seq_lens", "slot_mapping"):
+    print(f"{name:<16} {getattr(metadata, name).tolist()}")
+print(f"{'block_table':<16} {metadata.block_table.tolist()}")
+plot_step_batch(
+    req_ids,
+    metadata.query_start_loc,
+    metadata.positions,
+    metadata.slot_mapping,
+    metadata.block_table,
+    block_size=4,
+    title="step 1: two decodes and a prompt, one forward",
+)
+plt.show()
+
+# %% [markdown]
+# Token 0 of the batch is `a`'s position 9: column `9 // 4 = 2` of `a`'s row holds block 2, offset
+# 1, so slot `2 * 4 + 1 = 9`. `c`'s five tokens are batch rows 2 to 6 (`query_start_loc` 2 and 7)
+# and go to slots 16 to 20, in its blocks 4 and 5. Every layer writes its K and V at these 7 slots;
+# then `c`'s position 3 attends over `c`'s positions 0 to 3 only, and `a`'s one query over all 10 of
+# `a`'s tokens (`seq_lens`): one attention call, any number of queries per request.
+#
+# The pool is full. `Engine.run` runs the same loop, with the same scheduler and runner inside, to
+# the end; `EngineResult.scheduled_tokens` keeps each step's `num_scheduled_tokens`.
+#
+# **Predict, then run.** `b` finishes at step 2 and frees its block. `a` reaches 13 tokens at
+# step 4 and `c` 9 tokens at step 5: both need a new block then. What happens at step 5?
 
 # %%
 tiny = [
     EngineRequest("a", encode("Once upon"), max_new_tokens=6),
     EngineRequest("b", encode("KV"), max_new_tokens=3),
-    EngineRequest("c", encode("Hello"), max_new_tokens=2, arrival_step=1),
+    EngineRequest("c", encode("Hello"), max_new_tokens=5, arrival_step=1),
 ]
 trace = Engine(model, num_blocks=6, block_size=4).run(tiny)
-print("step  running  waiting  used blocks  tokens held")
-for step in range(trace.steps):
-    print(
-        f"{step:>4}{trace.running[step]:>9}{trace.waiting[step]:>9}"
-        f"{trace.used_blocks[step]:>13}{trace.held_tokens[step]:>13}"
-    )
-print("admitted at step:", trace.admitted_step)
-print("finished at step:", trace.finished_step)
+print("step  used blocks  running  waiting  num_scheduled_tokens")
+for s in range(trace.steps):
+    scheduled = ", ".join(f"{r} {n}" for r, n in trace.scheduled_tokens[s])
+    print(f"{s:>4}{trace.used_blocks[s]:>13}{trace.running[s]:>9}{trace.waiting[s]:>9}  {scheduled}")
+print("preemptions:", trace.preemptions, "| tokens recomputed:", trace.recomputed_tokens)
+alone = {
+    r.request_id: generate(model, [r.prompt], r.max_new_tokens, cache="contiguous").tokens[0] for r in tiny
+}
+print("every request got the tokens it gets alone:", trace.tokens == alone)
 
 # %% [markdown]
-# Step 6, not 3. When `b` leaves, `a` still fits in its 3 blocks, so 3 blocks are free; `c` needs
-# 2 for its prompt plus 2 of headroom (`a` and `c`), 4 in all, and waits. At step 4 `a` takes its
-# fourth block for its 13th token, leaving 2 free. Only when `a` finishes at step 5 and frees its 4
-# blocks is `c` admitted, at step 6. The headroom rule is cautious on purpose: it trades a little
-# waiting for a guarantee about the next step. (The table is measured after each step's decode, so
-# a sequence that finishes at a step still counts as running in it.)
+# At step 4 `a`'s 13th token took the block `b` gave back. At step 5 `c`'s 9th token found none
+# free: `allocate_slots` returned `None`, and the newest running request, `c` itself, was preempted,
+# its 2 blocks freed and its 8 computed tokens thrown away; the step ran `a` alone, which finished.
+# At step 6 `c` was admitted again and prefilled 9 tokens, its prompt and the 4 tokens it had
+# generated (a resumed request prefills up to its `num_tokens`), and sampled its last one. (The
+# table is measured after each step's scheduling: a request that finishes at a step counts as
+# running in it.)
 #
-# Each request got exactly the tokens it would get alone. That is the engine's promise, and the
-# course's tests check it for both modes: batching and paging change when a token is computed,
-# never which token.
+# A cautious engine would keep one free block per running request at admission, so that the next
+# decode always fits; `c` would then have waited until step 6. vLLM keeps none: admitting early
+# costs a recompute now and then, and keeps the pool full. Either way each request gets exactly the
+# tokens it would get alone: batching, paging and preemption change when a token is computed, never
+# which.
 
 # %% [markdown]
-# ### A ShareGPT-shaped stream, in the same memory
+# ## 4. A ShareGPT-shaped stream, in the same memory
 #
 # Now a real workload. Lesson 07 drew request lengths shaped like ShareGPT conversations, up to 1,024
-# prompt and 1,024 output tokens. The tiny model has `max_len` 256, so the lengths are divided by 8:
-# the shape of the distribution stays, and even the longest possible request, 128 + 128 tokens,
-# fits. The prompts are random bytes. 96 requests arrive as a Poisson stream of one per step on
-# average.
+# prompt and 1,024 output tokens; divided by 8 they fit the tiny model's `max_len` of 256. The
+# prompts are random bytes; 96 requests arrive as a Poisson stream of one per step on average.
 #
-# The budget is 2,048 token slots, 2 MiB of this model's KV cache: 8 contiguous slots of
-# `max_model_len` 256, or 128 blocks of 16.
+# `Engine(model, num_blocks=..., block_size=..., mode=...)` serves them in `num_blocks * block_size`
+# token slots, in one of two modes: `"paged"`, the blocks of section 3, or `"contiguous"`, one slot
+# of `max_model_len` tokens reserved per request at admission, as the systems before paging did (the
+# runner reads a reservation through the same block table, as a row of consecutive blocks). The
+# budget is 2,048 token slots, 2 MiB of this model's cache: 8 slots of 256, or 128 blocks of 16.
 
 
 # %%
@@ -377,10 +464,10 @@ print(f"mean running, paged / contiguous: {paged_run.mean_running / contiguous_r
 
 # %% [markdown]
 # Same requests, same memory, same tokens. The contiguous engine never runs more than 8 sequences,
-# the 2,048 slots divided by 256, however short the requests are; the paged engine runs up to 33.
-# On average it runs 17.3 sequences against 7.2, 2.4 times as many, and finishes the stream in 226
-# steps instead of 544. Its blocks are 89 % full on average, against 24 % for the contiguous slots,
-# and the headroom rule kept it from ever preempting.
+# the 2,048 slots divided by 256, however short the requests are; the paged engine runs up to 38.
+# On average it runs 18.7 sequences against 7.2, 2.6 times as many, and finishes the stream in 209
+# steps instead of 544. Its blocks are 89 % full on average, against 24 % for the contiguous slots.
+# It preempted 4 times: admitting into a full pool has that price.
 #
 # The engine's metrics, step by step. `plot_metrics` draws the running and the waiting sequences,
 # and the utilization on a second axis (tokens held / slots reserved). First the paged engine:
@@ -392,11 +479,11 @@ ax.set_xlim(0, contiguous_run.steps)
 plt.show()
 
 # %% [markdown]
-# For the first 50 steps or so every request is admitted the step it arrives. Then the stream has
-# brought more tokens than 128 blocks hold, and a short queue forms, 14 requests at most, while the
-# running sequences hover around 30. Utilisation stays between 0.8 and 1 throughout: the only
-# reserved slots that hold nothing are the unused tails of the sequences' last blocks. Now the
-# contiguous engine, on the same axes:
+# Until step 93 every request is admitted the step it arrives. Then the running sequences' growth
+# fills all 128 blocks: for a dozen steps a queue of up to 8 requests waits, and the four
+# preemptions throw away 151 tokens of K/V, computed again when their requests resume. Utilization
+# climbs from 0.8 to nearly 1: the only reserved slots that hold nothing are the unused tails of the
+# sequences' last blocks. Now the contiguous engine, on the same axes:
 
 # %%
 ax = plot_metrics(contiguous_run)
@@ -406,40 +493,35 @@ plt.show()
 
 # %% [markdown]
 # Eight running sequences, a flat line, while the queue climbs to 68 requests, most of the stream.
-# Utilisation stays between 0.1 and 0.4: each sequence reserves 256 slots, and the average request
+# Utilization stays between 0.1 and 0.4: each sequence reserves 256 slots, and the average request
 # ends at 62 tokens (21.5 + 40.7).
 
 # %% [markdown]
-# ## 4. What paging costs, and what it saves
+# ## 5. What paging costs, and what it saves
 #
 # Nothing above was timed: step counts and sequence counts are the same on every machine. Speed is
-# measured by the scripts in `bench/`, each against a baseline timed in the same run, and their
-# results are in `bench/RESULTS.md` (run `.venv/bin/python bench/run_all.py` to measure your own).
+# measured by the scripts in `bench/`, each against a baseline timed in the same run
+# (`bench/RESULTS.md`; `.venv/bin/python bench/run_all.py` measures your own).
 #
 # **The saving is concurrency.** `bench/bench_engine.py` serves 160 ShareGPT-shaped requests (the
-# lengths divided by 8, as here), all arriving at once, in 3,072 token slots. The paged engine runs
-# 26.7 sequences on average against 10.5 for the contiguous one, **2.5 times** as many (and 68
-# against 12 at the peak), with identical tokens. The stream above gave 2.4 times.
+# lengths divided by 8), all arriving at once, in 3,072 token slots: the paged engine runs 31.6
+# sequences on average against 10.5, **3.0 times** as many (108 against 12 at the peak), with
+# identical tokens, at the price of 70 preemptions, since a burst that large outgrows any pool it is
+# admitted into. The stream above gave 2.6 times.
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
-# step of attention (32 sequences, 8 heads of dimension 64, contexts of 1,024 tokens in scattered
-# blocks of 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.7 to
-# 2.2 times** as long on a quiet 2-core CPU, and 1.9 to 9 times with two busy processes beside it
-# (the benchmark's two threads then wait their turn). Gathering the blocks into a contiguous copy first, the simple way of
-# lesson 05, would cost about 15 times the whole of SDPA for the copy alone, which is why
-# `paged_attention` reads the blocks where they lie. On GPUs, the vLLM paper measures its
-# PagedAttention kernel at **20 to 26 %** more latency than FasterTransformer's contiguous kernel.
-# Around the attention, every step builds block tables and scatters the new keys and values into
-# their slots: a little Python and indexing work per step.
+# step of attention (32 sequences, 8 heads of 64, contexts of 1,024 tokens in scattered blocks of
+# 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.7 to 2.2
+# times** as long on a quiet 2-core CPU, 1.9 to 9 times with two busy processes beside it. On GPUs
+# the vLLM paper measures its PagedAttention kernel at **20 to 26 %** more latency than
+# FasterTransformer's contiguous kernel. Around the attention, every step schedules in Python and
+# builds its inputs with a few tensor operations, once per step whatever the layers.
 #
 # **Which wins depends on what limits a step.** On a GPU, a decode step of a real model reads all
-# the weights from memory whatever the batch, so a step of 25 sequences costs little more than a
-# step of 10: more sequences per step means more tokens per second. That is how the vLLM paper gets
-# 2 to 4 times the throughput of earlier systems at the same latency, a much bigger gain than the
-# attention kernel's overhead. The tiny model on a CPU is a poor stand-in for that: its weights are
-# tiny, each step's cost grows with the batch, and the benchmark measures about the same tokens
-# per second as the contiguous engine (1.07 to 1.2 times quiet, 1.24 to 1.29 busy). What it does show, on any machine, is the work done
-# per step, output tokens divided by steps:
+# the weights whatever the batch, so a step of 25 sequences costs little more than a step of 10:
+# that is how the vLLM paper gets 2 to 4 times the throughput of earlier systems at the same
+# latency. The tiny model on a CPU is a poor stand-in, each step's cost growing with its tokens.
+# What it does show, on any machine, is the work done per step, output tokens divided by steps:
 
 # %%
 output_tokens = sum(r.max_new_tokens for r in requests)
@@ -449,60 +531,77 @@ for mode, r in results.items():
 
 # %% [markdown]
 # These are the mean running sequences again, since every running sequence produces one token per
-# step (its prefill step included). The paged engine does 2.4 times the work per step; on hardware
-# where a step costs about the same for 7 or for 17 sequences, that is 2.4 times the throughput.
+# step. The paged engine does 2.6 times the work per step; where a step costs about the same for 7
+# or for 19 sequences, that is 2.6 times the throughput.
 
 # %% [markdown]
 # ## In vLLM
 #
-# Checked against vLLM 0.33.0. The engine's loop is vLLM v1's engine core, its scheduler and its
+# Checked against vLLM 0.33.0. The engine's step is vLLM v1's engine core, its scheduler and its
 # model runner:
 #
 # * `vllm/v1/engine/core.py`: `EngineCore.step` is one step of the loop: `scheduler.schedule()`, then
 #   the model executor's `execute_model` on the `SchedulerOutput` and its `sample_tokens`, then
 #   `scheduler.update_from_output` with what was sampled: our `Engine`'s schedule, execute, update.
-# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` decides the step from `self.running` and
-#   `self.waiting`, and admits a waiting request only when `KVCacheManager.allocate_slots`
-#   (`vllm/v1/core/kv_cache_manager.py`) finds blocks for it; `Scheduler.update_from_output` appends
-#   the sampled tokens and frees a finished request's blocks at once (`Scheduler._free_request`),
-#   continuous batching's release.
-# * `vllm/v1/core/sched/output.py`: `SchedulerOutput`, the step as a value, with `scheduled_new_reqs`
-#   (requests prefilled for the first time, with their block ids) and `scheduled_cached_reqs` (the
-#   requests already running).
-# * `vllm/v1/worker/gpu_model_runner.py`: `GPUModelRunner.execute_model` builds the step's inputs
-#   from the `SchedulerOutput` and runs the model once; its `kv_caches` hold one tensor per layer,
-#   all indexed by the block ids of one table per request, as this lesson's `PagedKVCache`.
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` walks `self.running` in list order,
+#   gives each request `num_new_tokens` (its `num_tokens_with_spec` less its `num_computed_tokens`,
+#   capped by the `token_budget`) and calls `allocate_slots` for them at once; on `None` it pops the
+#   newest request off `self.running` (`_preempt_request`) and tries again. Decodes come first only
+#   because a partly prefilled prompt is the newest running request. Only when nobody was preempted
+#   does it admit from `self.waiting`, with `full_sequence_must_fit` set from
+#   `scheduler_reserve_full_isl` (on by default). `_update_after_schedule` advances
+#   `num_computed_tokens`; `update_from_output` appends the sampled tokens and frees a finished
+#   request at once (`_free_request`).
+# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` returns `None` when the
+#   `required_blocks` exceed the pool's free blocks (all or nothing), and applies its
+#   `watermark_blocks` to waiting requests only, when `has_scheduled_reqs` (lesson 11).
+# * `vllm/v1/core/sched/output.py`: `SchedulerOutput`, the step as a value: `num_scheduled_tokens`
+#   (a dict per request), `total_num_scheduled_tokens`, `scheduled_new_reqs` (`NewRequestData`, with
+#   its `block_ids`), `scheduled_cached_reqs` (`CachedRequestData`, with the `new_block_ids` of each
+#   running request), `preempted_req_ids` and `finished_req_ids`.
+# * `vllm/config/vllm.py`: `use_v2_model_runner` makes **Model Runner V2** the default.
+#   `vllm/v1/worker/gpu/model_runner.py`: its `GPUModelRunner.execute_model` applies the output
+#   (`finish_requests`, `add_requests`, `update_requests`), prepares the step's inputs once
+#   (`prepare_inputs`) and runs one forward over the flattened batch: our `ModelRunner`.
+# * `vllm/v1/worker/gpu/block_table.py`: `BlockTables`, the persistent block table on the GPU, one
+#   row per request; `append_block_ids` adds a request's new blocks and `compute_slot_mappings` gives
+#   every token's slot: our `BlockTables` and our `prepare_attention`. Beside it,
+#   `vllm/v1/worker/gpu/input_batch.py`: `InputBatch` holds the flattened batch's `input_ids`,
+#   `positions`, `query_start_loc`, `seq_lens` and `logits_indices`: our `AttentionMetadata`.
+# * `vllm/v1/worker/gpu_model_runner.py` and `vllm/v1/worker/block_table.py` (`BlockTable`): the V1
+#   model runner, now the fallback.
+# * `vllm/v1/worker/utils.py`: `allocate_kv_cache` allocates one backing buffer for all the layers
+#   and views it per layer with `create_kv_cache_views`, every view indexed by the same block ids.
+#   The course's `KVStorage` does the same with one tensor for K and one for V.
 #
-# What the course leaves out or does differently: vLLM's scheduler takes a request's blocks for the
-# tokens it schedules each step, where this engine admits a prompt with its blocks and takes a
-# decode block when a sequence crosses a boundary; the admission headroom of one block per running
-# sequence is the course's (vLLM preempts when a step does not fit, lesson 11); sampling beyond
-# greedy, stop conditions and detokenisation are out of scope.
+# What the course leaves out or does differently: sampling beyond greedy, stop strings and
+# detokenisation; asynchronous scheduling and CUDA graphs; a swap path for preemption (vLLM v1
+# recomputes; lesson 11 has both).
 
 # %% [markdown]
 # ## Recap
 #
-# * Generation has two phases: **prefill** runs the whole prompt and stores its K and V in every
-#   layer; **decode** feeds one token per sequence per step, stores its K and V, and attends over the
-#   cache. The model sees the cache through five calls (`add_sequence`, `write_prompt`, `append`,
-#   `attend`, `free`), so the contiguous and the paged back-ends swap freely. This tiny GPT needs
-#   1,024 bytes of cache per token.
-# * The paged cache takes a new block exactly at a block boundary (the 9th and 13th tokens in blocks
-#   of 4) and gives the logits of a full forward pass within `1e-4`.
-# * Greedy generation for prompts of 2, 12 and 40 tokens gives the same 60 tokens with either cache,
-#   also in a shuffled pool of stale blocks, with the 15 blocks in use scattered over 24.
-# * The engine admits a request when its prompt's blocks plus one block per running sequence (the new
-#   one included) are free, takes blocks on demand, and frees a finished request at once; in the
-#   three-request example `c` waits from step 1 to step 6.
-# * On 96 ShareGPT-shaped requests in 2,048 slots: 17.3 sequences running on average against 7.2
-#   (2.4 times), 226 steps against 544, utilization 89 % against 24 %, the same tokens. The
-#   benchmark's burst of 160 requests gives 2.5 times.
-# * The costs: `paged_attention` at 1.7 to 2.2 times SDPA on a quiet CPU, the vLLM kernel 20 to 26 % slower
-#   than contiguous attention on GPUs, and the bookkeeping of each step; repaid many times over where
-#   a step costs the same for more sequences.
+# * **Prefill** runs the whole prompt and stores its K and V in every layer; **decode** feeds one
+#   token per sequence per step and attends over the cache. This tiny GPT needs 1,024 bytes of cache
+#   per token. In `generate` the model sees the cache through five calls, so the contiguous and the
+#   paged caches swap freely: the same 60 tokens for prompts of 2, 12 and 40 tokens, also in a
+#   shuffled pool of stale blocks, the logits within `1e-4`.
+# * One engine step, vLLM's way: `schedule()` gives each running request, in list order, its
+#   `num_scheduled_tokens` and takes their blocks with `allocate_slots`, all or nothing, preempting
+#   the newest when they do not fit, then admits waiting requests whose whole prompt fits, keeping
+#   nothing back. The `SchedulerOutput` carries tokens and new block ids; the runner extends its
+#   persistent block table, prepares `positions`, `query_start_loc`, `seq_lens` and the
+#   `slot_mapping` once, and runs **one** forward over prefill chunks and decodes together;
+#   `update_from_output` appends the sampled tokens and frees finished requests at once.
+# * In the three-request example `c` is admitted into a pool it fills, preempted at step 5 when its
+#   9th token finds no block, and resumed at step 6 by prefilling 9 tokens, with the tokens it gets
+#   alone.
+# * On 96 ShareGPT-shaped requests in 2,048 slots: 18.7 sequences running on average against 7.2
+#   (2.6 times), 209 steps against 544, utilization 89 % against 24 %, 4 preemptions, the same
+#   tokens; the benchmark's burst gives 3.0 times. The price: `paged_attention` at 1.7 to 2.2 times
+#   SDPA on a quiet CPU (20 to 26 % on GPUs in the vLLM paper) and each step's bookkeeping.
 #
-# **Next, lesson 10:** a real model, a Hugging Face Llama with grouped-query attention and rotary
-# positions, on the same cache and engine, with exactly Hugging Face's tokens; and a token budget
-# that bounds each step by prefilling long prompts in chunks. The exercise for this lesson,
-# `exercises/09_the_engine.ipynb`, has you write the admission rule, the slots of a decode step and
-# your own paged cache, and plug that cache into the engine.
+# **Next, lesson 10:** a Hugging Face Llama on the same cache and engine, with exactly Hugging
+# Face's tokens, and a token budget that prefills long prompts in chunks. The exercise,
+# `exercises/09_the_engine.ipynb`, has you write vLLM's admission rule, the slots of a decode step
+# and your own paged cache, and run `generate` on it.

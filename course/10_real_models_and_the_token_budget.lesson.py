@@ -16,8 +16,9 @@
 #    engine its memory in bytes, as vLLM is given it;
 # 3. run a Hugging Face model on the paged cache and the engine and get exactly the greedy tokens of
 #    Hugging Face's own `generate`;
-# 4. trace a step under a token budget, `max_num_batched_tokens`: decodes first, then prompt chunks
-#    that attend over the cache at an offset, only the last chunk sampling;
+# 4. trace a step under a token budget, `max_num_batched_tokens`: each running request's
+#    `num_scheduled_tokens` in list order, then the chunks of newly admitted prompts, each chunk
+#    attending over the cache at an offset and only a prompt's last chunk sampling;
 # 5. read what a budget does to the largest step and to the time to first token of a stream with
 #    long prompts.
 #
@@ -58,10 +59,12 @@ print("paged_kv", paged_kv.__version__)
 # * the cache stores the K/V heads only: `num_kv_heads`, not `num_heads`, sizes its blocks;
 # * rotary embeddings rotate each query and key by an angle that grows with its position, before
 #   attention. A key is stored already rotated, at its position, so decode only has to rotate the
-#   new token's query and key, at the position the cache gives it (`append` returns it).
+#   new token's query and key, at the position the cache gives it (`append` returns it; in the
+#   engine, the step's `positions`).
 #
 # `paged_kv` runs Hugging Face `transformers` models of the Llama family (Llama, Qwen2, Mistral)
-# through the same two calls as the tiny GPT, `prefill` and `decode_step`. Hugging Face's own modules
+# through the same calls as the tiny GPT: `prefill` and `decode_step` for `generate`, and
+# `forward_step`, lesson 09's one forward over a flattened batch, for the engine. Hugging Face's own modules
 # do all of the model (embeddings, norms, projections, rotary embeddings at the positions given,
 # MLP, head) except the attention: transformers looks each layer's attention function up by name,
 # and `paged_kv` registers one that hands the layer's queries, keys and values to the paged cache
@@ -180,17 +183,22 @@ print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_runnin
 # to **chunks** of prompts, the partly prefilled prompt first, then newly admitted ones, each
 # taking as many of its remaining tokens as the budget allows. A chunk is positions `c .. c + n - 1`
 # of its prompt, computed after `c` others: its queries attend over the cached positions before it
-# and its own, which is `paged_prefill_attention` at an offset, the same call as after a prefix
-# cache hit (lesson 08). Only the chunk that reaches the end of the prompt samples a token; an
-# earlier chunk's last logits predict a prompt token we already know. Admission stops when the
-# budget is spent, so at most one prompt is ever partly prefilled, the newest.
+# and its own, the same paged attention as after a prefix cache hit (lesson 08), in the same one
+# forward as the step's decodes (lesson 09). Only the chunk that reaches the end of the prompt
+# samples a token; an earlier chunk's last logits predict a prompt token we already know.
 #
-# Which blocks does a chunk use? The course takes all of a prompt's blocks at admission, by the same
-# admission rule as before, and chunks fill them: chunking changes *when* the K/V is computed, not
-# where it lies. (vLLM takes the blocks of each step's tokens as it schedules them, after checking
-# at admission that the whole prompt would fit.) `Engine(..., max_num_batched_tokens=8)` on a
-# 19-token prompt, with a 5-token prompt arriving a step later, shows the schedule step by step:
-# `EngineResult.scheduled_tokens` lists each step's `(request, tokens)` pairs, decodes first.
+# The step is lesson 09's, with the budget as one more limit: the scheduler walks the running
+# requests in list order, giving each `min(num_tokens - num_computed_tokens, budget left)` tokens,
+# then admits waiting requests while the budget lasts, each with `min(prompt tokens, budget left)`.
+# Admission stops when the budget is spent, so at most one prompt is ever partly prefilled, the
+# newest running request, which is why the decodes come first: they are older, not favoured. (vLLM
+# can also cap every chunk at `long_prefill_token_threshold` tokens; then a long prompt leaves budget
+# to the requests behind it, and several prompts can be partly prefilled at once.) Each chunk's
+# blocks are taken by `allocate_slots` when the chunk is scheduled, after admission checked that the
+# whole prompt fits. `Engine(..., max_num_batched_tokens=8)` on a 19-token prompt, with a 5-token
+# prompt arriving a step later, shows the schedule step by step: `EngineResult.scheduled_tokens`
+# keeps each step's `num_scheduled_tokens`, the running requests first, in list order, then the new
+# ones.
 #
 # **Predict, then run.** At which step does `b`, arriving at step 1, get its first token?
 
@@ -294,40 +302,42 @@ plt.show()
 #   `max_num_scheduled_tokens`, which defaults to `max_num_batched_tokens`) in one pass over
 #   `self.running`, then over the waiting queue, giving each request the tokens it lacks
 #   (`num_tokens_with_spec`, or `num_tokens` for a waiting one, minus `num_computed_tokens`),
-#   capped by what is left: our `Scheduler.schedule` (decodes first is that pass in order, since
-#   the one partly prefilled request is the newest);
+#   capped by what is left (and by `long_prefill_token_threshold` when it is set): our
+#   `Scheduler.schedule` (decodes come first only because that pass is in list order and the one
+#   partly prefilled request is the newest);
 # * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, which must be at least
 #   `max_num_seqs` (its default is set by `EngineArgs` in `vllm/engine/arg_utils.py`, per device),
-#   and `long_prefill_token_threshold`, a cap per prompt chunk that the course leaves out;
+#   and `long_prefill_token_threshold`, a cap per prompt chunk (0, none, by default) with which
+#   several prompts can be partly prefilled at once, which the course leaves out;
 # * `vllm/v1/request.py`: `Request.num_computed_tokens` and `num_tokens`, the counts our
 #   scheduler keeps per request, and `is_prefill_chunk`, our request still prefilling;
 # * `vllm/v1/core/sched/output.py`: `SchedulerOutput.num_scheduled_tokens`, a dict of tokens per
-#   request, and `total_num_scheduled_tokens`: our `SchedulerOutput.scheduled` and
-#   `num_scheduled_tokens`;
+#   request, and `total_num_scheduled_tokens`, the same names as ours;
 # * `Scheduler._update_after_schedule` advances `num_computed_tokens` as soon as a step is
-#   scheduled, and `Scheduler.update_from_output` appends the sampled tokens: our `schedule` and
-#   `update`;
-# * `vllm/v1/worker/gpu_model_runner.py`: `GPUModelRunner.execute_model` runs the step, and its
-#   `discard_request_mask` drops what a partial chunk sampled: our `ModelRunner.execute`, which
-#   keeps only the tokens of chunks that end a prompt;
+#   scheduled, and `Scheduler.update_from_output` appends the sampled tokens, as ours do;
+# * `vllm/v1/worker/gpu/input_batch.py`, Model Runner V2's: `get_num_sampled_and_rejected` sets
+#   `num_sampled` to 0 for a request whose `seq_lens` entry is still below its `prefill_len`
+#   (`is_chunked_prefilling`), so a partial chunk samples nothing (the V1 runner,
+#   `vllm/v1/worker/gpu_model_runner.py`, uses its `discard_request_mask`): our
+#   `ModelRunner.execute_model`, which samples only for chunks that end a prompt;
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks of the
 #   tokens scheduled each step; with `full_sequence_must_fit` (the scheduler's
 #   `SchedulerConfig.scheduler_reserve_full_isl` in `vllm/config/scheduler.py`, on by default)
 #   admission first checks that the whole prompt fits.
 #
-# What the course leaves out or does differently: it takes a prompt's blocks all at admission
-# rather than per step, and runs a step's prefill chunks and its decodes as two forwards where vLLM
-# flattens them into one; speculative decoding and asynchronous scheduling are out of scope.
+# What the course leaves out or does differently: `long_prefill_token_threshold`, speculative
+# decoding (the `_spec` in `num_tokens_with_spec`) and asynchronous scheduling.
 
 # %% [markdown]
 # ## Recap
 #
 # * A Hugging Face Llama (SmolLM2-135M's architecture: 30 layers, 9 query heads over 3 K/V heads,
-#   rotary positions) runs on the same cache and engine through the same `prefill` and `decode_step`
-#   and gives exactly Hugging Face's greedy tokens; its cache is sized by the K/V heads, 22.5 KiB per
+#   rotary positions) runs on the same cache and engine through the same calls as the tiny GPT and
+#   gives exactly Hugging Face's greedy tokens; its cache is sized by the K/V heads, 22.5 KiB per
 #   token in 16-bit, and the engine can take its memory in bytes.
-# * A token budget, `max_num_batched_tokens`, bounds a step: decodes first, then prompt chunks that
-#   attend over the cache at an offset, the same tokens. On 48 requests with a long prompt every
+# * A token budget, `max_num_batched_tokens`, bounds a step: the running requests in list order
+#   (decodes first because the one partly prefilled prompt is the newest), then chunks of new
+#   prompts, each attending over the cache at an offset, the same tokens. On 48 requests with a long prompt every
 #   eighth, a budget of 64 cut the largest step from 210 tokens to 64 in the same 68 steps, for a
 #   99th-percentile time to first token of 4 steps instead of 1.
 #

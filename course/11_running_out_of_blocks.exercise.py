@@ -8,8 +8,9 @@
 # tick, or tells you which call gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
-# cell, then its check cell. The finished versions are `paged_kv.serving.memory.admits`,
-# `paged_kv.serving.preemption.choose_victims` and `paged_kv.kv.swap`; try without looking first.
+# cell, then its check cell. The package makes the same decisions inside its scheduler
+# (`paged_kv.serving.scheduler`, over `paged_kv.serving.memory.KVCacheManager`) and swaps with
+# `paged_kv.kv.swap`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
@@ -32,32 +33,37 @@ device = paged_kv.default_device()
 # %% [markdown]
 # ## Task 1 · Admission with a watermark
 #
-# Lesson 09's engine admits the request at the front of the queue when the blocks of its prompt,
-# plus **one block of headroom per running sequence, the new one included**, are free. The
-# watermark adds a reserve on top: a fraction `watermark` of *all* the pool's `num_blocks` blocks,
-# rounded **up** to whole blocks, `ceil(watermark * num_blocks)`, that admission leaves free for the
-# decode steps after the next one.
+# vLLM's scheduler, and the course's engine, admit the request at the front of the queue when the
+# blocks of its whole prompt are free. Nothing is kept back for the running sequences' growth: when
+# a running sequence's next token later finds no free block, the newest running sequence is
+# preempted. The watermark adds a reserve: a fraction `watermark` of *all* the pool's `num_blocks`
+# blocks, rounded **up** to whole blocks, `ceil(watermark * num_blocks)`, that admission leaves free
+# for the growth of the sequences already running, and so **only while another sequence runs**.
+# Alone, a request needs no reserve; that is also why a request resumed by recompute, whose prompt
+# now holds its output too, always comes back.
 #
 # Write `admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark)`:
 # whether a request whose prompt takes `prompt_blocks` blocks is admitted next to `num_running`
 # running sequences (not counting itself), when `num_free_blocks` of the pool's `num_blocks` blocks
 # are free. Return a `bool`.
 #
-# **Checked:** a watermark of 0 (lesson 09's rule: 6 free blocks admit a 3-block prompt next to 2
-# running sequences, 5 do not); a 10 % watermark of 40 blocks (4 kept free); 1 % of 50 blocks, half
-# a block, which keeps 1 block free, not 0; 10 % of 100 blocks with only 20 free (the watermark is
-# of all the blocks, not of the free ones); half of 16 blocks; that the result is a `bool`; and
-# agreement with `paged_kv.serving.memory.admits` on a grid of cases one block either side of the rule.
+# **Checked:** a watermark of 0 (3 free blocks admit a 3-block prompt next to 2 running sequences,
+# 2 do not); a 10 % watermark of 40 blocks (4 kept free); 1 % of 50 blocks, half a block, which
+# keeps 1 block free, not 0; 10 % of 100 blocks with only 13 or 14 free (the watermark is of all
+# the blocks, not of the free ones); half of 16 blocks beside one running sequence and beside none
+# (then nothing is kept); a 10-block prompt alone in 10 free blocks of 16 under a 50 % watermark;
+# that the result is a `bool`; and agreement with the engine's own memory
+# (`paged_kv.serving.memory.KVCacheManager`) on a grid of cases one block either side of the rule.
 
 
 # %%
 def admit_with_watermark(
     num_free_blocks: int, prompt_blocks: int, num_running: int, num_blocks: int, watermark: float
 ) -> bool:
-    """Whether the prompt's blocks, num_running + 1 blocks of headroom and the watermark's blocks are free."""
-    ### BEGIN SOLUTION: keep ceil(watermark * num_blocks) blocks free (math.ceil rounds up), besides the prompt's blocks and num_running + 1 of headroom
-    keep_free = math.ceil(watermark * num_blocks)
-    return prompt_blocks + (num_running + 1) + keep_free <= num_free_blocks
+    """Whether the prompt's blocks are free, and the watermark's blocks besides while another sequence runs."""
+    ### BEGIN SOLUTION: besides the prompt's blocks, keep ceil(watermark * num_blocks) blocks free (math.ceil rounds up), but only when num_running > 0
+    keep_free = math.ceil(watermark * num_blocks) if num_running else 0
+    return prompt_blocks + keep_free <= num_free_blocks
     ### END SOLUTION
 
 
@@ -67,11 +73,13 @@ check("11.admit_with_watermark", admit_with_watermark)
 # %% [markdown]
 # ## Task 2 · Who is preempted, and where they wait
 #
-# Before a decode step, the engine counts the new blocks the step needs: one for each running
-# sequence whose blocks are full. When more are needed than are free, it preempts sequences, the
-# **newest first**, until the step fits. Each victim helps twice: its blocks become free, and it no
-# longer decodes in this step, so its own need goes too. The oldest sequence is never preempted:
-# with nothing running, nothing would ever finish.
+# Each step, the scheduler gives every running sequence its next token, oldest first, and takes a
+# block for each one whose blocks are full. When a sequence finds no free block, it preempts the
+# **newest** running sequence (vLLM: `self.running.pop()`) and tries again. Over the whole step
+# that is one rule: preempt from the newest down until the others' new blocks fit. Each victim helps
+# twice: its blocks become free, and it no longer decodes in this step, so its own need goes too.
+# The oldest sequence is never preempted: with nothing running, nothing would ever finish (the
+# engine refuses a request that cannot run alone in the whole pool, so the oldest alone fits).
 #
 # Write `choose_victims(running, num_free_blocks)`. `running` lists the running sequences in
 # admission order, oldest first, each as a tuple `(seq_id, blocks, needs_block)`: the blocks it
@@ -87,13 +95,13 @@ check("11.admit_with_watermark", admit_with_watermark)
 # **Checked:** steps that fit (nobody preempted); one victim whose blocks cover the others; two
 # victims; a victim that needs no block but frees two; a victim that holds no block; the list
 # `running` after the call; two cases where the oldest alone does not fit (`OutOfBlocksError`);
-# agreement with `paged_kv.serving.preemption.choose_victims` on 300 random cases; and `requeue` with two
+# agreement with the package's answer on 300 random cases; and `requeue` with two
 # victims before two waiting requests, into an empty queue, with no victims, and with three victims.
 
 
 # %%
 def choose_victims(running: list[tuple], num_free_blocks: int) -> list:
-    """The ids of the sequences to preempt, newest first, so that the others' next decode step fits."""
+    """The ids of the sequences to preempt, newest first, so that the others' next tokens fit."""
     ### BEGIN SOLUTION: count the blocks needed; while more are needed than are free, take the newest sequence not yet taken (never the oldest: raise OutOfBlocksError), add its blocks to the free ones and take its need away
     needed = sum(needs for _, _, needs in running)
     free = num_free_blocks
@@ -171,14 +179,15 @@ check("11.swap_round_trip", swap_out, swap_in)
 # %% [markdown]
 # ## Putting it together
 #
-# A bookkeeping engine built from your three functions. Eight sequences arrive at once, each with
-# a prompt and a final length; every step, swapped-out sequences come back first while they fit,
-# then (when none is left out) waiting requests are admitted under the watermark, then your
-# `choose_victims` makes room, the victims are swapped out and requeued, and every running sequence
-# gains one token. The K and V of token `p` of sequence `s` are the number `100 * s + p` (and its
-# negative), so when a sequence finishes, its K/V must read back as exactly those numbers, however
-# many times it went to host memory and came back in other blocks. Try other watermarks, or fewer
-# blocks.
+# A bookkeeping engine built from your three functions, in the order of the course's scheduler.
+# Eight sequences arrive at once, each with a prompt and a final length. Every step, your
+# `choose_victims` makes room for the running sequences' next tokens, the victims are swapped out
+# and requeued, and every running sequence gains one token; then, only if nobody was preempted,
+# swapped-out sequences come back while their K/V and next token fit, and, only if none is left
+# out, waiting requests are admitted under your watermark rule (both decode from the next step).
+# The K and V of token `p` of sequence `s` are the number `100 * s + p` (and its negative),
+# so when a sequence finishes, its K/V must read back as exactly those numbers, however many times
+# it went to host memory and came back in other blocks. Try other watermarks, or fewer blocks.
 
 
 # %%
@@ -195,26 +204,6 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
     waiting, swapped, running, saved = deque(requests), deque(), [], {}
     steps = preemptions = intact = 0
     while waiting or swapped or running:
-        while swapped and admit_with_watermark(
-            allocator.num_free_blocks,
-            blocks_for_tokens(len(saved[swapped[0]][0]), 4),
-            len(running),
-            num_blocks,
-            0,
-        ):
-            seq = swapped.popleft()
-            swap_in(allocator, seq, saved.pop(seq))
-            running.append(seq)
-        while not swapped and waiting:
-            seq, prompt, _ = waiting[0]
-            if not admit_with_watermark(
-                allocator.num_free_blocks, blocks_for_tokens(prompt, 4), len(running), num_blocks, watermark
-            ):
-                break
-            waiting.popleft()
-            allocator.allocate_for_sequence(seq, prompt)
-            allocator.write_kv(seq, *kv_of(seq, 0, prompt))
-            running.append(seq)
         candidates = [(s, len(allocator.get_block_mapping(s)), allocator.needs_new_block(s)) for s in running]
         victims = choose_victims(candidates, allocator.num_free_blocks)
         for seq in victims:
@@ -226,6 +215,30 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
             length = allocator.sequence_length(seq)
             allocator.append_tokens(seq, 1)
             allocator.write_kv(seq, *kv_of(seq, length, 1), start_position=length)
+        while (
+            not victims
+            and swapped
+            and admit_with_watermark(  # its K/V and next token, no watermark
+                allocator.num_free_blocks,
+                blocks_for_tokens(len(saved[swapped[0]][0]) + 1, 4),
+                len(running),
+                num_blocks,
+                0,
+            )
+        ):
+            seq = swapped.popleft()
+            swap_in(allocator, seq, saved.pop(seq))
+            running.append(seq)
+        while not victims and not swapped and waiting:
+            seq, prompt, _ = waiting[0]
+            if not admit_with_watermark(
+                allocator.num_free_blocks, blocks_for_tokens(prompt, 4), len(running), num_blocks, watermark
+            ):
+                break
+            waiting.popleft()
+            allocator.allocate_for_sequence(seq, prompt)
+            allocator.write_kv(seq, *kv_of(seq, 0, prompt))
+            running.append(seq)
         for seq in [s for s in running if allocator.sequence_length(s) == final[s]]:
             k, v = allocator.read_kv(seq)
             intact += torch.equal(k, kv_of(seq, 0, final[seq])[0]) and torch.equal(
@@ -241,5 +254,5 @@ def serve(requests: list[tuple[int, int, int]], num_blocks: int, watermark: floa
 
 
 burst = [(seq, 3 + seq % 4, 24 + 2 * seq) for seq in range(8)]
-serve(burst, num_blocks=16, watermark=0.0)
-serve(burst, num_blocks=16, watermark=0.25)
+serve(burst, num_blocks=12, watermark=0.0)
+serve(burst, num_blocks=12, watermark=0.25)

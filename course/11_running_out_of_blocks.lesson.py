@@ -2,44 +2,45 @@
 # # Lesson 11 · Running out of blocks
 #
 # Paging lets an engine admit a request with only the blocks of its prompt and hand out the rest one
-# block at a time, as the sequence grows. That is where its concurrency comes from (lesson 07: 34.0
-# sequences running on average against 14.5 with maximum-length slots, in the same memory), and it
-# is also a promise the engine cannot always keep: the sequences it admitted keep growing, and the
-# blocks they will need may not be there. Lesson 07's burst showed the result, 43 preemptions,
-# without looking into them. This lesson is about that moment: what an engine can do about it, what
-# each answer costs, and how to make it rare.
+# block at a time, as the sequence grows. That is where its concurrency comes from (lesson 07), and
+# it is also a promise the engine cannot always keep: the sequences it admitted keep growing, and
+# the blocks they will need may not be there. Lesson 07's burst showed preemptions without looking
+# into them. This lesson is about that moment: what vLLM does about it, what each answer costs, and
+# how to make it rare.
 #
 # **By the end of this lesson you can**
 #
-# 1. explain why a paged engine runs out of blocks in the middle of a decode step, and why vLLM
-#    then preempts whole sequences, the most recently admitted first;
-# 2. compare the two ways to preempt, recompute and swap, by what each costs (tokens computed again
-#    by prefill, blocks copied to host memory and back), and show that neither changes the
-#    generated text;
-# 3. explain the admission watermark and measure how it trades running sequences for preemptions;
+# 1. explain why vLLM admits a request into a pool that its next decode step may find full, and how
+#    its scheduler then preempts whole sequences, the newest running one first, one at a time;
+# 2. compare the two ways to preempt, recompute (vLLM v1's) and swap (the PagedAttention paper's and
+#    vLLM V0's), by what each costs, and show that neither changes the generated text;
+# 3. explain the admission watermark, why it is kept only while other requests run, and measure how
+#    it trades running sequences for preemptions;
 # 4. read the preemptions, steps and running sequences of a workload against the memory budget,
 #    from the smallest budget that can serve it to one where nothing is ever preempted.
 #
-# The cells run in about 12 s on a quiet 2-core CPU (18 s with two busy processes beside it); a GPU
-# is used when there is one.
+# The cells take about 16 s of one core of a 2-core CPU (26 to 30 s measured while other jobs kept
+# both cores busy); a GPU is used when there is one.
 
 # %%
 import random
+from collections import deque
 
 import matplotlib.pyplot as plt
 import torch
 
 import paged_kv
-from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.grading.reference.lesson04 import decode_step
+from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
-from paged_kv.pictures.plots import PALETTE, plot_block_tables
-from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, plot_metrics, sweep_budgets
-from paged_kv.serving.memory import admits
-from paged_kv.serving.preemption import choose_victims
+from paged_kv.pictures.plots import PALETTE, plot_block_tables, plot_metrics
+from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, sweep_budgets
+from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -51,87 +52,115 @@ print("paged_kv", paged_kv.__version__)
 #
 # A contiguous cache decides everything at admission: a request gets its slot of `max_model_len`
 # tokens or waits, and once admitted it can never run short. A paged cache decides at admission
-# only about the prompt. The admission rule of the course's engine (`paged_kv.serving.memory.admits`)
-# admits a request when its prompt's blocks plus **one block of headroom per running sequence, the
-# new one included**, are free. That guarantees the *next* decode step (each sequence takes at most
-# one new block per step) and nothing after it. Admission is a bet that, by the time the running
-# sequences need more blocks, others will have finished and freed theirs. An operating system makes
-# the same bet when it promises processes more virtual memory than it has physical pages.
+# only about the prompt. vLLM's scheduler admits the request at the front of the waiting queue
+# when the blocks of its **whole prompt** are free; after that, a decode takes one more block each
+# time a sequence's next token starts one. Nothing is set aside for that growth. Keeping one free
+# block per running sequence (a decode step takes at most one each) would guard only the next
+# step, and those blocks would sit idle at every step. So vLLM admits into a pool that the next
+# decode may find full, and deals with the shortfall when it happens: a bet that, by the time the
+# running sequences need more blocks, others will have finished and freed theirs. An operating
+# system makes the same bet when it promises more virtual memory than it has physical pages.
 #
-# Here is the bet failing on the bookkeeping alone: three requests, `a`, `b` and `c`, each with a
-# 3-token prompt, in a pool of 8 blocks of 4 tokens. Each is admitted under that rule, and then
-# every decode step adds one token to each of them with lesson 04's all-or-nothing `decode_step`.
+# When the bet fails, a sequence's next token finds no free block. vLLM's scheduler goes through
+# the running requests **in order, oldest first**, and asks for each one's new slots
+# (`allocate_slots`, which takes a block at a boundary or returns `None`). On `None` it **preempts
+# the newest running request** (`self.running.pop()`), whose blocks come back, and asks again; if
+# the newest is the request itself, it preempts itself and the loop ends. Here is that loop, for a
+# `PagedKVCacheAllocator` that does the bookkeeping only:
+
+
+# %%
+def schedule_running(pool, running, waiting):
+    """One decode step of vLLM's running loop; returns the preempted sequences, newest first."""
+    preempted, index = [], 0
+    while index < len(running):
+        seq_id = running[index]
+        while pool.needs_new_block(seq_id) and pool.num_free_blocks == 0:  # allocate_slots: None
+            victim = running.pop()  # the newest running sequence
+            pool.free_sequence(victim)  # all of its blocks go back to the pool
+            waiting.appendleft(victim)  # it waits at the front of the queue
+            preempted.append(victim)
+            if victim == seq_id:  # it was the newest: the step goes on without it
+                return preempted
+        pool.append_tokens(seq_id, 1)  # takes a block when the token starts one
+        index += 1
+    return preempted
+
+
+# %% [markdown]
+# Four requests, `a` to `d`, each with a 3-token prompt, arrive at a pool of 8 blocks of 4 tokens.
+# Each prompt takes one block, so all four are admitted, and each decode step adds one token to
+# every running sequence.
 #
-# **Predict, then run.** After admission, 5 of the 8 blocks are free. Each sequence takes a new
-# block when it holds a multiple of 4 tokens. In which decode step does the pool run out?
+# **Predict, then run.** After admission, 4 of the 8 blocks are free. Each sequence takes a new
+# block for its 5th token and its 9th. In which decode step does the pool run out, and which
+# sequences does the loop preempt?
 
 # %%
 pool = PagedKVCacheAllocator(num_blocks=8, block_size=4, num_heads=1, head_dim=1)  # bookkeeping only
-for running, seq_id in enumerate("abc"):
-    fits = admits(pool.num_free_blocks, 1, running)
-    print(f"admit {seq_id}: 1 prompt block + {running + 1} of headroom, {pool.num_free_blocks} free: {fits}")
-    pool.allocate_for_sequence(seq_id, 3)
+running, waiting = [], deque()
+for seq_id in "abcd":  # admitted while the prompt's blocks are free
+    if blocks_for_tokens(3, pool.block_size) <= pool.num_free_blocks:
+        pool.allocate_for_sequence(seq_id, 3)
+        running.append(seq_id)
+print(f"admitted {running}; {pool.num_free_blocks} blocks free")
 for step in range(1, 10):
-    needed = sum(pool.needs_new_block(s) for s in "abc")
-    try:
-        decode_step(pool, "abc")
-    except OutOfBlocksError as error:
-        print(f"decode step {step}: {error}")
+    preempted = schedule_running(pool, running, waiting)
+    held = {s: pool.sequence_length(s) for s in running}
+    print(f"decode step {step}: tokens held {held}, {pool.num_free_blocks} free, preempted {preempted}")
+    if preempted:
         break
-    print(
-        f"decode step {step}: {needed} new block(s), each sequence now holds {pool.sequence_length('a')} "
-        f"tokens, {pool.num_free_blocks} blocks free"
-    )
+print("waiting, front first:", list(waiting))
 
 # %% [markdown]
-# Step 6. Step 2 took three blocks at once, when the 5th tokens started a second block in every
-# sequence, and left 2 free. Steps 3 to 5 filled those second blocks, and step 6 needs a third
-# block for each sequence: 3 blocks, 2 free. The step fails as a whole and changes nothing (lesson
-# 04), so the engine is still free to choose what to do. Here is the pool at that moment:
+# Step 6. Step 2 took four blocks at once, when the 5th tokens started a second block in every
+# sequence, and left none free. Steps 3 to 5 filled those second blocks, and in step 6 every
+# sequence needs a third. `a` finds no block: the loop preempts `d`, the newest, whose 2 blocks come
+# back; `a` takes one, `b` the other. `c` finds none, and the newest running sequence is now `c`
+# itself: it preempts itself. `a` and `b` go on; `c` and `d` wait at the front of the queue, `c`
+# first, in the order they came. Here is the pool after the step:
 
 # %%
-plot_block_tables(pool.snapshot(), title="decode step 6 needs 3 new blocks; 2 are free")
+plot_block_tables(pool.snapshot(), title="decode step 6: d, then c preempted; a and b hold 9 tokens")
 plt.show()
 
 # %% [markdown]
-# What can an engine do?
+# Why preempt? When a sequence needs a block and none is free, an engine can:
 #
-# * **Refuse**: fail a request that needs a block. Its user gets an error for a request the server
-#   had accepted, and all the work done on it is lost.
-# * **Wait**: pause the sequences that need a block until one frees up. Here all three need one, and
-#   none can finish without growing first, so none will ever free a block: a deadlock.
-# * **Preempt**: take the blocks of some sequence back, so that the others can go on, and resume
-#   that sequence later.
+# * **refuse**: fail the request, an error for a request the server had accepted, its work lost;
+# * **wait**: pause the sequences that need a block until one frees up. Here all four need one,
+#   and none can finish without growing first: a deadlock;
+# * **preempt**: take some sequence's blocks back, so that the others can go on, and resume that
+#   sequence later.
 #
 # vLLM preempts, with two rules (section 4.5 of the PagedAttention paper). **All or nothing per
-# sequence**: every decode step attends over all of a sequence's tokens, so a sequence with some of
-# its blocks taken away could not run anyway; it loses all of them. **The most recently admitted
-# first**: requests are served first come, first served, so the newest one gives way and the
-# oldest ones finish first. The victims are taken one at a time, newest first, until the step fits.
-# Each victim helps twice: its blocks become free, and it no longer needs a block in this step.
-# `paged_kv.serving.preemption.choose_victims` is that rule on plain numbers: the running sequences, oldest
-# first, as `(seq_id, blocks held, needs a block)`, and the free blocks.
+# sequence**: a decode attends over all of a sequence's tokens, so a sequence missing some blocks
+# could not run anyway; it loses all of them. **The most recently admitted first**: requests are
+# served first come, first served, so the newest gives way. Over a whole step the loop amounts to
+# one rule: preempt from the newest down until the others' new blocks fit. Each victim helps
+# twice: its blocks become free, and it needs no block in this step. The exercise has you write
+# that rule on plain numbers.
+#
+# The package's scheduler runs the same loop (`paged_kv.serving.scheduler.Scheduler`, over
+# `KVCacheManager`, the engine's view of a block manager). With a runner that runs no model,
+# `CountingRunner`, it serves the same four requests; step 0 is their prefill, step `k` decode step
+# `k`:
 
 # %%
-candidates = [(s, len(pool.get_block_mapping(s)), pool.needs_new_block(s)) for s in pool.seq_ids]
-print("running, oldest first:", candidates)
-victims = choose_victims(candidates, pool.num_free_blocks)
-print("victims:", victims)
-for seq_id in victims:
-    pool.free_sequence(seq_id)
-decode_step(pool, [s for s in "abc" if s not in victims])
-print(
-    "after the step:",
-    {s: pool.sequence_length(s) for s in pool.seq_ids},
-    f"{pool.num_free_blocks} blocks free",
-)
+memory = KVCacheManager(BlockManager(num_blocks=8, block_size=4))
+arrivals = [(0, SchedulerRequest(seq_id, num_prompt_tokens=3, max_new_tokens=12)) for seq_id in "abcd"]
+for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals, max_steps=9):
+    if output.preemptions:
+        victims = [(p.request_id, p.way, p.num_tokens) for p in output.preemptions]
+        print(f"step {output.step}: preempted {victims}; scheduled {dict(output.num_scheduled_tokens)}")
 
 # %% [markdown]
-# Preempting `c` frees its 2 blocks and drops its need: 2 blocks needed, 4 free, and the step runs.
-# The oldest sequence is never a victim: with nothing left running, no sequence would ever finish.
-# That is safe because the engine refuses, up front, any request that could not run alone at its
-# full length in the whole pool. `paged_kv.serving.engine.min_num_blocks(requests, block_size)` is that
-# smallest pool, and section 4 starts from it.
+# The same victims in the same order, each by recompute with the 8 tokens it had computed. The
+# oldest request is never a victim: `a` is served first, so every other request is preempted before
+# it, and it needs at most the blocks it can hold alone. That is safe because the engine refuses,
+# up front, any request that could not run alone at its longest in the whole pool.
+# `paged_kv.serving.engine.min_num_blocks(requests, block_size)` is that smallest pool, and section
+# 4 starts from it.
 
 # %% [markdown]
 # ## 2. Recompute or swap
@@ -140,38 +169,29 @@ print(
 #
 # **Recompute.** Free the victim's blocks, drop its K/V and put the request back at the *front* of
 # the waiting queue: it was admitted before every request still waiting. When it fits again, its
-# K/V is computed again from its tokens. Greedy decoding is deterministic, so the text does not
-# change. The cost is computation: every token whose K/V was dropped is processed again. vLLM
-# does it in one **prefill**, the pass that runs many tokens through the model at once and writes
-# the K/V of all of them (the way a new prompt enters the cache), over the prompt and the tokens
-# generated so far; a GPU runs that far faster than the decode steps, one token each, that first
-# produced them. vLLM v1 keeps a count of each request's *computed* tokens, those whose K/V the
-# cache holds; preemption sets it back to 0, and when the request is admitted again the scheduler
-# gives it the tokens it lacks, prompt and generated ones, in chunks of at most a token budget per
-# step (`max_num_batched_tokens`, lesson 10), and the last chunk samples the next token.
-# The course's engine recomputes that way too: a victim keeps its generated tokens, and when it is
-# admitted again it prefills its prompt and those tokens, whole, or in chunks under a budget,
-# `Engine(..., max_num_batched_tokens=64)`, which this lesson gives it. The PagedAttention paper
-# (§4.5) does the same, for the same reason: the tokens generated so far are concatenated with the
-# prompt as a new prompt, whose K/V one prefill computes. The operating-system analogue is
-# dropping a clean page of a program's code: it is never written to disk, because it can always be
-# read from the file again.
+# K/V is computed again from its tokens; greedy decoding is deterministic, so the text does not
+# change. The cost is computation. vLLM does it in one **prefill** (the pass that runs many tokens
+# through the model at once, as a new prompt enters the cache) over the prompt and the tokens
+# generated so far, far faster on a GPU than the decode steps that first produced them. vLLM v1
+# counts each request's *computed* tokens, those whose K/V the cache holds; preemption sets the
+# count back to 0, and once the request is admitted again (its whole sequence must fit, like a
+# prompt) it gets the tokens it lacks in chunks of at most the token budget
+# (`max_num_batched_tokens`, lesson 10); the last chunk samples the next token. The course's
+# engine does the same, as does the PagedAttention paper (§4.5). The operating-system analogue is
+# dropping a clean page of code: it can always be read from the file again.
 #
 # **Swap.** Copy the victim's K/V to host memory, free its blocks, and when enough blocks are free
-# again, give it fresh ones (whichever are free: the block table changes, the content does not) and
-# copy the K/V back. Nothing is computed again; the sequence continues exactly where it stopped. The
-# cost is the copies: on a GPU, every swapped block crosses the PCIe bus twice. This is the
-# operating system's swap: dirty pages written to disk and read back on the next fault.
+# again, give it fresh ones (the block table changes, the content does not) and copy the K/V back.
+# Nothing is computed again. The cost is the copies: on a GPU, every swapped block crosses the
+# PCIe bus twice, as dirty pages go to disk and back in an operating system. It is the paper's
+# second way, and vLLM V0 had it; vLLM v1 has no swap, and the course keeps it to compare.
 #
-# To see both on real K/V, lesson 09's tiny GPT serves again: `TinyGPT` (2 layers of 4 heads of
-# dimension 16, byte tokens, seeded random weights: deterministic noise, all a test of "the same
-# text after a preemption" needs) on a `PagedKVCache`, one block manager for every layer and one
-# pool of K/V blocks per layer, 1,024 bytes a token. `PagedKVCache.swap_out(seq_id)` and
-# `swap_in(seq_id, saved)` swap a sequence, every layer at once (`paged_kv.kv.swap`; the exercise
-# builds them for one allocator), between `model.prefill` and `model.decode_step` calls.
-#
-# The whole round trip by hand: a prompt is prefilled and decodes 4 tokens in blocks of 4, is
-# swapped out, another sequence takes two blocks, and the prompt comes back and decodes 5 more.
+# To see swap on real K/V, lesson 09's tiny GPT serves again: `TinyGPT` (2 layers of 4 heads of
+# dimension 16, byte tokens, seeded random weights) on a `PagedKVCache`, one block manager for
+# every layer, 1,024 bytes a token. `PagedKVCache.swap_out(seq_id)` and `swap_in(seq_id, saved)`
+# swap a sequence, every layer at once (`paged_kv.kv.swap`; the exercise builds them for one
+# allocator). By hand: a prompt is prefilled and decodes 4 tokens in blocks of 4, is swapped out,
+# another sequence takes two blocks, and the prompt comes back and decodes 5 more.
 
 # %%
 config = GPTConfig()  # 2 layers, 4 heads of 16, a vocabulary of 256 bytes
@@ -216,10 +236,11 @@ print(f"{len(tokens)} tokens, the same as generating without a swap:", tokens ==
 # blocks 3 and 4, so `s` comes back in blocks 5, 0 and 1: other blocks, the same keys and values,
 # and the next 5 tokens are the ones it would have generated had it never left.
 #
-# Now both ways on a workload that runs out, served by lesson 09's `Engine`, which preempts with
-# `choose_victims` itself (`preemption="recompute"` or `"swap"`), under lesson 10's token budget,
+# Now both ways on a workload that runs out, served by lesson 09's `Engine`, whose scheduler runs
+# section 1's loop (`preemption="recompute"` or `"swap"`), under lesson 10's token budget,
 # `max_num_batched_tokens=64`: here it matters only for the recomputed requests, which prefill the
-# tokens they had generated in chunks of at most 64.
+# tokens they had generated in chunks of at most 64. A swapped-out request waits in a queue of its
+# own, which comes back before any new request is admitted.
 #
 # Twelve requests arrive at once, each a prompt of 4 to 12 random bytes asking for 17 to 37 tokens,
 # in blocks of 4. `min_num_blocks` gives the smallest pool that can serve them; the engine gets
@@ -275,20 +296,22 @@ print(
 )
 
 # %% [markdown]
-# Both finish in 88 steps, and the text is the same every way, token for token the text each
-# request gets alone. Recompute preempted 8 times and threw away the K/V of 131 tokens, all of
-# which were computed again by prefill: 233 tokens prefilled in all, the 94 of the prompts, the
-# 131, and the 8 last tokens the victims had sampled and not yet fed back. Swap preempted 9 times,
-# prefilled only the prompts, and moved 39 blocks out and the same 39 back in, 159,744 bytes each
-# way. Both ran 3.4 sequences at once on average.
+# Both finish in 85 steps, and the text is the same every way, token for token the text each
+# request gets alone. Recompute preempted 17 times and threw away the K/V of 234 tokens, all of
+# which were computed again by prefill: 345 tokens prefilled in all, the 94 of the prompts, the
+# 234, and the 17 last tokens the victims had sampled and not yet fed back. Swap preempted 17
+# times too, prefilled only the prompts, and moved 62 blocks out and the same 62 back in, 253,952
+# bytes each way. Both ran 3.5 sequences at once on average. The two take the same steps because
+# a resumed request comes back in one step either way: its prefill fits the budget of 64 tokens,
+# as a swap-in takes one step to copy the K/V back and decode.
 #
 # On a real model the bytes are what matter. A 7B model's block of 16 tokens holds 8 MiB of K/V
 # (lesson 00: half a mebibyte per token), and a PCIe 4.0 link moves roughly 25 GB/s, so a
 # 1,000-token sequence takes about 20 ms to swap out and as long to come back. The PagedAttention
 # paper compares the two ways on a GPU: swapping suffers with small blocks, because many small
 # copies cannot use the bus's bandwidth; recomputation costs the same whatever the block size; for
-# blocks of 16 to 64 tokens the two perform about the same. vLLM's current engine (V1) preempts by
-# recomputation, which needs no host memory at all.
+# blocks of 16 to 64 tokens the two perform about the same. vLLM's current engine (v1) preempts by
+# recomputation only, which needs no host memory at all.
 #
 # A recomputed request often finds part of its K/V still there. Its freed blocks keep their hashes
 # (lesson 08's prefix cache: a freed block stays cached on the free list until it is reused), so
@@ -304,11 +327,10 @@ print(
 )
 
 # %% [markdown]
-# The cache served 60 tokens of the recomputed prefills, 173 prefilled instead of 233. Only full
-# blocks are cached, the blocks of a prompt and, as in vLLM, the blocks that decoding fills (lesson
-# 07), so a resumed request finds every full block it held that was not evicted meanwhile; the
-# tokens of its last, partly filled block, and those of blocks handed to other requests, are
-# computed again.
+# The cache served 92 tokens of the recomputed prefills, 253 prefilled instead of 345. Only full
+# blocks are cached, the blocks of a prompt and, as in vLLM, the blocks that decoding fills, so a
+# resumed request finds every full block it held that was not evicted meanwhile; the tokens of
+# its last, partly filled block, and those of blocks handed to other requests, are computed again.
 #
 # Step by step, `plot_metrics` draws the sequences running, waiting and (for swap) swapped out, and
 # the utilization, tokens held per slot reserved, on a second axis: the recompute run above, the
@@ -325,31 +347,34 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Both start alike: the burst is admitted as far as the headroom allows, and the first preemptions
-# come as the sequences outgrow the pool. Then they part. A recomputed request returns to the
-# *waiting* queue and is admitted again like any other, when its prompt and headroom fit. A swapped
-# sequence waits in its own queue, the *swapped* line, which comes before the waiting one: it comes
-# back first, as soon as its blocks and the headroom fit, and no new request is admitted while any
-# sequence is still swapped out, so that the oldest work finishes first. Utilisation stays high in
-# both: paging wastes little of what it holds, however often it preempts.
+# Both start alike: the burst is admitted as far as the prompts fit, and the first preemptions
+# come as the sequences outgrow the pool. A recomputed request returns to the *waiting* queue and
+# is admitted again like any other, when its whole sequence fits. A swapped sequence waits in its
+# own queue, the *swapped* line, which comes before the waiting one: it comes back first, in a step
+# in which nobody was preempted, as soon as its blocks and its next token fit, and no new request
+# is admitted while any sequence is still swapped out (vLLM V0's order), so that the oldest work
+# finishes first. Utilisation stays high in both: paging wastes little of what it holds, however
+# often it preempts.
 
 # %% [markdown]
 # ## 3. The admission watermark
 #
-# Preemptions happen because admission looks only one step ahead. The **watermark** looks a little
-# further: admission keeps a fraction `watermark` of *all* the pool's blocks free, on top of the
-# prompt and the headroom, rounded up to whole blocks, `ceil(watermark * num_blocks)`. The reserve
-# absorbs the growth of the running sequences for a while, at the price of admitting fewer of them.
-# vLLM's earlier (V0) block manager kept a watermark of 1 % of the blocks, "to avoid frequent cache
-# eviction" as its comment says. vLLM v1 has one again: `SchedulerConfig.watermark`, a fraction of
-# the blocks (0 by default), which its `KVCacheManager` turns into `watermark_blocks`; when it
-# allocates the slots of a waiting or a preempted request, and some request is already scheduled,
-# it requires that many blocks to stay free besides, and it never holds them back from a running
-# request. Both round down (`int(watermark * num_blocks)`), so a pool of fewer than 100 blocks keeps
-# nothing at 1 %; the course's engine rounds up, so that any watermark above zero keeps at least
-# one block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks free.
+# Preemptions happen because admission looks only at the prompt. The **watermark** looks a little
+# further: while other requests run, admission keeps a fraction `watermark` of *all* the pool's
+# blocks free besides the prompt's, rounded up, `ceil(watermark * num_blocks)`. The running
+# sequences may grow into that reserve, so it absorbs their growth for a while, at the price of
+# admitting fewer of them. A request that would run alone has nobody's growth to protect, so
+# **alone it needs no watermark**, as in vLLM. That matters for the victims of recompute: a
+# resumed request's "prompt" holds its generated tokens too and may need most of the pool; alone,
+# it always comes back.
 #
-# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 8 times. How many
+# vLLM v1's is `SchedulerConfig.watermark` (0 by default), which its `KVCacheManager` turns into
+# `watermark_blocks`, added to the blocks a waiting or preempted request needs only when some
+# request is running. vLLM rounds down (`int(watermark * num_blocks)`), so a pool of fewer than 100
+# blocks keeps nothing at 1 %; the course rounds up, so that any watermark above zero keeps a
+# block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks free.
+#
+# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 17 times. How many
 # preemptions are left with a 20 % watermark (5 blocks kept free), and what does that cost?
 
 # %%
@@ -362,15 +387,14 @@ for w, r in marked.items():
     print(f"{w:>9.0%}{engines[w].watermark_blocks:>11}{r.preemptions:>13}{r.mean_running:>14.2f}{r.steps:>7}")
 
 # %% [markdown]
-# A 20 % watermark cuts the preemptions from 8 to 3, and the price is concurrency: 2.84 sequences
-# running on average instead of 3.35, since 5 of the 22 blocks are off limits to admission. The
-# steps grow, 104 against 88: a recomputed request prefills what it lost in a step or two, so the
-# preemptions the watermark avoids cost few steps, and the sequences it keeps waiting cost more.
-# From 30 % on, the preemptions dwindle (2, 2, 1) while the concurrency keeps falling (2.63, 2.61,
-# 2.34). On a GPU a decode step reads all the model's weights whatever the batch, so a step costs
-# about the same for 3 sequences as for 2, and fewer running sequences means fewer tokens per
-# second. A watermark is worth what the preemptions it avoids cost (here, the computation of the
-# tokens recomputed); a small one catches the worst of them.
+# A 20 % watermark cuts the preemptions from 17 to 7, and the price is concurrency: 3.11
+# sequences running on average instead of 3.47, since 5 of the 22 blocks are off limits to
+# admission while others run. The steps grow, 95 against 85: a recomputed request prefills what it
+# lost in one step, so the preemptions the watermark avoids cost few steps, and the sequences it
+# keeps waiting cost more. From 30 % on, the preemptions dwindle (6, 2, 3) while the concurrency
+# keeps falling (2.84, 2.76, 2.66). On a GPU a decode step reads all the weights whatever the
+# batch, so fewer running sequences means fewer tokens per second. A watermark is worth what the
+# preemptions it avoids cost; a small one catches the worst of them.
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -396,12 +420,12 @@ plt.show()
 #
 # The watermark moves the bet; memory changes the odds. `sweep_budgets(model, requests,
 # num_blocks_list, block_size, preemption, max_num_batched_tokens=64)` serves the same requests once
-# per budget and returns a row per budget: steps, preemptions, recomputed tokens, blocks swapped out, running sequences. The
-# sweep runs from `min_num_blocks`, 11, to 99, where every request fits at its longest and nothing
-# can be preempted, both ways.
+# per budget and returns a row per budget: steps, preemptions, recomputed tokens, blocks swapped
+# out, running sequences. The sweep runs from `min_num_blocks`, 11, to 99, where every request fits
+# at its longest and nothing can be preempted, both ways.
 
 # %%
-budgets = [smallest, 14, 18, NUM_BLOCKS, 33, 44, 66, at_longest]
+budgets = [smallest, 16, NUM_BLOCKS, 33, 44, 66, at_longest]
 sweeps = {
     way: sweep_budgets(model, requests, budgets, BLOCK_SIZE, preemption=way, max_num_batched_tokens=BUDGET)
     for way in ("recompute", "swap")
@@ -415,11 +439,11 @@ for a, b in zip(sweeps["recompute"], sweeps["swap"], strict=True):
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
-for way, colour in (("recompute", PALETTE[5]), ("swap", PALETTE[3])):
+for way, colour, style in (("recompute", PALETTE[5], "o-"), ("swap", PALETTE[3], "x--")):
     rows = sweeps[way]
     for ax, key in zip(axes, ("preemptions", "steps", "mean_running"), strict=True):
         ax.plot(
-            [row["num_blocks"] for row in rows], [row[key] for row in rows], "o-", color=colour, label=way
+            [row["num_blocks"] for row in rows], [row[key] for row in rows], style, color=colour, label=way
         )
 for ax, label in zip(
     axes, ("preemptions", "steps to serve the burst", "mean running sequences"), strict=True
@@ -437,15 +461,15 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At the smallest budget the engine mostly thrashes: recompute preempts 10 times and needs 185
-# steps, swap 13 times and 182 steps, with fewer than 2 sequences running on average. Each added
-# block helps, fast at first: at 22 blocks (twice the minimum) the steps are down to 88 both ways,
-# and at 44 to 54. The preemptions fall less smoothly (swap preempts 9 times at 22 blocks, once
-# more than at 18): one preemption more or less depends on which sequences happen to cross a block
-# boundary together. At 99 blocks nothing is preempted either way, both take 37 steps (the longest
-# output) and run 7.97 sequences on average. Recompute by prefill takes as many steps as swap at
-# every budget but the smallest, so in steps the two are even; what separates them is the rest of
-# the bill, the tokens recompute computes again against the blocks swap copies twice over the bus.
+# At the smallest budget the engine mostly thrashes: 20 preemptions and 177 steps, with 1.67
+# sequences running on average. Each added block helps, fast at first: at 22 blocks (twice the
+# minimum) the steps are down to 85, at 44 to 53. The preemptions fall more slowly (17 at 16 blocks
+# as at 22, 14 at 33): one preemption more or less depends on which sequences happen to cross a
+# block boundary together. At 99 blocks nothing is preempted, the run takes 37 steps (the longest
+# output) and runs 7.97 sequences on average. Swap gives the very same row at every budget: a
+# victim comes back in one step either way, in the same order, so in steps the two are even (the
+# swap line lies on the recompute one). What separates them is the rest of the bill, the tokens
+# recompute computes again against the blocks swap copies twice over the bus.
 #
 # The two vertical lines, dashed and dotted, bound the range where preemption matters. Below
 # `min_num_blocks` some request cannot run at all; above "all at their longest" the bet cannot fail.
@@ -455,54 +479,55 @@ plt.show()
 # %% [markdown]
 # ## In vLLM
 #
-# Checked against vLLM 0.33.0. Preemption lives in v1's scheduler, the watermark in its KV cache
-# manager:
+# Checked against vLLM 0.33.0. Admission and preemption live in v1's scheduler, the watermark in
+# its KV cache manager:
 #
-# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` calls `KVCacheManager.allocate_slots`
-#   for each running request and, while it returns `None`, preempts `self.running[-1]`, the newest
-#   (under the default first-come-first-served policy), until the request fits or is itself the
-#   victim: our `choose_victims`, applied one victim at a time;
+# * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` goes through `self.running` in order,
+#   calling `KVCacheManager.allocate_slots` for each request's new tokens; while it returns `None`
+#   it pops the newest, `self.running.pop()` (under the default first-come-first-served policy),
+#   until the request fits or is itself the victim (`preempted_req == request`): section 1's loop.
+#   Waiting requests are scheduled only `if not preempted_reqs`;
 # * `Scheduler._preempt_request` frees the victim's blocks, sets its `num_computed_tokens` to 0 and
-#   puts it at the front of the waiting queue (`prepend_request`): our recompute;
-# * in the waiting loop of `Scheduler.schedule`, a request with `num_computed_tokens == 0` looks
-#   its tokens up in the prefix cache and schedules `request.num_tokens` minus the hits, "to
-#   consider the resumed requests, which have output tokens": the resumed prefill of section 2;
+#   puts it at the front of the waiting queue (`prepend_request`). Resumed, it schedules
+#   `request.num_tokens` minus its prefix-cache hits, "to consider the resumed requests, which have
+#   output tokens": section 2's prefill;
+# * `vllm/v1/core/kv_cache_manager.py`: `allocate_slots` with `full_sequence_must_fit` admits a
+#   waiting request only when the blocks of its whole sequence are free; `KVCacheManager` keeps
+#   `watermark_blocks`, `int(watermark * num_blocks)` of the pool, added to the blocks a `WAITING`
+#   or `PREEMPTED` request needs when `has_scheduled_reqs` (the scheduler passes whether anything
+#   runs);
+# * `vllm/config/scheduler.py`: `SchedulerConfig.watermark`, in `[0, 1)`, 0 by default, and
+#   `scheduler_reserve_full_isl`, on by default: the whole sequence must fit at admission;
 # * `vllm/v1/core/block_pool.py`: `BlockPool.free_blocks` puts a freed block that holds a hash at
 #   the tail of the free queue, still cached: why a resumed request hits its own blocks;
-# * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager` takes `watermark` and keeps
-#   `watermark_blocks = int(watermark * kv_cache_config.num_blocks)`, which `allocate_slots` adds to
-#   the blocks a `WAITING` or `PREEMPTED` request needs when `has_scheduled_reqs`;
-#   `vllm/config/scheduler.py`: `SchedulerConfig.watermark`, in `[0, 1)`, 0 by default;
 # * `vllm/v1/request.py`: `Request.num_preemptions` counts a request's preemptions, and
 #   `RequestStatus.PREEMPTED` marks one waiting to resume.
 #
 # What the course leaves out or does differently: vLLM v1 has no swap (a preempted request's K/V
-# is recomputed, or reloaded by a KV connector), and it allocates blocks step by step, so it
-# preempts when a step's tokens do not fit rather than when the decode step's new blocks do not.
+# is recomputed, or reloaded by a KV connector); the course's swap, its swapped queue that comes
+# back before any admission, follows the paper and vLLM V0. The course's watermark rounds up where
+# vLLM's rounds down, and the course has only the first-come-first-served policy: vLLM's priority
+# policy preempts the running request of lowest priority instead of the newest.
 
 # %% [markdown]
 # ## Recap
 #
-# * A paged engine admits a request with only its prompt's blocks and one block of headroom per
-#   running sequence: enough for the next decode step, a bet on the ones after it. Three 3-token
-#   sequences in 8 blocks of 4 run out at decode step 6, needing 3 blocks with 2 free.
-# * Refusing loses work and waiting can deadlock, so vLLM **preempts**: whole sequences, all their
-#   blocks, the most recently admitted first, until the step fits; a victim frees its blocks and
-#   drops its own need. The oldest is never preempted, and `min_num_blocks` makes sure it always
-#   fits.
-# * **Recompute** drops the victim's K/V and requeues it at the front, its computed count back to
-#   0, to prefill its prompt and generated tokens when it resumes (the paper's way and vLLM's, in
-#   chunks under a token budget); **swap** copies it to host memory and back into other blocks. Neither changes the text.
-#   On 12 requests in 22 blocks of 4, with a budget of 64 tokens a step: recompute preempted 8 times
-#   and prefilled 131 lost tokens again, swap preempted 9 times and moved 39 blocks (159,744 bytes)
-#   each way, both in 88 steps. With prefix caching the
-#   cache served 60 of the recomputed tokens: freed blocks keep their hashes.
-# * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission (vLLM v1 has one
-#   too, for waiting and preempted requests): 20 % cut the preemptions from 8 to 3 for 2.84
-#   sequences running on average instead of 3.35, and 104 steps instead of 88.
-# * Against the budget: from 10 preemptions (recompute) and 13 (swap) at the smallest pool, 11
-#   blocks, to none at 99, where every request fits at its longest; recompute and swap take the
-#   same steps at every pool but the smallest.
+# * vLLM admits a request when its whole prompt's blocks are free and keeps nothing back for the
+#   running sequences' growth. Four 3-token sequences in 8 blocks of 4 run out at decode step 6.
+# * Refusing loses work and waiting can deadlock, so vLLM **preempts** whole sequences: going
+#   through the running requests oldest first, one that finds no block preempts the newest
+#   (`self.running.pop()`), itself when it is the newest: in step 6, `d`, then `c`. The oldest is
+#   never preempted; `min_num_blocks` makes sure it always fits.
+# * **Recompute** (vLLM v1's way) drops the victim's K/V and requeues it at the front, to prefill
+#   its prompt and generated tokens when it resumes; **swap** (the paper's and V0's) copies it to
+#   host memory and back into other blocks. Neither changes the text. On 12 requests in 22 blocks
+#   of 4, both preempted 17 times in 85 steps: recompute prefilled 234 lost tokens again, swap
+#   moved 62 blocks (253,952 bytes) each way. Prefix caching served 92 of the recomputed tokens.
+# * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission while others
+#   run, none for a request alone: 20 % cut the preemptions from 17 to 7, for 3.11 sequences
+#   running on average instead of 3.47 and 95 steps instead of 85.
+# * Against the budget: from 20 preemptions and 177 steps at 11 blocks to none and 37 steps at 99;
+#   swap takes the same steps as recompute at every budget.
 #
 # **Next, lesson 12:** writing the kernel. Every decode step above ends in `paged_attention`, which
 # does lesson 03's address translation with PyTorch operations; a serving engine hands it to one

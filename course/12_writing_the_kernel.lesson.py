@@ -5,21 +5,24 @@
 # read them in place with batched products. A serving engine does neither. It hands one kernel the
 # whole cache and the block tables, and every program of that kernel does lesson 03's address
 # translation itself, loading the block ids it needs and the keys and values they point to, and
-# merging the blocks with lesson 05's online softmax. This lesson writes that kernel in Triton, the
-# language of vLLM's Triton attention backend and of PyTorch's FlexAttention kernels. Triton's
-# interpreter runs a kernel on the CPU with numpy, so everything below runs without a GPU, and the
-# same code is compiled on one.
+# merging the blocks with lesson 05's online softmax. And it serves a whole engine step in one launch:
+# decodes, fresh prompts and chunks of prompts packed together (lesson 06's packed batch, lesson 10's
+# token budget), causal inside each sequence. This lesson writes that kernel in Triton, the language
+# of vLLM's Triton attention backend and of PyTorch's FlexAttention kernels. Triton's interpreter
+# runs a kernel on the CPU with numpy, so everything below runs without a GPU, and the same code is
+# compiled on one.
 #
 # **By the end of this lesson you can**
 #
-# 1. explain how a kernel's launch grid splits decode attention into programs, one per (sequence,
-#    KV head), and show which blocks of the pool each program reads;
+# 1. explain how a kernel's launch grid splits a packed step into programs, one per (sequence, KV
+#    head, tile of query tokens), and show which blocks of the pool each program reads;
 # 2. compute the address of any key in the cache from its strides, for this course's layout and for
 #    vLLM v1's, tokens before heads with K and V side by side, and read both with one kernel;
-# 3. build the kernel's loop: a block id loaded from the table, the last block's tail masked, the
-#    blocks merged with the online softmax, and show it equals the gather strategy;
+# 3. build the kernel's loop: a block id loaded from the table, the last block's tail masked, a causal
+#    mask per query token, the blocks merged with the online softmax, and show it equals the gather;
 # 4. compute what the kernel reads per step and explain why the block size matters to it;
-# 5. find vLLM's own Triton attention kernel and name what it adds to this one.
+# 5. find vLLM's own Triton attention kernel, say how its grid serves prefill and decode in one
+#    launch, and name what it adds to this one.
 
 # %% [markdown]
 # ## 0. Triton, in the mode this machine can run
@@ -39,14 +42,16 @@ import matplotlib.pyplot as plt
 import torch
 
 import paged_kv
-from paged_kv import PagedKVCacheAllocator, paged_attention
+from paged_kv import PagedKVCacheAllocator
+from paged_kv.attention import paged_attention_varlen
+from paged_kv.attention.triton_decode import query_tile_for
 from paged_kv.attention.triton_language import MISSING  # first: importing it fixes Triton's mode
 from paged_kv.pictures.plots import WASTE, colour
 
 KERNELS = not MISSING  # whether this machine can run a Triton kernel
 if KERNELS:
     from paged_kv.attention.triton_decode import triton_interpreted
-    from paged_kv.attention.triton_kernel import paged_decode_kernel
+    from paged_kv.attention.triton_kernel import paged_attention_kernel
 
     print("Triton", "interprets" if triton_interpreted() else "compiles", "kernels here")
 else:
@@ -64,9 +69,13 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 # tensor indexing, on the host. A kernel does the same steps, but inside the GPU program that needs the
 # key, with integer arithmetic on addresses: nothing is gathered first, and no index tensor is built.
 #
-# The cache below holds three sequences of 11, 6 and 16 tokens in blocks of 4, scattered over a pool
+# The cache below holds three sequences of 11, 10 and 16 tokens in blocks of 4, scattered over a pool
 # of 12 blocks (taken, then given back in a shuffled order, so the free list hands them out mixed).
 # The K/V heads are 2 and the query heads 4: grouped-query attention, two query heads per K/V head.
+# This step computes 1 query token of sequence 0 (a decode), all 10 of sequence 1 (a fresh prompt)
+# and the last 5 of sequence 2 (a chunk after 11 cached tokens): 16 query tokens, packed one
+# sequence after another. As in vLLM, `query_start_loc` says where each sequence's rows start, and
+# `seq_lens` how many tokens each sequence holds, its query tokens included.
 
 # %%
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 4, 2, 4, 8
@@ -77,77 +86,103 @@ for block in torch.randperm(12).tolist():
     cache.free_sequence(("old", block))
 cache.k_cache.copy_(torch.randn(cache.k_cache.shape))  # stale data in every slot
 cache.v_cache.copy_(torch.randn(cache.v_cache.shape))
-lengths = [11, 6, 16]
+lengths, query_lens = [11, 10, 16], [1, 10, 5]
 for seq_id, length in enumerate(lengths):
     cache.allocate_for_sequence(seq_id, length)
     cache.write_kv(seq_id, *torch.randn(2, length, NUM_KV_HEADS, HEAD_DIM, device=device))
 tables = cache.block_tables_tensor(range(len(lengths)))
-context_lens = torch.tensor(lengths, device=device)
-query = torch.randn(len(lengths), NUM_HEADS, HEAD_DIM, device=device)
+seq_lens = torch.tensor(lengths, device=device)
+query_start_loc = torch.tensor([0, 1, 11, 16], device=device)  # 0, then the running sum of query_lens
+query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=device)
 print("block tables (padded with -1):", tables.tolist())
-print("context lengths:", lengths)
+print("seq_lens:", lengths, " query_lens:", query_lens, " query_start_loc:", query_start_loc.tolist())
 
 # %% [markdown]
 # ## 2. Programs and the launch grid
 #
 # A GPU kernel runs as many **programs** (CUDA calls them thread blocks), all executing the same code
 # on different data; each learns which piece is its own from `tl.program_id(axis)`. The launch says how
-# many programs run, as a **grid**: `kernel[(batch, num_kv_heads)](...)` starts `batch * num_kv_heads`
-# programs, and program `(seq, kv_head)` computes the attention of sequence `seq` for the query heads
-# that read K/V head `kv_head`. With `GROUP = num_heads // num_kv_heads`, those are the query heads
-# `kv_head * GROUP`, ..., `kv_head * GROUP + GROUP - 1` (lesson 05's rule: query head `q` reads K/V head
-# `q // GROUP`). A program per query head would work too, but it would load every block of K and V
-# `GROUP` times; one per K/V head loads each once and scores all its query heads against it.
+# many programs run, as a **grid**: `kernel[(batch, num_kv_heads, tiles)](...)` starts `batch *
+# num_kv_heads * tiles` programs. Program `(seq, kv_head, tile)` computes, for sequence `seq`, the
+# query heads that read K/V head `kv_head` and a **tile** of `QUERY_TILE` of the sequence's query
+# tokens: tokens `tile * QUERY_TILE` to `tile * QUERY_TILE + QUERY_TILE - 1`. With `GROUP = num_heads //
+# num_kv_heads`, those heads are `kv_head * GROUP` to `kv_head * GROUP + GROUP - 1` (lesson 05's rule:
+# query head `q` reads K/V head `q // GROUP`).
+#
+# A program's work is a small matrix of **rows**, one per (query token, query head) pair: row `r` is
+# query token `tile * QUERY_TILE + r // GROUP` and query head `kv_head * GROUP + r % GROUP`. Every row
+# meets every block the program loads, so a block's K and V are loaded once for all of them: once
+# per KV head rather than once per query head, and once per tile rather than once per query token.
+# The launcher fits 16 rows in a tile, as vLLM does: `QUERY_TILE = 16 // GROUP`, here 8 tokens
+# (fewer when no sequence has that many), and 1 for a step of decodes only. The tiles are counted
+# from the longest query, so a sequence with fewer query tokens has programs with nothing to do:
+# they return at once. A decode has one token, one tile, and its rows are just its query heads.
 #
 # Programs run independently and in any order; none waits for another. That is why the grid follows
-# the sequences and the heads: the attention of one sequence and one head needs nothing from another.
+# the sequences, the heads and the query tokens: no two programs compute the same output row.
 #
-# **Predict, then run.** How many programs does this batch launch, and how many blocks does the
-# program of sequence 0 read?
+# **Predict, then run.** How many programs does this step launch, and how many of them return at once?
 
 # %%
 GROUP = NUM_HEADS // NUM_KV_HEADS
-grid = (len(lengths), NUM_KV_HEADS)
-print("grid:", grid, "->", grid[0] * grid[1], "programs")
-for seq, length in enumerate(lengths):
-    steps = -(-length // BLOCK_SIZE)
-    heads = [f"{kv_head * GROUP}..{kv_head * GROUP + GROUP - 1}" for kv_head in range(NUM_KV_HEADS)]
-    print(f"sequence {seq}: {steps} blocks {tables[seq, :steps].tolist()}, query heads {heads} per program")
+QUERY_TILE = query_tile_for(max(query_lens), GROUP)  # the launcher's rule: 16 // GROUP, here 8
+tiles = -(-max(query_lens) // QUERY_TILE)
+grid = (len(lengths), NUM_KV_HEADS, tiles)
+print("grid:", grid, "->", grid[0] * grid[1] * grid[2], "programs")
+for seq, new in enumerate(query_lens):
+    for tile in range(tiles):
+        tokens = range(tile * QUERY_TILE, min(new, (tile + 1) * QUERY_TILE))
+        what = (
+            f"query tokens {tokens.start}..{tokens.stop - 1}" if len(tokens) else "nothing: returns at once"
+        )
+        print(f"sequence {seq}, tile {tile}: {what} (x {NUM_KV_HEADS} KV heads)")
 
 # %% [markdown]
-# Each program reads its sequence's blocks, one per step of its loop, and only its own K/V head of
-# each. The picture shows the pool's 12 blocks across and the six programs down: a program reads the
-# blocks marked in its row, in the order of the numbers (the loop step `j`, the logical block). The
-# hatched part of a last block is its tail, the slots past the context length: masked, never read.
-# Both programs of a sequence read the same blocks, each its own head of them.
+# Causality saves reading too. Query token `i` of a sequence sits at position `context_len + i`,
+# where `context_len = seq_len - query_len` tokens came before the step's query tokens; it sees
+# positions up to its own. So a tile's last token sees `kv_len = min(context_len + (tile + 1) *
+# QUERY_TILE, seq_len)` positions, and the program loads only the blocks that hold them. The picture
+# shows the pool's 12 blocks across and the programs with work down (each stands for its two KV
+# heads, which read the same blocks, each its own head of them): a program reads the blocks marked
+# in its row, in the order of the numbers (the loop step `j`, the logical block). The hatched part of
+# a block is what the program never loads: the tail of a last block, past the sequence's tokens.
+# Tile 0 of the prompt stops after two blocks: its tokens 0 to 7 see nothing after position 7.
 
 
 # %%
-def plot_program_reads(tables, lengths, block_size, num_blocks, num_kv_heads):
-    """Which blocks each program (sequence, KV head) reads, in which step; the masked tails hatched."""
-    _, ax = plt.subplots(figsize=(9, 3.4))
-    rows = [(seq, kv_head) for seq in range(len(lengths)) for kv_head in range(num_kv_heads)]
-    for row, (seq, _) in enumerate(rows):
-        steps = -(-lengths[seq] // block_size)
-        for j, block in enumerate(tables[seq, :steps].tolist()):
+def kv_lens(lengths, query_lens, query_tile):
+    """What each program with work sees: {(seq, tile): kv_len}, the positions its last token sees."""
+    seen = {}
+    for seq, (length, new) in enumerate(zip(lengths, query_lens, strict=True)):
+        for tile in range(-(-new // query_tile)):
+            seen[seq, tile] = min(length - new + (tile + 1) * query_tile, length)
+    return seen
+
+
+def plot_program_reads(tables, lengths, query_lens, block_size, num_blocks, query_tile):
+    """Which blocks each program (sequence, tile) reads, in which step; the unloaded tails hatched."""
+    seen = kv_lens(lengths, query_lens, query_tile)
+    _, ax = plt.subplots(figsize=(9, 2.8))
+    for row, ((seq, _), kv_len) in enumerate(seen.items()):
+        for j, block in enumerate(tables[seq, : -(-kv_len // block_size)].tolist()):
             live = min(block_size, lengths[seq] - j * block_size) / block_size
             ax.add_patch(plt.Rectangle((block, row), live, 0.8, facecolor=colour(seq), edgecolor="white"))
             if live < 1:
                 ax.add_patch(plt.Rectangle((block + live, row), 1 - live, 0.8, **WASTE))
             ax.text(block + live / 2, row + 0.4, str(j), ha="center", va="center", color="white", fontsize=9)
     ax.set_xlim(0, num_blocks)
-    ax.set_ylim(len(rows), -0.2)
+    ax.set_ylim(len(seen), -0.2)
     ax.set_xticks([b + 0.5 for b in range(num_blocks)], [str(b) for b in range(num_blocks)])
-    ax.set_yticks([r + 0.4 for r in range(len(rows))], [f"program ({s}, {h})" for s, h in rows])
+    ax.set_yticks([r + 0.4 for r in range(len(seen))], [f"sequence {s}, tile {t}" for s, t in seen])
     ax.set_xlabel("physical block of the pool (the number: the loop step j that reads it)")
-    ax.set_title("Which program reads which blocks")
+    ax.set_title("Which program reads which blocks (each row: both KV heads)")
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)
     return ax
 
 
-plot_program_reads(tables, lengths, BLOCK_SIZE, cache.num_blocks, NUM_KV_HEADS)
+plot_program_reads(tables, lengths, query_lens, BLOCK_SIZE, cache.num_blocks, QUERY_TILE)
 plt.show()
 
 # %% [markdown]
@@ -202,35 +237,52 @@ for j in range(-(-lengths[2] // BLOCK_SIZE)):
     )
 
 # %% [markdown]
-# ## 5. Masks for the last block's tail
+# ## 5. Two masks: the last block's tail, and causality
 #
 # Sequence 0 holds 11 tokens in three blocks of 4: its last block has 3 live slots, and the fourth
-# holds stale data from an earlier sequence. The kernel's loop runs over whole blocks, so at the last
-# step it computes, for every slot `s`, whether position `j * BLOCK_SIZE + s` is below the context
-# length. That vector of booleans is a **mask**: `tl.load(ptrs, mask=live, other=0.0)` does not read the
-# masked slots (it gives `0.0` instead), and `tl.where(live, scores, -inf)` gives them a score whose
-# weight is `exp(-inf) = 0`. Without it, the stale slot would join the softmax. The same mechanism hides
-# the padding that `tl.arange` needs: its length must be a power of two, so a block of 6 slots or a head
+# holds stale data from an earlier sequence. The kernel's loop runs over whole blocks, so at each step
+# it computes, for every slot `s`, the position `kv_pos = j * BLOCK_SIZE + s` and whether it is below
+# `seq_len`. That vector of booleans is a **mask**: `tl.load(ptrs, mask=live, other=0.0)` does not
+# read the masked slots (it gives `0.0` instead). Not reading them matters: stale memory may hold
+# anything, NaN included, and a NaN times a zero weight is still NaN. The same mechanism hides the
+# padding that `tl.arange` needs: its length must be a power of two, so a block of 6 slots or a head
 # dimension of 80 is padded to 8 or 128 and masked.
+#
+# The second mask is per row: a live slot is **visible** to a row when `kv_pos <= query_pos`, the
+# position of the row's query token, itself included. `tl.where(visible, scores, -inf)` gives the
+# others a score whose weight is `exp(-inf) = 0`. For a decode, `query_pos = seq_len - 1` and the
+# two masks say the same thing; for a chunk they do not. Below, the chunk of sequence 2 (query tokens
+# at positions 11 to 15) against the block that holds positions 12 to 15: a staircase.
 
 # %%
 for j in range(3):
     live = [int(j * BLOCK_SIZE + s < lengths[0]) for s in range(BLOCK_SIZE)]
     print(f"sequence 0, step {j}: live slots {live}")
+context_len = lengths[2] - query_lens[2]
+for token in range(query_lens[2]):
+    query_pos = context_len + token
+    visible = [int(3 * BLOCK_SIZE + s <= query_pos) for s in range(BLOCK_SIZE)]
+    print(f"sequence 2, query token {token} (position {query_pos}), step 3: visible slots {visible}")
 
 # %% [markdown]
 # ## 6. Lesson 05's online softmax as the kernel's loop
 #
-# Everything comes together in the loop: for each logical block `j`, load the block id, build the
-# live mask, load K, score the group's queries against it, update the online softmax of lesson 05 (the
-# running maximum `m`, the running `total` of `exp(score - m)`, the accumulator `acc`, both rescaled by
-# `exp(m_old - m_new)` when a block raises the maximum), load V and add its weighted sum. After the
-# last block the program stores `acc / total` for its query heads. Every quantity is kept in float32,
-# whatever the cache's dtype. Here is the package's kernel, a plain Python function in Triton's
-# language; `triton.jit` makes it a kernel, and `paged_attention(..., strategy="triton")` launches it.
+# Everything comes together in the loop. Before it, the program loads its sequence's first row,
+# `query_start = query_start_loc[seq]`, and its query length, returns if its tile has no token, and
+# loads its rows' queries from rows `query_start + token` of the packed batch. Then, for each
+# logical block `j`: load the block id, build the live mask, load K, score every row against it,
+# mask what a row may not see, update the online softmax of lesson 05 (the running maximum `m`, the
+# running `total` of `exp(score - m)`, the accumulator `acc`, both rescaled by `exp(m_old - m_new)`
+# when a block raises the maximum), load V and add its weighted sum. After the last block the
+# program stores `acc / total` for its rows. Every quantity is kept in float32, whatever the cache's
+# dtype. Every row sees position 0, so the first block already gives each row a finite maximum.
+# Here is the package's kernel, a plain Python function in Triton's language; `triton.jit` makes it
+# a kernel, and `paged_attention_varlen(..., strategy="triton")` launches it over the step's
+# `seq_lens` and `query_start_loc`, as do `paged_prefill_attention` (which takes the query lengths)
+# and `paged_attention` (a step of decodes) with that strategy.
 
 # %%
-source = inspect.getsource(paged_decode_kernel) if KERNELS else MISSING
+source = inspect.getsource(paged_attention_kernel) if KERNELS else MISSING
 print(source[source.index("    seq = tl.program_id(0)") :] if KERNELS else source)
 
 # %% [markdown]
@@ -240,13 +292,14 @@ print(source[source.index("    seq = tl.program_id(0)") :] if KERNELS else sourc
 
 # %%
 if KERNELS:
-    out = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="triton")
-    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="gather")
+    args = (tables, seq_lens, query_start_loc)
+    out = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, strategy="triton")
+    gathered = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, strategy="gather")
     print("the kernel equals the gather:", torch.allclose(out, gathered, **TOL))
     poisoned_k, poisoned_v = cache.k_cache.clone(), cache.v_cache.clone()
     last_block = int(tables[0, 2])
     poisoned_k[last_block, :, 3:], poisoned_v[last_block, :, 3:] = float("nan"), float("nan")
-    again = paged_attention(query, poisoned_k, poisoned_v, tables, context_lens, strategy="triton")
+    again = paged_attention_varlen(query, poisoned_k, poisoned_v, *args, strategy="triton")
     print("with NaN in sequence 0's masked tail, the same output:", torch.equal(again, out))
 else:
     print(MISSING)
@@ -259,8 +312,10 @@ else:
 # ## 7. What the kernel reads per step, and why the block size matters
 #
 # One step of a program's loop loads one block id (a few bytes) and then `2 * BLOCK_SIZE * HEAD_DIM`
-# numbers of K and V, contiguous along the head dimension, for `GROUP` query heads at once. A sequence
-# of `n` tokens takes `ceil(n / BLOCK_SIZE)` steps. The block size trades three things:
+# numbers of K and V, contiguous along the head dimension, for all its rows at once: `GROUP` query
+# heads of one decode token, or of up to `QUERY_TILE` tokens of a chunk, which is why a prompt costs
+# far fewer loads per token than a decode. A decode of `n` tokens takes `ceil(n / BLOCK_SIZE)` steps.
+# The block size trades three things:
 #
 # * **work per step.** Each step has a fixed cost: the dependent load of the block id (the address of K
 #   is unknown until it arrives), the rescaling of `total` and `acc`, and the loop itself. Bigger blocks
@@ -272,8 +327,8 @@ else:
 #   `BLOCK_SIZE - 1` slots per sequence.
 #
 # vLLM's default is 16 slots: few enough that the tail wastes little, many enough that each step loads
-# a sizeable contiguous piece. (Its Triton kernel goes further and loads *tiles* of tokens that may span
-# several blocks, loading a block id per token: the tile size and the block size become independent.)
+# a sizeable contiguous piece. (Its Triton kernel goes further and loads tiles of *keys* that may span
+# several blocks, loading a block id per key: the key tile and the block size become independent.)
 #
 # **Predict, then run.** For a context of 1,000 tokens with 8 K/V heads of dimension 128 in float16,
 # how many steps does one program take with blocks of 8, 16 and 32, and how many bytes does each step
@@ -314,7 +369,7 @@ k_view, v_view = kv_view[..., :HEAD_DIM], kv_view[..., HEAD_DIM:]
 print("course k_cache strides:", cache.k_cache.stride())
 print("vLLM K, as a view:     ", k_view.stride(), "contiguous:", k_view.is_contiguous())
 if KERNELS:
-    from_vllm = paged_attention(query, k_view, v_view, tables, context_lens, strategy="triton")
+    from_vllm = paged_attention_varlen(query, k_view, v_view, *args, strategy="triton")
     print("the kernel reads vLLM's layout in place, same output:", torch.allclose(from_vllm, out, **TOL))
 else:
     print(MISSING)
@@ -323,51 +378,64 @@ else:
 # ## In vLLM
 #
 # Checked against vLLM 0.33.0. vLLM's Triton attention is the `TRITON_ATTN` backend (named in
-# `vllm/v1/attention/backends/registry.py`), whose kernel is this lesson's kernel grown up:
+# `vllm/v1/attention/backends/registry.py`), whose kernel is this lesson's kernel grown up, and it too
+# serves a whole step, prefill chunks and decodes, in one launch:
 #
 # * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` takes the layer's
-#   `kv_cache` view, splits it into `key_cache` and `value_cache` (it moves the slots before the
-#   heads, then cuts the last axis in two) and calls `unified_attention` with the `block_table`,
-#   `seqused_k` (the lengths) and `cu_seqlens_q` (where each request's query tokens start).
-# * `vllm/v1/attention/ops/triton_unified_attention.py`: `unified_attention` picks the grid and
-#   launches `kernel_unified_attention`; `num_queries_per_kv` is the course's `GROUP`.
+#   `kv_cache` view, splits it into `key_cache` and `value_cache` and calls `unified_attention` with
+#   the `block_table`, `cu_seqlens_q` (the step's `query_start_loc`), `seqused_k` (the `seq_lens`)
+#   and `max_seqlen_q` (the `max_query_len`).
+# * `vllm/v1/attention/ops/triton_unified_attention.py`: `unified_attention` launches
+#   `kernel_unified_attention` on `grid = (total_num_q_blocks, num_kv_heads)`. A program's rows are
+#   `BLOCK_M` (16) (query token, query head) pairs, so it takes
+#   `BLOCK_Q = BLOCK_M // num_queries_per_kv` query tokens, this lesson's `QUERY_TILE`; the first
+#   axis runs over every sequence's blocks of query tokens at once,
+#   `total_num_q_blocks = q.shape[0] // BLOCK_Q + num_seqs`, an upper bound that needs no query
+#   length read back from the GPU.
 # * `vllm/v1/attention/ops/triton_unified_attention.py`: in `kernel_unified_attention`,
-#   `kv_head_idx = tl.program_id(1)` is this kernel's second grid axis, and the rows of a program's
-#   tile are the query heads of that K/V head, `query_offset_1`; `tl.program_id(0)` runs over
-#   blocks of query tokens, so the one kernel does prefill, chunked prefill and decode.
+#   `kv_head_idx = tl.program_id(1)`, and this lesson's rows are
+#   `query_pos = q_block_local_idx * BLOCK_Q + offs_m // num_queries_per_kv` (the token) and
+#   `query_offset_1 = kv_head_idx * num_queries_per_kv + offs_m % num_queries_per_kv` (the head);
+#   `context_len = seq_len - cur_batch_query_len`, and a program returns when
+#   `q_block_local_idx * BLOCK_Q >= cur_batch_query_len`.
+# * `vllm/v1/attention/ops/triton_attention_helpers.py`: `resolve_seq_and_query_len` finds a
+#   program's sequence by a binary search over `query_start_len_ptr` (`find_seq_idx`), where this
+#   lesson's grid has a sequence axis; `compute_tile_loop_bounds` stops the loop at
+#   `max_seq_prefix_len`, this lesson's `kv_len`; `compute_kv_seq_mask` is the causal mask,
+#   `seq_offset[None, :] <= query_abs_pos`; `softmax_step` is the online softmax of section 6.
 # * `vllm/v1/attention/ops/triton_unified_attention.py`: its loop loads `physical_block_idx` from
 #   `block_tables_ptr`, once per token of a tile (`seq_offset // BLOCK_SIZE`), so a tile of
 #   `TILE_SIZE` tokens may span several blocks, and reaches K and V through four strides each,
-#   `stride_k_cache_0` to `stride_k_cache_3`.
-# * `vllm/v1/attention/ops/triton_attention_helpers.py`: `softmax_step` is the online softmax of
-#   section 6: the running maximum `M`, the sum `L`, and `alpha`, the factor the kernel rescales its
-#   accumulator by.
-# * `vllm/v1/attention/ops/triton_unified_attention.py`: with `IS_3D`, a third grid axis splits a long
-#   context into segments run by separate programs, and `reduce_segments` merges their partial
-#   results (flash-decoding), so that a small batch still fills the GPU.
+#   `stride_k_cache_0` to `stride_k_cache_3`. With `IS_3D`, a third grid axis splits a long context
+#   into segments run by separate programs, and `reduce_segments` merges them (flash-decoding), so
+#   that a small batch of decodes still fills the GPU.
 #
-# What the course leaves out or does differently: the kernel here decodes only (one query token per
-# sequence, a program per (sequence, K/V head)) and loads one whole block per step; vLLM's adds query
-# tiles with a causal mask, sliding windows, ALiBi, soft-capping, attention sinks, fp8 and
-# per-token-head quantised caches, and the split into segments.
+# What the course leaves out or does differently: a grid sized from the longest query, with a
+# sequence axis and idle programs, where vLLM's is packed and found by search; one whole block per
+# loop step; products as sums over broadcasts where vLLM uses `tl.dot`; and none of sliding windows,
+# ALiBi, soft-capping, attention sinks, fp8 or per-token-head quantised caches, or segments.
 
 # %% [markdown]
 # ## Recap
 #
-# * A decode kernel runs one program per (sequence, K/V head): `grid = (batch, num_kv_heads)`, here 3 x
-#   2 = 6 programs; a program scores its `GROUP` query heads (2 here) against each block it loads once.
+# * One kernel serves a packed step: program `(seq, kv_head, tile)` takes `QUERY_TILE` query tokens of
+#   a sequence (8 here, 1 for decodes) for the `GROUP` query heads of a K/V head; its rows are
+#   (token, head) pairs. Here 3 x 2 x 2 = 12 programs, 4 of which return at once.
 # * A program finds a key by pointer arithmetic: `block * stride_block + head * stride_head + slot *
 #   stride_slot + dim * stride_dim`, lesson 03's translation, with the block id loaded from
-#   `seq * table_stride_seq + j * table_stride_entry` of the table.
-# * The last block's tail is masked: not loaded, scored `-inf`; NaN there changes nothing.
+#   `seq * table_stride_seq + j * table_stride_entry` of the table, and its queries at rows
+#   `query_start_loc[seq] + token` of the packed batch.
+# * Two masks: the last block's tail is never loaded (NaN there changes nothing), and a query at
+#   `context_len + token` sees positions up to its own; a tile loads only the blocks its last token sees.
 # * The loop is lesson 05's online softmax, in float32: `m`, `total`, `acc`, rescaled by
 #   `exp(m_old - m_new)`; the result equals the gather strategy within 1e-5.
-# * One step reads `2 * BLOCK_SIZE * HEAD_DIM` numbers; 1,000 tokens take 125, 63 or 32 steps with
-#   blocks of 8, 16 or 32, at 4 KiB, 8 KiB or 16 KiB per step in float16 with head dimension 128.
+# * One step reads `2 * BLOCK_SIZE * HEAD_DIM` numbers for all of a tile's rows; 1,000 tokens take
+#   125, 63 or 32 steps with blocks of 8, 16 or 32, at 4 KiB, 8 KiB or 16 KiB per step in float16
+#   with head dimension 128.
 # * Strides make the layout a detail: the same kernel reads, in place, the K and V halves of vLLM
-#   0.33.0's per-layer view `(num_blocks, num_kv_heads, block_size, 2 × head_size)`, whose memory
-#   keeps a block's tokens before its heads.
+#   0.33.0's per-layer view `(num_blocks, num_kv_heads, block_size, 2 × head_size)`.
 #
 # **Next:** the exercise, `exercises/12_writing_the_kernel.ipynb`, has you write the kernel's body; the
 # grader runs it in Triton's interpreter and names the classic mistakes: a position off by one, the
-# tail unmasked, the maximum not rescaled, the wrong K/V head, the wrong row of the table.
+# tail unmasked, the causal mask off by one or missing, a query's position counted from 0, the wrong
+# row of the packed batch, the maximum not rescaled, the wrong K/V head, the wrong row of the table.

@@ -15,7 +15,7 @@ each name's home module is in the layer its lesson builds (see ``docs/architectu
 * :mod:`paged_kv.checks` and :mod:`paged_kv.grading`: the exercises' checks and the grader.
 """
 
-from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.attention.paged import paged_attention, paged_attention_varlen, paged_prefill_attention
 from paged_kv.core.block import Block, BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.block_manager import BlockManager
@@ -37,8 +37,9 @@ from paged_kv.model.hub import load_model
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import Scheduler, SchedulerOutput
+from paged_kv.serving.scheduler import Scheduler
 from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
 
@@ -89,6 +90,7 @@ __all__ = [
     "kv_cache_budget",
     "load_model",
     "paged_attention",
+    "paged_attention_varlen",
     "paged_prefill_attention",
     "sample_requests",
     "simulate",

@@ -8,7 +8,7 @@ import torch
 from paged_kv import blocks_for_tokens
 from paged_kv.checks import TASKS, CheckFailed, check
 from paged_kv.checks._core import answers, diagnose
-from paged_kv.core.mapping import read_kv
+from paged_kv.kv.slots import read_kv
 
 
 def test_a_correct_answer_prints_a_tick(capsys):

@@ -18,15 +18,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks
-from paged_kv.serving.memory import PagedMemory
-from paged_kv.serving.model_runner import CountingRunner, ModelRunner
+from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import Prefill, RunnerOutput, Scheduler, run_steps
-from paged_kv.simulation.workload import BlockBookkeeping
+from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, run_steps
 
 pytestmark = pytest.mark.lesson09
 
@@ -43,13 +43,15 @@ def model(cpu_model: TinyGPT, device: torch.device) -> TinyGPT:
     return cpu_model.to(device)
 
 
-def paged(num_blocks: int, block_size: int, **kwargs) -> PagedMemory:
-    return PagedMemory(BlockBookkeeping(num_blocks, block_size), num_blocks, block_size, **kwargs)
+def paged(num_blocks: int, block_size: int, *, caching: bool = False) -> KVCacheManager:
+    return KVCacheManager(BlockManager(num_blocks, block_size, enable_prefix_caching=caching))
 
 
 def schedules(scheduler: Scheduler, arrivals) -> list[tuple]:
-    """Each step's ``scheduled`` pairs, with a counting runner."""
-    return [out.scheduled for out, _ in run_steps(scheduler, CountingRunner(scheduler.memory), arrivals)]
+    """Each step's ``(request, tokens)`` pairs, with a counting runner."""
+    return [
+        tuple(out.num_scheduled_tokens.items()) for out, _ in run_steps(scheduler, CountingRunner(), arrivals)
+    ]
 
 
 def workload(seed: int, n: int = 8, longest: int = 30, shared: int = 0) -> list[EngineRequest]:
@@ -81,30 +83,33 @@ def test_a_budget_splits_a_prompt_into_chunks_and_decodes_come_first():
 
 
 def test_only_the_last_chunk_samples_and_the_computed_count_catches_up():
-    scheduler = Scheduler(paged(16, 4), max_num_batched_tokens=3)
+    memory = paged(16, 4)
+    scheduler = Scheduler(memory, max_num_batched_tokens=3)
     scheduler.add_request(SchedulerRequest("a", 7, 2))
     seen = []
     for _ in range(3):
         output = scheduler.schedule()
-        (prefill,) = output.prefills
-        seen.append((prefill.start, prefill.end, prefill.samples, prefill.is_first))
-        tokens = {"a": 9} if prefill.samples else {}
-        scheduler.update(output, RunnerOutput(tokens))
-        assert scheduler.running[0].num_computed_tokens == prefill.end
-    assert seen == [(0, 3, False, True), (3, 6, False, False), (6, 7, True, False)]
-    assert scheduler.running[0].generated == [9]
-    assert [(d.request_id, d.token) for d in scheduler.schedule().decodes] == [("a", 9)]
+        (n,) = output.num_scheduled_tokens.values()
+        (request,) = scheduler.running
+        seen.append((request.num_computed_tokens - n, n, len(memory.get_block_ids("a"))))
+        samples = request.num_computed_tokens == request.num_tokens
+        result = scheduler.update_from_output(output, ModelRunnerOutput({"a": 9} if samples else {}))
+        assert (result.first_tokens == ("a",)) is samples
+    # each chunk takes the blocks of its own tokens when it is scheduled: 1, then 2, then 2
+    assert seen == [(0, 3, 1), (3, 3, 2), (6, 1, 2)]
+    assert scheduler.running[0].output_token_ids == [9]
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1}
 
 
 def test_a_partial_chunk_needs_no_token_and_a_sampling_one_does():
     scheduler = Scheduler(paged(16, 4), max_num_batched_tokens=2)
     scheduler.add_request(SchedulerRequest("a", 3, 2))
     first = scheduler.schedule()
-    scheduler.update(first, RunnerOutput({}))  # nothing sampled: the chunk ends mid-prompt
+    scheduler.update_from_output(first, ModelRunnerOutput({}))  # nothing sampled: the chunk ends mid-prompt
     last = scheduler.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
-        scheduler.update(last, RunnerOutput({}))
-    assert scheduler.update(last, RunnerOutput({"a": 1})).held_tokens == 3
+        scheduler.update_from_output(last, ModelRunnerOutput({}))
+    assert scheduler.update_from_output(last, ModelRunnerOutput({"a": 1})).held_tokens == 3
 
 
 def test_without_a_budget_a_step_prefills_whole_prompts():
@@ -115,18 +120,22 @@ def test_without_a_budget_a_step_prefills_whole_prompts():
 
 
 def test_with_prefix_caching_the_first_chunk_starts_after_the_cached_blocks():
-    cache = BlockBookkeeping(16, 2, enable_prefix_caching=True)
-    scheduler = Scheduler(PagedMemory(cache, 16, 2, enable_prefix_caching=True), max_num_batched_tokens=3)
+    scheduler = Scheduler(paged(16, 2, caching=True), max_num_batched_tokens=3)
     prompt = tuple(range(7))
     steps = list(
         run_steps(
             scheduler,
-            CountingRunner(scheduler.memory),
+            CountingRunner(),
             [(0, SchedulerRequest("a", 7, 1, prompt)), (5, SchedulerRequest("b", 7, 1, prompt))],
         )
     )
-    b = [p for out, _ in steps for p in out.prefills if p.request.request_id == "b"]
-    assert [(p.num_cached_tokens, p.start, p.end) for p in b] == [(6, 6, 7)]  # three blocks hit
+    b = [
+        (new.num_computed_tokens, out.num_scheduled_tokens["b"])
+        for out, _ in steps
+        for new in out.scheduled_new_reqs
+        if new.req_id == "b"
+    ]
+    assert b == [(6, 1)]  # three blocks hit: only the last prompt token runs
 
 
 def test_a_budget_must_be_a_positive_integer(cpu_model):
@@ -137,20 +146,13 @@ def test_a_budget_must_be_a_positive_integer(cpu_model):
             Engine(cpu_model, num_blocks=8, max_num_batched_tokens=bad)
 
 
-def test_a_budget_is_a_setting_of_the_paged_mode_on_a_paged_kv_cache(cpu_model):
-    with pytest.raises(ValueError, match="paged mode"):
-        Engine(cpu_model, num_blocks=8, mode="contiguous", max_num_batched_tokens=8)
-
-    class NotPaged:  # a learner's cache: the methods, but no chunk at an offset
-        def __init__(self, *args, **kwargs):
-            self.inner = PagedKVCache(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    engine = Engine(cpu_model, num_blocks=8, block_size=4, cache_factory=NotPaged, max_num_batched_tokens=4)
-    with pytest.raises(ValueError, match="needs a PagedKVCache"):
-        engine.run([EngineRequest("a", [1, 2, 3], 2)])
+def test_a_budget_runs_the_contiguous_mode_too(cpu_model):
+    # The contiguous mode reserves differently but runs the same step: one forward, chunks and all.
+    requests = workload(3, n=4, longest=12)
+    kwargs = {"num_blocks": 24, "block_size": 4, "mode": "contiguous", "max_model_len": 32}
+    whole = Engine(cpu_model, **kwargs).run(requests)
+    chunked = Engine(cpu_model, **kwargs, max_num_batched_tokens=5).run(requests)
+    assert chunked.tokens == whole.tokens and max(chunked.tokens_per_step) <= 5
 
 
 # ------------------------------------------------------------------------ the engine's tokens
@@ -243,42 +245,46 @@ def preempting_workload() -> list[EngineRequest]:
     ]
 
 
-def serve_with_model(model, requests, num_blocks, block_size, budget):
-    """Every step's output and result of the engine's scheduler and model runner, on a fresh cache."""
-    cache = PagedKVCache(model.config, num_blocks, block_size, model.device)
-    scheduler = Scheduler(PagedMemory(cache, num_blocks, block_size), max_num_batched_tokens=budget)
-    runner = ModelRunner(model, cache, model.device)
-    arrivals = [
-        (r.arrival_step, SchedulerRequest(r.request_id, len(r.prompt), r.max_new_tokens, tuple(r.prompt)))
-        for r in requests
-    ]
-    return list(run_steps(scheduler, runner, arrivals))
-
-
 def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tokens(model):
     requests = preempting_workload()
     budget = 3
-    steps = serve_with_model(model, requests, min_num_blocks(requests, 4), 4, budget)
-    resumes: list[list[Prefill]] = []  # the chunks of each admission that resumes generated tokens
-    for output, _ in steps:
-        assert output.num_scheduled_tokens <= budget
-        for prefill in output.prefills:
-            if prefill.generated and prefill.is_first:
-                resumes.append([prefill])
-            elif prefill.generated:
-                assert resumes[-1][-1].request == prefill.request  # the partly prefilled one continues
-                resumes[-1].append(prefill)
-    assert resumes, "the workload must preempt a request that has generated tokens"
-    for chunks in resumes:
-        assert chunks[0].start == 0  # its computed count went back to 0 (no prefix caching)
-        assert [p.start for p in chunks[1:]] == [p.end for p in chunks[:-1]]  # contiguous chunks
-        assert [p.samples for p in chunks] == [False] * (len(chunks) - 1) + [True]
-        assert chunks[-1].end == len(chunks[-1].request.prompt_token_ids) + len(chunks[-1].generated)
-    # no token is generated twice: every sampled token is a token of the result
-    sampled = sum(len(out.decodes) + sum(p.samples for p in out.prefills) for out, _ in steps)
-    assert sampled == sum(r.max_new_tokens for r in requests)
-    tokens = {k: list(v) for _, step in steps for k, v in step.finished}
-    assert tokens == Engine(model, num_blocks=128, block_size=4).run(requests).tokens
+    engine = Engine(
+        model, num_blocks=min_num_blocks(requests, 4), block_size=4, max_num_batched_tokens=budget
+    )
+    outputs = []
+    build = engine._new_step_loop
+
+    def watched():
+        scheduler, runner = build()
+        execute = runner.execute_model
+
+        def execute_model(output):
+            outputs.append(
+                (
+                    output,
+                    {
+                        r.request_id: (r.num_computed_tokens, r.num_tokens, len(r.output_token_ids))
+                        for r in scheduler.running
+                    },
+                )
+            )
+            return execute(output)
+
+        runner.execute_model = execute_model
+        return scheduler, runner
+
+    engine._new_step_loop = watched
+    result = engine.run(requests)
+    resumed = 0
+    for output, state in outputs:
+        assert output.total_num_scheduled_tokens <= budget
+        for new in output.scheduled_new_reqs:
+            _, num_tokens, generated = state[new.req_id]
+            if generated:  # a resume: its prompt and the tokens it had generated, from 0
+                resumed += 1
+                assert new.num_computed_tokens == 0 and len(new.token_ids) == num_tokens
+    assert resumed, "the workload must preempt a request that has generated tokens"
+    assert result.tokens == Engine(model, num_blocks=128, block_size=4).run(requests).tokens
 
 
 def test_recompute_resumes_by_prefill_with_or_without_a_budget(model):
@@ -316,12 +322,9 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
     @initialize(budget=st.integers(1, 9), prefix_caching=st.booleans())
     def start(self, budget: int, prefix_caching: bool) -> None:
         self.block_size, self.num_blocks, self.budget = 2, 10, budget
-        self.cache = BlockBookkeeping(self.num_blocks, self.block_size, enable_prefix_caching=prefix_caching)
-        memory = PagedMemory(
-            self.cache, self.num_blocks, self.block_size, enable_prefix_caching=prefix_caching
-        )
-        self.scheduler = Scheduler(memory, max_num_batched_tokens=budget)
-        self.runner = CountingRunner(memory)
+        self.memory = paged(self.num_blocks, self.block_size, caching=prefix_caching)
+        self.scheduler = Scheduler(self.memory, max_num_batched_tokens=budget)
+        self.runner = CountingRunner()
         self.added: dict = {}
         self.finished: dict = {}
 
@@ -334,17 +337,18 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self) -> None:
-        before = {s.request.request_id: s.num_computed_tokens for s in self.scheduler.running}
+        before = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
         output = self.scheduler.schedule()
-        assert output.num_scheduled_tokens <= self.budget
-        for prefill in output.prefills:
-            assert prefill.num_new_tokens >= 1 and prefill.end <= prefill.num_tokens
-            if prefill.request.request_id in before:  # a continued chunk starts where the last ended
-                assert prefill.start == before[prefill.request.request_id]
+        assert output.total_num_scheduled_tokens <= self.budget
+        assert all(n >= 1 for n in output.num_scheduled_tokens.values())
+        for request in self.scheduler.running:  # a continued chunk starts where the last ended
+            if request.request_id in before:
+                n = output.num_scheduled_tokens.get(request.request_id, 0)
+                assert request.num_computed_tokens == before[request.request_id] + n
+            assert request.num_computed_tokens <= request.num_tokens
         # every running request runs: a decode or a chunk
-        ran = {request_id for request_id, _ in output.scheduled}
-        assert ran == {s.request.request_id for s in self.scheduler.running}
-        result = self.scheduler.update(output, self.runner.execute(output))
+        assert set(output.num_scheduled_tokens) == {r.request_id for r in self.scheduler.running}
+        result = self.scheduler.update_from_output(output, self.runner.execute_model(output))
         for request_id, tokens in result.finished:
             assert len(tokens) == self.added[request_id].max_new_tokens
             self.finished[request_id] = tokens
@@ -355,22 +359,25 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
             return
         running = self.scheduler.running
         assert len(running) <= self.budget
-        for seq in running:
-            assert seq.num_computed_tokens <= seq.num_tokens
-            assert seq.prefilling or seq.num_computed_tokens == seq.num_tokens - 1
-        partial = [i for i, seq in enumerate(running) if seq.prefilling]
+        partial = [
+            i
+            for i, r in enumerate(running)
+            if r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
+        ]
         assert partial in ([], [len(running) - 1])
 
     @invariant()
     def every_request_is_in_one_place_and_the_memory_holds_the_running(self) -> None:
         if not hasattr(self, "scheduler"):
             return
-        places = [s.request.request_id for s in self.scheduler.running]
+        places = [r.request_id for r in self.scheduler.running]
         places += [r.request_id for r in self.scheduler.waiting] + list(self.finished)
         assert sorted(places) == sorted(self.added)
-        if not self.cache.manager.enable_prefix_caching:  # shared blocks count once
-            used = sum(blocks_for_tokens(s.held, self.block_size) for s in self.scheduler.running)
-            assert self.cache.num_free_blocks == self.num_blocks - used
+        if not self.memory.enable_prefix_caching:  # shared blocks count once
+            used = sum(
+                blocks_for_tokens(r.num_computed_tokens, self.block_size) for r in self.scheduler.running
+            )
+            assert self.memory.num_free_blocks == self.num_blocks - used
 
 
 TestChunkedSchedulerMachine = ChunkedSchedulerMachine.TestCase
@@ -386,22 +393,24 @@ TestChunkedSchedulerMachine.settings = settings(max_examples=40, stateful_step_c
 )
 def test_a_budget_changes_when_tokens_come_not_how_many(budget, requests):
     """With a counting runner on a pool too large to preempt: the same requests finish with the
-    same numbers of tokens, every step runs at most the budget, and chunks prefill exactly the
-    prompts' tokens."""
+    same numbers of tokens, every step runs at most the budget, and the steps run exactly the
+    same tokens in all."""
     arrivals = [(t, SchedulerRequest(i, p, o)) for i, (t, p, o) in enumerate(requests)]
 
     def run(max_num_batched_tokens):
         scheduler = Scheduler(paged(64, 2), max_num_batched_tokens=max_num_batched_tokens)
-        steps = list(run_steps(scheduler, CountingRunner(scheduler.memory), arrivals))
+        steps = list(run_steps(scheduler, CountingRunner(), arrivals))
         done = {k: len(v) for _, step in steps for k, v in step.finished}
-        return done, [out for out, _ in steps]
+        return done, steps
 
     whole, whole_steps = run(None)
     chunked, chunked_steps = run(budget)
     assert chunked == whole
-    assert all(out.num_scheduled_tokens <= budget for out in chunked_steps)
-    prefilled = sum(p.num_new_tokens for out in chunked_steps for p in out.prefills)
-    assert prefilled == sum(p.num_new_tokens for out in whole_steps for p in out.prefills)
+    assert all(out.total_num_scheduled_tokens <= budget for out, _ in chunked_steps)
+    assert sum(step.num_prefill_tokens for _, step in chunked_steps) == sum(p for _, p, _ in requests)
+    assert sum(out.total_num_scheduled_tokens for out, _ in chunked_steps) == sum(
+        out.total_num_scheduled_tokens for out, _ in whole_steps
+    )
 
 
 # ------------------------------------------------------------------------ the cache's side

@@ -187,7 +187,7 @@ def test_a_request_waits_for_a_hole_even_when_the_free_total_would_hold_it():
     runs = {}
     for compact in (False, True):
         memory = FirstFitMemory(10, final_length, compact=compact)
-        steps = list(run_steps(Scheduler(memory), CountingRunner(memory), [(0, r) for r in requests]))
+        steps = list(run_steps(Scheduler(memory), CountingRunner(), [(0, r) for r in requests]))
         runs[compact] = [step.num_running for _, step in steps], memory
     assert runs[False][0] == [3, 1, 1]
     assert (runs[False][1].blocked_by_holes, runs[False][1].compactions) == (1, 0)
@@ -197,10 +197,11 @@ def test_a_request_waits_for_a_hole_even_when_the_free_total_would_hold_it():
 
 def test_the_memory_keeps_each_sequence_length_and_range():
     memory = FirstFitMemory(16, final_length)
-    memory.add_sequence(request("a", 3, 4))
-    memory.add_sequence(request("b", 2, 2))
-    memory.append(["a", "b"])
-    memory.append(["a"])
+    a, b = request("a", 3, 4), request("b", 2, 2)
+    assert memory.allocate_slots(a, 3) == list(range(0, 7))  # its range's slots are its block ids
+    assert memory.allocate_slots(b, 2) == list(range(7, 11))
+    assert memory.allocate_slots(a, 1) == [] and memory.allocate_slots(b, 1) == []
+    assert memory.allocate_slots(a, 1) == []
     assert memory.sequences() == {"a": (5, 7), "b": (3, 4)}
     assert (memory.reserved_tokens, memory.num_free_blocks) == (11, 5)
     assert memory.describe_free() == "5 free token slots out of 16, the largest hole 5"
@@ -212,21 +213,17 @@ def test_the_memory_keeps_each_sequence_length_and_range():
 def test_a_refused_sequence_changes_nothing(compact):
     memory = FirstFitMemory(10, final_length, compact=compact)
     for name, prompt in [("a", 2), ("b", 2), ("c", 3)]:
-        memory.add_sequence(request(name, prompt, 1))  # ranges of 3, 3 and 4
+        memory.allocate_slots(request(name, prompt, 1), prompt)  # ranges of 3, 3 and 4
     memory.free("a")
     before = (memory.allocator.holes, memory.allocator.ranges, memory.sequences())
-    with pytest.raises(ValueError, match="request_id 'b' holds a range already"):
-        memory.add_sequence(request("b", 1, 1))
-    with pytest.raises(ValueError, match="no hole holds size=6"):
-        memory.add_sequence(request("d", 5, 1))
+    assert memory.allocate_slots(request("d", 5, 1), 5) is None  # 6 slots: 3 are free
     assert (memory.allocator.holes, memory.allocator.ranges, memory.sequences()) == before
 
 
-def test_serves_alone_needs_the_longest_length_within_the_budget():
+def test_max_tokens_is_the_reservation_within_the_budget():
     memory = FirstFitMemory(8, lambda r: 6)
-    assert memory.serves_alone(request("a", 3, 4))  # holds 3 + 4 - 1 = 6 tokens at its longest
-    assert not memory.serves_alone(request("a", 3, 5))
-    assert not FirstFitMemory(5, lambda r: 6).serves_alone(request("a", 1, 1))
+    assert memory.max_tokens(request("a", 3, 4)) == 6  # holds 3 + 4 - 1 = 6 tokens at its longest
+    assert FirstFitMemory(5, lambda r: 6).max_tokens(request("a", 1, 1)) == 0
 
 
 def test_bad_memory_arguments():
@@ -246,12 +243,12 @@ def test_compaction_admits_exactly_what_counting_free_slots_admits(lengths, budg
     arrivals = [(t, request(i, p, o)) for i, (t, p, o) in enumerate(lengths)]
 
     def serve(memory):
-        steps = run_steps(Scheduler(memory), CountingRunner(memory), arrivals)
+        steps = run_steps(Scheduler(memory), CountingRunner(), arrivals)
         return [(step.num_running, step.num_waiting, step.reserved_tokens) for _, step in steps]
 
     first_fit = FirstFitMemory(budget, final_length)
     assert serve(FirstFitMemory(budget, final_length, compact=True)) == serve(
-        ContiguousMemory(budget, final_length)
+        ContiguousMemory(budget, final_length, seat_tokens=1)
     )
     serve(first_fit)
     assert first_fit.allocator.holes == [Extent(0, budget)]  # everything was given back and merged

@@ -19,7 +19,8 @@ from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks, plot_metrics
+from paged_kv.pictures.plots import plot_metrics
+from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks
 
 from .helpers import alone, max_examples
 
@@ -40,41 +41,72 @@ def assert_alone(model: TinyGPT, result: EngineResult, requests: list[EngineRequ
         assert result.tokens[request.request_id] == alone(model, request), request.request_id
 
 
-class SpyCache(PagedKVCache):
-    """A PagedKVCache that keeps, per admission, the tokens it was given and the cached tokens its
-    one manager reported (a request resumed after recompute is given its generated tokens too)."""
+class Spy:
+    """What an engine's run did, seen from its step loop: per admission, the tokens it was given and
+    the tokens its prefix-cache hit served (a request resumed after recompute is given its
+    generated tokens too); and the memory, to check that all of it is free at the end.
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    ``prompts_only=True`` is the baseline: a running request's new tokens are not passed on, so
+    only the blocks of whole prompts are cached, none that a decode fills."""
+
+    def __init__(self, engine: Engine, prompts_only: bool = False) -> None:
         self.cached: dict[object, list[int]] = {}
         self.admitted_tokens: list[int] = []
+        build = engine._new_step_loop
 
-    def add_sequence(self, seq_id, num_tokens, token_ids=None) -> None:
-        super().add_sequence(seq_id, num_tokens, token_ids)
-        self.cached.setdefault(seq_id, []).append(self.num_cached_tokens(seq_id))
-        self.admitted_tokens.append(num_tokens)
+        def watched():
+            scheduler, runner = build()
+            self.memory = memory = scheduler.memory
+            execute, allocate = runner.execute_model, memory.allocate_slots
+
+            def execute_model(output):
+                for new in output.scheduled_new_reqs:
+                    if new.req_id not in output.blocks_to_swap_in:
+                        self.cached.setdefault(new.req_id, []).append(new.num_computed_tokens)
+                        self.admitted_tokens.append(len(new.token_ids))
+                return execute(output)
+
+            def allocate_slots(request, num_new_tokens, token_ids=None, **kwargs):
+                if prompts_only and request.request_id in memory.manager:
+                    token_ids = None
+                return allocate(request, num_new_tokens, token_ids, **kwargs)
+
+            runner.execute_model = execute_model
+            memory.allocate_slots = allocate_slots
+            self.runner = runner
+            return scheduler, runner
+
+        engine._new_step_loop = watched  # type: ignore[method-assign]
+
+    @property
+    def manager(self):
+        return self.memory.manager
+
+    @property
+    def num_blocks(self) -> int:
+        return self.memory.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.memory.enable_prefix_caching
 
     def all_free(self) -> bool:
-        return self.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
+        return self.memory.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
 
 
-def kv_pools(cache: PagedKVCache) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Every layer's K pools and V pools."""
-    return cache.storage.k_caches, cache.storage.v_caches
+def spied(spies: list, model, prompts_only: bool = False, **kwargs) -> Engine:
+    """An engine with a :class:`Spy` on it, appended to ``spies``."""
+    engine = Engine(model, **kwargs)
+    spies.append(Spy(engine, prompts_only))
+    return engine
 
 
-def spy():
-    """A cache factory of :class:`SpyCache`, and the list of the caches it built."""
-    caches: list[SpyCache] = []
-
-    def factory(*args, **kwargs) -> SpyCache:
-        caches.append(SpyCache(*args, **kwargs))
-        return caches[-1]
-
-    return factory, caches
+def kv_pools(holder) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Every layer's K pools and V pools, of a cache or a runner."""
+    return holder.storage.k_caches, holder.storage.v_caches
 
 
-def check_metrics(result: EngineResult, cache: SpyCache, requests: list[EngineRequest]) -> None:
+def check_metrics(result: EngineResult, cache: Spy, requests: list[EngineRequest]) -> None:
     """The engine's prefix-cache counts agree with the cache's manager, and memory is all free."""
     assert cache.enable_prefix_caching
     stats = cache.manager.prefix_cache_stats
@@ -222,10 +254,8 @@ def test_a_shared_system_prompt_is_computed_once_and_hit_by_every_later_request(
     requests = system_requests()
     model = model.to(device)
     try:
-        factory, caches = spy()
-        result = Engine(
-            model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=factory
-        ).run(requests)
+        caches: list = []
+        result = spied(caches, model, num_blocks=32, block_size=4, enable_prefix_caching=True).run(requests)
         plain = Engine(model, num_blocks=32, block_size=4).run(requests)
         assert_alone(model, result, requests)
     finally:
@@ -252,10 +282,8 @@ def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute(model: TinyGP
     # "b" is SYSTEM's first 8 tokens: two full blocks, both cached, but its last token must be
     # computed, so only the first block is a hit.
     requests = [EngineRequest("a", SYSTEM, 3), EngineRequest("b", SYSTEM[:8], 3)]
-    factory, caches = spy()
-    result = Engine(
-        model, num_blocks=16, block_size=4, enable_prefix_caching=True, cache_factory=factory
-    ).run(requests)
+    caches: list = []
+    result = spied(caches, model, num_blocks=16, block_size=4, enable_prefix_caching=True).run(requests)
     assert caches[0].cached == {"a": [0], "b": [4]}
     assert result.prefill_tokens_computed == 9 + 4
     assert_alone(model, result, requests)
@@ -278,8 +306,8 @@ def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first(
     a = EngineRequest("a", [*SYSTEM, 1, 2, 3], 1)
     c = EngineRequest("c", list(range(50, 62)), other_new_tokens, arrival_step=1)
     b = EngineRequest("b", [*SYSTEM, 4, 5, 6], 1, arrival_step=other_new_tokens + 1)
-    factory, caches = spy()
-    engine = Engine(model, num_blocks=4, block_size=4, enable_prefix_caching=True, cache_factory=factory)
+    caches: list = []
+    engine = spied(caches, model, num_blocks=4, block_size=4, enable_prefix_caching=True)
     result = engine.run([a, c, b])
     assert result.finished_step["c"] < result.admitted_step["b"]
     assert caches[0].cached == {"a": [0], "c": [0], "b": [hits]}
@@ -289,10 +317,8 @@ def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first(
 
 def test_a_request_arriving_after_the_first_finished_reuses_its_freed_blocks(model: TinyGPT) -> None:
     first, second = (EngineRequest(i, SYSTEM + [i] * 5, 2, arrival_step=10 * i) for i in range(2))
-    factory, caches = spy()
-    result = Engine(model, num_blocks=8, block_size=4, enable_prefix_caching=True, cache_factory=factory).run(
-        [first, second]
-    )
+    caches: list = []
+    result = spied(caches, model, num_blocks=8, block_size=4, enable_prefix_caching=True).run([first, second])
     assert result.finished_step[0] < result.admitted_step[1] == 10
     assert caches[0].cached == {0: [0], 1: [8]}
     assert result.used_blocks[10] == 4  # the cached blocks came off the free list: 4 of 14 tokens
@@ -312,21 +338,23 @@ def test_preemption_with_prefix_caching_keeps_the_text(
     ]
     model = model.to(device)
     try:
-        factory, caches = spy()
-        engine = Engine(
+        caches: list = []
+        engine = spied(
+            caches,
             model,
             num_blocks=8,
             block_size=4,
             preemption=preemption,
             enable_prefix_caching=True,
-            cache_factory=factory,
         )
         result = engine.run(requests)
         assert_alone(model, result, requests)
     finally:
         model.to("cpu")
     assert result.preemptions_by_reason[preemption] >= 3
-    assert result.prefix_cache_hits >= 7 * 8  # every request but the first found SYSTEM at least once
+    # The four admitted beside request 0 at step 0 find SYSTEM's two blocks, cached when request 0's
+    # prefill was scheduled (its K/V is written in the same forward, before any layer reads it).
+    assert result.prefix_cache_hits >= 4 * 8
     check_metrics(result, caches[0], requests)
     if preemption == "swap":
         assert result.blocks_swapped_in == result.blocks_swapped_out > 0
@@ -367,16 +395,16 @@ def shared_prefix_workloads(draw) -> list[EngineRequest]:
 def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
     model: TinyGPT, requests, block_size: int, extra_blocks: int, preemption: str, watermark: float
 ) -> None:
-    num_blocks = min_num_blocks(requests, block_size, watermark) + extra_blocks
-    factory, caches = spy()
-    engine = Engine(
+    num_blocks = min_num_blocks(requests, block_size) + extra_blocks
+    caches: list = []
+    engine = spied(
+        caches,
         model,
         num_blocks=num_blocks,
         block_size=block_size,
         preemption=preemption,
         watermark=watermark,
         enable_prefix_caching=True,
-        cache_factory=factory,
     )
     result = engine.run(requests)
     event(f"{preemption}: {'preempted' if result.preemptions else 'no preemption'}")
@@ -394,23 +422,6 @@ def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
 
 
 # -------------------------------------------------------- blocks filled during decode, multi-turn
-
-
-class PromptBlocksOnly(SpyCache):
-    """The baseline: a decode step's token ids are not passed on, so only prompt blocks are cached."""
-
-    def append(self, seq_ids, token_ids=None):
-        return super().append(seq_ids)
-
-
-def prompt_only_spy():
-    caches: list[PromptBlocksOnly] = []
-
-    def factory(*args, **kwargs) -> PromptBlocksOnly:
-        caches.append(PromptBlocksOnly(*args, **kwargs))
-        return caches[-1]
-
-    return factory, caches
 
 
 def expected_hits(prompt: list[int], computed: set[int], block_size: int) -> int:
@@ -431,9 +442,10 @@ def test_a_follow_up_turn_hits_the_blocks_its_answer_filled(model: TinyGPT, devi
     model = model.to(device)
     try:
         results, caches = {}, {}
-        for name, (factory, built) in (("decode", spy()), ("prompts", prompt_only_spy())):
-            engine = Engine(
-                model, num_blocks=16, block_size=4, enable_prefix_caching=True, cache_factory=factory
+        for name, prompts_only in (("decode", False), ("prompts", True)):
+            built: list = []
+            engine = spied(
+                built, model, prompts_only, num_blocks=16, block_size=4, enable_prefix_caching=True
             )
             results[name], caches[name] = engine.run([first, second]), built[0]
             assert_alone(model, results[name], [first, second])
@@ -475,11 +487,9 @@ def test_multi_turn_chats_get_the_same_text_and_the_hits_the_chained_hashes_say(
             request = EngineRequest((chat, turn), prompts[chat], length, arrival_step=turn * gap)
             requests.append(request)
             prompts[chat] = prompts[chat] + alone(model, request)
-    factory, caches = spy()
+    caches: list = []
     num_blocks = sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens, block_size) for r in requests)
-    engine = Engine(
-        model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True, cache_factory=factory
-    )
+    engine = spied(caches, model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
     result = engine.run(requests)
     assert_alone(model, result, requests)
     check_metrics(result, caches[0], requests)
@@ -503,16 +513,11 @@ def test_multi_turn_chats_get_the_same_text_and_the_hits_the_chained_hashes_say(
 
 def test_prefix_caching_is_off_by_default(model: TinyGPT) -> None:
     requests = system_requests()
-    built: list[PagedKVCache] = []
-
-    def factory(*args) -> PagedKVCache:  # takes no enable_prefix_caching: fine while it is off
-        built.append(PagedKVCache(*args))
-        return built[-1]
-
-    engine = Engine(model, num_blocks=32, block_size=4, cache_factory=factory)
+    caches: list = []
+    engine = spied(caches, model, num_blocks=32, block_size=4)
     assert engine.enable_prefix_caching is False
     result = engine.run(requests)
-    assert not built[0].enable_prefix_caching
+    assert not caches[0].enable_prefix_caching
     assert result.prefill_tokens_computed == 48 and result.prefix_cache_queries == 0
 
 
@@ -525,51 +530,11 @@ def test_prefix_caching_is_off_by_default(model: TinyGPT) -> None:
             {"enable_prefix_caching": True, "mode": "contiguous", "max_model_len": 64},
             "enable_prefix_caching is a setting of the paged mode",
         ),
-        (
-            {"enable_prefix_caching": True, "cache_factory": lambda *args: PagedKVCache(*args)},
-            "enable_prefix_caching=True calls cache_factory with the keyword",
-        ),
     ],
 )
 def test_bad_prefix_caching_arguments_raise_value_error_naming_them(model: TinyGPT, kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         Engine(model, num_blocks=32, block_size=4, **kwargs)
-
-
-class NoPrefixCache:
-    """A plugged-in cache that takes the keyword but cannot prefill from the cache."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.inner = PagedKVCache(*args)
-        for name in ("add_sequence", "write_prompt", "append", "attend", "free", "needs_new_block"):
-            setattr(self, name, getattr(self.inner, name))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.inner.num_free_blocks
-
-
-class LyingCache(PagedKVCache):
-    """A cache that claims the whole prompt was cached."""
-
-    def add_sequence(self, seq_id, num_tokens: int, token_ids=None) -> None:
-        super().add_sequence(seq_id, num_tokens, token_ids)
-        self.prompt_tokens = num_tokens
-
-    def num_cached_tokens(self, seq_id) -> int:
-        return self.prompt_tokens
-
-
-def test_a_cache_that_cannot_do_prefix_caching_is_refused(model: TinyGPT) -> None:
-    requests = system_requests()
-    engine = Engine(
-        model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=NoPrefixCache
-    )
-    with pytest.raises(ValueError, match=r"needs a cache with num_cached_tokens.*NoPrefixCache"):
-        engine.run(requests)
-    engine = Engine(model, num_blocks=32, block_size=4, enable_prefix_caching=True, cache_factory=LyingCache)
-    with pytest.raises(RuntimeError, match=r"reports 12 cached tokens for request 0.*0 \.\. 11"):
-        engine.run(requests)
 
 
 def test_plot_metrics_shows_a_utilization_above_one(model: TinyGPT) -> None:
@@ -589,10 +554,8 @@ def test_plot_metrics_shows_a_utilization_above_one(model: TinyGPT) -> None:
 def test_prompts_that_share_no_full_block_hit_nothing(model: TinyGPT) -> None:
     rng = random.Random(4)
     requests = [EngineRequest(i, [rng.randrange(256) for _ in range(9)], 3) for i in range(5)]
-    factory, caches = spy()
-    result = Engine(
-        model, num_blocks=20, block_size=4, enable_prefix_caching=True, cache_factory=factory
-    ).run(requests)
+    caches: list = []
+    result = spied(caches, model, num_blocks=20, block_size=4, enable_prefix_caching=True).run(requests)
     assert result.prefix_cache_hits == 0 and result.prefill_tokens_computed == 45
     assert_alone(model, result, requests)
     check_metrics(result, caches[0], requests)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator
 from paged_kv.core import mapping
+from paged_kv.kv import slots
 
 from .helpers import HEAD_DIM, NUM_HEADS, fails_cleanly, kv_for, make_cache
 
@@ -245,13 +246,32 @@ def test_physical_location_refuses_what_is_not_a_count(position, block_size):
 def test_slot_mapping_on_a_plain_tensor_table(device):
     table = torch.tensor([5, 2, 7], device=device)
     positions = torch.tensor([10, 0, 4, 5], device=device)
-    slots = mapping.slot_mapping(table, positions, 4)
-    assert slots.tolist() == [30, 20, 8, 9]
-    assert slots.dtype == torch.long and slots.device == positions.device
+    got = slots.slot_mapping(table, positions, 4)
+    assert got.tolist() == [30, 20, 8, 9]
+    assert got.dtype == torch.long and got.device == positions.device
     # An int32 table, as block_tables_tensor gives, still yields long slots.
-    assert mapping.slot_mapping(table.int(), positions, 4).dtype == torch.long
-    assert mapping.slot_mapping(table, positions[:0], 4).tolist() == []
-    blocks, offsets = mapping.physical_locations(table, positions, 4)
+    assert slots.slot_mapping(table.int(), positions, 4).dtype == torch.long
+    assert slots.slot_mapping(table, positions[:0], 4).tolist() == []
+
+
+def test_slot_mapping_of_a_batch_reads_each_tokens_row(device):
+    # Two requests' rows, padded: token t is position positions[t] of the request in rows[t].
+    table = torch.tensor([[5, 2, -1], [7, 0, 3]], dtype=torch.int32, device=device)
+    positions = torch.tensor([5, 0, 1, 9], device=device)
+    rows = torch.tensor([0, 1, 1, 1], device=device)
+    got = slots.slot_mapping(table, positions, 4, rows=rows)
+    assert got.tolist() == [9, 28, 29, 13] and got.dtype == torch.long
+    one_by_one = [
+        slots.slot_mapping(table[r].long(), positions[t : t + 1], 4).item()
+        for t, r in enumerate(rows.tolist())
+    ]
+    assert got.tolist() == one_by_one
+
+
+def test_physical_locations_of_many_positions(device):
+    table = torch.tensor([5, 2, 7], device=device)
+    positions = torch.tensor([10, 0, 4, 5], device=device)
+    blocks, offsets = slots.physical_locations(table, positions, 4)
     assert blocks.tolist() == [7, 5, 2, 2] and offsets.tolist() == [2, 0, 0, 1]
 
 
@@ -260,17 +280,17 @@ def test_write_and_read_kv_on_raw_tensors(device):
     v_cache = torch.zeros_like(k_cache)
     table = torch.tensor([5, 2, 7], device=device)
     k, v = kv_for(11, device=device)
-    mapping.write_kv(k_cache, v_cache, table, k[:8], v[:8])
-    mapping.write_kv(k_cache, v_cache, table, k[8:], v[8:], start_position=8)
+    slots.write_kv(k_cache, v_cache, table, k[:8], v[:8])
+    slots.write_kv(k_cache, v_cache, table, k[8:], v[8:], start_position=8)
     for position in range(11):
         block, offset = mapping.physical_location(table.tolist(), position, 4)
         assert torch.equal(k_cache[block, :, offset, :], k[position])
         assert torch.equal(v_cache[block, :, offset, :], v[position])
-    read_k, read_v = mapping.read_kv(k_cache, v_cache, table, 11)
+    read_k, read_v = slots.read_kv(k_cache, v_cache, table, 11)
     assert torch.equal(read_k, k) and torch.equal(read_v, v)
-    read_k, read_v = mapping.read_kv(k_cache, v_cache, table, 5)
+    read_k, read_v = slots.read_kv(k_cache, v_cache, table, 5)
     assert torch.equal(read_k, k[:5]) and torch.equal(read_v, v[:5])
-    assert mapping.read_kv(k_cache, v_cache, table, 0)[0].shape == (0, NUM_HEADS, HEAD_DIM)
+    assert slots.read_kv(k_cache, v_cache, table, 0)[0].shape == (0, NUM_HEADS, HEAD_DIM)
 
 
 def test_the_cache_and_the_pure_functions_agree(device):
@@ -279,9 +299,9 @@ def test_the_cache_and_the_pure_functions_agree(device):
     cache.write_kv("s", k, v)
     table = torch.tensor(cache.get_block_mapping("s"), device=device)
     positions = torch.arange(11, device=device)
-    assert torch.equal(cache.slot_mapping("s"), mapping.slot_mapping(table, positions, 4))
+    assert torch.equal(cache.slot_mapping("s"), slots.slot_mapping(table, positions, 4))
     assert cache.physical_location("s", 6) == mapping.physical_location(table.tolist(), 6, 4)
     for ours, theirs in zip(
-        cache.read_kv("s"), mapping.read_kv(cache.k_cache, cache.v_cache, table, 11), strict=True
+        cache.read_kv("s"), slots.read_kv(cache.k_cache, cache.v_cache, table, 11), strict=True
     ):
         assert torch.equal(ours, theirs)

@@ -247,3 +247,105 @@ def test_memory_shares_stack_each_bar_to_its_shares_and_box_what_a_source_does_n
 def test_memory_shares_refuse_bars_that_are_not_shares_of_the_memory(shares, match):
     with pytest.raises(ValueError, match=match):
         plot_memory_shares([("bad", shares)])
+
+
+# ------------------------------------------------------------------- one engine step's batch (lesson 09)
+
+STEP = {  # step 1 of lesson 09: a and b decode, c's 5-token prompt is prefilled, in blocks of 4
+    "req_ids": ["a", "b", "c"],
+    "query_start_loc": [0, 1, 2, 7],
+    "positions": [9, 2, 0, 1, 2, 3, 4],
+    "slot_mapping": [9, 14, 16, 17, 18, 19, 20],
+    "block_table": [[0, 1, 2], [3, -1, -1], [4, 5, -1]],
+    "block_size": 4,
+}
+
+
+def step_batch(**changes):
+    from paged_kv.pictures.plots import plot_step_batch
+
+    return plot_step_batch(**{**STEP, **changes})
+
+
+@pytest.mark.lesson09
+def test_step_batch_draws_every_token_its_slot_and_one_arrow_to_its_block():
+    ax = step_batch()
+    texts = [t.get_text() for t in ax.texts]
+    for slot in STEP["slot_mapping"]:
+        assert str(slot) in texts
+    assert {"a: 1 token", "b: 1 token", "c: 5 tokens"} <= set(texts)
+    assert {"a's row, seq_len 10", "b's row, seq_len 3", "c's row, seq_len 5"} <= set(texts)
+    assert any("query_start_loc [0, 1, 2, 7]" in t for t in texts)
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 7
+    assert [to_hex(a.get_edgecolor()) for a in arrows] == [PALETTE[0].lower()] + [PALETTE[1].lower()] + [
+        PALETTE[2].lower()
+    ] * 5
+    # Each arrow runs down from its slot to the block its position falls in, in its request's row.
+    block_boxes = {
+        t.get_text(): t.get_position()
+        for t in ax.texts
+        if t.get_position()[1] < -3 and t.get_text().isdigit()
+    }
+    blocks = [2, 3, 4, 4, 4, 4, 5]  # the block of each token's position, from its request's row
+    for arrow, block in zip(arrows, blocks, strict=True):
+        (_, y0), (x1, y1) = arrow._posA_posB
+        bx, by = block_boxes[str(block)]
+        assert (x1, y1) == pytest.approx((bx, by + 0.4))  # the top edge of the block's box
+        assert y1 < y0
+    hatched = [p for p in ax.patches if p.get_hatch() == "///"]
+    assert len(hatched) == 3  # the padding of b's and c's rows
+
+
+@pytest.mark.lesson09
+def test_step_batch_colours_the_blocks_written_this_step_and_greys_the_older_ones():
+    ax = step_batch()
+    fills = {
+        t.get_text(): to_hex(p.get_facecolor())
+        for t in ax.texts
+        for p in ax.patches
+        if isinstance(p, Rectangle)
+        and p.get_hatch() is None
+        and p.get_y() < -3
+        and p.get_x() <= t.get_position()[0] <= p.get_x() + p.get_width()
+        and p.get_y() <= t.get_position()[1] <= p.get_y() + p.get_height()
+    }
+    assert fills == {
+        "0": "#e8e8e8",
+        "1": "#e8e8e8",
+        "2": PALETTE[0].lower(),
+        "3": PALETTE[1].lower(),
+        "4": PALETTE[2].lower(),
+        "5": PALETTE[2].lower(),
+    }
+
+
+@pytest.mark.lesson09
+def test_step_batch_takes_tensors_as_the_runner_prepares_them():
+    import torch
+
+    ax = step_batch(
+        query_start_loc=torch.tensor(STEP["query_start_loc"], dtype=torch.int32),
+        positions=torch.tensor(STEP["positions"]),
+        slot_mapping=torch.tensor(STEP["slot_mapping"]),
+        block_table=torch.tensor(STEP["block_table"], dtype=torch.int32),
+    )
+    assert len([p for p in ax.patches if isinstance(p, FancyArrowPatch)]) == 7
+
+
+@pytest.mark.lesson09
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"slot_mapping": [9, 14, 16, 17, 18, 19, 21]}, r"token 6 \(position 4 of 'c'\) has slot 21"),
+        ({"slot_mapping": [9, 14]}, "one slot per token"),
+        ({"query_start_loc": [0, 1, 7]}, "one entry per request and one more"),
+        ({"query_start_loc": [0, 2, 2, 7]}, "query_start_loc must increase"),
+        ({"block_table": [[0, 1, 2], [3, -1, -1]]}, "one row per request"),
+        ({"block_table": [[0, 1], [3, -1, -1], [4, 5, -1]]}, r"position 9 of 'a'"),
+        ({"block_size": 0}, "block_size must be a positive int"),
+    ],
+)
+def test_step_batch_refuses_inputs_that_are_not_one_step(changes, message):
+    with pytest.raises(ValueError, match=message):
+        step_batch(**changes)

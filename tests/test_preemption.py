@@ -1,13 +1,27 @@
-"""Choosing the victims of a decode step that finds too few free blocks (paged_kv.serving.preemption)."""
+"""Exercise 11's reference answers (paged_kv.grading.reference.lesson11) against the engine they model.
+
+``choose_victims`` is the scheduler's preemption on plain numbers: the victims of a decode step that
+finds too few free blocks, newest first; the scheduler itself must preempt exactly those.
+``admit_with_watermark`` is the engine's admission: its memory must answer the same.
+"""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError
-from paged_kv.serving.preemption import choose_victims
+from paged_kv.checks.lesson11 import _engine_admits, _grid
+from paged_kv.core.block_manager import BlockManager
+from paged_kv.grading.reference.lesson11 import admit_with_watermark, choose_victims
+from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+
+from .helpers import max_examples
 
 pytestmark = pytest.mark.lesson11
 
@@ -89,3 +103,49 @@ def test_the_victims_are_the_shortest_suffix_that_makes_the_step_fit(entries, fr
     else:
         assert choose_victims(running, free) == expected
         assert not running or running[0][0] not in expected
+
+
+@settings(max_examples=max_examples(40), deadline=None)
+@given(st.integers(0, 10_000), st.integers(5, 14), st.sampled_from([2, 4]))
+def test_the_scheduler_preempts_exactly_the_victims_choose_victims_names(seed, num_blocks, block_size):
+    # Without a token budget every running request decodes at each step (a prefill runs whole), so
+    # the step's preemptions are choose_victims's answer on the requests' blocks before the step.
+    rng = random.Random(seed)
+    largest = num_blocks * block_size
+    requests = []
+    for i in range(rng.randint(2, 6)):
+        prompt = rng.randint(1, largest // 2)
+        requests.append(SchedulerRequest(f"r{i}", prompt, rng.randint(1, largest - prompt + 1)))
+    memory = KVCacheManager(BlockManager(num_blocks, block_size))
+    scheduler = Scheduler(memory)
+    runner = CountingRunner()
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests:
+        running = [
+            (r.request_id, len(memory.get_block_ids(r.request_id)), r.num_computed_tokens % block_size == 0)
+            for r in scheduler.running
+        ]
+        assert all(r.num_computed_tokens == r.num_tokens - 1 for r in scheduler.running)
+        expected = choose_victims(running, memory.num_free_blocks)
+        output = scheduler.schedule()
+        assert [p.request_id for p in output.preemptions] == expected
+        scheduler.update_from_output(output, runner.execute_model(output))
+
+
+def test_the_scheduler_example_preempts_newest_first():
+    # Three 3-token prompts in 3 blocks of 4, one block each. The 5th tokens need three blocks, none
+    # free: a's allocation pops c, and b's finds none again, pops b itself, and ends the loop.
+    memory = KVCacheManager(BlockManager(3, 4))
+    arrivals = [(0, SchedulerRequest(s, 3, 3)) for s in "abc"]
+    preempted = [
+        [p.request_id for p in output.preemptions]
+        for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals)
+    ]
+    assert preempted == [[], [], ["c", "b"], [], []]  # a finishes at step 2, then b and c resume
+    assert choose_victims([("a", 1, True), ("b", 1, True), ("c", 1, True)], 0) == ["c", "b"]
+
+
+def test_admit_with_watermark_is_the_engines_admission():
+    for case in _grid():
+        assert admit_with_watermark(*case) == _engine_admits(*case), case

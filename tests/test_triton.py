@@ -1,6 +1,7 @@
-"""The Triton decode kernel equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 12).
+"""The Triton kernel's decode equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 12).
 
-``paged_attention(..., strategy="triton")`` against ``strategy="gather"`` (and, for tables that
+The kernel serves packed batches of several query tokens per sequence too: tests/test_varlen_attention.py.
+Here ``paged_attention(..., strategy="triton")`` against ``strategy="gather"`` (and, for tables that
 repeat a block, against SDPA over what each table lists): scattered, repeated and shared blocks,
 context lengths from one token to several blocks, block sizes 8, 16 and 32, every head layout,
 float32, float16 and bfloat16, and the cache in this course's layout or in vLLM v1's, read through
@@ -303,44 +304,56 @@ LOADS_SEEN = pytest.mark.skipif(
 @LOADS_SEEN
 def test_the_kernel_check_sees_every_table_entry_a_kernel_reads():
     """Exercise 12's check records the loads of a launch (lesson12.table_reads): the package's kernel
-    reads exactly entries j < ceil(context_lens[b] / block_size) of each row b, a loop one block too
-    long the entry after them as well."""
-    from paged_kv.attention.triton_kernel import paged_decode_kernel
-    from paged_kv.checks.lesson12 import CASES, _case, launch, loads_seen, mistaken, table_reads
+    reads exactly entries j < ceil(seq_lens[b] / block_size) of each row b with a query token (a
+    sequence with none has no program with work), a loop one block too long the entry after them
+    as well."""
+    from paged_kv.attention.triton_kernel import paged_attention_kernel
+    from paged_kv.checks.lesson12 import CASES, LOOP, _inputs, launch, loads_seen, mistaken, table_reads
 
-    one_long = mistaken(("tl.cdiv(context_len, BLOCK_SIZE)", "tl.cdiv(context_len, BLOCK_SIZE) + 1"))
-    for seed, (_, lengths, block_size, num_kv_heads, group, layout) in enumerate(CASES):
-        inputs = _case(lengths, block_size, num_kv_heads, group, seed, layout)
+    one_long = mistaken((LOOP, f"{LOOP} + 1"))
+    for case, (_, seq_lens, query_lens, block_size, *_) in enumerate(CASES):
+        inputs, _ = _inputs(case)
         assert loads_seen(inputs[0].device)
-        held = {(b, j) for b, n in enumerate(lengths) for j in range(-(-n // block_size))}
+        working = [(b, n) for b, (n, new) in enumerate(zip(seq_lens, query_lens, strict=True)) if new]
+        held = {(b, j) for b, n in working for j in range(-(-n // block_size))}
         with table_reads(inputs[3]) as read:
-            launch(paged_decode_kernel, *inputs)
+            launch(paged_attention_kernel, *inputs)
         assert read == held
         with table_reads(inputs[3]) as read:
             launch(one_long, *inputs)
-        assert read == held | {(b, -(-n // block_size)) for b, n in enumerate(lengths)}
+        assert read == held | {(b, -(-n // block_size)) for b, n in working}
 
 
 @LOADS_SEEN
 def test_the_kernel_checks_cases_keep_reads_one_slot_off_inside_their_tensors():
-    """K and V one slot before or after their own, and a loop one block too long, load only memory of
-    the case's tensors: the guard blocks around the caches and the table's column of padding."""
-    from paged_kv.checks.lesson12 import CASES, _case, launch, loaded_addresses, mistaken
+    """K and V one slot before or after their own, a loop one block too long, queries read from the
+    wrong row or with token and head swapped: every load stays in memory of the case's tensors (the
+    guard blocks around the caches, the rows around the query, the table's column of padding)."""
+    from paged_kv.checks.lesson12 import CASES, LOOP, _inputs, launch, loaded_addresses, mistaken
 
     kernels = [
         mistaken((f"slots[:, None] * {x}_stride_slot", f"(slots[:, None] {sign} 1) * {x}_stride_slot"))
         for x in "kv"
         for sign in "+-"
     ]
-    kernels.append(mistaken(("tl.cdiv(context_len, BLOCK_SIZE)", "tl.cdiv(context_len, BLOCK_SIZE) + 1")))
-    for seed, (_, lengths, block_size, num_kv_heads, group, layout) in enumerate(CASES):
-        inputs = _case(lengths, block_size, num_kv_heads, group, seed, layout)
+    kernels.append(mistaken((LOOP, f"{LOOP} + 1")))
+    kernels.append(
+        mistaken(
+            ("token = tile * QUERY_TILE + rows // GROUP", "token = tile * QUERY_TILE + rows % GROUP"),
+            ("heads = kv_head * GROUP + rows % GROUP", "heads = kv_head * GROUP + rows // GROUP"),
+        )
+    )
+    for case in range(len(CASES)):
+        inputs, _ = _inputs(case)
+        starts = torch.nn.functional.pad(torch.cumsum(inputs[-1], 0), (1, 0))
         memory = [
             (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
-            for storage in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in inputs}.values()
+            for storage in {
+                t.untyped_storage().data_ptr(): t.untyped_storage() for t in (*inputs, starts)
+            }.values()
         ]
         for kernel in kernels:
             with loaded_addresses() as addresses:
-                launch(kernel, *inputs)
+                launch(kernel, *inputs, query_start_loc=starts)
             assert addresses
             assert all(any(start <= a < end for start, end in memory) for a in addresses)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import BlockManager
-from paged_kv.serving.protocols import BlockCache, SwappingCache
+from paged_kv.serving.request import SchedulerRequest
 from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.simulation.workload import (
     ALPACA,
@@ -193,52 +193,49 @@ def test_contiguous_oracle_runs_all_three():
     assert result.utilization[-1] == 7 / 8  # the last token is sampled, never stored
 
 
-def test_paged_admits_with_a_block_of_headroom_per_running_sequence():
-    # Blocks of 4 and a budget of 17: 4 blocks. The engine's rule: the prompt's blocks plus one per
-    # running sequence (itself included) must be free. Step 0: A (1 + 1 <= 4) and B (1 + 2 <= 3)
-    # are admitted; C (1 + 3 > 2) waits. Step 1: A (4 tokens, block full) takes a block and
-    # finishes, freeing 2. Step 2: C is admitted (1 + 2 <= 3) and finishes; B takes its 2nd block.
+def test_paged_admits_whole_prompts_into_a_full_pool():
+    # Blocks of 4 and a budget of 17: 4 blocks. vLLM's rule: a prompt's blocks must be free, and
+    # no block is kept back for the running ones' growth. Step 0: A, B and C (1 block each) are
+    # admitted and C finishes. Step 1: A's 5th token takes a block and A finishes. Steps 2-4: B.
     result = simulate(HAND, PagedPolicy(block_size=4), budget_tokens=17)
-    assert result.running == [2, 2, 2, 1, 1]
-    assert result.waiting == [1, 1, 0, 0, 0]
-    assert result.held_tokens == [7, 9, 7, 6, 7]
-    assert result.reserved_tokens == [8, 12, 12, 8, 8]
-    assert result.finished == [0, 1, 2, 2, 3]
+    assert result.running == [3, 2, 1, 1, 1]
+    assert result.waiting == [0, 0, 0, 0, 0]
+    assert result.held_tokens == [9, 9, 5, 6, 7]
+    assert result.reserved_tokens == [12, 12, 8, 8, 8]
+    assert result.finished == [1, 2, 2, 2, 3]
     assert result.preemptions == 0
 
 
-def test_block_bookkeeping_is_a_block_cache_for_the_scheduler():
-    cache = BlockBookkeeping(4, 2, enable_prefix_caching=True)
-    assert isinstance(cache, BlockCache) and not isinstance(cache, SwappingCache)
-    cache.add_sequence("a", 4, [1, 2, 3, 4])
-    cache.add_sequence("b", 3, [1, 2, 9])
-    assert (cache.num_free_blocks, cache.num_cached_tokens("b")) == (1, 2)  # b shares a's first block
-    assert cache.needs_new_block("a") and not cache.needs_new_block("b")
-    cache.append(["a", "b"])
-    assert cache.num_free_blocks == 0
-    cache.free("a")
-    cache.free("b")
-    assert cache.num_free_blocks == 4 and cache.trace == []
+def test_block_bookkeeping_is_the_engines_memory_with_no_tensor():
+    memory = BlockBookkeeping(BlockManager(4, 2, enable_prefix_caching=True), record=True)
+    a, b = SchedulerRequest("a", 4, 2, (1, 2, 3, 4)), SchedulerRequest("b", 3, 2, (1, 2, 9))
+    assert len(memory.allocate_slots(a, 4, a.prompt_token_ids)) == 2
+    computed = memory.get_computed_blocks(b, b.prompt_token_ids)
+    assert computed.num_tokens == 2  # b's first block is a's
+    assert memory.allocate_slots(b, 1, b.prompt_token_ids, computed=computed) == [
+        *computed.block_ids,
+        memory.get_block_ids("b")[-1],
+    ]
+    assert memory.num_free_blocks == 1
+    memory.free("a")
+    memory.free("b")
+    assert memory.num_free_blocks == 4 and memory.trace  # the frames of every change
 
 
 class CountingManager(BlockManager):
-    """The package's block manager, counting the calls the simulator makes (appends per sequence)."""
+    """The package's block manager, counting the calls the simulator makes."""
 
     calls: dict[str, int]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls = {"allocate": 0, "append": 0, "free": 0}
+        self.calls = {"allocate_slots": 0, "refused": 0, "free": 0}
         CountingManager.last = self
 
-    def allocate(self, seq_id, num_prompt_tokens, token_ids=None):
-        self.calls["allocate"] += 1
-        return super().allocate(seq_id, num_prompt_tokens, token_ids)
-
-    def append_batch(self, seq_ids):
-        copies = super().append_batch(seq_ids)  # counts only appends that succeed
-        self.calls["append"] += len(seq_ids)
-        return copies
+    def allocate_slots(self, seq_id, num_new_tokens, token_ids=None, **kwargs):
+        blocks = super().allocate_slots(seq_id, num_new_tokens, token_ids, **kwargs)
+        self.calls["allocate_slots" if blocks is not None else "refused"] += 1
+        return blocks
 
     def free(self, seq_id):
         self.calls["free"] += 1
@@ -247,7 +244,7 @@ class CountingManager(BlockManager):
 
 def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # Blocks of 2 and a budget of 8: 4 blocks. A and B are 2 + 4 tokens each (3 blocks at the end).
-    # Step 0: both admitted (a needs 1 + 1 blocks free, b 1 + 2), prefilled, 1 block each. Step 1:
+    # Step 0: both admitted (a prompt's block each), prefilled, 1 block each. Step 1:
     # both take a 2nd block: 0 free. Step 2: both fill it. Step 3: both need a 3rd block, none is
     # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B resumes
     # at step 4: it prefills its prompt and its 3 generated tokens (5 tokens, 3 blocks), samples its
@@ -261,8 +258,9 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     assert result.waiting == [0, 0, 0, 1, 0]
     assert result.held_tokens == [4, 6, 8, 5, 5]
     assert result.reserved_tokens == [4, 8, 8, 6, 6]
-    # The real manager did the bookkeeping: B was allocated twice, and no decode was redone (2 + 2 + 1).
-    assert CountingManager.last.calls == {"allocate": 3, "append": 2 + 2 + 1, "free": 3}
+    # The real manager did the bookkeeping: one allocation per scheduled request and step (2 + 2 +
+    # 2 + 1 + 1), one refused (A's at step 3, before B made room), and B was freed twice.
+    assert CountingManager.last.calls == {"allocate_slots": 8, "refused": 1, "free": 3}
     assert CountingManager.last.num_free_blocks == 4
 
 

@@ -1,4 +1,5 @@
-"""Attention over the paged cache (decode, prefill): gather, in place, FlexAttention, Triton (lessons 05, 12).
+"""Attention over the paged cache (decode, prefill, a packed step): gather, in place, FlexAttention,
+Triton (lessons 05, 06, 12).
 
 The package's face: ``from paged_kv.attention import paged_attention`` works; each name lives in
 :mod:`paged_kv.attention.paged` (patch it there).
@@ -9,7 +10,15 @@ from paged_kv.attention.paged import (
     decode_attention,
     gather_kv,
     paged_attention,
+    paged_attention_varlen,
     paged_prefill_attention,
 )
 
-__all__ = ["STRATEGIES", "decode_attention", "gather_kv", "paged_attention", "paged_prefill_attention"]
+__all__ = [
+    "STRATEGIES",
+    "decode_attention",
+    "gather_kv",
+    "paged_attention",
+    "paged_attention_varlen",
+    "paged_prefill_attention",
+]

@@ -1,4 +1,5 @@
-"""Paged decode attention through PyTorch's FlexAttention: the optional fast path for CUDA (lesson 05).
+"""Paged attention through PyTorch's FlexAttention, decode and packed batches: the optional fast path
+for CUDA (lessons 05, 06).
 
 FlexAttention (``torch.nn.attention.flex_attention``, torch 2.5 and later) runs attention with a
 *mask function* that says, for each query and key position, whether the query may see the key,
@@ -22,6 +23,14 @@ Paged decode maps onto it without moving a byte of K or V:
   A row that names one block *twice* sees those keys twice, as if they were two keys: softmax
   over a key counted ``m`` times is softmax with ``log m`` added to its score, which a score
   modifier does (only for a batch that has such a row).
+
+A packed batch of several query tokens per sequence (prompts, chunks, decodes:
+:func:`flex_varlen`) is the same picture with one query position per query token and a causal
+condition: query token ``t`` of sequence ``s`` at position ``p`` sees pool slot ``kv`` as many times
+as row ``s`` names block ``kv // block_size`` at an entry ``j`` with ``j * block_size + kv %
+block_size <= p``. A small table ``entries[s, block, d]`` (the ``d``-th entry of row ``s`` naming
+the block, ``-1`` past the last; ``d`` runs to the most times one row names one block, 1 in every
+table an engine builds) answers it in a lookup per ``d``.
 
 The result equals :func:`paged_kv.attention.paged.paged_attention` (the reference). On a CPU FlexAttention
 runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
@@ -92,6 +101,101 @@ def flex_decode(
         queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=grouped
     )
     return out[0].transpose(0, 1)
+
+
+def flex_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None,
+    compiled: bool | None = None,
+) -> torch.Tensor:
+    """Attention of a checked packed batch (see ``paged_attention_varlen``) with FlexAttention: causal
+    inside each sequence, over the whole pool.
+
+    ``query`` is ``(num_tokens, num_heads, dim)`` in the caches' dtype, sequence ``b``'s query
+    tokens being rows ``query_start_loc[b] .. query_start_loc[b + 1] - 1``, the last ones of its
+    ``seq_lens[b]`` tokens; the rest as for :func:`flex_decode`.
+
+    Raises:
+        ValueError: this torch has no FlexAttention.
+    """
+    if not flex_available():
+        raise ValueError(
+            f"strategy 'flex' needs torch 2.5 or later (FlexAttention); this is {torch.__version__}"
+        )
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_tokens, num_heads, _ = query.shape
+    device = query.device
+    if not num_tokens:
+        return query.new_empty(query.shape)
+    if compiled is None:
+        compiled = device.type == "cuda"
+    tokens = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(query_start_loc[1:], tokens, right=True)  # the sequence of each token
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    position = (seq_lens - query_lens)[seq] + tokens - query_start_loc[seq]  # its position in it
+    entries = _entries(block_tables, seq_lens, num_blocks, block_size)
+    repeats = entries.shape[2]
+
+    def times_seen(q, kv):
+        block, offset = kv // block_size, kv % block_size
+        count = torch.zeros_like(q)
+        for d in range(repeats):  # 1 unless a row names one block twice
+            entry = entries[seq[q], block, d]
+            count = count + ((entry >= 0) & (entry * block_size + offset <= position[q])).long()
+        return count
+
+    def mask_mod(b, h, q, kv):
+        return times_seen(q, kv) > 0
+
+    def score_mod(score, b, h, q, kv):
+        return score + torch.log(times_seen(q, kv).to(score.dtype))
+
+    pool = num_blocks * block_size
+    block_mask = create_block_mask(mask_mod, None, None, num_tokens, pool, device=device, _compile=compiled)
+    keys = k_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
+    values = v_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
+    queries = query.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, dim): one query position per token
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    out = attend(
+        queries,
+        keys,
+        values,
+        score_mod=score_mod if repeats > 1 else None,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _entries(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> torch.Tensor:
+    """``(batch, num_blocks, repeats)`` int32: ``[s, block, d]`` is the ``d``-th entry (in table
+    order) of row ``s`` that names ``block``, among the ``ceil(seq_lens[s] / block_size)`` entries
+    the row reads, or ``-1``; ``repeats`` is the most entries of one row naming one block (at least
+    1). One stable sort ranks the entries of each (row, block); no loop."""
+    batch, width = block_tables.shape
+    device = block_tables.device
+    column = torch.arange(width, device=device).expand(batch, width)
+    read = column < ((seq_lens + block_size - 1) // block_size)[:, None]
+    rows = torch.arange(batch, device=device)[:, None].expand(batch, width)
+    key = (rows * num_blocks + block_tables.long().clamp(0, num_blocks - 1))[read]  # (row, block)
+    entry = column[read]
+    key, order = torch.sort(key, stable=True)  # the entries of one (row, block) together, in order
+    entry = entry[order]
+    rank = torch.arange(len(key), device=device) - torch.searchsorted(key, key)  # d of each entry
+    repeats = int(rank.max()) + 1 if len(rank) else 1
+    entries = torch.full((batch * num_blocks, repeats), -1, dtype=torch.int32, device=device)
+    entries[key, rank] = entry.int()
+    return entries.view(batch, num_blocks, repeats)
 
 
 @functools.cache

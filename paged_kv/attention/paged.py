@@ -1,4 +1,5 @@
-"""Paged attention: decode (one query token per sequence) and prefill, attending to K/V kept in blocks.
+"""Paged attention: decode (one query token per sequence), prefill and a whole engine step of both,
+attending to K/V kept in blocks.
 
 The kernel never sees a contiguous K or V. It follows each sequence's block table: logical block
 ``j`` of sequence ``b`` is physical block ``block_tables[b, j]`` of the cache, so token ``p`` sits
@@ -13,7 +14,19 @@ through its block table into contiguous tensors, and :func:`decode_attention` is
 one query token over them. :func:`paged_attention` does both for a whole batch at once, with the
 same gather and the same attention. :func:`paged_prefill_attention` is the prefill counterpart:
 several new tokens per sequence, packed, each attending causally to its sequence's tokens up to its
-own position; it reuses the same gather and the same attention, with a causal mask instead.
+own position. :func:`paged_attention_varlen` is the same attention in vLLM's words, for an engine
+step: the packed batch described by ``query_start_loc`` and ``seq_lens``, decodes and prompt chunks
+mixed, one call per layer.
+
+**The invariants of the packed batch** (what :func:`paged_prefill_attention` and
+:func:`paged_attention_varlen` check, and every strategy relies on): sequence ``b`` holds
+``seq_lens[b]`` tokens (the package's ``context_lens``), at least 1, in the first
+``ceil(seq_lens[b] / block_size)`` entries of its table row; its ``query_lens[b]`` query tokens,
+``0 .. seq_lens[b]`` of them, are its last ones, rows ``query_start_loc[b] .. query_start_loc[b +
+1] - 1`` of ``query`` (``query_start_loc`` is ``0`` then the running sum of ``query_lens``); query
+token ``i`` of sequence ``b`` is at position ``seq_lens[b] - query_lens[b] + i`` and sees positions
+``0`` through its own, and its K/V are already in the cache. A decode is a sequence with one query
+token, a fresh prompt one whose query tokens are all its tokens, a chunk anything in between.
 
 Every function takes grouped-query attention. In GQA, ``num_heads`` query heads share
 ``num_kv_heads`` K/V heads in equal groups (Llama-3-8B: 32 over 8), so the cache holds only the
@@ -26,7 +39,12 @@ kernels take the two counts too: in ``vllm/v1/attention/backends/flash_attn.py``
 ``FlashAttentionImpl`` is built with ``num_heads`` and ``num_kv_heads``, its queries are
 ``[num_tokens, num_heads, head_size]`` over one cache tensor per layer, ``[num_blocks,
 num_kv_heads, block_size, 2 * head_size]`` (K and V side by side in the last axis; vLLM 0.33.0),
-and ``num_queries_per_kv = num_heads // num_kv_heads``.
+and ``num_queries_per_kv = num_heads // num_kv_heads``. Its ``forward`` hands the step's packed
+batch to one varlen call with ``cu_seqlens_q = attn_metadata.query_start_loc``, ``seqused_k =
+attn_metadata.seq_lens`` and ``max_seqlen_q = attn_metadata.max_query_len``, as the Triton backend
+(``vllm/v1/attention/backends/triton_attn.py``, ``TritonAttentionImpl.forward``) hands them to
+``unified_attention``; the fields come from ``CommonAttentionMetadata``
+(``vllm/v1/attention/backend.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_kv.attention.flex import flex_decode
-from paged_kv.attention.triton_decode import triton_decode
+from paged_kv.attention.flex import flex_decode, flex_varlen
+from paged_kv.attention.triton_decode import triton_attention, triton_decode
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.validate import check_count
 
@@ -100,26 +118,9 @@ def paged_attention(
             the triton package, on a dtype it does not read, off CUDA without Triton's interpreter,
             or with ``TRITON_INTERPRET`` changed since triton was imported).
     """
-    context_lens, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
-    compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if strategy == "flex":
-        out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
-        return out.to(query.dtype)
-    if strategy == "triton":
-        return triton_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
-    if strategy != "gather" and k_cache.dtype == compute_dtype:
-        reads = _BlockReads.of(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
-        if strategy == "in_place" or reads.worth_reading_in_place(k_cache.shape[0], len(query)):
-            return _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, reads)
-
-    # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
-    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
-
-    # 2. Positions at or past the context length do not exist: the attention masks them out.
-    beyond = positions[None, :] >= context_lens[:, None]  # (batch, positions)
-    return _attend(query.to(compute_dtype), k, v, scale, beyond).to(query.dtype)
+    context_lens, _, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
+    _check_strategy(strategy)
+    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy)
 
 
 def paged_prefill_attention(
@@ -130,16 +131,20 @@ def paged_prefill_attention(
     context_lens: torch.Tensor | Sequence[int],
     query_lens: torch.Tensor | Sequence[int],
     scale: float | None = None,
+    *,
+    strategy: str = "auto",
 ) -> torch.Tensor:
-    """Causal prefill attention for a batch of sequences whose K/V live in a paged cache.
+    """Causal attention for a packed batch of sequences whose K/V live in a paged cache: prompts,
+    chunks of prompts and decodes, in any mix.
 
     Sequence ``b`` holds ``context_lens[b]`` tokens in the cache, of which the last
     ``query_lens[b]`` are new: their queries are packed into ``query``, sequence after sequence.
     New token ``i`` of sequence ``b`` sits at position ``context_lens[b] - query_lens[b] + i`` and
     attends to positions ``0`` through its own (causal). A fresh prompt has ``query_lens ==
     context_lens``; ``query_lens`` of ones is decode, what :func:`paged_attention` computes; in
-    between is a chunk of a prompt whose earlier chunks are cached. The K/V of the new tokens must
-    already be written into the cache.
+    between is a chunk of a prompt whose earlier chunks are cached; a query length of 0 is a
+    sequence with nothing to compute this time. The K/V of the new tokens must already be written
+    into the cache. (The invariants in full: the module's docstring.)
 
     Args:
         query: ``(total_new_tokens, num_heads, head_dim)`` with ``total_new_tokens ==
@@ -152,6 +157,26 @@ def paged_prefill_attention(
             each in ``1 .. needed_blocks * block_size`` as for :func:`paged_attention`.
         query_lens: ``(batch,)`` integers, each in ``0 .. context_lens[b]``.
         scale: the factor applied to ``q · k``; defaults to ``1 / sqrt(head_dim)``.
+        strategy: how the blocks are read, with the same result either way (within rounding).
+            ``"gather"`` gathers every sequence's blocks into a contiguous batch and pads the new
+            tokens to the longest query length: one gather and one masked attention (the
+            reference). ``"in_place"`` reads the cache where it lies: the sequences with one query
+            token as :func:`paged_attention`'s in-place path, those with several with every block
+            met by the queries of the row that reads it (padded to the longest of them), in one
+            product over the pool; in the caches' dtype, so half-precision caches are gathered.
+            ``"auto"`` (default) splits the batch the same way: when every query length is 1 it is
+            :func:`paged_attention`'s ``"auto"``; otherwise the rows of one query token go through
+            it (read in place or gathered by its rule) and the rows of several are
+            gathered, only theirs: so a step of many decodes and a chunk costs about a decode batch
+            plus that chunk's attention, with no decode padded to the chunk's length. In place,
+            a chunk meets every block of the pool with all its queries, which pays only when the
+            chunks read nearly the whole pool: ``"auto"`` never does it.
+            ``"flex"`` runs FlexAttention over the whole pool with a block mask that is causal
+            inside each sequence (:func:`~paged_kv.attention.flex.flex_varlen`). ``"triton"`` runs
+            the course's Triton kernel: one launch for the whole batch, one program per (sequence,
+            KV head, tile of query tokens), causal inside a chunk
+            (:func:`~paged_kv.attention.triton_decode.triton_attention`). ``"auto"`` never picks
+            ``"flex"`` or ``"triton"``.
 
     Returns:
         ``(total_new_tokens, num_heads, head_dim)``, packed like ``query``, with its dtype and
@@ -162,28 +187,243 @@ def paged_prefill_attention(
     Raises:
         ValueError: as :func:`paged_attention`, or ``query_lens`` has the wrong type or shape, a
             query length is outside ``0 .. context_lens[b]``, or they do not sum to the rows of
-            ``query`` (the message names the argument).
-
-    The new tokens are padded to the longest query length, so the batch is one gather and one
-    masked attention, with no Python loop over sequences; the padding rows are dropped at the end.
+            ``query`` (the message names the argument); or the strategy is unknown or cannot run
+            here, as for :func:`paged_attention`.
     """
-    context_lens, query_lens = _check_inputs(query, k_cache, v_cache, block_tables, context_lens, query_lens)
+    context_lens, query_lens, host_lens = _check_inputs(
+        query, k_cache, v_cache, block_tables, context_lens, query_lens
+    )
+    _check_strategy(strategy)
+    query_start_loc = torch.nn.functional.pad(torch.cumsum(query_lens, 0), (1, 0))
+    batch = _Batch(context_lens, query_start_loc, query_lens, host_lens)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+
+
+def paged_attention_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
+    strategy: str = "auto",
+    check: bool = True,
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention` for an engine step, in vLLM's words: the packed batch given
+    by ``query_start_loc``, as a model runner holds it, rather than by query lengths.
+
+    Args:
+        query, k_cache, v_cache, block_tables, scale, strategy: as for :func:`paged_prefill_attention`.
+        seq_lens: ``(batch,)`` integer tensor on the query's device: the tokens each sequence holds,
+            its query tokens included (the ``context_lens`` of :func:`paged_prefill_attention`).
+        query_start_loc: ``(batch + 1,)`` integer tensor on the query's device: ``0``, then the
+            running sum of the query lengths, so sequence ``b``'s query tokens are rows
+            ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` of ``query`` and the last entry is
+            ``query.shape[0]`` (vLLM: ``CommonAttentionMetadata.query_start_loc``).
+        max_query_len: the longest query length, when the caller knows it on the host (vLLM's
+            metadata carries it): it spares the one read from the device that sizes the padding
+            (``"gather"``) or the grid (``"triton"``). It must be right; it is not checked.
+        check: ``False`` skips the checks of the values (that the lengths fit the tables and
+            ``query_start_loc`` is consistent), which read the lengths and the tables back to the
+            host once per call; the types, shapes, dtypes and devices are checked either way. For a
+            caller that built the batch itself and checked it once per step, not once per layer.
+
+    Returns:
+        What :func:`paged_prefill_attention` returns for ``query_lens = query_start_loc[1:] -
+        query_start_loc[:-1]``.
+
+    Raises:
+        ValueError: as :func:`paged_prefill_attention`, naming ``seq_lens`` or ``query_start_loc``
+            (which must start at 0, never decrease and end at the rows of ``query``, each step at
+            most its sequence's length); with ``check=False`` only the checks that read no value.
+
+    The hot path reads the device back at most once for itself: ``"triton"`` and ``"gather"`` not
+    at all when ``max_query_len`` is given, ``"auto"`` and ``"in_place"`` to copy the query lengths
+    to the host (they split the batch into decodes and chunks); ``"flex"`` builds its block mask.
+    """
+    seq_lens, query_start_loc, host_lens = _check_inputs(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc=query_start_loc,
+        values=check,
+    )
+    _check_strategy(strategy)
+    if max_query_len is not None:
+        max_query_len = check_count("max_query_len", max_query_len)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    batch = _Batch(seq_lens, query_start_loc, query_lens, host_lens, max_query_len)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+
+
+def _check_strategy(strategy: object) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy) -> torch.Tensor:
+    """:func:`paged_attention` of checked inputs: one query token per row."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    device, (total, num_heads, head_dim), batch = query.device, query.shape, block_tables.shape[0]
+    if strategy == "flex":
+        out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
+        return out.to(query.dtype)
+    if strategy == "triton":
+        return triton_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if strategy != "gather" and k_cache.dtype == compute_dtype:
+        reads = _BlockReads.of(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
+        if strategy == "in_place" or reads.worth_reading_in_place(k_cache.shape[0], len(query)):
+            q = query.to(k_cache.dtype)[:, None]  # one query per row
+            out = _in_place(
+                q, k_cache, v_cache, block_tables, context_lens, context_lens[:, None] - 1, scale, reads
+            )
+            return out[:, :, 0].to(query.dtype)
+
+    # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
     k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
 
-    # Unpack: packed row t is new token index[t] of sequence seq[t]. Pad to (batch, max_q, ...).
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=total)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    index = torch.arange(total, device=device) - starts[seq]
-    max_q = int(query_lens.max()) if batch else 0  # the padded width is a shape: one sync
-    padded = torch.zeros(batch, max_q, num_heads, head_dim, dtype=compute_dtype, device=device)
-    padded[seq, index] = query.to(compute_dtype)
+    # 2. Positions at or past the context length do not exist: the attention masks them out.
+    beyond = positions[None, :] >= context_lens[:, None]  # (batch, positions)
+    return _attend(query.to(compute_dtype), k, v, scale, beyond).to(query.dtype)
 
-    # Slot i of row b is position context_lens[b] - query_lens[b] + i and sees positions up to its
-    # own. Padding slots (i >= query_lens[b]) lie past the context: what they see is dropped below.
-    query_positions = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
-    beyond = positions[None, None, :] > query_positions[:, :, None]  # (batch, max_q, positions)
+
+@dataclass(frozen=True)
+class _Batch:
+    """A checked packed batch: each row's ``seq_lens``, ``query_start_loc`` and ``query_lens`` (long
+    tensors on the query's device), the query lengths on the host when the checks read them
+    already, and ``max_query_len`` when the caller gave it."""
+
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_lens: torch.Tensor
+    host_query_lens: torch.Tensor | None = None
+    max_query_len: int | None = None
+
+    def host_lens(self) -> torch.Tensor:
+        """The query lengths on the host: the checks' copy, else one read of the device."""
+        return self.query_lens.cpu() if self.host_query_lens is None else self.host_query_lens
+
+    def longest(self) -> int:
+        """The longest query length: given, from the host copy, or one read of the device."""
+        if self.max_query_len is not None:
+            return self.max_query_len
+        if not len(self.query_lens):
+            return 0
+        return int(self.host_lens().max())
+
+    def rows(self, rows: torch.Tensor, host_lens: torch.Tensor) -> tuple[torch.Tensor, _Batch]:
+        """The packed-batch token indices of ``rows`` (a host LongTensor), in order, and the batch
+        of those rows alone (their query tokens packed again)."""
+        lens = host_lens[rows]
+        starts = (torch.cumsum(host_lens, 0) - host_lens)[rows]
+        within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        tokens = torch.repeat_interleave(starts, lens) + within
+        device = self.seq_lens.device
+        index = rows.to(device)
+        sub_lens = lens.to(device)
+        sub = _Batch(
+            self.seq_lens[index],
+            torch.nn.functional.pad(torch.cumsum(sub_lens, 0), (1, 0)),
+            sub_lens,
+            lens,
+            int(lens.max()) if len(lens) else 0,
+        )
+        return tokens.to(device), sub
+
+
+def _varlen(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+    """The packed batch of checked inputs, in ``strategy``: the body of :func:`paged_prefill_attention`."""
+    if strategy == "triton":
+        return triton_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.longest(),
+            scale,
+        )
+    if strategy == "flex":
+        q = query.to(k_cache.dtype)
+        out = flex_varlen(q, k_cache, v_cache, block_tables, batch.seq_lens, batch.query_start_loc, scale)
+        return out.to(query.dtype)
+    if strategy == "gather":
+        return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale)
+
+    # "in_place" and "auto": the rows of one query token are a decode batch, the others chunks.
+    host_lens = batch.host_lens()
+    decodes, chunks = (host_lens == 1), (host_lens > 1)
+    if bool(decodes.all()):  # every row one query token (a decode step): the decode path as it is
+        return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy)
+    out = query.new_empty(query.shape)
+    for selected, run in ((decodes, _decodes_of), (chunks, _chunks_of)):
+        rows = torch.nonzero(selected).flatten()
+        if not len(rows):
+            continue
+        if len(rows) == len(host_lens):  # all of them: no copy of the tables
+            out = run(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+            continue
+        tokens, sub = batch.rows(rows, host_lens)
+        device_rows = rows.to(query.device)
+        out[tokens] = run(query[tokens], k_cache, v_cache, block_tables[device_rows], sub, scale, strategy)
+    return out
+
+
+def _decodes_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+    """A batch whose every row has one query token: the decode path."""
+    return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy)
+
+
+def _chunks_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+    """A batch of rows with several query tokens each: read in place for ``"in_place"`` (when the
+    caches are in the compute dtype), gathered otherwise.
+
+    ``"auto"`` gathers them: a chunk's copy of its blocks is shared by all its query tokens, while
+    the in-place product meets every block of the pool with the longest chunk's queries, so it pays
+    only when the chunks read nearly the whole pool, and even then its products do the masked
+    half of causal attention too. (Measured on this project's 2-core CPU, busy, 32 decodes of 1,024
+    tokens and a chunk of 256, bench/bench_attention.py: ``"auto"`` within 10 % of the decode batch
+    and the chunk run apart, 18 to 32 times faster than ``"gather"``, which pads every decode to 256
+    queries, and 50 to 70 times faster than ``"in_place"``; 4 prompts of 512 alone: gathered 1.4 to
+    3.5 times faster than in place.)
+    """
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    if strategy == "in_place" and k_cache.dtype == compute_dtype:
+        num_blocks, _, block_size, _ = k_cache.shape
+        reads = _BlockReads.of(num_blocks, block_size, block_tables, batch.seq_lens)
+        q, query_pos, seq, index = _padded(query, batch, batch.longest())
+        out = _in_place(q, k_cache, v_cache, block_tables, batch.seq_lens, query_pos, scale, reads)
+        return out.transpose(1, 2)[seq, index].to(query.dtype)
+    return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale)
+
+
+def _padded(query, batch: _Batch, longest: int):
+    """The packed query padded to ``(batch, longest, num_heads, head_dim)``, the position each padded
+    query sees up to ``(batch, longest)``, and the ``(seq, index)`` of each packed row in it."""
+    total, num_heads, head_dim = query.shape
+    rows, device = len(batch.seq_lens), query.device
+    seq = torch.repeat_interleave(torch.arange(rows, device=device), batch.query_lens, output_size=total)
+    index = torch.arange(total, device=device) - batch.query_start_loc[seq]
+    padded = query.new_zeros(rows, longest, num_heads, head_dim)
+    padded[seq, index] = query
+    # Slot i of row b is position seq_lens[b] - query_lens[b] + i and sees positions up to its own.
+    # Padding slots (i >= query_lens[b]) lie past the sequence: what they see is dropped at the end.
+    query_pos = (batch.seq_lens - batch.query_lens)[:, None] + torch.arange(longest, device=device)
+    return padded, query_pos, seq, index
+
+
+def _chunks_gathered(query, k_cache, v_cache, block_tables, batch: _Batch, scale) -> torch.Tensor:
+    """The reference: every row's blocks gathered, the queries padded to the longest, one masked
+    attention for the whole batch, no Python loop over sequences; the padding rows dropped."""
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
+    padded, query_pos, seq, index = _padded(query.to(compute_dtype), batch, batch.longest())
+    beyond = positions[None, None, :] > query_pos[:, :, None]  # (batch, max_q, positions)
     out = _attend(padded.transpose(1, 2), k, v, scale, beyond)  # (batch, heads, max_q, dim)
     return out.transpose(1, 2)[seq, index].to(query.dtype)
 
@@ -336,23 +576,26 @@ class _BlockReads:
         return 2 * distinct >= num_blocks and not thin
 
 
-def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale, reads) -> torch.Tensor:
-    """Decode attention that reads the blocks where they lie.
+def _in_place(q, k_cache, v_cache, block_tables, context_lens, query_pos, scale, reads) -> torch.Tensor:
+    """Attention that reads the blocks where they lie, for ``q`` ``(batch, queries, num_heads,
+    head_dim)`` in the caches' dtype: query ``i`` of row ``b`` sees positions ``0 ..
+    query_pos[b, i]`` of its row (and never one at or past ``context_lens[b]``). Returns
+    ``(batch, num_heads, queries, head_dim)``. A decode batch has one query per row, at
+    ``context_lens - 1``.
 
-    Each block only one row reads meets that row's query once: scores for the whole pool come from
-    one batched product in physical order, and so do the per-block partial outputs, without copying
-    K or V; a block's query heads are grouped ``(num_kv_heads, group)`` so each group meets its one
-    K/V head in the same product. The blocks several rows read (``reads.shared``, typically a
-    shared prompt prefix) are copied once each, and every row's query meets them in one dense
-    product. Only the small score and weight tensors move to each sequence's table order, where the
-    softmax runs, and back. (On a CPU, copying every block of a batch costs several times the
-    attention itself; bench/bench_attention.py measures it.)
+    Each block only one row reads meets that row's queries once: scores for the whole pool come
+    from one batched product in physical order, and so do the per-block partial outputs, without
+    copying K or V; a block's rows are its reader's (query head, query) pairs grouped ``(num_kv_heads,
+    group * queries)``, so each group meets its one K/V head in the same product. The blocks several
+    rows read (``reads.shared``, typically a shared prompt prefix) are copied once each, and every
+    row's queries meet them in one dense product. Only the small score and weight tensors move to
+    each sequence's table order, where the softmax runs, and back. (On a CPU, copying every block
+    of a batch costs several times the attention itself; bench/bench_attention.py measures it.)
     """
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    num_heads = query.shape[1]
-    batch, width = block_tables.shape
+    batch, num_queries, num_heads, _ = q.shape
+    width = block_tables.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
-    q = query.to(k_cache.dtype)
     num_shared = len(reads.shared)
 
     # Scores of every block with its one reader; row `batch` is a zero dummy, the "reader" of
@@ -368,19 +611,19 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
         owner[reads.blocks[alone]] = reads.rows[alone]
     else:
         owner[reads.blocks] = reads.rows
-    padded_q = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
-    # Block b's query heads, grouped (kv_heads, group, dim), against its K (kv_heads, dim, slots):
-    # a group's heads are the rows of one small product with their KV head's slots.
-    owner_q = _group_heads(padded_q[owner], num_kv_heads, dim=1)
-    scores = (torch.matmul(owner_q, k_cache.transpose(-1, -2)) * scale).flatten(
-        1, 2
-    )  # (blocks, heads, slots)
-    parts = [scores, scores.new_zeros(1, num_heads, block_size)]
+    heads_first = q.transpose(1, 2)  # (batch, heads, queries, dim)
+    padded_q = torch.cat([heads_first, heads_first.new_zeros(1, num_heads, num_queries, head_dim)])
+    # Block b's rows, grouped (kv_heads, group * queries, dim), against its K (kv_heads, dim, slots):
+    # a group's heads and queries are the rows of one small product with their KV head's slots.
+    owner_q = padded_q[owner].reshape(num_blocks, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(owner_q, k_cache.transpose(-1, -2)) * scale
+    scores = scores.view(num_blocks, num_heads, num_queries, block_size)
+    parts = [scores, scores.new_zeros(1, num_heads, num_queries, block_size)]
     index = table
-    if num_shared:  # every row's query against each shared block, copied once: (batch, shared, ...)
+    if num_shared:  # every row's queries against each shared block, copied once: (batch, shared, ...)
         k_shared, v_shared = k_cache[reads.shared], v_cache[reads.shared]
-        grouped_q = _group_heads(q, num_kv_heads, dim=1)
-        shared_scores = torch.einsum("bkgd,skpd->bskgp", grouped_q, k_shared) * scale
+        grouped_q = _group_heads(heads_first, num_kv_heads, dim=1)  # (batch, kv, group, queries, dim)
+        shared_scores = torch.einsum("bkgqd,skpd->bskgqp", grouped_q, k_shared) * scale
         parts.append(shared_scores.flatten(2, 3).flatten(0, 1))
         # A shared entry finds its scores in its own (row, shared block) row, after the dummy.
         row_start = num_blocks + 1 + torch.arange(batch, device=q.device)[:, None] * num_shared
@@ -388,23 +631,30 @@ def _decode_in_place(query, k_cache, v_cache, block_tables, context_lens, scale,
         index = torch.where(entry_shared >= 0, row_start + entry_shared, table)
     # `index` is distinct for every entry read, except that a row listing one shared block twice
     # finds both entries' scores in the same (row, shared block) row: their weights add up below.
-    source = torch.cat(parts)
+    source = torch.cat(parts)  # (sources, heads, queries, slots)
 
-    in_order = source[index].permute(0, 2, 1, 3).reshape(batch, num_heads, width * block_size)
-    in_order = in_order.masked_fill((positions[None, :] >= context_lens[:, None])[:, None], float("-inf"))
-    weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, width, block_size).permute(0, 2, 1, 3)
+    in_order = source[index].permute(0, 2, 3, 1, 4).reshape(batch, num_heads, num_queries, width * block_size)
+    unseen = (positions[None, None, :] > query_pos[:, :, None]) | (
+        positions[None, None, :] >= context_lens[:, None, None]
+    )  # (batch, queries, positions)
+    in_order = in_order.masked_fill(unseen[:, None], float("-inf"))
+    weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, num_queries, width, block_size)
+    weights = weights.permute(0, 3, 1, 2, 4)  # (batch, width, heads, queries, slots)
 
     per_source = source.new_zeros(source.shape)
     # Back where the scores came from; padding lands on the dummy. Two entries of one row naming
     # the same block meet the same V, so their weights are summed (only shared blocks can repeat).
     per_source.index_put_((index,), weights, accumulate=bool(num_shared))
-    partial = torch.matmul(_group_heads(per_source[:num_blocks], num_kv_heads, dim=1), v_cache).flatten(1, 2)
-    out = q.new_zeros(batch + 1, num_heads, head_dim).index_add_(0, owner, partial)[:batch]
+    by_block = per_source[:num_blocks].view(num_blocks, num_kv_heads, -1, block_size)
+    partial = torch.matmul(by_block, v_cache).view(num_blocks, num_heads, num_queries, head_dim)
+    out = q.new_zeros(batch + 1, num_heads, num_queries, head_dim).index_add_(0, owner, partial)[:batch]
     if num_shared:
-        shared_weights = per_source[num_blocks + 1 :].view(batch, num_shared, num_heads, block_size)
+        shared_weights = per_source[num_blocks + 1 :].view(
+            batch, num_shared, num_heads, num_queries, block_size
+        )
         grouped_weights = _group_heads(shared_weights, num_kv_heads, dim=2)
-        out += torch.einsum("bskgp,skpd->bkgd", grouped_weights, v_shared).flatten(1, 2)
-    return out.to(query.dtype)
+        out += torch.einsum("bskgqp,skpd->bkgqd", grouped_weights, v_shared).flatten(1, 2)
+    return out
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -469,13 +719,28 @@ def _group_heads(t: torch.Tensor, num_kv_heads: int, dim: int) -> torch.Tensor:
 
 
 def _check_inputs(
-    query, k_cache, v_cache, block_tables, context_lens, query_lens=None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Raise ``ValueError`` naming the bad argument; return ``context_lens``, ``query_lens`` as LongTensors.
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    query_lens=None,
+    *,
+    query_start_loc=None,
+    values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raise ``ValueError`` naming the bad argument; return the lengths as LongTensors on the
+    query's device and, when the values were checked, the query lengths on the host.
 
-    Decode (``query_lens`` None): ``query`` has one row per sequence. Prefill: ``block_tables``
-    gives the batch and ``query`` holds ``sum(query_lens)`` packed rows.
+    Three callers. Decode (no ``query_lens``, no ``query_start_loc``): ``query`` has one row per
+    sequence; returns ``(context_lens, None, None)``. Prefill (``query_lens``): ``block_tables``
+    gives the batch and ``query`` holds ``sum(query_lens)`` packed rows; returns ``(context_lens,
+    query_lens, host query_lens)``. Varlen (``query_start_loc``, the lengths named ``seq_lens``):
+    the same batch described by its starts; returns ``(seq_lens, query_start_loc, host query
+    lengths or None)``. With ``values=False`` (varlen only) nothing is read back from the device.
     """
+    varlen = query_start_loc is not None
+    lens_name = "seq_lens" if varlen else "context_lens"
     named = {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
@@ -496,9 +761,11 @@ def _check_inputs(
     for name in ("k_cache", "v_cache"):
         if named[name].dtype != query.dtype:
             raise ValueError(f"{name} has dtype {named[name].dtype} but query has {query.dtype}")
-    lengths = {"context_lens": context_lens, "query_lens": query_lens}
-    if query_lens is None:  # decode
-        del lengths["query_lens"]
+    lengths = {lens_name: context_lens}
+    if query_lens is not None:
+        lengths["query_lens"] = query_lens
+    if varlen:
+        lengths["query_start_loc"] = query_start_loc
     for name, value in lengths.items():
         named[name] = _as_tensor(name, value, query.device)
     for name, tensor in named.items():
@@ -508,7 +775,8 @@ def _check_inputs(
         dtype = named[name].dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {dtype}")
-    if query_lens is None:  # decode: one query row per sequence
+    packed = query_lens is not None or varlen
+    if not packed:  # decode: one query row per sequence
         batch = query.shape[0]
         if block_tables.dim() != 2 or block_tables.shape[0] != batch:
             raise ValueError(f"block_tables must be ({batch}, max_blocks), got {tuple(block_tables.shape)}")
@@ -516,13 +784,20 @@ def _check_inputs(
         if block_tables.dim() != 2:
             raise ValueError(f"block_tables must be 2-D (batch, max_blocks), got {tuple(block_tables.shape)}")
         batch = block_tables.shape[0]
-    for name in lengths:
-        if named[name].shape != (batch,):
-            raise ValueError(f"{name} must have shape ({batch},), got {tuple(named[name].shape)}")
-    context_lens = named["context_lens"]
+    shapes = {name: (batch,) for name in lengths}
+    if varlen:
+        shapes["query_start_loc"] = (batch + 1,)
+    for name, shape in shapes.items():
+        if named[name].shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(named[name].shape)}")
+    context_lens = named[lens_name].long()
+    if varlen:
+        query_start_loc = named["query_start_loc"].long()
+    if not values:
+        return context_lens, query_start_loc, None
 
     # The values: one copy to the CPU, then every sequence checked at once.
-    lens, table = context_lens.long().cpu(), block_tables.long().cpu()
+    lens, table = context_lens.cpu(), block_tables.long().cpu()
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
     needed = (lens + block_size - 1) // block_size
     used = torch.arange(table.shape[1]) < needed[:, None]  # the entries each sequence reads
@@ -530,15 +805,31 @@ def _check_inputs(
     if bad_len.any():
         b = int(bad_len.nonzero()[0])
         raise ValueError(
-            f"context_lens[{b}] = {int(lens[b])} must be at least 1 and fit in its row of block_tables "
+            f"{lens_name}[{b}] = {int(lens[b])} must be at least 1 and fit in its row of block_tables "
             f"({table[b].tolist()}, block_size {block_size})"
         )
     bad_id = used & (table >= num_blocks)
     if bad_id.any():
         b, j = bad_id.nonzero()[0].tolist()
         raise ValueError(f"block_tables[{b}, {j}] = {int(table[b, j])} is not a block id below {num_blocks}")
-    if query_lens is None:
-        return context_lens.long(), None
+    if not packed:
+        return context_lens, None, None
+    if varlen:
+        starts = query_start_loc.cpu()
+        new = starts[1:] - starts[:-1]
+        if int(starts[0]) != 0 or bool((new < 0).any()) or int(starts[-1]) != query.shape[0]:
+            raise ValueError(
+                f"query_start_loc must start at 0, never decrease and end at the {query.shape[0]} rows of "
+                f"query, got {starts.tolist()}"
+            )
+        bad_new = new > lens
+        if bad_new.any():
+            b = int(bad_new.nonzero()[0])
+            raise ValueError(
+                f"query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(new[b])} query tokens, more than "
+                f"seq_lens[{b}] = {int(lens[b])}"
+            )
+        return context_lens, query_start_loc, new
     query_lens = named["query_lens"].long()
     new = query_lens.cpu()
     bad_new = (new < 0) | (new > lens)
@@ -549,7 +840,7 @@ def _check_inputs(
         )
     if int(new.sum()) != query.shape[0]:
         raise ValueError(f"query_lens must sum to the {query.shape[0]} rows of query, got {int(new.sum())}")
-    return context_lens.long(), query_lens
+    return context_lens, query_lens, new
 
 
 def _grouped_heads_fit(num_heads: int, num_kv_heads: int) -> bool:

@@ -1,18 +1,22 @@
-"""Paged decode attention as a Triton kernel that does the address translation itself (lessons 05, 12).
+"""Paged attention as a Triton kernel that does the address translation itself, for decodes and
+prompt chunks packed in one launch (lessons 05, 12).
 
 Lesson 05 computes paged attention with PyTorch operations: gather the blocks, or read them in place
 with batched products. Lesson 12 writes the kernel a real engine runs instead: it is handed the
 whole cache and the block tables, and each program finds its sequence's tokens itself, lesson 03's
 translation done in pointer arithmetic (token ``p`` is offset ``p % block_size`` of block
 ``block_tables[b, p // block_size]``), and combines the blocks with lesson 05's online softmax.
-The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_decode_kernel`; this module
-launches it, for ``paged_attention(..., strategy="triton")``.
+The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_attention_kernel`; this module
+launches it: :func:`triton_attention` for a packed batch of any number of query tokens per sequence
+(``paged_prefill_attention`` and ``paged_attention_varlen`` with ``strategy="triton"``), and
+:func:`triton_decode`, the same kernel on one query token per sequence (``paged_attention``).
 
-One program runs per (sequence, KV head), ``grid = (batch, num_kv_heads)``, and handles the
-``num_heads // num_kv_heads`` query heads that read its KV head (query head ``q`` reads KV head
-``q // (num_heads // num_kv_heads)``, :mod:`paged_kv.attention.heads`). So each block's K and V
-are loaded once per KV head and met by every query head of the group; a program per query head
-would load them once per query head, ``num_heads // num_kv_heads`` times as often.
+One program runs per (sequence, KV head, tile of query tokens), ``grid = (batch, num_kv_heads,
+ceil(max_query_len / QUERY_TILE))``, and handles the ``num_heads // num_kv_heads`` query heads that
+read its KV head (query head ``q`` reads KV head ``q // (num_heads // num_kv_heads)``,
+:mod:`paged_kv.attention.heads`) for up to ``QUERY_TILE`` query tokens, causal inside its
+sequence. So each block's K and V are loaded once per KV head and tile and met by every (query
+token, query head) row of it; a program per query head and token would load them once per row.
 
 The kernel takes every tensor's strides, so it reads any view of the cache whose axes are
 ``(num_blocks, num_kv_heads, block_size, head_dim)``: this course's layout, contiguous, and vLLM
@@ -25,13 +29,19 @@ place through their strides.
 Where vLLM's Triton attention lives (vLLM 0.33.0): ``vllm/v1/attention/backends/triton_attn.py``
 is the ``TRITON_ATTN`` backend. Its ``TritonAttentionImpl.forward`` splits the layer's cache into
 ``key_cache`` and ``value_cache`` and calls ``unified_attention`` from
-``vllm/v1/attention/ops/triton_unified_attention.py``, which launches ``kernel_unified_attention``:
-one program per (block of query tokens, KV head), the query heads of that KV head being rows of one
-tile; it loads the physical block id of each tile of keys from the block table, computes the K/V
-offsets from the cache's four strides, and keeps a running maximum ``M``, sum ``L`` and accumulator
-``acc`` in float32. It also does prefill and chunked prefill (several query tokens per sequence,
-causal), sliding windows, ALiBi, soft-capping and fp8 caches, which this kernel leaves out: here
-each sequence has one query token, the decode step.
+``vllm/v1/attention/ops/triton_unified_attention.py`` with ``cu_seqlens_q`` (the step's
+``query_start_loc``), ``seqused_k`` (``seq_lens``) and ``max_seqlen_q``; it launches
+``kernel_unified_attention`` on ``grid = (total_num_q_blocks, num_kv_heads)``: one program per
+(block of ``BLOCK_Q`` query tokens, KV head), its ``BLOCK_M`` rows the (query token, query head)
+pairs of that block, prefill chunks and decodes in the same launch. The first axis counts every
+sequence's query blocks at once, ``q.shape[0] // BLOCK_Q + num_seqs`` (an upper bound that needs no
+length from the device), and a program finds its sequence by a binary search over the query starts
+(``find_seq_idx`` in ``vllm/v1/attention/ops/triton_attention_helpers.py``); this launcher has a
+sequence axis instead, sized by ``max_query_len``, and lets the programs past a sequence's query
+tokens return. vLLM's kernel loads the physical block id of each tile of keys from the block table,
+computes the K/V offsets from the cache's four strides, keeps a running maximum ``M``, sum ``L`` and
+accumulator ``acc`` in float32, and adds sliding windows, ALiBi, soft-capping, fp8 caches and a
+split of long contexts into segments (``IS_3D``), which this kernel leaves out.
 
 Triton is optional: ``import paged_kv`` never imports it, and :func:`triton_available` says
 whether it is installed. On CUDA the kernel is compiled. On the CPU it runs in Triton's
@@ -88,17 +98,57 @@ def triton_decode(
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
-    ``query`` is ``(batch, num_heads, head_dim)`` in the caches' dtype, one of
-    :data:`KERNEL_DTYPES`; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks, num_kv_heads,
-    block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read in place),
-    ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)`` of any
-    integer dtype whose first ``ceil(context_lens[b] / block_size)`` entries of row ``b`` are valid
-    block ids, and ``context_lens`` a long tensor of values ``>= 1``, all on the query's device.
-    Returns ``(batch, num_heads, head_dim)`` in the query's dtype, computed in float32.
+    ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence, in the caches'
+    dtype; the rest is as for :func:`triton_attention`, ``context_lens`` being its ``seq_lens``. A
+    batch of decodes is the kernel's simplest case: ``query_start_loc = [0, 1, ..., batch]`` and one
+    query token per program (``QUERY_TILE`` 1), each program's rows the ``GROUP`` query heads of
+    its KV head.
+    """
+    batch = query.shape[0]
+    query_start_loc = torch.arange(batch + 1, device=query.device)
+    return triton_attention(
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, 1, scale, kernel
+    )
+
+
+def triton_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float | None,
+    kernel: Callable | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged attention of checked inputs (see ``paged_attention_varlen``) with the Triton kernel:
+    any number of query tokens per sequence, causal inside a chunk, decodes and chunks in one launch.
+
+    ``query`` is ``(num_tokens, num_heads, head_dim)`` in the caches' dtype, one of
+    :data:`KERNEL_DTYPES`, the query tokens of sequence ``b`` being rows ``query_start_loc[b] ..
+    query_start_loc[b + 1] - 1``; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks,
+    num_kv_heads, block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read
+    in place), ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)``
+    of any integer dtype whose first ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are
+    valid block ids; ``seq_lens`` holds each sequence's tokens, its query tokens included (at
+    least its query length), and ``query_start_loc`` ``(batch + 1,)`` starts at 0 and never
+    decreases, both integer tensors on the query's device; ``max_query_len`` is at least the
+    longest query length (a host integer: it sizes the grid, so the launch reads nothing back
+    from the device). Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype, computed
+    in float32.
+
+    The grid is ``(batch, num_kv_heads, ceil(max_query_len / QUERY_TILE))``: program ``(seq,
+    kv_head, tile)`` takes ``QUERY_TILE`` query tokens of sequence ``seq`` (1 for a batch of
+    decodes; else as many as fit 16 rows of (token, query head), as vLLM's ``BLOCK_M`` of 16), and
+    a program whose tile is past its sequence's query tokens returns at once.
 
     ``kernel`` is the plain function to launch, made a kernel by ``triton.jit`` on first use: by
-    default :func:`~paged_kv.attention.triton_kernel.paged_decode_kernel`; lesson 12's exercise
-    passes the learner's, which takes the same arguments.
+    default :func:`~paged_kv.attention.triton_kernel.paged_attention_kernel`; lesson 12's exercise
+    passes the learner's, which takes the same arguments. ``out``, when given, is the tensor the
+    kernel writes (the query's shape and dtype, as vLLM's ``unified_attention`` takes its ``out``);
+    lesson 12's check fills it with NaN first, so a row a kernel never stores shows.
 
     Raises:
         ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
@@ -127,18 +177,24 @@ def triton_decode(
             "interpreter only: set TRITON_INTERPRET=1 in the environment before triton is first imported"
         )
     _, num_kv_heads, block_size, head_dim = k_cache.shape
-    batch, num_heads, _ = query.shape
+    num_heads = query.shape[1]
+    batch = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    query_tile = query_tile_for(max_query_len, group)
+    if not out.numel() or not batch:
+        return out
     if kernel is None:
-        from paged_kv.attention.triton_kernel import paged_decode_kernel as kernel
-    _jit(kernel)[(batch, num_kv_heads)](
+        from paged_kv.attention.triton_kernel import paged_attention_kernel as kernel
+    _jit(kernel)[(batch, num_kv_heads, triton.cdiv(max_query_len, query_tile))](
         out,
         query,
         k_cache,
         v_cache,
         block_tables,
-        context_lens.contiguous(),
+        seq_lens.contiguous(),
+        query_start_loc.contiguous(),
         head_dim**-0.5 if scale is None else scale,
         *out.stride(),
         *query.stride(),
@@ -146,13 +202,27 @@ def triton_decode(
         *v_cache.stride(),
         *block_tables.stride(),
         GROUP=group,
+        QUERY_TILE=query_tile,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        GROUP_PADDED=triton.next_power_of_2(group),
+        ROWS_PADDED=triton.next_power_of_2(query_tile * group),
         BLOCK_PADDED=triton.next_power_of_2(block_size),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
     )
     return out
+
+
+#: The rows of (query token, query head) a program of several query tokens takes, as vLLM's
+#: ``BLOCK_M``: ``QUERY_TILE = ROWS // GROUP`` tokens (at least 1).
+ROWS = 16
+
+
+def query_tile_for(max_query_len: int, group: int) -> int:
+    """The query tokens per program: 1 for decodes (``max_query_len <= 1``), else ``ROWS // group``
+    (at least 1), no more than ``max_query_len`` rounded up to a power of two."""
+    if max_query_len <= 1:
+        return 1
+    return max(1, min(ROWS // group, 1 << (max_query_len - 1).bit_length()))
 
 
 @functools.cache

@@ -1,47 +1,65 @@
-"""The paged decode kernel in Triton's language (lesson 12); importing this module imports triton, through
+"""The paged attention kernel in Triton's language (lesson 12); importing this module imports triton, through
 :mod:`paged_kv.attention.triton_language` (its interpreter where there is no GPU, unless triton came first).
 
-:func:`paged_decode_kernel` is a plain function written in Triton's language, not yet a kernel:
-``triton.jit(paged_decode_kernel)`` makes it one. :mod:`paged_kv.attention.triton_decode` does so
+:func:`paged_attention_kernel` is a plain function written in Triton's language, not yet a kernel:
+``triton.jit(paged_attention_kernel)`` makes it one. :mod:`paged_kv.attention.triton_decode` does so
 on its first call (compiled, or interpreted: the process's mode is fixed when triton is imported)
-and launches it with ``grid = (batch, num_kv_heads)``: one program per (sequence, KV head).
+and launches it with ``grid = (batch, num_kv_heads, query_tiles)``: one program per (sequence, KV
+head, tile of ``QUERY_TILE`` query tokens of that sequence). One kernel serves a whole engine step:
+the query tokens of every sequence are packed one sequence after another, as vLLM's
+``query_start_loc`` packs them, a decode being a sequence of one query token (one tile, and the
+launcher makes ``QUERY_TILE`` 1 for a batch of decodes), a prompt or a chunk of one several.
 
-A program handles the ``GROUP`` query heads that read its KV head (query head ``q`` reads KV head
-``q // GROUP``, :mod:`paged_kv.attention.heads`), so each block's K and V are loaded once per KV
-head. It walks its sequence's logical blocks ``j = 0 .. ceil(context_len / BLOCK_SIZE) - 1``,
-loads block ``j``'s physical id from its row of the table, and addresses slot ``s`` of it, for its
-KV head and dimension ``d``, as lesson 03's translation in pointer arithmetic::
+A program's **rows** are (query token, query head) pairs: row ``r`` is query token ``tile *
+QUERY_TILE + r // GROUP`` of its sequence, and query head ``kv_head * GROUP + r % GROUP``, one of
+the ``GROUP`` heads that read its KV head (query head ``q`` reads KV head ``q // GROUP``,
+:mod:`paged_kv.attention.heads`). So each block's K and V are loaded once per (tile, KV head) and
+met by every row. Query token ``i`` of sequence ``b`` sits at position ``context_len + i`` of its
+sequence, where ``context_len = seq_len - query_len`` tokens came before the query tokens (cached
+by earlier steps), and it sees positions ``0 ..`` its own: causal inside a chunk.
+
+The program walks its sequence's logical blocks ``j = 0 .. ceil(kv_len / BLOCK_SIZE) - 1``, where
+``kv_len`` is the positions its last query token sees, loads block ``j``'s physical id from its
+row of the table, and addresses slot ``s`` of it, for its KV head and dimension ``d``, as lesson
+03's translation in pointer arithmetic::
 
     k_cache_ptr + block * k_stride_block + kv_head * k_stride_head + s * k_stride_slot + d * k_stride_dim
 
-Slots ``s`` with ``j * BLOCK_SIZE + s >= context_len`` (the unused tail of the last block) are
-masked: never loaded, and given a score of ``-inf``. Lesson 05's online softmax combines the
-blocks in float32: ``m``, the running maximum score of each query head; ``total``, the running sum
-of ``exp(score - m)``; ``acc``, the running sum of those weights times V. When a block raises the
-maximum, the earlier terms are rescaled by ``exp(m_old - m_new)``; the output is ``acc / total``.
+Two masks. A slot is **live** when it holds a token, ``j * BLOCK_SIZE + s < seq_len``: the tail of
+the last block is never loaded (it may hold anything, NaN included, and ``0 * NaN`` is NaN). A live
+slot is **visible** to a row when its position is at most the row's query position; other scores
+are ``-inf``. Lesson 05's online softmax combines the blocks in float32: ``m``, the running maximum
+score of each row; ``total``, the running sum of ``exp(score - m)``; ``acc``, the running sum of
+those weights times V. When a block raises the maximum, the earlier terms are rescaled by
+``exp(m_old - m_new)``; the output is ``acc / total``.
 
-Invariants the launcher guarantees: ``context_lens[b] >= 1`` and the first ``ceil(context_lens[b]
-/ BLOCK_SIZE)`` entries of row ``b`` are block ids of the cache (the others are never read, so
-padding may hold anything), hence every block the loop visits has a live slot and ``m`` is finite
-after it; ``GROUP``, ``BLOCK_SIZE`` and ``HEAD_DIM`` are rounded up to powers of two
-(``*_PADDED``, as ``tl.arange`` requires) and the padding is masked.
+Invariants the launcher guarantees: ``query_start_loc`` starts at 0 and never decreases, each
+``query_len = query_start_loc[b + 1] - query_start_loc[b]`` is at most ``seq_lens[b]``, and the
+first ``ceil(seq_lens[b] / BLOCK_SIZE)`` entries of row ``b`` are block ids of the cache (the others
+are never read, so padding may hold anything). A program whose tile starts at or past its
+sequence's query tokens returns at once (a sequence with 0 query tokens has no work). Every row,
+padding included, sees position 0 (``query_pos >= 0``) in the first block the loop visits, so ``m``
+is finite after it. ``GROUP * QUERY_TILE``, ``BLOCK_SIZE`` and ``HEAD_DIM`` are rounded up to
+powers of two (``*_PADDED``, as ``tl.arange`` requires) and the padding is masked; padding rows
+(past ``GROUP * QUERY_TILE``, or past the sequence's query tokens) are computed but never stored.
 """
 
 from paged_kv.attention.triton_language import tl
 
 
-def paged_decode_kernel(
-    out_ptr,  # (batch, num_heads, head_dim), the query's dtype
-    query_ptr,  # (batch, num_heads, head_dim)
+def paged_attention_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim), the query's dtype
+    query_ptr,  # (num_tokens, num_heads, head_dim): every sequence's query tokens, packed in order
     k_cache_ptr,  # (num_blocks, num_kv_heads, block_size, head_dim), any strides
     v_cache_ptr,  # the same axes as k_cache, its own strides
     block_tables_ptr,  # (batch, max_blocks), integer block ids
-    context_lens_ptr,  # (batch,), contiguous, each >= 1
+    seq_lens_ptr,  # (batch,): the tokens each sequence holds, its query tokens included
+    query_start_loc_ptr,  # (batch + 1,): sequence b's query tokens are rows [b] .. [b + 1] - 1
     scale,
-    out_stride_seq,
+    out_stride_token,
     out_stride_head,
     out_stride_dim,
-    q_stride_seq,
+    q_stride_token,
     q_stride_head,
     q_stride_dim,
     k_stride_block,
@@ -55,33 +73,51 @@ def paged_decode_kernel(
     table_stride_seq,
     table_stride_entry,
     GROUP: tl.constexpr,  # query heads per KV head
+    QUERY_TILE: tl.constexpr,  # query tokens per program
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    GROUP_PADDED: tl.constexpr,  # the three sizes rounded up to powers of two (tl.arange's rule)
+    ROWS_PADDED: tl.constexpr,  # QUERY_TILE * GROUP, BLOCK_SIZE and HEAD_DIM rounded up to powers of two
     BLOCK_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
 ):
-    """Program ``(seq, kv_head)``: attention of query heads ``kv_head * GROUP ...`` of sequence ``seq``."""
+    """Program ``(seq, kv_head, tile)``: query tokens ``tile * QUERY_TILE ...`` of sequence ``seq``,
+    for query heads ``kv_head * GROUP ...``."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    members = tl.arange(0, GROUP_PADDED)  # this program's query heads: kv_head * GROUP + members
+    tile = tl.program_id(2)
+    rows = tl.arange(0, ROWS_PADDED)  # (query token, query head) pairs, GROUP heads per token
     slots = tl.arange(0, BLOCK_PADDED)  # offsets within a block
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    heads = kv_head * GROUP + members
-    real = (members < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]  # not padding: (group, dim)
 
-    q_ptrs = query_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :] * q_stride_dim
-    q = tl.load(q_ptrs, mask=real, other=0.0).to(tl.float32)  # (group, dim)
-    context_len = tl.load(context_lens_ptr + seq)
+    query_start = tl.load(query_start_loc_ptr + seq)  # the sequence's first row of the packed batch
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if tile * QUERY_TILE >= query_len:  # the sequence has no query token in this tile
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len  # the tokens before the query tokens, cached by earlier steps
+    token = tile * QUERY_TILE + rows // GROUP  # which query token of the sequence each row is
+    heads = kv_head * GROUP + rows % GROUP
+    query_pos = context_len + token  # its position in the sequence
+    real = ((rows < QUERY_TILE * GROUP) & (token < query_len))[:, None] & (dims < HEAD_DIM)[None, :]
+
+    q_ptrs = (
+        query_ptr
+        + (query_start + token)[:, None] * q_stride_token
+        + heads[:, None] * q_stride_head
+        + dims[None, :] * q_stride_dim
+    )
+    q = tl.load(q_ptrs, mask=real, other=0.0).to(tl.float32)  # (rows, dim)
     table_row = block_tables_ptr + seq * table_stride_seq
+    kv_len = tl.minimum(context_len + (tile + 1) * QUERY_TILE, seq_len)  # what the tile's last token sees
 
-    m = tl.full((GROUP_PADDED,), float("-inf"), dtype=tl.float32)  # running maximum score
-    total = tl.zeros((GROUP_PADDED,), dtype=tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros((GROUP_PADDED, HEAD_DIM_PADDED), dtype=tl.float32)  # running sum of weights * V
-    for j in range(0, tl.cdiv(context_len, BLOCK_SIZE)):  # the logical blocks the sequence holds
+    m = tl.full((ROWS_PADDED,), float("-inf"), dtype=tl.float32)  # running maximum score
+    total = tl.zeros((ROWS_PADDED,), dtype=tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros((ROWS_PADDED, HEAD_DIM_PADDED), dtype=tl.float32)  # running sum of weights * V
+    for j in range(0, tl.cdiv(kv_len, BLOCK_SIZE)):  # the logical blocks the tile's queries see
         block = tl.load(table_row + j * table_stride_entry).to(tl.int64)  # physical block id
-        # Slots at or past the context length (the tail of the last block) do not exist.
-        live = (slots < BLOCK_SIZE) & (j * BLOCK_SIZE + slots < context_len)
+        kv_pos = j * BLOCK_SIZE + slots  # the positions the block's slots hold
+        # Slots at or past the sequence's length (the tail of the last block) hold no token.
+        live = (slots < BLOCK_SIZE) & (kv_pos < seq_len)
         loaded = live[:, None] & (dims < HEAD_DIM)[None, :]  # (slot, dim)
         k_ptrs = (
             k_cache_ptr
@@ -91,13 +127,15 @@ def paged_decode_kernel(
             + dims[None, :] * k_stride_dim
         )
         k = tl.load(k_ptrs, mask=loaded, other=0.0).to(tl.float32)  # (slot, dim)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (group, slot)
-        scores = tl.where(live[None, :], scores, float("-inf"))
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (rows, slot)
+        # Causal: a query sees the live positions up to its own, itself included.
+        visible = live[None, :] & (kv_pos[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
 
-        # Every block the loop visits holds at least one live slot, so m_new is finite.
+        # Every row sees position 0 in the first block, so m_new is finite from then on.
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         rescale = tl.exp(m - m_new)  # what the earlier blocks' terms shrink by; 0 on the first
-        weights = tl.exp(scores - m_new[:, None])  # (group, slot), 0 where not live
+        weights = tl.exp(scores - m_new[:, None])  # (rows, slot), 0 where not visible
         total = total * rescale + tl.sum(weights, axis=1)
         v_ptrs = (
             v_cache_ptr
@@ -111,6 +149,9 @@ def paged_decode_kernel(
         m = m_new
 
     out_ptrs = (
-        out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :] * out_stride_dim
+        out_ptr
+        + (query_start + token)[:, None] * out_stride_token
+        + heads[:, None] * out_stride_head
+        + dims[None, :] * out_stride_dim
     )
     tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=real)

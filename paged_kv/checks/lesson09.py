@@ -1,13 +1,15 @@
 """Checks of exercise 09: the engine's admission rule, the slots of a decode step, a paged cache of one's own.
 
-The admission rule is checked on examples at the boundary, then against what
-:class:`~paged_kv.serving.engine.Engine` actually does. The slots are compared with the package's
-:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping` on a twin allocator, in pools whose free
-lists are shuffled, so that a slot is never the position itself. The cache is checked call by call
-against attention over the same tokens held contiguously, then end to end: in
-:func:`~paged_kv.model.generate` and in the engine, against the contiguous cache. Every pool starts
-full of stale random K/V, so a slot written or read in the wrong place gives a visibly wrong answer.
-When an answer is wrong, the check looks for the classic mistakes and names the one it finds.
+The admission rule is vLLM's (the whole prompt's blocks free, nothing kept for the running requests'
+growth): it is checked on examples at the boundary, then against what
+:class:`~paged_kv.serving.engine.Engine` actually does beside requests that are decoding. The slots
+are compared with the package's :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping` on a
+twin allocator, in pools whose free lists are shuffled, so that a slot is never the position itself.
+The cache is checked call by call against attention over the same tokens held contiguously, then
+end to end in :func:`~paged_kv.model.generate`, against the contiguous cache (the engine runs its
+own step on the package's storage, not on a learner's cache). Every pool starts full of stale
+random K/V, so a slot written or read in the wrong place gives a visibly wrong answer. When an
+answer is wrong, the check looks for the classic mistakes and names the one it finds.
 """
 
 from __future__ import annotations
@@ -54,44 +56,64 @@ def _one_thread(check: Callable[..., None]) -> Callable[..., None]:
 # ------------------------------------------------------------------------------- Task 1
 
 RULE = (
-    "admit when blocks_for_tokens(prompt_tokens, block_size) + num_running + 1 <= num_free_blocks: the "
-    "prompt's blocks plus one block of headroom per running sequence, the new one included"
+    "admit when blocks_for_tokens(prompt_tokens, block_size) <= num_free_blocks: the whole prompt's "
+    "blocks must be free, whatever num_running (vLLM keeps no block for the running requests' growth)"
+)
+NO_HEADROOM = (
+    "vLLM keeps no block per running request: it admits into a full pool and preempts when a decode "
+    "finds no block. Only the prompt's blocks must be free, blocks_for_tokens(prompt_tokens, block_size) "
+    "<= num_free_blocks, whatever num_running (the watermark that keeps a few blocks back is lesson 11's)"
 )
 
 
 def _rounded_down(free: int, prompt: int, running: int, size: int) -> bool:
-    return prompt // size + running + 1 <= free
+    return prompt // size <= free
 
 
-def _no_own_headroom(free: int, prompt: int, running: int, size: int) -> bool:
+def _headroom(free: int, prompt: int, running: int, size: int) -> bool:
+    return blocks_for_tokens(prompt, size) + running + 1 <= free
+
+
+def _headroom_for_the_others(free: int, prompt: int, running: int, size: int) -> bool:
     return blocks_for_tokens(prompt, size) + running <= free
 
 
-def _no_headroom(free: int, prompt: int, running: int, size: int) -> bool:
-    return blocks_for_tokens(prompt, size) <= free
-
-
 def _strict(free: int, prompt: int, running: int, size: int) -> bool:
-    return blocks_for_tokens(prompt, size) + running + 1 < free
+    return blocks_for_tokens(prompt, size) < free
+
+
+def _tokens_as_blocks(free: int, prompt: int, running: int, size: int) -> bool:
+    return prompt <= free
+
+
+def _first_token_counted(free: int, prompt: int, running: int, size: int) -> bool:
+    return blocks_for_tokens(prompt + 1, size) <= free
 
 
 ADMISSION_MISTAKES: list[tuple[Callable[[int, int, int, int], bool], str]] = [
+    (
+        _headroom,
+        "you kept num_running + 1 blocks of headroom, one per running request and one for the new one, so "
+        "that the next decode step always fits. " + NO_HEADROOM,
+    ),
+    (_headroom_for_the_others, "you kept one block of headroom per running request. " + NO_HEADROOM),
     (
         _rounded_down,
         "the prompt's blocks are rounded down: 5 tokens in blocks of 4 fill 2 blocks, so round up "
         "(blocks_for_tokens, or -(-prompt_tokens // block_size))",
     ),
-    (
-        _no_own_headroom,
-        "the new sequence has no headroom of its own: it decodes in the next step too, so the headroom "
-        "is num_running + 1 blocks",
-    ),
-    (
-        _no_headroom,
-        "no headroom at all: the next decode step can need one new block per running sequence, the new "
-        "one included, so num_running + 1 blocks must stay free besides the prompt's",
-    ),
     (_strict, "exactly enough free blocks is enough: compare with <=, not <"),
+    (
+        _tokens_as_blocks,
+        "you compared tokens with blocks: prompt_tokens counts tokens, num_free_blocks counts blocks of "
+        "block_size slots. Turn the tokens into blocks first, blocks_for_tokens(prompt_tokens, block_size)",
+    ),
+    (
+        _first_token_counted,
+        "you made room for the first output token too: only the prompt's slots are needed at admission. "
+        "The prefill samples the first token, and its K/V is written in the next step, whose "
+        "allocate_slots takes a block for it then (vLLM checks the request's num_tokens, its prompt)",
+    ),
 ]
 
 
@@ -101,30 +123,33 @@ def _admission_hint(can_admit: Callable[..., object]) -> str:
     return diagnose(can_admit, ADMISSION_MISTAKES, answers(grid), RULE)
 
 
-def _admitted_at_once(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:
-    """Whether the engine admits a request at step 0, behind ``running`` one-block requests.
+def _admitted_beside(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:
+    """Whether the engine admits a request the step it arrives, beside ``running`` running requests.
 
-    The pool has ``free + running`` blocks; the running requests each take one block for a prompt of
-    ``block_size`` tokens (admitted first, as long as ``free >= running``), leaving ``free`` blocks.
+    The pool has ``free + running`` blocks. The running requests arrive at step 0, each with a prompt
+    of ``block_size - 1`` tokens in one block, and are still decoding at step 1, their next token in
+    that block; the new request arrives at step 1, when ``free`` blocks are free, and is admitted
+    then or later.
     """
-    requests = [EngineRequest(("running", i), [1] * block_size, 1) for i in range(running)]
-    requests.append(EngineRequest("new", [2] * prompt_tokens, 1))
+    requests = [EngineRequest(("running", i), [1] * (block_size - 1), 3) for i in range(running)]
+    requests.append(EngineRequest("new", [2] * prompt_tokens, 1, arrival_step=1))
     result = Engine(model, num_blocks=free + running, block_size=block_size).run(requests)
-    return result.admitted_step["new"] == 0
+    return "new" in dict(result.scheduled_tokens[1])
 
 
 def _engine_cases(block_size: int = 4) -> list[tuple[int, int, int]]:
     """``(free, prompt_tokens, running)`` on both sides of the rule: one block short, and exactly enough.
 
-    Only the cases the engine can set up: at least ``running`` free blocks (the running requests are
-    admitted first, each with its own headroom) and a request that fits the pool alone.
+    Only the cases the engine can set up: every request fits the pool alone (a running one grows to
+    2 blocks, the new one needs its prompt's), and at least one block is free.
     """
     cases = []
     for running in range(4):
         for prompt in (1, 4, 5, 9):
-            needed = blocks_for_tokens(prompt, block_size) + running + 1
+            needed = blocks_for_tokens(prompt, block_size)
             for free in (needed - 1, needed):
-                if free >= running and blocks_for_tokens(prompt, block_size) + 1 <= free + running:
+                num_blocks = free + running
+                if free >= 1 and needed <= num_blocks and (running == 0 or num_blocks >= 2):
                     cases.append((free, prompt, running))
     return cases
 
@@ -134,29 +159,32 @@ def _engine_cases(block_size: int = 4) -> list[tuple[int, int, int]]:
 def _can_admit(c: Checker, can_admit) -> None:
     hint = _admission_hint(can_admit)
     cases = [
-        (7, 9, 2, 4, True),
-        (6, 9, 2, 4, True),
-        (5, 9, 2, 4, False),
-        (5, 8, 2, 4, True),
-        (2, 1, 0, 4, True),
-        (1, 1, 0, 4, False),
-        (2, 4, 0, 4, True),
-        (2, 5, 0, 4, False),
-        (3, 5, 0, 4, True),
+        (3, 9, 0, 4, True),
+        (2, 9, 0, 4, False),
+        (3, 9, 2, 4, True),
+        (2, 8, 2, 4, True),
+        (1, 1, 0, 4, True),
+        (0, 1, 0, 4, False),
+        (1, 4, 0, 4, True),
+        (1, 5, 0, 4, False),
+        (2, 5, 0, 4, True),
+        (2, 5, 7, 4, True),
+        (5, 9, 1, 1, False),
+        (9, 9, 3, 1, True),
     ]
     for free, prompt, running, size, expected in cases:
-        needed = f"{blocks_for_tokens(prompt, size)} prompt block(s) + {running + 1} of headroom"
+        needed = f"{blocks_for_tokens(prompt, size)} prompt block(s), {free} free, {running} running"
         c.equal(
-            f"can_admit({free}, {prompt}, {running}, {size})  # needs {needed}",
+            f"can_admit({free}, {prompt}, {running}, {size})  # {needed}",
             lambda free=free, prompt=prompt, running=running, size=size: bool(
                 can_admit(free, prompt, running, size)
             ),
             expected,
             hint,
         )
-    result = c.run("can_admit(6, 9, 2, 4)", lambda: can_admit(6, 9, 2, 4))
+    result = c.run("can_admit(3, 9, 2, 4)", lambda: can_admit(3, 9, 2, 4))
     c.holds(
-        "type(can_admit(6, 9, 2, 4))",
+        "type(can_admit(3, 9, 2, 4))",
         type(result) is bool,
         "bool",
         type(result).__name__,
@@ -168,11 +196,11 @@ def _can_admit(c: Checker, can_admit) -> None:
         got = c.run(
             call, lambda free=free, prompt=prompt, running=running: bool(can_admit(free, prompt, running, 4))
         )
-        engine = _admitted_at_once(model, free, prompt, running, 4)
+        engine = _admitted_beside(model, free, prompt, running, 4)
         c.holds(
-            f"{call}  # an Engine with {free} free blocks of 4 and {running} running sequence(s)",
+            f"{call}  # an Engine with {free} free blocks of 4 and {running} running request(s)",
             got == engine,
-            f"{engine} (the engine {'admits' if engine else 'refuses'} a {prompt}-token prompt at once)",
+            f"{engine} (the engine {'admits' if engine else 'does not admit'} a {prompt}-token prompt then)",
             got,
             hint,
         )
@@ -442,37 +470,7 @@ def _stored_hint(cache: object, layer: int, seq_id: Hashable, k: torch.Tensor, v
     )
 
 
-def _engine_workloads() -> list[tuple[str, list[EngineRequest], dict, bool]]:
-    """``(what, requests, engine sizes, whether paged mode preempts)``: a random stream, and a burst."""
-    rng = random.Random(9)
-    stream = [
-        EngineRequest(
-            f"r{i}",
-            [rng.randrange(256) for _ in range(rng.randint(1, 12))],
-            rng.randint(1, 10),
-            arrival_step=rng.randrange(6),
-        )
-        for i in range(8)
-    ]
-    # Each ends at 3 + 10 - 1 = 12 tokens, 3 blocks: three admitted at once outgrow 6 blocks.
-    burst = [EngineRequest(i, [7 * i + 1, 2, 3], 10) for i in range(5)]
-    return [
-        (
-            "8 random requests, 12 blocks of 4",
-            stream,
-            {"num_blocks": 12, "block_size": 4, "max_model_len": 24},
-            False,
-        ),
-        (
-            "5 requests at once, 6 blocks of 4",
-            burst,
-            {"num_blocks": 6, "block_size": 4, "max_model_len": 13},
-            True,
-        ),
-    ]
-
-
-@task("09.paged_cache", "your own paged cache, in the model and in the engine", needs=("MyPagedCache",))
+@task("09.paged_cache", "your own paged cache, in the model", needs=("MyPagedCache",))
 @_one_thread
 def _paged_cache(c: Checker, cache_class) -> None:
     device = default_device()
@@ -694,52 +692,3 @@ def _paged_cache(c: Checker, cache_class) -> None:
         40,
         "generate frees every sequence at the end: give the blocks back in free (self.manager.free)",
     )
-
-    # The engine, with the cache plugged in
-    for what, requests, sizes, preempts in _engine_workloads():
-        caches: list[object] = []
-
-        def factory(*args, caches=caches):
-            caches.append(cache_class(*args))
-            return caches[-1]
-
-        arguments = ", ".join(f"{name}={value}" for name, value in sizes.items())
-        call = f"Engine(model, {arguments}, cache_factory=MyPagedCache).run(requests)  # {what}"
-        paged = c.run(
-            call,
-            lambda requests=requests, sizes=sizes, factory=factory: Engine(
-                model, cache_factory=factory, **sizes
-            ).run(requests),
-            "the engine asks num_free_blocks and needs_new_block to admit and to make room for each decode "
-            "step, then calls add_sequence, write_prompt, append, attend and free",
-        )
-        contiguous = Engine(model, mode="contiguous", **sizes).run(requests)
-        c.equal(
-            f"{call}.tokens",
-            lambda paged=paged: paged.tokens,
-            contiguous.tokens,
-            "every request gets the tokens of the contiguous engine: the text never depends on the cache",
-        )
-        c.holds(
-            f"{call}.peak_running",
-            paged.peak_running > contiguous.peak_running,
-            f"more than the contiguous engine's {contiguous.peak_running}",
-            paged.peak_running,
-            "the paged cache takes blocks as sequences grow, so more sequences fit at once: check "
-            "num_free_blocks",
-        )
-        (engine_cache,) = caches
-        c.equal(
-            f"cache.num_free_blocks after {call}",
-            lambda engine_cache=engine_cache: engine_cache.num_free_blocks,
-            sizes["num_blocks"],
-            "a finished request frees its blocks: give them back in free (self.manager.free)",
-        )
-        if preempts:
-            c.holds(
-                f"{call}.preemptions",
-                paged.preemptions > 0,
-                "at least one preemption (three sequences of 3 blocks outgrow 6 blocks)",
-                paged.preemptions,
-                "needs_new_block must tell the engine which sequences need a block in the next step",
-            )

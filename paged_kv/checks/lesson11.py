@@ -1,13 +1,16 @@
 """Checks of exercise 11: admission with a watermark, victims and their requeueing, swapping K/V out and in.
 
-The admission rule is checked on examples at the boundary, then against the engine's rule,
-:func:`paged_kv.serving.memory.admits`, on a grid of cases one block on either side of it. The victims are
-checked on small cases that each isolate one mistake, then against
-:func:`paged_kv.serving.preemption.choose_victims` on random cases. The swap round trip runs on a
-:class:`~paged_kv.kv.cache.PagedKVCacheAllocator` on the default device whose pool starts full of stale
-random K/V and whose freed blocks are overwritten before the sequence comes back, so a copy that is
-not a copy, a block that is not written, or a token lost on the way gives a visibly wrong answer.
-When an answer is wrong, the check looks for the classic mistakes and names the one it finds.
+The admission rule is vLLM's, the engine's: the prompt's blocks, and the watermark's blocks only while
+another request runs, with no headroom for the running requests' growth. It is checked on examples at
+the boundary, then against the engine's own memory, :class:`paged_kv.serving.memory.KVCacheManager`,
+on a grid of cases one block on either side of the rule. The victims are checked on small cases that
+each isolate one mistake, then against the package's answer
+(:func:`paged_kv.grading.reference.lesson11.choose_victims`, the scheduler's preemption on plain
+numbers) on random cases. The swap round trip runs on a :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
+on the default device whose pool starts full of stale random K/V and whose freed blocks are overwritten
+before the sequence comes back, so a copy that is not a copy, a block that is not written, or a token
+lost on the way gives a visibly wrong answer. When an answer is wrong, the check looks for the classic
+mistakes and names the one it finds.
 """
 
 from __future__ import annotations
@@ -21,45 +24,87 @@ import torch
 
 from paged_kv.checks._core import Checker, answers, diagnose, task
 from paged_kv.checks.lesson03 import kv_mixup
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
+from paged_kv.grading.reference.lesson11 import choose_victims as package_victims
 from paged_kv.kv.cache import PagedKVCacheAllocator
-from paged_kv.serving.memory import admits, watermark_blocks
-from paged_kv.serving.preemption import choose_victims as package_victims
+from paged_kv.serving.memory import KVCacheManager, watermark_blocks
+from paged_kv.serving.request import SchedulerRequest
 
 # ------------------------------------------------------------------------------- Task 1
 
 RULE = (
-    "admit when prompt_blocks + (num_running + 1) + ceil(watermark * num_blocks) <= num_free_blocks: the "
-    "prompt's blocks, one block of headroom per running sequence (the new one included) and the watermark"
+    "admit when prompt_blocks + keep <= num_free_blocks, keep = ceil(watermark * num_blocks) while "
+    "another request runs (num_running > 0) and 0 when none does: the prompt's blocks, and the "
+    "watermark's only beside running requests (vLLM's rule)"
+)
+HEADROOM = (
+    "keep no block of headroom per running sequence: vLLM admits a request when its prompt's blocks are "
+    "free (and the watermark's, while others run), into a pool that the next decode may find full; "
+    "when a running request's next token then finds no block, the newest running request is "
+    "preempted. Drop the num_running (+ 1) blocks"
+)
+WATERMARK_ALONE = (
+    "the watermark is kept only while another request runs: vLLM applies it only when some request "
+    "is scheduled (has_scheduled_reqs). Alone, a request needs no watermark, so a request resumed by "
+    "recompute, whose prompt now holds its output too, always comes back. Keep "
+    "ceil(watermark * num_blocks) blocks free only when num_running > 0"
 )
 
 
-def _rounds_down(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + int(watermark * num_blocks) <= free
+def _keep(running: int, num_blocks: int, watermark: float, rounding: Callable = math.ceil) -> int:
+    """The blocks the rule keeps free: the watermark's, rounded by ``rounding``, while others run; else 0."""
+    return rounding(watermark * num_blocks) if running else 0
 
 
-def _of_free(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + math.ceil(watermark * free) <= free
+def _old_rule(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + running + 1 + watermark_blocks(watermark, num_blocks) <= free
 
 
-def _no_own_headroom(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+def _headroom(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + running + 1 + _keep(running, num_blocks, watermark) <= free
+
+
+def _headroom_of_others(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + running + _keep(running, num_blocks, watermark) <= free
+
+
+def _old_headroom_of_others(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
     return blocks + running + watermark_blocks(watermark, num_blocks) <= free
 
 
+def _watermark_alone(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + watermark_blocks(watermark, num_blocks) <= free
+
+
+def _rounds_down(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + _keep(running, num_blocks, watermark, int) <= free
+
+
+def _of_free(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    return blocks + _keep(running, free, watermark) <= free
+
+
 def _no_watermark(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 <= free
+    return blocks <= free
 
 
 def _strict(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return blocks + running + 1 + watermark_blocks(watermark, num_blocks) < free
+    return blocks + _keep(running, num_blocks, watermark) < free
 
 
 ADMISSION_MISTAKES: list[tuple[Callable[..., bool], str]] = [
+    (_old_rule, HEADROOM),
+    (_headroom, HEADROOM),
+    (_headroom_of_others, HEADROOM),
+    (_old_headroom_of_others, HEADROOM),
+    (_watermark_alone, WATERMARK_ALONE),
     (
         _rounds_down,
-        "the watermark is rounded down: 1 % of 50 blocks is half a block, and int() keeps none free. Round "
-        "up, math.ceil(watermark * num_blocks), so that any watermark above 0 keeps at least one block",
+        "the watermark is rounded down: 1 % of 50 blocks is half a block, and int() keeps none free. The "
+        "course rounds up, math.ceil(watermark * num_blocks), so that any watermark above 0 keeps at least "
+        "one block (vLLM 0.33.0 rounds down)",
     ),
     (
         _of_free,
@@ -67,35 +112,45 @@ ADMISSION_MISTAKES: list[tuple[Callable[..., bool], str]] = [
         "ceil(watermark * num_blocks)",
     ),
     (
-        _no_own_headroom,
-        "the new sequence has no headroom of its own: it decodes in the next step too, so the headroom "
-        "is num_running + 1 blocks",
+        _no_watermark,
+        "the watermark is ignored: while another request runs, keep ceil(watermark * num_blocks) blocks "
+        "free besides the prompt's",
     ),
-    (_no_watermark, "the watermark is ignored: keep ceil(watermark * num_blocks) blocks free besides"),
     (_strict, "exactly enough free blocks is enough: compare with <=, not <"),
 ]
 
 # (num_free_blocks, prompt_blocks, num_running, num_blocks, watermark) on both sides of the rule
 BOUNDARY = [
-    (6, 3, 2, 40, 0.0, True),
-    (5, 3, 2, 40, 0.0, False),
-    (4, 3, 0, 40, 0.0, True),
-    (3, 3, 0, 40, 0.0, False),
-    (10, 3, 2, 40, 0.1, True),
-    (9, 3, 2, 40, 0.1, False),
-    (6, 3, 1, 50, 0.01, True),
-    (5, 3, 1, 50, 0.01, False),
-    (20, 4, 5, 100, 0.1, True),
-    (19, 4, 5, 100, 0.1, False),
-    (10, 1, 0, 16, 0.5, True),
-    (9, 1, 0, 16, 0.5, False),
+    (3, 3, 2, 40, 0.0, True),
+    (2, 3, 2, 40, 0.0, False),
+    (3, 3, 0, 40, 0.0, True),
+    (2, 3, 0, 40, 0.0, False),
+    (7, 3, 2, 40, 0.1, True),
+    (6, 3, 2, 40, 0.1, False),
+    (4, 3, 1, 50, 0.01, True),
+    (3, 3, 1, 50, 0.01, False),
+    (14, 4, 5, 100, 0.1, True),
+    (13, 4, 5, 100, 0.1, False),
+    (1, 1, 0, 16, 0.5, True),
+    (0, 1, 0, 16, 0.5, False),
+    (9, 1, 1, 16, 0.5, True),
+    (8, 1, 1, 16, 0.5, False),
+    (10, 10, 0, 16, 0.5, True),
 ]
 GRID_BLOCKS = (12, 40, 50, 100)
 GRID_WATERMARKS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5)
 
 
-def _reference(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
-    return admits(free, blocks, running, watermark_blocks(watermark, num_blocks))
+def _engine_admits(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
+    """The engine's answer: its memory, with ``free`` blocks free, asked for a prompt of ``blocks``
+    blocks of one token (vLLM's ``allocate_slots`` with the whole prompt to fit)."""
+    manager = BlockManager(num_blocks, 1)
+    if num_blocks > free:
+        manager.allocate("others", num_blocks - free)
+    memory = KVCacheManager(manager, watermark=watermark)
+    request = SchedulerRequest("new", blocks, 1)
+    taken = memory.allocate_slots(request, blocks, num_tokens_to_fit=blocks, has_scheduled_reqs=running > 0)
+    return taken is not None
 
 
 def _grid() -> list[tuple[int, int, int, int, float]]:
@@ -105,7 +160,7 @@ def _grid() -> list[tuple[int, int, int, int, float]]:
         for watermark in GRID_WATERMARKS:
             for blocks in (1, 3):
                 for running in (0, 2, 5):
-                    needed = blocks + running + 1 + watermark_blocks(watermark, num_blocks)
+                    needed = blocks + _keep(running, num_blocks, watermark)
                     cases += [
                         (free, blocks, running, num_blocks, watermark)
                         for free in range(needed - 1, needed + 2)
@@ -118,37 +173,43 @@ def _admission_hint(admit: Callable[..., object]) -> str:
     return diagnose(admit, ADMISSION_MISTAKES, answers(_grid()), RULE)
 
 
+def _needs(blocks: int, running: int, num_blocks: int, watermark: float) -> str:
+    """What a boundary case needs, in words, for the call's comment."""
+    if not running:
+        return f"needs {blocks} prompt block(s); nothing runs, so nothing is kept free"
+    kept = _keep(running, num_blocks, watermark)
+    return f"needs {blocks} prompt block(s) + {kept} kept free beside {running} running"
+
+
 @task("11.admit_with_watermark", "admission with a watermark", needs=("admit_with_watermark",))
 def _admit_with_watermark(c: Checker, admit) -> None:
     hint = _admission_hint(admit)
     for free, blocks, running, num_blocks, watermark, expected in BOUNDARY:
-        kept = watermark_blocks(watermark, num_blocks)
-        needs = f"{blocks} + {running + 1} of headroom + {kept} kept free"
         c.equal(
-            f"admit_with_watermark({free}, {blocks}, {running}, {num_blocks}, {watermark})  # needs {needs}",
+            f"admit_with_watermark({free}, {blocks}, {running}, {num_blocks}, {watermark})  "
+            f"# {_needs(blocks, running, num_blocks, watermark)}",
             lambda args=(free, blocks, running, num_blocks, watermark): bool(admit(*args)),
             expected,
             hint,
         )
-    result = c.run("admit_with_watermark(6, 3, 2, 40, 0.0)", lambda: admit(6, 3, 2, 40, 0.0))
+    result = c.run("admit_with_watermark(3, 3, 2, 40, 0.0)", lambda: admit(3, 3, 2, 40, 0.0))
     c.holds(
-        "type(admit_with_watermark(6, 3, 2, 40, 0.0))",
+        "type(admit_with_watermark(3, 3, 2, 40, 0.0))",
         type(result) is bool,
         "bool",
         type(result).__name__,
         "return the comparison itself, True or False",
     )
     grid = _grid()
+    engine = {case: _engine_admits(*case) for case in grid}
     call = f"admit_with_watermark(...) on {len(grid)} cases one block either side of the rule"
-    wrong = c.run(
-        call, lambda: next((case for case in grid if bool(admit(*case)) != _reference(*case)), None)
-    )
+    wrong = c.run(call, lambda: next((case for case in grid if bool(admit(*case)) != engine[case]), None))
     if wrong is not None:
-        c.equal(f"admit_with_watermark{wrong}", lambda: bool(admit(*wrong)), _reference(*wrong), hint)
+        c.equal(f"admit_with_watermark{wrong}", lambda: bool(admit(*wrong)), engine[wrong], hint)
     c.holds(
         call,
         wrong is None,
-        "the answers of paged_kv.serving.memory.admits with the watermark kept free",
+        "the answers of the engine's memory (KVCacheManager.allocate_slots for the whole prompt)",
         wrong,
     )
 
@@ -156,12 +217,14 @@ def _admit_with_watermark(c: Checker, admit) -> None:
 # ------------------------------------------------------------------------------- Task 2
 
 VICTIMS_RULE = (
-    "take sequences from the end of running (the newest) until the others fit: each victim's blocks "
-    "become free, and it no longer needs a block itself"
+    "take sequences from the end of running (the newest), as vLLM's scheduler pops self.running, until "
+    "the others' next tokens fit: each victim's blocks become free, and it no longer needs a block itself"
 )
 NEVER_OLDEST = (
-    "never preempt the oldest sequence: with nothing running, nothing would ever finish. When only the "
-    "oldest is left and it still does not fit, raise OutOfBlocksError(needed, free)"
+    "never preempt the oldest sequence: with nothing left running, nothing would finish (vLLM's loop would "
+    "preempt the request itself; the engine rules that out by refusing a request that cannot run alone "
+    "in the whole pool). When only the oldest is left and it still does not fit, raise "
+    "OutOfBlocksError(needed, free)"
 )
 
 
@@ -318,7 +381,7 @@ def _choose_victims(c: Checker, choose_victims, requeue) -> None:
             package_victims(running, free),
             hint,
         )
-    c.holds(call, wrong is None, "paged_kv.serving.preemption.choose_victims's answers", wrong)
+    c.holds(call, wrong is None, "the package's answers (the scheduler's preemption on these numbers)", wrong)
 
     for waiting, victims in REQUEUE_CASES:
         queue = deque(waiting)

@@ -1,31 +1,44 @@
-"""Checks of exercise 12: the paged decode kernel, in Triton, run by Triton on the learner's function.
+"""Checks of exercise 12: the paged attention kernel, in Triton, run by Triton on the learner's function.
 
-The learner writes ``paged_decode_kernel``, a plain function in Triton's language with the arguments
-of :func:`paged_kv.attention.triton_kernel.paged_decode_kernel`. The check launches it the way the
-package launches its own, through :func:`paged_kv.attention.triton_decode.triton_decode`, which
-applies ``triton.jit`` to it on first use (compiled on CUDA, in Triton's interpreter on the CPU:
-:mod:`paged_kv.attention.triton_language` fixes the mode), and compares its output with the gather
-strategy of ``paged_attention``, from one block of one sequence to a batch of scattered tables with
-grouped-query attention and vLLM's cache layout. Sizes stay small: the interpreter
-runs each program in numpy.
+The learner writes ``paged_attention_kernel``, a plain function in Triton's language with the
+arguments of :func:`paged_kv.attention.triton_kernel.paged_attention_kernel`: one kernel for a
+packed batch of decodes, prompts and chunks of prompts, causal inside each sequence. The check
+launches it the way the package launches its own, through
+:func:`paged_kv.attention.triton_decode.triton_attention`, which applies ``triton.jit`` to it on first
+use (compiled on CUDA, in Triton's interpreter on the CPU: :mod:`paged_kv.attention.triton_language`
+fixes the mode), and compares its output with the gather strategy of ``paged_prefill_attention``,
+from one decode in one block to a packed step of decodes, a prompt, a chunk and a sequence with no
+query token, with grouped-query attention and vLLM's cache layout. Sizes stay small: the
+interpreter runs each program in numpy. (The task keeps its first id, ``12.paged_decode_kernel``,
+from when the kernel served decodes only.)
 
 The K and V caches of every case are views into a larger buffer, one block of stale data before
 and after them, and each row of the block table has one entry more than the longest sequence
 needs: a kernel that reads one slot or one entry too far still reads memory of the case, the same
-on every run, and a wrong output is compared, not a crash reported.
+on every run, and a wrong output is compared, not a crash reported. The slots of each sequence's
+last block past its last token hold no token: from the second of them on they hold NaN, and in one
+case (the last) the first of them too, so a kernel that loads the whole tail and one that loads one
+slot too many fail on different cases (a zero weight does not cancel NaN: ``0 * NaN`` is NaN). The
+output tensor is filled with NaN before the launch, so a row the kernel never stores shows.
 
 When an output is wrong, the check runs the package's kernel with one classic mistake written into
 its source (:func:`mistaken`) on the same case, and names the mistake whose output the learner's
-matches: a token position off by one, a live mask written ``<= context_len``, the tail of the last
-block not masked, the block loop one block short (``tl.cdiv(context_len, BLOCK_SIZE) - 1``, or
-``context_len // BLOCK_SIZE``), K or V addressed one slot after or before its own, the running
-maximum not rescaled, a query head reading the wrong KV head, a block id read from the wrong row.
+matches there and on a chunk after cached tokens (:data:`DISCRIMINATOR`): one case may not tell two
+mistakes apart (a decode cannot tell a query that misses its own token from a sequence whose last
+token is never loaded), the two together do. The mistakes: the key positions off by one in the live
+mask, a live mask written ``<= seq_len``, the tail of the last block not masked, the block loop one
+block short (``tl.cdiv(kv_len, BLOCK_SIZE) - 1``, or ``kv_len // BLOCK_SIZE``), K or V addressed one
+slot after or before its own, the running maximum not rescaled, a query head reading the wrong KV
+head, a block id read from the wrong row; and those of several query tokens: the causal mask leaving
+out the query's own token (``<`` for ``<=``) or missing, a query's position counted from 0 instead
+of from ``context_len = seq_len - query_len``, a query read from the wrong row of the packed batch,
+a row's token and head swapped, every tile computing the first tile's tokens.
 
-A block loop one block too long (``tl.cdiv(context_len, BLOCK_SIZE) + 1``) leaves the output as it
-is: the extra block has no live slot, so ``m``, ``total`` and ``acc`` do not change. It reads an
-entry of the table past the sequence's blocks, though, which may hold anything. In Triton's
+A block loop one block too long (``tl.cdiv(kv_len, BLOCK_SIZE) + 1``) leaves the output as it is:
+the extra block has no slot any query sees, so ``m``, ``total`` and ``acc`` do not change. It reads
+an entry of the table past the sequence's blocks, though, which may hold anything. In Triton's
 interpreter the check records the addresses the learner's kernel loads (:func:`table_reads`) and
-expects, on every case, reads of entries ``j < ceil(context_lens[b] / BLOCK_SIZE)`` of row ``b``
+expects, on every case, reads of entries ``j < ceil(seq_lens[b] / BLOCK_SIZE)`` of row ``b``
 only. Compiled (CUDA), a kernel's loads cannot be seen from Python, nor interpreted on CUDA
 tensors (their host copies are read): there that expectation is skipped (:func:`loads_seen`).
 """
@@ -40,37 +53,39 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from paged_kv.attention.paged import paged_attention
-from paged_kv.checks._core import Checker, Mistake, diagnose, task
+from paged_kv.attention.paged import paged_prefill_attention
+from paged_kv.checks._core import Checker, task
 from paged_kv.checks.lesson05 import TOL, _problem, _randn, _scattered, _shape
 
 OFF_BY_ONE = (
-    "a token's position is off by one: slot s of logical block j holds position j * BLOCK_SIZE + s, "
-    "and it is live when that position is < context_len"
+    "a token's position is off by one in the live mask: slot s of logical block j holds position "
+    "kv_pos = j * BLOCK_SIZE + s, and it is live when kv_pos < seq_len, so the sequence's last token, "
+    "at seq_len - 1, is live (kv_pos + 1 < seq_len leaves it out)"
 )
-LIVE_TO_CONTEXT_LEN = (
-    "the live mask lets in one slot too many: j * BLOCK_SIZE + slots <= context_len lets in the slot "
-    "at position context_len, the first past the sequence (stale data); a slot is live when "
-    "j * BLOCK_SIZE + slots < context_len"
+LIVE_TO_SEQ_LEN = (
+    "the live mask lets in one slot too many: kv_pos <= seq_len loads the slot at position seq_len, "
+    "the first past the sequence, which holds no token (here NaN: a zero weight does not cancel it, "
+    "0 * NaN is NaN); a slot is live when kv_pos < seq_len"
 )
 NO_TAIL_MASK = (
-    "the tail of the last block is not masked: its slots at or past context_len hold stale data; mask "
-    "them out of the loads and give them a score of -inf"
+    "the tail of the last block is not masked: its slots at or past seq_len hold no token (stale data, "
+    "here NaN: a zero weight does not cancel it, 0 * NaN is NaN); load only the live slots, "
+    "(slots < BLOCK_SIZE) & (kv_pos < seq_len)"
 )
 LOOP_ROUNDS_DOWN = (
-    "the block loop stops one block short when the last block is partly full: context_len // "
-    "BLOCK_SIZE rounds down; loop over range(0, tl.cdiv(context_len, BLOCK_SIZE)), every block the "
-    "sequence holds"
+    "the block loop stops one block short when the last block it needs is partly full: kv_len // "
+    "BLOCK_SIZE rounds down; loop over range(0, tl.cdiv(kv_len, BLOCK_SIZE)), every block the tile's "
+    "queries see"
 )
 LOOP_ONE_SHORT = (
-    "the block loop stops one block short: range(0, tl.cdiv(context_len, BLOCK_SIZE) - 1) skips the "
-    "last block (range already stops before its end): loop over range(0, tl.cdiv(context_len, BLOCK_SIZE))"
+    "the block loop stops one block short: range(0, tl.cdiv(kv_len, BLOCK_SIZE) - 1) skips the "
+    "last block (range already stops before its end): loop over range(0, tl.cdiv(kv_len, BLOCK_SIZE))"
 )
 LOOP_ONE_LONG = (
-    "the block loop runs one block too many: it reads entry ceil(context_len / BLOCK_SIZE) of the "
-    "sequence's row, past its blocks (padding, which may hold anything); loop over range(0, "
-    "tl.cdiv(context_len, BLOCK_SIZE)), not tl.cdiv(context_len, BLOCK_SIZE) + 1 (nor context_len // "
-    "BLOCK_SIZE + 1, one too many when the last block is full)"
+    "the block loop runs one block too many: past the blocks the tile's queries see it reads the next "
+    "entry of the sequence's row, for the last tile entry ceil(seq_len / BLOCK_SIZE), past the sequence's "
+    "blocks (padding, which may hold anything); loop over range(0, tl.cdiv(kv_len, BLOCK_SIZE)), not "
+    "tl.cdiv(kv_len, BLOCK_SIZE) + 1 (nor kv_len // BLOCK_SIZE + 1, one too many when the last block is full)"
 )
 
 
@@ -90,35 +105,62 @@ NOT_RESCALED = (
     "by exp(m_old - m_new) before adding the block's terms"
 )
 WRONG_KV_HEAD = (
-    "a query head reads the wrong KV head: program (seq, kv_head) handles query heads kv_head * GROUP "
-    "+ 0 .. GROUP - 1 (query head q reads KV head q // GROUP, not q % num_kv_heads)"
+    "a query head reads the wrong KV head: program (seq, kv_head, tile) handles query heads kv_head * "
+    "GROUP + 0 .. GROUP - 1 (query head q reads KV head q // GROUP, not q % num_kv_heads)"
 )
 WRONG_ROW = (
     "a block id is read from the wrong row of the table: sequence seq's row starts at "
     "block_tables_ptr + seq * table_stride_seq, and entry j is table_stride_entry further"
 )
+OWN_TOKEN_UNSEEN = (
+    "the causal mask leaves out the query's own token: a query at position query_pos sees positions "
+    "0 .. query_pos, itself included, so a slot is visible when kv_pos <= query_pos (not <, and kv_pos "
+    "is j * BLOCK_SIZE + slots, not + 1)"
+)
+NOT_CAUSAL = (
+    "the causal mask is missing: a query token of a prompt or a chunk sees the tokens after it too; a "
+    "live slot is visible to a row only when kv_pos <= query_pos, the row's own position"
+)
+POSITION_FROM_ZERO = (
+    "a query's position is counted from 0: query token i of a sequence sits at position context_len + "
+    "i, after the context_len = seq_len - query_len tokens cached before it (a decode's one token at "
+    "seq_len - 1), not at i"
+)
+WRONG_QUERY_ROW = (
+    "a query is read from the wrong row of the packed batch: sequence seq's query tokens are rows "
+    "query_start .. query_start + query_len - 1 of query (query_start = query_start_loc[seq]), so its "
+    "token i is row query_start + i, not row i"
+)
+ROWS_SWAPPED = (
+    "a row's query token and query head are swapped: row r of a program is query token tile * "
+    "QUERY_TILE + r // GROUP and query head kv_head * GROUP + r % GROUP (the GROUP heads of one token "
+    "are neighbouring rows)"
+)
+FIRST_TILE_ONLY = (
+    "every tile computes the sequence's first query tokens: program (seq, kv_head, tile) takes tokens "
+    "tile * QUERY_TILE + r // GROUP (not r // GROUP), so that every token of a prompt longer than one "
+    "tile is computed"
+)
 DEFAULT_HINT = (
-    "follow the package's order: program ids, the query, then for each logical block j its block id, "
-    "the live slots, K, the scores, the online-softmax update, V; at the end store acc / total"
+    "follow the package's order: program ids, the sequence's first query row and query length, each "
+    "row's token, head and position, the queries, then for each logical block j its block id, the live "
+    "slots, K, the scores and the causal mask, the online-softmax update, V; at the end store acc / total"
 )
 
+LIVE = "live = (slots < BLOCK_SIZE) & (kv_pos < seq_len)"
+CAUSAL = "kv_pos[None, :] <= query_pos[:, None]"
+LOOP = "tl.cdiv(kv_len, BLOCK_SIZE)"
+
 #: Each classic mistake as edits ``(old, new)`` of the package kernel's source, and the hint naming it.
-#: Where two mistakes give the same output on a case, the first wins: the narrower mistake comes
-#: first (``<= context_len`` lets in one stale slot, an unmasked tail all of them; ``//`` is short
-#: only when the last block is partly full, ``- 1`` always, so a kernel short on a case whose
-#: full blocks it got right rounds down).
+#: Where two mistakes give the same output on a case and on :data:`DISCRIMINATOR`, the first wins:
+#: the narrower mistake comes first (``//`` is short only when the last block is partly full,
+#: ``- 1`` always, so a kernel short on a case whose full blocks it got right rounds down).
 MISTAKES = (
-    ((("j * BLOCK_SIZE + slots < context_len", "j * BLOCK_SIZE + slots + 1 < context_len"),), OFF_BY_ONE),
-    (
-        (("j * BLOCK_SIZE + slots < context_len", "j * BLOCK_SIZE + slots <= context_len"),),
-        LIVE_TO_CONTEXT_LEN,
-    ),
-    (
-        (("(slots < BLOCK_SIZE) & (j * BLOCK_SIZE + slots < context_len)", "slots < BLOCK_SIZE"),),
-        NO_TAIL_MASK,
-    ),
-    ((("tl.cdiv(context_len, BLOCK_SIZE)", "context_len // BLOCK_SIZE"),), LOOP_ROUNDS_DOWN),
-    ((("tl.cdiv(context_len, BLOCK_SIZE)", "tl.cdiv(context_len, BLOCK_SIZE) - 1"),), LOOP_ONE_SHORT),
+    (((LIVE, "live = (slots < BLOCK_SIZE) & (kv_pos + 1 < seq_len)"),), OFF_BY_ONE),
+    (((LIVE, "live = (slots < BLOCK_SIZE) & (kv_pos <= seq_len)"),), LIVE_TO_SEQ_LEN),
+    (((LIVE, "live = slots < BLOCK_SIZE"),), NO_TAIL_MASK),
+    (((LOOP, "kv_len // BLOCK_SIZE"),), LOOP_ROUNDS_DOWN),
+    (((LOOP, f"{LOOP} - 1"),), LOOP_ONE_SHORT),
     *(
         (((f"slots[:, None] * {x}_stride_slot", f"(slots[:, None] {sign} 1) * {x}_stride_slot"),), hint)
         for x, sign, hint in (
@@ -133,15 +175,35 @@ MISTAKES = (
         NOT_RESCALED,
     ),
     (
-        (("heads = kv_head * GROUP + members", "heads = members * tl.num_programs(1) + kv_head"),),
+        (
+            (
+                "heads = kv_head * GROUP + rows % GROUP",
+                "heads = kv_head + (rows % GROUP) * tl.num_programs(1)",
+            ),
+        ),
         WRONG_KV_HEAD,
     ),
     ((("seq * table_stride_seq", "seq * table_stride_entry"),), WRONG_ROW),
+    (((CAUSAL, "kv_pos[None, :] < query_pos[:, None]"),), OWN_TOKEN_UNSEEN),
+    ((("scores = tl.where(visible,", "scores = tl.where(live[None, :],"),), NOT_CAUSAL),
+    ((("query_pos = context_len + token", "query_pos = token"),), POSITION_FROM_ZERO),
+    (
+        (("query_ptr\n        + (query_start + token)[:, None]", "query_ptr\n        + token[:, None]"),),
+        WRONG_QUERY_ROW,
+    ),
+    (
+        (
+            ("token = tile * QUERY_TILE + rows // GROUP", "token = tile * QUERY_TILE + rows % GROUP"),
+            ("heads = kv_head * GROUP + rows % GROUP", "heads = kv_head * GROUP + rows // GROUP"),
+        ),
+        ROWS_SWAPPED,
+    ),
+    ((("token = tile * QUERY_TILE + rows // GROUP", "token = rows // GROUP"),), FIRST_TILE_ONLY),
 )
 
 
 def mistaken(*edits: tuple[str, str]) -> Callable:
-    """The package's ``paged_decode_kernel`` with a mistake: each ``old`` of ``edits`` in its source
+    """The package's ``paged_attention_kernel`` with a mistake: each ``old`` of ``edits`` in its source
     replaced by its ``new``.
 
     The edited source is registered in :mod:`linecache`, so Triton (which reads a kernel's source)
@@ -149,30 +211,40 @@ def mistaken(*edits: tuple[str, str]) -> Callable:
     """
     from paged_kv.attention import triton_kernel
 
-    source = inspect.getsource(triton_kernel.paged_decode_kernel)
+    source = inspect.getsource(triton_kernel.paged_attention_kernel)
     for old, new in edits:
         if old not in source:
-            raise ValueError(f"{old!r} is not in the source of paged_decode_kernel")
+            raise ValueError(f"{old!r} is not in the source of paged_attention_kernel")
         source = source.replace(old, new)
-    filename = f"<paged_decode_kernel with {edits!r}>"
+    filename = f"<paged_attention_kernel with {edits!r}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     namespace = dict(vars(triton_kernel))
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["paged_decode_kernel"]
+    return namespace["paged_attention_kernel"]
 
 
-def launch(kernel: Callable, query, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
-    """``kernel`` launched by the package's launcher; an error in it is raised as itself (the
+def launch(
+    kernel: Callable, query, k_cache, v_cache, block_tables, seq_lens, query_lens, query_start_loc=None
+) -> torch.Tensor:
+    """``kernel`` launched by the package's launcher on a packed batch, into an output filled with
+    NaN (a row the kernel never stores stays NaN); an error in it is raised as itself (the
     interpreter wraps it in an ``InterpreterError``), so a stub's ``NotImplementedError`` stays one.
-    Compiled, a kernel cannot raise: a stub is recognised by its ``raise NotImplementedError``."""
+    Compiled, a kernel cannot raise: a stub is recognised by its ``raise NotImplementedError``.
+    ``query_start_loc`` defaults to ``0`` then the running sum of ``query_lens``."""
     from triton.runtime.errors import InterpreterError
 
-    from paged_kv.attention.triton_decode import triton_decode, triton_interpreted
+    from paged_kv.attention.triton_decode import triton_attention, triton_interpreted
 
     if not triton_interpreted() and "NotImplementedError" in kernel.__code__.co_names:
-        raise NotImplementedError("paged_decode_kernel still raises NotImplementedError: write its body")
+        raise NotImplementedError("paged_attention_kernel still raises NotImplementedError: write its body")
+    if query_start_loc is None:
+        query_start_loc = torch.nn.functional.pad(torch.cumsum(query_lens, 0), (1, 0))
+    max_query_len = int(query_lens.max())
+    out = _between_rows(torch.full_like(query, float("nan")), seed=0)
     try:
-        return triton_decode(query, k_cache, v_cache, block_tables, context_lens, None, kernel=kernel)
+        return triton_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, None, kernel, out
+        )
     except InterpreterError as error:
         if error.__cause__ is None:
             raise
@@ -190,18 +262,40 @@ def _guarded(memory: torch.Tensor, seed: int) -> torch.Tensor:
     return buffer[1:-1]
 
 
-def _case(lengths, block_size, num_kv_heads, group, seed, layout):
-    """Inputs of one case: scattered blocks of stale data, a query of ``num_kv_heads * group`` heads.
+#: The rows of stale data before and after a case's query and output: a row index or a head off by
+#: up to a program's rows (32) still lands in memory of the case.
+MARGIN = 32
+
+
+def _between_rows(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """A copy of ``tensor`` (its rows along axis 0) in the middle of a buffer :data:`MARGIN` rows
+    longer on each side, of stale random data: a kernel that reads or writes a query row or head
+    out of range stays in bounds."""
+    buffer = torch.randn(
+        (tensor.shape[0] + 2 * MARGIN, *tensor.shape[1:]), generator=torch.Generator().manual_seed(seed)
+    )
+    buffer = buffer.to(device=tensor.device, dtype=tensor.dtype)
+    buffer[MARGIN:-MARGIN] = tensor
+    return buffer[MARGIN:-MARGIN]
+
+
+def _case(seq_lens, query_lens, block_size, num_kv_heads, group, seed, layout, first_unwritten_nan=False):
+    """Inputs of one case, ``(query, k_cache, v_cache, block_tables, seq_lens, query_lens)``, and the
+    expected output: scattered blocks of stale data, ``sum(query_lens)`` packed query rows of
+    ``num_kv_heads * group`` heads.
 
     The K and V caches are views into buffers with a guard block of stale data before and after
-    (:func:`_guarded`), and the block table has one column of padding (``-1``) past the longest
-    sequence's blocks: a kernel that reads one slot or one table entry too far stays in bounds.
+    (:func:`_guarded`), the query lies between rows of stale data (:func:`_between_rows`), and the
+    block table has one column of padding (``-1``) past the longest sequence's blocks: a kernel that
+    reads one slot, one table entry or a query row too far stays in bounds.
     ``layout`` ``"vllm"`` copies the cache into vLLM 0.33.0's default layout of one layer,
     ``(num_blocks, block_size, num_kv_heads, 2 * head_size)`` in memory (K and V side by side), and
-    passes the K and V halves of its heads-first view, read through their strides.
+    passes the K and V halves of its heads-first view, read through their strides. The expected
+    output is the gather strategy's on the clean cache; then the slots of each last block past its
+    sequence's last token get NaN from the second on (from the first with ``first_unwritten_nan``).
     """
     head_dim = 8
-    cache = _scattered(lengths, block_size, num_kv_heads, head_dim, seed=1000 + seed)
+    cache = _scattered(seq_lens, block_size, num_kv_heads, head_dim, seed=1000 + seed)
     if layout == "vllm":
         memory = torch.cat([cache.k_cache, cache.v_cache], dim=-1).transpose(1, 2)
         view = _guarded(memory, seed=3000 + seed).transpose(1, 2)
@@ -211,10 +305,21 @@ def _case(lengths, block_size, num_kv_heads, group, seed, layout):
             _guarded(cache.k_cache, seed=3000 + seed),
             _guarded(cache.v_cache, seed=4000 + seed),
         )
-    query = _randn(len(lengths), num_kv_heads * group, head_dim, seed=2000 + seed)
-    tables = torch.nn.functional.pad(cache.block_tables_tensor(range(len(lengths))), (0, 1), value=-1)
-    context_lens = torch.tensor(lengths, device=query.device)
-    return query, k_cache, v_cache, tables, context_lens
+    query = _between_rows(
+        _randn(sum(query_lens), num_kv_heads * group, head_dim, seed=2000 + seed), 5000 + seed
+    )
+    tables = torch.nn.functional.pad(cache.block_tables_tensor(range(len(seq_lens))), (0, 1), value=-1)
+    lens = torch.tensor(seq_lens, device=query.device)
+    new = torch.tensor(query_lens, device=query.device)
+    inputs = (query, k_cache, v_cache, tables, lens, new)
+    expected = paged_prefill_attention(*inputs, strategy="gather")
+    for row, length in enumerate(seq_lens):
+        first = length % block_size + (0 if first_unwritten_nan else 1)  # the tail's slots from there
+        if length % block_size and first < block_size:
+            last_block = int(tables[row, -(-length // block_size) - 1])
+            for cache_tensor in (k_cache, v_cache):
+                cache_tensor[last_block, :, first:] = float("nan")
+    return inputs, expected
 
 
 def loads_seen(device: torch.device) -> bool:
@@ -278,14 +383,46 @@ def table_reads(block_tables: torch.Tensor) -> Iterator[set[tuple[int, int]]]:
         read.update(divmod((address - start) // size, row) for address in addresses)
 
 
-CASES = (  # what the case adds, lengths, block_size, num_kv_heads, group, layout
-    ("one sequence, one full block, one head", [4], 4, 1, 1, "course"),
-    ("a last block only partly full", [6], 4, 1, 1, "course"),
-    ("several scattered blocks", [13], 4, 1, 1, "course"),
-    ("a batch: each sequence has its own row of the table", [8, 7, 6], 4, 1, 1, "course"),
-    ("grouped-query attention, 2 query heads per KV head", [7, 4], 4, 2, 2, "course"),
-    ("vLLM v1's cache layout, read through its strides", [10, 3], 8, 2, 2, "vllm"),
+CASES = (  # what the case adds, seq_lens, query_lens, block_size, num_kv_heads, group, layout
+    ("one decode: one sequence, one query token, one full block, one head", [4], [1], 4, 1, 1, "course"),
+    ("a last block only partly full", [6], [1], 4, 1, 1, "course"),
+    ("several scattered blocks", [13], [1], 4, 1, 1, "course"),
+    (
+        "a batch of decodes: each sequence has its own row of the table",
+        [8, 7, 6],
+        [1, 1, 1],
+        4,
+        1,
+        1,
+        "course",
+    ),
+    ("grouped-query attention, 2 query heads per KV head", [7, 4], [1, 1], 4, 2, 2, "course"),
+    ("vLLM v1's cache layout, read through its strides", [10, 3], [1, 1], 8, 2, 2, "vllm"),
+    ("a fresh prompt: each query token sees the tokens up to its own", [6], [6], 4, 1, 1, "course"),
+    ("a chunk after 7 cached tokens: its query token i is at position 7 + i", [10], [3], 4, 1, 1, "course"),
+    (
+        "a prompt longer than one tile of query tokens (8 here, with 2 query heads per KV head)",
+        [10],
+        [10],
+        4,
+        1,
+        2,
+        "course",
+    ),
+    (
+        "a packed step: decodes, a prompt, a chunk and a sequence with no query token, 2 query heads",
+        [6, 5, 10, 1, 3],
+        [1, 5, 3, 1, 0],
+        4,
+        1,
+        2,
+        "course",
+    ),
+    ("the slot right after each sequence's last token holds NaN too", [7, 5, 3], [1, 2, 3], 4, 1, 2, "vllm"),
 )
+#: The case a mistake that matches a learner's output is tried on again, to tell apart mistakes
+#: that one case cannot (a chunk after cached tokens, its last block's tail NaN from the second slot).
+DISCRIMINATOR = 7
 
 
 class _Close:
@@ -299,48 +436,90 @@ class _Close:
 
 
 @functools.cache
-def _mistakes() -> list[Mistake]:
+def _mistakes() -> list[tuple[Callable, str]]:
     return [(mistaken(*edits), hint) for edits, hint in MISTAKES]
 
 
-@task("12.paged_decode_kernel", "the paged decode kernel, in Triton")
-def _paged_decode_kernel(c: Checker, paged_decode_kernel) -> None:
+@functools.cache
+def _inputs(case: int):
+    """Case ``case``'s inputs and expected output (made once per process: the interpreter is slow)."""
+    _, seq_lens, query_lens, block_size, num_kv_heads, group, layout = CASES[case]
+    return _case(seq_lens, query_lens, block_size, num_kv_heads, group, case, layout, case == len(CASES) - 1)
+
+
+@functools.cache
+def _mistake_output(mistake: int, case: int) -> _Close | None:
+    """Mistake ``mistake``'s output on case ``case`` (``None`` when it cannot run there), computed
+    once per process: the check of one kernel after another meets the same mistakes again."""
+    try:
+        return _Close(launch(_mistakes()[mistake][0], *_inputs(case)[0]))
+    except Exception:  # this mistake cannot even run on the case: it is not the learner's
+        return None
+
+
+def _diagnose(kernel: Callable, case: int) -> str:
+    """The hint of the first mistake whose output equals ``kernel``'s on case ``case`` and on
+    :data:`DISCRIMINATOR` (the first that matches on ``case`` alone, when none matches on both);
+    :data:`DEFAULT_HINT` when none matches, or when ``kernel`` raises."""
+
+    @functools.cache
+    def learner(on: int) -> _Close | None:
+        try:
+            return _Close(launch(kernel, *_inputs(on)[0]))
+        except Exception:  # the learner's bug; the case at hand reports it
+            return None
+
+    if learner(case) is None:
+        return DEFAULT_HINT
+    alone = None
+    for mistake, (_, hint) in enumerate(_mistakes()):
+        if _mistake_output(mistake, case) != learner(case):
+            continue
+        if case == DISCRIMINATOR or learner(DISCRIMINATOR) is None:
+            return hint
+        if _mistake_output(mistake, DISCRIMINATOR) == learner(DISCRIMINATOR):
+            return hint
+        alone = alone or hint
+    return alone or DEFAULT_HINT
+
+
+@task("12.paged_decode_kernel", "the paged attention kernel, in Triton", needs=("paged_attention_kernel",))
+def _paged_attention_kernel(c: Checker, paged_attention_kernel) -> None:
     """Per case, the output, then (interpreted, on the CPU: :func:`loads_seen`) the table entries read:
     those of the sequence's own blocks only, which a block loop one block too long oversteps."""
+    from paged_kv.attention.triton_decode import query_tile_for
     from paged_kv.attention.triton_language import MISSING
 
     c.holds("import triton.language as tl", not MISSING, "triton, importable", MISSING, "use Linux (or WSL)")
-    for seed, (what, lengths, block_size, num_kv_heads, group, layout) in enumerate(CASES):
-        inputs = _case(lengths, block_size, num_kv_heads, group, seed, layout)
-        query, _, _, tables, _ = inputs
+    for case, (what, seq_lens, query_lens, block_size, num_kv_heads, group, _) in enumerate(CASES):
+        inputs, expected = _inputs(case)
+        query, _, _, tables, _, _ = inputs
+        tiles = -(-max(query_lens) // query_tile_for(max(query_lens), group))
         call = (
-            f"paged_decode_kernel[(batch={len(lengths)}, num_kv_heads={num_kv_heads})](...)  # {what}: "
-            f"block_tables {tables.tolist()}, context_lens {lengths}, block_size {block_size}, "
-            f"{query.shape[1]} query heads"
+            f"paged_attention_kernel[(batch={len(seq_lens)}, num_kv_heads={num_kv_heads}, "
+            f"tiles={tiles})](...)  # {what}: block_tables {tables.tolist()}, seq_lens {seq_lens}, "
+            f"query_lens {query_lens}, "
+            f"block_size {block_size}, {query.shape[1]} query heads"
         )
         seen = loads_seen(tables.device)
         with table_reads(tables) if seen else contextlib.nullcontext(set()) as read:
-            got = c.run(call, lambda inputs=inputs: launch(paged_decode_kernel, *inputs), DEFAULT_HINT)
-        expected = paged_attention(*inputs, strategy="gather")
+            got = c.run(call, lambda inputs=inputs: launch(paged_attention_kernel, *inputs), DEFAULT_HINT)
         problem = _problem(got, expected, exact=False)
-
-        def probe(kernel, inputs=inputs):
-            return _Close(launch(kernel, *inputs))
-
         c.holds(
             call,
             problem is None,
-            f"{_shape(expected)} equal to paged_attention(..., strategy='gather'), within atol=rtol=1e-5",
+            f"{_shape(expected)} equal to paged_prefill_attention(..., strategy='gather'), "
+            "within atol=rtol=1e-5",
             problem,
-            lambda probe=probe: diagnose(paged_decode_kernel, _mistakes(), probe, DEFAULT_HINT),
+            lambda case=case: _diagnose(paged_attention_kernel, case),
         )
         if seen:
-            held = [-(-n // block_size) for n in lengths]
+            held = [-(-n // block_size) for n in seq_lens]
             past = sorted((row, entry) for row, entry in read if entry >= held[row])
             c.holds(
                 call,
                 not past,
-                "reads of block_tables[b, j] for j < ceil(context_lens[b] / block_size) only: "
+                "reads of block_tables[b, j] for j < ceil(seq_lens[b] / block_size) only: "
                 f"{', '.join(f'row {b}, j < {n}' for b, n in enumerate(held))}",
                 ", ".join(f"block_tables[{row}, {entry}] read too" for row, entry in past),
                 LOOP_ONE_LONG,

@@ -28,14 +28,19 @@ the recorder of the widgets' traces is one (:class:`~paged_kv.core.trace.Recorde
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-
-import torch
+from dataclasses import dataclass, field
 
 from paged_kv.core import mapping
 from paged_kv.core.block import BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.events import BlockEvent, Observer
-from paged_kv.core.prefix_cache import CachingBlockAllocator, HashChain, PrefixCacheStats, check_token_ids
+from paged_kv.core.prefix_cache import (
+    CachedBlock,
+    CachingBlockAllocator,
+    HashChain,
+    PrefixCacheStats,
+    check_token_ids,
+)
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.usage import BlockUsage
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
@@ -43,6 +48,16 @@ from paged_kv.validate import check_count, check_hashable
 
 Copies = list[tuple[int, int]]
 """``(shared block, its copy)`` pairs: the block copies the caller makes in the K/V storage."""
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """The cached prefix a new sequence can start with (vLLM: the ``KVCacheBlocks`` of
+    ``get_computed_blocks``): its block ids in table order and the tokens they hold, whole blocks."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    entries: tuple[CachedBlock, ...] = field(default=(), repr=False)
 
 
 class BlockManager:
@@ -134,16 +149,99 @@ class BlockManager:
 
     # ------------------------------------------------------------------- the life of a sequence
 
-    def allocate(
-        self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | torch.Tensor | None = None
-    ) -> BlockTable:
-        """Give a new sequence the blocks for its prompt: ``ceil(num_prompt_tokens / block_size)``.
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+        """The longest cached prefix a new sequence of ``token_ids`` can reuse (vLLM:
+        ``KVCacheManager.get_computed_blocks``): whole blocks, at most ``len(token_ids) - 1``
+        tokens, since the last token is always computed. Nothing changes; without prefix caching
+        it finds nothing.
 
-        With prefix caching and the prompt's ``token_ids``, the leading full blocks of the longest
-        cached prefix are reused (at most ``num_prompt_tokens - 1`` tokens: the last prompt token is always
-        computed) and :meth:`num_cached_tokens` says how many tokens they cover; the prompt's fresh
-        full blocks are cached for later prompts. Without prefix caching ``token_ids`` are checked
-        and otherwise ignored.
+        Raises:
+            ValueError: ``token_ids`` is not a list of non-negative integers.
+        """
+        token_ids = check_token_ids(token_ids, len(token_ids) if hasattr(token_ids, "__len__") else -1)
+        if not isinstance(self._allocator, CachingBlockAllocator):
+            return ComputedBlocks()
+        hits = self._allocator.find_longest_cache_hit(token_ids, self.block_size)
+        block_ids = tuple(entry.block_id for entry in hits)
+        return ComputedBlocks(block_ids, len(hits) * self.block_size, tuple(hits))
+
+    def allocate_slots(
+        self,
+        seq_id: Hashable,
+        num_new_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        computed: ComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        keep_free: int = 0,
+    ) -> list[int] | None:
+        """Take the blocks for ``num_new_tokens`` more tokens of a sequence, all or none (vLLM:
+        ``KVCacheManager.allocate_slots``): the scheduler's one call, for a decode token and for a
+        prefill chunk alike.
+
+        A sequence the manager does not hold is new: it starts with the ``computed`` blocks (what
+        :meth:`get_computed_blocks` found, whose tokens it need not compute) and grows by
+        ``num_new_tokens`` after them. A held one grows from its tokens. The new tokens need a
+        block each time they cross a block boundary; they never land in a block another sequence
+        holds (a fork's copy-on-write is :meth:`append_tokens`'s, the lessons' API).
+
+        ``token_ids`` are the sequence's tokens from its first on, at least through the new ones
+        (``None``: unknown). With prefix caching, each block the new tokens fill is cached under its
+        chained hash now, when they are scheduled, as vLLM does: they are computed in this step's
+        forward, before any later step can read them. ``num_tokens_to_fit`` (vLLM's
+        ``full_sequence_must_fit``, the default of ``scheduler_reserve_full_isl``) asks that the
+        blocks of that many tokens be free as well, so that a prompt admitted for its first chunk
+        can also take the rest; ``keep_free`` blocks (the watermark) must stay free after either.
+
+        Returns:
+            The block ids the sequence's table gained, in table order (for a new sequence, all of
+            them, hits first: vLLM's ``NewRequestData.block_ids``); ``None`` when too few blocks
+            are free, and then nothing changed.
+
+        Raises:
+            ValueError: a bad count; ``computed`` given for a held sequence, or no longer cached;
+                ``token_ids`` shorter than the tokens it must cover; or the new tokens would land in
+                a shared block. Nothing changes.
+        """
+        if type(num_new_tokens) is not int or num_new_tokens < 0:  # the hot path's cheap test first
+            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
+        size, allocator = self.block_size, self._allocator
+        table = self._tables.get(seq_id) if computed is None else None
+        if table is not None and num_tokens_to_fit is None and not self._observers:
+            # The hot path of a decode step: nothing to look up, nobody watching.
+            start = table.num_tokens
+            end = start + num_new_tokens
+            if not allocator._num_shared and end <= len(table.block_ids) * size:  # fits its last block
+                table.num_tokens = end
+                if self._chains and num_new_tokens:
+                    self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
+                return []
+            if allocator.num_shared_blocks and self._shared_blocks(table, start, end):
+                self._refuse_shared(seq_id)
+            missing = -(-end // size) - len(table.block_ids)
+            taken: list[int] = []
+            if missing > 0:
+                if missing + keep_free > allocator.num_free_blocks:
+                    return None
+                taken = [allocator.allocate() for _ in range(missing)]
+                table.block_ids += taken
+            table.num_tokens = end
+            if self._chains and num_new_tokens:
+                self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
+            return taken
+        return self._allocate_slots(seq_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, keep_free)
+
+    def allocate(
+        self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> BlockTable:
+        """Give a new sequence the blocks for its whole prompt: ``ceil(num_prompt_tokens / block_size)``.
+
+        The lessons' call (vLLM V0's ``BlockSpaceManager.allocate``): :meth:`get_computed_blocks`
+        and :meth:`allocate_slots` for every prompt token at once. With prefix caching and the
+        prompt's ``token_ids``, the leading full blocks of the longest cached prefix are reused
+        (at most ``num_prompt_tokens - 1`` tokens) and :meth:`num_cached_tokens` says how many
+        tokens they cover; the prompt's fresh full blocks are cached for later prompts. Without
+        prefix caching ``token_ids`` are checked and otherwise ignored.
 
         Returns:
             A copy of the new block table.
@@ -158,27 +256,15 @@ class BlockManager:
         num_tokens = check_count("num_prompt_tokens", num_prompt_tokens)
         if token_ids is not None:
             token_ids = check_token_ids(token_ids, num_tokens)
-        what = f"sequence {seq_id!r} ({num_tokens} tokens)"
-        cached = 0
-        if token_ids is not None and isinstance(self._allocator, CachingBlockAllocator):
-            block_ids, cached, chain = self._allocator.allocate_prompt(token_ids, self.block_size, what)
-            if chain is not None:
-                self._chains[seq_id] = chain
-        else:
-            block_ids = self._take(blocks_for_tokens(num_tokens, self.block_size), what)
-        table = BlockTable(block_ids, num_tokens)
-        self._tables[seq_id] = table
-        if cached:
-            self._cached_tokens[seq_id] = cached
-        if self._observers:
-            if cached:
-                hits = tuple(block_ids[: cached // self.block_size])
-                self._emit(BlockEvent("cache_hit", seq_id, hits, tokens=(1, cached)))
-            self._emit(BlockEvent("allocate", seq_id, tuple(block_ids), tokens=(1, num_tokens)))
-        return table.copy()
+        computed = self.get_computed_blocks(token_ids) if token_ids is not None else ComputedBlocks()
+        blocks = self.allocate_slots(seq_id, num_tokens - computed.num_tokens, token_ids, computed=computed)
+        if blocks is None:
+            needed = self._blocks_needed(len(computed.block_ids), computed.block_ids, num_tokens)
+            raise OutOfBlocksError(needed, self.num_free_blocks, f"sequence {seq_id!r} ({num_tokens} tokens)")
+        return self._tables[seq_id].copy()
 
     def append_tokens(
-        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | torch.Tensor | None = None
+        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None
     ) -> tuple[list[int], Copies]:
         """Grow a sequence by ``n`` tokens, taking blocks only where a token finds no room of its own.
 
@@ -207,8 +293,19 @@ class BlockManager:
             OutOfBlocksError: too few blocks are free for the copies and new blocks together (the
                 sequence does not grow at all).
         """
-        table = self._table(seq_id)
-        n = check_count("n", n)
+        try:
+            table = self._tables[seq_id]
+        except (KeyError, TypeError):
+            table = self._table(seq_id)  # raises the package's own error
+        if type(n) is not int or n < 0:
+            n = check_count("n", n)
+        if token_ids is None and not self._observers and not self._allocator._num_shared:
+            end = table.num_tokens + n
+            if end <= len(table.block_ids) * self.block_size:  # the common case: it fits its last block
+                table.num_tokens = end
+                if self._chains and n:
+                    self._advance_chain(seq_id, table, None)
+                return [], []
         if token_ids is not None:
             token_ids = check_token_ids(token_ids, n, "n", "appended token")
         size, end = self.block_size, table.num_tokens + n
@@ -248,9 +345,7 @@ class BlockManager:
             self._advance_chain(seq_id, table, token_ids)
         return taken, copies
 
-    def append_batch(
-        self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
-    ) -> Copies:
+    def append_batch(self, seq_ids: Iterable[Hashable], token_ids: Sequence[int] | None = None) -> Copies:
         """One token for every sequence of a decode step, all or none: the engine's hot path.
 
         The same as ``append_tokens(seq_id, 1, [token_ids[i]])`` for each sequence in order (the
@@ -485,6 +580,79 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------- helpers
 
+    def _allocate_slots(
+        self,
+        seq_id: Hashable,
+        num_new_tokens: int,
+        token_ids: Sequence[int] | None,
+        computed: ComputedBlocks | None,
+        num_tokens_to_fit: int | None,
+        keep_free: int,
+    ) -> list[int] | None:
+        """:meth:`allocate_slots` for a new sequence, a full-sequence check or an observed manager."""
+        keep_free = check_count("keep_free", keep_free)
+        table = self._tables.get(check_hashable("seq_id", seq_id))
+        if table is not None and computed is not None:
+            raise ValueError(f"computed blocks are a new sequence's, but {seq_id!r} is allocated already")
+        held = list(computed.block_ids) if computed is not None else table.block_ids if table else []
+        start = computed.num_tokens if computed is not None else table.num_tokens if table else 0
+        end = start + num_new_tokens
+        if token_ids is not None and len(token_ids) < end:
+            raise ValueError(
+                f"token_ids must cover the sequence's {end} tokens, through the new ones, "
+                f"got {len(token_ids)}"
+            )
+        if computed is not None and computed.block_ids:
+            cache = self._allocator.prefix_cache  # type: ignore[attr-defined]  # hits come from one
+            if any(cache.entry(entry.block_id) is not entry for entry in computed.entries):
+                raise ValueError("computed blocks are no longer cached: look them up again")
+        if table is not None and self._allocator.num_shared_blocks and self._shared_blocks(table, start, end):
+            self._refuse_shared(seq_id)
+        hit_ids = held if table is None else []
+        free = self._allocator.num_free_blocks
+        fit = (
+            end
+            if num_tokens_to_fit is None
+            else max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
+        )
+        if self._blocks_needed(len(held), hit_ids, fit) + keep_free > free:
+            return None
+        if table is None:
+            if isinstance(self._allocator, CachingBlockAllocator):
+                self._allocator.take_hits(hit_ids)
+                if token_ids is not None:
+                    self._allocator.prefix_cache.record(len(token_ids), start)
+                    last = computed.entries[-1] if computed is not None and computed.entries else None
+                    self._chains[seq_id] = HashChain(last, len(hit_ids))
+            table = self._tables[seq_id] = BlockTable(list(hit_ids), start)
+            if start:
+                self._cached_tokens[seq_id] = start
+            if start and self._observers:
+                self._emit(BlockEvent("cache_hit", seq_id, tuple(hit_ids), tokens=(1, start)))
+            taken = self._allocator.allocate_blocks(self._blocks_needed(len(hit_ids), [], end))
+            table.block_ids += taken
+            table.num_tokens = end
+            if self._chains and end > start:
+                self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
+            if self._observers:
+                self._emit(BlockEvent("allocate", seq_id, tuple(table.block_ids), tokens=(1, end)))
+            return list(table.block_ids)
+        return self.append_tokens(seq_id, num_new_tokens, _new_ids(token_ids, start, end))[0]
+
+    def _blocks_needed(self, num_held: int, hit_ids: Sequence[int], num_tokens: int) -> int:
+        """Free blocks a table of ``num_held`` blocks (``hit_ids`` among them, still to be taken)
+        takes to hold ``num_tokens``: its fresh blocks, and the hits that sit on the free list."""
+        fresh = max(0, blocks_for_tokens(num_tokens, self.block_size) - num_held)
+        if hit_ids and isinstance(self._allocator, CachingBlockAllocator):
+            return fresh + self._allocator.num_revived(hit_ids)
+        return fresh
+
+    def _refuse_shared(self, seq_id: Hashable) -> None:
+        raise ValueError(
+            f"the new tokens of sequence {seq_id!r} would land in a block another sequence holds: "
+            f"allocate_slots never copies; a fork's copy-on-write is append_tokens'"
+        )
+
     def _table(self, seq_id: Hashable) -> BlockTable:
         try:
             return self._tables[seq_id]
@@ -567,3 +735,8 @@ class BlockManager:
 def _flat(copies: Sequence[tuple[int, int]]) -> tuple[int, ...]:
     """The blocks of ``(shared, copy)`` pairs, each shared block followed by its copy."""
     return tuple(block_id for pair in copies for block_id in pair)
+
+
+def _new_ids(token_ids: Sequence[int] | None, start: int, end: int) -> Sequence[int] | None:
+    """The ids of positions ``start .. end - 1`` of a sequence's ``token_ids`` (``None`` when unknown)."""
+    return None if token_ids is None else token_ids[start:end]

@@ -36,8 +36,6 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.errors import OutOfBlocksError
@@ -100,11 +98,12 @@ def check_token_ids(
         ValueError: naming ``token_ids``: not a sequence of integers, a negative or boolean id, or
             a length other than ``num_prompt_tokens``.
     """
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+    if _is_tensor(token_ids):  # a torch tensor, told by its attributes: core imports no torch
+        dtype = token_ids.dtype
+        if token_ids.dim() != 1 or dtype.is_floating_point or dtype.is_complex:
             raise ValueError(
                 f"token_ids must be a 1-D integer tensor, got shape {tuple(token_ids.shape)} "
-                f"and dtype {token_ids.dtype}"
+                f"and dtype {dtype}"
             )
         token_ids = token_ids.tolist()
     if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
@@ -120,6 +119,11 @@ def check_token_ids(
         if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
             raise ValueError(f"token_ids must be non-negative integers, got {token!r} at index {index}")
     return tuple(int(token) for token in token_ids)
+
+
+def _is_tensor(value: object) -> bool:
+    """Whether ``value`` looks like a torch tensor (``dim``, ``dtype`` and ``tolist``)."""
+    return all(hasattr(value, name) for name in ("dim", "dtype", "tolist"))
 
 
 @dataclass(frozen=True)
@@ -384,18 +388,13 @@ class CachingBlockAllocator(BlockAllocator):
         block_size = check_count("block_size", block_size, minimum=1)
         blocks = full_blocks(token_ids, block_size)
         hashes = chain_hashes(blocks)
-        max_hits = max(0, (len(token_ids) - 1) // block_size)
-        hits = self._prefix_cache.match(blocks, hashes, max_hits)
+        hits = self._prefix_cache.match(blocks, hashes, max(0, (len(token_ids) - 1) // block_size))
         hit_ids = [entry.block_id for entry in hits]
         num_fresh = blocks_for_tokens(len(token_ids), block_size) - len(hits)
-        revived = [block_id for block_id in hit_ids if self.is_free(block_id)]
-        if num_fresh + len(revived) > self.num_free_blocks:
-            raise OutOfBlocksError(num_fresh + len(revived), self.num_free_blocks, what)
-        for block_id in hit_ids:
-            if self.is_free(block_id):
-                self.take(block_id)
-            else:
-                self.add_ref(block_id)
+        needed = num_fresh + self.num_revived(hit_ids)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(needed, self.num_free_blocks, what)
+        self.take_hits(hit_ids)
         block_ids = hit_ids + self.allocate_blocks(num_fresh)
         last = hits[-1] if hits else None
         chain: HashChain | None = None
@@ -408,6 +407,27 @@ class CachingBlockAllocator(BlockAllocator):
         num_cached_tokens = len(hits) * block_size
         self._prefix_cache.record(len(token_ids), num_cached_tokens)
         return block_ids, num_cached_tokens, chain
+
+    def find_longest_cache_hit(self, token_ids: TokenIds, block_size: int) -> list[CachedBlock]:
+        """The cached entries of the longest cached prefix of ``token_ids``, whole blocks, at most
+        ``len(token_ids) - 1`` tokens (the last token is always computed). Nothing changes (vLLM:
+        ``find_longest_cache_hit`` of its ``FullAttentionManager``)."""
+        blocks = full_blocks(token_ids, block_size)
+        return self._prefix_cache.match(
+            blocks, chain_hashes(blocks), max(0, (len(token_ids) - 1) // block_size)
+        )
+
+    def num_revived(self, hit_ids: Sequence[int]) -> int:
+        """How many of the hit blocks sit on the free list: taking them costs free blocks too."""
+        return sum(self.is_free(block_id) for block_id in hit_ids)
+
+    def take_hits(self, hit_ids: Sequence[int]) -> None:
+        """One more holder for each hit block: off the free list when nobody held it (vLLM: ``touch``)."""
+        for block_id in hit_ids:
+            if self.is_free(block_id):
+                self.take(block_id)
+            else:
+                self.add_ref(block_id)
 
     def cache_full_blocks(
         self, chain: HashChain, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int

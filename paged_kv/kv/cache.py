@@ -22,6 +22,7 @@ from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.core.usage import BlockUsage
+from paged_kv.kv import slots
 from paged_kv.kv.storage import KVStorage
 from paged_kv.validate import check_count
 
@@ -331,7 +332,7 @@ class PagedKVCacheAllocator:
                 raise ValueError(_out_of_range("position", position, table.num_tokens))
             return mapping.physical_location(table.block_ids, position, self.block_size)
         positions = self._positions(table, position, "position")
-        return mapping.physical_locations(self._block_ids(table), positions, self.block_size)
+        return slots.physical_locations(self._block_ids(table), positions, self.block_size)
 
     def slot_mapping(self, seq_id: Hashable, positions: Positions | None = None) -> torch.Tensor:
         """The flat slot ``block_id * block_size + offset`` of each position, as a ``LongTensor``.
@@ -341,7 +342,7 @@ class PagedKVCacheAllocator:
         """
         table = self.manager.table(seq_id)
         positions = self._positions(table, positions, "positions")
-        return mapping.slot_mapping(self._block_ids(table), positions, self.block_size)
+        return slots.slot_mapping(self._block_ids(table), positions, self.block_size)
 
     def block_tables_tensor(self, seq_ids: Iterable[Hashable], pad: int = -1) -> torch.Tensor:
         """The block tables of a batch as one ``(batch, max_blocks)`` int32 tensor for kernels.

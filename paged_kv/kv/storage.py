@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_kv.core import mapping
+from paged_kv.kv import slots
+from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.validate import check_count
 
 
@@ -69,10 +70,14 @@ class KVStorage:
 
     @property
     def bytes_per_block(self) -> int:
-        """The bytes one block takes in K and V over all layers: what one allocation reserves."""
-        return (
-            2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self._k.element_size()
-        )
+        """The bytes one block takes in K and V over all layers: what one allocation reserves
+        (:meth:`~paged_kv.kv.sizing.KVCacheSpec.bytes_per_block`, the one place it is counted)."""
+        return self.spec.bytes_per_block(self.block_size)
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """What one token of this storage costs: its layers, K/V heads, head size and dtype."""
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A block table's ids as the 1-D LongTensor, on this device, that writes and reads take."""
@@ -94,7 +99,7 @@ class KVStorage:
         self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0
     ) -> None:
         """Store one layer's ``k``, ``v`` ``(tokens, heads, dim)`` at positions ``start ..`` of a table."""
-        mapping.write_kv(self.k_caches[layer], self.v_caches[layer], block_ids, k, v, start)
+        slots.write_kv(self.k_caches[layer], self.v_caches[layer], block_ids, k, v, start)
 
     def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a layer's ``k``, ``v`` ``(tokens, heads, dim)`` in slots ``block * block_size + offset``."""
@@ -104,7 +109,7 @@ class KVStorage:
 
     def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of a table's first ``num_tokens`` positions, as ``(tokens, heads, dim)``."""
-        return mapping.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
+        return slots.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
 
     def check_kv(self, name: str, tensor: object) -> None:
         """A ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, num_kv_heads, head_dim)`` K/V."""

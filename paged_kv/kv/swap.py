@@ -9,12 +9,14 @@ the sequence continues exactly where it stopped.
 The functions work on a :class:`~paged_kv.core.block_manager.BlockManager` and the
 :class:`~paged_kv.kv.storage.KVStorage` its block ids index, one layer or many: the blocks are freed
 and allocated once, and every layer's K/V is copied. The model cache's ``swap_out`` / ``swap_in``
-(:class:`~paged_kv.model.kv_cache.PagedKVCache`) call them.
+(:class:`~paged_kv.model.kv_cache.PagedKVCache`) call them. The engine splits the two halves as
+vLLM V0 did: its scheduler frees and allocates the blocks, and its runner copies the K/V
+(:func:`copy_out` and :func:`copy_in`) before the step's forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,50 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor)
 
 
+def copy_out(storage: KVStorage, block_ids: Sequence[int], num_tokens: int) -> SwappedKV:
+    """The first ``num_tokens`` tokens' K/V in ``block_ids``, every layer, copied to host memory.
+
+    The engine's runner calls it for each request the scheduler swapped out, before the step's
+    forward writes into the freed blocks (vLLM V0's ``blocks_to_swap_out``).
+    """
+    index = storage.block_index(block_ids)
+    saved = [storage.read(layer, index, num_tokens) for layer in range(storage.num_layers)]
+    return SwappedKV(num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved))
+
+
+def copy_in(storage: KVStorage, saved: SwappedKV, block_ids: Sequence[int]) -> None:
+    """Write ``saved`` back into ``block_ids``, every layer (the runner's ``blocks_to_swap_in``).
+
+    Raises:
+        ValueError: ``saved`` is not a :class:`SwappedKV` of this storage's layers, shape and dtype,
+            or ``block_ids`` hold fewer slots than its tokens; nothing is written.
+    """
+    check_saved(storage, saved)
+    if len(block_ids) * storage.block_size < saved.num_tokens:
+        raise ValueError(f"{len(block_ids)} blocks cannot hold the {saved.num_tokens} swapped tokens")
+    index = storage.block_index(block_ids)
+    for layer, (k, v) in enumerate(zip(saved.k, saved.v, strict=True)):
+        storage.write(layer, index, k.to(storage.device), v.to(storage.device))
+
+
+def check_saved(storage: KVStorage, saved: object) -> None:
+    """A ValueError unless ``saved`` is a :class:`SwappedKV` of ``storage``'s layers, shape and dtype."""
+    if not isinstance(saved, SwappedKV):
+        raise ValueError(f"saved must be a SwappedKV from swap_out, got {type(saved).__name__}")
+    if len(saved.k) != storage.num_layers or len(saved.v) != storage.num_layers:
+        raise ValueError(
+            f"saved holds K/V for {len(saved.k)} layers but the cache has {storage.num_layers} layers"
+        )
+    expected = (saved.num_tokens, storage.num_kv_heads, storage.head_dim)
+    for name, tensors in (("k", saved.k), ("v", saved.v)):
+        for layer, tensor in enumerate(tensors):
+            if tuple(tensor.shape) != expected or tensor.dtype != storage.dtype:
+                raise ValueError(
+                    f"saved.{name}[{layer}] is {tuple(tensor.shape)} {tensor.dtype}, but the cache "
+                    f"holds {expected} {storage.dtype}: it was swapped out of a different cache"
+                )
+
+
 def swap_out(manager: BlockManager, storage: KVStorage, seq_id: Hashable) -> SwappedKV:
     """Copy the sequence's K/V from every layer to host memory, then free its blocks.
 
@@ -62,11 +108,7 @@ def swap_out(manager: BlockManager, storage: KVStorage, seq_id: Hashable) -> Swa
         UnknownSequenceError: ``seq_id`` is not allocated (nothing is copied or freed).
     """
     table = manager.table(seq_id)
-    block_ids = storage.block_index(table.block_ids)
-    saved = [storage.read(layer, block_ids, table.num_tokens) for layer in range(storage.num_layers)]
-    swapped = SwappedKV(
-        table.num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved)
-    )
+    swapped = copy_out(storage, table.block_ids, table.num_tokens)
     manager.free(seq_id)
     return swapped
 
@@ -81,27 +123,12 @@ def swap_in(manager: BlockManager, storage: KVStorage, seq_id: Hashable, saved: 
 
         A call that raises changes nothing.
     """
-    if not isinstance(saved, SwappedKV):
-        raise ValueError(f"saved must be a SwappedKV from swap_out, got {type(saved).__name__}")
-    if len(saved.k) != storage.num_layers or len(saved.v) != storage.num_layers:
-        raise ValueError(
-            f"saved holds K/V for {len(saved.k)} layers but the cache has {storage.num_layers} layers"
-        )
+    check_saved(storage, saved)
     if check_hashable("seq_id", seq_id) in manager:
         raise ValueError(f"seq_id {seq_id!r} is already allocated; it cannot be swapped in twice")
-    expected = (saved.num_tokens, storage.num_kv_heads, storage.head_dim)
-    for name, tensors in (("k", saved.k), ("v", saved.v)):
-        for layer, tensor in enumerate(tensors):
-            if tuple(tensor.shape) != expected or tensor.dtype != storage.dtype:
-                raise ValueError(
-                    f"saved.{name}[{layer}] is {tuple(tensor.shape)} {tensor.dtype}, but the cache "
-                    f"holds {expected} {storage.dtype}: it was swapped out of a different cache"
-                )
     needed = blocks_for_tokens(saved.num_tokens, manager.block_size)
     if needed > manager.num_free_blocks:
         raise OutOfBlocksError(needed, manager.num_free_blocks, f"swapping in sequence {seq_id!r}")
     table = manager.allocate(seq_id, saved.num_tokens)
     manager.prepare_write(seq_id, 0, saved.num_tokens)
-    block_ids = storage.block_index(table.block_ids)
-    for layer, (k, v) in enumerate(zip(saved.k, saved.v, strict=True)):
-        storage.write(layer, block_ids, k.to(storage.device), v.to(storage.device))
+    copy_in(storage, saved, table.block_ids)

@@ -14,6 +14,13 @@ builds that callable for the two phases, so every model meets the cache the same
   never what a token attends to.
 * :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
   slots the cache's ``append`` chose (:func:`append_decode`) and attends over each whole sequence.
+* :func:`step_attend`: the engine's step, vLLM's way. The runner prepared the step's
+  :class:`~paged_kv.model.step.AttentionMetadata` once; each layer writes every new token's K/V at
+  its slot and runs one paged attention over the flattened batch, any number of query tokens per
+  request (causal inside a chunk), whatever mix of prefill chunks and decodes the step holds.
+
+The first three serve :func:`~paged_kv.model.generate` and the lessons' caches (the
+:class:`~paged_kv.model.kv_cache.KVCache` interface); the engine only uses :func:`step_attend`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv.attention.heads import repeat_kv_heads
+from paged_kv.attention.paged import paged_attention_varlen
+from paged_kv.kv.storage import KVStorage
 from paged_kv.model.kv_cache import PagedKVCache
+from paged_kv.model.step import AttentionMetadata
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
@@ -187,5 +197,28 @@ def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cache.attend(layer, seq_ids, q[:, 0], k[:, 0], v[:, 0])[:, None]
+
+    return attend
+
+
+def step_attend(metadata: AttentionMetadata, storage: KVStorage, strategy: str = "auto") -> Attend:
+    """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: every layer writes
+    the new K/V at ``metadata.slot_mapping`` and attends through ``metadata.block_table`` (vLLM: an
+    attention backend's ``forward``, after ``reshape_and_cache``)."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        storage.write_slots(layer, metadata.slot_mapping, k[0], v[0])
+        out = paged_attention_varlen(
+            q[0],
+            storage.k_caches[layer],
+            storage.v_caches[layer],
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            max_query_len=metadata.max_query_len,
+            strategy=strategy,
+            check=False,  # prepare_attention built the metadata, checked, once for every layer
+        )
+        return out[None]
 
     return attend

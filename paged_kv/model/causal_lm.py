@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from paged_kv.model.attend import Attend
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.hf import HFCausalLM
 from paged_kv.model.kv_cache import KVCache
@@ -63,6 +64,13 @@ class CausalLM(Protocol):
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
         """Feed one token per sequence ``(batch,)``; logits ``(batch, vocab)``."""
+        ...
+
+    def forward_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """One engine step over a flattened batch of ``(num_tokens,)`` ids at ``positions``: the
+        logits ``(len(logits_indices), vocab)`` of the tokens ``logits_indices`` names."""
         ...
 
 

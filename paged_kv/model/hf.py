@@ -174,6 +174,13 @@ class HFCausalLM:
         positions = append_decode(cache, seq_ids, tokens)
         return self._forward(tokens[:, None], positions[:, None], decode_attend(cache, seq_ids))[:, 0]
 
+    def forward_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """One engine step, as :meth:`~paged_kv.model.tiny_gpt.TinyGPT.forward_step`: the logits
+        ``(len(logits_indices), vocab)`` of the flattened batch's tokens ``logits_indices`` names."""
+        return self._forward(input_ids[None], positions[None], attend, keep=logits_indices)[0]
+
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: int | torch.Tensor = 1
     ) -> torch.Tensor:

@@ -32,11 +32,13 @@ import torch.nn.functional as F
 
 from paged_kv.attention.heads import repeat_kv_heads
 from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
+from paged_kv.model.step import AttentionMetadata, BlockTables, prepare_attention
 
 
 @runtime_checkable
@@ -148,15 +150,15 @@ class PagedKVCache(KVCache):
             config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
         self._recorder = Recorder(self.manager) if record else None
-        self._unwritten: dict[
-            Hashable, int
-        ] = {}  # a prompt not fully prefilled -> its first unwritten position
+        # A prompt not fully prefilled -> its first unwritten position.
+        self._unwritten: dict[Hashable, int] = {}
         self.block_size, self.device = block_size, self.storage.device
-        self._step: tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._prefill: (
-            tuple[tuple[Hashable, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        # The sequences' block-table rows on the device, as the engine's runner keeps them.
+        self.tables = BlockTables(
+            16, blocks_for_tokens(max(config.max_len, block_size), block_size), self.device
         )
-        self._prefill = None
+        self._step: tuple[tuple[Hashable, ...], AttentionMetadata] | None = None  # the last append's
+        self._prefill: tuple[tuple[Hashable, ...], AttentionMetadata] | None = None  # the last layout
 
     @property
     def num_blocks(self) -> int:
@@ -191,6 +193,7 @@ class PagedKVCache(KVCache):
         if self.manager.enable_prefix_caching:  # the prefill writes the uncached tail
             self.manager.prepare_write(seq_id, cached, num_tokens)
         self._unwritten[seq_id] = cached
+        self.tables.add_row(seq_id, self.manager.table(seq_id).block_ids)
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
@@ -292,23 +295,16 @@ class PagedKVCache(KVCache):
                 self._unwritten[seq_id] = end
             else:
                 self._unwritten.pop(seq_id, None)
-        lengths = ends
-        device = self.device
-        tables = self.manager.block_rows(seq_ids)
-        width = len(tables[0]) if tables else 0
-        table_tensor = torch.tensor(tables, dtype=torch.long, device=device).reshape(len(seq_ids), width)
-        length_tensor = torch.tensor(lengths, dtype=torch.long, device=device)
-        query_lens = length_tensor - torch.tensor(list(starts), dtype=torch.long, device=device)
-        total = int(query_lens.sum()) if seq_ids else 0
-        seq = torch.repeat_interleave(
-            torch.arange(len(seq_ids), device=device), query_lens, output_size=total
+        self._prefill = (
+            seq_ids,
+            prepare_attention(
+                self.tables,
+                seq_ids,
+                starts,
+                [e - a for a, e in zip(starts, ends, strict=True)],
+                self.block_size,
+            ),
         )
-        first = torch.cumsum(query_lens, 0) - query_lens  # each sequence's first packed row
-        positions = torch.arange(total, device=device) - first[seq] + (length_tensor - query_lens)[seq]
-        slots = (
-            table_tensor[seq, positions // self.block_size] * self.block_size + positions % self.block_size
-        )
-        self._prefill = (seq_ids, table_tensor, length_tensor, query_lens, slots)
 
     def attend_prefill_batch(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -327,13 +323,15 @@ class PagedKVCache(KVCache):
         """
         if self._prefill is None or tuple(seq_ids) != self._prefill[0]:
             raise RuntimeError("attend_prefill_batch must follow begin_prefill for the same batch")
-        _, tables, lengths, query_lens, slots = self._prefill
+        metadata = self._prefill[1]
         self.storage.check_kv_pair(k, v)
-        if len(k) != len(slots):
-            raise ValueError(f"k holds {len(k)} tokens but the prefill laid out {len(slots)}")
-        self.storage.write_slots(layer, slots, k, v)
+        if len(k) != metadata.num_tokens:
+            raise ValueError(f"k holds {len(k)} tokens but the prefill laid out {metadata.num_tokens}")
+        self.storage.write_slots(layer, metadata.slot_mapping, k, v)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
-        return paged_prefill_attention(q, k_cache, v_cache, tables, lengths, query_lens)
+        return paged_prefill_attention(
+            q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_lens
+        )
 
     def append(
         self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
@@ -350,15 +348,13 @@ class PagedKVCache(KVCache):
         seq_ids = tuple(seq_ids)
         copies = self.manager.append_batch(seq_ids, token_ids)
         self.storage.copy_blocks(copies)
-        tables = self.manager.block_rows(seq_ids)
-        lengths = [self.manager.table(seq_id).num_tokens for seq_id in seq_ids]
-        width = len(tables[0]) if tables else 0
-        table_tensor = torch.tensor(tables, dtype=torch.long, device=self.device).reshape(len(seq_ids), width)
-        length_tensor = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        last = length_tensor - 1
-        slots = table_tensor.gather(1, (last // self.block_size)[:, None])[:, 0] * self.block_size
-        self._step = (seq_ids, table_tensor, length_tensor, slots + last % self.block_size)
-        return last
+        held = [self.manager.table(seq_id) for seq_id in seq_ids]
+        for seq_id, table in zip(seq_ids, held, strict=True):
+            self.tables.sync(seq_id, table.block_ids)
+        computed = [table.num_tokens - 1 for table in held]
+        metadata = prepare_attention(self.tables, seq_ids, computed, [1] * len(seq_ids), self.block_size)
+        self._step = (seq_ids, metadata)
+        return metadata.positions
 
     def attend(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -370,9 +366,10 @@ class PagedKVCache(KVCache):
         """
         if self._step is None or tuple(seq_ids) != self._step[0]:
             raise RuntimeError("attend must follow append for the same batch: call append(seq_ids) first")
-        _, tables, lengths, slots = self._step
-        self.storage.write_slots(layer, slots, k, v)
-        return paged_attention(q, self.storage.k_caches[layer], self.storage.v_caches[layer], tables, lengths)
+        metadata = self._step[1]
+        self.storage.write_slots(layer, metadata.slot_mapping, k, v)
+        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return paged_attention(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens)
 
     def free(self, seq_id: Hashable) -> None:
         """Give the sequence's blocks back. A prompt freed before its prefill wrote every position
@@ -384,6 +381,7 @@ class PagedKVCache(KVCache):
             # writes no copy: it only forgets the hashes of the blocks from ``unwritten`` on.
             self.manager.prepare_write(seq_id, unwritten, self.manager.sequence_length(seq_id))
         self.manager.free(seq_id)
+        self.tables.remove(seq_id)
 
     def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of the sequence, gathered into contiguous ``(num_tokens, heads, dim)``."""
@@ -391,11 +389,14 @@ class PagedKVCache(KVCache):
 
     def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
         """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 11)."""
-        return swap.swap_out(self.manager, self.storage, seq_id)
+        saved = swap.swap_out(self.manager, self.storage, seq_id)
+        self.tables.remove(seq_id)
+        return saved
 
     def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
         """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 11)."""
         swap.swap_in(self.manager, self.storage, seq_id, saved)
+        self.tables.add_row(seq_id, self.manager.table(seq_id).block_ids)
 
     def _block_ids(self, seq_id: Hashable) -> torch.Tensor:
         return self.storage.block_index(self.manager.table(seq_id).block_ids)

@@ -120,6 +120,16 @@ class TinyGPT(nn.Module):
             x = block(x, attend)
         return self.head(self.norm(x))
 
+    def forward_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """One engine step: the flattened batch's ``(num_tokens,)`` ids at ``positions``; the logits
+        ``(len(logits_indices), vocab)`` of the tokens ``logits_indices`` names (each request's last)."""
+        x = self.token_embedding(input_ids[None]) + self.position_embedding(positions[None])
+        for block in self.blocks:
+            x = block(x, attend)
+        return self.head(self.norm(x[0, logits_indices]))
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The full-sequence forward with no cache: ``(batch, tokens)`` ids to logits."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)

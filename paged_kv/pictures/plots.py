@@ -577,3 +577,177 @@ def plot_memory_shares(
     if title:
         ax.set_title(title, loc="left", fontsize=11)
     return ax
+
+
+def plot_metrics(result: object, ax: Axes | None = None) -> Axes:
+    """Running and waiting (and swapped, if any) sequences per step, with utilization on a second
+    axis, from an :class:`~paged_kv.serving.engine.EngineResult`; returns ``ax``."""
+    ax = _axes(ax, (8, 3.5))
+    steps = range(result.steps)
+    ax.plot(steps, result.running, label="running", color="#0072B2")
+    ax.plot(steps, result.waiting, label="waiting", color="#E69F00", linestyle="--")
+    if any(result.swapped):
+        ax.plot(steps, result.swapped, label="swapped", color="#CC79A7", linestyle="-.")
+    ax.set_xlabel("step")
+    ax.set_ylabel("sequences")
+    reasons = ", ".join(f"{n} by {reason}" for reason, n in result.preemptions_by_reason.items() if n)
+    ax.set_title(
+        f"{result.mode}: {result.budget_tokens} token slots, {result.preemptions} preemptions"
+        + (f" ({reasons})" if reasons else "")
+    )
+    twin = ax.twinx()
+    twin.plot(steps, result.utilization, label="utilization", color="#009E73", linestyle=":")
+    twin.set_ylim(0, 1.05 * max([1.0, *result.utilization]))  # above 1 only when blocks are shared
+    twin.set_ylabel("utilization (held / reserved)")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
+    return ax
+
+
+def plot_step_batch(
+    req_ids: Sequence[Hashable],
+    query_start_loc: Sequence[int],
+    positions: Sequence[int],
+    slot_mapping: Sequence[int],
+    block_table: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """One engine step's flattened batch, as the model runner prepares it (lesson 09).
+
+    Top: every scheduled token of the step, request after request (request ``b``'s are tokens
+    ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` of the batch, numbered underneath), in its
+    request's colour and labelled with its position; the request's id and token count above.
+    Middle: each token's slot (``slot_mapping``), where every layer writes its K/V. Bottom: each
+    request's block-table row under its tokens, one box per block id, padding (``-1``) hatched; the
+    blocks this step writes into are in the request's colour, those holding only earlier tokens
+    grey; an arrow runs from every slot down to its block, and each row is labelled with the
+    request's ``seq_len``, the tokens it attends over once the step's are in. The inputs may be
+    tensors (fields of :class:`~paged_kv.model.step.AttentionMetadata`) or lists.
+
+    Raises:
+        ValueError: the inputs do not describe one step: ``query_start_loc`` is not ``0`` then
+            increasing to ``len(positions)``, with one entry more than there are requests;
+            ``slot_mapping`` and ``positions`` differ in length; a row is missing; or a slot is
+            not ``block_table[b][p // block_size] * block_size + p % block_size``.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    req_ids = list(req_ids)
+    starts = [int(x) for x in query_start_loc]
+    positions = [int(x) for x in positions]
+    slots = [int(x) for x in slot_mapping]
+    rows = [[int(x) for x in row] for row in block_table]
+    if not req_ids or len(starts) != len(req_ids) + 1 or starts[0] != 0 or starts[-1] != len(positions):
+        raise ValueError(
+            f"query_start_loc must run from 0 to the {len(positions)} tokens with one entry per request "
+            f"and one more ({len(req_ids) + 1}), got {starts}"
+        )
+    if any(starts[i + 1] <= starts[i] for i in range(len(req_ids))):
+        raise ValueError(f"every request runs a token at least: query_start_loc must increase, got {starts}")
+    if len(slots) != len(positions):
+        raise ValueError(f"slot_mapping must have one slot per token ({len(positions)}), got {len(slots)}")
+    if len(rows) != len(req_ids):
+        raise ValueError(f"block_table must have one row per request ({len(req_ids)}), got {len(rows)}")
+    owner = [b for b in range(len(req_ids)) for _ in range(starts[b], starts[b + 1])]
+    for t, (b, p, s) in enumerate(zip(owner, positions, slots, strict=True)):
+        column = p // block_size
+        block = rows[b][column] if 0 <= column < len(rows[b]) else -1
+        if block < 0 or block * block_size + p % block_size != s:
+            raise ValueError(
+                f"token {t} (position {p} of {req_ids[b]!r}) has slot {s}, but its row {rows[b]} puts "
+                f"position {p} in block {block}: slot block * {block_size} + {p % block_size}"
+            )
+
+    # Each request gets a column as wide as its tokens or its row, whichever is wider.
+    widths = [max(starts[b + 1] - starts[b], len(rows[b])) for b in range(len(req_ids))]
+    lefts = [sum(widths[:b]) + 0.8 * b for b in range(len(req_ids))]
+    width = lefts[-1] + widths[-1]
+    x_of = [lefts[b] + t - starts[b] for t, b in enumerate(owner)]
+    ax = _axes(ax, (min(12.0, 0.55 * width + 2.4), 4.2))
+    y_tokens, y_slots, y_rows = 0.0, -1.5, -3.6
+    written = {(b, p // block_size) for b, p in zip(owner, positions, strict=True)}
+    for t, (b, p, s) in enumerate(zip(owner, positions, slots, strict=True)):
+        x, fill = x_of[t], colour(b)
+        ax.add_patch(Rectangle((x, y_tokens), 0.9, 0.8, facecolor=fill, edgecolor="#333333", lw=0.8))
+        ink = text_colour(fill)
+        ax.text(x + 0.45, y_tokens + 0.4, str(p), ha="center", va="center", fontsize=8, color=ink)
+        ax.text(x + 0.45, y_tokens - 0.3, str(t), ha="center", va="center", fontsize=7, color="#555555")
+        ax.add_patch(Rectangle((x, y_slots), 0.9, 0.8, facecolor="white", edgecolor=fill, lw=2.0))
+        ax.text(x + 0.45, y_slots + 0.4, str(s), ha="center", va="center", fontsize=8, color="#222222")
+        target = lefts[b] + p // block_size + 0.45
+        ax.add_patch(
+            FancyArrowPatch(
+                (x + 0.45, y_slots),
+                (target, y_rows + 0.8),
+                arrowstyle="-|>",
+                mutation_scale=8,
+                color=fill,
+                lw=0.9,
+                alpha=0.8,
+                shrinkA=1,
+                shrinkB=1,
+                zorder=1,
+            )
+        )
+    for b, (request, row) in enumerate(zip(req_ids, rows, strict=True)):
+        n = starts[b + 1] - starts[b]
+        tokens = f"{n} token" + ("s" if n > 1 else "")
+        ax.text(lefts[b], y_tokens + 1.0, f"{request}: {tokens}", ha="left", va="bottom", fontsize=9)
+        for j, block_id in enumerate(row):
+            x = lefts[b] + j
+            if block_id < 0:
+                ax.add_patch(Rectangle((x, y_rows), 0.9, 0.8, zorder=2, **WASTE))
+                continue
+            fill = colour(b) if (b, j) in written else "#E8E8E8"
+            ax.add_patch(
+                Rectangle((x, y_rows), 0.9, 0.8, facecolor=fill, edgecolor="#333333", lw=0.8, zorder=2)
+            )
+            ink = text_colour(fill) if (b, j) in written else "#222222"
+            ax.text(
+                x + 0.45,
+                y_rows + 0.4,
+                str(block_id),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color=ink,
+                zorder=3,
+            )
+        seq_len = max(p for p, o in zip(positions, owner, strict=True) if o == b) + 1
+        ax.text(
+            lefts[b], y_rows - 0.15, f"{request}'s row, seq_len {seq_len}", ha="left", va="top", fontsize=8
+        )
+    for y, label in (
+        (y_tokens + 0.4, "positions"),
+        (y_tokens - 0.3, "token in the batch"),
+        (y_slots + 0.4, "slot_mapping"),
+        (y_rows + 0.4, "block_table rows"),
+    ):
+        small = label == "token in the batch"
+        ax.text(
+            -0.3,
+            y,
+            label,
+            ha="right",
+            va="center",
+            fontsize=7 if small else 9,
+            color="#555555" if small else "black",
+        )
+    ax.text(
+        -0.3,
+        y_rows - 0.75,
+        f"query_start_loc {starts}: each request's first token in the batch, and the batch's end",
+        ha="left",
+        va="top",
+        fontsize=8,
+        color="#555555",
+    )
+    ax.set_xlim(-3.4, width + 0.2)
+    ax.set_ylim(y_rows - 1.2, y_tokens + 1.6)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, loc="left", fontsize=11)
+    return ax

@@ -1,52 +1,54 @@
 """A continuous-batching engine that serves a stream of requests with a model on the paged cache.
 
-Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (which
-samples their first token), decode one token per step in one batched ``decode_step`` of the
-model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model), and release their memory as
-soon as they finish, so a waiting request can take their place at the next step (lesson 09). The engine is the
-loop of a serving engine: ``output = scheduler.schedule(); result = runner.execute(output);
-scheduler.update(output, result)``, with the package's one
-:class:`~paged_kv.serving.scheduler.Scheduler` (the rules below are its rules, and lesson 07's
-simulator runs the same scheduler with no model) and a
-:class:`~paged_kv.serving.model_runner.ModelRunner`.
+Requests arrive with a prompt and a maximum output length, wait, are admitted, prefill (the step
+that computes a prompt's last token samples its first output token), decode one token per step,
+and release their memory as soon as they finish, so a waiting request can take their place at the
+next step (lessons 09-11). The engine is the loop of a serving engine, split as vLLM v1 splits it:
 
-The memory budget is ``num_blocks * block_size`` token slots, spent one of two ways (``mode``):
+1. ``output = scheduler.schedule()``: :class:`~paged_kv.serving.scheduler.Scheduler` gives each
+   request its tokens for the step and takes their blocks now
+   (:meth:`~paged_kv.serving.memory.KVCacheManager.allocate_slots`), preempting the newest
+   running request when they do not fit; the step is a frozen
+   :class:`~paged_kv.serving.outputs.SchedulerOutput`;
+2. ``result = runner.execute_model(output)``: :class:`~paged_kv.serving.model_runner.ModelRunner`
+   applies it to its persistent block table, prepares the step's inputs once and runs one forward
+   of the model (the tiny GPT, or a Hugging Face Llama, Qwen2 or Mistral model) over the
+   flattened batch, prefill chunks and decodes together;
+3. ``scheduler.update_from_output(output, result)``: the sampled tokens are appended, and the
+   finished requests free their blocks.
 
-* ``"paged"``: a :class:`~paged_kv.model.kv_cache.PagedKVCache`, or any
-  :class:`~paged_kv.serving.protocols.PagedCache` that ``cache_factory`` builds, under a
-  :class:`~paged_kv.serving.memory.PagedMemory`. A request is admitted when its prompt's
-  blocks, plus a headroom of one block per running sequence (the admitted one included), plus the
-  *watermark*, ``ceil(watermark * num_blocks)`` blocks kept free, are free: the headroom is what the
-  next decode step can need, at most one block per sequence; the watermark keeps room for the steps
-  after it. Blocks are taken on demand as sequences grow. When a decode step still finds too few
-  free blocks, the most recently admitted sequence is *preempted*
-  (:func:`~paged_kv.serving.preemption.choose_victims`), one of two ways (``preemption``):
+Lesson 07's simulator runs the same scheduler with no model. The memory budget is ``num_blocks *
+block_size`` token slots, spent one of two ways (``mode``):
 
-  - ``"recompute"``: its blocks are freed and it goes back to the front of the queue. It keeps
-    its output and, admitted again, prefills its prompt and that output (in chunks under a token
-    budget, ``max_num_batched_tokens``, vLLM v1's way), then samples its next token;
-  - ``"swap"``: its K/V is copied to host memory (:mod:`paged_kv.kv.swap`) and its blocks are freed; it
-    waits in a *swapped* queue that comes before the waiting requests: each step, swapped sequences
-    come back first (fresh blocks, K/V copied in, generated tokens kept) while they fit with the
-    headroom, and no new request is admitted while any is still swapped out.
+* ``"paged"``: a :class:`~paged_kv.serving.memory.KVCacheManager` over a
+  :class:`~paged_kv.core.block_manager.BlockManager`. A request is admitted when its whole
+  prompt's blocks are free (``scheduler_reserve_full_isl``, vLLM's default), plus the *watermark*,
+  ``ceil(watermark * num_blocks)`` blocks, while another request runs; no block is kept back for
+  the running requests' growth. Blocks are taken as tokens are scheduled. When a running request's
+  next tokens find too few free blocks, the newest running request is *preempted*, one of two
+  ways (``preemption``):
 
-  With ``enable_prefix_caching=True`` the paged cache keeps the blocks of prompt prefixes it has
-  computed (:mod:`paged_kv.core.prefix_cache`). Admission passes the prompt's token ids; a prompt whose
-  leading full blocks are cached (held by a running sequence, or freed by a finished or preempted
-  one and not yet reused: freed blocks count as free and are evicted least recently freed first)
-  reuses them, and its prefill computes only the uncached tail, ``c .. n - 1`` for ``c`` cached
-  tokens out of ``n`` (``c`` is a multiple of ``block_size`` and at most ``n - 1``). Admission still
-  counts every block of the prompt as needed, as if nothing were cached. Preemption is unchanged: a
-  recomputed request queries the cache again when it is admitted again, and may find its own
-  blocks; a swapped-in sequence gets fresh blocks and all its K/V back, sharing nothing.
+  - ``"recompute"`` (vLLM v1's only way): its blocks are freed and it goes back to the front of
+    the queue. It keeps its output and, admitted again, prefills its prompt and that output (in
+    chunks under a token budget), then samples its next token;
+  - ``"swap"`` (the paper's other way, and vLLM V0's): its K/V is copied to host memory by the
+    runner (:mod:`paged_kv.kv.swap`) and its blocks are freed; it waits in a *swapped* queue that
+    comes before the waiting requests: in a step that preempts nobody, swapped requests come back
+    (fresh blocks, K/V copied in) while they fit, and no new request is admitted while any is
+    still swapped out. A victim still prefilling is requeued instead, as recompute.
 
-* ``"contiguous"``: a :class:`~paged_kv.model.kv_cache.ContiguousKVCache` under a
-  :class:`~paged_kv.serving.memory.ContiguousMemory`, with one slot of ``max_model_len`` tokens
-  reserved per sequence at admission, out of the same budget; a request is admitted while one more
-  slot fits. A sequence never outgrows its slot, so nothing is ever preempted.
+  With ``enable_prefix_caching=True`` the manager keeps the blocks of prefixes it has computed
+  (:mod:`paged_kv.core.prefix_cache`): a new request's tokens are looked up, a prefix of cached full
+  blocks (held by a running request, or freed and not yet reused: freed blocks count as free and
+  are evicted least recently freed first) is reused, and the prefill computes only the rest,
+  ``c .. n - 1`` for ``c`` cached tokens out of ``n`` (``c`` a multiple of ``block_size``, at most
+  ``n - 1``). A hit on a block nobody holds takes it off the free list, so it counts at admission.
+  Every block the scheduled tokens fill is cached when they are scheduled, prompt or decode.
 
-With ``max_num_batched_tokens=N`` (paged mode) a step runs at most ``N`` tokens: every running
-decode first, then prompts in chunks (:mod:`~paged_kv.serving.scheduler`).
+* ``"contiguous"``: a :class:`~paged_kv.serving.memory.ContiguousMemory`, one seat of
+  ``max_model_len`` tokens reserved per request at admission, out of the same budget; a request is
+  admitted while one more seat fits. A request never outgrows its seat, so nothing is ever
+  preempted. The runner reads a seat through the same block table as paged blocks.
 
 The generated text depends neither on the mode, nor on the batch, nor on preemption, nor on the
 token budget: every request gets exactly the tokens :func:`~paged_kv.model.generate` gives its
@@ -55,49 +57,37 @@ prompt alone.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from paged_kv.attention.paged import STRATEGIES
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.device import resolve_device
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
+from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.generation import is_token
-from paged_kv.model.kv_cache import ContiguousKVCache, PagedKVCache, check_cache_fits
 from paged_kv.progress import progress_bar
+from paged_kv.serving.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_kv.serving.memory import (
     ContiguousMemory,
-    KVMemory,
-    PagedMemory,
+    KVCacheManager,
     blocks_alone,
     check_watermark,
     serves_alone,
     watermark_blocks,
 )
 from paged_kv.serving.model_runner import ModelRunner
-from paged_kv.serving.protocols import PagedCache, PrefixCachingCache, SwappingCache
-from paged_kv.serving.scheduler import (
-    PREEMPTIONS,
-    Scheduler,
-    SchedulerOutput,
-    SchedulerRequest,
-    StepResult,
-    check_budget,
-    run_steps,
-)
+from paged_kv.serving.outputs import SchedulerOutput
+from paged_kv.serving.protocols import KVMemory
+from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.scheduler import PREEMPTIONS, Scheduler, StepResult, check_budget, run_steps
 from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
-
-CacheFactory = Callable[..., PagedCache]
-"""Builds the paged mode's cache: ``(config, num_blocks, block_size, device, dtype) -> cache``, a
-:class:`~paged_kv.serving.protocols.PagedCache`. ``preemption="swap"`` needs a
-:class:`~paged_kv.serving.protocols.SwappingCache` as well; ``enable_prefix_caching=True`` calls the
-factory with the keyword ``enable_prefix_caching=True`` too, and needs a
-:class:`~paged_kv.serving.protocols.PrefixCachingCache` whose ``add_sequence`` takes ``token_ids``."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +128,8 @@ class EngineResult:
     step that sampled its first output token (the first time, if it was preempted and started
     over), and :attr:`time_to_first_token` the steps from its arrival to that one, counting both.
     ``scheduled_tokens`` holds one tuple per step of ``(request_id, tokens)`` pairs, what the step
-    ran (decodes first, then prefill chunks: :attr:`SchedulerOutput.scheduled`), and
+    ran (:attr:`~paged_kv.serving.outputs.SchedulerOutput.num_scheduled_tokens`: the running
+    requests in list order, then the new ones), and
     :attr:`tokens_per_step` their sums: with ``max_num_batched_tokens`` none is above it.
 
     ``preemptions_by_reason`` counts preemptions per way (``"recompute"``, ``"swap"``) and
@@ -226,33 +217,31 @@ class Engine:
 
     ``model`` is a :class:`~paged_kv.model.tiny_gpt.TinyGPT`, a Hugging Face causal LM of a supported
     architecture or any :class:`~paged_kv.model.causal_lm.CausalLM`
-    (:func:`~paged_kv.model.causal_lm.as_causal_lm`); :attr:`model` is that ``CausalLM``.
+    (:func:`~paged_kv.model.causal_lm.as_causal_lm`); :attr:`model` is that ``CausalLM``. The
+    settings are gathered in :attr:`config`, an :class:`~paged_kv.serving.config.EngineConfig`
+    (vLLM's ``CacheConfig`` and ``SchedulerConfig``), and read there.
 
-    The memory is given one of three ways, exactly one of them: ``num_blocks``; or
-    ``kv_cache_memory_bytes``, the bytes the K/V may take; or ``gpu_memory_utilization``, the
-    fraction of the device's memory (a GPU's, or the machine's RAM for the CPU) the engine may use,
-    the model's weights included, as in vLLM: ``num_blocks = budget // bytes_per_block`` where
-    ``bytes_per_block`` is K and V of ``block_size`` tokens over all layers
-    (:class:`~paged_kv.kv.sizing.KVCacheSpec`). Activations are not counted (vLLM measures them with
-    a profiling run).
+    The memory is given one of three ways, exactly one of them: ``num_blocks`` (vLLM's
+    ``num_gpu_blocks_override``); or ``kv_cache_memory_bytes``, the bytes the K/V may take; or
+    ``gpu_memory_utilization``, the fraction of the device's memory (a GPU's, or the machine's RAM
+    for the CPU) the engine may use, the model's weights included, as in vLLM:
+    ``num_blocks = budget // bytes_per_block`` where ``bytes_per_block`` is K and V of
+    ``block_size`` tokens over all layers (:class:`~paged_kv.kv.sizing.KVCacheSpec`). Activations
+    are not counted (vLLM measures them with a profiling run).
 
     A request ends at the model's end-of-sequence tokens, as in vLLM, unless ``ignore_eos=True``
     (vLLM's sampling parameter of that name): see :class:`EngineRequest`.
 
     ``max_model_len`` (default: the model's ``max_len``) bounds prompt plus output of any request
-    and is the slot size of the contiguous mode. ``device`` defaults to the model's and must be it.
-    ``cache_factory`` builds the paged mode's cache (default :class:`~paged_kv.model.kv_cache.PagedKVCache`);
-    lesson 09 plugs in a cache of the learner's own through it. ``preemption`` (``"recompute"`` or
-    ``"swap"``) and ``watermark`` (a fraction in ``[0, 1)`` of the blocks that admission keeps free)
-    are settings of the paged mode, and so is ``enable_prefix_caching`` (see the module docstring),
-    which a ``cache_factory`` must accept as a keyword argument.
-
-    ``max_num_batched_tokens`` (None: no budget) caps the tokens a step runs, as vLLM's setting:
-    each step gives every running decode its token first, then prefills prompts in chunks with
-    what is left, and a request preempted by recompute resumes by prefilling its prompt and the
-    tokens it had generated (see :mod:`~paged_kv.serving.scheduler`). The tokens do not change. It
-    is a setting of the paged mode, on a :class:`~paged_kv.model.kv_cache.PagedKVCache` (which can
-    run a prompt chunk at an offset).
+    and is the reservation of the contiguous mode. ``device`` defaults to the model's and must be
+    it. ``preemption`` (``"recompute"`` or ``"swap"``), ``watermark`` (a fraction in ``[0, 1)`` of
+    the blocks that an admission keeps free while others run) and ``enable_prefix_caching`` are
+    settings of the paged mode. ``max_num_seqs`` caps the running requests and
+    ``max_num_batched_tokens`` the tokens a step schedules (None: no limit), as vLLM's settings:
+    under a budget prompts are prefilled in chunks, and a request preempted by recompute resumes
+    by prefilling its prompt and the tokens it had generated (see
+    :mod:`~paged_kv.serving.scheduler`). The tokens do not change. ``attention_strategy`` is the
+    paged attention's (:func:`~paged_kv.attention.paged.paged_prefill_attention`).
 
     Raises:
         ValueError: a bad argument, named in the message.
@@ -267,20 +256,20 @@ class Engine:
         mode: str = "paged",
         max_model_len: int | None = None,
         device: str | torch.device | None = None,
-        cache_factory: CacheFactory | None = None,
         preemption: str = "recompute",
         watermark: float = 0.0,
         enable_prefix_caching: bool = False,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         ignore_eos: bool = False,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        attention_strategy: str = "auto",
     ) -> None:
         self.model = model = as_causal_lm(model)
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-        self.ignore_eos = ignore_eos
-        self.block_size = check_count("block_size", block_size, minimum=1)
+        block_size = check_count("block_size", block_size, minimum=1)
         config = model.config
         self.kv_spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, model.dtype)
         model_device = resolve_device(model.device)
@@ -289,20 +278,13 @@ class Engine:
             raise ValueError(
                 f"device {self.device} differs from the model's {model_device}; call model.to(device)"
             )
-        self.num_blocks = self._size_cache(num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        blocks = self._size_cache(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
-        if cache_factory is not None and not callable(cache_factory):
-            raise ValueError(f"cache_factory must be callable, got {cache_factory!r}")
-        if cache_factory is not None and mode != "paged":
-            raise ValueError("cache_factory builds the paged mode's cache: use it with mode='paged'")
-        self.cache_factory = PagedKVCache if cache_factory is None else cache_factory
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
-        self.preemption = preemption
-        self.watermark = check_watermark(watermark)
-        if mode != "paged" and (preemption != "recompute" or self.watermark):
+        watermark = check_watermark(watermark)
+        if mode != "paged" and (preemption != "recompute" or watermark):
             raise ValueError(
                 "preemption and watermark are settings of the paged mode: the contiguous mode never preempts"
             )
@@ -310,29 +292,52 @@ class Engine:
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if enable_prefix_caching and mode != "paged":
             raise ValueError("enable_prefix_caching is a setting of the paged mode: use it with mode='paged'")
-        if enable_prefix_caching and not _accepts_prefix_caching(self.cache_factory):
-            raise ValueError(
-                f"enable_prefix_caching=True calls cache_factory with the keyword argument "
-                f"enable_prefix_caching=True, which {self.cache_factory!r} does not accept"
-            )
-        self.enable_prefix_caching = enable_prefix_caching
-        self.max_num_batched_tokens = check_budget(max_num_batched_tokens)
-        if self.max_num_batched_tokens is not None and mode != "paged":
-            raise ValueError(
-                "max_num_batched_tokens is a setting of the paged mode: a prompt chunk attends over "
-                "the paged cache at an offset"
-            )
-        limit = model.config.max_len
-        self.max_model_len = (
+        if attention_strategy not in STRATEGIES:
+            raise ValueError(f"attention_strategy must be one of {STRATEGIES}, got {attention_strategy!r}")
+        limit = config.max_len
+        max_model_len = (
             limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
         )
-        if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_len {limit}")
-        if mode == "contiguous" and self.max_model_len > self.budget_tokens:
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_len {limit}")
+        if mode == "contiguous" and max_model_len > blocks * block_size:
             raise ValueError(
-                f"max_model_len {self.max_model_len} does not fit the budget of num_blocks * block_size "
-                f"= {self.budget_tokens} token slots: contiguous mode could admit nothing"
+                f"max_model_len {max_model_len} does not fit the budget of num_blocks * block_size "
+                f"= {blocks * block_size} token slots: contiguous mode could admit nothing"
             )
+        self.config = EngineConfig(
+            CacheConfig(
+                block_size=block_size,
+                num_blocks=blocks,
+                num_gpu_blocks_override=num_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_seqs=None
+                if max_num_seqs is None
+                else check_count("max_num_seqs", max_num_seqs, minimum=1),
+                max_num_batched_tokens=check_budget(max_num_batched_tokens),
+                watermark=watermark,
+                preemption=preemption,
+            ),
+            mode=mode,
+            ignore_eos=ignore_eos,
+            attention_strategy=attention_strategy,
+        )
+
+    # The settings, read from the one configuration object.
+    mode = property(lambda self: self.config.mode)
+    block_size = property(lambda self: self.config.cache.block_size)
+    num_blocks = property(lambda self: self.config.cache.num_blocks)
+    enable_prefix_caching = property(lambda self: self.config.cache.enable_prefix_caching)
+    max_model_len = property(lambda self: self.config.scheduler.max_model_len)
+    max_num_batched_tokens = property(lambda self: self.config.scheduler.max_num_batched_tokens)
+    preemption = property(lambda self: self.config.scheduler.preemption)
+    watermark = property(lambda self: self.config.scheduler.watermark)
+    ignore_eos = property(lambda self: self.config.ignore_eos)
 
     @property
     def bytes_per_block(self) -> int:
@@ -346,35 +351,24 @@ class Engine:
 
     @property
     def watermark_blocks(self) -> int:
-        """The blocks admission keeps free, ``ceil(watermark * num_blocks)``."""
+        """The blocks admission keeps free while others run, ``ceil(watermark * num_blocks)``."""
         return watermark_blocks(self.watermark, self.num_blocks)
 
     def run(self, requests: Sequence[EngineRequest], progress: bool = False) -> EngineResult:
         """Serve ``requests`` until every one has finished; ``progress=True`` shows a tqdm bar.
 
-        Each step is one :class:`~paged_kv.serving.scheduler.Scheduler` step (see its module):
-        ``output = scheduler.schedule()`` (swap-ins, admissions, preemptions, decodes), ``result =
-        runner.execute(output)`` (a :class:`~paged_kv.serving.model_runner.ModelRunner`: the
-        prefills, whose last logits give each admitted request its first token, then one batched
-        decode step), ``scheduler.update(output, result)`` (tokens appended, finished sequences
-        freed); then the step is recorded.
+        Each step is ``output = scheduler.schedule()`` (the tokens of every request and their
+        blocks, preemptions, admissions: see :mod:`~paged_kv.serving.scheduler`), ``result =
+        runner.execute_model(output)`` (a :class:`~paged_kv.serving.model_runner.ModelRunner`: the
+        step's inputs prepared once, one forward, greedy sampling), ``scheduler.update_from_output(
+        output, result)`` (tokens appended, finished requests freed); then the step is recorded.
 
         Raises:
             ValueError: a request that is not an :class:`EngineRequest`, a repeated ``request_id``,
-                a bad token id, a request too long for ``max_model_len`` or for the budget alone,
-                or ``preemption="swap"`` with a cache that has no ``swap_out`` / ``swap_in``, or
-                ``enable_prefix_caching=True`` with one that has no ``num_cached_tokens`` /
-                ``attend_prefill``.
-            RuntimeError: nothing runs while requests wait that do not fit: the cache reports fewer
-                free blocks than it has (a plugged-in cache whose ``num_free_blocks`` is wrong); or
-                the cache reports cached tokens outside ``0 .. len(prompt) - 1``.
+                a bad token id, or a request too long for ``max_model_len`` or for the budget alone.
         """
         requests = self._check_requests(requests)
-        cache, memory = self._new_memory()
-        scheduler = Scheduler(
-            memory, preemption=self.preemption, max_num_batched_tokens=self.max_num_batched_tokens
-        )
-        runner = ModelRunner(self.model, cache, self.device)
+        scheduler, runner = self._new_step_loop()
         result = EngineResult(self.mode, self.budget_tokens)
         result.arrival_step = {r.request_id: r.arrival_step for r in requests}
         stop = frozenset() if self.ignore_eos else frozenset(getattr(self.model, "eos_token_ids", ()))
@@ -394,7 +388,11 @@ class Engine:
     # ------------------------------------------------------------------------------ the helpers
 
     def _size_cache(
-        self, num_blocks: int | None, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None
+        self,
+        block_size: int,
+        num_blocks: int | None,
+        kv_cache_memory_bytes: int | None,
+        gpu_memory_utilization: float | None,
     ) -> int:
         """The block count: given, or as many blocks as the budget in bytes holds (see the class)."""
         given = {
@@ -415,48 +413,60 @@ class Engine:
         else:
             total = device_memory(self.device)
             budget = kv_cache_budget(total, gpu_memory_utilization, self.model.weight_bytes)
-        blocks = self.kv_spec.num_blocks(budget, self.block_size)
+        blocks = self.kv_spec.num_blocks(budget, block_size)
         if blocks < 1:
             raise ValueError(
                 f"a budget of {format_bytes(budget)} holds no block: one takes "
-                f"{format_bytes(self.bytes_per_block)} (block_size {self.block_size})"
+                f"{format_bytes(self.kv_spec.bytes_per_block(block_size))} (block_size {block_size})"
             )
         return blocks
 
-    def _new_memory(self) -> tuple[ContiguousKVCache | PagedCache, KVMemory]:
-        """The cache the model runs on, and the memory the scheduler admits into (over that cache)."""
+    def _new_step_loop(self) -> tuple[Scheduler, ModelRunner]:
+        """The scheduler over this run's memory, and the runner over its K/V storage."""
+        cache, scheduler_config = self.config.cache, self.config.scheduler
         if self.mode == "contiguous":
-            cache = ContiguousKVCache(self.model.config, self.device)
-            return cache, ContiguousMemory(self.budget_tokens, lambda _: self.max_model_len, cache)
-        args = (self.model.config, self.num_blocks, self.block_size, self.device, self.model.dtype)
-        if self.enable_prefix_caching:
-            cache = self.cache_factory(*args, enable_prefix_caching=True)
+            memory: KVMemory = ContiguousMemory(
+                self.budget_tokens,
+                lambda _: self.max_model_len,
+                seat_tokens=self.max_model_len,
+                block_size=self.block_size,
+            )
+            num_storage_blocks = memory.num_blocks
         else:
-            cache = self.cache_factory(*args)
-        if self.preemption == "swap" and not isinstance(cache, SwappingCache):
-            raise ValueError(
-                f"preemption='swap' needs a cache with swap_out(seq_id) and swap_in(seq_id, saved), "
-                f"but {type(cache).__name__} lacks them; use preemption='recompute'"
+            manager = BlockManager(
+                self.num_blocks, self.block_size, enable_prefix_caching=cache.enable_prefix_caching
             )
-        if self.enable_prefix_caching and not isinstance(cache, PrefixCachingCache):
-            raise ValueError(
-                f"enable_prefix_caching=True needs a cache with num_cached_tokens(seq_id) and "
-                f"attend_prefill(...), but {type(cache).__name__} lacks them"
-            )
-        if self.max_num_batched_tokens is not None and not isinstance(cache, PagedKVCache):
-            raise ValueError(
-                f"max_num_batched_tokens needs a PagedKVCache, which runs a prompt chunk at an offset; "
-                f"{type(cache).__name__} is not one"
-            )
-        check_cache_fits(cache, self.model.config)
-        memory = PagedMemory(
-            cache,
-            self.num_blocks,
+            memory = KVCacheManager(manager, watermark=scheduler_config.watermark)
+            num_storage_blocks = self.num_blocks
+        config = self.model.config
+        storage = KVStorage(
+            config.num_layers,
+            num_storage_blocks,
             self.block_size,
-            watermark=self.watermark,
-            enable_prefix_caching=self.enable_prefix_caching,
+            config.num_kv_heads,
+            config.head_dim,
+            self.model.dtype,
+            self.device,
         )
-        return cache, memory
+        scheduler = Scheduler(
+            memory,
+            preemption=scheduler_config.preemption,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
+        )
+        max_blocks_per_req = blocks_for_tokens(self.max_model_len, self.block_size)
+        max_num_reqs = scheduler_config.max_num_seqs or min(
+            num_storage_blocks * self.block_size, num_storage_blocks + 1
+        )
+        runner = ModelRunner(
+            self.model,
+            storage,
+            max_num_reqs=max_num_reqs,
+            max_blocks_per_req=max_blocks_per_req,
+            strategy=self.config.attention_strategy,
+        )
+        return scheduler, runner
 
     def _check_requests(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:
         requests = list(requests)
@@ -475,38 +485,38 @@ class Engine:
                     f"({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
                 )
             if self.mode == "paged" and not serves_alone(
-                len(r.prompt), r.max_new_tokens, self.num_blocks, self.block_size, self.watermark
+                len(r.prompt), r.max_new_tokens, self.num_blocks, self.block_size
             ):
                 admit, peak = blocks_alone(len(r.prompt), r.max_new_tokens, self.block_size)
                 raise ValueError(
                     f"num_blocks {self.num_blocks} cannot hold request {r.request_id!r} alone: it needs "
-                    f"{admit} blocks to be admitted (prompt and one of headroom) plus the "
-                    f"{self.watermark_blocks} that watermark {self.watermark} keeps free, and {peak} "
-                    f"at its longest; see min_num_blocks"
+                    f"{admit} blocks for its prompt and {peak} at its longest; see min_num_blocks"
                 )
         return requests
 
     def _record(self, output: SchedulerOutput, step: StepResult, result: EngineResult) -> None:
         """Add one step's counts to ``result``."""
-        for prefill in output.prefills:
-            request_id = prefill.request.request_id
-            result.prefill_tokens_computed += prefill.num_new_tokens
-            if prefill.is_first:
-                result.admitted_step[request_id] = output.step
-                if self.enable_prefix_caching:
-                    result.prefix_cache_queries += prefill.num_tokens
-                    result.prefix_cache_hits += prefill.num_cached_tokens
-            if prefill.samples and not prefill.generated:
-                result.first_token_step.setdefault(request_id, output.step)
-        result.scheduled_tokens.append(output.scheduled)
+        result.prefill_tokens_computed += step.num_prefill_tokens
+        for new in output.scheduled_new_reqs:
+            if new.req_id in output.blocks_to_swap_in:
+                continue
+            result.admitted_step[new.req_id] = output.step
+            if self.enable_prefix_caching:
+                result.prefix_cache_queries += len(new.token_ids)
+                result.prefix_cache_hits += new.num_computed_tokens
+        for request_id in step.first_tokens:
+            result.first_token_step.setdefault(request_id, output.step)
+        result.scheduled_tokens.append(tuple(output.num_scheduled_tokens.items()))
         for preemption in output.preemptions:
             result.preemptions_by_reason[preemption.way] += 1
             if preemption.way == "swap":
-                result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
+                result.blocks_swapped_out += len(output.blocks_to_swap_out[preemption.request_id])
             else:
                 result.recomputed_tokens += preemption.num_tokens
         result.blocks_swapped_in += sum(
-            blocks_for_tokens(s.num_tokens, self.block_size) for s in output.swapped_in
+            blocks_for_tokens(new.num_computed_tokens, self.block_size)
+            for new in output.scheduled_new_reqs
+            if new.req_id in output.blocks_to_swap_in
         )
         result.running.append(step.num_running)
         result.waiting.append(step.num_waiting)
@@ -529,28 +539,22 @@ def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -
 # ------------------------------------------------------------------------- budgets, for lesson 11
 
 
-def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16, watermark: float = 0.0) -> int:
+def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16) -> int:
     """The smallest ``num_blocks`` on which the paged engine can serve every one of ``requests``.
 
-    Each request must be admissible alone (its prompt's blocks, one block of headroom and the
-    watermark's ``ceil(watermark * num_blocks)`` blocks) and must fit at its longest, holding
-    ``len(prompt) + max_new_tokens - 1`` tokens (its last token is never fed back).
+    Alone, a request needs the blocks of its longest: ``len(prompt) + max_new_tokens - 1`` tokens
+    (its last token is never fed back). Neither headroom nor the watermark counts alone: vLLM's
+    scheduler keeps its watermark only while another request is scheduled.
 
     Raises:
         ValueError: ``requests`` is empty or holds something else than :class:`EngineRequest`, or a
-            bad ``block_size`` or ``watermark``.
+            bad ``block_size``.
     """
     block_size = check_count("block_size", block_size, minimum=1)
-    watermark = check_watermark(watermark)
     requests = list(requests)
     if not requests or not all(isinstance(r, EngineRequest) for r in requests):
         raise ValueError("requests must be a non-empty list of EngineRequest objects")
-    num_blocks = max(max(blocks_alone(len(r.prompt), r.max_new_tokens, block_size)) for r in requests)
-    while not all(
-        serves_alone(len(r.prompt), r.max_new_tokens, num_blocks, block_size, watermark) for r in requests
-    ):
-        num_blocks += 1  # ends: num_blocks - ceil(watermark * num_blocks) grows without bound
-    return num_blocks
+    return max(blocks_alone(len(r.prompt), r.max_new_tokens, block_size)[1] for r in requests)
 
 
 def sweep_budgets(
@@ -611,45 +615,3 @@ def sweep_budgets(
         if bar is not None:
             bar.close()
     return rows
-
-
-def _accepts_prefix_caching(factory: Callable) -> bool:
-    """Whether ``factory(config, num_blocks, block_size, device, dtype, enable_prefix_caching=True)``
-    binds to its signature (a factory whose signature cannot be read gets the benefit of the doubt)."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return True
-    try:
-        signature.bind(None, 1, 1, None, None, enable_prefix_caching=True)
-    except TypeError:
-        return False
-    return True
-
-
-def plot_metrics(result: EngineResult, ax=None):
-    """Running and waiting (and swapped, if any) sequences per step, with utilization on a second
-    axis; returns ``ax``."""
-    import matplotlib.pyplot as plt  # only when a plot is asked for
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.5))
-    steps = range(result.steps)
-    ax.plot(steps, result.running, label="running", color="#0072B2")
-    ax.plot(steps, result.waiting, label="waiting", color="#E69F00", linestyle="--")
-    if any(result.swapped):
-        ax.plot(steps, result.swapped, label="swapped", color="#CC79A7", linestyle="-.")
-    ax.set_xlabel("step")
-    ax.set_ylabel("sequences")
-    reasons = ", ".join(f"{n} by {reason}" for reason, n in result.preemptions_by_reason.items() if n)
-    ax.set_title(
-        f"{result.mode}: {result.budget_tokens} token slots, {result.preemptions} preemptions"
-        + (f" ({reasons})" if reasons else "")
-    )
-    twin = ax.twinx()
-    twin.plot(steps, result.utilization, label="utilization", color="#009E73", linestyle=":")
-    twin.set_ylim(0, 1.05 * max([1.0, *result.utilization]))  # above 1 only when blocks are shared
-    twin.set_ylabel("utilization (held / reserved)")
-    lines = ax.get_lines() + twin.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
-    return ax

@@ -1,113 +1,37 @@
-"""The KV memory a scheduler admits into: paged blocks or contiguous reservations (lessons 07, 09, 11).
+"""The KV memory a scheduler takes blocks from: paged blocks or contiguous reservations (lessons 07, 09, 11).
 
 :class:`~paged_kv.serving.scheduler.Scheduler` asks its memory the questions of
-:class:`KVMemory` and nothing else, so the same scheduler runs the engine's paged and contiguous
-modes and every policy of lesson 07's simulator:
+:class:`~paged_kv.serving.protocols.KVMemory` and nothing else, so the same scheduler runs the
+engine's paged and contiguous modes and every policy of lesson 07's simulator:
 
-* :class:`PagedMemory`: blocks of a :class:`~paged_kv.serving.protocols.BlockCache`, taken on
-  demand as sequences grow. A request is admitted by **the** admission rule, :func:`admits`: its
-  prompt's blocks, plus one block of headroom per running sequence (itself included: the most the
-  next decode step can take), plus the watermark's blocks, are free. A sequence can be preempted
-  (its blocks freed, or swapped out to host memory when the cache can swap).
-* :class:`ContiguousMemory`: ``budget_tokens`` slots, one reservation per sequence made at
+* :class:`KVCacheManager`: vLLM's ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``), the
+  scheduler's view of the core's :class:`~paged_kv.core.block_manager.BlockManager`. Blocks are
+  taken when the tokens that need them are scheduled, by :meth:`KVCacheManager.allocate_slots`:
+  a decode token's block when it crosses a boundary, a prefill chunk's blocks when the chunk is
+  scheduled. It holds no tensor.
+* :class:`ContiguousMemory`: ``budget_tokens`` slots, one reservation per request made at
   admission and sized by a function of the request (the maximum model length, the next power of
-  two of the final length, the final length itself). A sequence never outgrows its reservation,
-  so nothing is ever preempted.
+  two of the final length, the final length itself), as the systems before paging did. A request
+  never outgrows its reservation, so nothing is ever preempted.
+
+**The admission rule is vLLM's** (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``,
+with ``scheduler_reserve_full_isl`` on, its default): a waiting request is admitted when the blocks
+of its whole prompt (less the prefix-cache hits nobody else holds) fit in the free blocks, plus the
+watermark's blocks when some request is already running; then only its first chunk's blocks are
+taken. No block is kept back for the running requests' growth: when a running request's next token
+finds no free block, the newest running request is preempted.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Hashable
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.serving.protocols import BlockCache, SwappingCache
+from paged_kv.core.block_manager import BlockManager, ComputedBlocks
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
-
-if TYPE_CHECKING:
-    from paged_kv.model.kv_cache import KVCache
-
-
-class KVMemory(Protocol):
-    """What :class:`~paged_kv.serving.scheduler.Scheduler` asks of the memory it admits into.
-
-    Sequences are named by their request ids. Invariant: every method that returns True for a
-    request leaves the memory able to do what it promised (an admitted prompt has its room, a
-    swapped-in sequence its blocks).
-    """
-
-    can_swap: bool
-    """Whether :meth:`swap_out` and :meth:`swap_in` work (paged memory over a swapping cache)."""
-
-    def serves_alone(self, request: SchedulerRequest) -> bool:
-        """Whether the request, alone in the memory, can be admitted and grow to its longest."""
-        ...
-
-    def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
-        """Whether the request can join ``num_running`` running sequences now."""
-        ...
-
-    def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
-        """Whether a swapped-out sequence of ``num_tokens`` tokens can join ``num_running`` others."""
-        ...
-
-    def add_sequence(self, request: SchedulerRequest) -> int:
-        """Give the request's prompt its room; return the leading prompt tokens the prefix cache served."""
-        ...
-
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        """Whether the sequence's next token takes a free block (never, in a contiguous reservation)."""
-        ...
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks (a contiguous memory, which has none to take, answers its free slots)."""
-        ...
-
-    def blocks_held(self, num_tokens: int) -> int:
-        """The blocks a sequence of ``num_tokens`` tokens holds."""
-        ...
-
-    def append(self, seq_ids: Sequence[Hashable]) -> None:
-        """Grow each sequence by one token (what a runner that runs no model does to the memory)."""
-        ...
-
-    def free(self, seq_id: Hashable) -> None:
-        """Release the sequence's memory."""
-        ...
-
-    def swap_out(self, seq_id: Hashable) -> object:
-        """Copy the sequence's K/V to host memory and free its blocks; return what was saved."""
-        ...
-
-    def swap_in(self, seq_id: Hashable, saved: object) -> None:
-        """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved."""
-        ...
-
-    @property
-    def reserved_tokens(self) -> int:
-        """The token slots the running sequences reserve: whole blocks, or whole reservations."""
-        ...
-
-    def describe_free(self) -> str:
-        """The free memory in words, for an error message."""
-        ...
-
-
-# ------------------------------------------------------------------------------ the admission rule
-
-
-def admits(num_free_blocks: int, blocks: int, num_running: int, keep_free: int = 0) -> bool:
-    """The paged admission rule: can a sequence taking ``blocks`` blocks now join ``num_running`` others?
-
-    Yes when its blocks, one block of headroom per running sequence (itself included: the most the
-    next decode step can take) and ``keep_free`` blocks (the watermark) are all free (lessons 09, 11).
-    """
-    headroom = num_running + 1
-    return blocks + headroom + keep_free <= num_free_blocks
 
 
 def check_watermark(watermark: object) -> float:
@@ -120,218 +44,216 @@ def check_watermark(watermark: object) -> float:
 def watermark_blocks(watermark: float, num_blocks: int) -> int:
     """The blocks an admission ``watermark`` (a fraction of the pool) keeps free: rounded up (lesson 11).
 
-    Rounding up means any watermark above 0 keeps at least one block free (vLLM V0 rounded down).
+    Rounding up means any watermark above 0 keeps at least one block free (vLLM 0.33.0 rounds
+    down: ``int(watermark * num_blocks)``).
     """
     return math.ceil(check_watermark(watermark) * check_count("num_blocks", num_blocks, minimum=1))
 
 
 def blocks_alone(num_prompt_tokens: int, max_new_tokens: int, block_size: int) -> tuple[int, int]:
-    """The blocks a request needs alone: to be admitted (prompt plus one of headroom), and at its longest.
+    """The blocks a request needs alone: to be admitted (its whole prompt), and at its longest.
 
-    At its longest a sequence holds ``num_prompt_tokens + max_new_tokens - 1`` tokens: its last
+    At its longest a request holds ``num_prompt_tokens + max_new_tokens - 1`` tokens: its last
     token is sampled, never fed back.
     """
-    admit = blocks_for_tokens(num_prompt_tokens, block_size) + 1
+    admit = blocks_for_tokens(num_prompt_tokens, block_size)
     peak = blocks_for_tokens(num_prompt_tokens + max_new_tokens - 1, block_size)
     return admit, peak
 
 
-def serves_alone(
-    num_prompt_tokens: int, max_new_tokens: int, num_blocks: int, block_size: int, watermark: float
-) -> bool:
-    """Whether ``num_blocks`` can admit a request alone, watermark kept, and hold it at its longest."""
-    admit, peak = blocks_alone(num_prompt_tokens, max_new_tokens, block_size)
-    return admit + watermark_blocks(watermark, num_blocks) <= num_blocks and peak <= num_blocks
+def serves_alone(num_prompt_tokens: int, max_new_tokens: int, num_blocks: int, block_size: int) -> bool:
+    """Whether ``num_blocks`` blocks hold a request alone at its longest (its prompt, then its
+    output less the last token). The watermark does not count alone: vLLM keeps it only while
+    another request is scheduled."""
+    return blocks_alone(num_prompt_tokens, max_new_tokens, block_size)[1] <= num_blocks
 
 
-# ----------------------------------------------------------------------------------- the memories
+class KVCacheManager:
+    """The scheduler's paged memory: a :class:`~paged_kv.core.block_manager.BlockManager` and the
+    admission watermark (vLLM: ``KVCacheManager`` over its ``BlockPool``).
 
-
-class PagedMemory:
-    """Blocks of ``cache`` (``num_blocks`` of ``block_size`` slots), admitted into by :func:`admits`.
-
-    ``watermark`` (a fraction in ``[0, 1)``) keeps ``ceil(watermark * num_blocks)`` blocks free at
-    admission; a swap-in keeps only the headroom. With ``enable_prefix_caching=True`` prompts are
-    added with their token ids and the cache says how many leading tokens it served; admission
-    still counts every block of the prompt, as if nothing were cached.
-
-    With prefix caching the cache must have ``num_cached_tokens(seq_id)`` (the engine checks its
-    cache is a :class:`~paged_kv.serving.protocols.PrefixCachingCache`).
+    ``watermark`` (a fraction in ``[0, 1)``) keeps ``ceil(watermark * num_blocks)`` blocks free when
+    a waiting request is admitted while others run, as vLLM keeps its ``watermark_blocks``; the
+    running requests' own growth may use them. With prefix caching on in the manager, a new
+    request's prompt is looked up (:meth:`get_computed_blocks`) and every block its scheduled tokens
+    fill is cached when they are scheduled.
 
     Raises:
-        ValueError: a bad count or watermark, named.
+        ValueError: a bad watermark, named.
     """
 
-    def __init__(
-        self,
-        cache: BlockCache,
-        num_blocks: int,
-        block_size: int,
-        *,
-        watermark: float = 0.0,
-        enable_prefix_caching: bool = False,
-    ) -> None:
-        self.cache = cache
-        self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
-        self.block_size = check_count("block_size", block_size, minimum=1)
+    def __init__(self, manager: BlockManager, *, watermark: float = 0.0) -> None:
+        self.manager = manager
+        self.block_size, self.num_blocks = manager.block_size, manager.num_blocks
         self.watermark = check_watermark(watermark)
-        self.keep_free = watermark_blocks(self.watermark, self.num_blocks)
-        self.enable_prefix_caching = enable_prefix_caching
-        self.can_swap = isinstance(cache, SwappingCache)
+        self.watermark_blocks = watermark_blocks(self.watermark, self.num_blocks)
+        self._caching, self._tables = manager.enable_prefix_caching, manager.tables  # read once: the hot path
 
-    def serves_alone(self, request: SchedulerRequest) -> bool:
-        return serves_alone(
-            request.num_prompt_tokens,
-            request.max_new_tokens,
-            self.num_blocks,
-            self.block_size,
-            self.watermark,
-        )
-
-    def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
-        """:func:`admits` beside running sequences; alone, the prompt's blocks must be free, no more.
-
-        The headroom and the watermark keep room for the growth of *other* sequences, and a request
-        that :meth:`serves_alone` grows to its longest within the pool, so alone it needs neither.
-        A fresh request alone passes the rule anyway; a request resumed by recompute, whose prompt
-        now holds its generated tokens, may not, and would otherwise never come back (vLLM, too,
-        keeps its watermark only when some request is already scheduled).
-        """
-        blocks = blocks_for_tokens(request.num_prompt_tokens, self.block_size)
-        if num_running == 0:
-            return blocks <= self.cache.num_free_blocks
-        return admits(self.cache.num_free_blocks, blocks, num_running, self.keep_free)
-
-    def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
-        return admits(self.cache.num_free_blocks, self.blocks_held(num_tokens), num_running)
-
-    def add_sequence(self, request: SchedulerRequest) -> int:
-        """Add the prompt; with prefix caching, return the cached tokens, checked to be in ``0 .. n - 1``.
-
-        Raises:
-            RuntimeError: the cache reports cached tokens outside ``0 .. len(prompt) - 1``.
-        """
-        n = request.num_prompt_tokens
-        if not self.enable_prefix_caching:
-            self.cache.add_sequence(request.request_id, n)
-            return 0
-        self.cache.add_sequence(request.request_id, n, token_ids=request.prompt_token_ids)
-        cached = self.cache.num_cached_tokens(request.request_id)
-        if not 0 <= cached < n:
-            raise RuntimeError(
-                f"the cache reports {cached} cached tokens for request {request.request_id!r}, whose "
-                f"prompt has {n}: expected 0 .. {n - 1}"
-            )
-        return cached
-
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        return self.cache.needs_new_block(seq_id)
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.manager.enable_prefix_caching
 
     @property
     def num_free_blocks(self) -> int:
-        return self.cache.num_free_blocks
+        return self.manager.num_free_blocks
 
-    def blocks_held(self, num_tokens: int) -> int:
-        return blocks_for_tokens(num_tokens, self.block_size)
-
-    def append(self, seq_ids: Sequence[Hashable]) -> None:
-        self.cache.append(seq_ids)
-
-    def free(self, seq_id: Hashable) -> None:
-        self.cache.free(seq_id)
-
-    def swap_out(self, seq_id: Hashable) -> object:
-        return self.cache.swap_out(seq_id)  # type: ignore[attr-defined]  # only when can_swap
-
-    def swap_in(self, seq_id: Hashable, saved: object) -> None:
-        self.cache.swap_in(seq_id, saved)  # type: ignore[attr-defined]  # only when can_swap
+    @property
+    def usage(self) -> float:
+        """Blocks in use over all blocks (vLLM: ``BlockPool.get_usage``, the "GPU KV cache usage")."""
+        return 1.0 - self.manager.num_free_blocks / self.num_blocks
 
     @property
     def reserved_tokens(self) -> int:
         """The slots of the blocks in use: ``(num_blocks - free) * block_size``."""
-        return (self.num_blocks - self.cache.num_free_blocks) * self.block_size
+        return (self.num_blocks - self.manager.num_free_blocks) * self.block_size
+
+    def max_tokens(self, request: SchedulerRequest) -> int:
+        return self.num_blocks * self.block_size
+
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
+        """The cached prefix of ``token_ids`` (none without prefix caching or token ids)."""
+        if token_ids is None or not self.manager.enable_prefix_caching:
+            return ComputedBlocks()
+        return self.manager.get_computed_blocks(token_ids)
+
+    def allocate_slots(
+        self,
+        request: SchedulerRequest,
+        num_new_tokens: int,
+        token_ids: list[int] | tuple[int, ...] | None = None,
+        *,
+        computed: ComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        has_scheduled_reqs: bool = True,
+    ) -> list[int] | None:
+        """:meth:`BlockManager.allocate_slots` for ``request``; a new one keeps the watermark free
+        when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only, and only then)."""
+        manager = self.manager
+        token_ids = token_ids if self._caching else None
+        if computed is None and request.request_id in self._tables:  # a running request
+            return manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
+        return manager.allocate_slots(
+            request.request_id,
+            num_new_tokens,
+            token_ids,
+            computed=ComputedBlocks() if computed is None else computed,
+            num_tokens_to_fit=num_tokens_to_fit,
+            keep_free=self.watermark_blocks if has_scheduled_reqs else 0,
+        )
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        """The request's block ids (vLLM: ``KVCacheManager.get_block_ids``, one list per group)."""
+        return list(self.manager.table(request_id).block_ids)
+
+    def free(self, request_id: Hashable) -> None:
+        self.manager.free(request_id)
+
+    def sequences(self) -> dict[Hashable, tuple[int, int]]:
+        """Each request's ``(tokens held, slots reserved)``: its length, and its blocks' slots."""
+        size = self.block_size
+        return {r: (t.num_tokens, len(t.block_ids) * size) for r, t in self.manager.tables.items()}
 
     def describe_free(self) -> str:
-        return (
-            f"{self.cache.num_free_blocks} free blocks the cache reports out of {self.num_blocks}; "
-            f"check the cache's num_free_blocks"
-        )
+        return f"{self.manager.num_free_blocks} free blocks out of {self.num_blocks}"
 
 
 class ContiguousMemory:
-    """``budget_tokens`` slots shared out as one contiguous reservation per sequence.
+    """``budget_tokens`` slots shared out as one contiguous reservation per request.
 
     ``reserve(request)`` gives the slots a request reserves when it is admitted; they stay reserved
-    until it is freed. A request is admitted while its reservation fits in the free slots. Nothing
-    is ever preempted or swapped: a sequence's reservation holds it at its longest, which
-    :meth:`serves_alone` checks. ``cache`` (the engine's
-    :class:`~paged_kv.model.kv_cache.ContiguousKVCache`; None in a simulator) gets every sequence
-    added and freed as well.
+    until it is freed. A request is admitted while its reservation fits in the free slots, and a
+    reservation holds the request at its longest, so nothing is ever preempted. The reservations
+    are **seats** of ``block_size`` blocks laid end to end: seat ``i`` is blocks ``i * k ..
+    (i + 1) * k - 1`` for ``k = ceil(seat_tokens / block_size)``, and a request's block ids are its
+    seat's, so the engine's runner and attention read a contiguous reservation through the same
+    block table as a paged one (:attr:`num_storage_blocks` blocks in all).
 
     Raises:
-        ValueError: ``budget_tokens`` is not a count of at least 1, or ``reserve`` is not callable.
+        ValueError: ``budget_tokens`` or ``seat_tokens`` is not a count of at least 1, or
+            ``reserve`` is not callable.
     """
 
-    can_swap = False
-
     def __init__(
-        self, budget_tokens: int, reserve: Callable[[SchedulerRequest], int], cache: KVCache | None = None
+        self,
+        budget_tokens: int,
+        reserve: Callable[[SchedulerRequest], int],
+        *,
+        seat_tokens: int,
+        block_size: int = 1,
     ) -> None:
-        self.cache = cache
         self.budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
         if not callable(reserve):
             raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
         self.reserve = reserve
-        self.reservations: dict[Hashable, int] = {}  # request id -> slots reserved
-
-    def serves_alone(self, request: SchedulerRequest) -> bool:
-        size = self.reserve(request)
-        return request.num_prompt_tokens + request.max_new_tokens - 1 <= size <= self.budget_tokens
-
-    def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
-        return self.reserve(request) <= self.free_tokens
-
-    def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
-        raise NotImplementedError("a contiguous memory never swaps")
+        self.block_size = check_count("block_size", block_size, minimum=1)
+        seat = check_count("seat_tokens", seat_tokens, minimum=1)
+        self.blocks_per_seat = blocks_for_tokens(seat, self.block_size)
+        self.num_seats = max(1, self.budget_tokens // seat)
+        self.num_blocks = self.num_storage_blocks = self.num_seats * self.blocks_per_seat
+        self._free_seats = list(range(self.num_seats - 1, -1, -1))  # pop() gives the lowest
+        self.reservations: dict[Hashable, tuple[int, int]] = {}  # request id -> (seat, slots reserved)
 
     @property
     def free_tokens(self) -> int:
-        """The slots no admitted sequence has reserved."""
+        """The slots no admitted request has reserved."""
         return self.budget_tokens - self.reserved_tokens
-
-    def add_sequence(self, request: SchedulerRequest) -> int:
-        self.reservations[request.request_id] = self.reserve(request)
-        if self.cache is not None:
-            self.cache.add_sequence(request.request_id, request.num_prompt_tokens)
-        return 0
-
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        return False
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_tokens
 
-    def blocks_held(self, num_tokens: int) -> int:
-        return 0  # freeing a reservation frees no block a decode step could take
-
-    def append(self, seq_ids: Sequence[Hashable]) -> None:
-        """Nothing to do: the reservation was sized for the sequence's final length."""
-
-    def free(self, seq_id: Hashable) -> None:
-        del self.reservations[seq_id]
-        if self.cache is not None:
-            self.cache.free(seq_id)
-
-    def swap_out(self, seq_id: Hashable) -> object:
-        raise NotImplementedError("a contiguous memory never swaps")
-
-    def swap_in(self, seq_id: Hashable, saved: object) -> None:
-        raise NotImplementedError("a contiguous memory never swaps")
+    @property
+    def usage(self) -> float:
+        return self.reserved_tokens / self.budget_tokens
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(self.reservations.values())
+        return sum(slots for _, slots in self.reservations.values())
+
+    def max_tokens(self, request: SchedulerRequest) -> int:
+        size = self.reserve(request)
+        return size if size <= self.budget_tokens else 0
+
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
+        return ComputedBlocks()
+
+    def allocate_slots(
+        self,
+        request: SchedulerRequest,
+        num_new_tokens: int,
+        token_ids: list[int] | tuple[int, ...] | None = None,
+        *,
+        computed: ComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        has_scheduled_reqs: bool = True,
+    ) -> list[int] | None:
+        """A new request reserves its slots, or waits (``None``); a reserved one always fits."""
+        if request.request_id in self.reservations:
+            return []
+        size = self.reserve(request)
+        if size > self.free_tokens or not self._free_seats:
+            return None
+        seat = self._free_seats.pop()
+        self.reservations[request.request_id] = (seat, size)
+        return self.get_block_ids(request.request_id)
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        first = self.reservations[request_id][0] * self.blocks_per_seat
+        return list(range(first, first + self.blocks_per_seat))
+
+    def free(self, request_id: Hashable) -> None:
+        seat = self.reservations.pop(request_id, None)
+        if seat is not None:
+            self._free_seats.append(seat[0])
+            self._free_seats.sort(reverse=True)
+
+    def sequences(self, held: dict[Hashable, int]) -> dict[Hashable, tuple[int, int]]:
+        """Each request's ``(tokens held, slots reserved)``, given the tokens each holds."""
+        return {r: (held.get(r, 0), slots) for r, (_, slots) in self.reservations.items()}
 
     def describe_free(self) -> str:
         return f"{self.free_tokens} free token slots out of {self.budget_tokens}"

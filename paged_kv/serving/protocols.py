@@ -1,97 +1,94 @@
-"""What the scheduler and the engine need of a paged cache, as `typing.Protocol` classes (lessons 07-09).
+"""What the engine drives, as `typing.Protocol` classes: the one seam between the parts of a step.
 
-A protocol states a contract by its methods, not by a base class: the package's
-:class:`~paged_kv.model.kv_cache.PagedKVCache`, lesson 09's ``MyPagedCache`` and the tensor-free
-bookkeeping of the simulator (:class:`~paged_kv.simulation.workload.BlockBookkeeping`) all satisfy
-them without inheriting from them. The layers:
+A step has three parts (lessons 07, 09, 11), each behind one protocol here:
 
-* :class:`BlockCache`: the bookkeeping the scheduler admits into: free blocks, whether a
-  sequence's next token needs a block, adding a prompt, growing every sequence of a batch by one
-  token, freeing a sequence;
-* :class:`PagedCache`: a :class:`BlockCache` the model also reads and writes, with the attention
-  methods of :class:`~paged_kv.model.kv_cache.KVCache` (what :class:`~paged_kv.serving.engine.Engine`
-  drives);
-* two capabilities on top, each checked with ``isinstance`` before a run needs it:
-  :class:`SwappingCache` (``preemption="swap"``, lesson 11) and :class:`PrefixCachingCache`
-  (``enable_prefix_caching=True``, lesson 08).
+* the **KV memory** the scheduler takes blocks from, :class:`KVMemory`: the paged
+  :class:`~paged_kv.serving.memory.KVCacheManager` (vLLM's ``KVCacheManager``, over the core's
+  :class:`~paged_kv.core.block_manager.BlockManager`), the contiguous reservations of
+  :class:`~paged_kv.serving.memory.ContiguousMemory`, or the first-fit address space of lesson 07's
+  simulator (:class:`~paged_kv.simulation.contiguous.FirstFitMemory`);
+* the **runner** that computes a step, :class:`Runner`: the
+  :class:`~paged_kv.serving.model_runner.ModelRunner` of a real model, or the
+  :class:`~paged_kv.serving.model_runner.CountingRunner` of the simulators.
 
-``runtime_checkable`` protocols check that the methods exist, not their signatures; the engine's
-tests check the rest.
+A protocol states a contract by its methods, not by a base class; nothing in the engine asks an
+object what it is (no ``isinstance`` probe): a memory says what it can do through its attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Hashable
+from typing import Protocol
 
-import torch
+from paged_kv.core.block_manager import ComputedBlocks
+from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.request import SchedulerRequest
 
 
-@runtime_checkable
-class BlockCache(Protocol):
-    """Block bookkeeping: what :class:`~paged_kv.serving.memory.PagedMemory` asks and changes."""
+class KVMemory(Protocol):
+    """What :class:`~paged_kv.serving.scheduler.Scheduler` asks of the memory its requests' K/V live in.
+
+    Requests are named by their ids. Invariant: :meth:`allocate_slots` is all or nothing, and a
+    request's blocks are the ones it was given, in order, until :meth:`free`.
+    """
+
+    block_size: int
+    num_blocks: int
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no sequence holds (with prefix caching, cached blocks nobody holds count as free)."""
+        """Blocks no request holds (cached blocks nobody holds count as free)."""
         ...
 
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        """Whether the sequence's next token starts a new block."""
+    @property
+    def usage(self) -> float:
+        """The share of the memory in use, 0.0 to 1.0 (vLLM: ``KVCacheManager.usage``)."""
         ...
 
-    def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Give a prompt of ``num_tokens`` its blocks before its prefill."""
+    @property
+    def reserved_tokens(self) -> int:
+        """The token slots the requests hold: whole blocks, or whole reservations."""
         ...
 
-    def append(self, seq_ids: Sequence[Hashable]) -> object:
-        """Grow each sequence by one token, taking a block where one is needed."""
+    def max_tokens(self, request: SchedulerRequest) -> int:
+        """The most tokens ``request`` could ever hold here, alone: more, and it can never be served."""
         ...
 
-    def free(self, seq_id: Hashable) -> None:
-        """Give a sequence's blocks back."""
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
+        """The cached prefix of a new request's ``token_ids`` (prompt, and any tokens it resumes with)."""
+        ...
+
+    def allocate_slots(
+        self,
+        request: SchedulerRequest,
+        num_new_tokens: int,
+        token_ids: list[int] | tuple[int, ...] | None = None,
+        *,
+        computed: ComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        has_scheduled_reqs: bool = True,
+    ) -> list[int] | None:
+        """Slots for ``num_new_tokens`` more tokens of the request, all or nothing: the block ids it
+        gained (all of them for a new request), or ``None`` when they do not fit."""
+        ...
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        """The request's block ids, in table order (a new list)."""
+        ...
+
+    def free(self, request_id: Hashable) -> None:
+        """Release the request's memory (an unknown id is a no-op)."""
+        ...
+
+    def describe_free(self) -> str:
+        """The free memory in words, for an error message."""
         ...
 
 
-@runtime_checkable
-class PagedCache(BlockCache, Protocol):
-    """A :class:`BlockCache` that also stores K/V and attends: what the engine's model runs on."""
+class Runner(Protocol):
+    """Computes the step a :class:`~paged_kv.serving.scheduler.SchedulerOutput` describes (vLLM:
+    the worker's ``execute_model``) and returns what it sampled."""
 
-    def write_prompt(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
-    def attend_prefill(
-        self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> torch.Tensor: ...
-
-    def attend(
-        self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class SwappingCache(Protocol):
-    """A cache that can copy a sequence's K/V to host memory and back (lesson 11)."""
-
-    def swap_out(self, seq_id: Hashable) -> object:
-        """Copy the sequence's K/V to host memory, free its blocks, return what was saved."""
-        ...
-
-    def swap_in(self, seq_id: Hashable, saved: object) -> None:
-        """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved."""
-        ...
-
-
-@runtime_checkable
-class PrefixCachingCache(Protocol):
-    """A cache whose prompts, added with their token ids, reuse cached prefix blocks (lesson 08).
-
-    ``add_sequence(seq_id, num_tokens, token_ids=...)`` takes the prompt's token ids as well.
-    """
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        """The leading prompt tokens the prefix cache served: whole blocks, fewer than the prompt's."""
-        ...
-
-    def attend_prefill(
-        self, layer: int, seq_id: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> torch.Tensor: ...
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput: ...

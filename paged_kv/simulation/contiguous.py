@@ -28,6 +28,7 @@ import bisect
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
+from paged_kv.core.block_manager import ComputedBlocks
 from paged_kv.errors import UnknownSequenceError
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count, check_hashable
@@ -160,22 +161,22 @@ class ContiguousAllocator:
 
 
 class FirstFitMemory:
-    """The scheduler's :class:`~paged_kv.serving.memory.KVMemory` over a :class:`ContiguousAllocator`.
+    """The scheduler's :class:`~paged_kv.serving.protocols.KVMemory` over a :class:`ContiguousAllocator`.
 
     ``reserve(request)`` gives the slots a request reserves when it is admitted; a request is
     admitted when some hole holds them (first fit), and its range stays until it finishes. With
     ``compact=True`` a request that the free slots in all would hold is admitted too: the
     allocator is compacted first (:meth:`ContiguousAllocator.compact`, counted in
     :attr:`compactions`), which is what a memory without external fragmentation would admit.
-    Nothing is ever preempted or swapped: the range holds the sequence at its longest, which
-    :meth:`serves_alone` checks. The memory keeps each sequence's length (its prompt, then one
-    more token per :meth:`append`) for :meth:`sequences`.
+    Nothing is ever preempted: the range holds the sequence at its longest. The memory's blocks
+    are its slots (``block_size`` 1): a request's block ids are the addresses of its range. It
+    counts each request's tokens as the scheduler schedules them, for :meth:`sequences`.
 
     Raises:
         ValueError: ``budget_tokens`` is not a count of at least 1, or ``reserve`` is not callable.
     """
 
-    can_swap = False
+    block_size = 1
 
     def __init__(
         self, budget_tokens: int, reserve: Callable[[SchedulerRequest], int], *, compact: bool = False
@@ -195,69 +196,69 @@ class FirstFitMemory:
     def budget_tokens(self) -> int:
         return self.allocator.capacity
 
-    def serves_alone(self, request: SchedulerRequest) -> bool:
-        size = self.reserve(request)
-        return request.num_prompt_tokens + request.max_new_tokens - 1 <= size <= self.budget_tokens
-
-    def can_admit(self, request: SchedulerRequest, num_running: int) -> bool:
-        size = self.reserve(request)
-        if self.allocator.fits(size):
-            return True
-        if size <= self.allocator.free_slots:
-            if self.compact:
-                return True  # add_sequence compacts first
-            self.blocked_by_holes += 1
-        return False
-
-    def can_swap_in(self, num_tokens: int, num_running: int) -> bool:
-        raise NotImplementedError("a contiguous memory never swaps")
-
-    def add_sequence(self, request: SchedulerRequest) -> int:
-        """Give the request its range, compacting first when that is what admits it (``compact=True``).
-
-        Raises:
-            ValueError: the request's id holds a range already, or no hole holds its range; nothing
-                changes.
-        """
-        if request.request_id in self.allocator:
-            raise ValueError(f"request_id {request.request_id!r} holds a range already")
-        size = self.reserve(request)
-        if self.compact and not self.allocator.fits(size) and size <= self.allocator.free_slots:
-            self.allocator.compact()
-            self.compactions += 1
-        self.allocator.allocate(request.request_id, size)
-        self._lengths[request.request_id] = request.num_prompt_tokens
-        return 0
-
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        return False
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.capacity
 
     @property
     def num_free_blocks(self) -> int:
-        """The free slots (a contiguous memory has no blocks a decode step could take)."""
+        """The free slots."""
         return self.allocator.free_slots
 
-    def blocks_held(self, num_tokens: int) -> int:
-        return 0  # freeing a range frees no block a decode step could take
-
-    def append(self, seq_ids: Sequence[Hashable]) -> None:
-        """Each sequence stores one more token, in the range it reserved for its final length."""
-        for seq_id in seq_ids:
-            self._lengths[seq_id] += 1
-
-    def free(self, seq_id: Hashable) -> None:
-        self.allocator.free(seq_id)
-        del self._lengths[seq_id]
-
-    def swap_out(self, seq_id: Hashable) -> object:
-        raise NotImplementedError("a contiguous memory never swaps")
-
-    def swap_in(self, seq_id: Hashable, saved: object) -> None:
-        raise NotImplementedError("a contiguous memory never swaps")
+    @property
+    def usage(self) -> float:
+        return self.allocator.used_slots / self.allocator.capacity
 
     @property
     def reserved_tokens(self) -> int:
         return self.allocator.used_slots
+
+    def max_tokens(self, request: SchedulerRequest) -> int:
+        size = self.reserve(request)
+        return size if size <= self.budget_tokens else 0
+
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> ComputedBlocks:
+        return ComputedBlocks()
+
+    def allocate_slots(
+        self,
+        request: SchedulerRequest,
+        num_new_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        computed: ComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        has_scheduled_reqs: bool = True,
+    ) -> list[int] | None:
+        """A new request gets its range first fit (compacting first when that is what admits it,
+        ``compact=True``), or waits: ``None``; a request with a range always fits."""
+        request_id = request.request_id
+        if request_id in self._lengths:
+            self._lengths[request_id] += num_new_tokens
+            return []
+        size = self.reserve(request)
+        if not self.allocator.fits(size):
+            if size > self.allocator.free_slots:
+                return None
+            if not self.compact:
+                self.blocked_by_holes += 1
+                return None
+            self.allocator.compact()
+            self.compactions += 1
+        self.allocator.allocate(request_id, size)
+        self._lengths[request_id] = num_new_tokens
+        return self.get_block_ids(request_id)
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        extent = self.allocator.ranges[request_id]
+        return list(range(extent.start, extent.end))
+
+    def free(self, request_id: Hashable) -> None:
+        if request_id in self._lengths:
+            self.allocator.free(request_id)
+            del self._lengths[request_id]
 
     def sequences(self) -> dict[Hashable, tuple[int, int]]:
         """Each sequence's ``(tokens held, slots reserved)``."""

@@ -20,9 +20,9 @@ and, for the memory as a whole,
 :class:`MemoryShares` sums them over the steps at which **a request waits** once the step's
 admissions are done: the steps at which memory limits the server. At such a step a free slot is
 one the request at the front of the queue could not take: no hole was large enough for its
-contiguous range (external fragmentation proper), or the free total was too small for it, or,
-paged, the blocks were the headroom kept for the running sequences' next tokens (the "others" the
-paper lumps in). Steps at which nobody waits are left out: their free slots are idle, not wasted.
+contiguous range (external fragmentation proper), or the free total was too small for it (paged:
+fewer free blocks than its whole prompt needs; the "others" the paper lumps in). Steps at which
+nobody waits are left out: their free slots are idle, not wasted.
 So the four shares sum to 100 % of the memory over the measured steps.
 
 :data:`PAPER_FIGURE_2` holds the paper's own figures, for comparison.

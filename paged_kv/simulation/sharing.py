@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.prefix_cache import PrefixCacheStats
-from paged_kv.serving.memory import PagedMemory
+from paged_kv.serving.memory import serves_alone
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
@@ -141,35 +142,36 @@ def serve(
     The scheduler is the engine's (:class:`~paged_kv.serving.scheduler.Scheduler`, ``max_num_seqs
     = max_running``) over a :class:`~paged_kv.simulation.workload.BlockBookkeeping` of
     ``num_blocks`` blocks, with prefix caching when ``caching`` is on, and a runner that counts
-    tokens: a request's prompt is admitted by the engine's rule and looked up in the prefix cache,
-    its output grows one token per step, and it frees its blocks (which stay cached) when done.
+    tokens: a request's prompt is looked up in the prefix cache and admitted by the engine's rule (its
+    whole prompt's blocks, less the hits, are free), its output grows one token per step, and it
+    frees its blocks (which stay cached) when done.
 
     Raises:
         ValueError: naming the argument: ``num_blocks``, ``block_size`` or ``max_running`` below 1,
-            or ``num_blocks`` too small for some request alone (its prompt and one block of
-            headroom, and its prompt and output tokens).
+            or ``num_blocks`` too small for some request alone (its prompt and output tokens).
     """
     num_blocks = check_count("num_blocks", num_blocks, minimum=1)
     block_size = check_count("block_size", block_size, minimum=1)
     max_running = check_count("max_running", max_running, minimum=1)
-    cache = BlockBookkeeping(num_blocks, block_size, enable_prefix_caching=caching)
-    memory = PagedMemory(cache, num_blocks, block_size, enable_prefix_caching=caching)
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    memory = BlockBookkeeping(manager)
     arrivals = [
         (0, SchedulerRequest(seq_id, len(r.token_ids), r.output_tokens, tuple(r.token_ids)))
         for seq_id, r in enumerate(requests)
     ]
     for _, request in arrivals:
-        if not memory.serves_alone(request):
+        if not serves_alone(request.num_prompt_tokens, request.max_new_tokens, num_blocks, block_size):
             raise ValueError(
                 f"num_blocks={num_blocks} cannot hold request {request.request_id} alone: its "
-                f"{request.num_prompt_tokens}-token prompt with a block of headroom, and its "
-                f"{request.max_new_tokens} output tokens, in blocks of {block_size}"
+                f"{request.num_prompt_tokens}-token prompt and {request.max_new_tokens} output "
+                f"tokens, in blocks of {block_size}"
             )
     prompt_tokens = cached = steps = preemptions = 0
     scheduler = Scheduler(memory, max_num_seqs=max_running)
-    for output, _ in run_steps(scheduler, CountingRunner(memory), arrivals):
-        prompt_tokens += sum(p.num_tokens for p in output.prefills if p.is_first)
-        cached += sum(p.num_cached_tokens for p in output.prefills if p.is_first)
+    for output, _ in run_steps(scheduler, CountingRunner(), arrivals):
+        admitted = [new for new in output.scheduled_new_reqs]
+        prompt_tokens += sum(len(new.token_ids) for new in admitted)
+        cached += sum(new.num_computed_tokens for new in admitted)
         preemptions += len(output.preemptions)
         steps += 1
-    return ServeResult(prompt_tokens, cached, cache.manager.prefix_cache_stats, steps, preemptions)
+    return ServeResult(prompt_tokens, cached, manager.prefix_cache_stats, steps, preemptions)

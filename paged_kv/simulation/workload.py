@@ -10,7 +10,7 @@ tokens exactly as lesson 09's engine does. The policies:
 
 * :class:`PagedPolicy` (vLLM): blocks of ``block_size`` tokens, taken on demand from a
   :class:`BlockBookkeeping` (the package's block manager with no model behind it), admitted by the
-  engine's rule (:func:`~paged_kv.serving.memory.admits`); when a decode step finds too few free
+  engine's rule (vLLM's: the whole prompt's blocks are free); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy` (the paper's Orca baselines): one contiguous range per sequence,
   reserved at admission, of the maximum model length (``"max"``, Orca (Max)), the prompt plus the
@@ -39,10 +39,11 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.progress import progress_bar
-from paged_kv.serving.memory import KVMemory, PagedMemory
+from paged_kv.serving.memory import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
+from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import RunnerOutput, Scheduler, SchedulerOutput, run_steps
+from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.contiguous import FirstFitMemory
 from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.validate import check_count, check_hashable
@@ -178,9 +179,8 @@ def sample_requests(
 class PagedPolicy:
     """Blocks of ``block_size`` tokens, taken when a sequence's last block is full.
 
-    A request is admitted by the engine's rule, :func:`~paged_kv.serving.memory.admits`: its
-    prompt's blocks plus one block of headroom per running sequence (itself included) are free.
-    Only the prompt's blocks are taken.
+    A request is admitted by the engine's rule (vLLM's): its whole prompt's blocks are free, with no
+    block kept back for the running sequences' growth. Only the prompt's blocks are taken.
     """
 
     block_size: int = 16
@@ -201,11 +201,10 @@ class PagedPolicy:
         """The slots of the ``budget_tokens // block_size`` whole blocks the budget holds."""
         return budget_tokens // self.block_size * self.block_size
 
-    def memory(self, budget_tokens: int, record: bool = False) -> PagedMemory:
+    def memory(self, budget_tokens: int, record: bool = False) -> BlockBookkeeping:
         """The ``budget_tokens // block_size`` blocks of the budget, as the scheduler's memory."""
-        num_blocks = budget_tokens // self.block_size
-        return PagedMemory(
-            BlockBookkeeping(num_blocks, self.block_size, record=record), num_blocks, self.block_size
+        return BlockBookkeeping(
+            BlockManager(budget_tokens // self.block_size, self.block_size), record=record
         )
 
 
@@ -323,45 +322,19 @@ class ContiguousPolicy:
 Policy = PagedPolicy | ContiguousPolicy
 
 
-class BlockBookkeeping:
-    """Paged blocks with no model and no tensor behind them: the
-    :class:`~paged_kv.serving.protocols.BlockCache` the simulators' scheduler admits into (lessons 07, 08).
+class BlockBookkeeping(KVCacheManager):
+    """Paged blocks with no model and no tensor behind them: the memory the simulators' scheduler
+    takes blocks from (lessons 07, 08).
 
-    It is the package's :class:`~paged_kv.core.block_manager.BlockManager`, the bookkeeping the
-    engine's cache uses, so the blocks are taken, shared, cached and freed exactly as in the engine;
-    a decode step is one all-or-nothing ``append_batch``. ``record=True`` keeps the manager's frames
-    for an animation (:attr:`trace`).
+    It is the engine's :class:`~paged_kv.serving.memory.KVCacheManager` over the package's
+    :class:`~paged_kv.core.block_manager.BlockManager`, so the blocks are taken, shared, cached and
+    freed exactly as in the engine. ``record=True`` keeps the manager's frames for an animation
+    (:attr:`trace`).
     """
 
-    def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False, record: bool = False
-    ) -> None:
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self._recorder = Recorder(self.manager) if record else None
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.manager.num_free_blocks
-
-    def needs_new_block(self, seq_id: Hashable) -> bool:
-        return self.manager.needs_new_block(seq_id)
-
-    def add_sequence(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
-        self.manager.allocate(seq_id, num_tokens, token_ids)
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        return self.manager.num_cached_tokens(seq_id)
-
-    def append(self, seq_ids: Sequence[Hashable]) -> None:
-        self.manager.append_batch(seq_ids)  # the scheduler made sure the blocks they need are free
-
-    def free(self, seq_id: Hashable) -> None:
-        self.manager.free(seq_id)
-
-    def sequences(self) -> dict[Hashable, tuple[int, int]]:
-        """Each sequence's ``(tokens held, slots reserved)``: its length, and its blocks' slots."""
-        size = self.manager.block_size
-        return {seq_id: (t.num_tokens, len(t.block_ids) * size) for seq_id, t in self.manager.tables.items()}
+    def __init__(self, manager: BlockManager, *, watermark: float = 0.0, record: bool = False) -> None:
+        super().__init__(manager, watermark=watermark)
+        self._recorder = Recorder(manager) if record else None
 
     @property
     def trace(self) -> list[TraceFrame]:
@@ -492,15 +465,15 @@ def simulate(
     policy's memory, with a runner that counts tokens instead of running a model:
 
     1. requests whose ``arrival_step`` has come join the back of the waiting queue;
-    2. waiting requests are admitted first come first served while they fit, stopping at the first
-       that does not (paged: :func:`~paged_kv.serving.memory.admits`, the prompt's blocks plus one
-       block of headroom per running sequence; contiguous: a hole holds the reservation, first
-       fit); an admitted request prefills, which samples its first output token;
-    3. the sequences that were running before decode one token each. Paged: a sequence whose last
-       block is full takes a new one; when the step needs more blocks than are free, the most
-       recently admitted sequences are preempted by recompute (their blocks are freed, they go back
-       to the front of the queue and will prefill their prompt and the tokens they had generated
-       when they resume), counted in ``preemptions``;
+    2. the sequences already running decode one token each, in admission order. Paged: a sequence
+       whose last block is full takes a new one when its token is scheduled; when none is free,
+       the most recently admitted sequences are preempted by recompute (their blocks are freed,
+       they go back to the front of the queue and will prefill their prompt and the tokens they
+       had generated when they resume), counted in ``preemptions``;
+    3. if nobody was preempted, waiting requests are admitted first come first served while they
+       fit, stopping at the first that does not (paged: the whole prompt's blocks are free;
+       contiguous: a hole holds the reservation, first fit); an admitted request prefills, which
+       samples its first output token;
     4. the step is recorded, with the split of the memory into token states, reservation, internal
        and external fragmentation (``result.slot_use``); then a sequence that holds all its
        output tokens finishes and frees its memory at once.
@@ -533,7 +506,7 @@ def simulate(
         (r.arrival_step, SchedulerRequest(r.request_id, r.prompt_tokens, r.output_tokens)) for r in requests
     ]
     for request, (_, scheduled) in zip(requests, arrivals, strict=True):  # else it would wait for ever
-        if not memory.serves_alone(scheduled):
+        if request.total_tokens - 1 > memory.max_tokens(scheduled):
             raise ValueError(
                 f"budget_tokens {budget_tokens} cannot hold request {request.request_id!r} alone "
                 f"with {policy.name}: it holds {request.total_tokens - 1} tokens at its longest"
@@ -551,8 +524,8 @@ def simulate(
     finally:
         if bar is not None:
             bar.close()
-    if isinstance(memory, PagedMemory):
-        result.trace = memory.cache.trace
+    if isinstance(memory, BlockBookkeeping):
+        result.trace = memory.trace
     else:
         result.blocked_by_holes = memory.blocked_by_holes
     return result
@@ -561,23 +534,27 @@ def simulate(
 class _MeasuringRunner(CountingRunner):
     """A counting runner that splits the memory's slots (:class:`SlotUse`) once the step's tokens are in."""
 
-    def __init__(self, memory: KVMemory, final_lengths: dict[Hashable, int], capacity: int) -> None:
-        super().__init__(memory)
-        self.final_lengths, self.capacity = final_lengths, capacity
+    def __init__(
+        self, memory: BlockBookkeeping | FirstFitMemory, final_lengths: dict[Hashable, int], capacity: int
+    ) -> None:
+        self.memory, self.final_lengths, self.capacity = memory, final_lengths, capacity
         self.last: SlotUse | None = None
 
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        sampled = super().execute(output)
-        memory = self.memory
-        sequences = memory.cache.sequences() if isinstance(memory, PagedMemory) else memory.sequences()
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = super().execute_model(output)
         self.last = SlotUse.measure(
-            ((held, reserved, self.final_lengths[seq_id]) for seq_id, (held, reserved) in sequences.items()),
+            (
+                (held, reserved, self.final_lengths[seq_id])
+                for seq_id, (held, reserved) in self.memory.sequences().items()
+            ),
             self.capacity,
         )
         return sampled
 
 
-def _run(memory: KVMemory, arrivals: list, max_steps: int, result: SimulationResult, bar) -> None:
+def _run(
+    memory: BlockBookkeeping | FirstFitMemory, arrivals: list, max_steps: int, result: SimulationResult, bar
+) -> None:
     """The scheduler's steps over ``memory`` with a measuring runner, recorded into ``result``."""
     finished = 0
     final_lengths = {r.request_id: r.num_prompt_tokens + r.max_new_tokens for _, r in arrivals}

@@ -5,8 +5,11 @@
 (``blocks``, ``free_blocks``, ``sequence_block_tables``, read only); and ``decode_step`` and
 ``finish_and_admit`` are lesson 04's teaching scheduler steps, written here on the package's cache
 (:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`). The package itself has one scheduler,
-:class:`~paged_kv.serving.scheduler.Scheduler`, whose admission rule keeps headroom for the next
-decode step (lessons 07, 09, 11); lesson 11 reuses ``decode_step`` as lesson 04's.
+:class:`~paged_kv.serving.scheduler.Scheduler`, vLLM v1's (lessons 07, 09, 11): it admits by the same
+rule as ``finish_and_admit`` (the prompt's blocks are free, nothing kept back for the running
+requests), but gives the running requests their slots first, one request at a time, and preempts the
+newest when one finds no block, where ``decode_step`` refuses the whole batch; lesson 11 reuses
+``decode_step`` as lesson 04's.
 """
 
 from collections import deque as _deque
@@ -47,10 +50,12 @@ class BlockManager(_SequenceAllocator):
 def decode_step(cache: _PagedKVCacheAllocator, seq_ids: _Iterable[_Hashable]) -> dict[_Hashable, int | None]:
     """Add one token to every sequence of the batch, taking the blocks they need, or none at all.
 
-    Two passes, the way a scheduler does it: first look at every sequence (does its next token need a
+    Two passes, lesson 04's teaching step: first look at every sequence (does its next token need a
     block? :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.needs_new_block`), and refuse the step if the
     batch needs more blocks than are free; then, in the order of ``seq_ids``, take a block where one
-    is needed and record the token.
+    is needed and record the token. (vLLM's scheduler asks for each request's slots in turn, with
+    ``KVCacheManager.allocate_slots``, and preempts the newest running request when one finds no
+    block, instead of refusing the step: lesson 11.)
 
     Returns:
         ``{seq_id: the id of the block taken, or None}`` for every sequence of the batch.
@@ -89,7 +94,9 @@ def finish_and_admit(
     ``waiting`` holds ``(seq_id, prompt_tokens)`` pairs, oldest first. While the cache holds fewer
     than ``max_running`` sequences and the oldest request's prompt fits in the free blocks, it is
     popped from the left and given its blocks. Admission stops at the first request that does not
-    fit: none skips ahead of an older one.
+    fit: none skips ahead of an older one. (vLLM admits by this rule too, first come first served,
+    with no block kept back for the running requests; it frees a finished request at the end of a
+    step and admits in the next, after the running requests have their slots.)
 
     Returns:
         The ids admitted, in order.

@@ -1,9 +1,12 @@
 """Exercise 09 graded on the package: ``decode_slots`` is lesson 04's all-or-nothing ``decode_step``
 (:mod:`paged_kv.grading.reference.lesson04`) followed by the slot mapping of each new token's position
 (:meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.slot_mapping`), and ``MyPagedCache`` is
-:class:`paged_kv.model.kv_cache.PagedKVCache`, the cache the engine uses by default (its ``__init__`` takes
-the exercise's arguments). ``can_admit`` is the engine's admission rule,
-:func:`paged_kv.serving.memory.admits` (with the default watermark of 0), given the prompt's tokens.
+:class:`paged_kv.model.kv_cache.PagedKVCache`, the cache :func:`~paged_kv.model.generate` builds for
+``cache="paged"`` (its ``__init__`` takes the exercise's arguments). ``can_admit`` is the engine's
+admission rule, vLLM's: the blocks a request needs to be admitted,
+:func:`paged_kv.serving.memory.blocks_alone` (its whole prompt's), fit in the free blocks (what
+:meth:`~paged_kv.serving.memory.KVCacheManager.allocate_slots` checks with ``num_tokens_to_fit``, with
+the default watermark of 0); the running requests do not count.
 """
 
 from collections.abc import Hashable as _Hashable
@@ -11,18 +14,17 @@ from collections.abc import Iterable as _Iterable
 
 import torch as _torch
 
-from paged_kv.core.block import blocks_for_tokens as _blocks_for_tokens
 from paged_kv.grading.reference.lesson04 import decode_step as _decode_step
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.model.kv_cache import PagedKVCache as MyPagedCache
-from paged_kv.serving.memory import admits as _admits
+from paged_kv.serving.memory import blocks_alone as _blocks_alone
 
 __all__ = ["MyPagedCache", "can_admit", "decode_slots"]
 
 
 def can_admit(num_free_blocks: int, prompt_tokens: int, num_running: int, block_size: int) -> bool:
-    """The prompt's blocks plus one block of headroom per running sequence, the new one included, are free."""
-    return _admits(num_free_blocks, _blocks_for_tokens(prompt_tokens, block_size), num_running)
+    """The whole prompt's blocks are free; ``num_running`` does not count (vLLM keeps no headroom)."""
+    return _blocks_alone(prompt_tokens, 1, block_size)[0] <= num_free_blocks
 
 
 def decode_slots(allocator: _PagedKVCacheAllocator, seq_ids: _Iterable[_Hashable]) -> _torch.Tensor:

@@ -6,12 +6,13 @@ or missing; the head size, ``hidden_size // num_attention_heads`` when ``head_di
 missing) and returns what :class:`paged_kv.kv.sizing.KVCacheSpec` says one token costs, in a dtype
 of ``bytes_per_number`` bytes. ``schedule_step`` is the token budget's pass of
 :meth:`paged_kv.serving.scheduler.Scheduler.schedule` when memory is not the limit: the running
-requests in order, each ``min(tokens it lacks, budget left)``, then the waiting ones in queue order,
-each ``min(prompt tokens, budget left)``, admission stopping when the budget is spent (the
-scheduler's ``_chunk`` and ``_admit``); the budget is checked as the scheduler checks it
+requests in list order, each ``min(num_tokens - num_computed_tokens, budget left)``, then the
+waiting ones in queue order, each ``min(prompt tokens, budget left)``, admission stopping when the
+budget is spent (the scheduler's running pass and its admission, which build
+``SchedulerOutput.num_scheduled_tokens``); the budget is checked as the scheduler checks it
 (:func:`~paged_kv.serving.scheduler.check_budget`). ``first_token_steps`` finds what
 :class:`~paged_kv.serving.engine.EngineResult` records as ``first_token_step``: the step whose chunk
-completes the prompt, :attr:`~paged_kv.serving.scheduler.Prefill.samples`.
+completes the prompt, the first step whose ``ModelRunnerOutput.sampled`` holds a token for the request.
 """
 
 from collections.abc import Hashable as _Hashable

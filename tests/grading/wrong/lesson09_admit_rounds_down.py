@@ -7,4 +7,4 @@ MESSAGE = "the prompt's blocks are rounded down"
 
 
 def can_admit(num_free_blocks, prompt_tokens, num_running, block_size):
-    return prompt_tokens // block_size + num_running + 1 <= num_free_blocks  # the mistake: // rounds down
+    return prompt_tokens // block_size <= num_free_blocks  # the mistake: // rounds down

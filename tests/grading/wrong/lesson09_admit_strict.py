@@ -8,4 +8,4 @@ MESSAGE = "compare with <=, not <"
 
 
 def can_admit(num_free_blocks, prompt_tokens, num_running, block_size):
-    return blocks_for_tokens(prompt_tokens, block_size) + num_running + 1 < num_free_blocks  # the mistake: <
+    return blocks_for_tokens(prompt_tokens, block_size) < num_free_blocks  # the mistake: <

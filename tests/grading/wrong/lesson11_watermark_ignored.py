@@ -1,4 +1,4 @@
-"""Lesson 09's rule unchanged: the watermark argument is never used."""
+"""The watermark argument never used: only the prompt's blocks are counted, beside running requests too."""
 
 from paged_kv.grading.reference.lesson11 import *  # every other task stays right
 
@@ -7,4 +7,4 @@ MESSAGE = "the watermark is ignored"
 
 
 def admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark):
-    return prompt_blocks + num_running + 1 <= num_free_blocks  # the mistake: no blocks kept free
+    return prompt_blocks <= num_free_blocks  # the mistake: no blocks kept free while others run

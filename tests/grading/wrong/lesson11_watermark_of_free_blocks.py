@@ -9,5 +9,5 @@ MESSAGE = "not of the blocks free now"
 
 
 def admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark):
-    keep_free = math.ceil(watermark * num_free_blocks)  # the mistake: should be num_blocks
-    return prompt_blocks + num_running + 1 + keep_free <= num_free_blocks
+    keep_free = math.ceil(watermark * num_free_blocks) if num_running else 0  # the mistake: num_blocks
+    return prompt_blocks + keep_free <= num_free_blocks

@@ -7,5 +7,5 @@ MESSAGE = "the watermark is rounded down"
 
 
 def admit_with_watermark(num_free_blocks, prompt_blocks, num_running, num_blocks, watermark):
-    keep_free = int(watermark * num_blocks)  # the mistake: int() rounds down
-    return prompt_blocks + num_running + 1 + keep_free <= num_free_blocks
+    keep_free = int(watermark * num_blocks) if num_running else 0  # the mistake: int() rounds down
+    return prompt_blocks + keep_free <= num_free_blocks

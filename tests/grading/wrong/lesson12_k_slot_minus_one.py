@@ -1,6 +1,6 @@
 """K of slot s read at slot s - 1: each score pairs the query with the previous token's key."""
 
-from tests.grading.wrong._kernels import k_slot_minus_one as paged_decode_kernel
+from tests.grading.wrong._kernels import k_slot_minus_one as paged_attention_kernel
 
 BREAKS = "12.paged_decode_kernel"
 MESSAGE = "K is read one slot before its own"

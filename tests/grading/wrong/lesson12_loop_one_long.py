@@ -1,7 +1,7 @@
-"""The block loop runs to tl.cdiv(context_len, BLOCK_SIZE) + 1: it reads the table entry past the
+"""The block loop runs to tl.cdiv(kv_len, BLOCK_SIZE) + 1: it reads the table entry past the
 sequence's blocks, though its output is right (the extra block has no live slot)."""
 
-from tests.grading.wrong._kernels import loop_one_long as paged_decode_kernel
+from tests.grading.wrong._kernels import loop_one_long as paged_attention_kernel
 
 BREAKS = "12.paged_decode_kernel"
 MESSAGE = "the block loop runs one block too many"

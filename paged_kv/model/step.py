@@ -1,0 +1,244 @@
+"""One step's inputs, prepared once: the persistent block table, and the attention metadata (lessons 09, 10).
+
+A step of the engine runs **one** forward over a flattened batch: every scheduled request's new
+tokens one after another, prefill chunks and decodes alike. Request ``b`` contributes
+``query_lens[b]`` tokens, at positions ``num_computed[b] ..`` of its sequence; its tokens are
+rows ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` of the batch. Every attention layer then
+needs the same five things, built here once per step and read by every layer:
+
+* ``positions``: each token's position in its sequence (rotary or learned embeddings);
+* ``query_start_loc`` (``batch + 1``, from 0) and ``seq_lens`` (the tokens each request holds once
+  this step's are in);
+* ``block_table``: each request's row of block ids;
+* ``slot_mapping``: the flat slot each new token's K/V goes to, ``block_table[b, p // block_size] *
+  block_size + p % block_size`` (:func:`paged_kv.kv.slots.slot_mapping`).
+
+:class:`BlockTables` keeps the block ids on the device between steps, one row per request, rows
+added, extended and dropped as the scheduler says: vLLM 0.33.0's Model Runner V2 does the same
+(``BlockTables`` in ``vllm/v1/worker/gpu/block_table.py``; the V1 runner's, now the fallback, is
+``vllm/v1/worker/block_table.py``). :func:`prepare_attention` builds the metadata from it with a
+handful of tensor operations and no loop over tokens (vLLM: ``prepare_inputs`` and the attention
+backend's metadata builder).
+
+Invariant: row ``rows[b]`` of the table holds request ``b``'s blocks in order for its first
+``seq_lens[b]`` positions; entries past them are padding.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from paged_kv.kv.slots import slot_mapping
+from paged_kv.validate import check_count
+
+PAD = -1
+"""The entry of a block-table row past the request's blocks."""
+
+
+def long_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """A LongTensor of host ints on ``device``, made through ``array('q')``: about three times as
+    cheap as ``torch.tensor(list)`` for the few hundred ints of a step's per-request lists."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long).to(device)
+
+
+class BlockTables:
+    """A persistent ``(max_num_reqs, max_blocks_per_req)`` int32 block table on ``device``.
+
+    :meth:`add_row` gives a request a row with its blocks, :meth:`append` adds the blocks it gained
+    in a step, :meth:`remove` frees the row; the writes of a step are gathered on the host and
+    made in one indexing operation by :meth:`commit`. ``num_blocks[row]`` is a row's block count.
+
+    Raises:
+        ValueError: bad sizes, a request added twice or unknown, no free row, or a row that would
+            outgrow ``max_blocks_per_req``; nothing changes.
+    """
+
+    def __init__(
+        self, max_num_reqs: int, max_blocks_per_req: int, device: str | torch.device = "cpu"
+    ) -> None:
+        self.max_num_reqs = check_count("max_num_reqs", max_num_reqs, minimum=1)
+        self.max_blocks_per_req = check_count("max_blocks_per_req", max_blocks_per_req, minimum=1)
+        self.table = torch.full(
+            (self.max_num_reqs, self.max_blocks_per_req), PAD, dtype=torch.int32, device=device
+        )
+        self.num_blocks = [0] * self.max_num_reqs
+        self.rows: dict[Hashable, int] = {}
+        self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+        self._pending: dict[tuple[int, int], int] = {}  # (row, column) -> entry: the last write wins
+        self._host: dict[int, list[int]] = {}  # each row's entries, as written: for sync
+
+    def add_row(self, req_id: Hashable, block_ids: Sequence[int]) -> int:
+        """Give ``req_id`` a row holding ``block_ids``; return the row. With every row taken the
+        table doubles its rows first (a copy, rare: ``max_num_reqs`` is the usual bound)."""
+        if req_id in self.rows:
+            raise ValueError(f"request {req_id!r} has a row already")
+        self._check_width(req_id, len(block_ids))
+        if not self._free_rows:
+            more = torch.full_like(self.table, PAD)
+            self._free_rows = list(range(2 * self.max_num_reqs - 1, self.max_num_reqs - 1, -1))
+            self.num_blocks += [0] * self.max_num_reqs
+            self.table = torch.cat([self.table, more])
+            self.max_num_reqs *= 2
+        row = self._free_rows.pop()
+        self.rows[req_id] = row
+        self.num_blocks[row] = 0
+        self._write(row, block_ids)
+        return row
+
+    def append(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
+        """Add the blocks ``req_id`` gained this step after its others."""
+        row = self.row(req_id)
+        if block_ids:
+            self._check_width(req_id, self.num_blocks[row] + len(block_ids))
+            self._write(row, block_ids)
+
+    def sync(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
+        """Make ``req_id``'s row hold ``block_ids``: the new ones appended, or the whole row written
+        again when an entry changed (a copy-on-write gave the request a block of its own)."""
+        row = self.row(req_id)
+        held = self.num_blocks[row]
+        if len(block_ids) < held or self._entries(row, held) != list(block_ids[:held]):
+            self._check_width(req_id, len(block_ids))
+            self.num_blocks[row] = 0
+            self._write(row, block_ids)
+            self._write_padding(row, len(block_ids), held)
+        else:
+            self.append(req_id, block_ids[held:])
+
+    def remove(self, req_id: Hashable) -> None:
+        """Drop ``req_id``'s row (an unknown id is a no-op); the row's entries become padding."""
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            self._write_padding(row, 0, self.num_blocks[row])
+            self.num_blocks[row] = 0
+            self._free_rows.append(row)
+
+    def row(self, req_id: Hashable) -> int:
+        try:
+            return self.rows[req_id]
+        except KeyError:
+            raise ValueError(f"request {req_id!r} has no row in the block table") from None
+
+    def block_ids(self, req_id: Hashable) -> list[int]:
+        """The blocks of ``req_id``'s row, from the host's copy of the row (no device read)."""
+        return self._entries(self.row(req_id), self.num_blocks[self.row(req_id)])
+
+    def commit(self) -> None:
+        """Make the step's pending writes, in one indexing operation (each cell written once: a row
+        freed and given again in the same step keeps only its last entry)."""
+        if self._pending:
+            device = self.table.device
+            cells, values = zip(*self._pending.items(), strict=True)
+            rows, cols = zip(*cells, strict=True)
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            self.table.index_put_(index, torch.tensor(values, dtype=torch.int32, device=device))
+            self._pending = {}
+
+    def _entries(self, row: int, count: int) -> list[int]:
+        """The row's first ``count`` entries as the host last wrote them (no device read)."""
+        entries = self._host.setdefault(row, [])
+        return entries[:count]
+
+    def _write_padding(self, row: int, first: int, end: int) -> None:
+        for col in range(first, end):
+            self._pending[row, col] = PAD
+        if row in self._host:
+            del self._host[row][first:]
+
+    def _write(self, row: int, block_ids: Sequence[int]) -> None:
+        first = self.num_blocks[row]
+        for col, block_id in enumerate(block_ids, first):
+            self._pending[row, col] = block_id
+        host = self._host.setdefault(row, [])
+        del host[first:]
+        host.extend(block_ids)
+        self.num_blocks[row] = first + len(block_ids)
+
+    def _check_width(self, req_id: Hashable, num_blocks: int) -> None:
+        if num_blocks > self.max_blocks_per_req:
+            raise ValueError(
+                f"request {req_id!r} would hold {num_blocks} blocks, more than max_blocks_per_req "
+                f"{self.max_blocks_per_req}"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's flattened batch as every attention layer reads it (vLLM: an attention backend's
+    metadata, such as ``FlashAttentionMetadata``). Tensors on the cache's device; ``num_reqs`` and
+    ``max_query_len`` are host ints. See the module for the meaning of each field."""
+
+    positions: torch.Tensor  # (num_tokens,) long
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    query_lens: torch.Tensor  # (num_reqs,) long
+    seq_lens: torch.Tensor  # (num_reqs,) long
+    block_table: torch.Tensor  # (num_reqs, width) int32
+    slot_mapping: torch.Tensor  # (num_tokens,) long
+    logits_indices: torch.Tensor  # (num_reqs,): each request's last token in the batch
+    num_reqs: int
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+def prepare_attention(
+    tables: BlockTables,
+    req_ids: Sequence[Hashable],
+    num_computed: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+) -> AttentionMetadata:
+    """The metadata of a step that runs ``query_lens[b]`` tokens of request ``req_ids[b]``, from
+    position ``num_computed[b]`` on, over the blocks of its row in ``tables``.
+
+    The host lists hold one int per request; the per-token tensors are made on the device from
+    them with ``repeat_interleave`` and one gather (no loop over tokens, no device read).
+
+    Raises:
+        ValueError: the lists differ in length, a query length is below 1, or a request has no row
+            or too few blocks for its tokens.
+    """
+    if not len(req_ids) == len(num_computed) == len(query_lens):
+        raise ValueError(
+            f"req_ids, num_computed and query_lens must be as many, got {len(req_ids)}, "
+            f"{len(num_computed)} and {len(query_lens)}"
+        )
+    tables.commit()
+    rows = [tables.row(req_id) for req_id in req_ids]
+    seq_lens = [c + n for c, n in zip(num_computed, query_lens, strict=True)]
+    width = 0
+    for req_id, row, n, length in zip(req_ids, rows, query_lens, seq_lens, strict=True):
+        needed = -(-length // block_size)
+        if n < 1 or needed > tables.num_blocks[row]:
+            raise ValueError(
+                f"request {req_id!r}: {n} new tokens and {length} in all need {needed} blocks, "
+                f"its row holds {tables.num_blocks[row]}"
+            )
+        width = max(width, needed)
+    device = tables.table.device
+    lens = long_tensor(query_lens, device)
+    computed = long_tensor(num_computed, device)
+    ends = torch.cumsum(lens, 0)
+    total = sum(query_lens)
+    request = torch.repeat_interleave(torch.arange(len(rows), device=device), lens, output_size=total)
+    positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
+    block_table = tables.table[long_tensor(rows, device), :width]
+    return AttentionMetadata(
+        positions=positions,
+        query_start_loc=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
+        query_lens=lens,
+        seq_lens=computed + lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping(block_table, positions, block_size, rows=request),
+        logits_indices=ends - 1,
+        num_reqs=len(rows),
+        max_query_len=max(query_lens, default=0),
+    )

@@ -1,0 +1,90 @@
+"""What one step passes between the scheduler and the runner: two frozen values (lessons 09, 10).
+
+:class:`SchedulerOutput` is what :meth:`~paged_kv.serving.scheduler.Scheduler.schedule` decided
+(vLLM: ``SchedulerOutput`` in ``vllm/v1/core/sched/output.py``), and :class:`ModelRunnerOutput`
+what the runner computed (vLLM: ``ModelRunnerOutput`` in ``vllm/v1/outputs.py``). Between them
+they are the whole seam: the runner needs nothing else from the scheduler, and the scheduler
+nothing else from the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no row for: admitted, resumed after recompute, or swapped back in
+    (vLLM: ``NewRequestData``).
+
+    ``token_ids`` are its tokens so far (the prompt, then the tokens it generated before a
+    preemption); ``block_ids`` all its blocks, prefix-cache hits first; ``num_computed_tokens``
+    the tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V).
+    """
+
+    req_id: Hashable
+    token_ids: tuple[int, ...] | None
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """The requests the runner already has a row for, scheduled again (vLLM: ``CachedRequestData``):
+    the blocks each gained this step (appended to its row) and its computed tokens before the step."""
+
+    req_ids: tuple[Hashable, ...] = ()
+    new_block_ids: tuple[tuple[int, ...], ...] = ()
+    num_computed_tokens: tuple[int, ...] = ()
+
+
+class Preemption(NamedTuple):
+    """A request preempted this step by ``way`` (``"recompute"`` or ``"swap"``); ``num_tokens`` is the
+    K/V it held (for a recompute, what is thrown away and computed again)."""
+
+    request_id: Hashable
+    way: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What step ``step`` runs, as :meth:`Scheduler.schedule` decided it (vLLM: ``SchedulerOutput``).
+
+    ``num_scheduled_tokens`` maps each scheduled request to its tokens this step, in the order the
+    runner flattens them (the running requests in list order, then new ones), and
+    ``total_num_scheduled_tokens`` is their sum. The blocks of those tokens are taken already: a
+    new request's in ``scheduled_new_reqs``, the others' new ones in ``scheduled_cached_reqs``.
+    ``preemptions`` lists the requests preempted to make room, newest first;
+    ``blocks_to_swap_out`` maps each request swapped out to the blocks whose K/V the runner copies
+    to host memory before the forward (vLLM V0's name), and ``blocks_to_swap_in`` each request
+    swapped back to the blocks it copies them into. ``finished_req_ids`` are the requests that
+    finished since the last step: the runner drops their rows. Frozen: the runner needs nothing
+    else from the scheduler.
+    """
+
+    step: int
+    num_scheduled_tokens: Mapping[Hashable, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    scheduled_new_reqs: tuple[NewRequestData, ...] = ()
+    scheduled_cached_reqs: CachedRequestData = CachedRequestData()
+    preemptions: tuple[Preemption, ...] = ()
+    blocks_to_swap_out: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    blocks_to_swap_in: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    finished_req_ids: frozenset[Hashable] = frozenset()
+
+    @property
+    def preempted_req_ids(self) -> frozenset[Hashable]:
+        """vLLM's ``preempted_req_ids``: the requests preempted this step, either way."""
+        return frozenset(p.request_id for p in self.preemptions)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What a runner computed for a :class:`SchedulerOutput` (vLLM: ``ModelRunnerOutput``): the token
+    sampled for each request whose scheduled tokens reached its end (a decode, or the last chunk of
+    a prefill); a partial chunk samples nothing."""
+
+    sampled: Mapping[Hashable, int]
