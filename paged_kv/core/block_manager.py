@@ -158,7 +158,7 @@ class BlockManager:
         Raises:
             ValueError: ``token_ids`` is not a list of non-negative integers.
         """
-        token_ids = check_token_ids(token_ids, len(token_ids) if hasattr(token_ids, "__len__") else -1)
+        token_ids = check_token_ids(token_ids, None)
         if not isinstance(self._allocator, CachingBlockAllocator):
             return ComputedBlocks()
         hits = self._allocator.find_longest_cache_hit(token_ids, self.block_size)

@@ -84,7 +84,7 @@ def chain_hashes(blocks: Sequence[TokenIds]) -> list[int]:
 
 def check_token_ids(
     token_ids: object,
-    num_prompt_tokens: int,
+    num_prompt_tokens: int | None,
     count_name: str = "num_prompt_tokens",
     per: str = "prompt token",
 ) -> TokenIds:
@@ -92,7 +92,7 @@ def check_token_ids(
 
     A list, tuple or range of ints (numpy integer scalars too) or a 1-D integer tensor is accepted.
     ``count_name`` and ``per`` name the count in the message (``"n"`` and ``"appended token"`` for
-    the tokens of an append).
+    the tokens of an append); a count of ``None`` takes any length.
 
     Raises:
         ValueError: naming ``token_ids``: not a sequence of integers, a negative or boolean id, or
@@ -108,7 +108,7 @@ def check_token_ids(
         token_ids = token_ids.tolist()
     if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
         raise ValueError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
-    if len(token_ids) != num_prompt_tokens:
+    if num_prompt_tokens is not None and len(token_ids) != num_prompt_tokens:
         raise ValueError(
             f"token_ids must hold one id per {per}: {count_name} is {num_prompt_tokens}, "
             f"but token_ids has {len(token_ids)}"

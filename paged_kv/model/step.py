@@ -127,7 +127,8 @@ class BlockTables:
 
     def block_ids(self, req_id: Hashable) -> list[int]:
         """The blocks of ``req_id``'s row, from the host's copy of the row (no device read)."""
-        return self._entries(self.row(req_id), self.num_blocks[self.row(req_id)])
+        row = self.row(req_id)
+        return self._entries(row, self.num_blocks[row])
 
     def commit(self) -> None:
         """Make the step's pending writes, in one indexing operation (each cell written once: a row

@@ -431,17 +431,15 @@ class Engine:
                 seat_tokens=self.max_model_len,
                 block_size=self.block_size,
             )
-            num_storage_blocks = memory.num_blocks
         else:
             manager = BlockManager(
                 self.num_blocks, self.block_size, enable_prefix_caching=cache.enable_prefix_caching
             )
             memory = KVCacheManager(manager, watermark=scheduler_config.watermark)
-            num_storage_blocks = self.num_blocks
         config = self.model.config
         storage = KVStorage(
             config.num_layers,
-            num_storage_blocks,
+            memory.num_blocks,
             self.block_size,
             config.num_kv_heads,
             config.head_dim,
@@ -456,13 +454,11 @@ class Engine:
             reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
         )
         max_blocks_per_req = blocks_for_tokens(self.max_model_len, self.block_size)
-        max_num_reqs = scheduler_config.max_num_seqs or min(
-            num_storage_blocks * self.block_size, num_storage_blocks + 1
-        )
         runner = ModelRunner(
             self.model,
             storage,
-            max_num_reqs=max_num_reqs,
+            # A running request holds a block at least: the rows the table starts with (it grows).
+            max_num_reqs=scheduler_config.max_num_seqs or memory.num_blocks,
             max_blocks_per_req=max_blocks_per_req,
             strategy=self.config.attention_strategy,
         )

@@ -168,7 +168,7 @@ class ContiguousMemory:
     are **seats** of ``block_size`` blocks laid end to end: seat ``i`` is blocks ``i * k ..
     (i + 1) * k - 1`` for ``k = ceil(seat_tokens / block_size)``, and a request's block ids are its
     seat's, so the engine's runner and attention read a contiguous reservation through the same
-    block table as a paged one (:attr:`num_storage_blocks` blocks in all).
+    block table as a paged one (:attr:`num_blocks` blocks in all).
 
     Raises:
         ValueError: ``budget_tokens`` or ``seat_tokens`` is not a count of at least 1, or
@@ -191,7 +191,7 @@ class ContiguousMemory:
         seat = check_count("seat_tokens", seat_tokens, minimum=1)
         self.blocks_per_seat = blocks_for_tokens(seat, self.block_size)
         self.num_seats = max(1, self.budget_tokens // seat)
-        self.num_blocks = self.num_storage_blocks = self.num_seats * self.blocks_per_seat
+        self.num_blocks = self.num_seats * self.blocks_per_seat
         self._free_seats = list(range(self.num_seats - 1, -1, -1))  # pop() gives the lowest
         self.reservations: dict[Hashable, tuple[int, int]] = {}  # request id -> (seat, slots reserved)
 
@@ -199,14 +199,6 @@ class ContiguousMemory:
     def free_tokens(self) -> int:
         """The slots no admitted request has reserved."""
         return self.budget_tokens - self.reserved_tokens
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.free_tokens
-
-    @property
-    def usage(self) -> float:
-        return self.reserved_tokens / self.budget_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -250,10 +242,6 @@ class ContiguousMemory:
         if seat is not None:
             self._free_seats.append(seat[0])
             self._free_seats.sort(reverse=True)
-
-    def sequences(self, held: dict[Hashable, int]) -> dict[Hashable, tuple[int, int]]:
-        """Each request's ``(tokens held, slots reserved)``, given the tokens each holds."""
-        return {r: (held.get(r, 0), slots) for r, (_, slots) in self.reservations.items()}
 
     def describe_free(self) -> str:
         return f"{self.free_tokens} free token slots out of {self.budget_tokens}"

@@ -141,8 +141,7 @@ class ModelRunner:
                     f"request {req_id!r}: the scheduler counts {num_computed} computed tokens, "
                     f"the runner {state.num_computed_tokens}"
                 )
-            if block_ids:
-                self._check_blocks(req_id, block_ids, num_blocks)
+            self._check_blocks(req_id, block_ids, num_blocks)
             blocks_after[req_id] = self.tables.num_blocks[self.tables.rows[req_id]] + len(block_ids)
             starts[req_id] = num_computed
         for req_id, n in output.num_scheduled_tokens.items():

@@ -32,18 +32,8 @@ class KVMemory(Protocol):
     request's blocks are the ones it was given, in order, until :meth:`free`.
     """
 
-    block_size: int
     num_blocks: int
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks no request holds (cached blocks nobody holds count as free)."""
-        ...
-
-    @property
-    def usage(self) -> float:
-        """The share of the memory in use, 0.0 to 1.0 (vLLM: ``KVCacheManager.usage``)."""
-        ...
+    """The blocks its block ids range over: ``0 .. num_blocks - 1``, the storage the runner needs."""
 
     @property
     def reserved_tokens(self) -> int:

@@ -206,10 +206,6 @@ class FirstFitMemory:
         return self.allocator.free_slots
 
     @property
-    def usage(self) -> float:
-        return self.allocator.used_slots / self.allocator.capacity
-
-    @property
     def reserved_tokens(self) -> int:
         return self.allocator.used_slots
 
