@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
+from itertools import compress
 from pathlib import Path
 
 import torch
@@ -47,8 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, compare_thread_times, spread_of, text_table
 from bench_engine import scaled_requests
 
-from paged_kv.model.attend import step_attend
-from paged_kv.model.step import prepare_attention
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
@@ -254,56 +253,32 @@ class TwoForwardRunner(ModelRunner):
     """The runner as it was before issue 21, for the bench: each step runs **two** forwards, the
     step's prefill chunks packed in the first and its decodes in the second, each with its own
     :func:`~paged_kv.model.step.prepare_attention` metadata, on the same
-    :class:`~paged_kv.serving.outputs.SchedulerOutput` as :class:`ModelRunner` (whose checks and
-    state updates it keeps). A request decodes when its scheduled token is one it sampled: past
-    the tokens it was admitted with (all of its K/V but the last, for one swapped back in).
-    :attr:`steps` and :attr:`mixed_steps` count the steps run and those that needed both forwards.
+    :class:`~paged_kv.serving.outputs.SchedulerOutput` as :class:`ModelRunner` (whose checks, state
+    updates and forward it keeps). A request decodes when its scheduled token is one it sampled
+    (past the tokens it was given). :attr:`steps` and :attr:`mixed_steps` count the steps run and
+    those that needed both forwards.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prefill_end: dict = {}  # request id -> the positions below which it prefills
         self.steps = self.mixed_steps = 0
-
-    def _update_states(self, output: SchedulerOutput) -> None:
-        super()._update_states(output)
-        for new in output.scheduled_new_reqs:
-            swapped_in = new.req_id in output.blocks_to_swap_in
-            self.prefill_end[new.req_id] = new.num_computed_tokens if swapped_in else len(new.token_ids)
 
     @torch.no_grad()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self._check(output)
         self._update_states(output)
-        scheduled = output.num_scheduled_tokens
-        prefills = [r for r in scheduled if self.requests[r].num_computed_tokens < self.prefill_end[r]]
-        decodes = [r for r in scheduled if self.requests[r].num_computed_tokens >= self.prefill_end[r]]
+        scheduled, state = output.num_scheduled_tokens, self.state
+        rows = [self.tables.row(r) for r in scheduled]
+        prefilling = (state.num_computed_tokens[rows] < state.prefill_len[rows]).tolist()
+        prefills = list(compress(scheduled, prefilling))
+        decodes = [r for r, p in zip(scheduled, prefilling, strict=True) if not p]
         self.steps += 1
         self.mixed_steps += bool(prefills and decodes)
         sampled: dict = {}
         for req_ids in (prefills, decodes):
             if req_ids:
-                sampled.update(self._forward(req_ids, [scheduled[r] for r in req_ids]))
+                sampled.update(self._run(req_ids, [scheduled[r] for r in req_ids]))
         return ModelRunnerOutput(sampled)
-
-    def _forward(self, req_ids: list, query_lens: list[int]) -> dict:
-        """One forward over ``req_ids``' scheduled tokens; the greedy tokens of those that reach their end."""
-        states = [self.requests[r] for r in req_ids]
-        computed = [s.num_computed_tokens for s in states]
-        metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size)
-        spans = zip(states, computed, query_lens, strict=True)
-        tokens = [t for s, c, n in spans for t in s.token_ids[c : c + n]]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        attend = step_attend(metadata, self.storage, self.strategy)
-        logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
-        sampled = {}
-        greedy = logits.argmax(dim=-1).tolist()
-        for req_id, state, n, token in zip(req_ids, states, query_lens, greedy, strict=True):
-            state.num_computed_tokens += n
-            if state.num_computed_tokens == len(state.token_ids):
-                state.token_ids.append(token)
-                sampled[req_id] = token
-        return sampled
 
 
 class TwoForwardEngine(Engine):

@@ -281,7 +281,6 @@ plt.show()
 # %%
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
-from paged_kv.model.step import prepare_attention
 from paged_kv.serving.memory import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import SchedulerRequest
@@ -341,15 +340,13 @@ print(f"  sampled {result.sampled}; free blocks: {memory.num_free_blocks} of 6")
 # fit in blocks they hold (`new_block_ids` empty), and `c` took 2. The forward ran 7 tokens, two
 # decodes and a whole prompt, and sampled a token for each request.
 #
-# What did the runner hand the layers? `prepare_attention`, the runner's own call, run again on its
-# block table with the step's counts, gives the metadata the forward read; `plot_step_batch` draws
-# the batch's tokens with their positions, their slots, and each request's block-table row.
+# What did the runner hand the layers? It keeps the step's metadata, which `prepare_attention` built
+# once from its block table, as `runner.last_metadata`; `plot_step_batch` draws the batch's tokens
+# with their positions, their slots, and each request's block-table row.
 
 # %%
 req_ids = list(output.num_scheduled_tokens)
-query_lens = list(output.num_scheduled_tokens.values())
-computed = [runner.requests[r].num_computed_tokens - n for r, n in zip(req_ids, query_lens, strict=True)]
-metadata = prepare_attention(runner.tables, req_ids, computed, query_lens, block_size=4)
+metadata = runner.last_metadata
 for name in ("positions", "query_start_loc", "seq_lens", "slot_mapping"):
     print(f"{name:<16} {getattr(metadata, name).tolist()}")
 print(f"{'block_table':<16} {metadata.block_table.tolist()}")
@@ -567,7 +564,10 @@ for mode, r in results.items():
 #   row per request; `append_block_ids` adds a request's new blocks and `compute_slot_mappings` gives
 #   every token's slot: our `BlockTables` and our `prepare_attention`. Beside it,
 #   `vllm/v1/worker/gpu/input_batch.py`: `InputBatch` holds the flattened batch's `input_ids`,
-#   `positions`, `query_start_loc`, `seq_lens` and `logits_indices`: our `AttentionMetadata`.
+#   `positions`, `query_start_loc`, `seq_lens` and `logits_indices`: our `AttentionMetadata`. And
+#   `vllm/v1/worker/gpu/states.py`: `RequestState` keeps each request's tokens and
+#   `num_computed_tokens` in arrays indexed by the request's row, so a step gathers the whole batch's
+#   in one operation: our `RequestState`.
 # * `vllm/v1/worker/gpu_model_runner.py` and `vllm/v1/worker/block_table.py` (`BlockTable`): the V1
 #   model runner, now the fallback.
 # * `vllm/v1/worker/utils.py`: `allocate_kv_cache` allocates one backing buffer for all the layers

@@ -166,12 +166,14 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
         (NewRequestData("a", (1, 2, 3), (5,), 0),),
     )
     runner.execute_model(first)
-    state = (dict(runner.tables.rows), runner.requests["a"].num_computed_tokens, runner.tables.block_ids("a"))
+    state = (dict(runner.tables.rows), runner.num_computed_tokens("a"), runner.tables.block_ids("a"))
     bad = [
         (SchedulerOutput(1, {"zz": 1}, 1, (), CachedRequestData(("zz",), ((),), (0,))), "no row"),
         (SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((99,),), (3,))), "outside 0 .. 15"),
         (SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((),), (2,))), "counts 2 computed"),
         (SchedulerOutput(1, {"a": 3}, 3, (), CachedRequestData(("a",), ((),), (3,))), "do not fit"),
+        (SchedulerOutput(1, {"a": 2}, 2, (), CachedRequestData(("a",), ((6,),), (3,))), "past the 4 tokens"),
+        (SchedulerOutput(1, {"b": 3}, 3, (NewRequestData("b", (1, 2), (7,), 0),)), "past the 2 tokens"),
         (SchedulerOutput(1, {"a": 1}, 1, (NewRequestData("a", (1,), (2,), 0),)), "running already"),
         (SchedulerOutput(1, {"b": 1}, 1), "neither new nor running"),
         (
@@ -185,7 +187,7 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
             runner.execute_model(output)  # type: ignore[arg-type]
         assert state == (
             dict(runner.tables.rows),
-            runner.requests["a"].num_computed_tokens,
+            runner.num_computed_tokens("a"),
             runner.tables.block_ids("a"),
         )
     good = SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((6,),), (3,)))
@@ -209,3 +211,49 @@ def test_one_forward_runs_every_request_of_a_step(model, monkeypatch):
     assert calls == [output.total_num_scheduled_tokens for output, _ in steps]  # one per step
     mixed = [dict(output.num_scheduled_tokens) for output, _ in steps[1:3]]
     assert mixed == [{"a": 1, "b": 4}, {"a": 1, "b": 3}]  # a decode and a chunk in one forward
+
+
+def test_the_runner_keeps_each_steps_metadata_and_inputs_in_its_request_state(model, monkeypatch):
+    # A decode and a chunk in one step: the decode's input is the token it sampled last, the
+    # chunk's the prompt tokens from its computed count on; last_metadata is what the layers read.
+    inputs = []
+    forward = model.forward_step
+
+    def recorded(input_ids, *args, **kwargs):
+        inputs.append(input_ids.tolist())
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_step", recorded)
+    scheduler = Scheduler(KVCacheManager(BlockManager(16, 4)), max_num_batched_tokens=5)
+    runner = make_runner(model)
+    prompts = {"a": (1, 2), "b": (11, 12, 13, 14, 15, 16, 17)}
+    arrivals = [
+        (0, SchedulerRequest("a", 2, 4, prompts["a"])),
+        (1, SchedulerRequest("b", 7, 2, prompts["b"])),
+    ]
+    steps = run_steps(scheduler, runner, arrivals)
+    _, first = next(steps)
+    output, _ = next(steps)
+    assert dict(output.num_scheduled_tokens) == {"a": 1, "b": 4}
+    assert inputs[-1] == [first.new_tokens["a"], 11, 12, 13, 14]
+    metadata = runner.last_metadata
+    assert metadata.positions.tolist() == [2, 0, 1, 2, 3]
+    assert metadata.query_start_loc_cpu.tolist() == metadata.query_start_loc.tolist() == [0, 1, 5]
+    rebuilt = prepare_attention(runner.tables, ["a", "b"], [2, 0], [1, 4], 4)
+    assert metadata.slot_mapping.tolist() == rebuilt.slot_mapping.tolist()
+    assert runner.num_computed_tokens("a") == 3 and runner.num_computed_tokens("b") == 4
+    next(steps)
+    assert inputs[-1][1:] == [15, 16, 17]  # b's last chunk
+    list(steps)
+
+
+def test_more_requests_than_rows_grow_the_table_and_the_state(model):
+    scheduler = Scheduler(KVCacheManager(BlockManager(64, 4)))
+    storage = KVStorage(CONFIG.num_layers, 64, 4, CONFIG.num_kv_heads, CONFIG.head_dim)
+    runner = ModelRunner(model, storage, max_num_reqs=2, max_blocks_per_req=8)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(7)]
+    arrivals = [(0, SchedulerRequest(i, 3, 4, tuple(p))) for i, p in enumerate(prompts)]
+    tokens = {r: list(t) for _, step in run_steps(scheduler, runner, arrivals) for r, t in step.finished}
+    assert runner.tables.max_num_reqs == 8 and len(runner.state.num_tokens) == 8
+    expected = generate(model, prompts, 4, cache="contiguous").tokens
+    assert [tokens[i] for i in range(7)] == expected

@@ -173,8 +173,13 @@ def test_query_start_loc_gives_what_query_lens_give(device, strategy):
     args = (query, cache.k_cache, cache.v_cache, tables, seq_lens)
     expected = paged_prefill_attention(*args, QUERY_LENS, strategy=strategy)
     starts = starts_of(QUERY_LENS, device)
-    variants = [{}, {"max_query_len": max(QUERY_LENS)}, {"max_query_len": max(QUERY_LENS), "check": False}]
-    for kw in variants[2:] if strategy == "triton" else variants:  # the interpreter is slow
+    variants = [
+        {},
+        {"max_query_len": max(QUERY_LENS)},
+        {"max_query_len": max(QUERY_LENS), "check": False},
+        {"max_query_len": max(QUERY_LENS), "check": False, "query_start_loc_cpu": starts.cpu()},
+    ]
+    for kw in variants[3:] if strategy == "triton" else variants:  # the interpreter is slow
         out = paged_attention_varlen(*args, starts, strategy=strategy, **kw)
         torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=str(kw))
 

@@ -209,6 +209,7 @@ def paged_attention_varlen(
     scale: float | None = None,
     *,
     max_query_len: int | None = None,
+    query_start_loc_cpu: torch.Tensor | None = None,
     strategy: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -226,6 +227,10 @@ def paged_attention_varlen(
         max_query_len: the longest query length, when the caller knows it on the host (vLLM's
             metadata carries it): it spares the one read from the device that sizes the padding
             (``"gather"``) or the grid (``"triton"``). It must be right; it is not checked.
+        query_start_loc_cpu: ``query_start_loc``'s copy on the host, when the caller keeps one
+            (vLLM's metadata does, under this name): ``"auto"`` and ``"in_place"`` split the batch
+            into decodes and chunks from it instead of reading the device. It must be right; it is
+            not checked.
         check: ``False`` skips the checks of the values (that the lengths fit the tables and
             ``query_start_loc`` is consistent), which read the lengths and the tables back to the
             host once per call; the types, shapes, dtypes and devices are checked either way. For a
@@ -242,7 +247,8 @@ def paged_attention_varlen(
 
     The hot path reads the device back at most once for itself: ``"triton"`` and ``"gather"`` not
     at all when ``max_query_len`` is given, ``"auto"`` and ``"in_place"`` to copy the query lengths
-    to the host (they split the batch into decodes and chunks); ``"flex"`` builds its block mask.
+    to the host (they split the batch into decodes and chunks), unless ``query_start_loc_cpu`` is
+    given; ``"flex"`` builds its block mask.
     """
     seq_lens, query_start_loc, host_lens = _check_inputs(
         query,
@@ -257,6 +263,8 @@ def paged_attention_varlen(
     if max_query_len is not None:
         max_query_len = check_count("max_query_len", max_query_len)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if host_lens is None and query_start_loc_cpu is not None:
+        host_lens = torch.diff(query_start_loc_cpu.long())
     batch = _Batch(seq_lens, query_start_loc, query_lens, host_lens, max_query_len)
     return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy)
 

@@ -216,6 +216,7 @@ def step_attend(metadata: AttentionMetadata, storage: KVStorage, strategy: str =
             metadata.seq_lens,
             metadata.query_start_loc,
             max_query_len=metadata.max_query_len,
+            query_start_loc_cpu=metadata.query_start_loc_cpu,
             strategy=strategy,
             check=False,  # prepare_attention built the metadata, checked, once for every layer
         )

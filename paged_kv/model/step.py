@@ -125,6 +125,13 @@ class BlockTables:
         except KeyError:
             raise ValueError(f"request {req_id!r} has no row in the block table") from None
 
+    def rows_of(self, req_ids: Sequence[Hashable]) -> list[int]:
+        """The rows of ``req_ids``, in order (one C-level pass; a ValueError names the first unknown)."""
+        try:
+            return list(map(self.rows.__getitem__, req_ids))
+        except KeyError as missing:
+            raise ValueError(f"request {missing.args[0]!r} has no row in the block table") from None
+
     def block_ids(self, req_id: Hashable) -> list[int]:
         """The blocks of ``req_id``'s row, from the host's copy of the row (no device read)."""
         row = self.row(req_id)
@@ -171,12 +178,15 @@ class BlockTables:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One step's flattened batch as every attention layer reads it (vLLM: an attention backend's
-    metadata, such as ``FlashAttentionMetadata``). Tensors on the cache's device; ``num_reqs`` and
-    ``max_query_len`` are host ints. See the module for the meaning of each field."""
+    """One step's flattened batch as every attention layer reads it (vLLM: the
+    ``CommonAttentionMetadata`` an attention backend's builder reads). Tensors on the cache's
+    device, but ``query_start_loc_cpu``, the host's copy of ``query_start_loc`` (vLLM keeps both),
+    from which a layer splits the batch into decodes and chunks without reading the device;
+    ``num_reqs`` and ``max_query_len`` are host ints. See the module for the meaning of each field."""
 
     positions: torch.Tensor  # (num_tokens,) long
     query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    query_start_loc_cpu: torch.Tensor  # (num_reqs + 1,) int32, on the host
     query_lens: torch.Tensor  # (num_reqs,) long
     seq_lens: torch.Tensor  # (num_reqs,) long
     block_table: torch.Tensor  # (num_reqs, width) int32
@@ -190,56 +200,77 @@ class AttentionMetadata:
         return len(self.positions)
 
 
+def host_long(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """``values`` as a new LongTensor on the host (a tensor copied, a list through :func:`long_tensor`)."""
+    if isinstance(values, torch.Tensor):
+        return values.to("cpu", torch.long, copy=True)
+    return long_tensor(values)
+
+
 def prepare_attention(
     tables: BlockTables,
     req_ids: Sequence[Hashable],
-    num_computed: Sequence[int],
-    query_lens: Sequence[int],
+    num_computed: Sequence[int] | torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
     block_size: int,
+    *,
+    check: bool = True,
 ) -> AttentionMetadata:
     """The metadata of a step that runs ``query_lens[b]`` tokens of request ``req_ids[b]``, from
     position ``num_computed[b]`` on, over the blocks of its row in ``tables``.
 
-    The host lists hold one int per request; the per-token tensors are made on the device from
-    them with ``repeat_interleave`` and one gather (no loop over tokens, no device read).
+    ``num_computed`` and ``query_lens`` are host ints (lists, or host tensors): one per request. The
+    checks and the sizes are computed on the host with a few tensor operations, and the per-token
+    tensors made on the device with ``repeat_interleave`` and one gather: no Python loop over
+    requests or tokens, no read of the device. ``check=False`` skips the checks of the counts
+    against the rows (a query length below 1, too few blocks): for a caller that made them itself,
+    as the engine's runner does before it changes anything.
 
     Raises:
-        ValueError: the lists differ in length, a query length is below 1, or a request has no row
-            or too few blocks for its tokens.
+        ValueError: the three differ in length, or a request has no row; with ``check``, a query
+            length is below 1 or a request has too few blocks for its tokens.
     """
-    if not len(req_ids) == len(num_computed) == len(query_lens):
+    num_reqs = len(req_ids)
+    if not num_reqs == len(num_computed) == len(query_lens):
         raise ValueError(
-            f"req_ids, num_computed and query_lens must be as many, got {len(req_ids)}, "
+            f"req_ids, num_computed and query_lens must be as many, got {num_reqs}, "
             f"{len(num_computed)} and {len(query_lens)}"
         )
     tables.commit()
-    rows = [tables.row(req_id) for req_id in req_ids]
-    seq_lens = [c + n for c, n in zip(num_computed, query_lens, strict=True)]
-    width = 0
-    for req_id, row, n, length in zip(req_ids, rows, query_lens, seq_lens, strict=True):
-        needed = -(-length // block_size)
-        if n < 1 or needed > tables.num_blocks[row]:
+    rows = tables.rows_of(req_ids)
+    lens, computed = host_long(query_lens), host_long(num_computed)
+    seq_lens = computed + lens
+    needed = (seq_lens + (block_size - 1)) // block_size
+    if check:
+        held = long_tensor(list(map(tables.num_blocks.__getitem__, rows)))
+        bad = torch.nonzero((lens < 1) | (needed > held)).flatten().tolist() if num_reqs else []
+        if bad:
+            b = bad[0]
             raise ValueError(
-                f"request {req_id!r}: {n} new tokens and {length} in all need {needed} blocks, "
-                f"its row holds {tables.num_blocks[row]}"
+                f"request {req_ids[b]!r}: {int(lens[b])} new tokens and {int(seq_lens[b])} in all need "
+                f"{int(needed[b])} blocks, its row holds {int(held[b])}"
             )
-        width = max(width, needed)
-    device = tables.table.device
-    lens = long_tensor(query_lens, device)
-    computed = long_tensor(num_computed, device)
     ends = torch.cumsum(lens, 0)
-    total = sum(query_lens)
-    request = torch.repeat_interleave(torch.arange(len(rows), device=device), lens, output_size=total)
-    positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
+    query_start_loc_cpu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    total, width, longest = (int(ends[-1]), int(needed.max()), int(lens.max())) if num_reqs else (0, 0, 0)
+    device = tables.table.device
+    lens, computed, ends = (t.to(device) for t in (lens, computed, ends))
+    request = torch.arange(num_reqs, device=device)
+    if total == num_reqs:  # a decode step: token b is request b's, at its computed count
+        positions = computed
+    else:
+        request = torch.repeat_interleave(request, lens, output_size=total)
+        positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
     block_table = tables.table[long_tensor(rows, device), :width]
     return AttentionMetadata(
         positions=positions,
-        query_start_loc=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
+        query_start_loc=query_start_loc_cpu.to(device),
+        query_start_loc_cpu=query_start_loc_cpu,
         query_lens=lens,
         seq_lens=computed + lens,
         block_table=block_table,
         slot_mapping=slot_mapping(block_table, positions, block_size, rows=request),
         logits_indices=ends - 1,
-        num_reqs=len(rows),
-        max_query_len=max(query_lens, default=0),
+        num_reqs=num_reqs,
+        max_query_len=longest,
     )

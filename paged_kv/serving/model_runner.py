@@ -25,8 +25,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
+from itertools import chain, compress, repeat
 
 import torch
 
@@ -34,27 +34,72 @@ from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
-from paged_kv.model.step import BlockTables, long_tensor, prepare_attention
-from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention
+from paged_kv.serving.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
-@dataclass
-class CachedRequestState:
-    """What the runner keeps of a request between steps (vLLM: ``CachedRequestState``): its token
-    ids (prompt, then every sampled token) and the tokens whose K/V the cache holds."""
+class RequestState:
+    """The runner's state of its requests between steps, one entry per row of the block table
+    (vLLM 0.33.0: Model Runner V2's ``RequestState``, ``vllm/v1/worker/gpu/states.py``).
 
-    token_ids: list[int]
-    num_computed_tokens: int
+    Host tensors indexed by row, so that a step gathers a whole batch's entries with one
+    indexing operation: ``num_computed_tokens`` (the tokens whose K/V the cache holds),
+    ``num_tokens`` (the tokens the runner knows: the ones it was given, then every one it
+    sampled), ``prefill_len`` (the ones it was given: the prompt, and the tokens a resumed
+    request generated before) and ``last_token`` (the newest known token: a decode's input).
+    ``prefill_token_ids[row]`` holds the given tokens, which prefill chunks read.
+
+    Invariant: ``num_computed_tokens <= num_tokens`` and ``prefill_len <= num_tokens`` in every
+    row in use; a row past ``prefill_len`` decodes its ``last_token``.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.long)
+        self.num_tokens = torch.zeros(num_rows, dtype=torch.long)
+        self.prefill_len = torch.zeros(num_rows, dtype=torch.long)
+        self.last_token = torch.zeros(num_rows, dtype=torch.long)
+        self.prefill_token_ids: list[list[int]] = [[] for _ in range(num_rows)]
+
+    def add(self, row: int, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Row ``row`` holds a request given ``token_ids``, the first ``num_computed_tokens`` computed."""
+        if row >= len(self.num_tokens):  # the block table grew its rows: grow alike
+            more = len(self.num_tokens)
+            for name in ("num_computed_tokens", "num_tokens", "prefill_len", "last_token"):
+                setattr(self, name, torch.cat([getattr(self, name), torch.zeros(more, dtype=torch.long)]))
+            self.prefill_token_ids += [[] for _ in range(more)]
+        self.prefill_token_ids[row] = token_ids
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_tokens[row] = self.prefill_len[row] = len(token_ids)
+        self.last_token[row] = token_ids[-1]
+
+    def input_ids(
+        self, rows: torch.Tensor, computed: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The step's flattened input tokens (host): each decode's last token, each chunk's given
+        tokens from its computed count on (vLLM: ``prepare_prefill_inputs`` and the sampled tokens)."""
+        ids = self.last_token[rows]
+        chunks = torch.nonzero(computed < self.prefill_len[rows]).flatten().tolist()
+        if not chunks:  # a decode step: one token per request, its last
+            return ids
+        starts = metadata.query_start_loc_cpu.tolist()
+        ids = ids.repeat_interleave(torch.diff(metadata.query_start_loc_cpu))
+        row_list = rows.tolist()
+        for b in chunks:
+            c, start, end = int(computed[b]), starts[b], starts[b + 1]
+            ids[start:end] = long_tensor(self.prefill_token_ids[row_list[b]][c : c + end - start])
+        return ids
 
 
 class ModelRunner:
     """Runs ``model`` over ``storage`` for each :class:`~paged_kv.serving.scheduler.SchedulerOutput`.
 
-    ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks bound the persistent block table;
-    ``strategy`` is the paged attention's (:func:`~paged_kv.attention.paged.paged_prefill_attention`).
+    ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks bound the persistent block table (it
+    doubles its rows when a step needs more); ``strategy`` is the paged attention's
+    (:func:`~paged_kv.attention.paged.paged_attention_varlen`). :attr:`last_metadata` is the
+    :class:`~paged_kv.model.step.AttentionMetadata` of the last step that ran.
 
-    Invariant between steps: :attr:`requests` holds exactly the running requests, each with the
-    block table row the scheduler's block ids built and the computed tokens the scheduler counts.
+    Invariant between steps: :attr:`tables` has a row for exactly the running requests, built from
+    the scheduler's block ids, and :attr:`state` the computed tokens the scheduler counts.
     """
 
     def __init__(
@@ -70,8 +115,17 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.device = storage.device
         self.tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device)
-        self.requests: dict[Hashable, CachedRequestState] = {}
+        self.state = RequestState(self.tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
+        self.last_metadata: AttentionMetadata | None = None
+
+    def num_computed_tokens(self, req_id: Hashable) -> int:
+        """The tokens of ``req_id`` whose K/V the cache holds, as the runner counts them.
+
+        Raises:
+            ValueError: the runner has no row for ``req_id``.
+        """
+        return int(self.state.num_computed_tokens[self.tables.row(req_id)])
 
     @torch.no_grad()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -80,110 +134,137 @@ class ModelRunner:
         Raises:
             ValueError: ``output`` cannot be applied: a scheduled request the runner does not know,
                 a new one it knows already, block ids outside the pool, too few blocks for a
-                request's tokens, or computed counts that disagree with the runner's. Nothing changes.
+                request's tokens, tokens it was never given, or computed counts that disagree
+                with the runner's. Nothing changes.
         """
         self._check(output)
         self._update_states(output)
         scheduled = output.num_scheduled_tokens
-        if not scheduled:
-            return ModelRunnerOutput({})
-        req_ids = list(scheduled)
-        states = [self.requests[r] for r in req_ids]
-        query_lens = [scheduled[r] for r in req_ids]
-        computed = [s.num_computed_tokens for s in states]
-        metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size)
-        tokens: list[int] = []
-        for state, c, n in zip(states, computed, query_lens, strict=True):
-            if n == 1:  # a decode: its last token
-                tokens.append(state.token_ids[c])
-            else:
-                tokens += state.token_ids[c : c + n]
-        input_ids = long_tensor(tokens, self.device)
+        return ModelRunnerOutput(self._run(list(scheduled), list(scheduled.values())) if scheduled else {})
+
+    def _run(self, req_ids: list[Hashable], query_lens: list[int]) -> dict[Hashable, int]:
+        """One forward over ``query_lens[b]`` tokens of each request ``req_ids[b]``, in that order;
+        the greedy token of each request whose tokens reached their end (a partial chunk samples none)."""
+        state = self.state
+        rows = long_tensor(self.tables.rows_of(req_ids))
+        computed = state.num_computed_tokens[rows]
+        metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size, check=False)
+        input_ids = state.input_ids(rows, computed, metadata).to(self.device)
         attend = step_attend(metadata, self.storage, self.strategy)
         logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
-        sampled = {}
-        for req_id, state, n, token in zip(
-            req_ids, states, query_lens, logits.argmax(dim=-1).tolist(), strict=True
-        ):
-            state.num_computed_tokens += n
-            if state.num_computed_tokens == len(state.token_ids):
-                state.token_ids.append(token)
-                sampled[req_id] = token
-        return ModelRunnerOutput(sampled)
+        self.last_metadata = metadata
+        after = computed + long_tensor(query_lens)
+        state.num_computed_tokens[rows] = after
+        samples = after == state.num_tokens[rows]
+        tokens = logits.argmax(dim=-1).cpu()[samples]
+        sampling = rows[samples]
+        state.num_tokens[sampling] += 1
+        state.last_token[sampling] = tokens
+        return dict(zip(compress(req_ids, samples.tolist()), tokens.tolist(), strict=True))
 
     # ------------------------------------------------------------------------------ the state
 
     def _check(self, output: SchedulerOutput) -> None:
-        """Every check of :meth:`execute_model`, before anything changes."""
+        """Every check of :meth:`execute_model`, before anything changes: one pass over the new
+        requests (a few a step) and a few tensor operations over the running ones."""
         if not isinstance(output, SchedulerOutput):
             raise ValueError(f"output must be a SchedulerOutput, got {type(output).__name__}")
-        leaving = set(output.finished_req_ids) | output.preempted_req_ids
-        running = set(self.requests) - leaving
-        num_blocks = self.storage.num_blocks
-        blocks_after: dict[Hashable, int] = {}
-        starts: dict[Hashable, int] = {}
+        leaving = output.finished_req_ids | output.preempted_req_ids
+        rows, num_blocks, scheduled = self.tables.rows, self.storage.num_blocks, output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
-            if new.req_id in running:
+            if new.req_id in rows and new.req_id not in leaving:
                 raise ValueError(f"new request {new.req_id!r} is running already")
             if new.token_ids is None:
                 raise ValueError(f"new request {new.req_id!r} has no token ids: a model needs them")
-            self._check_blocks(new.req_id, new.block_ids, num_blocks)
-            blocks_after[new.req_id], starts[new.req_id] = len(new.block_ids), new.num_computed_tokens
+            _check_blocks(new.req_id, new.block_ids, num_blocks)
+            n = scheduled.get(new.req_id, 0)
+            if new.num_computed_tokens + n > len(new.token_ids):
+                raise ValueError(
+                    f"request {new.req_id!r}: {new.num_computed_tokens} computed + {n} scheduled tokens "
+                    f"run past the {len(new.token_ids)} tokens the runner knows"
+                )
+            if len(new.block_ids) * self.block_size < new.num_computed_tokens + n:
+                raise ValueError(
+                    f"request {new.req_id!r}: {new.num_computed_tokens + n} tokens do not fit in its "
+                    f"{len(new.block_ids)} blocks"
+                )
         cached = output.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            state = self.requests.get(req_id)
-            if state is None or req_id in leaving:
-                raise ValueError(f"scheduled request {req_id!r} has no row in the runner")
-            if state.num_computed_tokens != num_computed:
-                raise ValueError(
-                    f"request {req_id!r}: the scheduler counts {num_computed} computed tokens, "
-                    f"the runner {state.num_computed_tokens}"
-                )
-            self._check_blocks(req_id, block_ids, num_blocks)
-            blocks_after[req_id] = self.tables.num_blocks[self.tables.rows[req_id]] + len(block_ids)
-            starts[req_id] = num_computed
-        for req_id, n in output.num_scheduled_tokens.items():
-            if req_id not in blocks_after:
-                raise ValueError(f"request {req_id!r} is scheduled but neither new nor running")
-            start = starts[req_id]
-            if blocks_after[req_id] * self.block_size < start + n:
-                raise ValueError(
-                    f"request {req_id!r}: {start + n} tokens do not fit in its {blocks_after[req_id]} blocks"
-                )
+        cached_rows = list(map(rows.get, cached.req_ids))
+        if None in cached_rows or not leaving.isdisjoint(cached.req_ids):
+            req_id = next(
+                r for r, row in zip(cached.req_ids, cached_rows, strict=True) if row is None or r in leaving
+            )
+            raise ValueError(f"scheduled request {req_id!r} has no row in the runner")
+        gained = list(chain.from_iterable(cached.new_block_ids))
+        if gained and (min(gained) < 0 or max(gained) >= num_blocks):
+            for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                _check_blocks(req_id, block_ids, num_blocks)
+        known = {new.req_id for new in output.scheduled_new_reqs}.union(cached.req_ids)
+        if not scheduled.keys() <= known:
+            req_id = next(r for r in scheduled if r not in known)
+            raise ValueError(f"request {req_id!r} is scheduled but neither new nor running")
+        if cached.req_ids:
+            self._check_cached(cached, cached_rows, scheduled)
         for req_id in output.blocks_to_swap_in:
             if req_id not in self.swapped:
                 raise ValueError(f"request {req_id!r} is swapped in but was never swapped out")
 
-    @staticmethod
-    def _check_blocks(req_id: Hashable, block_ids: tuple[int, ...], num_blocks: int) -> None:
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+    def _check_cached(
+        self, cached: CachedRequestData, cached_rows: list[int], scheduled: Mapping[Hashable, int]
+    ) -> None:
+        """The running requests' computed counts agree with the runner's, and their scheduled tokens
+        fit their blocks and are tokens the runner knows: a few tensor operations, and a look at
+        the first request that fails only when one does."""
+        state, rows = self.state, long_tensor(cached_rows)
+        theirs, ours = long_tensor(cached.num_computed_tokens), state.num_computed_tokens[rows]
+        ends = ours + long_tensor(list(map(scheduled.get, cached.req_ids, repeat(0))))
+        held = long_tensor(list(map(self.tables.num_blocks.__getitem__, cached_rows)))
+        held += long_tensor(list(map(len, cached.new_block_ids)))
+        known = state.num_tokens[rows]
+        failed = (theirs != ours) | (held * self.block_size < ends) | (ends > known)
+        if not bool(failed.any()):
+            return
+        b = int(torch.nonzero(failed)[0])
+        req_id, end = cached.req_ids[b], int(ends[b])
+        if theirs[b] != ours[b]:
             raise ValueError(
-                f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}"
+                f"request {req_id!r}: the scheduler counts {int(theirs[b])} computed tokens, "
+                f"the runner {int(ours[b])}"
             )
+        if end > held[b] * self.block_size:
+            raise ValueError(f"request {req_id!r}: {end} tokens do not fit in its {int(held[b])} blocks")
+        raise ValueError(
+            f"request {req_id!r}: {int(ours[b])} computed + {end - int(ours[b])} scheduled tokens "
+            f"run past the {int(known[b])} tokens the runner knows"
+        )
 
     def _update_states(self, output: SchedulerOutput) -> None:
-        """Apply ``output`` to the rows and the request states (vLLM: ``_update_states``)."""
+        """Apply ``output`` to the rows and the request states (vLLM: ``finish_requests``,
+        ``add_requests`` and ``update_requests``)."""
+        tables = self.tables
         for req_id in output.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.tables.remove(req_id)
+            tables.remove(req_id)
         for req_id, block_ids in output.blocks_to_swap_out.items():  # before the forward overwrites them
-            state = self.requests.pop(req_id)
-            self.swapped[req_id] = swap.copy_out(self.storage, block_ids, state.num_computed_tokens)
-            self.tables.remove(req_id)
+            num_computed = self.num_computed_tokens(req_id)
+            self.swapped[req_id] = swap.copy_out(self.storage, block_ids, num_computed)
+            tables.remove(req_id)
         for preempted in output.preemptions:
             if preempted.way == "recompute":
-                self.requests.pop(preempted.request_id, None)
-                self.tables.remove(preempted.request_id)
+                tables.remove(preempted.request_id)
         for req_id, block_ids in output.blocks_to_swap_in.items():
             swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids)
         for new in output.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(list(new.token_ids), new.num_computed_tokens)
-            self.tables.add_row(new.req_id, new.block_ids)
+            row = tables.add_row(new.req_id, new.block_ids)
+            self.state.add(row, list(new.token_ids), new.num_computed_tokens)
         cached = output.scheduled_cached_reqs
         for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            self.tables.append(req_id, block_ids)
+            if block_ids:
+                tables.append(req_id, block_ids)
+
+
+def _check_blocks(req_id: Hashable, block_ids: tuple[int, ...], num_blocks: int) -> None:
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+        raise ValueError(f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}")
 
 
 class CountingRunner:

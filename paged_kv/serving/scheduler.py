@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
 
 from paged_kv.serving.outputs import (
@@ -94,46 +95,54 @@ class StepResult:
     num_prefill_tokens: int = 0
 
 
-@dataclass(eq=False)  # compared by identity
 class Request:
-    """A request the scheduler holds (vLLM: ``Request``). Invariant: ``num_computed_tokens <=
-    num_tokens``; between steps, a request that decodes has ``num_computed_tokens == num_tokens - 1``."""
+    """A request the scheduler holds (vLLM: ``Request``), compared by identity. Invariant:
+    ``num_computed_tokens <= num_tokens``; between steps, a request that decodes has
+    ``num_computed_tokens == num_tokens - 1``."""
 
-    request: SchedulerRequest
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    """Tokens whose K/V the memory holds (vLLM: ``Request.num_computed_tokens``), cached ones included."""
-    num_cached_tokens: int = 0
-    """The tokens the prefix cache served at its last admission."""
-    num_prefill_tokens: int = 0
-    """Its tokens at its last admission: positions below this are prefilled, the others decoded."""
-    all_token_ids: list[int] | None = None
-    """Prompt then output token ids (``None`` when the prompt's are unknown, as in a simulator)."""
+    __slots__ = (
+        "all_token_ids",
+        "max_new_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_prefill_tokens",
+        "num_tokens",
+        "output_token_ids",
+        "request",
+        "request_id",
+        "stop_token_ids",
+    )
 
-    def __post_init__(self) -> None:
-        prompt = self.request.prompt_token_ids
-        self.all_token_ids = None if prompt is None else list(prompt)
-        self.request_id: Hashable = self.request.request_id
-        self.num_tokens = self.request.num_prompt_tokens
+    def __init__(self, request: SchedulerRequest) -> None:
+        self.request = request
+        self.request_id: Hashable = request.request_id
+        self.max_new_tokens, self.stop_token_ids = request.max_new_tokens, request.stop_token_ids
+        prompt = request.prompt_token_ids
+        self.all_token_ids: list[int] | None = None if prompt is None else list(prompt)
+        """Prompt then output token ids (``None`` when the prompt's are unknown, as in a simulator)."""
+        self.output_token_ids: list[int] = []
+        self.num_tokens = request.num_prompt_tokens
         """Prompt and output tokens (vLLM: ``Request.num_tokens``)."""
+        self.num_computed_tokens = 0
+        """Tokens whose K/V the memory holds (vLLM: ``Request.num_computed_tokens``), cached ones included."""
+        self.num_cached_tokens = 0
+        """The tokens the prefix cache served at its last admission."""
+        self.num_prefill_tokens = 0
+        """Its tokens at its last admission: positions below this are prefilled, the others decoded."""
 
     @property
     def token_ids(self) -> tuple[int, ...] | None:
         return None if self.all_token_ids is None else tuple(self.all_token_ids)
 
-    @property
-    def finished(self) -> bool:
-        """All ``max_new_tokens`` generated, or the last one is a stop token."""
-        request, output = self.request, self.output_token_ids
-        return len(output) == request.max_new_tokens or (
-            bool(output) and output[-1] in request.stop_token_ids
-        )
-
-    def append_output(self, token: int) -> None:
-        self.output_token_ids.append(token)
+    def append_output(self, token: int) -> bool:
+        """Append a sampled token; return whether the request is finished now: all its
+        ``max_new_tokens`` generated, or ``token`` is one of its stop tokens."""
+        output = self.output_token_ids
+        output.append(token)
         self.num_tokens += 1
         if self.all_token_ids is not None:
             self.all_token_ids.append(token)
+        return len(output) == self.max_new_tokens or token in self.stop_token_ids
 
 
 class Scheduler:
@@ -178,7 +187,8 @@ class Scheduler:
         self._ids: set[Hashable] = set()
         self._finished_ids: set[Hashable] = set()  # since the last schedule
         self._step = 0
-        self._output: SchedulerOutput | None = None
+        self._output: SchedulerOutput | None = None  # the step scheduled and not yet updated
+        self._scheduled: _Step | None = None  # what schedule() gathered for it
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -227,11 +237,10 @@ class Scheduler:
                 f"step {self._step}: nothing can run, yet requests wait; the memory has "
                 f"{self.memory.describe_free()}"
             )
-        for request in self.running:  # vLLM's _update_after_schedule
-            request.num_computed_tokens += step.num_scheduled.get(request.request_id, 0)
+        self._update_after_schedule(step)
         output = SchedulerOutput(
             self._step,
-            MappingProxyType(dict(step.num_scheduled)),
+            MappingProxyType(step.num_scheduled),  # the step's own dict: nothing else holds it
             sum(step.num_scheduled.values()),
             tuple(step.new_reqs),
             CachedRequestData(tuple(step.cached), tuple(step.cached_blocks), tuple(step.cached_computed)),
@@ -241,7 +250,7 @@ class Scheduler:
             frozenset(self._finished_ids),
         )
         self._finished_ids.clear()
-        self._output = output
+        self._output, self._scheduled = output, step
         return output
 
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> StepResult:
@@ -253,18 +262,7 @@ class Scheduler:
         """
         if output is not self._output:
             raise ValueError(f"output must be the SchedulerOutput of step {self._step}, got {output!r}")
-        scheduled, sampled = output.num_scheduled_tokens, result.sampled
-        sampling = []  # the requests whose scheduled tokens reached their end
-        prefilled = held = 0  # the step's tokens below their request's prefill end; the K/V held
-        for request in self.running:
-            computed = request.num_computed_tokens
-            held += computed
-            n = scheduled.get(request.request_id, 0)
-            if n:
-                if computed == request.num_tokens:
-                    sampling.append(request)
-                if request.num_prefill_tokens > computed - n:
-                    prefilled += min(n, request.num_prefill_tokens - (computed - n))
+        sampling, sampled = self._scheduled.sampling, result.sampled
         missing = [r.request_id for r in sampling if r.request_id not in sampled]
         if missing:
             raise ValueError(f"the runner's result has no sampled token for {missing!r}")
@@ -273,24 +271,23 @@ class Scheduler:
             token = int(sampled[request.request_id])
             if not request.output_token_ids:
                 first.append(request.request_id)
-            request.append_output(token)
-            new_tokens[request.request_id] = token
-            if request.finished:
+            if request.append_output(token):
                 done.append(request)
+            new_tokens[request.request_id] = token
         step = StepResult(
             self._step,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
-            held_tokens=held,
+            held_tokens=sum(map(_computed_tokens, self.running)),
             reserved_tokens=self.memory.reserved_tokens,
             new_tokens=new_tokens,
             first_tokens=tuple(first),
             finished=self._finish(done),
-            num_prefill_tokens=prefilled,
+            num_prefill_tokens=self._scheduled.num_prefill_tokens,
         )
         self._step += 1
-        self._output = None
+        self._output = self._scheduled = None
         return step
 
     def free_all(self) -> None:
@@ -321,29 +318,39 @@ class Scheduler:
                     request.request_id, request.token_ids, tuple(block_ids), request.num_computed_tokens
                 )
             )
-            step.schedule(request.request_id, 1)
+            step.schedule(request, 1)
 
     def _schedule_running(self, step: _Step) -> None:
-        """Give each running request its tokens and their slots; preempt the newest when they do not fit."""
-        running, allocate = self.running, self.memory.allocate_slots  # bound once: the hot loop
+        """Give each running request its tokens and their slots; preempt the newest when they do not fit.
+
+        The hot loop of a step: one pass, one call to the memory per request, the budget counted
+        in a local (written back to ``step`` at the end) and everything it touches bound once."""
+        running, allocate = self.running, self.memory.allocate_slots
         cached, cached_blocks, cached_computed = step.cached, step.cached_blocks, step.cached_computed
+        num_scheduled, scheduled = step.num_scheduled, step.scheduled
+        budget = step.budget_left
         index = 0
-        while index < len(running) and step.budget_left != 0:
+        while index < len(running) and budget != 0:
             request = running[index]
-            num_new = step.clip(request.num_tokens - request.num_computed_tokens)
-            while True:
-                block_ids = allocate(request.request, num_new, request.all_token_ids)
-                if block_ids is not None:
-                    break
+            computed = request.num_computed_tokens
+            num_new = request.num_tokens - computed
+            if budget is not None:
+                num_new = min(num_new, budget)
+            while (block_ids := allocate(request.request, num_new, request.all_token_ids)) is None:
                 victim = running.pop()
                 self._preempt(victim, step)
                 if victim is request:
+                    step.budget_left = budget
                     return
             cached.append(request.request_id)
             cached_blocks.append(tuple(block_ids) if block_ids else ())
-            cached_computed.append(request.num_computed_tokens)
-            step.schedule(request.request_id, num_new)
+            cached_computed.append(computed)
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            if budget is not None:
+                budget -= num_new
             index += 1
+        step.budget_left = budget
 
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests, first come first served, while they fit and the budget lasts."""
@@ -369,7 +376,20 @@ class Scheduler:
             step.new_reqs.append(
                 NewRequestData(request.request_id, token_ids, tuple(block_ids), computed.num_tokens)
             )
-            step.schedule(request.request_id, num_new)
+            step.schedule(request, num_new)
+
+    @staticmethod
+    def _update_after_schedule(step: _Step) -> None:
+        """Advance each scheduled request's computed tokens (vLLM: ``_update_after_schedule``); note
+        the requests that reach their end, and so sample, and the tokens that prefill."""
+        sampling, prefilled = step.sampling, 0
+        for request, n in zip(step.scheduled, step.num_scheduled.values(), strict=True):
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
+            if computed == request.num_tokens:
+                sampling.append(request)
+            if request.num_prefill_tokens > computed - n:  # positions below it prefill
+                prefilled += min(n, request.num_prefill_tokens - (computed - n))
+        step.num_prefill_tokens = prefilled
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Swap out or free ``victim``, the newest running request. A request still prefilling is
@@ -405,6 +425,8 @@ class _Step:
 
     budget: int | None
     num_scheduled: dict[Hashable, int] = field(default_factory=dict)
+    scheduled: list[Request] = field(default_factory=list)
+    """The scheduled requests, in the order of ``num_scheduled``."""
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[Hashable] = field(default_factory=list)
     cached_blocks: list[tuple[int, ...]] = field(default_factory=list)
@@ -414,6 +436,10 @@ class _Step:
     swap_in: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
     budget_left: int | None = None
     """Tokens the step may still schedule (None: no budget)."""
+    sampling: list[Request] = field(default_factory=list)
+    """The scheduled requests whose tokens reach their end: each samples a token."""
+    num_prefill_tokens: int = 0
+    """The scheduled tokens below their request's prefill end (the others decode)."""
 
     def __post_init__(self) -> None:
         self.budget_left = self.budget
@@ -422,10 +448,14 @@ class _Step:
         left = self.budget_left
         return num_tokens if left is None else min(num_tokens, left)
 
-    def schedule(self, request_id: Hashable, num_tokens: int) -> None:
-        self.num_scheduled[request_id] = num_tokens
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.scheduled.append(request)
         if self.budget_left is not None:
             self.budget_left -= num_tokens
+
+
+_computed_tokens = attrgetter("num_computed_tokens")
 
 
 def check_budget(max_num_batched_tokens: object) -> int | None:
