@@ -400,7 +400,7 @@ def net_ratios(timings: Timings) -> list[float]:
 
 
 def run(
-    num_requests: int = 320,
+    num_requests: int = 448,
     scale: int = 8,
     max_len: int = 256,
     hidden_size: int = 256,
