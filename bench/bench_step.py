@@ -51,6 +51,7 @@ from _timing import Row, spread_of, text_table
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
+from paged_kv.model.config import GPTConfig
 from paged_kv.serving.memory import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import SchedulerRequest
@@ -74,7 +75,10 @@ NANO_BUDGET = 16_384
 
 class NullModel:
     """A model that computes nothing: ``forward_step`` returns zero logits over a one-token vocabulary,
-    one row per request (what :class:`~paged_kv.serving.model_runner.ModelRunner` samples from)."""
+    one row per request (what :class:`~paged_kv.serving.model_runner.ModelRunner` samples from).
+    Its ``config`` is the one-layer, one-head storage's."""
+
+    config = GPTConfig(vocab_size=1, num_layers=1, num_heads=1, head_dim=1)
 
     def forward_step(self, input_ids, positions, attend, logits_indices) -> torch.Tensor:
         return torch.zeros(len(logits_indices), 1)

@@ -91,7 +91,7 @@ def test_only_the_last_chunk_samples_and_the_computed_count_catches_up():
         output = scheduler.schedule()
         (n,) = output.num_scheduled_tokens.values()
         (request,) = scheduler.running
-        seen.append((request.num_computed_tokens - n, n, len(memory.get_block_ids("a"))))
+        seen.append((request.num_computed_tokens - n, n, len(memory.get_block_ids("a")[0])))
         samples = request.num_computed_tokens == request.num_tokens
         result = scheduler.update_from_output(output, ModelRunnerOutput({"a": 9} if samples else {}))
         assert (result.first_tokens == ("a",)) is samples

@@ -198,10 +198,10 @@ def test_a_request_waits_for_a_hole_even_when_the_free_total_would_hold_it():
 def test_the_memory_keeps_each_sequence_length_and_range():
     memory = FirstFitMemory(16, final_length)
     a, b = request("a", 3, 4), request("b", 2, 2)
-    assert memory.allocate_slots(a, 3) == list(range(0, 7))  # its range's slots are its block ids
-    assert memory.allocate_slots(b, 2) == list(range(7, 11))
-    assert memory.allocate_slots(a, 1) == [] and memory.allocate_slots(b, 1) == []
-    assert memory.allocate_slots(a, 1) == []
+    assert memory.allocate_slots(a, 3) == (tuple(range(0, 7)),)  # its range's slots are its block ids
+    assert memory.allocate_slots(b, 2) == (tuple(range(7, 11)),)
+    assert memory.allocate_slots(a, 1) == ((),) and memory.allocate_slots(b, 1) == ((),)
+    assert memory.allocate_slots(a, 1) == ((),)
     assert memory.sequences() == {"a": (5, 7), "b": (3, 4)}
     assert (memory.reserved_tokens, memory.num_free_blocks) == (11, 5)
     assert memory.describe_free() == "5 free token slots out of 16, the largest hole 5"

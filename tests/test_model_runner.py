@@ -39,36 +39,36 @@ def model() -> TinyGPT:
 def test_block_tables_keep_rows_between_steps(device):
     tables = BlockTables(2, 4, device)
     assert tables.table.dtype == torch.int32 and tables.table.device.type == device.type
-    tables.add_row("a", [5, 2])
-    tables.add_row("b", [7])
-    tables.append("a", [3])
+    tables.add_row("a", ([5, 2],))
+    tables.add_row("b", ([7],))
+    tables.append("a", ([3],))
     tables.commit()
-    assert tables.table[tables.row("a")].tolist() == [5, 2, 3, PAD]
-    assert tables.block_ids("b") == [7]
+    assert tables.table[0, tables.row("a")].tolist() == [5, 2, 3, PAD]
+    assert tables.block_ids("b") == ([7],)
     tables.remove("a")
-    tables.add_row("c", [1, 1, 1, 1])  # takes a's row: its old entries are overwritten or padding
+    tables.add_row("c", ([1, 1, 1, 1],))  # takes a's row: its old entries are overwritten or padding
     tables.commit()
-    assert tables.table[tables.row("c")].tolist() == [1, 1, 1, 1]
-    tables.add_row("d", [0])  # every row is taken: the table doubles its rows
-    assert tables.max_num_reqs == 4 and tables.block_ids("d") == [0]
-    tables.sync("c", [1, 9])  # an entry changed: the row is written again, the rest padded
+    assert tables.table[0, tables.row("c")].tolist() == [1, 1, 1, 1]
+    tables.add_row("d", ([0],))  # every row is taken: the table doubles its rows
+    assert tables.max_num_reqs == 4 and tables.block_ids("d") == ([0],)
+    tables.sync("c", ([1, 9],))  # an entry changed: the row is written again, the rest padded
     tables.commit()
-    assert tables.table[tables.row("c")].tolist() == [1, 9, PAD, PAD]
+    assert tables.table[0, tables.row("c")].tolist() == [1, 9, PAD, PAD]
 
 
 def test_block_tables_refuse_bad_rows_and_change_nothing():
     tables = BlockTables(2, 3)
-    tables.add_row("a", [1])
+    tables.add_row("a", ([1],))
     for call, match in (
-        (lambda: tables.add_row("a", [2]), "has a row already"),
-        (lambda: tables.add_row("b", [1, 2, 3, 4]), "more than max_blocks_per_req"),
-        (lambda: tables.append("zz", [1]), "no row"),
-        (lambda: tables.append("a", [1, 2, 3]), "more than max_blocks_per_req"),
+        (lambda: tables.add_row("a", ([2],)), "has a row already"),
+        (lambda: tables.add_row("b", ([1, 2, 3, 4],)), "more than max_blocks_per_req"),
+        (lambda: tables.append("zz", ([1],)), "no row"),
+        (lambda: tables.append("a", ([1, 2, 3],)), "more than max_blocks_per_req"),
         (lambda: BlockTables(0, 3), "max_num_reqs"),
     ):
         with pytest.raises(ValueError, match=match):
             call()
-    assert tables.block_ids("a") == [1] and list(tables.rows) == ["a"]
+    assert tables.block_ids("a") == ([1],) and list(tables.rows) == ["a"]
 
 
 # ---------------------------------------------------------------------- the attention metadata
@@ -98,7 +98,7 @@ def test_prepare_attention_equals_a_token_by_token_reference(block_size, request
     for i, (c, n) in enumerate(requests):
         blocks = torch.randperm(100, generator=rng)[: -(-(c + n) // block_size)].tolist()
         rows[i] = blocks
-        tables.add_row(i, blocks)
+        tables.add_row(i, (blocks,))
     computed, query_lens = [c for c, _ in requests], [n for _, n in requests]
     metadata = prepare_attention(tables, list(rows), computed, query_lens, block_size)
     positions, slots, starts = reference_metadata(rows, computed, query_lens, block_size)
@@ -114,7 +114,7 @@ def test_prepare_attention_equals_a_token_by_token_reference(block_size, request
 
 def test_the_metadata_is_frozen_and_refuses_what_does_not_fit():
     tables = BlockTables(4, 4)
-    tables.add_row("a", [3])
+    tables.add_row("a", ([3],))
     metadata = prepare_attention(tables, ["a"], [2], [2], 4)
     assert isinstance(metadata, AttentionMetadata)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -163,21 +163,27 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
         0,
         {"a": 3},
         3,
-        (NewRequestData("a", (1, 2, 3), (5,), 0),),
+        (NewRequestData("a", (1, 2, 3), ((5,),), 0),),
     )
     runner.execute_model(first)
     state = (dict(runner.tables.rows), runner.num_computed_tokens("a"), runner.tables.block_ids("a"))
     bad = [
-        (SchedulerOutput(1, {"zz": 1}, 1, (), CachedRequestData(("zz",), ((),), (0,))), "no row"),
-        (SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((99,),), (3,))), "outside 0 .. 15"),
-        (SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((),), (2,))), "counts 2 computed"),
-        (SchedulerOutput(1, {"a": 3}, 3, (), CachedRequestData(("a",), ((),), (3,))), "do not fit"),
-        (SchedulerOutput(1, {"a": 2}, 2, (), CachedRequestData(("a",), ((6,),), (3,))), "past the 4 tokens"),
-        (SchedulerOutput(1, {"b": 3}, 3, (NewRequestData("b", (1, 2), (7,), 0),)), "past the 2 tokens"),
-        (SchedulerOutput(1, {"a": 1}, 1, (NewRequestData("a", (1,), (2,), 0),)), "running already"),
+        (SchedulerOutput(1, {"zz": 1}, 1, (), CachedRequestData(("zz",), (((),),), (0,))), "no row"),
+        (
+            SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), (((99,),),), (3,))),
+            "outside 0 .. 15",
+        ),
+        (SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), (((),),), (2,))), "counts 2 computed"),
+        (SchedulerOutput(1, {"a": 3}, 3, (), CachedRequestData(("a",), (((),),), (3,))), "do not fit"),
+        (
+            SchedulerOutput(1, {"a": 2}, 2, (), CachedRequestData(("a",), (((6,),),), (3,))),
+            "past the 4 tokens",
+        ),
+        (SchedulerOutput(1, {"b": 3}, 3, (NewRequestData("b", (1, 2), ((7,),), 0),)), "past the 2 tokens"),
+        (SchedulerOutput(1, {"a": 1}, 1, (NewRequestData("a", (1,), ((2,),), 0),)), "running already"),
         (SchedulerOutput(1, {"b": 1}, 1), "neither new nor running"),
         (
-            SchedulerOutput(1, {}, 0, (), CachedRequestData(), blocks_to_swap_in={"c": (1,)}),
+            SchedulerOutput(1, {}, 0, (), CachedRequestData(), blocks_to_swap_in={"c": ((1,),)}),
             "never swapped out",
         ),
         ("step 1", "must be a SchedulerOutput"),
@@ -190,9 +196,9 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
             runner.num_computed_tokens("a"),
             runner.tables.block_ids("a"),
         )
-    good = SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), ((6,),), (3,)))
+    good = SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), (((6,),),), (3,)))
     assert set(runner.execute_model(good).sampled) == {"a"}
-    assert runner.tables.block_ids("a") == [5, 6]
+    assert runner.tables.block_ids("a") == ([5, 6],)
 
 
 def test_one_forward_runs_every_request_of_a_step(model, monkeypatch):

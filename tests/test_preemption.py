@@ -123,7 +123,11 @@ def test_the_scheduler_preempts_exactly_the_victims_choose_victims_names(seed, n
         scheduler.add_request(request)
     while scheduler.has_unfinished_requests:
         running = [
-            (r.request_id, len(memory.get_block_ids(r.request_id)), r.num_computed_tokens % block_size == 0)
+            (
+                r.request_id,
+                len(memory.get_block_ids(r.request_id)[0]),
+                r.num_computed_tokens % block_size == 0,
+            )
             for r in scheduler.running
         ]
         assert all(r.num_computed_tokens == r.num_tokens - 1 for r in scheduler.running)

@@ -54,8 +54,8 @@ def test_a_step_is_a_frozen_decision_then_an_update():
     assert isinstance(output, SchedulerOutput) and output.step == 0
     assert output.num_scheduled_tokens == {"a": 5} and output.total_num_scheduled_tokens == 5
     (new,) = output.scheduled_new_reqs
-    assert (new.req_id, new.num_computed_tokens, len(new.block_ids)) == ("a", 0, 2)
-    assert memory.get_block_ids("a") == list(new.block_ids)  # taken when scheduled, before anything runs
+    assert (new.req_id, new.num_computed_tokens, len(new.block_ids[0])) == ("a", 0, 2)
+    assert memory.get_block_ids("a") == (list(new.block_ids[0]),)  # taken when scheduled, before it runs
     with pytest.raises(dataclasses.FrozenInstanceError):
         output.step = 1  # type: ignore[misc]
     with pytest.raises(RuntimeError, match="update_from_output first"):
@@ -67,7 +67,7 @@ def test_a_step_is_a_frozen_decision_then_an_update():
     assert second.num_scheduled_tokens == {"a": 1} and second.scheduled_new_reqs == ()
     assert second.scheduled_cached_reqs.req_ids == ("a",)
     assert second.scheduled_cached_reqs.num_computed_tokens == (5,)
-    assert second.scheduled_cached_reqs.new_block_ids == ((),)  # the 6th token fits in block 2
+    assert second.scheduled_cached_reqs.new_block_ids == (((),),)  # the 6th token fits in block 2
 
 
 def test_a_decode_takes_its_block_at_the_boundary_when_it_is_scheduled():
@@ -77,9 +77,9 @@ def test_a_decode_takes_its_block_at_the_boundary_when_it_is_scheduled():
     scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 1}))
     free = memory.num_free_blocks
     output = scheduler.schedule()  # token 5 starts block 2
-    (gained,) = output.scheduled_cached_reqs.new_block_ids
+    ((gained,),) = output.scheduled_cached_reqs.new_block_ids  # one request, one group
     assert len(gained) == 1 and memory.num_free_blocks == free - 1
-    assert memory.get_block_ids("a")[-1] == gained[0]
+    assert memory.get_block_ids("a")[0][-1] == gained[0]
 
 
 def test_a_request_with_o_output_tokens_runs_o_steps():
@@ -196,7 +196,7 @@ def test_swap_preemption_moves_the_blocks_and_brings_them_back():
     scheduler = Scheduler(memory, preemption="swap")
     steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
     out = next(output for output, _ in steps if output.blocks_to_swap_out)
-    assert list(out.blocks_to_swap_out) == ["b"] and len(out.blocks_to_swap_out["b"]) == 2
+    assert list(out.blocks_to_swap_out) == ["b"] and len(out.blocks_to_swap_out["b"][0]) == 2
     back = next(output for output, _ in steps if output.blocks_to_swap_in)
     (new,) = [r for r in back.scheduled_new_reqs if r.req_id == "b"]
     assert new.block_ids == back.blocks_to_swap_in["b"] and new.num_computed_tokens == 4
@@ -213,7 +213,7 @@ def test_contiguous_memory_reserves_at_admission_and_never_preempts():
     steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
     assert [result.reserved_tokens for _, result in steps] == [12, 12, 12, 12]
     assert all(not output.preemptions for output, _ in steps)
-    assert [tuple(r.block_ids) for r in steps[0][0].scheduled_new_reqs] == [(0, 1, 2), (3, 4, 5)]
+    assert [r.block_ids for r in steps[0][0].scheduled_new_reqs] == [((0, 1, 2),), ((3, 4, 5),)]
     assert memory.reservations == {}
 
 
@@ -227,7 +227,7 @@ def test_prefix_hits_are_computed_tokens_of_a_new_request():
     output = scheduler.schedule()
     (new,) = output.scheduled_new_reqs
     assert new.num_computed_tokens == 4 and output.num_scheduled_tokens == {"b": 1}
-    assert new.block_ids[:2] == tuple(memory.manager.table("b").block_ids[:2])
+    assert new.block_ids[0][:2] == tuple(memory.manager.table("b").block_ids[:2])
 
 
 # -------------------------------------------------------------------------------- invariants

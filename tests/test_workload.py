@@ -209,13 +209,12 @@ def test_paged_admits_whole_prompts_into_a_full_pool():
 def test_block_bookkeeping_is_the_engines_memory_with_no_tensor():
     memory = BlockBookkeeping(BlockManager(4, 2, enable_prefix_caching=True), record=True)
     a, b = SchedulerRequest("a", 4, 2, (1, 2, 3, 4)), SchedulerRequest("b", 3, 2, (1, 2, 9))
-    assert len(memory.allocate_slots(a, 4, a.prompt_token_ids)) == 2
+    assert len(memory.allocate_slots(a, 4, a.prompt_token_ids)[0]) == 2
     computed = memory.get_computed_blocks(b, b.prompt_token_ids)
     assert computed.num_tokens == 2  # b's first block is a's
-    assert memory.allocate_slots(b, 1, b.prompt_token_ids, computed=computed) == [
-        *computed.block_ids,
-        memory.get_block_ids("b")[-1],
-    ]
+    assert memory.allocate_slots(b, 1, b.prompt_token_ids, computed=computed) == (
+        (*computed.block_ids, memory.get_block_ids("b")[0][-1]),
+    )
     assert memory.num_free_blocks == 1
     memory.free("a")
     memory.free("b")

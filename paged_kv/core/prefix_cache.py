@@ -148,17 +148,20 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True, eq=False)
 class CachedBlock:
-    """One block in the prefix cache: which physical block, its chained hash, tokens and parent.
+    """One block in the prefix cache: which physical block, its chained hash, tokens and parent,
+    and the KV-cache group whose layers' K/V it holds (0 but in a hybrid model's pool, lesson 13).
 
     ``eq=False``: two entries are the same only when they are the same object, so a block that is
     evicted and cached again gets a new identity, and the children cached under its old contents
-    no longer match it.
+    no longer match it. An entry keeps its parent alive after the parent is evicted, so the tokens
+    of its whole prefix can always be read back through ``parent`` links.
     """
 
     block_id: int
     block_hash: int
     token_ids: TokenIds
     parent: CachedBlock | None = field(repr=False)
+    group: int = 0
 
 
 @dataclass(eq=False)
@@ -186,15 +189,16 @@ class PrefixCache:
 
     Invariants:
 
-    * ``hash -> entry`` and ``block id -> entry`` hold the same entries: a block holds at most one
-      hash and a hash names at most one block;
+    * ``(hash, group) -> entry`` and ``block id -> entry`` hold the same entries: a block holds at
+      most one hash, and a hash names at most one block of each KV-cache group (vLLM keys its map
+      by ``BlockHashWithGroupId`` alike: the same tokens are different K/V in different layers);
     * every entry's parent is ``None`` (the first block of a sequence) or was cached before it,
       and its hash is ``block_hash(parent's hash, its tokens)``: the chained hash of exactly the
       tokens from its sequence's first block to its own, whether it filled in prefill or decode.
     """
 
     def __init__(self) -> None:
-        self._by_hash: dict[int, CachedBlock] = {}
+        self._by_hash: dict[tuple[int, int], CachedBlock] = {}
         self._by_block: dict[int, CachedBlock] = {}
         self._stats = PrefixCacheStats()
 
@@ -214,25 +218,70 @@ class PrefixCache:
         """The cache entry of a block, or ``None`` when the block holds no hash."""
         return self._by_block.get(block_id)
 
-    def match(self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int) -> list[CachedBlock]:
-        """The longest run of leading blocks found in the cache, at most ``max_blocks``.
+    def match(
+        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int, group: int = 0
+    ) -> list[CachedBlock]:
+        """The longest run of leading blocks found in the cache for ``group``, at most ``max_blocks``.
 
-        Block ``i`` is a hit when an entry has its hash, its tokens, and as parent the entry that
-        matched block ``i - 1``; the first miss ends the run (a block is only useful after its
-        whole prefix).
+        Block ``i`` is a hit when an entry of the group has its hash, its tokens, and as parent the
+        entry that matched block ``i - 1``; the first miss ends the run (a block is only useful
+        after its whole prefix): what a full-attention layer needs.
         """
         hits: list[CachedBlock] = []
         parent = None
         for tokens, block_hash_ in zip(blocks[:max_blocks], hashes, strict=False):
-            entry = self._by_hash.get(block_hash_)
+            entry = self._by_hash.get((block_hash_, group))
             if entry is None or entry.parent is not parent or entry.token_ids != tokens:
                 break
             hits.append(entry)
             parent = entry
         return hits
 
+    def match_window(
+        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int, need: int, group: int
+    ) -> tuple[list[CachedBlock | None], int]:
+        """The longest prefix, at most ``max_blocks`` blocks, whose last ``need`` blocks are all
+        cached for ``group``: what a sliding-window layer needs (vLLM: ``SlidingWindowManager.
+        find_longest_cache_hit``, which searches from the right in the same way).
+
+        A run of ``need`` consecutive cached blocks ending at block ``n - 1`` is a hit of ``n``
+        blocks: the blocks before it may be gone, since the window of token ``n * block_size``
+        reads only those ``need`` blocks. So is a run of fewer than ``need`` blocks that starts at
+        block 0 (the window reaches back to the first token). Each entry of a run must have the
+        block's hash and tokens and, as parent, the run's entry before it; the run's first entry
+        must descend, through ``parent`` links that outlive eviction, from entries holding exactly
+        the tokens of every block before it: so a hash collision can cost a hit here too, but
+        never share a block whose prefix differs.
+
+        Returns:
+            The entry of each block of the hit (``None`` for the blocks before the run, which the
+            caller does not need), and the hit's length in blocks.
+        """
+        found: list[CachedBlock | None] = [None] * max_blocks
+        run = 0  # the length of the run of linked entries from block i on
+        for i in range(max_blocks - 1, -1, -1):
+            entry = self._by_hash.get((hashes[i], group))
+            if entry is None or entry.token_ids != blocks[i]:
+                run = 0
+                continue
+            if run and found[i + 1].parent is not entry:  # type: ignore[union-attr]
+                run = 0  # not the same chain: a new run starts here
+            found[i] = entry
+            run += 1
+            if run >= need and _descends(entry, blocks, i):
+                return [None] * i + found[i : i + run], i + run
+        if run and not _descends(found[0], blocks, 0):  # type: ignore[arg-type]
+            run = 0
+        return found[:run], run
+
     def extend(
-        self, parent: CachedBlock | None, tokens: TokenIds, block_id: int, block_hash_: int | None = None
+        self,
+        parent: CachedBlock | None,
+        tokens: TokenIds,
+        block_id: int,
+        block_hash_: int | None = None,
+        group: int = 0,
+        evicted_parent: bool = False,
     ) -> CachedBlock | None:
         """Cache a full block that follows ``parent`` (``None``: a sequence's first block) in ``block_id``.
 
@@ -248,20 +297,24 @@ class PrefixCache:
           reset): nothing is cached and the chain ends, since no later block could be found after
           this one.
 
-        ``block_id`` must hold no hash (fresh from ``allocate``).
+        ``block_id`` must hold no hash (fresh from ``allocate``). ``group`` is the KV-cache group
+        whose K/V the block holds. ``evicted_parent=True`` lets the chain go on after its parent
+        was evicted: a sliding-window group's earlier blocks leave the pool while its later ones
+        are still worth caching, since :meth:`match_window` reads their prefix through the entries'
+        ``parent`` links, not through the pool.
 
         Returns:
             The entry the sequence's next full block follows, or ``None`` when the chain ends.
         """
-        if parent is not None and self._by_block.get(parent.block_id) is not parent:
+        if parent is not None and not evicted_parent and self._by_block.get(parent.block_id) is not parent:
             return None
         if block_hash_ is None:
             block_hash_ = block_hash(ROOT_HASH if parent is None else parent.block_hash, tokens)
-        entry = self._by_hash.get(block_hash_)
+        entry = self._by_hash.get((block_hash_, group))
         if entry is not None:
             return entry if entry.parent is parent and entry.token_ids == tokens else None
-        entry = CachedBlock(block_id, block_hash_, tokens, parent)
-        self._by_hash[block_hash_] = entry
+        entry = CachedBlock(block_id, block_hash_, tokens, parent, group)
+        self._by_hash[block_hash_, group] = entry
         self._by_block[block_id] = entry
         return entry
 
@@ -274,7 +327,7 @@ class PrefixCache:
         entry = self._by_block.pop(block_id, None)
         if entry is None:
             return False
-        del self._by_hash[entry.block_hash]
+        del self._by_hash[entry.block_hash, entry.group]
         return True
 
     def record(self, queries: int, hits: int) -> None:
@@ -452,3 +505,14 @@ class CachingBlockAllocator(BlockAllocator):
             if chain.last is None:
                 return False
         return True
+
+
+def _descends(entry: CachedBlock, blocks: Sequence[TokenIds], index: int) -> bool:
+    """Whether ``entry``, found for block ``index``, follows entries holding exactly ``blocks[:index]``
+    of its own group, through its ``parent`` links (which outlive eviction), back to a first block."""
+    parent = entry.parent
+    for i in range(index - 1, -1, -1):
+        if parent is None or parent.token_ids != blocks[i] or parent.group != entry.group:
+            return False
+        parent = parent.parent
+    return parent is None

@@ -57,30 +57,51 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor)
 
 
-def copy_out(storage: KVStorage, block_ids: Sequence[int], num_tokens: int) -> SwappedKV:
-    """The first ``num_tokens`` tokens' K/V in ``block_ids``, every layer, copied to host memory.
+def copy_out(
+    storage: KVStorage,
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    layer_group: Sequence[int] | None = None,
+) -> SwappedKV:
+    """The first ``num_tokens`` tokens' K/V, every layer, copied to host memory: layer ``l`` read
+    through ``block_ids[layer_group[l]]``, its KV-cache group's blocks (``layer_group``: every
+    layer in group 0). A sliding-window group's null entries read the null block: positions no
+    window needs again, copied and never read.
 
     The engine's runner calls it for each request the scheduler swapped out, before the step's
     forward writes into the freed blocks (vLLM V0's ``blocks_to_swap_out``).
     """
-    index = storage.block_index(block_ids)
-    saved = [storage.read(layer, index, num_tokens) for layer in range(storage.num_layers)]
+    groups = _layer_groups(storage, layer_group)
+    index = [storage.block_index(ids) for ids in block_ids]
+    saved = [storage.read(layer, index[groups[layer]], num_tokens) for layer in range(storage.num_layers)]
     return SwappedKV(num_tokens, tuple(to_host(k) for k, _ in saved), tuple(to_host(v) for _, v in saved))
 
 
-def copy_in(storage: KVStorage, saved: SwappedKV, block_ids: Sequence[int]) -> None:
-    """Write ``saved`` back into ``block_ids``, every layer (the runner's ``blocks_to_swap_in``).
+def copy_in(
+    storage: KVStorage,
+    saved: SwappedKV,
+    block_ids: Sequence[Sequence[int]],
+    layer_group: Sequence[int] | None = None,
+) -> None:
+    """Write ``saved`` back, every layer into its group's ``block_ids`` (the runner's
+    ``blocks_to_swap_in``; ``layer_group`` as for :func:`copy_out`).
 
     Raises:
         ValueError: ``saved`` is not a :class:`SwappedKV` of this storage's layers, shape and dtype,
-            or ``block_ids`` hold fewer slots than its tokens; nothing is written.
+            or a group's blocks hold fewer slots than its tokens; nothing is written.
     """
     check_saved(storage, saved)
-    if len(block_ids) * storage.block_size < saved.num_tokens:
-        raise ValueError(f"{len(block_ids)} blocks cannot hold the {saved.num_tokens} swapped tokens")
-    index = storage.block_index(block_ids)
+    groups = _layer_groups(storage, layer_group)
+    for ids in block_ids:
+        if len(ids) * storage.block_size < saved.num_tokens:
+            raise ValueError(f"{len(ids)} blocks cannot hold the {saved.num_tokens} swapped tokens")
+    index = [storage.block_index(ids) for ids in block_ids]
     for layer, (k, v) in enumerate(zip(saved.k, saved.v, strict=True)):
-        storage.write(layer, index, k.to(storage.device), v.to(storage.device))
+        storage.write(layer, index[groups[layer]], k.to(storage.device), v.to(storage.device))
+
+
+def _layer_groups(storage: KVStorage, layer_group: Sequence[int] | None) -> Sequence[int]:
+    return [0] * storage.num_layers if layer_group is None else layer_group
 
 
 def check_saved(storage: KVStorage, saved: object) -> None:
@@ -108,7 +129,7 @@ def swap_out(manager: BlockManager, storage: KVStorage, seq_id: Hashable) -> Swa
         UnknownSequenceError: ``seq_id`` is not allocated (nothing is copied or freed).
     """
     table = manager.table(seq_id)
-    swapped = copy_out(storage, table.block_ids, table.num_tokens)
+    swapped = copy_out(storage, (table.block_ids,), table.num_tokens)
     manager.free(seq_id)
     return swapped
 
@@ -131,4 +152,4 @@ def swap_in(manager: BlockManager, storage: KVStorage, seq_id: Hashable, saved: 
         raise OutOfBlocksError(needed, manager.num_free_blocks, f"swapping in sequence {seq_id!r}")
     table = manager.allocate(seq_id, saved.num_tokens)
     manager.prepare_write(seq_id, 0, saved.num_tokens)
-    copy_in(storage, saved, table.block_ids)
+    copy_in(storage, saved, (table.block_ids,))

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from paged_kv.attention.heads import repeat_kv_heads
 from paged_kv.attention.paged import paged_attention_varlen
 from paged_kv.kv.storage import KVStorage
+from paged_kv.model.config import FULL_ATTENTION, LayerAttention
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.step import AttentionMetadata
 from paged_kv.validate import check_count
@@ -201,25 +202,49 @@ def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:
     return attend
 
 
-def step_attend(metadata: AttentionMetadata, storage: KVStorage, strategy: str = "auto") -> Attend:
-    """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: every layer writes
-    the new K/V at ``metadata.slot_mapping`` and attends through ``metadata.block_table`` (vLLM: an
-    attention backend's ``forward``, after ``reshape_and_cache``)."""
+def step_attend(
+    metadata: Sequence[AttentionMetadata],
+    storage: KVStorage,
+    strategy: str = "auto",
+    layer_group: Sequence[int] | None = None,
+    layer_attention: Sequence[LayerAttention] | None = None,
+) -> Attend:
+    """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: layer ``l`` writes
+    the new K/V at its KV-cache group's slot mapping and attends through that group's block table
+    (``metadata[layer_group[l]]``; ``layer_group`` ``None``: every layer in group 0), with its
+    window, scale and soft cap (``layer_attention[l]``; ``None``: full attention everywhere). vLLM:
+    an attention backend's ``forward``, after ``reshape_and_cache``, with the metadata of the
+    layer's group."""
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        storage.write_slots(layer, metadata.slot_mapping, k[0], v[0])
+        group = metadata[0 if layer_group is None else layer_group[layer]]
+        spec = FULL_ATTENTION if layer_attention is None else layer_attention[layer]
+        storage.write_slots(layer, group.slot_mapping, k[0], v[0])
         out = paged_attention_varlen(
             q[0],
             storage.k_caches[layer],
             storage.v_caches[layer],
-            metadata.block_table,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            max_query_len=metadata.max_query_len,
-            query_start_loc_cpu=metadata.query_start_loc_cpu,
+            group.block_table,
+            group.seq_lens,
+            group.query_start_loc,
+            spec.scale,
+            max_query_len=group.max_query_len,
+            query_start_loc_cpu=group.query_start_loc_cpu,
             strategy=strategy,
             check=False,  # prepare_attention built the metadata, checked, once for every layer
+            **window_and_cap(spec),
         )
         return out[None]
 
     return attend
+
+
+def window_and_cap(spec: LayerAttention) -> dict[str, float]:
+    """The keywords a paged attention takes for a layer's window and soft cap, only those it has
+    (a full-attention layer passes none)."""
+    extra: dict[str, float] = {}
+    if spec.sliding_window is not None:
+        extra["sliding_window"] = spec.sliding_window
+    if spec.softcap is not None:
+        extra["softcap"] = spec.softcap
+    return extra

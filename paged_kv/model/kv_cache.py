@@ -193,7 +193,7 @@ class PagedKVCache(KVCache):
         if self.manager.enable_prefix_caching:  # the prefill writes the uncached tail
             self.manager.prepare_write(seq_id, cached, num_tokens)
         self._unwritten[seq_id] = cached
-        self.tables.add_row(seq_id, self.manager.table(seq_id).block_ids)
+        self.tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
@@ -350,7 +350,7 @@ class PagedKVCache(KVCache):
         self.storage.copy_blocks(copies)
         held = [self.manager.table(seq_id) for seq_id in seq_ids]
         for seq_id, table in zip(seq_ids, held, strict=True):
-            self.tables.sync(seq_id, table.block_ids)
+            self.tables.sync(seq_id, (table.block_ids,))
         computed = [table.num_tokens - 1 for table in held]
         metadata = prepare_attention(self.tables, seq_ids, computed, [1] * len(seq_ids), self.block_size)
         self._step = (seq_ids, metadata)
@@ -396,7 +396,7 @@ class PagedKVCache(KVCache):
     def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
         """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 11)."""
         swap.swap_in(self.manager, self.storage, seq_id, saved)
-        self.tables.add_row(seq_id, self.manager.table(seq_id).block_ids)
+        self.tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
 
     def _block_ids(self, seq_id: Hashable) -> torch.Tensor:
         return self.storage.block_index(self.manager.table(seq_id).block_ids)

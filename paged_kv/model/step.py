@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,42 +48,54 @@ def long_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> to
 
 
 class BlockTables:
-    """A persistent ``(max_num_reqs, max_blocks_per_req)`` int32 block table on ``device``.
+    """A persistent ``(num_groups, max_num_reqs, max_blocks_per_req)`` int32 block table on ``device``:
+    one row per request in each KV-cache group's table (one group unless the model is hybrid,
+    lesson 13; vLLM's ``BlockTables`` keeps one tensor per group alike).
 
     :meth:`add_row` gives a request a row with its blocks, :meth:`append` adds the blocks it gained
-    in a step, :meth:`remove` frees the row; the writes of a step are gathered on the host and
-    made in one indexing operation by :meth:`commit`. ``num_blocks[row]`` is a row's block count.
+    in a step, :meth:`remove` frees the row; block ids always come one sequence per group, and every
+    group's row of a request holds as many blocks (``num_blocks[row]``). The writes of a step are
+    gathered on the host and made in one indexing operation by :meth:`commit`.
 
     Raises:
-        ValueError: bad sizes, a request added twice or unknown, no free row, or a row that would
-            outgrow ``max_blocks_per_req``; nothing changes.
+        ValueError: bad sizes, a request added twice or unknown, no free row, a row that would
+            outgrow ``max_blocks_per_req``, or ids for another number of groups or of unequal
+            lengths; nothing changes.
     """
 
     def __init__(
-        self, max_num_reqs: int, max_blocks_per_req: int, device: str | torch.device = "cpu"
+        self,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: str | torch.device = "cpu",
+        num_groups: int = 1,
     ) -> None:
         self.max_num_reqs = check_count("max_num_reqs", max_num_reqs, minimum=1)
         self.max_blocks_per_req = check_count("max_blocks_per_req", max_blocks_per_req, minimum=1)
+        self.num_groups = check_count("num_groups", num_groups, minimum=1)
         self.table = torch.full(
-            (self.max_num_reqs, self.max_blocks_per_req), PAD, dtype=torch.int32, device=device
+            (self.num_groups, self.max_num_reqs, self.max_blocks_per_req),
+            PAD,
+            dtype=torch.int32,
+            device=device,
         )
         self.num_blocks = [0] * self.max_num_reqs
         self.rows: dict[Hashable, int] = {}
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
-        self._pending: dict[tuple[int, int], int] = {}  # (row, column) -> entry: the last write wins
-        self._host: dict[int, list[int]] = {}  # each row's entries, as written: for sync
+        self._pending: dict[tuple[int, int, int], int] = {}  # (group, row, column) -> entry: last wins
+        self._host: dict[int, list[list[int]]] = {}  # each row's entries per group, as written: for sync
 
-    def add_row(self, req_id: Hashable, block_ids: Sequence[int]) -> int:
-        """Give ``req_id`` a row holding ``block_ids``; return the row. With every row taken the
-        table doubles its rows first (a copy, rare: ``max_num_reqs`` is the usual bound)."""
+    def add_row(self, req_id: Hashable, block_ids: Sequence[Sequence[int]]) -> int:
+        """Give ``req_id`` a row holding ``block_ids`` (one sequence per group); return the row. With
+        every row taken the table doubles its rows first (a copy, rare: ``max_num_reqs`` is the
+        usual bound)."""
         if req_id in self.rows:
             raise ValueError(f"request {req_id!r} has a row already")
-        self._check_width(req_id, len(block_ids))
+        self._check_width(req_id, self._count(req_id, block_ids))
         if not self._free_rows:
-            more = torch.full_like(self.table, PAD)
             self._free_rows = list(range(2 * self.max_num_reqs - 1, self.max_num_reqs - 1, -1))
             self.num_blocks += [0] * self.max_num_reqs
-            self.table = torch.cat([self.table, more])
+            self.table = torch.cat([self.table, torch.full_like(self.table, PAD)], dim=1)
             self.max_num_reqs *= 2
         row = self._free_rows.pop()
         self.rows[req_id] = row
@@ -91,25 +103,29 @@ class BlockTables:
         self._write(row, block_ids)
         return row
 
-    def append(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
-        """Add the blocks ``req_id`` gained this step after its others."""
+    def append(self, req_id: Hashable, block_ids: Sequence[Sequence[int]]) -> None:
+        """Add the blocks ``req_id`` gained this step (one sequence per group) after its others."""
         row = self.row(req_id)
-        if block_ids:
-            self._check_width(req_id, self.num_blocks[row] + len(block_ids))
+        count = self._count(req_id, block_ids)
+        if count:
+            self._check_width(req_id, self.num_blocks[row] + count)
             self._write(row, block_ids)
 
-    def sync(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
+    def sync(self, req_id: Hashable, block_ids: Sequence[Sequence[int]]) -> None:
         """Make ``req_id``'s row hold ``block_ids``: the new ones appended, or the whole row written
         again when an entry changed (a copy-on-write gave the request a block of its own)."""
         row = self.row(req_id)
-        held = self.num_blocks[row]
-        if len(block_ids) < held or self._entries(row, held) != list(block_ids[:held]):
-            self._check_width(req_id, len(block_ids))
+        held, count = self.num_blocks[row], self._count(req_id, block_ids)
+        entries = self._host.get(row, [[] for _ in range(self.num_groups)])
+        if count < held or any(
+            e[:held] != list(ids[:held]) for e, ids in zip(entries, block_ids, strict=True)
+        ):
+            self._check_width(req_id, count)
             self.num_blocks[row] = 0
             self._write(row, block_ids)
-            self._write_padding(row, len(block_ids), held)
+            self._write_padding(row, count, held)
         else:
-            self.append(req_id, block_ids[held:])
+            self.append(req_id, [ids[held:] for ids in block_ids])
 
     def remove(self, req_id: Hashable) -> None:
         """Drop ``req_id``'s row (an unknown id is a no-op); the row's entries become padding."""
@@ -132,10 +148,11 @@ class BlockTables:
         except KeyError as missing:
             raise ValueError(f"request {missing.args[0]!r} has no row in the block table") from None
 
-    def block_ids(self, req_id: Hashable) -> list[int]:
-        """The blocks of ``req_id``'s row, from the host's copy of the row (no device read)."""
+    def block_ids(self, req_id: Hashable) -> tuple[list[int], ...]:
+        """The blocks of ``req_id``'s row, one list per group, from the host's copy (no device read)."""
         row = self.row(req_id)
-        return self._entries(row, self.num_blocks[row])
+        entries = self._host.get(row, [[] for _ in range(self.num_groups)])
+        return tuple(e[: self.num_blocks[row]] for e in entries)
 
     def commit(self) -> None:
         """Make the step's pending writes, in one indexing operation (each cell written once: a row
@@ -143,30 +160,41 @@ class BlockTables:
         if self._pending:
             device = self.table.device
             cells, values = zip(*self._pending.items(), strict=True)
-            rows, cols = zip(*cells, strict=True)
-            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            groups, rows, cols = zip(*cells, strict=True)
+            index = tuple(torch.tensor(axis, device=device) for axis in (groups, rows, cols))
             self.table.index_put_(index, torch.tensor(values, dtype=torch.int32, device=device))
             self._pending = {}
 
-    def _entries(self, row: int, count: int) -> list[int]:
-        """The row's first ``count`` entries as the host last wrote them (no device read)."""
-        entries = self._host.setdefault(row, [])
-        return entries[:count]
+    def _count(self, req_id: Hashable, block_ids: Sequence[Sequence[int]]) -> int:
+        """The blocks each group gains: as many in every group, or a ValueError."""
+        if len(block_ids) != self.num_groups:
+            raise ValueError(
+                f"request {req_id!r}: block ids must come one sequence per group ({self.num_groups}), "
+                f"got {len(block_ids)}"
+            )
+        counts = {len(ids) for ids in block_ids}
+        if len(counts) != 1:
+            raise ValueError(
+                f"request {req_id!r}: every group must hold as many blocks, got {sorted(counts)}"
+            )
+        return counts.pop()
 
     def _write_padding(self, row: int, first: int, end: int) -> None:
-        for col in range(first, end):
-            self._pending[row, col] = PAD
-        if row in self._host:
-            del self._host[row][first:]
+        for group in range(self.num_groups):
+            for col in range(first, end):
+                self._pending[group, row, col] = PAD
+        for entries in self._host.get(row, ()):
+            del entries[first:]
 
-    def _write(self, row: int, block_ids: Sequence[int]) -> None:
+    def _write(self, row: int, block_ids: Sequence[Sequence[int]]) -> None:
         first = self.num_blocks[row]
-        for col, block_id in enumerate(block_ids, first):
-            self._pending[row, col] = block_id
-        host = self._host.setdefault(row, [])
-        del host[first:]
-        host.extend(block_ids)
-        self.num_blocks[row] = first + len(block_ids)
+        host = self._host.setdefault(row, [[] for _ in range(self.num_groups)])
+        for group, ids in enumerate(block_ids):
+            for col, block_id in enumerate(ids, first):
+                self._pending[group, row, col] = block_id
+            del host[group][first:]
+            host[group].extend(ids)
+        self.num_blocks[row] = first + len(block_ids[0])
 
     def _check_width(self, req_id: Hashable, num_blocks: int) -> None:
         if num_blocks > self.max_blocks_per_req:
@@ -217,7 +245,8 @@ def prepare_attention(
     check: bool = True,
 ) -> AttentionMetadata:
     """The metadata of a step that runs ``query_lens[b]`` tokens of request ``req_ids[b]``, from
-    position ``num_computed[b]`` on, over the blocks of its row in ``tables``.
+    position ``num_computed[b]`` on, over the blocks of its row in a one-group ``tables``
+    (:func:`prepare_attention_by_group` for several groups).
 
     ``num_computed`` and ``query_lens`` are host ints (lists, or host tensors): one per request. The
     checks and the sizes are computed on the host with a few tensor operations, and the per-token
@@ -227,9 +256,27 @@ def prepare_attention(
     as the engine's runner does before it changes anything.
 
     Raises:
-        ValueError: the three differ in length, or a request has no row; with ``check``, a query
-            length is below 1 or a request has too few blocks for its tokens.
+        ValueError: ``tables`` has several groups, the three differ in length, or a request has no
+            row; with ``check``, a query length is below 1 or a request has too few blocks for its
+            tokens.
     """
+    if tables.num_groups != 1:
+        raise ValueError(f"tables holds {tables.num_groups} groups: use prepare_attention_by_group")
+    return prepare_attention_by_group(tables, req_ids, num_computed, query_lens, block_size, check=check)[0]
+
+
+def prepare_attention_by_group(
+    tables: BlockTables,
+    req_ids: Sequence[Hashable],
+    num_computed: Sequence[int] | torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    block_size: int,
+    *,
+    check: bool = True,
+) -> tuple[AttentionMetadata, ...]:
+    """:func:`prepare_attention` for every KV-cache group of ``tables``: one metadata per group,
+    sharing the positions, ``query_start_loc`` and ``seq_lens`` and each with its group's block-table
+    rows and slot mapping (vLLM builds one attention metadata per group from one common one)."""
     num_reqs = len(req_ids)
     if not num_reqs == len(num_computed) == len(query_lens):
         raise ValueError(
@@ -261,16 +308,23 @@ def prepare_attention(
     else:
         request = torch.repeat_interleave(request, lens, output_size=total)
         positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
-    block_table = tables.table[long_tensor(rows, device), :width]
-    return AttentionMetadata(
+    block_tables = tables.table[:, long_tensor(rows, device), :width]
+    common = AttentionMetadata(
         positions=positions,
         query_start_loc=query_start_loc_cpu.to(device),
         query_start_loc_cpu=query_start_loc_cpu,
         query_lens=lens,
         seq_lens=computed + lens,
-        block_table=block_table,
-        slot_mapping=slot_mapping(block_table, positions, block_size, rows=request),
+        block_table=block_tables[0],
+        slot_mapping=slot_mapping(block_tables[0], positions, block_size, rows=request),
         logits_indices=ends - 1,
         num_reqs=num_reqs,
         max_query_len=longest,
     )
+    others = (
+        replace(
+            common, block_table=table, slot_mapping=slot_mapping(table, positions, block_size, rows=request)
+        )
+        for table in block_tables[1:]
+    )
+    return (common, *others)

@@ -506,7 +506,7 @@ class Engine:
         for preemption in output.preemptions:
             result.preemptions_by_reason[preemption.way] += 1
             if preemption.way == "swap":
-                result.blocks_swapped_out += len(output.blocks_to_swap_out[preemption.request_id])
+                result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
             else:
                 result.recomputed_tokens += preemption.num_tokens
         result.blocks_swapped_in += sum(

@@ -8,7 +8,12 @@ engine's paged and contiguous modes and every policy of lesson 07's simulator:
   scheduler's view of the core's :class:`~paged_kv.core.block_manager.BlockManager`. Blocks are
   taken when the tokens that need them are scheduled, by :meth:`KVCacheManager.allocate_slots`:
   a decode token's block when it crosses a boundary, a prefill chunk's blocks when the chunk is
-  scheduled. It holds no tensor.
+  scheduled. It holds no tensor. Its block ids come in vLLM's shape, one tuple per KV-cache
+  group: one group here, every layer attending fully.
+* :class:`HybridKVCacheManager`: the same over a
+  :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator`, for a model whose layers form
+  several KV-cache groups (sliding-window layers beside full-attention ones, lesson 13): one tuple
+  of block ids per group, and the blocks a window leaves behind freed as it slides.
 * :class:`ContiguousMemory`: ``budget_tokens`` slots, one reservation per request made at
   admission and sized by a function of the request (the maximum model length, the next power of
   two of the final length, the final length itself), as the systems before paging did. A request
@@ -30,6 +35,8 @@ from collections.abc import Callable, Hashable
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager, ComputedBlocks
+from paged_kv.core.kv_cache_coordinator import GroupComputedBlocks, KVCacheCoordinator
+from paged_kv.serving.outputs import NO_NEW_BLOCKS, GroupBlockIds
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
 
@@ -127,25 +134,30 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
-    ) -> list[int] | None:
-        """:meth:`BlockManager.allocate_slots` for ``request``; a new one keeps the watermark free
-        when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only, and only then)."""
+    ) -> GroupBlockIds | None:
+        """:meth:`BlockManager.allocate_slots` for ``request``, its ids as one group's; a new one keeps
+        the watermark free when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only,
+        and only then)."""
         manager = self.manager
         token_ids = token_ids if self._caching else None
         if computed is None and request.request_id in self._tables:  # a running request
-            return manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
-        return manager.allocate_slots(
-            request.request_id,
-            num_new_tokens,
-            token_ids,
-            computed=ComputedBlocks() if computed is None else computed,
-            num_tokens_to_fit=num_tokens_to_fit,
-            keep_free=self.watermark_blocks if has_scheduled_reqs else 0,
-        )
+            gained = manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
+        else:
+            gained = manager.allocate_slots(
+                request.request_id,
+                num_new_tokens,
+                token_ids,
+                computed=ComputedBlocks() if computed is None else computed,
+                num_tokens_to_fit=num_tokens_to_fit,
+                keep_free=self.watermark_blocks if has_scheduled_reqs else 0,
+            )
+        if gained is None:
+            return None
+        return (tuple(gained),) if gained else NO_NEW_BLOCKS
 
-    def get_block_ids(self, request_id: Hashable) -> list[int]:
-        """The request's block ids (vLLM: ``KVCacheManager.get_block_ids``, one list per group)."""
-        return list(self.manager.table(request_id).block_ids)
+    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group (vLLM: ``KVCacheManager.get_block_ids``)."""
+        return (list(self.manager.table(request_id).block_ids),)
 
     def free(self, request_id: Hashable) -> None:
         self.manager.free(request_id)
@@ -157,6 +169,92 @@ class KVCacheManager:
 
     def describe_free(self) -> str:
         return f"{self.manager.num_free_blocks} free blocks out of {self.num_blocks}"
+
+
+class HybridKVCacheManager:
+    """The scheduler's paged memory for a model of several KV-cache groups: a
+    :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` and the admission watermark
+    (vLLM: ``KVCacheManager`` over a ``HybridKVCacheCoordinator``; lesson 13).
+
+    As :class:`KVCacheManager`, with block ids one tuple per group: a sliding-window group's blocks
+    wholly before the window of a running request's next token are freed when its next tokens are
+    scheduled, the null block in their place. The pool's block 0 is the null block, so
+    ``num_blocks - 1`` blocks serve the requests.
+
+    Raises:
+        ValueError: a bad watermark, named.
+    """
+
+    def __init__(self, coordinator: KVCacheCoordinator, *, watermark: float = 0.0) -> None:
+        self.coordinator = coordinator
+        self.block_size, self.num_blocks = coordinator.block_size, coordinator.num_blocks
+        self.watermark = check_watermark(watermark)
+        self.watermark_blocks = watermark_blocks(self.watermark, self.num_blocks)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.coordinator.enable_prefix_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.coordinator.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use over the blocks the pool gives out (vLLM: ``BlockPool.get_usage``)."""
+        return self.coordinator.usage
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The slots of the blocks in use, the null block left out."""
+        return (self.num_blocks - 1 - self.coordinator.num_free_blocks) * self.block_size
+
+    def max_tokens(self, request: SchedulerRequest) -> int:
+        """What the pool holds for one request alone were every group full attention: sliding groups
+        hold less, so a request that fits this fits."""
+        return (self.num_blocks - 1) // len(self.coordinator.groups) * self.block_size
+
+    def get_computed_blocks(
+        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
+    ) -> GroupComputedBlocks:
+        """The cached prefix every group hits (none without prefix caching or token ids)."""
+        if token_ids is None or not self.coordinator.enable_prefix_caching:
+            return GroupComputedBlocks()
+        return self.coordinator.get_computed_blocks(token_ids)
+
+    def allocate_slots(
+        self,
+        request: SchedulerRequest,
+        num_new_tokens: int,
+        token_ids: list[int] | tuple[int, ...] | None = None,
+        *,
+        computed: GroupComputedBlocks | None = None,
+        num_tokens_to_fit: int | None = None,
+        has_scheduled_reqs: bool = True,
+    ) -> GroupBlockIds | None:
+        """:meth:`KVCacheCoordinator.allocate_slots` for ``request``: the ids each group gained."""
+        coordinator = self.coordinator
+        token_ids = token_ids if coordinator.enable_prefix_caching else None
+        new = request.request_id not in coordinator
+        gained = coordinator.allocate_slots(
+            request.request_id,
+            num_new_tokens,
+            token_ids,
+            computed=computed if new else None,
+            num_tokens_to_fit=num_tokens_to_fit if new else None,
+            keep_free=self.watermark_blocks if new and has_scheduled_reqs else 0,
+        )
+        return None if gained is None else tuple(map(tuple, gained))
+
+    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group, the null block where a window freed one."""
+        return self.coordinator.get_block_ids(request_id)
+
+    def free(self, request_id: Hashable) -> None:
+        self.coordinator.free(request_id)
+
+    def describe_free(self) -> str:
+        return f"{self.coordinator.num_free_blocks} free blocks out of {self.num_blocks - 1}"
 
 
 class ContiguousMemory:
@@ -222,20 +320,21 @@ class ContiguousMemory:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
-    ) -> list[int] | None:
+    ) -> GroupBlockIds | None:
         """A new request reserves its slots, or waits (``None``); a reserved one always fits."""
         if request.request_id in self.reservations:
-            return []
+            return NO_NEW_BLOCKS
         size = self.reserve(request)
         if size > self.free_tokens or not self._free_seats:
             return None
         seat = self._free_seats.pop()
         self.reservations[request.request_id] = (seat, size)
-        return self.get_block_ids(request.request_id)
+        return (tuple(self.get_block_ids(request.request_id)[0]),)
 
-    def get_block_ids(self, request_id: Hashable) -> list[int]:
+    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """The blocks of the request's seat, as one group's."""
         first = self.reservations[request_id][0] * self.blocks_per_seat
-        return list(range(first, first + self.blocks_per_seat))
+        return (list(range(first, first + self.blocks_per_seat)),)
 
     def free(self, request_id: Hashable) -> None:
         seat = self.reservations.pop(request_id, None)

@@ -25,17 +25,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
-from itertools import chain, compress, repeat
+from collections.abc import Hashable, Mapping, Sequence
+from itertools import compress, repeat
 
 import torch
 
+from paged_kv.core.kv_cache_groups import FullAttentionSpec, KVCacheGroupSpec
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
-from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention
-from paged_kv.serving.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention_by_group
+from paged_kv.serving.outputs import CachedRequestData, GroupBlockIds, ModelRunnerOutput, SchedulerOutput
 
 
 class RequestState:
@@ -95,8 +96,11 @@ class ModelRunner:
 
     ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks bound the persistent block table (it
     doubles its rows when a step needs more); ``strategy`` is the paged attention's
-    (:func:`~paged_kv.attention.paged.paged_attention_varlen`). :attr:`last_metadata` is the
-    :class:`~paged_kv.model.step.AttentionMetadata` of the last step that ran.
+    (:func:`~paged_kv.attention.paged.paged_attention_varlen`). ``kv_cache_groups`` are the model's
+    KV-cache groups (lesson 13; default: one group of every layer, attending fully): the block
+    table has a row per group for each request, and each layer writes and reads through its
+    group's. :attr:`last_metadata` is the :class:`~paged_kv.model.step.AttentionMetadata` of the
+    last step that ran (its first group's: the groups share all but the block table and slots).
 
     Invariant between steps: :attr:`tables` has a row for exactly the running requests, built from
     the scheduler's block ids, and :attr:`state` the computed tokens the scheduler counts.
@@ -110,11 +114,21 @@ class ModelRunner:
         max_num_reqs: int,
         max_blocks_per_req: int,
         strategy: str = "auto",
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.model, self.storage, self.strategy = model, storage, strategy
         self.block_size = storage.block_size
         self.device = storage.device
-        self.tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device)
+        num_layers = model.config.num_layers
+        self.kv_cache_groups = tuple(
+            kv_cache_groups
+            or (KVCacheGroupSpec(tuple(range(num_layers)), FullAttentionSpec(self.block_size)),)
+        )
+        self.layer_group = [0] * num_layers
+        for index, group in enumerate(self.kv_cache_groups):
+            for layer in group.layers:
+                self.layer_group[layer] = index
+        self.tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups))
         self.state = RequestState(self.tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
         self.last_metadata: AttentionMetadata | None = None
@@ -148,11 +162,15 @@ class ModelRunner:
         state = self.state
         rows = long_tensor(self.tables.rows_of(req_ids))
         computed = state.num_computed_tokens[rows]
-        metadata = prepare_attention(self.tables, req_ids, computed, query_lens, self.block_size, check=False)
+        by_group = prepare_attention_by_group(
+            self.tables, req_ids, computed, query_lens, self.block_size, check=False
+        )
+        metadata = self.last_metadata = by_group[0]
         input_ids = state.input_ids(rows, computed, metadata).to(self.device)
-        attend = step_attend(metadata, self.storage, self.strategy)
+        attend = step_attend(
+            by_group, self.storage, self.strategy, self.layer_group, self.model.config.layer_attention
+        )
         logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
-        self.last_metadata = metadata
         after = computed + long_tensor(query_lens)
         state.num_computed_tokens[rows] = after
         samples = after == state.num_tokens[rows]
@@ -176,17 +194,17 @@ class ModelRunner:
                 raise ValueError(f"new request {new.req_id!r} is running already")
             if new.token_ids is None:
                 raise ValueError(f"new request {new.req_id!r} has no token ids: a model needs them")
-            _check_blocks(new.req_id, new.block_ids, num_blocks)
+            count = self._check_blocks(new.req_id, new.block_ids, num_blocks)
             n = scheduled.get(new.req_id, 0)
             if new.num_computed_tokens + n > len(new.token_ids):
                 raise ValueError(
                     f"request {new.req_id!r}: {new.num_computed_tokens} computed + {n} scheduled tokens "
                     f"run past the {len(new.token_ids)} tokens the runner knows"
                 )
-            if len(new.block_ids) * self.block_size < new.num_computed_tokens + n:
+            if count * self.block_size < new.num_computed_tokens + n:
                 raise ValueError(
                     f"request {new.req_id!r}: {new.num_computed_tokens + n} tokens do not fit in its "
-                    f"{len(new.block_ids)} blocks"
+                    f"{count} blocks"
                 )
         cached = output.scheduled_cached_reqs
         cached_rows = list(map(rows.get, cached.req_ids))
@@ -195,22 +213,27 @@ class ModelRunner:
                 r for r, row in zip(cached.req_ids, cached_rows, strict=True) if row is None or r in leaving
             )
             raise ValueError(f"scheduled request {req_id!r} has no row in the runner")
-        gained = list(chain.from_iterable(cached.new_block_ids))
-        if gained and (min(gained) < 0 or max(gained) >= num_blocks):
-            for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-                _check_blocks(req_id, block_ids, num_blocks)
+        gained = [0] * len(cached.req_ids)
+        nothing = ((),) * self.tables.num_groups
+        for index, (req_id, block_ids) in enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True)):
+            if block_ids != nothing:  # a few a step: the requests that crossed a block boundary
+                gained[index] = self._check_blocks(req_id, block_ids, num_blocks)
         known = {new.req_id for new in output.scheduled_new_reqs}.union(cached.req_ids)
         if not scheduled.keys() <= known:
             req_id = next(r for r in scheduled if r not in known)
             raise ValueError(f"request {req_id!r} is scheduled but neither new nor running")
         if cached.req_ids:
-            self._check_cached(cached, cached_rows, scheduled)
+            self._check_cached(cached, cached_rows, gained, scheduled)
         for req_id in output.blocks_to_swap_in:
             if req_id not in self.swapped:
                 raise ValueError(f"request {req_id!r} is swapped in but was never swapped out")
 
     def _check_cached(
-        self, cached: CachedRequestData, cached_rows: list[int], scheduled: Mapping[Hashable, int]
+        self,
+        cached: CachedRequestData,
+        cached_rows: list[int],
+        gained: list[int],
+        scheduled: Mapping[Hashable, int],
     ) -> None:
         """The running requests' computed counts agree with the runner's, and their scheduled tokens
         fit their blocks and are tokens the runner knows: a few tensor operations, and a look at
@@ -219,7 +242,7 @@ class ModelRunner:
         theirs, ours = long_tensor(cached.num_computed_tokens), state.num_computed_tokens[rows]
         ends = ours + long_tensor(list(map(scheduled.get, cached.req_ids, repeat(0))))
         held = long_tensor(list(map(self.tables.num_blocks.__getitem__, cached_rows)))
-        held += long_tensor(list(map(len, cached.new_block_ids)))
+        held += long_tensor(gained)
         known = state.num_tokens[rows]
         failed = (theirs != ours) | (held * self.block_size < ends) | (ends > known)
         if not bool(failed.any()):
@@ -238,6 +261,21 @@ class ModelRunner:
             f"run past the {int(known[b])} tokens the runner knows"
         )
 
+    def _check_blocks(self, req_id: Hashable, block_ids: GroupBlockIds, num_blocks: int) -> int:
+        """The blocks each group of ``block_ids`` holds: as many in every group, all in the pool."""
+        if len(block_ids) != self.tables.num_groups or len({len(ids) for ids in block_ids}) != 1:
+            raise ValueError(
+                f"request {req_id!r} was given block ids for {len(block_ids)} groups of "
+                f"{[len(ids) for ids in block_ids]} blocks: the runner has {self.tables.num_groups} "
+                f"groups, each as long"
+            )
+        flat = [b for ids in block_ids for b in ids]
+        if flat and (min(flat) < 0 or max(flat) >= num_blocks):
+            raise ValueError(
+                f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}"
+            )
+        return len(block_ids[0])
+
     def _update_states(self, output: SchedulerOutput) -> None:
         """Apply ``output`` to the rows and the request states (vLLM: ``finish_requests``,
         ``add_requests`` and ``update_requests``)."""
@@ -246,25 +284,20 @@ class ModelRunner:
             tables.remove(req_id)
         for req_id, block_ids in output.blocks_to_swap_out.items():  # before the forward overwrites them
             num_computed = self.num_computed_tokens(req_id)
-            self.swapped[req_id] = swap.copy_out(self.storage, block_ids, num_computed)
+            self.swapped[req_id] = swap.copy_out(self.storage, block_ids, num_computed, self.layer_group)
             tables.remove(req_id)
         for preempted in output.preemptions:
             if preempted.way == "recompute":
                 tables.remove(preempted.request_id)
         for req_id, block_ids in output.blocks_to_swap_in.items():
-            swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids)
+            swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids, self.layer_group)
         for new in output.scheduled_new_reqs:
             row = tables.add_row(new.req_id, new.block_ids)
             self.state.add(row, list(new.token_ids), new.num_computed_tokens)
-        cached = output.scheduled_cached_reqs
+        cached, nothing = output.scheduled_cached_reqs, ((),) * tables.num_groups
         for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if block_ids:
+            if block_ids != nothing:
                 tables.append(req_id, block_ids)
-
-
-def _check_blocks(req_id: Hashable, block_ids: tuple[int, ...], num_blocks: int) -> None:
-    if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
-        raise ValueError(f"request {req_id!r} was given block ids outside 0 .. {num_blocks - 1}: {block_ids}")
 
 
 class CountingRunner:

@@ -13,6 +13,13 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+GroupBlockIds = tuple[tuple[int, ...], ...]
+"""Block ids in vLLM's shape: one tuple per KV-cache group, in the groups' order (a model whose
+layers all attend fully has one group; a hybrid model one per group, lesson 13)."""
+
+NO_NEW_BLOCKS: GroupBlockIds = ((),)
+"""What a request of a one-group memory gains in a step that takes no block."""
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -20,23 +27,26 @@ class NewRequestData:
     (vLLM: ``NewRequestData``).
 
     ``token_ids`` are its tokens so far (the prompt, then the tokens it generated before a
-    preemption); ``block_ids`` all its blocks, prefix-cache hits first; ``num_computed_tokens``
-    the tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V).
+    preemption); ``block_ids`` all its blocks, one tuple per KV-cache group, prefix-cache hits
+    first (a sliding-window group's hit starts with null blocks); ``num_computed_tokens`` the
+    tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V).
     """
 
     req_id: Hashable
     token_ids: tuple[int, ...] | None
-    block_ids: tuple[int, ...]
+    block_ids: GroupBlockIds
     num_computed_tokens: int
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
     """The requests the runner already has a row for, scheduled again (vLLM: ``CachedRequestData``):
-    the blocks each gained this step (appended to its row) and its computed tokens before the step."""
+    the blocks each gained this step, one tuple per KV-cache group (appended to its rows), and its
+    computed tokens before the step. A block a sliding window freed is not announced: the runner's
+    row keeps the old id, which no window reads again."""
 
     req_ids: tuple[Hashable, ...] = ()
-    new_block_ids: tuple[tuple[int, ...], ...] = ()
+    new_block_ids: tuple[GroupBlockIds, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
 
 
@@ -60,9 +70,9 @@ class SchedulerOutput:
     ``preemptions`` lists the requests preempted to make room, newest first;
     ``blocks_to_swap_out`` maps each request swapped out to the blocks whose K/V the runner copies
     to host memory before the forward (vLLM V0's name), and ``blocks_to_swap_in`` each request
-    swapped back to the blocks it copies them into. ``finished_req_ids`` are the requests that
-    finished since the last step: the runner drops their rows. Frozen: the runner needs nothing
-    else from the scheduler.
+    swapped back to the blocks it copies them into, one tuple per KV-cache group.
+    ``finished_req_ids`` are the requests that finished since the last step: the runner drops
+    their rows. Frozen: the runner needs nothing else from the scheduler.
     """
 
     step: int
@@ -71,8 +81,8 @@ class SchedulerOutput:
     scheduled_new_reqs: tuple[NewRequestData, ...] = ()
     scheduled_cached_reqs: CachedRequestData = CachedRequestData()
     preemptions: tuple[Preemption, ...] = ()
-    blocks_to_swap_out: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
-    blocks_to_swap_in: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    blocks_to_swap_out: Mapping[Hashable, GroupBlockIds] = field(default_factory=dict)
+    blocks_to_swap_in: Mapping[Hashable, GroupBlockIds] = field(default_factory=dict)
     finished_req_ids: frozenset[Hashable] = frozenset()
 
     @property

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from typing import Protocol
 
 from paged_kv.core.block_manager import ComputedBlocks
-from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.outputs import GroupBlockIds, ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
 
 
@@ -59,13 +59,14 @@ class KVMemory(Protocol):
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
-    ) -> list[int] | None:
+    ) -> GroupBlockIds | None:
         """Slots for ``num_new_tokens`` more tokens of the request, all or nothing: the block ids it
-        gained (all of them for a new request), or ``None`` when they do not fit."""
+        gained, one tuple per KV-cache group (all of them for a new request), or ``None`` when they
+        do not fit."""
         ...
 
-    def get_block_ids(self, request_id: Hashable) -> list[int]:
-        """The request's block ids, in table order (a new list)."""
+    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """The request's block ids, in table order, one new list per KV-cache group."""
         ...
 
     def free(self, request_id: Hashable) -> None:

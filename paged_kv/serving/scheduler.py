@@ -57,6 +57,7 @@ from types import MappingProxyType
 
 from paged_kv.serving.outputs import (
     CachedRequestData,
+    GroupBlockIds,
     ModelRunnerOutput,
     NewRequestData,
     Preemption,
@@ -312,11 +313,9 @@ class Scheduler:
                 break
             self.swapped.popleft()
             self.running.append(request)
-            step.swap_in[request.request_id] = tuple(block_ids)
+            step.swap_in[request.request_id] = block_ids
             step.new_reqs.append(
-                NewRequestData(
-                    request.request_id, request.token_ids, tuple(block_ids), request.num_computed_tokens
-                )
+                NewRequestData(request.request_id, request.token_ids, block_ids, request.num_computed_tokens)
             )
             step.schedule(request, 1)
 
@@ -343,7 +342,7 @@ class Scheduler:
                     step.budget_left = budget
                     return
             cached.append(request.request_id)
-            cached_blocks.append(tuple(block_ids) if block_ids else ())
+            cached_blocks.append(block_ids)
             cached_computed.append(computed)
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
@@ -374,7 +373,7 @@ class Scheduler:
             request.num_prefill_tokens = request.num_tokens
             self.running.append(request)
             step.new_reqs.append(
-                NewRequestData(request.request_id, token_ids, tuple(block_ids), computed.num_tokens)
+                NewRequestData(request.request_id, token_ids, block_ids, computed.num_tokens)
             )
             step.schedule(request, num_new)
 
@@ -397,7 +396,7 @@ class Scheduler:
         request_id = victim.request_id
         prefilling = victim.num_computed_tokens < victim.num_tokens - 1 or not victim.output_token_ids
         if self.preemption == "swap" and not prefilling:
-            step.swap_out[request_id] = tuple(self.memory.get_block_ids(request_id))
+            step.swap_out[request_id] = tuple(map(tuple, self.memory.get_block_ids(request_id)))
             self.memory.free(request_id)
             self.swapped.appendleft(victim)  # older victims come first
             step.preemptions.append(Preemption(request_id, "swap", victim.num_computed_tokens))
@@ -429,11 +428,11 @@ class _Step:
     """The scheduled requests, in the order of ``num_scheduled``."""
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[Hashable] = field(default_factory=list)
-    cached_blocks: list[tuple[int, ...]] = field(default_factory=list)
+    cached_blocks: list[GroupBlockIds] = field(default_factory=list)
     cached_computed: list[int] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
-    swap_out: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
-    swap_in: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    swap_out: dict[Hashable, GroupBlockIds] = field(default_factory=dict)
+    swap_in: dict[Hashable, GroupBlockIds] = field(default_factory=dict)
     budget_left: int | None = None
     """Tokens the step may still schedule (None: no budget)."""
     sampling: list[Request] = field(default_factory=list)

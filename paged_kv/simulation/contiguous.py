@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from paged_kv.core.block_manager import ComputedBlocks
 from paged_kv.errors import UnknownSequenceError
+from paged_kv.serving.outputs import NO_NEW_BLOCKS, GroupBlockIds
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count, check_hashable
 
@@ -227,13 +228,13 @@ class FirstFitMemory:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
-    ) -> list[int] | None:
+    ) -> GroupBlockIds | None:
         """A new request gets its range first fit (compacting first when that is what admits it,
         ``compact=True``), or waits: ``None``; a request with a range always fits."""
         request_id = request.request_id
         if request_id in self._lengths:
             self._lengths[request_id] += num_new_tokens
-            return []
+            return NO_NEW_BLOCKS
         size = self.reserve(request)
         if not self.allocator.fits(size):
             if size > self.allocator.free_slots:
@@ -245,11 +246,12 @@ class FirstFitMemory:
             self.compactions += 1
         self.allocator.allocate(request_id, size)
         self._lengths[request_id] = num_new_tokens
-        return self.get_block_ids(request_id)
+        return (tuple(self.get_block_ids(request_id)[0]),)
 
-    def get_block_ids(self, request_id: Hashable) -> list[int]:
+    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """The slots of the request's range, as one group's block ids (blocks of one slot)."""
         extent = self.allocator.ranges[request_id]
-        return list(range(extent.start, extent.end))
+        return (list(range(extent.start, extent.end)),)
 
     def free(self, request_id: Hashable) -> None:
         if request_id in self._lengths:
