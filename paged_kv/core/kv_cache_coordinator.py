@@ -323,12 +323,33 @@ class KVCacheCoordinator:
             manager.start_chain(request_id, entries[-1] if entries else None, num_hit_blocks)
 
 
-def blocks_held(coordinator: KVCacheCoordinator, request_id: Hashable) -> tuple[int, ...]:
-    """How many real blocks (not the null block) the request holds in each group."""
-    return tuple(sum(b != NULL_BLOCK for b in ids) for ids in coordinator.get_block_ids(request_id))
+def peak_blocks(
+    groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_tokens_in_flight: int | None = None
+) -> int:
+    """The most blocks one request of ``num_tokens`` tokens, alone, holds at once over every group:
+    a full-attention group holds them all; a sliding-window group at most its window and the tokens
+    a step computes (``max_tokens_in_flight``; ``None``: a whole prompt may run in one step, so the
+    window caps nothing). The null block is not counted."""
+    total = 0
+    for group in groups:
+        blocks = blocks_for_tokens(num_tokens, group.spec.block_size)
+        if isinstance(group.spec, SlidingWindowSpec) and max_tokens_in_flight is not None:
+            blocks = min(blocks, group.spec.max_blocks_per_request(max_tokens_in_flight, num_tokens))
+        total += blocks
+    return total
 
 
-def full_attention_blocks(num_tokens: int, block_size: int, num_groups: int) -> int:
-    """The blocks a request of ``num_tokens`` would hold were every group full attention: what the
-    coordinator saves is measured against it."""
-    return num_groups * blocks_for_tokens(num_tokens, block_size)
+def max_tokens_alone(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_tokens_in_flight: int | None = None
+) -> int:
+    """The longest request a pool of ``num_blocks`` blocks (the null block among them) holds alone:
+    the most tokens whose :func:`peak_blocks` is at most ``num_blocks - 1`` (``2**31`` when every
+    group slides under a token budget: no length is too long)."""
+    low, high = 0, 1 << 31
+    while low < high:
+        middle = (low + high + 1) // 2
+        if peak_blocks(groups, middle, max_tokens_in_flight) <= num_blocks - 1:
+            low = middle
+        else:
+            high = middle - 1
+    return low

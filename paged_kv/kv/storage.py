@@ -9,6 +9,11 @@ blocks a copy-on-write names.
 A model with grouped-query attention stores only its K/V heads: ``num_kv_heads`` of them, however
 many query heads read each (vLLM's cache tensors are sized by ``num_kv_heads`` in the same way).
 
+A hybrid model's layers share tensors (lesson 13): with ``layer_tensors``, layer ``l`` reads and
+writes tensor ``layer_tensors[l]``, its index within its KV-cache group, so the storage holds as
+many tensors as the largest group has layers, and a block, owned by one group at a time, holds that
+group's layers (vLLM: ``KVCacheTensor.shared_by``).
+
 Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_kv_heads,
 block_size, head_dim)`` and are views of two tensors allocated at construction, which never change
 size; token slot ``offset`` of block ``b`` of a layer is ``k_caches[layer][b, :, offset]``.
@@ -26,7 +31,13 @@ from paged_kv.validate import check_count
 
 
 class KVStorage:
-    """``num_layers`` pairs of K/V pools of ``num_blocks`` blocks, made once on ``device``."""
+    """``num_layers`` pairs of K/V pools of ``num_blocks`` blocks, made once on ``device``; with
+    ``layer_tensors`` (one tensor index per layer) the layers share :attr:`num_tensors` pairs.
+
+    Raises:
+        ValueError: a bad size or dtype, a device that cannot hold the cache, or ``layer_tensors``
+            not one index per layer covering ``0 .. n - 1``.
+    """
 
     def __init__(
         self,
@@ -37,6 +48,7 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        layer_tensors: Sequence[int] | None = None,
     ) -> None:
         self.num_layers = check_count("num_layers", num_layers, minimum=1)
         self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
@@ -45,14 +57,27 @@ class KVStorage:
         self.head_dim = check_count("head_dim", head_dim, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
-        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        tensors = list(range(self.num_layers)) if layer_tensors is None else list(layer_tensors)
+        if (
+            len(tensors) != self.num_layers
+            or not all(type(t) is int for t in tensors)
+            or sorted(set(tensors)) != list(range(max(tensors) + 1))
+        ):
+            raise ValueError(
+                f"layer_tensors must give each of the {self.num_layers} layers a tensor index, "
+                f"covering 0 .. n - 1, got {layer_tensors!r}"
+            )
+        self.layer_tensors = tuple(tensors)
+        self.num_tensors = max(tensors) + 1
+        shape = (self.num_tensors, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         try:
             self._k = torch.zeros(shape, dtype=dtype, device=device)
             self._v = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, AssertionError, TypeError) as error:
             raise ValueError(f"device {device!r} cannot hold the cache: {error}") from None
-        self.k_caches: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
-        self.v_caches: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
+        k_tensors, v_tensors = self._k.unbind(0), self._v.unbind(0)
+        self.k_caches: tuple[torch.Tensor, ...] = tuple(k_tensors[t] for t in tensors)
+        self.v_caches: tuple[torch.Tensor, ...] = tuple(v_tensors[t] for t in tensors)
 
     def __repr__(self) -> str:
         return (
@@ -70,14 +95,15 @@ class KVStorage:
 
     @property
     def bytes_per_block(self) -> int:
-        """The bytes one block takes in K and V over all layers: what one allocation reserves
+        """The bytes one block takes in K and V over all tensors: what one allocation reserves
         (:meth:`~paged_kv.kv.sizing.KVCacheSpec.bytes_per_block`, the one place it is counted)."""
         return self.spec.bytes_per_block(self.block_size)
 
     @property
     def spec(self) -> KVCacheSpec:
-        """What one token of this storage costs: its layers, K/V heads, head size and dtype."""
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        """What one token slot of this storage costs: its tensors (its layers, unless they share),
+        K/V heads, head size and dtype."""
+        return KVCacheSpec(self.num_tensors, self.num_kv_heads, self.head_dim, self.dtype)
 
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A block table's ids as the 1-D LongTensor, on this device, that writes and reads take."""

@@ -4,9 +4,9 @@ The package's face: ``from paged_kv.model import TinyGPT, generate`` works as ``
 does; each name lives in one module below.
 """
 
-from paged_kv.model.attend import causal_attention
+from paged_kv.attention.contiguous import causal_attention
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
-from paged_kv.model.config import GPTConfig
+from paged_kv.model.config import GPTConfig, LayerAttention
 from paged_kv.model.generation import GenerationResult, generate, is_token
 from paged_kv.model.hf import SUPPORTED_ARCHITECTURES, HFCausalLM
 from paged_kv.model.hub import load_model
@@ -22,6 +22,7 @@ __all__ = [
     "GenerationResult",
     "HFCausalLM",
     "KVCache",
+    "LayerAttention",
     "PagedKVCache",
     "TinyGPT",
     "as_causal_lm",

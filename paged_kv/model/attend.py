@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from paged_kv.attention.heads import repeat_kv_heads
+from paged_kv.attention.contiguous import causal_attention
 from paged_kv.attention.paged import paged_attention_varlen
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import FULL_ATTENTION, LayerAttention
@@ -48,16 +47,12 @@ if TYPE_CHECKING:
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention of ``(batch, tokens, heads, head_dim)`` tensors, ``q``'s shape out.
-
-    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention): they are repeated.
-    """
-    k, v = (repeat_kv_heads(t, q.shape[2], dim=2) for t in (k, v))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-    )
-    return out.transpose(1, 2)
+def layer_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: LayerAttention = FULL_ATTENTION
+) -> torch.Tensor:
+    """:func:`~paged_kv.attention.contiguous.causal_attention` as one layer attends (its window,
+    scale and soft cap): ``(batch, tokens, heads, head_dim)`` in and out, ``q`` the last tokens of ``k``."""
+    return causal_attention(q, k, v, scale=attention.scale, **attention.window_and_cap())
 
 
 def check_prefill_start(start: object, num_tokens: int) -> int:
@@ -75,18 +70,22 @@ def check_prefill_start(start: object, num_tokens: int) -> int:
     return start
 
 
-def prefill_attend(cache: KVCache, seq_id: Hashable, start: int) -> Attend:
+def prefill_attend(
+    cache: KVCache, seq_id: Hashable, start: int, layers: Sequence[LayerAttention] | None = None
+) -> Attend:
     """The ``attend`` of one prompt's prefill from position ``start`` (a batch of one sequence).
 
     ``start == 0``: each layer writes the whole prompt's K/V (:meth:`KVCache.write_prompt`) and
-    attends causally over them. ``start > 0``: positions ``0 .. start - 1`` are cached; each layer
-    writes the tail's K/V and attends over the whole prompt (:meth:`KVCache.attend_prefill`).
+    attends causally over them, as ``layers[layer]`` says (its window, scale and soft cap;
+    ``None``: full attention). ``start > 0``: positions ``0 .. start - 1`` are cached; each layer
+    writes the tail's K/V and attends over the whole prompt (:meth:`KVCache.attend_prefill`, as
+    the cache's layers attend).
     """
     if start == 0:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write_prompt(layer, seq_id, k[0], v[0])
-            return causal_attention(q, k, v)
+            return layer_causal_attention(q, k, v, FULL_ATTENTION if layers is None else layers[layer])
 
         return attend
 
@@ -97,7 +96,11 @@ def prefill_attend(cache: KVCache, seq_id: Hashable, start: int) -> Attend:
 
 
 def packed_prefill_attend(
-    cache: KVCache, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int]
+    cache: KVCache,
+    seq_ids: Sequence[Hashable],
+    starts: Sequence[int],
+    num_new: Sequence[int],
+    layers: Sequence[LayerAttention] | None = None,
 ) -> Attend:
     """The ``attend`` of several prefills in one forward of ``(1, sum(num_new), ...)`` tensors.
 
@@ -118,7 +121,9 @@ def packed_prefill_attend(
             return cache.attend_prefill_batch(layer, seq_ids, q[0], k[0], v[0])[None]
 
         return attend_paged
-    parts = [prefill_attend(cache, seq_id, start) for seq_id, start in zip(seq_ids, starts, strict=True)]
+    parts = [
+        prefill_attend(cache, seq_id, start, layers) for seq_id, start in zip(seq_ids, starts, strict=True)
+    ]
     ends = list(itertools.accumulate(num_new))
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
 
@@ -147,12 +152,14 @@ def pack_prefills(
     seq_ids: Sequence[Hashable],
     cache: KVCache,
     starts: Sequence[int] | None = None,
+    layers: Sequence[LayerAttention] | None = None,
 ) -> PackedPrefill:
     """Pack prompt ``i``'s positions ``starts[i] ..`` (default: from 0) one after another, for one forward.
 
     A prompt may be the first tokens of a longer sequence in the cache: then the chunk
     ``starts[i] .. len(prompts[i]) - 1`` runs, and its last logits predict the token after it (a
     chunk of a chunked prefill; only a :class:`~paged_kv.model.kv_cache.PagedKVCache` takes one).
+    ``layers`` say how each layer attends (:func:`prefill_attend`).
 
     Raises:
         ValueError: ``prompts`` is empty, ``prompts``, ``seq_ids`` and ``starts`` differ in length,
@@ -177,7 +184,7 @@ def pack_prefills(
         ]
     )
     last = torch.tensor(list(itertools.accumulate(num_new)), device=device) - 1
-    attend = packed_prefill_attend(cache, seq_ids, starts, num_new)
+    attend = packed_prefill_attend(cache, seq_ids, starts, num_new, layers)
     return PackedPrefill(tokens[None], positions[None], last, attend)
 
 
@@ -232,19 +239,8 @@ def step_attend(
             query_start_loc_cpu=group.query_start_loc_cpu,
             strategy=strategy,
             check=False,  # prepare_attention built the metadata, checked, once for every layer
-            **window_and_cap(spec),
+            **spec.window_and_cap(),
         )
         return out[None]
 
     return attend
-
-
-def window_and_cap(spec: LayerAttention) -> dict[str, float]:
-    """The keywords a paged attention takes for a layer's window and soft cap, only those it has
-    (a full-attention layer passes none)."""
-    extra: dict[str, float] = {}
-    if spec.sliding_window is not None:
-        extra["sliding_window"] = spec.sliding_window
-    if spec.softcap is not None:
-        extra["softcap"] = spec.softcap
-    return extra

@@ -26,6 +26,16 @@ class LayerAttention:
     scale: float | None = None
     softcap: float | None = None
 
+    def window_and_cap(self) -> dict[str, float]:
+        """The keywords an attention function takes for this layer's window and soft cap, only
+        those set (a full-attention layer passes none)."""
+        extra: dict[str, float] = {}
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        return extra
+
 
 FULL_ATTENTION = LayerAttention()
 

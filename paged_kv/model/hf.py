@@ -44,9 +44,19 @@ if TYPE_CHECKING:
 
     from paged_kv.model.kv_cache import KVCache
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-"""The ``transformers`` classes tested to give exactly their own greedy tokens on the paged cache
-(Mistral within its sliding window)."""
+SUPPORTED_ARCHITECTURES = (
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+)
+"""The ``transformers`` classes tested to give exactly their own greedy tokens on the paged cache:
+the Llama family, and the hybrid models whose layers slide (Mistral with a ``sliding_window``, Qwen2
+with ``use_sliding_window``, Gemma 2 and Gemma 3, lesson 13)."""
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The ``config.layer_types`` this package serves: full attention and a sliding window."""
 
 ATTENTION = "paged_kv"
 
@@ -81,14 +91,16 @@ class HFCausalLM:
     """A Hugging Face causal LM as the :class:`~paged_kv.model.causal_lm.CausalLM` that generation runs.
 
     :attr:`config` holds the sizes the cache needs, read from the model's config: layers, query and
-    K/V heads, head size, vocabulary and ``max_len``, the model's ``max_position_embeddings`` (or
-    its sliding window, if smaller: a window at least as long as every sequence sees every token,
-    so it changes nothing).
+    K/V heads, head size, vocabulary and ``max_len``, the model's ``max_position_embeddings``; and
+    how each layer attends: its sliding window (``config.layer_types``, or Mistral's
+    ``sliding_window`` for every layer), the score scale (Gemma's ``query_pre_attn_scalar``) and
+    Gemma 2's soft cap of the scores.
 
     Raises:
         ValueError: ``model`` is not of a supported architecture or a subclass of one (the message
-            lists them),
-            or its attention scales scores by something else than ``1 / sqrt(head_dim)``.
+            lists them); a layer type other than :data:`SUPPORTED_LAYER_TYPES` (listed); layer types
+            that do not match the model's layers or their attention modules; or layers that scale
+            or cap their scores differently.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -103,22 +115,22 @@ class HFCausalLM:
         transformers.AttentionInterface.register(ATTENTION, _paged_kv_attention)
         hf = model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        attention = model.model.layers[0].self_attn
-        if not math.isclose(attention.scaling, head_dim**-0.5):
-            raise ValueError(
-                f"{name} scales attention scores by {attention.scaling}, not 1 / sqrt({head_dim})"
-            )
-        max_len = hf.max_position_embeddings
-        if getattr(hf, "sliding_window", None):
-            max_len = min(max_len, hf.sliding_window)
+        attentions = [layer.self_attn for layer in model.model.layers]
+        scale = _one_value(name, "scaling", [a.scaling for a in attentions])
+        softcap = _one_value(
+            name, "attn_logit_softcapping", [getattr(a, "attn_logit_softcapping", None) for a in attentions]
+        )
         self.model = model
         self.config = GPTConfig(
             vocab_size=hf.vocab_size,
             num_layers=hf.num_hidden_layers,
             num_heads=hf.num_attention_heads,
             head_dim=head_dim,
-            max_len=max_len,
+            max_len=hf.max_position_embeddings,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            sliding_windows=layer_windows(name, hf, attentions),
+            attention_scale=None if math.isclose(scale, head_dim**-0.5) else scale,
+            attn_softcap=softcap,
         )
 
     def __repr__(self) -> str:
@@ -166,7 +178,7 @@ class HFCausalLM:
 
         As :meth:`~paged_kv.model.tiny_gpt.TinyGPT.prefill_batch`.
         """
-        packed = pack_prefills(prompts, seq_ids, cache, starts)
+        packed = pack_prefills(prompts, seq_ids, cache, starts, self.config.layer_attention)
         return self._forward(packed.tokens, packed.positions, packed.attend, keep=packed.last)[0]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:
@@ -205,3 +217,45 @@ class HFCausalLM:
             yield
         finally:
             config._attn_implementation = previous
+
+
+def layer_windows(name: str, hf: object, attentions: Sequence[object]) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window from a Hugging Face config (``None``: full attention; ``None`` for
+    all: no layer slides): ``layer_types`` when the config has it, else Mistral's one
+    ``sliding_window`` for every layer. Each layer's attention module, when it says its window,
+    must agree.
+
+    Raises:
+        ValueError: a layer type this package does not serve (the message lists those it does),
+            ``layer_types`` of another length than the layers, or a module whose window disagrees.
+    """
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    num_layers = len(attentions)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"{name}'s config lists {len(types)} layer_types for its {num_layers} layers")
+    unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise ValueError(
+            f"{name} has layers of type {', '.join(unknown)}: paged_kv serves "
+            f"{', '.join(SUPPORTED_LAYER_TYPES)}"
+        )
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"{name}'s config has sliding_attention layers but no sliding_window")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    for layer, (expected, attention) in enumerate(zip(windows, attentions, strict=True)):
+        if hasattr(attention, "sliding_window") and attention.sliding_window != expected:
+            raise ValueError(
+                f"{name}'s layer {layer} attends with sliding_window {attention.sliding_window}, but its "
+                f"config's layer_types say {expected}: the model does not match its config"
+            )
+    return windows if any(w is not None for w in windows) else None
+
+
+def _one_value(name: str, what: str, values: Sequence[object]) -> object:
+    """The value every layer has for ``what``, or a ValueError (the package takes one per model)."""
+    if any(value != values[0] for value in values):
+        raise ValueError(f"{name}'s layers have different {what}: {sorted(set(map(str, values)))}")
+    return values[0]

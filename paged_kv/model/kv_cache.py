@@ -28,23 +28,25 @@ from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
-from paged_kv.attention.heads import repeat_kv_heads
+from paged_kv.attention.contiguous import causal_attention
 from paged_kv.attention.paged import paged_attention, paged_prefill_attention
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
-from paged_kv.model.config import GPTConfig
+from paged_kv.model.config import FULL_ATTENTION, GPTConfig
 from paged_kv.model.step import AttentionMetadata, BlockTables, prepare_attention
 
 
 @runtime_checkable
 class KVCache(Protocol):
     """What the attention layers call. K/V tensors are ``(tokens, num_kv_heads, head_dim)``; queries
-    have ``num_heads`` heads, a multiple of ``num_kv_heads`` (grouped-query attention when larger)."""
+    have ``num_heads`` heads, a multiple of ``num_kv_heads`` (grouped-query attention when larger).
+    The package's caches also say how each layer attends, ``layer_attention[layer]`` (its window,
+    scale and soft cap: the model config's, lesson 13), and every attention they run honours it; a
+    cache without the attribute attends fully in every layer."""
 
     def add_sequence(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make room for a prompt of ``num_tokens`` before its prefill."""
@@ -86,6 +88,7 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, config: GPTConfig, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
+        self.layer_attention = config.layer_attention
         self.k: list[dict[Hashable, torch.Tensor]] = [{} for _ in range(config.num_layers)]
         self.v: list[dict[Hashable, torch.Tensor]] = [{} for _ in range(config.num_layers)]
         self.lengths: dict[Hashable, int] = {}
@@ -111,11 +114,12 @@ class ContiguousKVCache(KVCache):
         for b, s in enumerate(seq_ids):  # a plain loop: each sequence has its own length
             self.k[layer][s] = torch.cat([self.k[layer][s], k[b : b + 1]])
             self.v[layer][s] = torch.cat([self.v[layer][s], v[b : b + 1]])
-            keys, values = (
-                repeat_kv_heads(t[layer][s], q.shape[1], dim=1).transpose(0, 1)[None]
-                for t in (self.k, self.v)
+            keys, values = self.k[layer][s][None], self.v[layer][s][None]
+            spec = self.layer_attention[layer]
+            attended = causal_attention(
+                q[b : b + 1, None], keys, values, scale=spec.scale, **spec.window_and_cap()
             )
-            out.append(F.scaled_dot_product_attention(q[b, :, None][None], keys, values)[0, :, 0])
+            out.append(attended[0, 0])
         return torch.stack(out)
 
     def free(self, seq_id: Hashable) -> None:
@@ -146,6 +150,9 @@ class PagedKVCache(KVCache):
         enable_prefix_caching: bool = False,
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        # Every layer keeps all its blocks, sliding or not (vLLM's --disable-hybrid-kv-cache-manager):
+        # a sliding layer's window is its attention's, not the cache's (the engine frees them, lesson 13).
+        self.layer_attention = config.layer_attention
         self.storage = KVStorage(
             config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
@@ -258,7 +265,10 @@ class PagedKVCache(KVCache):
         self.storage.write(layer, block_ids, k, v, start)
         self._unwritten.pop(seq_id, None)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
-        return paged_prefill_attention(q, k_cache, v_cache, block_ids[None], [length], [len(k)])
+        spec = self.layer_attention[layer]
+        return paged_prefill_attention(
+            q, k_cache, v_cache, block_ids[None], [length], [len(k)], spec.scale, **spec.window_and_cap()
+        )
 
     def begin_prefill(
         self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int] | None = None
@@ -329,8 +339,16 @@ class PagedKVCache(KVCache):
             raise ValueError(f"k holds {len(k)} tokens but the prefill laid out {metadata.num_tokens}")
         self.storage.write_slots(layer, metadata.slot_mapping, k, v)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        spec = self.layer_attention[layer]
         return paged_prefill_attention(
-            q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_lens
+            q,
+            k_cache,
+            v_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_lens,
+            spec.scale,
+            **spec.window_and_cap(),
         )
 
     def append(
@@ -369,7 +387,10 @@ class PagedKVCache(KVCache):
         metadata = self._step[1]
         self.storage.write_slots(layer, metadata.slot_mapping, k, v)
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
-        return paged_attention(q, k_cache, v_cache, metadata.block_table, metadata.seq_lens)
+        spec = self.layer_attention[layer]
+        return paged_attention(
+            q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, spec.scale, **spec.window_and_cap()
+        )
 
     def free(self, seq_id: Hashable) -> None:
         """Give the sequence's blocks back. A prompt freed before its prefill wrote every position
@@ -414,11 +435,22 @@ def check_cache_fits(cache: object, config: GPTConfig) -> None:
     """Raise ``ValueError`` when ``cache`` holds K/V of other sizes than a model of ``config`` writes.
 
     A cache with a :class:`~paged_kv.kv.storage.KVStorage` (``cache.storage``) must have the model's
-    layers, K/V heads and head size; a cache without one is taken on trust (its writes check).
+    layers, K/V heads and head size, and its layers must attend as the model's (window, scale and
+    soft cap); a cache without storage is taken on trust for its sizes (its writes check).
     """
     storage = getattr(cache, "storage", None)
-    if not isinstance(storage, KVStorage):
-        return
+    if isinstance(storage, KVStorage):
+        _check_storage_fits(storage, config)
+    full = (FULL_ATTENTION,) * config.num_layers  # what a cache that does not say attends as
+    layers = getattr(cache, "layer_attention", full)
+    if tuple(layers) != config.layer_attention:
+        raise ValueError(
+            f"cache was built for another model: its layers attend as {list(layers)}, the model's as "
+            f"{list(config.layer_attention)}"
+        )
+
+
+def _check_storage_fits(storage: KVStorage, config: GPTConfig) -> None:
     has = (storage.num_layers, storage.num_kv_heads, storage.head_dim)
     needs = (config.num_layers, config.num_kv_heads, config.head_dim)
     if has != needs:

@@ -25,9 +25,9 @@ from paged_kv.kv.sizing import module_bytes
 from paged_kv.model.attend import (
     Attend,
     append_decode,
-    causal_attention,
     check_prefill_start,
     decode_attend,
+    layer_causal_attention,
     pack_prefills,
     prefill_attend,
 )
@@ -133,7 +133,10 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The full-sequence forward with no cache: ``(batch, tokens)`` ids to logits."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.run(tokens, positions, lambda layer, q, k, v: causal_attention(q, k, v))
+        layers = self.config.layer_attention
+        return self.run(
+            tokens, positions, lambda layer, q, k, v: layer_causal_attention(q, k, v, layers[layer])
+        )
 
     def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
         """Run one prompt ``(tokens,)`` from position ``start`` on, storing its K/V in ``cache``.
@@ -156,7 +159,11 @@ class TinyGPT(nn.Module):
         """
         start = check_prefill_start(start, len(prompt))
         positions = torch.arange(start, len(prompt), device=prompt.device)
-        return self.run(prompt[None, start:], positions[None], prefill_attend(cache, seq_id, start))[0]
+        return self.run(
+            prompt[None, start:],
+            positions[None],
+            prefill_attend(cache, seq_id, start, self.config.layer_attention),
+        )[0]
 
     def prefill_batch(
         self,
@@ -171,7 +178,7 @@ class TinyGPT(nn.Module):
         alone, and its K/V are stored the same way. Returns the logits of each prompt's last token,
         ``(len(prompts), vocab)``.
         """
-        packed = pack_prefills(prompts, seq_ids, cache, starts)
+        packed = pack_prefills(prompts, seq_ids, cache, starts, self.config.layer_attention)
         return self.run(packed.tokens, packed.positions, packed.attend)[0, packed.last]
 
     def decode_step(self, tokens: torch.Tensor, seq_ids: Sequence[Hashable], cache: KVCache) -> torch.Tensor:

@@ -65,6 +65,8 @@ import torch
 from paged_kv.attention.paged import STRATEGIES
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
+from paged_kv.core.kv_cache_groups import kv_cache_groups, layer_tensors, num_tensors
 from paged_kv.device import resolve_device
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
 from paged_kv.kv.storage import KVStorage
@@ -74,6 +76,7 @@ from paged_kv.progress import progress_bar
 from paged_kv.serving.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_kv.serving.memory import (
     ContiguousMemory,
+    HybridKVCacheManager,
     KVCacheManager,
     blocks_alone,
     check_watermark,
@@ -271,7 +274,16 @@ class Engine:
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         block_size = check_count("block_size", block_size, minimum=1)
         config = model.config
-        self.kv_spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, model.dtype)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        # A hybrid model's paged cache is managed in KV-cache groups (lesson 13); otherwise, and in
+        # the contiguous mode, every layer keeps all its tokens and the window is the attention's.
+        hybrid = mode == "paged" and config.is_hybrid
+        windows = config.sliding_windows if hybrid else (None,) * config.num_layers
+        self.kv_cache_groups = kv_cache_groups(windows, block_size)
+        self.kv_spec = KVCacheSpec(
+            num_tensors(self.kv_cache_groups), config.num_kv_heads, config.head_dim, model.dtype
+        )
         model_device = resolve_device(model.device)
         self.device = model_device if device is None else resolve_device(device)
         if self.device != model_device:
@@ -279,8 +291,10 @@ class Engine:
                 f"device {self.device} differs from the model's {model_device}; call model.to(device)"
             )
         blocks = self._size_cache(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if hybrid and blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 for a hybrid model (block 0 is the null block), got {blocks}"
+            )
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
         watermark = check_watermark(watermark)
@@ -340,8 +354,14 @@ class Engine:
     ignore_eos = property(lambda self: self.config.ignore_eos)
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether the cache is managed in several KV-cache groups (a paged hybrid model, lesson 13)."""
+        return len(self.kv_cache_groups) > 1 or self.kv_cache_groups[0].spec.sliding_window is not None
+
+    @property
     def bytes_per_block(self) -> int:
-        """The bytes of K and V one block takes over all the model's layers."""
+        """The bytes of K and V one block takes over all the model's layers (a hybrid model's over
+        its largest group's: the layers of different groups share tensors)."""
         return self.kv_spec.bytes_per_block(self.block_size)
 
     @property
@@ -431,6 +451,14 @@ class Engine:
                 seat_tokens=self.max_model_len,
                 block_size=self.block_size,
             )
+        elif self.is_hybrid:
+            coordinator = KVCacheCoordinator(
+                self.kv_cache_groups,
+                self.num_blocks,
+                enable_prefix_caching=cache.enable_prefix_caching,
+                max_tokens_in_flight=scheduler_config.max_num_batched_tokens,
+            )
+            memory = HybridKVCacheManager(coordinator, watermark=scheduler_config.watermark)
         else:
             manager = BlockManager(
                 self.num_blocks, self.block_size, enable_prefix_caching=cache.enable_prefix_caching
@@ -445,6 +473,7 @@ class Engine:
             config.head_dim,
             self.model.dtype,
             self.device,
+            layer_tensors=[layer_tensors(self.kv_cache_groups)[layer] for layer in range(config.num_layers)],
         )
         scheduler = Scheduler(
             memory,
@@ -461,6 +490,7 @@ class Engine:
             max_num_reqs=scheduler_config.max_num_seqs or memory.num_blocks,
             max_blocks_per_req=max_blocks_per_req,
             strategy=self.config.attention_strategy,
+            kv_cache_groups=self.kv_cache_groups,
         )
         return scheduler, runner
 
@@ -480,7 +510,15 @@ class Engine:
                     f"request {r.request_id!r}: prompt ({len(r.prompt)} tokens) + max_new_tokens "
                     f"({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
                 )
-            if self.mode == "paged" and not serves_alone(
+            if self.is_hybrid:
+                longest = len(r.prompt) + r.max_new_tokens - 1
+                needed = peak_blocks(self.kv_cache_groups, longest, self.max_num_batched_tokens) + 1
+                if needed > self.num_blocks:
+                    raise ValueError(
+                        f"num_blocks {self.num_blocks} cannot hold request {r.request_id!r} alone: at its "
+                        f"longest its KV-cache groups hold {needed - 1} blocks, and block 0 is the null block"
+                    )
+            elif self.mode == "paged" and not serves_alone(
                 len(r.prompt), r.max_new_tokens, self.num_blocks, self.block_size
             ):
                 admit, peak = blocks_alone(len(r.prompt), r.max_new_tokens, self.block_size)

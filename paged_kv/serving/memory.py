@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager, ComputedBlocks
-from paged_kv.core.kv_cache_coordinator import GroupComputedBlocks, KVCacheCoordinator
+from paged_kv.core.kv_cache_coordinator import GroupComputedBlocks, KVCacheCoordinator, max_tokens_alone
 from paged_kv.serving.outputs import NO_NEW_BLOCKS, GroupBlockIds
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
@@ -210,9 +210,10 @@ class HybridKVCacheManager:
         return (self.num_blocks - 1 - self.coordinator.num_free_blocks) * self.block_size
 
     def max_tokens(self, request: SchedulerRequest) -> int:
-        """What the pool holds for one request alone were every group full attention: sliding groups
-        hold less, so a request that fits this fits."""
-        return (self.num_blocks - 1) // len(self.coordinator.groups) * self.block_size
+        """The longest request the pool holds alone, its sliding-window groups capped at their
+        window and a step's tokens (:func:`~paged_kv.core.kv_cache_coordinator.max_tokens_alone`)."""
+        coordinator = self.coordinator
+        return max_tokens_alone(coordinator.groups, self.num_blocks, coordinator.max_tokens_in_flight)
 
     def get_computed_blocks(
         self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
