@@ -32,12 +32,20 @@ block_size <= p``. A small table ``entries[s, block, d]`` (the ``d``-th entry of
 the block, ``-1`` past the last; ``d`` runs to the most times one row names one block, 1 in every
 table an engine builds) answers it in a lookup per ``d``.
 
+A sliding window of ``W`` tokens adds a condition to the mask, ``kv_pos > position - W`` (the slot's
+position in the sequence against the query's), and a soft cap a score modifier, ``softcap *
+tanh(score / softcap)`` (FlexAttention hands it the scaled score), before the ``log`` term of a
+repeated entry. With a window the keys are not the pool: the blocks the windows reach are copied
+out of it (:func:`_window_blocks`, a window's worth of blocks per sequence), so the blocks before
+the windows, whose table entries an engine points at its null block, are not among the keys at all.
+
 The result equals :func:`paged_kv.attention.paged.paged_attention` (the reference). On a CPU FlexAttention
 runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
 is for CUDA, and tests check it against the reference wherever it runs. One difference from the
-reference: a masked-out slot still meets a zero weight in ``weights @ V``, so the pool must hold
-finite values (it starts as zeros and only ever holds K/V written to it; NaN planted in a free block
-would leak through, where the reference ignores it).
+reference: a masked-out slot still meets a zero weight in ``weights @ V``, so every key slot of the
+pool (of the copy, with a window) must hold finite values (the pool starts as zeros and only ever
+holds K/V written to it; NaN planted in a free block would leak through, where the reference ignores
+it); with a window, the blocks before the windows may hold anything, as they are not copied.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ def flex_decode(
     context_lens: torch.Tensor,
     scale: float | None,
     compiled: bool | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with FlexAttention.
 
@@ -72,11 +83,28 @@ def flex_decode(
     ``(num_blocks, num_kv_heads, block_size, dim)`` with ``num_kv_heads`` dividing ``num_heads``
     (FlexAttention's ``enable_gqa``: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``); ``context_lens`` is a long tensor on the query's device. ``compiled``
-    defaults to ``True`` on CUDA and ``False`` elsewhere.
+    defaults to ``True`` on CUDA and ``False`` elsewhere. ``sliding_window`` (an int of at least
+    1) and ``softcap`` (a positive float), checked, as for ``paged_attention``: a decode batch with
+    a window is :func:`flex_varlen`'s, one query token per sequence; the soft cap is a score
+    modifier.
 
     Raises:
         ValueError: this torch has no FlexAttention.
     """
+    if sliding_window is not None:
+        starts = torch.arange(query.shape[0] + 1, device=query.device)
+        return flex_varlen(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            starts,
+            scale,
+            compiled,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
     if not flex_available():
         raise ValueError(
             f"strategy 'flex' needs torch 2.5 or later (FlexAttention); this is {torch.__version__}"
@@ -90,6 +118,7 @@ def flex_decode(
         compiled = device.type == "cuda"
     reads = _slot_reads(block_tables, context_lens, num_blocks, block_size)
     mask_mod, score_mod = _paged_mods(reads, block_size)
+    score_mod = _soft_capped(score_mod, softcap)
     pool = num_blocks * block_size
     block_mask = create_block_mask(mask_mod, None, None, batch, pool, device=device, _compile=compiled)
     keys = k_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
@@ -112,13 +141,20 @@ def flex_varlen(
     query_start_loc: torch.Tensor,
     scale: float | None,
     compiled: bool | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a checked packed batch (see ``paged_attention_varlen``) with FlexAttention: causal
-    inside each sequence, over the whole pool.
+    inside each sequence, over the whole pool, or with a sliding window over the blocks of the windows.
 
     ``query`` is ``(num_tokens, num_heads, dim)`` in the caches' dtype, sequence ``b``'s query
     tokens being rows ``query_start_loc[b] .. query_start_loc[b + 1] - 1``, the last ones of its
-    ``seq_lens[b]`` tokens; the rest as for :func:`flex_decode`.
+    ``seq_lens[b]`` tokens; the rest as for :func:`flex_decode`. With ``sliding_window`` ``W``, the
+    query token at position ``p`` sees positions ``p - W + 1 .. p`` only, and the keys are not the
+    pool but a copy of the blocks the windows reach (:func:`_window_blocks`): the blocks before a
+    sequence's window, which may hold anything, are not in it. ``softcap`` ``c`` makes each score
+    ``c * tanh(score / c)``, a score modifier (FlexAttention scales the scores before it).
 
     Raises:
         ValueError: this torch has no FlexAttention.
@@ -129,7 +165,6 @@ def flex_varlen(
         )
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_tokens, num_heads, _ = query.shape
     device = query.device
     if not num_tokens:
@@ -140,7 +175,14 @@ def flex_varlen(
     seq = torch.searchsorted(query_start_loc[1:], tokens, right=True)  # the sequence of each token
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     position = (seq_lens - query_lens)[seq] + tokens - query_start_loc[seq]  # its position in it
-    entries = _entries(block_tables, seq_lens, num_blocks, block_size)
+    first = None
+    if sliding_window is not None:  # each row's first entry its first query token's window reaches
+        block_size = k_cache.shape[2]
+        first = (seq_lens - query_lens - sliding_window + 1).clamp(min=0) // block_size
+        first = torch.where(query_lens > 0, first, block_tables.shape[1])  # no query token: no entry
+        block_tables, k_cache, v_cache = _window_blocks(block_tables, seq_lens, first, k_cache, v_cache)
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    entries = _entries(block_tables, seq_lens, num_blocks, block_size, first)
     repeats = entries.shape[2]
 
     def times_seen(q, kv):
@@ -148,7 +190,11 @@ def flex_varlen(
         count = torch.zeros_like(q)
         for d in range(repeats):  # 1 unless a row names one block twice
             entry = entries[seq[q], block, d]
-            count = count + ((entry >= 0) & (entry * block_size + offset <= position[q])).long()
+            kv_pos = entry * block_size + offset  # the slot's position in the sequence, at that entry
+            seen = (entry >= 0) & (kv_pos <= position[q])
+            if sliding_window is not None:  # and not before the query's window
+                seen = seen & (kv_pos > position[q] - sliding_window)
+            count = count + seen.long()
         return count
 
     def mask_mod(b, h, q, kv):
@@ -167,7 +213,7 @@ def flex_varlen(
         queries,
         keys,
         values,
-        score_mod=score_mod if repeats > 1 else None,
+        score_mod=_soft_capped(score_mod if repeats > 1 else None, softcap),
         block_mask=block_mask,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
@@ -175,17 +221,65 @@ def flex_varlen(
     return out[0].transpose(0, 1)
 
 
+def _window_blocks(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks a batch with a sliding window reads, copied out of the pool: ``(tables, k, v)``.
+
+    Row ``b`` reads entries ``first[b] .. ceil(seq_lens[b] / block_size) - 1``; the distinct blocks
+    they name, ``n`` of them, are copied into ``k`` and ``v`` of ``(n, num_kv_heads, block_size,
+    head_dim)`` (in block id order), and ``tables`` is ``block_tables`` renumbered into them, ``-1``
+    at every entry not read. FlexAttention multiplies every key slot it visits by its weight, and a
+    zero weight does not cancel NaN: the blocks before the windows (the null block, blocks since
+    given to other sequences) must not be among its keys at all. The copy is a window's worth of
+    blocks per sequence, where the pool may hold far more.
+    """
+    num_blocks, _, block_size, _ = k_cache.shape
+    batch, width = block_tables.shape
+    column = torch.arange(width, device=block_tables.device)
+    needed = (seq_lens + block_size - 1) // block_size
+    read = (column >= first[:, None]) & (column < needed[:, None])
+    live, renumbered = torch.unique(block_tables.long().clamp(0, num_blocks - 1)[read], return_inverse=True)
+    tables = torch.full((batch, width), -1, dtype=torch.long, device=block_tables.device)
+    tables[read] = renumbered
+    return tables, k_cache[live], v_cache[live]
+
+
+def _soft_capped(score_mod: Callable | None, softcap: float | None) -> Callable | None:
+    """``score_mod`` (``None``: none) after Gemma 2's soft cap, ``softcap * tanh(score / softcap)``,
+    when ``softcap`` is given: the cap applies to the scaled score, before ``score_mod``'s term."""
+    if softcap is None:
+        return score_mod
+
+    def capped(score, b, h, q, kv):
+        score = softcap * torch.tanh(score / softcap)
+        return score if score_mod is None else score_mod(score, b, h, q, kv)
+
+    return capped
+
+
 def _entries(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(batch, num_blocks, repeats)`` int32: ``[s, block, d]`` is the ``d``-th entry (in table
     order) of row ``s`` that names ``block``, among the ``ceil(seq_lens[s] / block_size)`` entries
-    the row reads, or ``-1``; ``repeats`` is the most entries of one row naming one block (at least
-    1). One stable sort ranks the entries of each (row, block); no loop."""
+    the row reads (from entry ``first[s]`` on, when given), or ``-1``; ``repeats`` is the most
+    entries of one row naming one block (at least 1). One stable sort ranks the entries of each
+    (row, block); no loop."""
     batch, width = block_tables.shape
     device = block_tables.device
     column = torch.arange(width, device=device).expand(batch, width)
     read = column < ((seq_lens + block_size - 1) // block_size)[:, None]
+    if first is not None:
+        read &= column >= first[:, None]
     rows = torch.arange(batch, device=device)[:, None].expand(batch, width)
     key = (rows * num_blocks + block_tables.long().clamp(0, num_blocks - 1))[read]  # (row, block)
     entry = column[read]

@@ -28,6 +28,14 @@ token ``i`` of sequence ``b`` is at position ``seq_lens[b] - query_lens[b] + i``
 ``0`` through its own, and its K/V are already in the cache. A decode is a sequence with one query
 token, a fresh prompt one whose query tokens are all its tokens, a chunk anything in between.
 
+Two options of every function and strategy serve hybrid models (Mistral, Qwen2, Gemma 2 and 3). A
+**sliding window** of ``W`` tokens (``sliding_window=W``): the query token at position ``p`` sees
+positions ``max(0, p - W + 1) .. p`` only, and a sequence's table entries wholly before the window
+of its first query token take no part, whatever block they name (an engine's sliding-window layer
+puts its null block there once those blocks fall out of the window): no strategy's output depends on
+what those blocks hold, NaN included. A **soft cap** ``c`` (``softcap=c``, Gemma 2's attention logit
+soft-capping): each score ``s = scale * q · k`` becomes ``c * tanh(s / c)`` before the mask.
+
 Every function takes grouped-query attention. In GQA, ``num_heads`` query heads share
 ``num_kv_heads`` K/V heads in equal groups (Llama-3-8B: 32 over 8), so the cache holds only the
 K/V heads; multi-query attention (MQA) is the extreme case of a single K/V head shared by all, and
@@ -49,6 +57,8 @@ attn_metadata.seq_lens`` and ``max_seqlen_q = attn_metadata.max_query_len``, as 
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +81,8 @@ def paged_attention(
     scale: float | None = None,
     *,
     strategy: str = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention for a batch of sequences whose K/V live in a paged cache.
 
@@ -102,12 +114,28 @@ def paged_attention(
             before triton is imported); it reads float32, float16 and bfloat16 caches, and caches
             of any strides, such as a permuted view of vLLM's. ``"auto"`` never picks ``"flex"``
             or ``"triton"``.
+        sliding_window: ``None`` (the default) for full attention, or ``W``, an integer of at least
+            1, for a sliding window of ``W`` tokens: row ``b``'s query, at position ``p =
+            context_lens[b] - 1``, sees positions ``max(0, p - W + 1) .. p``, its sequence's last
+            ``W`` tokens, itself included (Hugging Face's ``kv_idx > q_idx - sliding_window``, vLLM's
+            FlashAttention ``window_size=(W - 1, 0)``). The blocks wholly before the window take no
+            part: their entries must still be block ids below ``num_blocks``, but any (an engine
+            puts its null block there, or leaves the ids of blocks since given to other sequences),
+            holding anything, NaN included. Every strategy skips them: ``"gather"`` copies only the
+            blocks of the windows, ``"in_place"`` meets only those with the queries, ``"flex"`` runs
+            over a copy of them alone, and ``"triton"``'s programs start their block loop at the
+            window. ``"auto"`` chooses by its rule above, counting the blocks of the windows only.
+        softcap: ``None`` (the default), or a positive finite number ``c``: each score ``s = scale
+            * q · k`` becomes ``c * tanh(s / c)`` before the masking and the softmax, so no score
+            leaves ``[-c, c]`` (Gemma 2's soft-capping of the attention logits, as Hugging Face's
+            eager attention applies it).
 
     Returns:
         ``(batch, num_heads, head_dim)``, with the dtype and device of ``query``. Row ``b`` equals
         contiguous attention of ``query[b]`` over the first ``context_lens[b]`` tokens of its
-        sequence, their K/V repeated along the head axis to ``num_heads`` heads
-        (``repeat_interleave(num_heads // num_kv_heads)``). Half and bfloat16 inputs are computed in
+        sequence (its last ``sliding_window`` of them, with a window), their K/V repeated along the
+        head axis to ``num_heads`` heads (``repeat_interleave(num_heads // num_kv_heads)``), the
+        scores soft-capped when ``softcap`` is given. Half and bfloat16 inputs are computed in
         float32 and cast back.
 
     Raises:
@@ -116,11 +144,14 @@ def paged_attention(
             length is below 1 or needs blocks its row does not hold (the message names the argument);
             or the strategy cannot run here (``"flex"`` on a torch before 2.5; ``"triton"`` without
             the triton package, on a dtype it does not read, off CUDA without Triton's interpreter,
-            or with ``TRITON_INTERPRET`` changed since triton was imported).
+            or with ``TRITON_INTERPRET`` changed since triton was imported); or ``sliding_window`` is
+            not an integer of at least 1 (a bool is refused), or ``softcap`` not a positive finite
+            number (the message names the argument).
     """
     context_lens, _, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     _check_strategy(strategy)
-    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy)
+    window, softcap = _check_window(sliding_window), _check_softcap(softcap)
+    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window, softcap)
 
 
 def paged_prefill_attention(
@@ -133,6 +164,8 @@ def paged_prefill_attention(
     scale: float | None = None,
     *,
     strategy: str = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of sequences whose K/V live in a paged cache: prompts,
     chunks of prompts and decodes, in any mix.
@@ -177,26 +210,42 @@ def paged_prefill_attention(
             KV head, tile of query tokens), causal inside a chunk
             (:func:`~paged_kv.attention.triton_decode.triton_attention`). ``"auto"`` never picks
             ``"flex"`` or ``"triton"``.
+        sliding_window: ``None`` (the default) for causal attention over the whole sequence, or
+            ``W``, an integer of at least 1, for a sliding window of ``W`` tokens: query token ``i``
+            of sequence ``b``, at position ``p = context_lens[b] - query_lens[b] + i``, sees
+            positions ``max(0, p - W + 1) .. p``, itself included (Hugging Face's ``kv_idx > q_idx -
+            sliding_window``, vLLM's FlashAttention ``window_size=(W - 1, 0)``). The blocks wholly
+            before the window of a sequence's first query token take no part: their entries must
+            still be block ids below ``num_blocks``, but any (an engine puts its null block there, or
+            leaves the ids of blocks since given to other sequences), holding anything, NaN
+            included. Every strategy skips them, as for :func:`paged_attention`; ``"gather"`` pads
+            each row's copy to the blocks that ``longest query length + W - 1`` positions can span,
+            not to the table's width.
+        softcap: ``None`` (the default), or a positive finite number ``c``: each score ``s = scale
+            * q · k`` becomes ``c * tanh(s / c)`` before the masking and the softmax (Gemma 2's
+            soft-capping of the attention logits), as for :func:`paged_attention`.
 
     Returns:
         ``(total_new_tokens, num_heads, head_dim)``, packed like ``query``, with its dtype and
         device. Each row equals contiguous attention of that query over positions ``0 ..`` its
-        own position of its sequence (K/V repeated to ``num_heads`` heads). Half and bfloat16
-        inputs are computed in float32 and cast back.
+        own position of its sequence (the last ``sliding_window`` of those, with a window; K/V
+        repeated to ``num_heads`` heads; the scores soft-capped when ``softcap`` is given). Half
+        and bfloat16 inputs are computed in float32 and cast back.
 
     Raises:
         ValueError: as :func:`paged_attention`, or ``query_lens`` has the wrong type or shape, a
             query length is outside ``0 .. context_lens[b]``, or they do not sum to the rows of
             ``query`` (the message names the argument); or the strategy is unknown or cannot run
-            here, as for :func:`paged_attention`.
+            here, or ``sliding_window`` or ``softcap`` is not valid, as for :func:`paged_attention`.
     """
     context_lens, query_lens, host_lens = _check_inputs(
         query, k_cache, v_cache, block_tables, context_lens, query_lens
     )
     _check_strategy(strategy)
+    window, softcap = _check_window(sliding_window), _check_softcap(softcap)
     query_start_loc = torch.nn.functional.pad(torch.cumsum(query_lens, 0), (1, 0))
     batch = _Batch(context_lens, query_start_loc, query_lens, host_lens)
-    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
 
 
 def paged_attention_varlen(
@@ -212,12 +261,19 @@ def paged_attention_varlen(
     query_start_loc_cpu: torch.Tensor | None = None,
     strategy: str = "auto",
     check: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`paged_prefill_attention` for an engine step, in vLLM's words: the packed batch given
     by ``query_start_loc``, as a model runner holds it, rather than by query lengths.
 
     Args:
-        query, k_cache, v_cache, block_tables, scale, strategy: as for :func:`paged_prefill_attention`.
+        query, k_cache, v_cache, block_tables, scale, strategy, sliding_window, softcap: as for
+            :func:`paged_prefill_attention`: with a window of ``W``, query token ``i`` of sequence
+            ``b``, at position ``p = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) +
+            i``, sees positions ``max(0, p - W + 1) .. p``, and the blocks wholly before the window
+            of a sequence's first query token take no part (their entries name any block id below
+            ``num_blocks``: the null block, say).
         seq_lens: ``(batch,)`` integer tensor on the query's device: the tokens each sequence holds,
             its query tokens included (the ``context_lens`` of :func:`paged_prefill_attention`).
         query_start_loc: ``(batch + 1,)`` integer tensor on the query's device: ``0``, then the
@@ -244,6 +300,7 @@ def paged_attention_varlen(
         ValueError: as :func:`paged_prefill_attention`, naming ``seq_lens`` or ``query_start_loc``
             (which must start at 0, never decrease and end at the rows of ``query``, each step at
             most its sequence's length); with ``check=False`` only the checks that read no value.
+            ``sliding_window`` and ``softcap`` are checked either way (they are host numbers).
 
     The hot path reads the device back at most once for itself: ``"triton"`` and ``"gather"`` not
     at all when ``max_query_len`` is given, ``"auto"`` and ``"in_place"`` to copy the query lengths
@@ -260,13 +317,14 @@ def paged_attention_varlen(
         values=check,
     )
     _check_strategy(strategy)
+    window, softcap = _check_window(sliding_window), _check_softcap(softcap)
     if max_query_len is not None:
         max_query_len = check_count("max_query_len", max_query_len)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if host_lens is None and query_start_loc_cpu is not None:
         host_lens = torch.diff(query_start_loc_cpu.long())
     batch = _Batch(seq_lens, query_start_loc, query_lens, host_lens, max_query_len)
-    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
 
 
 def _check_strategy(strategy: object) -> None:
@@ -274,29 +332,73 @@ def _check_strategy(strategy: object) -> None:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
-def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy) -> torch.Tensor:
-    """:func:`paged_attention` of checked inputs: one query token per row."""
+def _check_window(sliding_window: object) -> int | None:
+    """``sliding_window`` as an ``int`` of at least 1, or ``None``; a ``ValueError`` naming it."""
+    return None if sliding_window is None else check_count("sliding_window", sliding_window, minimum=1)
+
+
+def _check_softcap(softcap: object) -> float | None:
+    """``softcap`` as a positive finite ``float``, or ``None``; a ``ValueError`` naming it."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def _first_entries(first_pos: torch.Tensor, window: int, block_size: int) -> torch.Tensor:
+    """The first table entry each row's window reaches: the block of position ``first_pos - window +
+    1`` (the first one the query at ``first_pos`` sees), or 0. Every entry before it lies wholly
+    before the windows of the row's queries (at ``first_pos`` and after): it takes no part."""
+    return (first_pos - window + 1).clamp(min=0) // block_size
+
+
+def _blocks_spanned(positions: int, block_size: int) -> int:
+    """The most blocks ``positions`` consecutive positions can touch (at least one position)."""
+    return (max(positions, 1) + block_size - 2) // block_size + 1
+
+
+def _decode(
+    query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window=None, softcap=None
+) -> torch.Tensor:
+    """:func:`paged_attention` of checked inputs: one query token per row (``window`` and
+    ``softcap`` checked, ``None`` when not asked for)."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     if strategy == "flex":
-        out = flex_decode(query.to(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale)
+        q = query.to(k_cache.dtype)
+        out = flex_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=window, softcap=softcap
+        )
         return out.to(query.dtype)
     if strategy == "triton":
-        return triton_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return triton_decode(
+            query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=window, softcap=softcap
+        )
+    num_blocks, _, block_size, _ = k_cache.shape
+    # With a window, each row's entries before the first its query sees take no part.
+    first = None if window is None else _first_entries(context_lens - 1, window, block_size)
     if strategy != "gather" and k_cache.dtype == compute_dtype:
-        reads = _BlockReads.of(k_cache.shape[0], k_cache.shape[2], block_tables, context_lens)
-        if strategy == "in_place" or reads.worth_reading_in_place(k_cache.shape[0], len(query)):
+        reads = _BlockReads.of(num_blocks, block_size, block_tables, context_lens, first)
+        if strategy == "in_place" or reads.worth_reading_in_place(num_blocks, len(query)):
             q = query.to(k_cache.dtype)[:, None]  # one query per row
+            query_pos = context_lens[:, None] - 1
             out = _in_place(
-                q, k_cache, v_cache, block_tables, context_lens, context_lens[:, None] - 1, scale, reads
+                q, k_cache, v_cache, block_tables, context_lens, query_pos, scale, reads, window, softcap
             )
             return out[:, :, 0].to(query.dtype)
 
-    # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2).
-    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
+    # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2);
+    #    with a window, only the entries from the first the query sees, as many as a window can span.
+    span = None if window is None else min(block_tables.shape[1], _blocks_spanned(window, block_size))
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span)
 
-    # 2. Positions at or past the context length do not exist: the attention masks them out.
-    beyond = positions[None, :] >= context_lens[:, None]  # (batch, positions)
-    return _attend(query.to(compute_dtype), k, v, scale, beyond).to(query.dtype)
+    # 2. Positions at or past the context length do not exist: the attention masks them out; so are
+    #    those before the window, and V is zeroed there, as their blocks may hold anything (0 * NaN is NaN).
+    beyond = positions >= context_lens[:, None]  # (batch, positions)
+    if window is not None:
+        beyond |= positions <= (context_lens - 1 - window)[:, None]
+        v = v.masked_fill(beyond[:, None, :, None], 0)
+    return _attend(query.to(compute_dtype), k, v, scale, beyond, softcap).to(query.dtype)
 
 
 @dataclass(frozen=True)
@@ -343,7 +445,9 @@ class _Batch:
         return tokens.to(device), sub
 
 
-def _varlen(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+def _varlen(
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window=None, softcap=None
+) -> torch.Tensor:
     """The packed batch of checked inputs, in ``strategy``: the body of :func:`paged_prefill_attention`."""
     if strategy == "triton":
         return triton_attention(
@@ -355,39 +459,58 @@ def _varlen(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strateg
             batch.query_start_loc,
             batch.longest(),
             scale,
+            sliding_window=window,
+            softcap=softcap,
         )
     if strategy == "flex":
         q = query.to(k_cache.dtype)
-        out = flex_varlen(q, k_cache, v_cache, block_tables, batch.seq_lens, batch.query_start_loc, scale)
+        out = flex_varlen(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            scale,
+            sliding_window=window,
+            softcap=softcap,
+        )
         return out.to(query.dtype)
     if strategy == "gather":
-        return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale)
+        return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap)
 
     # "in_place" and "auto": the rows of one query token are a decode batch, the others chunks.
     host_lens = batch.host_lens()
     decodes, chunks = (host_lens == 1), (host_lens > 1)
     if bool(decodes.all()):  # every row one query token (a decode step): the decode path as it is
-        return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy)
+        lens = batch.seq_lens
+        return _decode(query, k_cache, v_cache, block_tables, lens, scale, strategy, window, softcap)
     out = query.new_empty(query.shape)
     for selected, run in ((decodes, _decodes_of), (chunks, _chunks_of)):
         rows = torch.nonzero(selected).flatten()
         if not len(rows):
             continue
         if len(rows) == len(host_lens):  # all of them: no copy of the tables
-            out = run(query, k_cache, v_cache, block_tables, batch, scale, strategy)
+            out = run(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
             continue
         tokens, sub = batch.rows(rows, host_lens)
         device_rows = rows.to(query.device)
-        out[tokens] = run(query[tokens], k_cache, v_cache, block_tables[device_rows], sub, scale, strategy)
+        out[tokens] = run(
+            query[tokens], k_cache, v_cache, block_tables[device_rows], sub, scale, strategy, window, softcap
+        )
     return out
 
 
-def _decodes_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+def _decodes_of(
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap
+) -> torch.Tensor:
     """A batch whose every row has one query token: the decode path."""
-    return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy)
+    return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy, window, softcap)
 
 
-def _chunks_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy) -> torch.Tensor:
+def _chunks_of(
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap
+) -> torch.Tensor:
     """A batch of rows with several query tokens each: read in place for ``"in_place"`` (when the
     caches are in the compute dtype), gathered otherwise.
 
@@ -398,16 +521,20 @@ def _chunks_of(query, k_cache, v_cache, block_tables, batch: _Batch, scale, stra
     tokens and a chunk of 256, bench/bench_attention.py: ``"auto"`` within 10 % of the decode batch
     and the chunk run apart, 18 to 32 times faster than ``"gather"``, which pads every decode to 256
     queries, and 50 to 70 times faster than ``"in_place"``; 4 prompts of 512 alone: gathered 1.4 to
-    3.5 times faster than in place.)
+    3.5 times faster than in place.) A sliding window only widens the gap: the gathered copy holds
+    the windows' blocks alone.
     """
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     if strategy == "in_place" and k_cache.dtype == compute_dtype:
         num_blocks, _, block_size, _ = k_cache.shape
-        reads = _BlockReads.of(num_blocks, block_size, block_tables, batch.seq_lens)
         q, query_pos, seq, index = _padded(query, batch, batch.longest())
-        out = _in_place(q, k_cache, v_cache, block_tables, batch.seq_lens, query_pos, scale, reads)
+        first = None if window is None else _first_entries(query_pos[:, 0], window, block_size)
+        reads = _BlockReads.of(num_blocks, block_size, block_tables, batch.seq_lens, first)
+        out = _in_place(
+            q, k_cache, v_cache, block_tables, batch.seq_lens, query_pos, scale, reads, window, softcap
+        )
         return out.transpose(1, 2)[seq, index].to(query.dtype)
-    return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale)
+    return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap)
 
 
 def _padded(query, batch: _Batch, longest: int):
@@ -425,14 +552,31 @@ def _padded(query, batch: _Batch, longest: int):
     return padded, query_pos, seq, index
 
 
-def _chunks_gathered(query, k_cache, v_cache, block_tables, batch: _Batch, scale) -> torch.Tensor:
+def _chunks_gathered(
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, window=None, softcap=None
+) -> torch.Tensor:
     """The reference: every row's blocks gathered, the queries padded to the longest, one masked
-    attention for the whole batch, no Python loop over sequences; the padding rows dropped."""
+    attention for the whole batch, no Python loop over sequences; the padding rows dropped.
+
+    With a window, each row's copy starts at the first entry its first query token sees and holds
+    as many as ``longest + window - 1`` positions can span; V is zeroed at the positions none of the
+    row's queries sees, which may hold anything (a zero weight does not cancel NaN)."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype)
-    padded, query_pos, seq, index = _padded(query.to(compute_dtype), batch, batch.longest())
-    beyond = positions[None, None, :] > query_pos[:, :, None]  # (batch, max_q, positions)
-    out = _attend(padded.transpose(1, 2), k, v, scale, beyond)  # (batch, heads, max_q, dim)
+    longest = batch.longest()
+    first = span = None
+    if window is not None:
+        block_size = k_cache.shape[2]
+        first_pos = batch.seq_lens - batch.query_lens  # each row's first query token's position
+        first = _first_entries(first_pos, window, block_size)
+        span = min(block_tables.shape[1], _blocks_spanned(longest + window - 1, block_size))
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span)
+    padded, query_pos, seq, index = _padded(query.to(compute_dtype), batch, longest)
+    beyond = positions[:, None, :] > query_pos[:, :, None]  # (batch, max_q, positions)
+    if window is not None:
+        beyond |= positions[:, None, :] <= query_pos[:, :, None] - window
+        unseen = (positions >= batch.seq_lens[:, None]) | (positions <= (first_pos - window)[:, None])
+        v = v.masked_fill(unseen[:, None, :, None], 0)
+    out = _attend(padded.transpose(1, 2), k, v, scale, beyond, softcap)  # (batch, heads, max_q, dim)
     return out.transpose(1, 2)[seq, index].to(query.dtype)
 
 
@@ -555,25 +699,35 @@ class _BlockReads:
 
     ``blocks`` and ``rows`` list every table entry the batch reads (row by row, in table order);
     ``shared`` holds the distinct blocks that more than one entry reads, and ``shared_entries``
-    how many entries read them.
+    how many entries read them. ``first``, with a sliding window, is each row's first entry read
+    (:func:`_first_entries`): the entries before it take no part, whatever block they name.
     """
 
     blocks: torch.Tensor
     rows: torch.Tensor
     shared: torch.Tensor
     shared_entries: int
+    first: torch.Tensor | None = None
 
     @classmethod
     def of(
-        cls, num_blocks: int, block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor
+        cls,
+        num_blocks: int,
+        block_size: int,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        first: torch.Tensor | None = None,
     ) -> _BlockReads:
         needed = (context_lens + block_size - 1) // block_size
-        used = torch.arange(block_tables.shape[1], device=block_tables.device) < needed[:, None]
+        entries = torch.arange(block_tables.shape[1], device=block_tables.device)
+        used = entries < needed[:, None]
+        if first is not None:
+            used &= entries >= first[:, None]
         blocks = block_tables.long()[used]
         rows = torch.arange(len(block_tables), device=block_tables.device)[:, None].expand_as(used)[used]
         readers = torch.bincount(blocks, minlength=num_blocks)
         shared = torch.nonzero(readers > 1).flatten()
-        return cls(blocks, rows, shared, int(readers[shared].sum()))
+        return cls(blocks, rows, shared, int(readers[shared].sum()), first)
 
     def worth_reading_in_place(self, num_blocks: int, batch: int) -> bool:
         """``"auto"``'s choice: the batch reads at least half the pool (the in-place products cover
@@ -584,12 +738,16 @@ class _BlockReads:
         return 2 * distinct >= num_blocks and not thin
 
 
-def _in_place(q, k_cache, v_cache, block_tables, context_lens, query_pos, scale, reads) -> torch.Tensor:
+def _in_place(
+    q, k_cache, v_cache, block_tables, context_lens, query_pos, scale, reads, window=None, softcap=None
+) -> torch.Tensor:
     """Attention that reads the blocks where they lie, for ``q`` ``(batch, queries, num_heads,
     head_dim)`` in the caches' dtype: query ``i`` of row ``b`` sees positions ``0 ..
-    query_pos[b, i]`` of its row (and never one at or past ``context_lens[b]``). Returns
+    query_pos[b, i]`` of its row (``query_pos[b, i] - window + 1 ..`` with a window; never one at
+    or past ``context_lens[b]``), the scores soft-capped when ``softcap`` is given. Returns
     ``(batch, num_heads, queries, head_dim)``. A decode batch has one query per row, at
-    ``context_lens - 1``.
+    ``context_lens - 1``. With a window, the entries before ``reads.first`` are not read: they go
+    to the dummy, as padding does, so the blocks they name (the null block, say) meet no query.
 
     Each block only one row reads meets that row's queries once: scores for the whole pool come
     from one batched product in physical order, and so do the per-block partial outputs, without
@@ -611,6 +769,8 @@ def _in_place(q, k_cache, v_cache, block_tables, context_lens, query_pos, scale,
     owner = torch.full((num_blocks,), batch, dtype=torch.long, device=q.device)
     positions = torch.arange(width * block_size, device=q.device)
     read = positions[::block_size][None, :] < context_lens[:, None]  # (batch, width): entries read
+    if reads.first is not None:  # a window: not the entries before it
+        read &= torch.arange(width, device=q.device)[None, :] >= reads.first[:, None]
     table = torch.where(read, block_tables.long(), num_blocks)  # padding -> the dummy
     if num_shared:
         shared_index = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=q.device)
@@ -642,9 +802,13 @@ def _in_place(q, k_cache, v_cache, block_tables, context_lens, query_pos, scale,
     source = torch.cat(parts)  # (sources, heads, queries, slots)
 
     in_order = source[index].permute(0, 2, 3, 1, 4).reshape(batch, num_heads, num_queries, width * block_size)
+    if softcap is not None:
+        in_order = softcap * torch.tanh(in_order / softcap)
     unseen = (positions[None, None, :] > query_pos[:, :, None]) | (
         positions[None, None, :] >= context_lens[:, None, None]
     )  # (batch, queries, positions)
+    if window is not None:
+        unseen |= positions[None, None, :] <= query_pos[:, :, None] - window
     in_order = in_order.masked_fill(unseen[:, None], float("-inf"))
     weights = torch.softmax(in_order, dim=-1).view(batch, num_heads, num_queries, width, block_size)
     weights = weights.permute(0, 3, 1, 2, 4)  # (batch, width, heads, queries, slots)
@@ -678,18 +842,34 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_batch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    dtype: torch.dtype,
+    first: torch.Tensor | None = None,
+    span: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's K and V in table order, in ``dtype``, and the positions they hold.
 
-    Returns ``k`` and ``v`` of shape ``(batch, num_heads, max_blocks * block_size, head_dim)`` and
-    ``positions = arange(max_blocks * block_size)``. Padding entries are clamped to a real block
-    (any one will do): the caller masks out the positions they hold.
+    Returns ``k`` and ``v`` of shape ``(batch, num_heads, n * block_size, head_dim)`` and the
+    positions of their slots: all ``n = max_blocks`` entries of each row, ``positions = arange(n *
+    block_size)[None]``; or, given ``first`` (a ``(batch,)`` LongTensor) and ``span``, the ``n =
+    span`` entries ``first[b] ..`` of row ``b``, ``positions`` ``(batch, span * block_size)``.
+    Padding entries and those past the table are clamped to a real block (any one will do): the
+    caller masks out the positions they hold.
     """
     num_blocks, _, block_size, _ = k_cache.shape
-    blocks = block_tables.long().clamp(0, num_blocks - 1)
+    if first is None:
+        blocks = block_tables.long().clamp(0, num_blocks - 1)
+        positions = torch.arange(blocks.shape[1] * block_size, device=blocks.device)[None]
+    else:
+        entries = first[:, None] + torch.arange(span, device=first.device)  # (batch, span)
+        table = block_tables.long().gather(1, entries.clamp(max=max(block_tables.shape[1] - 1, 0)))
+        blocks = table.clamp(0, num_blocks - 1)
+        slots = torch.arange(block_size, device=first.device)
+        positions = (entries[:, :, None] * block_size + slots).flatten(1)
     k, v = (_gather_blocks(cache, blocks).to(dtype) for cache in (k_cache, v_cache))
-    return k, v, torch.arange(blocks.shape[1] * block_size, device=k.device)
+    return k, v, positions
 
 
 def _attend(
@@ -698,18 +878,23 @@ def _attend(
     v: torch.Tensor,
     scale: float | None,
     beyond: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for a batch: q ``(batch, heads, [queries,] dim)``, k, v ``(batch, kv_heads, slots, dim)``.
 
     Decode has one query per row and no ``queries`` axis; prefill has one. ``heads`` is a multiple
     of ``kv_heads``: query head ``h`` meets KV head ``h // (heads // kv_heads)``. The query heads
     are viewed as ``(kv_heads, group)`` and the products broadcast over the group, so no K or V is
-    copied per query head. ``beyond`` is a ``(batch, [queries,] positions)`` bool mask of the
-    positions a query must not see; they get a score of ``-inf`` before the softmax. Returns q's shape.
+    copied per query head. ``softcap`` ``c``, when given, makes each score ``c * tanh(score / c)``.
+    ``beyond`` is a ``(batch, [queries,] positions)`` bool mask of the positions a query must not
+    see; they get a score of ``-inf`` before the softmax (after the soft cap: a NaN score there is
+    replaced too). Returns q's shape.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grouped = _group_heads(q, k.shape[1], dim=1)  # (batch, kv_heads, group, [queries,] dim)
     scores = torch.einsum("bkg...d,bkpd->bkg...p", grouped, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if beyond is not None:
         scores = scores.masked_fill(beyond[:, None, None], float("-inf"))  # the same for every head
     weights = torch.softmax(scores, dim=-1)  # over the positions, for each head (and query)

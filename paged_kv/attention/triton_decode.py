@@ -40,8 +40,11 @@ length from the device), and a program finds its sequence by a binary search ove
 sequence axis instead, sized by ``max_query_len``, and lets the programs past a sequence's query
 tokens return. vLLM's kernel loads the physical block id of each tile of keys from the block table,
 computes the K/V offsets from the cache's four strides, keeps a running maximum ``M``, sum ``L`` and
-accumulator ``acc`` in float32, and adds sliding windows, ALiBi, soft-capping, fp8 caches and a
-split of long contexts into segments (``IS_3D``), which this kernel leaves out.
+accumulator ``acc`` in float32, and adds ALiBi, fp8 caches and a split of long contexts into
+segments (``IS_3D``), which this kernel leaves out. Sliding windows and soft-capping this kernel
+has too, as trailing constexprs (``SLIDING_WINDOW``, ``SOFTCAP``; vLLM's kernel takes
+``SLIDING_WINDOW`` and ``USE_SOFTCAP`` constexprs): the launcher passes them only when a window or
+a cap is asked for, so a kernel written without them (lesson 12's exercise) launches as before.
 
 Triton is optional: ``import paged_kv`` never imports it, and :func:`triton_available` says
 whether it is installed. On CUDA the kernel is compiled. On the CPU it runs in Triton's
@@ -55,6 +58,7 @@ and makes the kernel then.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -95,6 +99,9 @@ def triton_decode(
     context_lens: torch.Tensor,
     scale: float | None,
     kernel: Callable | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
@@ -107,7 +114,17 @@ def triton_decode(
     batch = query.shape[0]
     query_start_loc = torch.arange(batch + 1, device=query.device)
     return triton_attention(
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, 1, scale, kernel
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        1,
+        scale,
+        kernel,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 
@@ -122,6 +139,9 @@ def triton_attention(
     scale: float | None,
     kernel: Callable | None = None,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention of checked inputs (see ``paged_attention_varlen``) with the Triton kernel:
     any number of query tokens per sequence, causal inside a chunk, decodes and chunks in one launch.
@@ -150,10 +170,18 @@ def triton_attention(
     kernel writes (the query's shape and dtype, as vLLM's ``unified_attention`` takes its ``out``);
     lesson 12's check fills it with NaN first, so a row a kernel never stores shows.
 
+    ``sliding_window`` (an int of at least 1) and ``softcap`` (a positive float), checked, as for
+    ``paged_attention_varlen``, reach the kernel as its trailing constexprs ``SLIDING_WINDOW`` and
+    ``SOFTCAP``, each only when given: a kernel without those parameters (lesson 12's) launches as
+    before when neither is asked for. Each value is a constexpr, so each compiles a kernel of its
+    own (once per model, as a model has one window and one cap).
+
     Raises:
         ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
-            ``TRITON_INTERPRET`` has changed since triton was imported; or the tensors are not on
-            CUDA and Triton is not in interpreter mode (see :func:`triton_interpreted`).
+            ``TRITON_INTERPRET`` has changed since triton was imported; the tensors are not on
+            CUDA and Triton is not in interpreter mode (see :func:`triton_interpreted`); or a
+            ``sliding_window`` or ``softcap`` is asked of a ``kernel`` that lacks the parameter
+            (the message names the argument).
     """
     if not triton_available():
         raise ValueError(
@@ -183,10 +211,11 @@ def triton_attention(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     query_tile = query_tile_for(max_query_len, group)
-    if not out.numel() or not batch:
-        return out
     if kernel is None:
         from paged_kv.attention.triton_kernel import paged_attention_kernel as kernel
+    extras = _extras(kernel, sliding_window, softcap)  # checked even when there is nothing to compute
+    if not out.numel() or not batch:
+        return out
     _jit(kernel)[(batch, num_kv_heads, triton.cdiv(max_query_len, query_tile))](
         out,
         query,
@@ -208,8 +237,25 @@ def triton_attention(
         ROWS_PADDED=triton.next_power_of_2(query_tile * group),
         BLOCK_PADDED=triton.next_power_of_2(block_size),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        **extras,
     )
     return out
+
+
+def _extras(kernel: Callable, sliding_window: int | None, softcap: float | None) -> dict[str, object]:
+    """The trailing constexprs to pass ``kernel``, each only when asked for: ``SLIDING_WINDOW`` and
+    ``SOFTCAP``; a ``ValueError`` naming the argument when ``kernel`` has no such parameter."""
+    asked = {"sliding_window": ("SLIDING_WINDOW", sliding_window), "softcap": ("SOFTCAP", softcap)}
+    extras = {name: value for name, value in asked.values() if value is not None}
+    parameters = inspect.signature(kernel).parameters if extras else {}
+    for argument, (name, value) in asked.items():
+        if value is not None and name not in parameters:
+            raise ValueError(
+                f"{argument} needs a kernel with the trailing constexpr parameter {name}, and "
+                f"{getattr(kernel, '__name__', kernel)} has none (the package's paged_attention_kernel "
+                "has it; lesson 12's computes full attention, without a soft cap)"
+            )
+    return extras
 
 
 #: The rows of (query token, query head) a program of several query tokens takes, as vLLM's

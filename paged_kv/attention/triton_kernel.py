@@ -18,10 +18,10 @@ met by every row. Query token ``i`` of sequence ``b`` sits at position ``context
 sequence, where ``context_len = seq_len - query_len`` tokens came before the query tokens (cached
 by earlier steps), and it sees positions ``0 ..`` its own: causal inside a chunk.
 
-The program walks its sequence's logical blocks ``j = 0 .. ceil(kv_len / BLOCK_SIZE) - 1``, where
-``kv_len`` is the positions its last query token sees, loads block ``j``'s physical id from its
-row of the table, and addresses slot ``s`` of it, for its KV head and dimension ``d``, as lesson
-03's translation in pointer arithmetic::
+The program walks its sequence's logical blocks ``j = 0 .. ceil(kv_len / BLOCK_SIZE) - 1`` (from
+the window's first block, with a sliding window: below), where ``kv_len`` is the positions its last
+query token sees, loads block ``j``'s physical id from its row of the table, and addresses slot
+``s`` of it, for its KV head and dimension ``d``, as lesson 03's translation in pointer arithmetic::
 
     k_cache_ptr + block * k_stride_block + kv_head * k_stride_head + s * k_stride_slot + d * k_stride_dim
 
@@ -33,15 +33,31 @@ score of each row; ``total``, the running sum of ``exp(score - m)``; ``acc``, th
 those weights times V. When a block raises the maximum, the earlier terms are rescaled by
 ``exp(m_old - m_new)``; the output is ``acc / total``.
 
+Two options, trailing constexprs with defaults, so that a kernel written without them (lesson 12's
+exercise) still launches: the launcher passes them only when asked for. ``SLIDING_WINDOW = W`` (0:
+none) makes a row see the positions ``query_pos - W + 1 .. query_pos`` only, a third condition of
+the visible mask; and the loop starts at the block of the first position the tile's first query
+token sees, ``(first query position - W + 1) // BLOCK_SIZE`` (at least 0), not at block 0: the
+blocks before it are never loaded, which is what lets an engine put its null block (or anything)
+in their table entries, and what makes a window cheap. A later row's window may start after the
+first blocks the loop visits, so its running maximum is still ``-inf`` there: the exponents then
+subtract 0 instead (``m_exp``), which keeps its terms 0 rather than ``exp(-inf + inf)``, NaN. A
+padding row may see no position at all, and its ``total`` of 0 is replaced by 1 before the division
+(the row is not stored). ``SOFTCAP = c`` (0.0: none) makes each scaled score ``c * tanh(score /
+c)`` before the masks (Gemma 2), with ``tanh(x) = 2 * sigmoid(2x) - 1``, as Triton's interpreter
+has no ``tanh``. Each value compiles a kernel of its own.
+
 Invariants the launcher guarantees: ``query_start_loc`` starts at 0 and never decreases, each
 ``query_len = query_start_loc[b + 1] - query_start_loc[b]`` is at most ``seq_lens[b]``, and the
 first ``ceil(seq_lens[b] / BLOCK_SIZE)`` entries of row ``b`` are block ids of the cache (the others
-are never read, so padding may hold anything). A program whose tile starts at or past its
-sequence's query tokens returns at once (a sequence with 0 query tokens has no work). Every row,
-padding included, sees position 0 (``query_pos >= 0``) in the first block the loop visits, so ``m``
-is finite after it. ``GROUP * QUERY_TILE``, ``BLOCK_SIZE`` and ``HEAD_DIM`` are rounded up to
-powers of two (``*_PADDED``, as ``tl.arange`` requires) and the padding is masked; padding rows
-(past ``GROUP * QUERY_TILE``, or past the sequence's query tokens) are computed but never stored.
+are never read, so padding may hold anything; with a window, neither are those before the window's
+first block). A program whose tile starts at or past its sequence's query tokens returns at once (a
+sequence with 0 query tokens has no work). Without a window every row, padding included, sees
+position 0 (``query_pos >= 0``) in the first block the loop visits, so ``m`` is finite after it;
+with one, every real row sees its own position, in a block of the loop, so its ``total`` ends
+positive. ``GROUP * QUERY_TILE``, ``BLOCK_SIZE`` and ``HEAD_DIM`` are rounded up to powers of two
+(``*_PADDED``, as ``tl.arange`` requires) and the padding is masked; padding rows (past ``GROUP *
+QUERY_TILE``, or past the sequence's query tokens) are computed but never stored.
 """
 
 from paged_kv.attention.triton_language import tl
@@ -79,6 +95,8 @@ def paged_attention_kernel(
     ROWS_PADDED: tl.constexpr,  # QUERY_TILE * GROUP, BLOCK_SIZE and HEAD_DIM rounded up to powers of two
     BLOCK_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,  # W > 0: a query at position p sees p - W + 1 .. p only; 0: none
+    SOFTCAP: tl.constexpr = 0.0,  # c > 0: each score s becomes c * tanh(s / c) (Gemma 2); 0.0: none
 ):
     """Program ``(seq, kv_head, tile)``: query tokens ``tile * QUERY_TILE ...`` of sequence ``seq``,
     for query heads ``kv_head * GROUP ...``."""
@@ -109,11 +127,15 @@ def paged_attention_kernel(
     q = tl.load(q_ptrs, mask=real, other=0.0).to(tl.float32)  # (rows, dim)
     table_row = block_tables_ptr + seq * table_stride_seq
     kv_len = tl.minimum(context_len + (tile + 1) * QUERY_TILE, seq_len)  # what the tile's last token sees
+    first_block = 0  # the first logical block the tile's queries see: causal, block 0
+    if SLIDING_WINDOW > 0:  # in a window, the block of the first position the tile's first token sees;
+        # the blocks before it are never loaded, and may hold anything (an engine's null block, say)
+        first_block = tl.maximum(context_len + tile * QUERY_TILE - SLIDING_WINDOW + 1, 0) // BLOCK_SIZE
 
     m = tl.full((ROWS_PADDED,), float("-inf"), dtype=tl.float32)  # running maximum score
     total = tl.zeros((ROWS_PADDED,), dtype=tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros((ROWS_PADDED, HEAD_DIM_PADDED), dtype=tl.float32)  # running sum of weights * V
-    for j in range(0, tl.cdiv(kv_len, BLOCK_SIZE)):  # the logical blocks the tile's queries see
+    for j in range(first_block, tl.cdiv(kv_len, BLOCK_SIZE)):  # the logical blocks the tile's queries see
         block = tl.load(table_row + j * table_stride_entry).to(tl.int64)  # physical block id
         kv_pos = j * BLOCK_SIZE + slots  # the positions the block's slots hold
         # Slots at or past the sequence's length (the tail of the last block) hold no token.
@@ -128,14 +150,22 @@ def paged_attention_kernel(
         )
         k = tl.load(k_ptrs, mask=loaded, other=0.0).to(tl.float32)  # (slot, dim)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (rows, slot)
+        if SOFTCAP > 0:  # Gemma 2's soft cap, SOFTCAP * tanh(scores / SOFTCAP); tanh(x) = 2 * sigmoid(2x) - 1
+            scores = SOFTCAP * (2 * tl.sigmoid(2 * scores / SOFTCAP) - 1)
         # Causal: a query sees the live positions up to its own, itself included.
         visible = live[None, :] & (kv_pos[None, :] <= query_pos[:, None])
+        if SLIDING_WINDOW > 0:  # and, in a window, the last SLIDING_WINDOW of them only
+            visible = visible & (kv_pos[None, :] > query_pos[:, None] - SLIDING_WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
 
-        # Every row sees position 0 in the first block, so m_new is finite from then on.
+        # Without a window every row sees position 0 in the first block: m_new is finite from then on.
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        rescale = tl.exp(m - m_new)  # what the earlier blocks' terms shrink by; 0 on the first
-        weights = tl.exp(scores - m_new[:, None])  # (rows, slot), 0 where not visible
+        m_exp = m_new  # what the exponents subtract
+        if SLIDING_WINDOW > 0:  # in a window, a row whose window starts in a later block sees nothing
+            # here: its m_new is still -inf, and exp(-inf - -inf) is NaN; subtracting 0 keeps its terms 0
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - m_exp)  # what the earlier blocks' terms shrink by; 0 on the first
+        weights = tl.exp(scores - m_exp[:, None])  # (rows, slot), 0 where not visible
         total = total * rescale + tl.sum(weights, axis=1)
         v_ptrs = (
             v_cache_ptr
@@ -148,6 +178,8 @@ def paged_attention_kernel(
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         m = m_new
 
+    if SLIDING_WINDOW > 0:  # a padding row may see nothing at all in a window: spare it 0 / 0 (never stored)
+        total = tl.where(total > 0, total, 1.0)
     out_ptrs = (
         out_ptr
         + (query_start + token)[:, None] * out_stride_token
