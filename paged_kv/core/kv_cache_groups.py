@@ -151,8 +151,9 @@ def kv_cache_groups(layer_windows: Sequence[int | None], block_size: int) -> tup
 
 
 def layer_tensors(groups: Sequence[KVCacheGroupSpec]) -> dict[int, int]:
-    """The pool tensor each layer reads and writes: its index within its group (vLLM:
-    ``KVCacheTensor.shared_by``, one layer of every group per tensor). There are as many tensors as
+    """The pool tensor each layer reads and writes: its index within its group (in vLLM 0.33.0 the
+    groups' ``KVCacheTensor`` placements overlay the same bytes, one layer of every group on each,
+    sound because a block is owned by one group at a time). There are as many tensors as
     the largest group has layers."""
     return {layer: index for group in groups for index, layer in enumerate(group.layers)}
 

@@ -12,7 +12,7 @@ many query heads read each (vLLM's cache tensors are sized by ``num_kv_heads`` i
 A hybrid model's layers share tensors (lesson 13): with ``layer_tensors``, layer ``l`` reads and
 writes tensor ``layer_tensors[l]``, its index within its KV-cache group, so the storage holds as
 many tensors as the largest group has layers, and a block, owned by one group at a time, holds that
-group's layers (vLLM: ``KVCacheTensor.shared_by``).
+group's layers (in vLLM 0.33.0 the groups' ``KVCacheTensor`` placements overlay the same bytes).
 
 Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_kv_heads,
 block_size, head_dim)`` and are views of two tensors allocated at construction, which never change
