@@ -303,3 +303,23 @@ def test_a_hybrid_request_too_long_for_the_pool_alone_is_refused():
     engine = Engine(tiny_hybrid(), num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="null block"):
         engine.run([EngineRequest("long", list(range(30)), 10)])
+
+
+def test_a_runner_refuses_block_ids_for_another_group_layout_and_changes_nothing():
+    from paged_kv.kv.storage import KVStorage
+    from paged_kv.serving.model_runner import ModelRunner
+    from paged_kv.serving.outputs import NewRequestData, SchedulerOutput
+
+    engine = Engine(tiny_hybrid(), num_blocks=32, block_size=4)
+    groups = engine.kv_cache_groups  # (0, 2) slide with different windows: three groups of one layer
+    config = TINY_HYBRID
+    storage = KVStorage(3, 32, 4, config.num_kv_heads, config.head_dim, layer_tensors=[0, 0, 0])
+    runner = ModelRunner(tiny_hybrid(), storage, max_num_reqs=2, max_blocks_per_req=8, kv_cache_groups=groups)
+    good = NewRequestData("a", (1, 2, 3), ((1,), (2,), (3,)), 0)
+    runner.execute_model(SchedulerOutput(0, {"a": 3}, 3, (good,)))
+    before = (dict(runner.tables.rows), runner.tables.block_ids("a"))
+    for block_ids, match in [(((4,),), "3 groups"), (((4,), (5, 6), (7,)), "each as long")]:
+        bad = NewRequestData("b", (1, 2), block_ids, 0)
+        with pytest.raises(ValueError, match=match):
+            runner.execute_model(SchedulerOutput(1, {"b": 2}, 2, (bad,)))
+        assert (dict(runner.tables.rows), runner.tables.block_ids("a")) == before
