@@ -254,6 +254,24 @@ def test_a_new_request_starts_with_its_hits_and_freed_window_blocks_stay_cached(
     assert coordinator.prefix_cache_stats.hits == 32
 
 
+def test_a_new_requests_fresh_blocks_never_evict_another_groups_hit():
+    # Every group's hits are taken before any group's fresh blocks: a fresh block comes off the head
+    # of the free list, where another group's hit may still sit, cached. Here the full group's fresh
+    # block would be the sliding group's hit, which it would evict and then share with it.
+    coordinator = KVCacheCoordinator(kv_cache_groups([None, 2], 2), 5, enable_prefix_caching=True)
+    tokens = [1, 1, 1, 1]
+    coordinator.allocate_slots("a", 2, tokens)
+    coordinator.allocate_slots("a", 1, tokens)
+    coordinator.allocate_slots("a", 1, tokens)
+    coordinator.free("a")
+    computed = coordinator.get_computed_blocks(tokens)
+    assert computed.num_tokens == 2
+    gained = coordinator.allocate_slots("b", 2, tokens, computed=computed)
+    real = [b for ids in gained for b in ids if b != NULL_BLOCK]
+    assert len(real) == len(set(real))  # no block in two groups
+    assert [tuple(ids[:1]) for ids in gained] == list(computed.block_ids)
+
+
 def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
     coordinator = KVCacheCoordinator(gemma2(), 16, enable_prefix_caching=True)
     coordinator.allocate_slots("a", 8, list(range(8)))
@@ -378,10 +396,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if not hasattr(self, "coordinator"):
             return
         holders: dict[int, int] = {}
+        owner: dict[int, int] = {}  # block -> the group holding it: one group at a time
         for request, tokens in self.tokens.items():
             for manager, ids in zip(
                 self.coordinator.managers, self.coordinator.get_block_ids(request), strict=True
             ):
+                for block_id in ids:
+                    if block_id != NULL_BLOCK:
+                        assert owner.setdefault(block_id, manager.group_id) == manager.group_id, block_id
                 assert len(ids) == blocks_for_tokens(len(tokens), self.block_size)
                 nulls = manager.spec.num_skipped_tokens(self.skipped_at[request]) // self.block_size
                 if isinstance(manager, SlidingWindowManager):

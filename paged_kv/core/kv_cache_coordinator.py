@@ -246,10 +246,11 @@ class KVCacheCoordinator:
                 manager.remove_skipped_blocks(request_id, held)
         if self._blocks_to_allocate(request_id, hits, start, end) + keep_free > self.num_free_blocks:
             return None
+        if held is None:  # every group's hits first: a fresh block must never evict another group's hit
+            for manager, group_hits in zip(self.managers, hits, strict=True):
+                manager.add_hits(request_id, group_hits)
         gained = []
         for manager, group_hits in zip(self.managers, hits, strict=True):
-            if held is None:
-                manager.add_hits(request_id, group_hits)
             new = manager.allocate_new_blocks(request_id, end)
             gained.append([*group_hits, *new] if held is None else new)
         if held is None:
