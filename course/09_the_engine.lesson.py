@@ -255,7 +255,9 @@ plt.show()
 # `num_scheduled_tokens` (request id to tokens, in the order the runner flattens them),
 # `total_num_scheduled_tokens`, `scheduled_new_reqs` (each new request's token ids and `block_ids`),
 # `scheduled_cached_reqs` (the `new_block_ids` each running request gained), the preempted and the
-# finished request ids.
+# finished request ids. Block ids come as vLLM sends them, one tuple per *KV-cache group*: a model
+# whose layers all attend fully has one group, so `((0, 1, 2),)` is one table's blocks 0, 1 and 2
+# (lesson 13 meets models with several).
 #
 # **The model runner prepares the step once and runs one forward.** It keeps a persistent block
 # table on the cache's device, one row per request (`BlockTables`): a new request's row gets its

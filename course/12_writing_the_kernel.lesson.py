@@ -279,7 +279,9 @@ for token in range(query_lens[2]):
 # Here is the package's kernel, a plain Python function in Triton's language; `triton.jit` makes it
 # a kernel, and `paged_attention_varlen(..., strategy="triton")` launches it over the step's
 # `seq_lens` and `query_start_loc`, as do `paged_prefill_attention` (which takes the query lengths)
-# and `paged_attention` (a step of decodes) with that strategy.
+# and `paged_attention` (a step of decodes) with that strategy. Its two trailing constexpr
+# parameters, `SLIDING_WINDOW` and `SOFTCAP` (defaults: none), serve lesson 13's sliding-window and
+# soft-capped layers and change nothing here.
 
 # %%
 source = inspect.getsource(paged_attention_kernel) if KERNELS else MISSING

@@ -55,6 +55,7 @@ LESSONS = (
     Lesson("10", "real_models_and_the_token_budget", "Real models and the token budget"),
     Lesson("11", "running_out_of_blocks", "Running out of blocks"),
     Lesson("12", "writing_the_kernel", "Writing the kernel"),
+    Lesson("13", "hybrid_models", "Hybrid models"),
 )
 BY_NUMBER = {lesson.number: lesson for lesson in LESSONS}
 

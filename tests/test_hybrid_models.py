@@ -32,6 +32,8 @@ from tests.helpers import max_examples
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.lesson13
+
 VOCAB, WINDOW = 256, 8
 HYBRIDS = {
     # name: (config class, model class, the config's own settings of its layers)

@@ -23,6 +23,8 @@ from paged_kv.core.kv_cache_groups import (
 from paged_kv.core.prefix_cache import CachingBlockAllocator, chain_hashes, full_blocks
 from paged_kv.core.single_type_manager import NULL_BLOCK, SlidingWindowManager, manager_for
 
+pytestmark = pytest.mark.lesson13
+
 # ------------------------------------------------------------------------------ the grouping rule
 
 

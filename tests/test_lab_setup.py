@@ -258,7 +258,7 @@ def test_make_lab_says_what_moved_in_a_first_map_copy(tmp_path, capsys):
     assert lab_setup.main(["--work", str(work), "--settings", str(settings)]) == 0
     out = capsys.readouterr().out
 
-    assert "your copy predates the course's map of 13 lessons" in out
+    assert "your copy predates the course's map of 14 lessons" in out
     assert "exercises/06_concurrent_workload.ipynb -> exercises/07_concurrent_workload.ipynb" in out
     assert "lesson 05 was split" in out and "nothing was deleted" in out
     assert (work / "lessons" / "07_concurrent_workload.ipynb").read_bytes() == (

@@ -40,7 +40,7 @@ from .test_attention import HEADS, TOLERANCES, causal_mask, head_layouts, repeat
 from .test_varlen_attention import skip_unless_runnable, starts_of, strategies_on
 
 pytestmark = [
-    pytest.mark.lesson06,
+    pytest.mark.lesson13,
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
 ]
 

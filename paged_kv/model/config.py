@@ -95,6 +95,14 @@ class GPTConfig:
             ):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
+    def __repr__(self) -> str:
+        """The sizes, and the attention settings only where they are set (a hybrid model's)."""
+        names = ["vocab_size", "num_layers", "num_heads", "head_dim", "max_len", "num_kv_heads"]
+        names += [
+            n for n in ("sliding_windows", "attention_scale", "attn_softcap") if getattr(self, n) is not None
+        ]
+        return f"GPTConfig({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
     @property
     def d_model(self) -> int:
         return self.num_heads * self.head_dim

@@ -1,4 +1,4 @@
-"""A picture of the block pool, drawn as one SVG from an :class:`AllocatorSnapshot` (lessons 00-09).
+"""A picture of the block pool, drawn as one SVG from an :class:`AllocatorSnapshot` (lessons 00-09, 13).
 
 :func:`render_allocator` is a pure function: the same snapshot, caption, highlight and width always
 give the same HTML string, with no JavaScript, no external resource, no random id and no timestamp.
@@ -21,6 +21,11 @@ From top to bottom it draws:
   :meth:`~paged_kv.kv.cache.PagedKVCacheAllocator.usage` measures them (a shared block counts once,
   and the gauge says how many are shared: :func:`snapshot_usage`);
 * the caption, under the picture, in its own ``<div>``.
+
+**The null block.** A snapshot whose ``null_block`` is set (a hybrid model's pool, lesson 13) draws
+that block in grey, labelled ``null``: it belongs to no table and is never free. A table entry that
+names it (a block that left a sliding window) is a grey ``null`` box, not a block the tables
+share; the gauge counts neither the null block nor its entries, as vLLM's usage leaves it out.
 
 **Two forms, one SVG.** The drawing's text, outlines and background are painted with two CSS
 custom properties, ``--pkv-ink`` and ``--pkv-paper``, whose fallbacks are dark grey on white; the
@@ -58,6 +63,7 @@ import zlib
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from paged_kv.core.block import BlockTable
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.usage import BlockUsage
 from paged_kv.core.usage import block_tokens as tokens_per_block
@@ -81,6 +87,7 @@ INK = f"var(--pkv-ink, {CARD_INK})"  # text, outlines, frames: the page's text c
 PAPER = f"var(--pkv-paper, {CARD_PAPER})"  # the background, and a free block: the page's when inline
 INLINE_COLOURS = "--pkv-ink:currentColor;--pkv-paper:transparent"
 USED_GAUGE = "#888888"  # mid grey: it stands out on a light and on a dark background
+NULL_FILL = "#808080"  # the null block: 3.9:1 or more against every page, 5.3:1 under its black label
 MARGIN = 12
 MIN_LAYOUT_WIDTH = 320  # narrower pictures are laid out at this width and scaled down
 BLOCKS_PER_ROW = 16
@@ -97,14 +104,31 @@ def snapshot_usage(snapshot: AllocatorSnapshot) -> BlockUsage:
     """The pool's metrics from a snapshot: exactly what the allocator's ``usage()`` measured then.
 
     Used blocks are the blocks off the free list; a block shared by several tables (a fork, a
-    cached prefix) counts once, and so do the tokens it holds (:meth:`BlockUsage.of_tables`).
+    cached prefix) counts once, and so do the tokens it holds (:meth:`BlockUsage.of_tables`). A
+    pool's null block is left out of the blocks and of the used ones, and a table's null entries
+    hold no token, as vLLM's ``BlockPool.get_usage`` counts.
     """
+    null, size = snapshot.null_block, snapshot.block_size
+    tables = snapshot.tables.values()
     return BlockUsage.of_tables(
-        snapshot.tables.values(),
-        num_blocks=snapshot.num_blocks,
+        tables if null is None else [_without_nulls(table, null, size) for table in tables],
+        num_blocks=snapshot.num_blocks - (null is not None),
         free_blocks=len(snapshot.free_block_ids),
-        block_size=snapshot.block_size,
+        block_size=size,
     )
+
+
+def _without_nulls(table: BlockTable, null: int, block_size: int) -> BlockTable:
+    """The table without its null entries, and without the tokens they stood for.
+
+    The null entries lead a table (the blocks before a window), so the blocks left keep their tokens.
+    """
+    nulled = sum(
+        min(block_size, max(0, table.num_tokens - logical * block_size))
+        for logical, block_id in enumerate(table.block_ids)
+        if block_id == null
+    )
+    return BlockTable([b for b in table.block_ids if b != null], table.num_tokens - nulled)
 
 
 def block_tokens(snapshot: AllocatorSnapshot) -> dict[int, int]:
@@ -113,8 +137,12 @@ def block_tokens(snapshot: AllocatorSnapshot) -> dict[int, int]:
     >>> from paged_kv.core.block import BlockTable
     >>> block_tokens(AllocatorSnapshot(4, 16, (3,), (1, 1, 1, 0), {"A": BlockTable([2, 0, 1], 40)}))
     {2: 16, 0: 16, 1: 8}
+
+    A pool's null block stores nothing: it is left out.
     """
-    return tokens_per_block(snapshot.tables.values(), snapshot.block_size)
+    tokens = tokens_per_block(snapshot.tables.values(), snapshot.block_size)
+    tokens.pop(snapshot.null_block, None)
+    return tokens
 
 
 def seq_colour(seq_id: Hashable) -> str:
@@ -241,8 +269,9 @@ def _scene(snapshot: AllocatorSnapshot, highlight: Iterable[int], width: int) ->
 def _summary(scene: _Scene) -> str:
     """One sentence for screen readers: the SVG's label and the image's alternative text."""
     usage = snapshot_usage(scene.snapshot)
+    counted = usage.used_blocks + usage.free_blocks  # the null block is not counted
     return (
-        f"KV cache pool: {usage.used_blocks} of {plural(scene.snapshot.num_blocks, 'block')} used "
+        f"KV cache pool: {usage.used_blocks} of {plural(counted, 'block')} used "
         f"by {plural(len(scene.snapshot.tables), 'sequence')}"
     )
 
@@ -260,21 +289,24 @@ class _Scene:
         return self.width - 2 * MARGIN
 
     def owners(self) -> dict[int, list[Hashable]]:
-        """Each used block's holders, in table order."""
+        """Each used block's holders, in table order (the null block has none: it stands in)."""
         owners: dict[int, list[Hashable]] = {}
         for seq_id, table in self.snapshot.tables.items():
             for block_id in table.block_ids:
-                owners.setdefault(block_id, []).append(seq_id)
+                if block_id != self.snapshot.null_block:
+                    owners.setdefault(block_id, []).append(seq_id)
         return owners
 
     def refs(self, block_id: int) -> int:
-        """The block's ref count (0 when the snapshot has none for it)."""
+        """The block's ref count (0 when the snapshot has none for it, and for the null block)."""
         counts = self.snapshot.ref_counts
+        if block_id == self.snapshot.null_block:
+            return 0
         return counts[block_id] if block_id < len(counts) else 0
 
     def any_shared(self) -> bool:
         """Whether some block has more than one holder."""
-        return any(refs > 1 for refs in self.snapshot.ref_counts)
+        return any(self.refs(block_id) > 1 for block_id in range(len(self.snapshot.ref_counts)))
 
     def tokens_in(self, seq_id: Hashable, logical: int) -> int:
         """How many of the sequence's tokens its ``logical``-th block holds."""
@@ -368,7 +400,16 @@ def _pool_block(
     snap = scene.snapshot
     height = BAND_H + BAR_H
     refs = scene.refs(block_id) or len(holders)
-    if holders:
+    if block_id == snap.null_block:
+        tip = (
+            f"block {block_id}: the null block, never allocated nor freed; a table names it for a block "
+            "that left a sliding window, and the attention never reads it"
+        )
+        body = [
+            _rect(x, y, w, height, NULL_FILL, INK, 0.8),
+            _text(x + w / 2, y + 11, "null", scope, "label", "middle", text_colour(NULL_FILL)),
+        ]
+    elif holders:
         fill = seq_colour(holders[0])
         more = f"+{len(holders) - 1}" if len(holders) > 1 else ""
         room = max(2, min(POOL_LABEL_CHARS, int(w // 6)) - len(more))  # 6px a character
@@ -407,6 +448,8 @@ def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     ]
     if scene.any_shared():
         entries.append(("shared", "shared by several sequences (\u00d7n: how many)"))
+    if scene.snapshot.null_block is not None:
+        entries.append(("null", "the null block: stands in for blocks that left a window"))
     x, y, out = float(MARGIN), top, []
     for kind, words in entries:
         advance = 18 + 4.8 * len(words) + 16
@@ -420,6 +463,8 @@ def _legend(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
             out.append(_rect(x, y + 2, 14, 10, PAPER, FREE["edgecolor"], 1))
         elif kind == "shared":
             out.append(_dashed(x, y + 2, 14, 10))
+        elif kind == "null":
+            out.append(_rect(x, y + 2, 14, 10, NULL_FILL, INK, 0.6))
         else:
             out.append(_rect(x, y + 2, 14, 10, "none", INK, 2.5))
         out.append(_text(x + 18, y + 11, words, scope, "small"))
@@ -472,6 +517,18 @@ def _table_block(scene: _Scene, scope: str, seq_id: Hashable, logical: int, x: f
     """
     block_id = scene.snapshot.tables[seq_id].block_ids[logical]
     fill, w, h = seq_colour(seq_id), TABLE_BOX_W, TABLE_BOX_H
+    if block_id == scene.snapshot.null_block:
+        box = [
+            _rect(x, y, w, h, NULL_FILL, INK, 0.8),
+            _text(x + w / 2, y + 13, "null", scope, "label", "middle", text_colour(NULL_FILL)),
+        ]
+        if block_id in scene.marked:
+            box.append(_outline(x, y, w, h))
+        tip = (
+            f"seq {short_label(seq_id, 40)}: logical block {logical} → the null block "
+            f"(block {block_id}): its block left the window, and it is never read"
+        )
+        return f"<g><title>{_esc(tip)}</title>{''.join(box)}</g>"
     box = [
         _rect(x, y, w, h, fill),
         _text(x + w / 2, y + 13, str(block_id), scope, "label", "middle", text_colour(fill)),
@@ -533,11 +590,13 @@ def _gauge(scene: _Scene, scope: str, top: float) -> tuple[list[str], float]:
     """A bar of used against free blocks, with utilization and fragmentation in words."""
     snap = scene.snapshot
     usage = snapshot_usage(snap)
-    used_w = scene.inner * usage.used_blocks / snap.num_blocks
+    counted = usage.used_blocks + usage.free_blocks  # the null block is not counted
+    used_w = scene.inner * usage.used_blocks / counted if counted else 0.0
     y = top + 20
     shared = f" · {usage.shared_blocks} shared, each counted once" if usage.shared_blocks else ""
+    null = "" if snap.null_block is None else f" · block {snap.null_block}, the null block, not counted"
     lines = [
-        f"used {usage.used_blocks} / {plural(snap.num_blocks, 'block')} · {usage.free_blocks} free{shared}",
+        f"used {usage.used_blocks} / {plural(counted, 'block')} · {usage.free_blocks} free{shared}{null}",
         f"utilization {100 * usage.block_utilization:.1f} % · {plural(usage.allocated_tokens, 'token')} "
         f"in {plural(usage.reserved_tokens, 'reserved slot')}",
         f"fragmentation {plural(usage.internal_fragmentation_tokens, 'slot')} wasted (empty tails of blocks)",
