@@ -160,9 +160,8 @@ class BlockTables:
         if self._pending:
             device = self.table.device
             cells, values = zip(*self._pending.items(), strict=True)
-            groups, rows, cols = zip(*cells, strict=True)
-            index = tuple(torch.tensor(axis, device=device) for axis in (groups, rows, cols))
-            self.table.index_put_(index, torch.tensor(values, dtype=torch.int32, device=device))
+            index = tuple(long_tensor(axis, device) for axis in zip(*cells, strict=True))
+            self.table.index_put_(index, long_tensor(values, device).to(torch.int32))
             self._pending = {}
 
     def _count(self, req_id: Hashable, block_ids: Sequence[Sequence[int]]) -> int:
@@ -308,7 +307,7 @@ def prepare_attention_by_group(
     else:
         request = torch.repeat_interleave(request, lens, output_size=total)
         positions = computed[request] + torch.arange(total, device=device) - (ends - lens)[request]
-    block_tables = tables.table[:, long_tensor(rows, device), :width]
+    block_tables = tables.table.index_select(1, long_tensor(rows, device))[:, :, :width]
     common = AttentionMetadata(
         positions=positions,
         query_start_loc=query_start_loc_cpu.to(device),
