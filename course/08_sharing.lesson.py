@@ -561,16 +561,16 @@ plt.show()
 # %%
 result = sweep[16][BUDGETS.index(512)]
 print(result.stats)
-print(
-    f"hit rate {result.stats.hit_rate:.1%}: {result.cached_tokens:,} of {result.prompt_tokens:,} prompt tokens"
-)
+print(f"first lookups: {result.stats.hits:,} of {result.stats.queries:,} tokens, {result.stats.hit_rate:.1%}")
+print(f"every lookup: {result.cached_tokens:,} of {result.prompt_tokens:,} tokens, {result.hit_rate:.1%}")
 print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_tokens:,} saved")
 
 # %% [markdown]
-# `queries` counts the prompt tokens looked up and `hits` those found; `hit_rate` is their ratio.
-# `requests` counts the lookups: 289 here, the 200 requests and 89 readmitted after a preemption.
-# vLLM counts the same tokens but keeps a readmission's lookup apart (In vLLM, below), so the hit
-# rate a real server logs is that of first lookups.
+# `requests`, `queries` and `hits` count the first lookup of each of the 200 requests, in tokens;
+# `hit_rate` is `hits / queries`. The 89 requests readmitted after a preemption were looked up again,
+# prompt and generated tokens, and those lookups count apart, in the `preempted_` fields, as vLLM
+# counts them: the hit rate a real server logs and exports is that of first lookups (lesson 14).
+# The prefill work saved counts both.
 
 # %% [markdown]
 # ## In vLLM

@@ -37,6 +37,7 @@ from paged_kv.model.hub import load_model
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.metrics import RunMetrics, SchedulerStats
 from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.serving.scheduler import Scheduler
@@ -73,9 +74,11 @@ __all__ = [
     "PrefixCacheStats",
     "Recorder",
     "Request",
+    "RunMetrics",
     "Scheduler",
     "SchedulerOutput",
     "SchedulerRequest",
+    "SchedulerStats",
     "TinyGPT",
     "TraceFrame",
     "UnknownSequenceError",

@@ -174,6 +174,7 @@ class BlockManager:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         keep_free: int = 0,
+        preempted: bool = False,
     ) -> list[int] | None:
         """Take the blocks for ``num_new_tokens`` more tokens of a sequence, all or none (vLLM:
         ``KVCacheManager.allocate_slots``): the scheduler's one call, for a decode token and for a
@@ -192,6 +193,9 @@ class BlockManager:
         ``full_sequence_must_fit``, the default of ``scheduler_reserve_full_isl``) asks that the
         blocks of that many tokens be free as well, so that a prompt admitted for its first chunk
         can also take the rest; ``keep_free`` blocks (the watermark) must stay free after either.
+        A new sequence's lookup is counted in :attr:`prefix_cache_stats` (with ``token_ids`` and
+        prefix caching), apart when ``preempted`` says it resumes after a preemption (vLLM counts a
+        request with ``num_preemptions > 0`` apart); ``preempted`` means nothing for a held one.
 
         Returns:
             The block ids the sequence's table gained, in table order (for a new sequence, all of
@@ -229,7 +233,9 @@ class BlockManager:
             if self._chains and num_new_tokens:
                 self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
             return taken
-        return self._allocate_slots(seq_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, keep_free)
+        return self._allocate_slots(
+            seq_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, keep_free, preempted
+        )
 
     def allocate(
         self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | None = None
@@ -588,6 +594,7 @@ class BlockManager:
         computed: ComputedBlocks | None,
         num_tokens_to_fit: int | None,
         keep_free: int,
+        preempted: bool = False,
     ) -> list[int] | None:
         """:meth:`allocate_slots` for a new sequence, a full-sequence check or an observed manager."""
         keep_free = check_count("keep_free", keep_free)
@@ -621,7 +628,7 @@ class BlockManager:
             if isinstance(self._allocator, CachingBlockAllocator):
                 self._allocator.take_hits(hit_ids)
                 if token_ids is not None:
-                    self._allocator.prefix_cache.record(len(token_ids), start)
+                    self._allocator.prefix_cache.record(len(token_ids), start, preempted)
                     last = computed.entries[-1] if computed is not None and computed.entries else None
                     self._chains[seq_id] = HashChain(last, len(hit_ids))
             table = self._tables[seq_id] = BlockTable(list(hit_ids), start)

@@ -198,6 +198,7 @@ class KVCacheCoordinator:
         computed: GroupComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         keep_free: int = 0,
+        preempted: bool = False,
     ) -> BlockIdLists | None:
         """Take the blocks, in every group, for ``num_new_tokens`` more tokens of a request, all or
         none (vLLM: ``KVCacheManager.allocate_slots``; see the module).
@@ -208,7 +209,9 @@ class KVCacheCoordinator:
         with prefix caching, each full block they fill is cached when they are scheduled).
         ``num_tokens_to_fit`` (vLLM's ``full_sequence_must_fit``) asks that the blocks of that many
         tokens be free as well, a sliding-window group's capped at what it ever holds at once;
-        ``keep_free`` blocks must stay free after either.
+        ``keep_free`` blocks must stay free after either. A new request's lookup is counted in
+        :attr:`prefix_cache_stats` (with ``token_ids`` and prefix caching), apart when
+        ``preempted`` says it resumes after a preemption, as vLLM counts it.
 
         Returns:
             The block ids each group gained, in table order (for a new request, all of them, hits
@@ -254,7 +257,7 @@ class KVCacheCoordinator:
             new = manager.allocate_new_blocks(request_id, end)
             gained.append([*group_hits, *new] if held is None else new)
         if held is None:
-            self._start_request(request_id, computed, token_ids)
+            self._start_request(request_id, computed, token_ids, preempted)
         self._num_tokens[request_id] = end
         if token_ids is not None and end > start:
             for manager in self.managers:
@@ -312,12 +315,17 @@ class KVCacheCoordinator:
                 raise ValueError("computed blocks are no longer cached: look them up again")
 
     def _start_request(
-        self, request_id: Hashable, computed: GroupComputedBlocks, token_ids: Sequence[int] | None
+        self,
+        request_id: Hashable,
+        computed: GroupComputedBlocks,
+        token_ids: Sequence[int] | None,
+        preempted: bool = False,
     ) -> None:
-        """A new request's prefix-cache bookkeeping: the lookup counted, a chain per group."""
+        """A new request's prefix-cache bookkeeping: the lookup counted (apart for a resumed
+        request's), a chain per group."""
         if not isinstance(self.pool, CachingBlockAllocator) or token_ids is None:
             return
-        self.pool.prefix_cache.record(len(token_ids), computed.num_tokens)
+        self.pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
         num_hit_blocks = computed.num_tokens // self.block_size
         for index, manager in enumerate(self.managers):
             entries = computed.entries[index] if computed.entries else ()

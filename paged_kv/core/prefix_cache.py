@@ -128,22 +128,60 @@ def _is_tensor(value: object) -> bool:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """What the prefix cache found, counted in prompt tokens (as vLLM's metrics are).
+    """What the prefix cache found, counted in tokens, as vLLM's ``PrefixCacheStats``
+    (``vllm/v1/metrics/stats.py``) counts it.
 
-    Only successful allocations with ``token_ids`` count: a refused allocation counts nothing.
+    A request looked up again after a preemption (it resumes with its prompt and the tokens it had
+    generated) counts apart, in the ``preempted_`` fields, as vLLM counts a request whose
+    ``num_preemptions > 0``: ``requests``, ``queries`` and ``hits`` are first lookups only, and so is
+    :attr:`hit_rate`, the hit rate vLLM logs and exports (``vllm:prefix_cache_queries``,
+    ``vllm:prefix_cache_hits``). Every lookup is one or the other: the tokens looked up in all are
+    ``queries + preempted_queries``. Only successful allocations with ``token_ids`` count: a refused
+    allocation counts nothing. The caller that allocates says whether a lookup is a resumption
+    (the engine's memory knows: :class:`~paged_kv.serving.memory.KVCacheManager`); the lessons'
+    calls never are.
     """
 
     requests: int = 0
-    """Prompts looked up."""
+    """Requests looked up for the first time."""
     queries: int = 0
-    """Prompt tokens looked up."""
+    """Tokens those first lookups looked up."""
     hits: int = 0
-    """Prompt tokens found in the cache, whose K/V the caller need not compute."""
+    """Tokens of those found in the cache, whose K/V the caller need not compute."""
+    preempted_requests: int = 0
+    """Requests looked up again after a preemption."""
+    preempted_queries: int = 0
+    """Tokens those lookups looked up (a resumed request's prompt and generated tokens)."""
+    preempted_hits: int = 0
+    """Tokens of those found in the cache."""
 
     @property
     def hit_rate(self) -> float:
-        """``hits / queries``, or 0.0 before any query."""
+        """``hits / queries``, first lookups only (vLLM's), or 0.0 before any query."""
         return self.hits / self.queries if self.queries else 0.0
+
+    def __add__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        """The counts of both (a run's total from its steps' counts)."""
+        if not isinstance(other, PrefixCacheStats):
+            return NotImplemented
+        return PrefixCacheStats(*(a + b for a, b in zip(_counts(self), _counts(other), strict=True)))
+
+    def __sub__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        """The counts since ``other``, an earlier reading of the same counters."""
+        if not isinstance(other, PrefixCacheStats):
+            return NotImplemented
+        return PrefixCacheStats(*(a - b for a, b in zip(_counts(self), _counts(other), strict=True)))
+
+
+def _counts(stats: PrefixCacheStats) -> tuple[int, ...]:
+    return (
+        stats.requests,
+        stats.queries,
+        stats.hits,
+        stats.preempted_requests,
+        stats.preempted_queries,
+        stats.preempted_hits,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -330,14 +368,21 @@ class PrefixCache:
         del self._by_hash[entry.block_hash, entry.group]
         return True
 
-    def record(self, queries: int, hits: int) -> None:
-        """Count one prompt of ``queries`` tokens, ``hits`` of them found in the cache."""
-        self._stats = replace(
-            self._stats,
-            requests=self._stats.requests + 1,
-            queries=self._stats.queries + queries,
-            hits=self._stats.hits + hits,
-        )
+    def record(self, queries: int, hits: int, preempted: bool = False) -> None:
+        """Count one lookup of ``queries`` tokens, ``hits`` of them found in the cache: a first one,
+        or with ``preempted`` a resumed request's, apart (vLLM: ``PrefixCacheStats.record``)."""
+        stats = self._stats
+        if preempted:
+            self._stats = replace(
+                stats,
+                preempted_requests=stats.preempted_requests + 1,
+                preempted_queries=stats.preempted_queries + queries,
+                preempted_hits=stats.preempted_hits + hits,
+            )
+        else:
+            self._stats = replace(
+                stats, requests=stats.requests + 1, queries=stats.queries + queries, hits=stats.hits + hits
+            )
 
     def reset(self) -> int:
         """Forget every hash and zero the counters; return how many blocks were cached."""

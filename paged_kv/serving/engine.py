@@ -53,11 +53,21 @@ block_size`` token slots, spent one of two ways (``mode``):
 The generated text depends neither on the mode, nor on the batch, nor on preemption, nor on the
 token budget: every request gets exactly the tokens :func:`~paged_kv.model.generate` gives its
 prompt alone.
+
+**Metrics, by vLLM's names** (:mod:`paged_kv.serving.metrics`, lesson 14): every step is timed on
+the wall clock and leaves a :class:`~paged_kv.serving.metrics.SchedulerStats` (requests running and
+waiting, the KV-cache usage, the prefix cache's lookups, the step's preemptions and tokens), so a run
+gives times to first token, inter-token and end-to-end latencies in seconds as well as in steps,
+and :meth:`EngineResult.metrics` gathers them as vLLM's ``/metrics`` would show them. With
+``log_stats_interval`` the engine logs vLLM's periodic line (logger ``paged_kv.engine``, INFO), and a
+preemption always logs a WARNING there (see :func:`~paged_kv.serving.metrics.enable_engine_log`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +77,7 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
 from paged_kv.core.kv_cache_groups import kv_cache_groups, layer_tensors, num_tensors
+from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.device import resolve_device
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
 from paged_kv.kv.storage import KVStorage
@@ -83,6 +94,16 @@ from paged_kv.serving.memory import (
     serves_alone,
     watermark_blocks,
 )
+from paged_kv.serving.metrics import (
+    ENGINE_LOGGER,
+    PREEMPTION_MODES,
+    PREEMPTION_WARNING,
+    LoggingStatLogger,
+    RunMetrics,
+    SchedulerStats,
+    check_interval,
+    kv_cache_device,
+)
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.protocols import KVMemory
@@ -91,6 +112,9 @@ from paged_kv.serving.scheduler import PREEMPTIONS, Scheduler, StepResult, check
 from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
+
+_LOGGER = logging.getLogger(ENGINE_LOGGER)
+_NO_LOOKUPS = PrefixCacheStats()
 
 
 @dataclass(frozen=True)
@@ -149,6 +173,28 @@ class EngineResult:
     With prefix caching, running sequences can share blocks, which count once among the
     ``used_blocks`` and ``reserved_tokens`` but once per sequence among the ``held_tokens``, so the
     ``utilization`` can exceed 1.0: the blocks serve more tokens than they hold.
+
+    **vLLM's metrics** (:mod:`paged_kv.serving.metrics`). ``scheduler_stats`` holds one
+    :class:`~paged_kv.serving.metrics.SchedulerStats` per step, measured after the step's finished
+    requests freed their blocks, as vLLM measures it: ``num_running_reqs``, ``num_waiting_reqs``,
+    ``kv_cache_usage`` (blocks in use over the pool, a fraction; a free block that still holds a
+    cached prefix counts as free, and a hybrid model's null block is left out), the step's
+    ``prefix_cache_stats`` (a resumed request's lookup apart), ``num_preempted_reqs``,
+    ``num_generation_tokens``, ``num_prompt_tokens``. The run's totals by vLLM's names are
+    :attr:`num_preemptions`, :attr:`prompt_tokens` (each prompt once, when its first token came),
+    :attr:`generation_tokens` and :attr:`prefix_cache_stats`, whose ``queries`` and ``hits`` are first
+    lookups only, vLLM's ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits``, where
+    ``prefix_cache_queries`` above counts every lookup: ``prefix_cache_queries ==
+    prefix_cache_stats.queries + prefix_cache_stats.preempted_queries`` (and so for the hits).
+
+    Each step is timed on the wall clock: ``step_start_seconds`` and ``step_end_seconds`` are the
+    seconds from the run's start to the start and end of each step (its arrivals, schedule, forward
+    and update). A request arrives at the start of its arrival step and gets a token at the end of
+    the step that samples it, so :attr:`time_to_first_token_seconds` and
+    :attr:`e2e_request_latency_seconds` are per request, and ``inter_token_latency_seconds`` holds,
+    per token after a request's first, the seconds since the request's previous token
+    (``inter_token_latency_steps`` the steps: 1 but after a preemption). :meth:`metrics` gathers
+    them all as a :class:`~paged_kv.serving.metrics.RunMetrics` (its Prometheus text, its summary).
     """
 
     mode: str
@@ -173,6 +219,11 @@ class EngineResult:
     scheduled_tokens: list[tuple[tuple[Hashable, int], ...]] = field(default_factory=list)
     first_token_step: dict[Hashable, int] = field(default_factory=dict)
     arrival_step: dict[Hashable, int] = field(default_factory=dict)
+    scheduler_stats: list[SchedulerStats] = field(default_factory=list)
+    step_start_seconds: list[float] = field(default_factory=list)
+    step_end_seconds: list[float] = field(default_factory=list)
+    inter_token_latency_seconds: list[float] = field(default_factory=list)
+    inter_token_latency_steps: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> list[int]:
@@ -214,6 +265,84 @@ class EngineResult:
         busy = [u for u, r in zip(self.utilization, self.reserved_tokens, strict=True) if r]
         return sum(busy) / len(busy) if busy else 0.0
 
+    # ---------------------------------------------------------------- vLLM's metrics (lesson 14)
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Each step's wall-clock seconds, from its start to its end."""
+        return [
+            end - start for start, end in zip(self.step_start_seconds, self.step_end_seconds, strict=True)
+        ]
+
+    @property
+    def elapsed_seconds(self) -> float:
+        """The run's wall-clock seconds, to the end of its last step."""
+        return self.step_end_seconds[-1] if self.step_end_seconds else 0.0
+
+    @property
+    def time_to_first_token_seconds(self) -> dict[Hashable, float]:
+        """Per request, in seconds: from the start of its arrival step to the end of the step that
+        sampled its first token (vLLM's ``vllm:time_to_first_token_seconds``), in request order."""
+        start, end = self.step_start_seconds, self.step_end_seconds
+        return {r: end[self.first_token_step[r]] - start[a] for r, a in self.arrival_step.items()}
+
+    @property
+    def e2e_request_latency_seconds(self) -> dict[Hashable, float]:
+        """Per request, in seconds: from the start of its arrival step to the end of the step it
+        finished in (vLLM's ``vllm:e2e_request_latency_seconds``), in request order."""
+        start, end = self.step_start_seconds, self.step_end_seconds
+        return {r: end[self.finished_step[r]] - start[a] for r, a in self.arrival_step.items()}
+
+    @property
+    def kv_cache_usage(self) -> list[float]:
+        """Each step's KV-cache usage, a fraction (vLLM's ``vllm:kv_cache_usage_perc``)."""
+        return [stats.kv_cache_usage for stats in self.scheduler_stats]
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions of either way (vLLM's ``vllm:num_preemptions``): :attr:`preemptions`."""
+        return self.preemptions
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each request's prompt tokens, counted once, when its first token came (vLLM's
+        ``vllm:prompt_tokens``); recomputed tokens are not prompt tokens (:attr:`prefill_tokens_computed`)."""
+        return sum(stats.num_prompt_tokens for stats in self.scheduler_stats)
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens sampled, first tokens included (vLLM's ``vllm:generation_tokens``)."""
+        return sum(stats.num_generation_tokens for stats in self.scheduler_stats)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The run's prefix-cache lookups as vLLM counts them: ``queries`` and ``hits`` first lookups
+        only, a resumed request's apart (``preempted_queries``, ``preempted_hits``)."""
+        return sum((stats.prefix_cache_stats for stats in self.scheduler_stats), PrefixCacheStats())
+
+    def metrics(self) -> RunMetrics:
+        """The run's metrics by vLLM's names (:class:`~paged_kv.serving.metrics.RunMetrics`): the last
+        step's gauges, the run's counters and every latency in seconds."""
+        last = self.scheduler_stats[-1] if self.scheduler_stats else SchedulerStats()
+        return RunMetrics(
+            steps=self.steps,
+            elapsed_seconds=self.elapsed_seconds,
+            num_requests=len(self.finished_step),
+            num_requests_running=last.num_running_reqs,
+            num_requests_waiting=last.num_waiting_reqs,
+            kv_cache_usage_perc=last.kv_cache_usage,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefix_cache_stats=self.prefix_cache_stats,
+            time_to_first_token_seconds=tuple(self.time_to_first_token_seconds.values()),
+            inter_token_latency_seconds=tuple(self.inter_token_latency_seconds),
+            e2e_request_latency_seconds=tuple(self.e2e_request_latency_seconds.values()),
+            num_computed_prompt_tokens=sum(
+                stats.num_computed_prompt_tokens for stats in self.scheduler_stats
+            ),
+        )
+
 
 class Engine:
     """Continuous batching of :class:`EngineRequest` objects on ``model``; see the module docstring.
@@ -246,6 +375,12 @@ class Engine:
     :mod:`~paged_kv.serving.scheduler`). The tokens do not change. ``attention_strategy`` is the
     paged attention's (:func:`~paged_kv.attention.paged.paged_prefill_attention`).
 
+    ``log_stats_interval`` logs vLLM's periodic line (:class:`~paged_kv.serving.metrics.LoggingStatLogger`)
+    to the logger ``paged_kv.engine`` at INFO, every that many steps (an int) or seconds of the
+    engine's wall clock (a float; vLLM's ``VLLM_LOG_STATS_INTERVAL``, 10.0 by default), and once
+    more at the end of a run; None (the default) logs none. The KV cache's pool is named as vLLM
+    names it, ``GPU`` on CUDA and else the device's type (``CPU``).
+
     Raises:
         ValueError: a bad argument, named in the message.
     """
@@ -268,8 +403,10 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         attention_strategy: str = "auto",
+        log_stats_interval: int | float | None = None,
     ) -> None:
         self.model = model = as_causal_lm(model)
+        self.log_stats_interval = check_interval(log_stats_interval)
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         block_size = check_count("block_size", block_size, minimum=1)
@@ -393,12 +530,29 @@ class Engine:
         result.arrival_step = {r.request_id: r.arrival_step for r in requests}
         stop = frozenset() if self.ignore_eos else frozenset(getattr(self.model, "eos_token_ids", ()))
         arrivals = [(r.arrival_step, _scheduler_request(r, stop)) for r in requests]
+        memory = scheduler.memory
+        run = _RunState(
+            {r.request_id: len(r.prompt) for r in requests},
+            memory,
+            memory.make_prefix_cache_stats if self.enable_prefix_caching else None,  # type: ignore[attr-defined]
+            None
+            if self.log_stats_interval is None
+            else LoggingStatLogger(self.log_stats_interval, kv_cache_device=kv_cache_device(self.device)),
+        )
         bar = progress_bar(len(requests), f"engine ({self.mode})") if progress else None
+        clock = time.perf_counter
         try:
-            for output, step in run_steps(scheduler, runner, arrivals):
-                self._record(output, step, result)
+            start = clock()
+            began = 0.0
+            for output, step in run_steps(scheduler, runner, arrivals):  # each step timed around it
+                result.step_start_seconds.append(began)
+                result.step_end_seconds.append(clock() - start)
+                self._record(output, step, result, run)
                 if bar is not None:
                     bar.update(len(step.finished))
+                began = clock() - start
+            if run.stat_logger is not None:
+                run.stat_logger.flush(result.elapsed_seconds)
         finally:
             if bar is not None:
                 bar.close()
@@ -528,18 +682,28 @@ class Engine:
                 )
         return requests
 
-    def _record(self, output: SchedulerOutput, step: StepResult, result: EngineResult) -> None:
-        """Add one step's counts to ``result``."""
+    def _record(
+        self, output: SchedulerOutput, step: StepResult, result: EngineResult, run: _RunState
+    ) -> None:
+        """Add one step's counts to ``result``: its lists, and its :class:`SchedulerStats`. Per step, the
+        loops here run over the step's events (admissions, first tokens, preemptions, finished
+        requests), never over every running request: the step's tokens are counted by ``len`` and
+        set operations on its dicts."""
+        k = output.step
         result.prefill_tokens_computed += step.num_prefill_tokens
         for new in output.scheduled_new_reqs:
             if new.req_id in output.blocks_to_swap_in:
                 continue
-            result.admitted_step[new.req_id] = output.step
+            result.admitted_step[new.req_id] = k
+            run.first_hits.setdefault(new.req_id, new.num_computed_tokens)
             if self.enable_prefix_caching:
                 result.prefix_cache_queries += len(new.token_ids)
                 result.prefix_cache_hits += new.num_computed_tokens
+        prompt_tokens = cached_tokens = 0
         for request_id in step.first_tokens:
-            result.first_token_step.setdefault(request_id, output.step)
+            result.first_token_step.setdefault(request_id, k)
+            prompt_tokens += run.prompt_tokens[request_id]
+            cached_tokens += run.first_hits.get(request_id, 0)
         result.scheduled_tokens.append(tuple(output.num_scheduled_tokens.items()))
         for preemption in output.preemptions:
             result.preemptions_by_reason[preemption.way] += 1
@@ -547,6 +711,13 @@ class Engine:
                 result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
             else:
                 result.recomputed_tokens += preemption.num_tokens
+            run.num_preemptions += 1
+            _LOGGER.warning(
+                PREEMPTION_WARNING,
+                preemption.request_id,
+                PREEMPTION_MODES[preemption.way],
+                run.num_preemptions,
+            )
         result.blocks_swapped_in += sum(
             blocks_for_tokens(new.num_computed_tokens, self.block_size)
             for new in output.scheduled_new_reqs
@@ -561,7 +732,68 @@ class Engine:
         result.utilization.append(step.held_tokens / step.reserved_tokens if step.reserved_tokens else 0.0)
         for request_id, tokens in step.finished:
             result.tokens[request_id] = list(tokens)
-            result.finished_step[request_id] = output.step
+            result.finished_step[request_id] = k
+        run.inter_token_latencies(k, step, result)
+        stats = SchedulerStats(
+            num_running_reqs=step.num_running - len(step.finished),
+            num_waiting_reqs=step.num_waiting,
+            kv_cache_usage=run.memory.usage,  # type: ignore[attr-defined]
+            prefix_cache_stats=_NO_LOOKUPS
+            if run.make_prefix_cache_stats is None
+            else run.make_prefix_cache_stats(),
+            num_preempted_reqs=len(output.preemptions),
+            num_generation_tokens=len(step.new_tokens),
+            num_prompt_tokens=prompt_tokens,
+            num_cached_prompt_tokens=cached_tokens,
+            num_swapped_reqs=step.num_swapped,
+        )
+        result.scheduler_stats.append(stats)
+        if run.stat_logger is not None:
+            run.stat_logger.record(stats, result.step_end_seconds[k])
+
+
+@dataclass
+class _RunState:
+    """What :meth:`Engine.run` keeps between steps to measure them, beside the result.
+
+    ``prompt_tokens`` and ``first_hits`` give each request's prompt length and the tokens the prefix
+    cache served at its first admission; ``last_sampled`` the tokens the last step sampled, and
+    ``paused`` the step of the last token of each request that stopped sampling (preempted, or
+    prefilling again) and will sample again.
+    """
+
+    prompt_tokens: dict[Hashable, int]
+    memory: KVMemory
+    make_prefix_cache_stats: Callable[[], PrefixCacheStats] | None
+    stat_logger: LoggingStatLogger | None
+    first_hits: dict[Hashable, int] = field(default_factory=dict)
+    last_sampled: Mapping[Hashable, int] = field(default_factory=dict)
+    last_finished: frozenset[Hashable] = frozenset()
+    paused: dict[Hashable, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+
+    def inter_token_latencies(self, k: int, step: StepResult, result: EngineResult) -> None:
+        """Add the inter-token latencies of step ``k``'s tokens to ``result``: a request that sampled in
+        step ``k - 1`` too waited one step (the seconds between the two steps' ends); one that comes
+        back after a pause waited since its last token; a first token has none. Set operations on
+        the steps' dicts, then a loop over the requests that came back."""
+        sampled, before = step.new_tokens, self.last_sampled
+        ends = result.step_end_seconds
+        for request_id in before.keys() - sampled.keys() - self.last_finished:
+            self.paused[request_id] = k - 1
+        came_back = sampled.keys() - before.keys()
+        continuing = len(sampled) - len(came_back)
+        if continuing:
+            result.inter_token_latency_seconds.extend([ends[k] - ends[k - 1]] * continuing)
+            result.inter_token_latency_steps.extend([1] * continuing)
+        if len(came_back) > len(step.first_tokens):
+            first = set(step.first_tokens)
+            for request_id in came_back - first:
+                last = self.paused.pop(request_id)
+                result.inter_token_latency_seconds.append(ends[k] - ends[last])
+                result.inter_token_latency_steps.append(k - last)
+        self.last_sampled = sampled
+        self.last_finished = frozenset(request_id for request_id, _ in step.finished)
 
 
 def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -> SchedulerRequest:

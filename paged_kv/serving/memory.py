@@ -25,6 +25,12 @@ of its whole prompt (less the prefix-cache hits nobody else holds) fit in the fr
 watermark's blocks when some request is already running; then only its first chunk's blocks are
 taken. No block is kept back for the running requests' growth: when a running request's next token
 finds no free block, the newest running request is preempted.
+
+**What the metrics read** (:mod:`paged_kv.serving.metrics`): :attr:`KVCacheManager.usage`, the
+share of the pool in use, where a free block that still holds a cached prefix counts as free (it is
+on the free list), as vLLM's ``BlockPool.get_usage`` counts it; and the prefix cache's counters,
+where a request admitted again after a preemption, by recompute, counts its lookup apart
+(:class:`~paged_kv.core.prefix_cache.PrefixCacheStats`): the scheduler says so (``preempted``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collections.abc import Callable, Hashable
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager, ComputedBlocks
 from paged_kv.core.kv_cache_coordinator import GroupComputedBlocks, KVCacheCoordinator, max_tokens_alone
+from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.serving.outputs import NO_NEW_BLOCKS, GroupBlockIds
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.validate import check_count
@@ -83,7 +90,8 @@ class KVCacheManager:
     a waiting request is admitted while others run, as vLLM keeps its ``watermark_blocks``; the
     running requests' own growth may use them. With prefix caching on in the manager, a new
     request's prompt is looked up (:meth:`get_computed_blocks`) and every block its scheduled tokens
-    fill is cached when they are scheduled.
+    fill is cached when they are scheduled. A request the scheduler admits again after a preemption
+    (``preempted``) counts its lookup apart (see :attr:`prefix_cache_stats`).
 
     Raises:
         ValueError: a bad watermark, named.
@@ -95,6 +103,7 @@ class KVCacheManager:
         self.watermark = check_watermark(watermark)
         self.watermark_blocks = watermark_blocks(self.watermark, self.num_blocks)
         self._caching, self._tables = manager.enable_prefix_caching, manager.tables  # read once: the hot path
+        self._stats_read = PrefixCacheStats()  # the counters at the last make_prefix_cache_stats()
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -106,8 +115,21 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Blocks in use over all blocks (vLLM: ``BlockPool.get_usage``, the "GPU KV cache usage")."""
+        """Blocks in use over all blocks (vLLM: ``BlockPool.get_usage``, the "GPU KV cache usage" and
+        ``vllm:kv_cache_usage_perc``): a free block that still holds a cached prefix counts as free."""
         return 1.0 - self.manager.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters since the memory was built, a resumed request's lookups apart."""
+        return self.manager.prefix_cache_stats
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counts since the last call (vLLM: ``KVCacheManager.make_prefix_cache_stats``,
+        which takes and resets them; here :attr:`prefix_cache_stats` keeps counting)."""
+        stats = self.manager.prefix_cache_stats
+        since, self._stats_read = stats - self._stats_read, stats
+        return since
 
     @property
     def reserved_tokens(self) -> int:
@@ -134,6 +156,7 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
+        preempted: bool = False,
     ) -> GroupBlockIds | None:
         """:meth:`BlockManager.allocate_slots` for ``request``, its ids as one group's; a new one keeps
         the watermark free when ``has_scheduled_reqs`` (vLLM applies it to waiting requests only,
@@ -142,7 +165,7 @@ class KVCacheManager:
         token_ids = token_ids if self._caching else None
         if computed is None and request.request_id in self._tables:  # a running request
             gained = manager.allocate_slots(request.request_id, num_new_tokens, token_ids)
-        else:
+        else:  # a new request: its lookup is counted (with token ids), apart if it resumes
             gained = manager.allocate_slots(
                 request.request_id,
                 num_new_tokens,
@@ -150,6 +173,7 @@ class KVCacheManager:
                 computed=ComputedBlocks() if computed is None else computed,
                 num_tokens_to_fit=num_tokens_to_fit,
                 keep_free=self.watermark_blocks if has_scheduled_reqs else 0,
+                preempted=preempted,
             )
         if gained is None:
             return None
@@ -190,6 +214,7 @@ class HybridKVCacheManager:
         self.block_size, self.num_blocks = coordinator.block_size, coordinator.num_blocks
         self.watermark = check_watermark(watermark)
         self.watermark_blocks = watermark_blocks(self.watermark, self.num_blocks)
+        self._stats_read = PrefixCacheStats()  # the counters at the last make_prefix_cache_stats()
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -201,8 +226,21 @@ class HybridKVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Blocks in use over the blocks the pool gives out (vLLM: ``BlockPool.get_usage``)."""
+        """Blocks in use over the blocks the pool gives out, the null block left out of both (vLLM:
+        ``BlockPool.get_usage``): a free block that still holds a cached prefix counts as free."""
         return self.coordinator.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters since the memory was built, a resumed request's lookups apart."""
+        return self.coordinator.prefix_cache_stats
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counts since the last call (vLLM:
+        ``KVCacheManager.make_prefix_cache_stats``)."""
+        stats = self.coordinator.prefix_cache_stats
+        since, self._stats_read = stats - self._stats_read, stats
+        return since
 
     @property
     def reserved_tokens(self) -> int:
@@ -232,6 +270,7 @@ class HybridKVCacheManager:
         computed: GroupComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
+        preempted: bool = False,
     ) -> GroupBlockIds | None:
         """:meth:`KVCacheCoordinator.allocate_slots` for ``request``: the ids each group gained."""
         coordinator = self.coordinator
@@ -244,6 +283,7 @@ class HybridKVCacheManager:
             computed=computed if new else None,
             num_tokens_to_fit=num_tokens_to_fit if new else None,
             keep_free=self.watermark_blocks if new and has_scheduled_reqs else 0,
+            preempted=preempted,
         )
         return None if gained is None else tuple(map(tuple, gained))
 
@@ -303,6 +343,11 @@ class ContiguousMemory:
     def reserved_tokens(self) -> int:
         return sum(slots for _, slots in self.reservations.values())
 
+    @property
+    def usage(self) -> float:
+        """The share of the seats reserved (what a paged memory's usage is in blocks)."""
+        return 1.0 - len(self._free_seats) / self.num_seats
+
     def max_tokens(self, request: SchedulerRequest) -> int:
         size = self.reserve(request)
         return size if size <= self.budget_tokens else 0
@@ -321,6 +366,7 @@ class ContiguousMemory:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
+        preempted: bool = False,
     ) -> GroupBlockIds | None:
         """A new request reserves its slots, or waits (``None``); a reserved one always fits."""
         if request.request_id in self.reservations:

@@ -59,10 +59,12 @@ class KVMemory(Protocol):
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
+        preempted: bool = False,
     ) -> GroupBlockIds | None:
         """Slots for ``num_new_tokens`` more tokens of the request, all or nothing: the block ids it
         gained, one tuple per KV-cache group (all of them for a new request), or ``None`` when they
-        do not fit."""
+        do not fit. ``preempted`` says a new request resumes after a preemption (its prefix-cache
+        lookup counts apart, as vLLM counts a request with ``num_preemptions > 0``)."""
         ...
 
     def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:

@@ -106,6 +106,7 @@ class Request:
         "max_new_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_preemptions",
         "num_prefill_tokens",
         "num_tokens",
         "output_token_ids",
@@ -130,6 +131,9 @@ class Request:
         """The tokens the prefix cache served at its last admission."""
         self.num_prefill_tokens = 0
         """Its tokens at its last admission: positions below this are prefilled, the others decoded."""
+        self.num_preemptions = 0
+        """Times it was preempted (vLLM: ``Request.num_preemptions``): its prefix-cache lookups after
+        the first count apart."""
 
     @property
     def token_ids(self) -> tuple[int, ...] | None:
@@ -365,6 +369,7 @@ class Scheduler:
                 computed=computed,
                 num_tokens_to_fit=request.num_tokens if self.reserve_full_prompt else None,
                 has_scheduled_reqs=bool(self.running),
+                preempted=request.num_preemptions > 0,
             )
             if block_ids is None:
                 break
@@ -394,6 +399,7 @@ class Scheduler:
         """Swap out or free ``victim``, the newest running request. A request still prefilling is
         always requeued (its K/V is not worth moving); a requeued one keeps its generated tokens."""
         request_id = victim.request_id
+        victim.num_preemptions += 1
         prefilling = victim.num_computed_tokens < victim.num_tokens - 1 or not victim.output_token_ids
         if self.preemption == "swap" and not prefilling:
             step.swap_out[request_id] = tuple(map(tuple, self.memory.get_block_ids(request_id)))

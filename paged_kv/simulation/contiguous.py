@@ -228,6 +228,7 @@ class FirstFitMemory:
         computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
+        preempted: bool = False,
     ) -> GroupBlockIds | None:
         """A new request gets its range first fit (compacting first when that is what admits it,
         ``compact=True``), or waits: ``None``; a request with a range always fits."""

@@ -108,7 +108,9 @@ class ServeResult:
         cached_tokens: the leading prompt tokens the prefix cache held (``num_cached_tokens``,
             summed over the admissions); 0 without prefix caching.
         stats: the cache's ``prefix_cache_stats`` at the end: with prefix caching,
-            ``stats.queries == prompt_tokens`` and ``stats.hits == cached_tokens``; all 0 without.
+            ``stats.queries + stats.preempted_queries == prompt_tokens`` and ``stats.hits +
+            stats.preempted_hits == cached_tokens`` (a readmission's lookup counts apart, as
+            vLLM's); all 0 without.
         steps: the scheduler's steps until every request finished.
         preemptions: the sequences preempted by recompute on the way.
     """
