@@ -28,6 +28,7 @@ from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError, UnknownSequenceError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.kv.sizing import KVCacheSpec, kv_cache_budget
+from paged_kv.kv.startup import kv_cache_report
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.config import GPTConfig
@@ -91,6 +92,7 @@ __all__ = [
     "fragmentation_report",
     "generate",
     "kv_cache_budget",
+    "kv_cache_report",
     "load_model",
     "paged_attention",
     "paged_attention_varlen",

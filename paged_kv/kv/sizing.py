@@ -22,6 +22,8 @@ The formulas, and where vLLM keeps them (vLLM v1, read in ``vllm-project/vllm``)
   the bytes given, ignoring ``gpu_memory_utilization``.
 
 Here the model's non-KV memory is a number the caller gives (the weights, say); nothing is profiled.
+:func:`~paged_kv.kv.startup.kv_cache_report` does vLLM's start-up whole: the activation peak, the
+CUDA graphs, tensor parallelism, hybrid models' groups, the null block and the line vLLM logs.
 
 Invariants: ``spec.num_blocks(budget, b) * spec.bytes_per_block(b) <= budget <
 (spec.num_blocks(budget, b) + 1) * spec.bytes_per_block(b)``; every byte count is exact integer
@@ -119,6 +121,9 @@ def device_memory(device: str | torch.device) -> int:
 
 def kv_cache_budget(total_memory: int, gpu_memory_utilization: float, non_kv_memory: int) -> int:
     """vLLM's KV cache budget: ``int(total_memory * gpu_memory_utilization) - non_kv_memory`` bytes.
+
+    (vLLM's ``request_memory`` rounds the product up, ``math.ceil``, one byte more at most:
+    :func:`~paged_kv.kv.startup.kv_cache_report` does, this keeps the floor its callers were built on.)
 
     ``gpu_memory_utilization`` is the fraction of the device the engine may use, in ``(0, 1]``;
     ``non_kv_memory`` is what the model takes of it besides the cache (weights, activations). When
