@@ -275,16 +275,52 @@ def test_the_engine_sizes_its_cache_from_a_budget_in_bytes():
         Engine(model, kv_cache_memory_bytes=per_block - 1, block_size=4)
 
 
-def test_the_engine_sizes_its_cache_from_a_share_of_the_device(monkeypatch):
+def test_the_engine_sizes_its_cache_from_a_share_of_the_device_as_vllm_starts(monkeypatch, caplog):
     import paged_kv.serving.engine as engine_module
+    from paged_kv.kv.startup import estimate_activation_peak, model_shape
 
     model = tiny_model("llama")
-    weights = as_causal_lm(model).weight_bytes
-    monkeypatch.setattr(engine_module, "device_memory", lambda device: 2 * weights)
-    engine = Engine(model, gpu_memory_utilization=0.75, block_size=4)
-    assert engine.num_blocks == (2 * weights * 3 // 4 - weights) // engine.bytes_per_block
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.4"):
-        Engine(model, gpu_memory_utilization=0.4, block_size=4)  # less than the weights
+    causal = as_causal_lm(model)
+    weights, shape = causal.weight_bytes, model_shape(causal.config, causal.dtype)
+    memory = 3 * weights + 2 * estimate_activation_peak(shape, 2048)
+    monkeypatch.setattr(engine_module, "device_memory", lambda device: memory)
+    with caplog.at_level("INFO", logger="paged_kv.engine"):
+        engine = Engine(model, gpu_memory_utilization=0.75, block_size=4, max_num_batched_tokens=32)
+    # vLLM's arithmetic by hand: the share rounded up, less the weights and the dummy step's peak.
+    peak = estimate_activation_peak(shape, 32)
+    available = -(-memory * 3 // 4) - weights - peak
+    assert engine.num_blocks == available // engine.bytes_per_block
+    report = engine.kv_cache_report
+    assert (report.num_gpu_blocks, report.activation_peak_bytes, report.weight_bytes) == (
+        engine.num_blocks,
+        peak,
+        weights,
+    )
+    assert [r.getMessage() for r in caplog.records] == [line.replace("GPU", "CPU") for line in report.lines]
+    assert caplog.records[1].getMessage().startswith("CPU KV cache size: ")
+    # Without a token budget the dummy step is vLLM's when nothing is chunked: max(max_model_len, 2048).
+    unchunked = Engine(model, gpu_memory_utilization=0.75, block_size=4).kv_cache_report
+    assert unchunked.max_num_batched_tokens == max(engine.max_model_len, 2048)
+    assert Engine(model, num_blocks=8).kv_cache_report is None
+    with pytest.raises(ValueError, match="No available memory for the cache blocks"):
+        Engine(model, gpu_memory_utilization=0.2, block_size=4)  # less than the weights
+
+
+def test_the_engine_refuses_a_device_share_too_small_for_one_request_as_vllm_does(monkeypatch):
+    import paged_kv.serving.engine as engine_module
+    from paged_kv.kv.startup import estimate_activation_peak, model_shape
+
+    model = tiny_model("llama")
+    causal = as_causal_lm(model)
+    per_block = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 K/V heads of 16, 4 tokens, float32
+    peak = estimate_activation_peak(model_shape(causal.config, causal.dtype), 8)
+    memory = 2 * (causal.weight_bytes + peak + 10 * per_block)  # half of it leaves 10 blocks
+    monkeypatch.setattr(engine_module, "device_memory", lambda device: memory)
+    sizes = {"gpu_memory_utilization": 0.5, "block_size": 4, "max_num_batched_tokens": 8}
+    assert Engine(model, max_model_len=36, **sizes).num_blocks == 10  # 9 blocks and the null block
+    assert causal.config.max_len > 36
+    with pytest.raises(ValueError, match=r"max seq len \(37\).*estimated maximum model length is 36"):
+        Engine(model, max_model_len=37, **sizes)
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -79,7 +79,13 @@ from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
 from paged_kv.core.kv_cache_groups import kv_cache_groups, layer_tensors, num_tensors
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.device import resolve_device
-from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
+from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes
+from paged_kv.kv.startup import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KVCacheReport,
+    kv_cache_report,
+    measure_activation_peak,
+)
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.generation import is_token
@@ -358,8 +364,12 @@ class Engine:
     ``gpu_memory_utilization``, the fraction of the device's memory (a GPU's, or the machine's RAM
     for the CPU) the engine may use, the model's weights included, as in vLLM:
     ``num_blocks = budget // bytes_per_block`` where ``bytes_per_block`` is K and V of
-    ``block_size`` tokens over all layers (:class:`~paged_kv.kv.sizing.KVCacheSpec`). Activations
-    are not counted (vLLM measures them with a profiling run).
+    ``block_size`` tokens over all layers (:class:`~paged_kv.kv.sizing.KVCacheSpec`). The last is
+    vLLM's start-up sizing whole (:func:`~paged_kv.kv.startup.kv_cache_report`, kept as
+    :attr:`kv_cache_report`): the budget is the device's share less the weights and the activation
+    peak of a dummy step (measured on CUDA, estimated elsewhere), vLLM's two start-up lines are
+    logged (logger ``paged_kv.engine``, INFO), and vLLM's error is raised when one request of
+    ``max_model_len`` does not fit.
 
     A request ends at the model's end-of-sequence tokens, as in vLLM, unless ``ignore_eos=True``
     (vLLM's sampling parameter of that name): see :class:`EngineRequest`.
@@ -427,11 +437,18 @@ class Engine:
             raise ValueError(
                 f"device {self.device} differs from the model's {model_device}; call model.to(device)"
             )
-        blocks = self._size_cache(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
-        if hybrid and blocks < 2:
-            raise ValueError(
-                f"num_blocks must be at least 2 for a hybrid model (block 0 is the null block), got {blocks}"
-            )
+        limit = config.max_len
+        max_model_len = (
+            limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
+        )
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_len {limit}")
+        if max_num_seqs is not None:
+            max_num_seqs = check_count("max_num_seqs", max_num_seqs, minimum=1)
+        max_num_batched_tokens = check_budget(max_num_batched_tokens)
+        self.kv_cache_report: KVCacheReport | None = None
+        """vLLM's start-up sizing (:func:`~paged_kv.kv.startup.kv_cache_report`) when the memory was
+        given as ``gpu_memory_utilization``, else None."""
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
         watermark = check_watermark(watermark)
@@ -445,12 +462,19 @@ class Engine:
             raise ValueError("enable_prefix_caching is a setting of the paged mode: use it with mode='paged'")
         if attention_strategy not in STRATEGIES:
             raise ValueError(f"attention_strategy must be one of {STRATEGIES}, got {attention_strategy!r}")
-        limit = config.max_len
-        max_model_len = (
-            limit if max_model_len is None else check_count("max_model_len", max_model_len, minimum=1)
+        blocks = self._size_cache(
+            block_size,
+            num_blocks,
+            kv_cache_memory_bytes,
+            gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_len {limit}")
+        if hybrid and blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 for a hybrid model (block 0 is the null block), got {blocks}"
+            )
         if mode == "contiguous" and max_model_len > blocks * block_size:
             raise ValueError(
                 f"max_model_len {max_model_len} does not fit the budget of num_blocks * block_size "
@@ -467,10 +491,8 @@ class Engine:
             ),
             SchedulerConfig(
                 max_model_len=max_model_len,
-                max_num_seqs=None
-                if max_num_seqs is None
-                else check_count("max_num_seqs", max_num_seqs, minimum=1),
-                max_num_batched_tokens=check_budget(max_num_batched_tokens),
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
                 watermark=watermark,
                 preemption=preemption,
             ),
@@ -567,8 +589,20 @@ class Engine:
         num_blocks: int | None,
         kv_cache_memory_bytes: int | None,
         gpu_memory_utilization: float | None,
+        *,
+        max_model_len: int,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int | None,
     ) -> int:
-        """The block count: given, or as many blocks as the budget in bytes holds (see the class)."""
+        """The block count: given, or as many blocks as the budget in bytes holds (see the class).
+
+        From ``gpu_memory_utilization`` the budget is vLLM's start-up sizing whole
+        (:func:`~paged_kv.kv.startup.kv_cache_report`, kept as :attr:`kv_cache_report` and its two
+        lines logged): the device's memory at that share, less the weights and the activation peak
+        of a dummy step of the largest batch the engine schedules (its ``max_num_batched_tokens``;
+        without one, vLLM's rule when nothing is chunked: ``max(max_model_len, 2048)``), measured on
+        CUDA and estimated elsewhere; and it raises vLLM's error when one request of
+        ``max_model_len`` does not fit."""
         given = {
             "num_blocks": num_blocks,
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
@@ -584,16 +618,35 @@ class Engine:
             return check_count("num_blocks", num_blocks, minimum=1)
         if kv_cache_memory_bytes is not None:
             budget = check_count("kv_cache_memory_bytes", kv_cache_memory_bytes, minimum=0)
-        else:
-            total = device_memory(self.device)
-            budget = kv_cache_budget(total, gpu_memory_utilization, self.model.weight_bytes)
-        blocks = self.kv_spec.num_blocks(budget, block_size)
-        if blocks < 1:
-            raise ValueError(
-                f"a budget of {format_bytes(budget)} holds no block: one takes "
-                f"{format_bytes(self.kv_spec.bytes_per_block(block_size))} (block_size {block_size})"
-            )
-        return blocks
+            blocks = self.kv_spec.num_blocks(budget, block_size)
+            if blocks < 1:
+                raise ValueError(
+                    f"a budget of {format_bytes(budget)} holds no block: one takes "
+                    f"{format_bytes(self.kv_spec.bytes_per_block(block_size))} (block_size {block_size})"
+                )
+            return blocks
+        config = self.model.config
+        if not self.is_hybrid:  # every layer keeps all its tokens: one group
+            config = replace(config, sliding_windows=None)
+        profile_tokens = max_num_batched_tokens or max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        module = _profiled_module(self.model)
+        report = self.kv_cache_report = kv_cache_report(
+            config,
+            gpu_memory_bytes=device_memory(self.device),
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=profile_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            dtype=self.model.dtype,
+            weight_bytes=self.model.weight_bytes,
+            activation_peak_bytes=None
+            if self.device.type != "cuda" or module is None
+            else measure_activation_peak(module, profile_tokens),
+        )
+        for line in report.lines:
+            _LOGGER.info(line.replace("GPU", kv_cache_device(self.device), 1))
+        return report.num_gpu_blocks
 
     def _new_step_loop(self) -> tuple[Scheduler, ModelRunner]:
         """The scheduler over this run's memory, and the runner over its K/V storage."""
@@ -794,6 +847,12 @@ class _RunState:
                 result.inter_token_latency_steps.append(k - last)
         self.last_sampled = sampled
         self.last_finished = frozenset(request_id for request_id, _ in step.finished)
+
+
+def _profiled_module(model: CausalLM) -> torch.nn.Module | None:
+    """The module a dummy forward of token ids runs on (the tiny GPT, or a Hugging Face model's), or None."""
+    module = getattr(model, "model", model)  # HFCausalLM keeps the transformers model as .model
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -> SchedulerRequest:
