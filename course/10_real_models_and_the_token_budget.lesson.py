@@ -6,14 +6,16 @@
 # them of the Llama family, with rotary positions and fewer K/V heads than query heads, and it
 # bounds every step by a budget of tokens, so that a long prompt is prefilled in chunks beside the
 # decodes instead of stalling them. This lesson runs a Hugging Face model on the course's cache and
-# engine, with exactly Hugging Face's tokens, then gives the engine vLLM's token budget.
+# engine, with exactly Hugging Face's tokens, then gives the engine vLLM's token budget, and last
+# halves the cache's bytes by storing K and V in fp8.
 #
 # **By the end of this lesson you can**
 #
 # 1. explain which two features of a Llama-family model touch the KV cache (grouped-query attention
 #    and rotary position embeddings) and why neither changes its design;
 # 2. size a real model's cache from its config (its K/V heads, head size and layers) and give the
-#    engine its memory in bytes, as vLLM is given it;
+#    engine its memory in bytes, as vLLM is given it; say what an fp8 cache saves in bytes and what
+#    it costs in greedy tokens;
 # 3. run a Hugging Face model on the paged cache and the engine and get exactly the greedy tokens of
 #    Hugging Face's own `generate`;
 # 4. trace a step under a token budget, `max_num_batched_tokens`: each running request's
@@ -290,6 +292,80 @@ plt.show()
 # resumes by prefilling, in chunks, the tokens it had generated.
 
 # %% [markdown]
+# ## 3. Half the bytes: an fp8 cache
+#
+# Section 1 sized the cache by its dtype as well as its heads: two bytes a number in 16-bit. vLLM
+# can store K and V in **one** byte instead (`--kv-cache-dtype fp8`): a block then takes half the
+# bytes, and the same memory holds twice the blocks, twice the tokens in flight. An 8-bit float keeps
+# a sign, a few bits of exponent and very few of mantissa, in one of two layouts: `fp8_e4m3` (vLLM's
+# `"fp8"`: 4 bits of exponent, 3 of mantissa, finite up to 448) and `fp8_e5m2` (5 and 2, up to
+# 57,344: more range, less precision). Two neighbouring e4m3 numbers are 7 to 12.5 % apart, so a
+# stored value is off by up to about 6 %.
+#
+# So that the values sit in the format's range, each layer has two **scales**, one number for all
+# of its K and one for its V: the cache stores `K / k_scale`, clamped to the format's finite range,
+# and attention reads `stored * k_scale` back in the model's dtype (V likewise). vLLM loads the
+# scales from the checkpoint when a quantized model brings them, and uses 1.0 when it does not;
+# `paged_kv` does the same, and with `calculate_kv_scales=True` it measures each layer's scales from
+# the first K and V the layer writes, so that the largest fills the format. Every attention strategy
+# of lessons 05, 06 and 12 reads an fp8 pool: the gather dequantizes the blocks it gathers, the
+# Triton kernel loads the bytes and folds `k_scale` into its score scale. The saving, for
+# SmolLM2-135M, and three numbers stored in e4m3 and read back:
+
+# %%
+from paged_kv.kv.fp8 import dequantize, kv_cache_dtype_str_to_dtype, quantize
+
+fp8 = kv_cache_dtype_str_to_dtype("fp8", llama.dtype)  # vLLM's name for torch.float8_e4m3fn
+for dtype in (torch.float32, torch.bfloat16, fp8):
+    smol = KVCacheSpec(sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, dtype)
+    print(
+        f"{str(dtype).removeprefix('torch.'):>13}: {format_bytes(smol.bytes_per_block(16)):>9} a block "
+        f"of 16 tokens, {smol.num_blocks(8 * 2**20, 16) * 16:>3} tokens in 8 MiB"
+    )
+x = torch.tensor([0.1, 3.14159, 1000.0])
+print("stored in e4m3 and read back:", dequantize(quantize(x, 1.0, fp8), 1.0, torch.float32).tolist())
+
+# %% [markdown]
+# 180 KiB a block instead of 360, so the 8 MiB of section 1 hold 720 tokens instead of 352 (one
+# block more than twice as many: the remainder is smaller). 0.1 became 0.1015625, pi 3.25, and 1,000,
+# past the range, 448: with a scale of 1.0 a key larger than 448 would be clipped, which is what the
+# scales are for.
+#
+# **Predict, then run.** The tiny GPT generates 24 tokens for each of 32 prompts, greedily, with the
+# 32-bit cache and with fp8 caches. Each token is the largest of 256 logits that the cache's
+# rounding moves a little. How many of the 32 requests get exactly the same 24 tokens with e4m3?
+# And how many of their first tokens, computed from the prompts alone?
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+rng = random.Random(0)
+prompts32 = [[rng.randrange(256) for _ in range(rng.randint(4, 40))] for _ in range(32)]
+full = generate(model, prompts32, max_new_tokens=24)  # the 32-bit cache
+top_two = full.logits.topk(2, dim=-1).values
+print(f"median gap between the two largest logits: {(top_two[..., 0] - top_two[..., 1]).median():.2f}")
+for kv_cache_dtype in ("fp8", "fp8_e5m2"):
+    low = generate(model, prompts32, max_new_tokens=24, kv_cache_dtype=kv_cache_dtype)
+    pairs = list(zip(low.tokens, full.tokens, strict=True))
+    print(
+        f"{kv_cache_dtype:>8}: {sum(a == b for a, b in pairs)} of 32 requests identical, "
+        f"{sum(a[0] == b[0] for a, b in pairs)} of 32 first tokens, "
+        f"{sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))} of {32 * 24} tokens; "
+        f"first logits moved by up to {(low.logits[0] - full.logits[0]).abs().max():.2f}"
+    )
+
+# %% [markdown]
+# With e4m3, 21 of the 32 requests, and every first token: the prompts' logits moved by at most
+# 0.05, and no largest logit lost its place. But a request's 24 tokens are 24 chances for a near
+# tie, and its first flip changes its context, so most of its later tokens differ too: 632 of 768
+# tokens agree (82 %), 570 with e5m2 (74 %, 16 requests identical). This is a sharp test: the tiny
+# GPT's weights are random and its logits nearly flat (a median gap of 0.24 between the two
+# largest), which a trained model's seldom are. `bench/bench_fp8.py` measures the same on the tiny
+# Llama of the tests (73 % of the tokens with e4m3), and attention over an e4m3 cache within 4 % of
+# the exact output (8 % in e5m2, 0.35 % in bfloat16). What fp8 costs a trained model is measured on
+# its evaluations; scales calibrated on real data and shipped in the checkpoint are how quantized
+# checkpoints keep it small. (On another CPU or a GPU, a near tie or two may fall the other way.)
+
+# %% [markdown]
 # ## In vLLM
 #
 # Checked against vLLM 0.33.0. Real models and the token budget:
@@ -324,9 +400,25 @@ plt.show()
 #   tokens scheduled each step; with `full_sequence_must_fit` (the scheduler's
 #   `SchedulerConfig.scheduler_reserve_full_isl` in `vllm/config/scheduler.py`, on by default)
 #   admission first checks that the whole prompt fits.
+# * `vllm/config/cache.py`: `CacheConfig.cache_dtype` (`--kv-cache-dtype`), whose `CacheDType`
+#   names include `"fp8"`, `"fp8_e4m3"` and `"fp8_e5m2"`; `vllm/utils/torch_utils.py`:
+#   `kv_cache_dtype_str_to_dtype` maps them, through `STR_DTYPE_TO_TORCH_DTYPE`, to bytes
+#   (`torch.uint8`) that the kernels view as fp8, where our function of that name gives torch's fp8
+#   dtypes themselves. `vllm/model_executor/layers/quantization/kv_cache.py`:
+#   `BaseKVCacheMethod.process_weights_after_loading` gives each attention layer its per-tensor
+#   `_k_scale` and `_v_scale` from the checkpoint, or 1.0 when it brings none;
+#   `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py`: `reshape_and_cache_kernel_flash`
+#   stores each new key divided by `k_scale` (its `FP8_KV_CACHE` branch), and a key that is fp8
+#   already as it is, as our `KVStorage.write_slots` does; `vllm/v1/attention/ops/triton_unified_attention.py`:
+#   `kernel_unified_attention` reads each tile of K and V through `_cast_kv_tile`, the stored bytes
+#   in float32 times the scale, cast to the query's dtype, as our strategies read an fp8 pool; when
+#   the queries are fp8 too it folds the scales instead, `score_scale` and `value_scale`, as our
+#   Triton launcher does.
 #
 # What the course leaves out or does differently: `long_prefill_token_threshold`, speculative
-# decoding (the `_spec` in `num_tokens_with_spec`) and asynchronous scheduling.
+# decoding (the `_spec` in `num_tokens_with_spec`), asynchronous scheduling, and of fp8 the queries
+# quantized too (vLLM's `query_quant`), scales per token and head, and the other formats of
+# `CacheDType`.
 
 # %% [markdown]
 # ## Recap
@@ -340,6 +432,12 @@ plt.show()
 #   prompts, each attending over the cache at an offset, the same tokens. On 48 requests with a long prompt every
 #   eighth, a budget of 64 cut the largest step from 210 tokens to 64 in the same 68 steps, for a
 #   99th-percentile time to first token of 4 steps instead of 1.
+# * An fp8 cache (`kv_cache_dtype="fp8"`, e4m3) stores each K and V number in one byte, `value /
+#   scale` with a scale per layer for K and one for V (1.0 unless the checkpoint brings them), and
+#   reads `stored * scale`: half the bytes of 16-bit (SmolLM2: 180 KiB a block of 16, 720 tokens in
+#   8 MiB instead of 352), a quarter of float32. The tiny GPT's first tokens all agreed with the
+#   32-bit cache's, 21 of 32 requests throughout and 82 % of the tokens (74 % in e5m2): its random
+#   weights leave near ties that a small rounding flips.
 #
 # **Next, lesson 11:** running out of blocks: what the engine does when the sequences it admitted
 # outgrow the pool (preemption by recompute, which resumes by prefilling in chunks under this

@@ -18,7 +18,7 @@ BASE = {"validate", "errors", "device", "progress", "timing"}
 LAYERS = {
     "core": set(),
     "kv": {"core"},
-    "attention": {"core"},
+    "attention": {"core", "kv"},  # attention reads the cache's formats (fp8, lesson 10)
     "model": {"core", "kv", "attention"},
     "serving": {"core", "kv", "attention", "model"},
     "simulation": {"core", "kv", "serving"},

@@ -39,6 +39,11 @@ repeated entry. With a window the keys are not the pool: the blocks the windows 
 out of it (:func:`_window_blocks`, a window's worth of blocks per sequence), so the blocks before
 the windows, whose table entries an engine points at its null block, are not among the keys at all.
 
+An fp8 cache (lesson 10) is not a dtype FlexAttention computes in: its keys and values are
+dequantized to the query's dtype, ``stored * k_scale`` and ``stored * v_scale``
+(:func:`~paged_kv.kv.fp8.dequantize`), right before the attention, so the copy is of the keys it
+runs over: the pool, or with a window the copy of the windows' blocks, dequantized after that copy.
+
 The result equals :func:`paged_kv.attention.paged.paged_attention` (the reference). On a CPU FlexAttention
 runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
 is for CUDA, and tests check it against the reference wherever it runs. One difference from the
@@ -54,6 +59,8 @@ import functools
 from collections.abc import Callable
 
 import torch
+
+from paged_kv.kv.fp8 import dequantize, is_fp8
 
 
 def flex_available() -> bool:
@@ -76,10 +83,13 @@ def flex_decode(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with FlexAttention.
 
-    ``query`` is ``(batch, num_heads, dim)`` in the caches' dtype, over caches of
+    ``query`` is ``(batch, num_heads, dim)`` in the caches' dtype (any float dtype over fp8 caches,
+    which are dequantized to it with ``k_scale`` and ``v_scale``, checked), over caches of
     ``(num_blocks, num_kv_heads, block_size, dim)`` with ``num_kv_heads`` dividing ``num_heads``
     (FlexAttention's ``enable_gqa``: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``); ``context_lens`` is a long tensor on the query's device. ``compiled``
@@ -104,6 +114,8 @@ def flex_decode(
             compiled,
             sliding_window=sliding_window,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     if not flex_available():
         raise ValueError(
@@ -121,6 +133,7 @@ def flex_decode(
     score_mod = _soft_capped(score_mod, softcap)
     pool = num_blocks * block_size
     block_mask = create_block_mask(mask_mod, None, None, batch, pool, device=device, _compile=compiled)
+    k_cache, v_cache = _dequantized(k_cache, v_cache, query.dtype, k_scale, v_scale)
     keys = k_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
     values = v_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
     queries = query.transpose(0, 1).unsqueeze(0)  # (1, heads, batch, dim): one query position per row
@@ -144,6 +157,8 @@ def flex_varlen(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of a checked packed batch (see ``paged_attention_varlen``) with FlexAttention: causal
     inside each sequence, over the whole pool, or with a sliding window over the blocks of the windows.
@@ -154,7 +169,9 @@ def flex_varlen(
     query token at position ``p`` sees positions ``p - W + 1 .. p`` only, and the keys are not the
     pool but a copy of the blocks the windows reach (:func:`_window_blocks`): the blocks before a
     sequence's window, which may hold anything, are not in it. ``softcap`` ``c`` makes each score
-    ``c * tanh(score / c)``, a score modifier (FlexAttention scales the scores before it).
+    ``c * tanh(score / c)``, a score modifier (FlexAttention scales the scores before it). Over fp8
+    caches the query may be in any float dtype: the keys are dequantized to it with ``k_scale`` and
+    ``v_scale`` (after the window's copy, with a window).
 
     Raises:
         ValueError: this torch has no FlexAttention.
@@ -205,6 +222,7 @@ def flex_varlen(
 
     pool = num_blocks * block_size
     block_mask = create_block_mask(mask_mod, None, None, num_tokens, pool, device=device, _compile=compiled)
+    k_cache, v_cache = _dequantized(k_cache, v_cache, query.dtype, k_scale, v_scale)
     keys = k_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
     values = v_cache.transpose(0, 1).reshape(1, num_kv_heads, pool, head_dim)
     queries = query.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, dim): one query position per token
@@ -247,6 +265,15 @@ def _window_blocks(
     tables = torch.full((batch, width), -1, dtype=torch.long, device=block_tables.device)
     tables[read] = renumbered
     return tables, k_cache[live], v_cache[live]
+
+
+def _dequantized(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as they are, or, when fp8, ``stored * scale`` in ``dtype`` (a copy, in that dtype)."""
+    if not is_fp8(k_cache.dtype):
+        return k_cache, v_cache
+    return dequantize(k_cache, k_scale, dtype), dequantize(v_cache, v_scale, dtype)
 
 
 def _soft_capped(score_mod: Callable | None, softcap: float | None) -> Callable | None:

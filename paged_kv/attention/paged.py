@@ -36,6 +36,18 @@ puts its null block there once those blocks fall out of the window): no strategy
 what those blocks hold, NaN included. A **soft cap** ``c`` (``softcap=c``, Gemma 2's attention logit
 soft-capping): each score ``s = scale * q · k`` becomes ``c * tanh(s / c)`` before the mask.
 
+Every function and strategy reads an **fp8 cache** too (lesson 10): ``k_cache`` and ``v_cache`` of
+``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any float query, and the cache's per-tensor
+scales ``k_scale`` and ``v_scale`` (keywords, 1.0 by default; a float cache's must be 1.0). The
+result is the attention, in the query's dtype, over the dequantized cache, ``stored * scale`` cast to
+the query's dtype (:func:`~paged_kv.kv.fp8.dequantize`, vLLM's ``_cast_kv_tile``). ``"gather"``
+dequantizes the blocks it gathers, after the gather (one byte a number moved, not four);
+``"in_place"`` and ``"auto"`` gather an fp8 cache, as they gather a half-precision one (they compute
+in the caches' dtype, and no product runs in fp8 here); ``"flex"`` dequantizes the keys it runs
+over (the pool, or the copy of the windows' blocks); ``"triton"``'s kernel loads the fp8 bytes and
+converts them as it converts any cache, with ``k_scale`` folded into the score scale and ``v_scale``
+applied to its output (:mod:`paged_kv.attention.triton_decode`).
+
 Every function takes grouped-query attention. In GQA, ``num_heads`` query heads share
 ``num_kv_heads`` K/V heads in equal groups (Llama-3-8B: 32 over 8), so the cache holds only the
 K/V heads; multi-query attention (MQA) is the extreme case of a single K/V head shared by all, and
@@ -61,12 +73,14 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from paged_kv.attention.flex import flex_decode, flex_varlen
 from paged_kv.attention.triton_decode import triton_attention, triton_decode
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.kv.fp8 import check_scale, dequantize, is_fp8
 from paged_kv.validate import check_count
 
 STRATEGIES = ("auto", "gather", "in_place", "flex", "triton")
@@ -81,6 +95,8 @@ def paged_attention(
     scale: float | None = None,
     *,
     strategy: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -90,7 +106,8 @@ def paged_attention(
         query: ``(batch, num_heads, head_dim)``, the new token of each sequence.
         k_cache, v_cache: ``(num_blocks, num_kv_heads, block_size, head_dim)``, with ``num_kv_heads``
             dividing ``num_heads`` (equal: multi-head; fewer: grouped-query; one: multi-query).
-            Query head ``h`` reads K/V head ``h // (num_heads // num_kv_heads)``.
+            Query head ``h`` reads K/V head ``h // (num_heads // num_kv_heads)``. In the query's
+            dtype, or both of one fp8 dtype (see ``k_scale``).
         block_tables: ``(batch, max_blocks)`` integer tensor of physical block ids; entries past
             the blocks a sequence needs are padding (``-1`` by convention, any value works).
         context_lens: ``(batch,)`` integers, the tokens each sequence holds, each in
@@ -101,7 +118,8 @@ def paged_attention(
             reference). ``"in_place"`` reads the cache where it lies, block by block in physical
             order, with the query of the one row that reads each block; blocks read by several rows
             (after a fork, or from a prefix cache) are copied once each and met by every row's query
-            at once. It computes in the caches' dtype, so half-precision caches are gathered instead.
+            at once. It computes in the caches' dtype, so half-precision and fp8 caches are gathered
+            instead.
             ``"auto"`` (default) reads in place when the caches are in the compute dtype, the batch
             reads at least half the pool, and shared blocks, if any, are read by at least a quarter
             of the rows on average; it gathers otherwise. ``"flex"``
@@ -111,9 +129,13 @@ def paged_attention(
             (sequence, KV head) walking its block table with an online softmax
             (:mod:`paged_kv.attention.triton_decode`; the triton package, Linux only): compiled on
             CUDA, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1`` in the environment
-            before triton is imported); it reads float32, float16 and bfloat16 caches, and caches
-            of any strides, such as a permuted view of vLLM's. ``"auto"`` never picks ``"flex"``
-            or ``"triton"``.
+            before triton is imported); it reads float32, float16, bfloat16 and fp8 caches, and
+            caches of any strides, such as a permuted view of vLLM's. ``"auto"`` never picks
+            ``"flex"`` or ``"triton"``.
+        k_scale, v_scale: an fp8 cache's per-tensor scales, positive finite numbers: it holds ``K /
+            k_scale`` and ``V / v_scale`` (vLLM's ``layer._k_scale``, ``layer._v_scale``), and every
+            strategy attends over ``stored * scale``, cast to the query's dtype. A float cache's
+            are 1.0 (the default).
         sliding_window: ``None`` (the default) for full attention, or ``W``, an integer of at least
             1, for a sliding window of ``W`` tokens: row ``b``'s query, at position ``p =
             context_lens[b] - 1``, sees positions ``max(0, p - W + 1) .. p``, its sequence's last
@@ -135,23 +157,26 @@ def paged_attention(
         contiguous attention of ``query[b]`` over the first ``context_lens[b]`` tokens of its
         sequence (its last ``sliding_window`` of them, with a window), their K/V repeated along the
         head axis to ``num_heads`` heads (``repeat_interleave(num_heads // num_kv_heads)``), the
-        scores soft-capped when ``softcap`` is given. Half and bfloat16 inputs are computed in
-        float32 and cast back.
+        scores soft-capped when ``softcap`` is given; over an fp8 cache, its K/V dequantized.
+        Half and bfloat16 inputs are computed in float32 and cast back.
 
     Raises:
         ValueError: an argument has the wrong type, shape, dtype or device (among them caches whose
-            heads do not divide ``num_heads`` or whose head_dim differs from ``query``'s), or a context
+            heads do not divide ``num_heads`` or whose head_dim differs from ``query``'s, float
+            caches of another dtype than the query's, or an fp8 query), or a context
             length is below 1 or needs blocks its row does not hold (the message names the argument);
             or the strategy cannot run here (``"flex"`` on a torch before 2.5; ``"triton"`` without
             the triton package, on a dtype it does not read, off CUDA without Triton's interpreter,
             or with ``TRITON_INTERPRET`` changed since triton was imported); or ``sliding_window`` is
             not an integer of at least 1 (a bool is refused), or ``softcap`` not a positive finite
-            number (the message names the argument).
+            number, or a scale not a positive finite number, or not 1.0 for a float cache (the
+            message names the argument).
     """
     context_lens, _, _ = _check_inputs(query, k_cache, v_cache, block_tables, context_lens)
     _check_strategy(strategy)
     window, softcap = _check_window(sliding_window), _check_softcap(softcap)
-    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window, softcap)
+    fp8 = _check_scales(k_scale, v_scale, k_cache.dtype, query.dtype)
+    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window, softcap, fp8)
 
 
 def paged_prefill_attention(
@@ -164,6 +189,8 @@ def paged_prefill_attention(
     scale: float | None = None,
     *,
     strategy: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -183,7 +210,8 @@ def paged_prefill_attention(
         query: ``(total_new_tokens, num_heads, head_dim)`` with ``total_new_tokens ==
             sum(query_lens)``; rows ``sum(query_lens[:b]) ..`` are sequence ``b``'s, in order.
         k_cache, v_cache: ``(num_blocks, num_kv_heads, block_size, head_dim)``, with ``num_kv_heads``
-            dividing ``num_heads``, grouped as for :func:`paged_attention`.
+            dividing ``num_heads``, grouped as for :func:`paged_attention`; in the query's dtype or
+            of one fp8 dtype.
         block_tables: ``(batch, max_blocks)`` integer tensor of physical block ids; entries past
             the blocks a sequence needs are padding (``-1`` by convention, any value works).
         context_lens: ``(batch,)`` integers, the tokens each sequence holds (new ones included),
@@ -196,7 +224,8 @@ def paged_prefill_attention(
             reference). ``"in_place"`` reads the cache where it lies: the sequences with one query
             token as :func:`paged_attention`'s in-place path, those with several with every block
             met by the queries of the row that reads it (padded to the longest of them), in one
-            product over the pool; in the caches' dtype, so half-precision caches are gathered.
+            product over the pool; in the caches' dtype, so half-precision and fp8 caches are
+            gathered.
             ``"auto"`` (default) splits the batch the same way: when every query length is 1 it is
             :func:`paged_attention`'s ``"auto"``; otherwise the rows of one query token go through
             it (read in place or gathered by its rule) and the rows of several are
@@ -210,6 +239,7 @@ def paged_prefill_attention(
             KV head, tile of query tokens), causal inside a chunk
             (:func:`~paged_kv.attention.triton_decode.triton_attention`). ``"auto"`` never picks
             ``"flex"`` or ``"triton"``.
+        k_scale, v_scale: an fp8 cache's per-tensor scales, as for :func:`paged_attention`.
         sliding_window: ``None`` (the default) for causal attention over the whole sequence, or
             ``W``, an integer of at least 1, for a sliding window of ``W`` tokens: query token ``i``
             of sequence ``b``, at position ``p = context_lens[b] - query_lens[b] + i``, sees
@@ -229,23 +259,25 @@ def paged_prefill_attention(
         ``(total_new_tokens, num_heads, head_dim)``, packed like ``query``, with its dtype and
         device. Each row equals contiguous attention of that query over positions ``0 ..`` its
         own position of its sequence (the last ``sliding_window`` of those, with a window; K/V
-        repeated to ``num_heads`` heads; the scores soft-capped when ``softcap`` is given). Half
-        and bfloat16 inputs are computed in float32 and cast back.
+        repeated to ``num_heads`` heads; the scores soft-capped when ``softcap`` is given; an fp8
+        cache's K/V dequantized). Half and bfloat16 inputs are computed in float32 and cast back.
 
     Raises:
         ValueError: as :func:`paged_attention`, or ``query_lens`` has the wrong type or shape, a
             query length is outside ``0 .. context_lens[b]``, or they do not sum to the rows of
             ``query`` (the message names the argument); or the strategy is unknown or cannot run
-            here, or ``sliding_window`` or ``softcap`` is not valid, as for :func:`paged_attention`.
+            here, or ``sliding_window``, ``softcap`` or a scale is not valid, as for
+            :func:`paged_attention`.
     """
     context_lens, query_lens, host_lens = _check_inputs(
         query, k_cache, v_cache, block_tables, context_lens, query_lens
     )
     _check_strategy(strategy)
     window, softcap = _check_window(sliding_window), _check_softcap(softcap)
+    fp8 = _check_scales(k_scale, v_scale, k_cache.dtype, query.dtype)
     query_start_loc = torch.nn.functional.pad(torch.cumsum(query_lens, 0), (1, 0))
     batch = _Batch(context_lens, query_start_loc, query_lens, host_lens)
-    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap, fp8)
 
 
 def paged_attention_varlen(
@@ -261,6 +293,8 @@ def paged_attention_varlen(
     query_start_loc_cpu: torch.Tensor | None = None,
     strategy: str = "auto",
     check: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -268,12 +302,12 @@ def paged_attention_varlen(
     by ``query_start_loc``, as a model runner holds it, rather than by query lengths.
 
     Args:
-        query, k_cache, v_cache, block_tables, scale, strategy, sliding_window, softcap: as for
-            :func:`paged_prefill_attention`: with a window of ``W``, query token ``i`` of sequence
-            ``b``, at position ``p = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) +
-            i``, sees positions ``max(0, p - W + 1) .. p``, and the blocks wholly before the window
-            of a sequence's first query token take no part (their entries name any block id below
-            ``num_blocks``: the null block, say).
+        query, k_cache, v_cache, block_tables, scale, strategy, k_scale, v_scale, sliding_window,
+            softcap: as for :func:`paged_prefill_attention`: with a window of ``W``, query token
+            ``i`` of sequence ``b``, at position ``p = seq_lens[b] - (query_start_loc[b + 1] -
+            query_start_loc[b]) + i``, sees positions ``max(0, p - W + 1) .. p``, and the blocks
+            wholly before the window of a sequence's first query token take no part (their entries
+            name any block id below ``num_blocks``: the null block, say).
         seq_lens: ``(batch,)`` integer tensor on the query's device: the tokens each sequence holds,
             its query tokens included (the ``context_lens`` of :func:`paged_prefill_attention`).
         query_start_loc: ``(batch + 1,)`` integer tensor on the query's device: ``0``, then the
@@ -300,7 +334,8 @@ def paged_attention_varlen(
         ValueError: as :func:`paged_prefill_attention`, naming ``seq_lens`` or ``query_start_loc``
             (which must start at 0, never decrease and end at the rows of ``query``, each step at
             most its sequence's length); with ``check=False`` only the checks that read no value.
-            ``sliding_window`` and ``softcap`` are checked either way (they are host numbers).
+            ``sliding_window``, ``softcap`` and the scales are checked either way (they are host
+            numbers).
 
     The hot path reads the device back at most once for itself: ``"triton"`` and ``"gather"`` not
     at all when ``max_query_len`` is given, ``"auto"`` and ``"in_place"`` to copy the query lengths
@@ -318,13 +353,14 @@ def paged_attention_varlen(
     )
     _check_strategy(strategy)
     window, softcap = _check_window(sliding_window), _check_softcap(softcap)
+    fp8 = _check_scales(k_scale, v_scale, k_cache.dtype, query.dtype)
     if max_query_len is not None:
         max_query_len = check_count("max_query_len", max_query_len)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if host_lens is None and query_start_loc_cpu is not None:
         host_lens = torch.diff(query_start_loc_cpu.long())
     batch = _Batch(seq_lens, query_start_loc, query_lens, host_lens, max_query_len)
-    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
+    return _varlen(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap, fp8)
 
 
 def _check_strategy(strategy: object) -> None:
@@ -346,6 +382,35 @@ def _check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
+class _Fp8(NamedTuple):
+    """How an fp8 cache is read: its K stands for ``stored * k_scale``, its V for ``stored * v_scale``,
+    dequantized to ``dtype``, the query's (:func:`~paged_kv.kv.fp8.dequantize`)."""
+
+    k_scale: float
+    v_scale: float
+    dtype: torch.dtype
+
+    def keywords(self) -> dict[str, float]:
+        """The scales as the FlexAttention and Triton paths take them."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+def _check_scales(
+    k_scale: object, v_scale: object, cache_dtype: torch.dtype, query_dtype: torch.dtype
+) -> _Fp8 | None:
+    """The scales of an fp8 cache, checked (positive finite numbers), or ``None`` for a float cache,
+    whose scales must be 1.0; a ``ValueError`` naming the argument."""
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    if is_fp8(cache_dtype):
+        return _Fp8(k_scale, v_scale, query_dtype)
+    if (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(
+            f"k_scale and v_scale apply to fp8 caches; a {cache_dtype} cache's are 1.0 (as vLLM enforces), "
+            f"got {k_scale} and {v_scale}"
+        )
+    return None
+
+
 def _first_entries(first_pos: torch.Tensor, window: int, block_size: int) -> torch.Tensor:
     """The first table entry each row's window reaches: the block of position ``first_pos - window +
     1`` (the first one the query at ``first_pos`` sees), or 0. Every entry before it lies wholly
@@ -359,20 +424,38 @@ def _blocks_spanned(positions: int, block_size: int) -> int:
 
 
 def _decode(
-    query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window=None, softcap=None
+    query, k_cache, v_cache, block_tables, context_lens, scale, strategy, window=None, softcap=None, fp8=None
 ) -> torch.Tensor:
     """:func:`paged_attention` of checked inputs: one query token per row (``window`` and
-    ``softcap`` checked, ``None`` when not asked for)."""
+    ``softcap`` checked, ``None`` when not asked for; ``fp8`` the scales of an fp8 cache, ``None``
+    for a float one)."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    scaled = {} if fp8 is None else fp8.keywords()
     if strategy == "flex":
-        q = query.to(k_cache.dtype)
+        q = query if fp8 is not None else query.to(k_cache.dtype)
         out = flex_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=window, softcap=softcap
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            sliding_window=window,
+            softcap=softcap,
+            **scaled,
         )
         return out.to(query.dtype)
     if strategy == "triton":
         return triton_decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=window, softcap=softcap
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            sliding_window=window,
+            softcap=softcap,
+            **scaled,
         )
     num_blocks, _, block_size, _ = k_cache.shape
     # With a window, each row's entries before the first its query sees take no part.
@@ -390,7 +473,7 @@ def _decode(
     # 1. Gather each sequence's blocks in table order (padding is read from a real block, masked in 2);
     #    with a window, only the entries from the first the query sees, as many as a window can span.
     span = None if window is None else min(block_tables.shape[1], _blocks_spanned(window, block_size))
-    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span)
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span, fp8)
 
     # 2. Positions at or past the context length do not exist: the attention masks them out; so are
     #    those before the window, and V is zeroed there, as their blocks may hold anything (0 * NaN is NaN).
@@ -446,9 +529,11 @@ class _Batch:
 
 
 def _varlen(
-    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window=None, softcap=None
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window=None, softcap=None, fp8=None
 ) -> torch.Tensor:
-    """The packed batch of checked inputs, in ``strategy``: the body of :func:`paged_prefill_attention`."""
+    """The packed batch of checked inputs, in ``strategy``: the body of :func:`paged_prefill_attention`
+    (``fp8``: the scales of an fp8 cache, ``None`` for a float one)."""
+    scaled = {} if fp8 is None else fp8.keywords()
     if strategy == "triton":
         return triton_attention(
             query,
@@ -461,9 +546,10 @@ def _varlen(
             scale,
             sliding_window=window,
             softcap=softcap,
+            **scaled,
         )
     if strategy == "flex":
-        q = query.to(k_cache.dtype)
+        q = query if fp8 is not None else query.to(k_cache.dtype)
         out = flex_varlen(
             q,
             k_cache,
@@ -474,45 +560,56 @@ def _varlen(
             scale,
             sliding_window=window,
             softcap=softcap,
+            **scaled,
         )
         return out.to(query.dtype)
     if strategy == "gather":
-        return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap)
+        return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap, fp8)
 
     # "in_place" and "auto": the rows of one query token are a decode batch, the others chunks.
     host_lens = batch.host_lens()
     decodes, chunks = (host_lens == 1), (host_lens > 1)
     if bool(decodes.all()):  # every row one query token (a decode step): the decode path as it is
         lens = batch.seq_lens
-        return _decode(query, k_cache, v_cache, block_tables, lens, scale, strategy, window, softcap)
+        return _decode(query, k_cache, v_cache, block_tables, lens, scale, strategy, window, softcap, fp8)
     out = query.new_empty(query.shape)
     for selected, run in ((decodes, _decodes_of), (chunks, _chunks_of)):
         rows = torch.nonzero(selected).flatten()
         if not len(rows):
             continue
         if len(rows) == len(host_lens):  # all of them: no copy of the tables
-            out = run(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap)
+            out = run(query, k_cache, v_cache, block_tables, batch, scale, strategy, window, softcap, fp8)
             continue
         tokens, sub = batch.rows(rows, host_lens)
         device_rows = rows.to(query.device)
         out[tokens] = run(
-            query[tokens], k_cache, v_cache, block_tables[device_rows], sub, scale, strategy, window, softcap
+            query[tokens],
+            k_cache,
+            v_cache,
+            block_tables[device_rows],
+            sub,
+            scale,
+            strategy,
+            window,
+            softcap,
+            fp8,
         )
     return out
 
 
 def _decodes_of(
-    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap, fp8
 ) -> torch.Tensor:
     """A batch whose every row has one query token: the decode path."""
-    return _decode(query, k_cache, v_cache, block_tables, batch.seq_lens, scale, strategy, window, softcap)
+    lens = batch.seq_lens
+    return _decode(query, k_cache, v_cache, block_tables, lens, scale, strategy, window, softcap, fp8)
 
 
 def _chunks_of(
-    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, strategy, window, softcap, fp8
 ) -> torch.Tensor:
     """A batch of rows with several query tokens each: read in place for ``"in_place"`` (when the
-    caches are in the compute dtype), gathered otherwise.
+    caches are in the compute dtype), gathered otherwise (fp8 caches included).
 
     ``"auto"`` gathers them: a chunk's copy of its blocks is shared by all its query tokens, while
     the in-place product meets every block of the pool with the longest chunk's queries, so it pays
@@ -534,7 +631,7 @@ def _chunks_of(
             q, k_cache, v_cache, block_tables, batch.seq_lens, query_pos, scale, reads, window, softcap
         )
         return out.transpose(1, 2)[seq, index].to(query.dtype)
-    return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap)
+    return _chunks_gathered(query, k_cache, v_cache, block_tables, batch, scale, window, softcap, fp8)
 
 
 def _padded(query, batch: _Batch, longest: int):
@@ -553,7 +650,7 @@ def _padded(query, batch: _Batch, longest: int):
 
 
 def _chunks_gathered(
-    query, k_cache, v_cache, block_tables, batch: _Batch, scale, window=None, softcap=None
+    query, k_cache, v_cache, block_tables, batch: _Batch, scale, window=None, softcap=None, fp8=None
 ) -> torch.Tensor:
     """The reference: every row's blocks gathered, the queries padded to the longest, one masked
     attention for the whole batch, no Python loop over sequences; the padding rows dropped.
@@ -569,7 +666,7 @@ def _chunks_gathered(
         first_pos = batch.seq_lens - batch.query_lens  # each row's first query token's position
         first = _first_entries(first_pos, window, block_size)
         span = min(block_tables.shape[1], _blocks_spanned(longest + window - 1, block_size))
-    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span)
+    k, v, positions = _gather_batch(k_cache, v_cache, block_tables, compute_dtype, first, span, fp8)
     padded, query_pos, seq, index = _padded(query.to(compute_dtype), batch, longest)
     beyond = positions[:, None, :] > query_pos[:, :, None]  # (batch, max_q, positions)
     if window is not None:
@@ -848,8 +945,10 @@ def _gather_batch(
     dtype: torch.dtype,
     first: torch.Tensor | None = None,
     span: int | None = None,
+    fp8: _Fp8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's K and V in table order, in ``dtype``, and the positions they hold.
+    """Every row's K and V in table order, in ``dtype``, and the positions they hold; from an fp8
+    cache (``fp8``: its scales), the gathered bytes dequantized to the query's dtype first.
 
     Returns ``k`` and ``v`` of shape ``(batch, num_heads, n * block_size, head_dim)`` and the
     positions of their slots: all ``n = max_blocks`` entries of each row, ``positions = arange(n *
@@ -868,7 +967,13 @@ def _gather_batch(
         blocks = table.clamp(0, num_blocks - 1)
         slots = torch.arange(block_size, device=first.device)
         positions = (entries[:, :, None] * block_size + slots).flatten(1)
-    k, v = (_gather_blocks(cache, blocks).to(dtype) for cache in (k_cache, v_cache))
+    if fp8 is None:
+        k, v = (_gather_blocks(cache, blocks).to(dtype) for cache in (k_cache, v_cache))
+    else:  # the gathered bytes, not the pool, dequantized: as the reference reads them, then as floats
+        k, v = (
+            dequantize(_gather_blocks(cache, blocks), factor, fp8.dtype).to(dtype)
+            for cache, factor in ((k_cache, fp8.k_scale), (v_cache, fp8.v_scale))
+        )
     return k, v, positions
 
 
@@ -938,7 +1043,7 @@ def _check_inputs(
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if query.dim() != 3 or not query.dtype.is_floating_point:
+    if query.dim() != 3 or not query.dtype.is_floating_point or is_fp8(query.dtype):
         raise ValueError(f"query must be a 3-D float tensor, got {query.dtype} {tuple(query.shape)}")
     if (
         k_cache.dim() != 4
@@ -951,9 +1056,13 @@ def _check_inputs(
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
-    for name in ("k_cache", "v_cache"):
-        if named[name].dtype != query.dtype:
-            raise ValueError(f"{name} has dtype {named[name].dtype} but query has {query.dtype}")
+    if is_fp8(k_cache.dtype) or is_fp8(v_cache.dtype):  # an fp8 cache: read in any query dtype
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache has dtype {v_cache.dtype} but k_cache has {k_cache.dtype}")
+    else:
+        for name in ("k_cache", "v_cache"):
+            if named[name].dtype != query.dtype:
+                raise ValueError(f"{name} has dtype {named[name].dtype} but query has {query.dtype}")
     lengths = {lens_name: context_lens}
     if query_lens is not None:
         lengths["query_lens"] = query_lens

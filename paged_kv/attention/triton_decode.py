@@ -40,11 +40,24 @@ length from the device), and a program finds its sequence by a binary search ove
 sequence axis instead, sized by ``max_query_len``, and lets the programs past a sequence's query
 tokens return. vLLM's kernel loads the physical block id of each tile of keys from the block table,
 computes the K/V offsets from the cache's four strides, keeps a running maximum ``M``, sum ``L`` and
-accumulator ``acc`` in float32, and adds ALiBi, fp8 caches and a split of long contexts into
-segments (``IS_3D``), which this kernel leaves out. Sliding windows and soft-capping this kernel
+accumulator ``acc`` in float32, and adds ALiBi and a split of long contexts into segments
+(``IS_3D``), which this kernel leaves out. Sliding windows and soft-capping this kernel
 has too, as trailing constexprs (``SLIDING_WINDOW``, ``SOFTCAP``; vLLM's kernel takes
 ``SLIDING_WINDOW`` and ``USE_SOFTCAP`` constexprs): the launcher passes them only when a window or
 a cap is asked for, so a kernel written without them (lesson 12's exercise) launches as before.
+
+**fp8 caches** (lesson 10: ``torch.float8_e4m3fn``, ``torch.float8_e5m2``) the kernel reads as
+they are: a load takes its element type from the pointer, and ``.to(tl.float32)`` converts fp8 as
+it converts 16-bit numbers, compiled and in Triton's interpreter alike (``tests/test_fp8.py`` runs
+it there); compiled, e4m3 needs a GPU of compute capability 8.9 or later, as vLLM's Triton backend
+does (``TritonAttentionImpl`` refuses fp8 below it). The per-tensor scales take no parameter of the
+kernel, whose signature stays the one lesson 12's exercise writes: ``k_scale`` is folded into the
+score scale it is given, ``scale * k_scale`` (the scores of ``stored * k_scale`` are ``scale *
+k_scale * q · stored``), and the output, linear in V, is multiplied by ``v_scale`` after the launch
+(the kernel then writes float32, for a query of another dtype). vLLM's kernel folds them the same
+way when its queries are fp8 too (``score_scale`` and ``value_scale`` in
+``kernel_unified_attention``); with 16-bit queries it multiplies each tile of K and V instead
+(``_cast_kv_tile``).
 
 Triton is optional: ``import paged_kv`` never imports it, and :func:`triton_available` says
 whether it is installed. On CUDA the kernel is compiled. On the CPU it runs in Triton's
@@ -63,7 +76,9 @@ from collections.abc import Callable
 
 import torch
 
-#: The cache dtypes the kernel reads; it accumulates in float32 whatever the dtype.
+from paged_kv.kv.fp8 import is_fp8
+
+#: The query and float cache dtypes the kernel reads; it accumulates in float32 whatever the dtype.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -102,14 +117,16 @@ def triton_decode(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
 
     ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence, in the caches'
-    dtype; the rest is as for :func:`triton_attention`, ``context_lens`` being its ``seq_lens``. A
-    batch of decodes is the kernel's simplest case: ``query_start_loc = [0, 1, ..., batch]`` and one
-    query token per program (``QUERY_TILE`` 1), each program's rows the ``GROUP`` query heads of
-    its KV head.
+    dtype (or over fp8 caches); the rest is as for :func:`triton_attention`, ``context_lens`` being
+    its ``seq_lens``. A batch of decodes is the kernel's simplest case: ``query_start_loc = [0, 1,
+    ..., batch]`` and one query token per program (``QUERY_TILE`` 1), each program's rows the
+    ``GROUP`` query heads of its KV head.
     """
     batch = query.shape[0]
     query_start_loc = torch.arange(batch + 1, device=query.device)
@@ -125,6 +142,8 @@ def triton_decode(
         kernel,
         sliding_window=sliding_window,
         softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -142,22 +161,24 @@ def triton_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged attention of checked inputs (see ``paged_attention_varlen``) with the Triton kernel:
     any number of query tokens per sequence, causal inside a chunk, decodes and chunks in one launch.
 
     ``query`` is ``(num_tokens, num_heads, head_dim)`` in the caches' dtype, one of
-    :data:`KERNEL_DTYPES`, the query tokens of sequence ``b`` being rows ``query_start_loc[b] ..
-    query_start_loc[b + 1] - 1``; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks,
-    num_kv_heads, block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read
-    in place), ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)``
-    of any integer dtype whose first ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are
-    valid block ids; ``seq_lens`` holds each sequence's tokens, its query tokens included (at
-    least its query length), and ``query_start_loc`` ``(batch + 1,)`` starts at 0 and never
-    decreases, both integer tensors on the query's device; ``max_query_len`` is at least the
-    longest query length (a host integer: it sizes the grid, so the launch reads nothing back
-    from the device). Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype, computed
-    in float32.
+    :data:`KERNEL_DTYPES` (or over caches of an fp8 dtype, with their checked scales ``k_scale`` and
+    ``v_scale``: see the module), the query tokens of sequence ``b`` being rows ``query_start_loc[b] ..
+    query_start_loc[b + 1] - 1``; ``k_cache`` and ``v_cache`` have the axes ``(num_blocks, num_kv_heads,
+    block_size, head_dim)`` with any strides (a permuted view of vLLM's cache is read in place),
+    ``num_kv_heads`` dividing ``num_heads``; ``block_tables`` is ``(batch, max_blocks)`` of any integer
+    dtype whose first ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are valid block ids;
+    ``seq_lens`` holds each sequence's tokens, its query tokens included (at least its query length),
+    and ``query_start_loc`` ``(batch + 1,)`` starts at 0 and never decreases, both integer tensors on
+    the query's device; ``max_query_len`` is at least the longest query length (a host integer: it sizes
+    the grid, so the launch reads nothing back from the device). Returns ``(num_tokens, num_heads,
+    head_dim)`` in the query's dtype, computed in float32.
 
     The grid is ``(batch, num_kv_heads, ceil(max_query_len / QUERY_TILE))``: program ``(seq,
     kv_head, tile)`` takes ``QUERY_TILE`` query tokens of sequence ``seq`` (1 for a batch of
@@ -177,11 +198,11 @@ def triton_attention(
     own (once per model, as a model has one window and one cap).
 
     Raises:
-        ValueError: Triton is not installed; the caches' dtype is not one of :data:`KERNEL_DTYPES`;
-            ``TRITON_INTERPRET`` has changed since triton was imported; the tensors are not on
-            CUDA and Triton is not in interpreter mode (see :func:`triton_interpreted`); or a
-            ``sliding_window`` or ``softcap`` is asked of a ``kernel`` that lacks the parameter
-            (the message names the argument).
+        ValueError: Triton is not installed; the caches' dtype is neither one of
+            :data:`KERNEL_DTYPES` nor fp8; ``TRITON_INTERPRET`` has changed since triton was
+            imported; the tensors are not on CUDA and Triton is not in interpreter mode (see
+            :func:`triton_interpreted`); or a ``sliding_window`` or ``softcap`` is asked of a
+            ``kernel`` that lacks the parameter (the message names the argument).
     """
     if not triton_available():
         raise ValueError(
@@ -189,9 +210,9 @@ def triton_attention(
         )
     import triton
 
-    if k_cache.dtype not in KERNEL_DTYPES:
+    if k_cache.dtype not in KERNEL_DTYPES and not is_fp8(k_cache.dtype):
         names = ", ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
-        raise ValueError(f"strategy 'triton' reads {names} caches, got {k_cache.dtype}")
+        raise ValueError(f"strategy 'triton' reads {names} caches and fp8 ones, got {k_cache.dtype}")
     interpret = triton_interpreted()
     if triton.knobs.runtime.interpret != interpret:
         raise ValueError(
@@ -210,6 +231,12 @@ def triton_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    scale = head_dim**-0.5 if scale is None else scale
+    # An fp8 cache's scales: k_scale folded into the score scale, v_scale applied to the output
+    # (the weighted sum of V is linear in V), computed in float32 for a query of another dtype.
+    target = out
+    if v_scale != 1.0 and out.dtype != torch.float32:
+        target = torch.empty(out.shape, dtype=torch.float32, device=out.device)
     query_tile = query_tile_for(max_query_len, group)
     if kernel is None:
         from paged_kv.attention.triton_kernel import paged_attention_kernel as kernel
@@ -217,15 +244,15 @@ def triton_attention(
     if not out.numel() or not batch:
         return out
     _jit(kernel)[(batch, num_kv_heads, triton.cdiv(max_query_len, query_tile))](
-        out,
+        target,
         query,
         k_cache,
         v_cache,
         block_tables,
         seq_lens.contiguous(),
         query_start_loc.contiguous(),
-        head_dim**-0.5 if scale is None else scale,
-        *out.stride(),
+        scale * k_scale,
+        *target.stride(),
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -239,6 +266,11 @@ def triton_attention(
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         **extras,
     )
+    if v_scale != 1.0:
+        if target is out:
+            out.mul_(v_scale)
+        else:
+            out.copy_(target.mul_(v_scale))
     return out
 
 

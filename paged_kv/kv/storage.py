@@ -14,6 +14,19 @@ writes tensor ``layer_tensors[l]``, its index within its KV-cache group, so the 
 many tensors as the largest group has layers, and a block, owned by one group at a time, holds that
 group's layers (in vLLM 0.33.0 the groups' ``KVCacheTensor`` placements overlay the same bytes).
 
+An **fp8** storage (``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, lesson 10;
+:mod:`paged_kv.kv.fp8`) holds one byte per number and one pair of per-tensor scales per layer,
+``k_scales[layer]`` and ``v_scales[layer]`` (vLLM's ``layer._k_scale`` and ``layer._v_scale``; 1.0
+by default, as vLLM's when the checkpoint brings none). A write quantizes what it is given (``value
+/ scale``, clamped to the format's range: :func:`~paged_kv.kv.fp8.quantize`), unless it is fp8 of
+the storage's dtype already, which is stored as it is (as vLLM's ``reshape_and_cache_kernel_flash``
+does, in ``vllm/v1/attention/ops/triton_reshape_and_cache_flash.py``). A read with a ``dtype``
+dequantizes (``stored * scale``); one without returns the stored bytes, which is what swapping
+copies out and back. With ``calculate_kv_scales=True`` each layer's scales are measured from its
+first write, the largest ``|K|`` and ``|V|`` over the format's largest number
+(:func:`~paged_kv.kv.fp8.calculate_scale`), and kept from then on. A float storage's scales are 1.0
+and stay so (vLLM enforces it too).
+
 Invariant: ``k_caches[layer]`` and ``v_caches[layer]`` have shape ``(num_blocks, num_kv_heads,
 block_size, head_dim)`` and are views of two tensors allocated at construction, which never change
 size; token slot ``offset`` of block ``b`` of a layer is ``k_caches[layer][b, :, offset]``.
@@ -25,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_kv.kv import slots
+from paged_kv.kv import fp8, slots
 from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.validate import check_count
 
@@ -34,9 +47,14 @@ class KVStorage:
     """``num_layers`` pairs of K/V pools of ``num_blocks`` blocks, made once on ``device``; with
     ``layer_tensors`` (one tensor index per layer) the layers share :attr:`num_tensors` pairs.
 
+    ``dtype`` may be fp8 (see the module): ``k_scale`` and ``v_scale`` are then every layer's
+    scales, a number or one per layer (default 1.0), and ``calculate_kv_scales=True`` measures each
+    layer's from its first write instead.
+
     Raises:
-        ValueError: a bad size or dtype, a device that cannot hold the cache, or ``layer_tensors``
-            not one index per layer covering ``0 .. n - 1``.
+        ValueError: a bad size or dtype, a device that cannot hold the cache, ``layer_tensors``
+            not one index per layer covering ``0 .. n - 1``, or a scale that is not a positive
+            finite number, not one per layer, or not 1.0 in a float storage (the message names it).
     """
 
     def __init__(
@@ -49,6 +67,10 @@ class KVStorage:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         layer_tensors: Sequence[int] | None = None,
+        *,
+        k_scale: float | Sequence[float] = 1.0,
+        v_scale: float | Sequence[float] = 1.0,
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.num_layers = check_count("num_layers", num_layers, minimum=1)
         self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
@@ -78,6 +100,14 @@ class KVStorage:
         k_tensors, v_tensors = self._k.unbind(0), self._v.unbind(0)
         self.k_caches: tuple[torch.Tensor, ...] = tuple(k_tensors[t] for t in tensors)
         self.v_caches: tuple[torch.Tensor, ...] = tuple(v_tensors[t] for t in tensors)
+        self.is_fp8 = fp8.is_fp8(dtype)
+        #: Each layer's per-tensor scales: its K is stored as ``K / k_scales[layer]``, its V alike.
+        self.k_scales: list[float] = self._scales("k_scale", k_scale)
+        self.v_scales: list[float] = self._scales("v_scale", v_scale)
+        if calculate_kv_scales and not self.is_fp8:
+            raise ValueError(f"calculate_kv_scales applies to fp8 caches, not to a {dtype} one")
+        #: The layers whose scales their first write will measure (``calculate_kv_scales``).
+        self.scales_to_calculate: set[int] = set(range(self.num_layers)) if calculate_kv_scales else set()
 
     def __repr__(self) -> str:
         return (
@@ -92,6 +122,36 @@ class KVStorage:
     @property
     def device(self) -> torch.device:
         return self._k.device
+
+    def _scales(self, name: str, value: float | Sequence[float]) -> list[float]:
+        """One checked scale per layer from a number or a sequence of them."""
+        many = isinstance(value, Sequence) and not isinstance(value, str)
+        values = list(value) if many else [value] * self.num_layers
+        if len(values) != self.num_layers:
+            raise ValueError(f"{name} must be a number or one per layer ({self.num_layers}), got {value!r}")
+        scales = [fp8.check_scale(name, v) for v in values]
+        if not self.is_fp8 and any(s != 1.0 for s in scales):
+            raise ValueError(
+                f"{name} applies to fp8 caches: a {self.dtype} cache's scales are 1.0, got {value!r}"
+            )
+        return scales
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Give ``layer`` the scales ``k_scale`` and ``v_scale`` (a checkpoint's, say) for its next
+        writes and reads; the K/V it holds already were stored with the old ones. A ``ValueError``
+        as for the constructor's scales."""
+        k, v = fp8.check_scale("k_scale", k_scale), fp8.check_scale("v_scale", v_scale)
+        if not self.is_fp8 and (k, v) != (1.0, 1.0):
+            raise ValueError(f"k_scale and v_scale apply to fp8 caches: a {self.dtype} cache's are 1.0")
+        self.k_scales[layer], self.v_scales[layer] = k, v
+        self.scales_to_calculate.discard(layer)
+
+    def scales(self, layer: int) -> dict[str, float]:
+        """The keywords paged attention takes to read ``layer``: ``{"k_scale": ..., "v_scale": ...}``
+        in an fp8 storage, none in a float one (whose scales are 1.0, the functions' default)."""
+        if not self.is_fp8:
+            return {}
+        return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
     @property
     def bytes_per_block(self) -> int:
@@ -124,21 +184,49 @@ class KVStorage:
     def write(
         self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0
     ) -> None:
-        """Store one layer's ``k``, ``v`` ``(tokens, heads, dim)`` at positions ``start ..`` of a table."""
+        """Store one layer's ``k``, ``v`` ``(tokens, heads, dim)`` at positions ``start ..`` of a table
+        (quantized, in an fp8 storage)."""
+        k, v = self._stored(layer, k, v)
         slots.write_kv(self.k_caches[layer], self.v_caches[layer], block_ids, k, v, start)
 
     def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a layer's ``k``, ``v`` ``(tokens, heads, dim)`` in slots ``block * block_size + offset``."""
+        """Store a layer's ``k``, ``v`` ``(tokens, heads, dim)`` in slots ``block * block_size + offset``
+        (quantized, in an fp8 storage)."""
+        k, v = self._stored(layer, k, v)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         self.k_caches[layer][blocks, :, offsets] = k
         self.v_caches[layer][blocks, :, offsets] = v
 
-    def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V of a table's first ``num_tokens`` positions, as ``(tokens, heads, dim)``."""
-        return slots.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
+    def _stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k`` and ``v`` as the storage holds them: as given in a float storage or when already of
+        its fp8 dtype; else quantized with the layer's scales, measured first if they are still to be."""
+        if not self.is_fp8 or k.dtype == self.dtype:
+            return k, v
+        if layer in self.scales_to_calculate:
+            self.set_scales(layer, fp8.calculate_scale(k, self.dtype), fp8.calculate_scale(v, self.dtype))
+        return (
+            fp8.quantize(k, self.k_scales[layer], self.dtype),
+            fp8.quantize(v, self.v_scales[layer], self.dtype),
+        )
+
+    def read(
+        self, layer: int, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of a table's first ``num_tokens`` positions, as ``(tokens, heads, dim)``:
+        in ``dtype``, dequantized with the layer's scales in an fp8 storage; ``None``: as stored."""
+        k, v = slots.read_kv(self.k_caches[layer], self.v_caches[layer], block_ids, num_tokens)
+        if dtype is None:
+            return k, v
+        if self.is_fp8:
+            return (
+                fp8.dequantize(k, self.k_scales[layer], dtype),
+                fp8.dequantize(v, self.v_scales[layer], dtype),
+            )
+        return k.to(dtype), v.to(dtype)
 
     def check_kv(self, name: str, tensor: object) -> None:
-        """A ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, num_kv_heads, head_dim)`` K/V."""
+        """A ``ValueError`` naming ``name`` unless ``tensor`` is ``(tokens, num_kv_heads, head_dim)`` K/V
+        of the storage's dtype (an fp8 storage takes any floating point dtype: it quantizes)."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         expected = (self.num_kv_heads, self.head_dim)
@@ -147,7 +235,7 @@ class KVStorage:
                 f"{name} must have shape (num_tokens, {self.num_kv_heads}, {self.head_dim}), "
                 f"got {tuple(tensor.shape)}"
             )
-        if tensor.dtype != self.dtype:
+        if tensor.dtype != self.dtype and not (self.is_fp8 and tensor.dtype.is_floating_point):
             raise ValueError(f"{name} has dtype {tensor.dtype} but the cache holds {self.dtype}")
         if tensor.device != self.device:
             raise ValueError(f"{name} is on {tensor.device} but the cache is on {self.device}")

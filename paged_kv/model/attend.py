@@ -219,9 +219,12 @@ def step_attend(
     """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: layer ``l`` writes
     the new K/V at its KV-cache group's slot mapping and attends through that group's block table
     (``metadata[layer_group[l]]``; ``layer_group`` ``None``: every layer in group 0), with its
-    window, scale and soft cap (``layer_attention[l]``; ``None``: full attention everywhere). vLLM:
-    an attention backend's ``forward``, after ``reshape_and_cache``, with the metadata of the
-    layer's group."""
+    window, scale and soft cap (``layer_attention[l]``; ``None``: full attention everywhere). An fp8
+    ``storage`` quantizes as it writes and the attention reads it with the layer's scales,
+    ``storage.k_scales[l]`` and ``v_scales[l]``, looked up after the write (which measures them, the
+    first time, under ``calculate_kv_scales``). vLLM: an attention backend's ``forward``, after
+    ``reshape_and_cache``, with the metadata of the layer's group and the layer's ``_k_scale`` and
+    ``_v_scale``."""
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = metadata[0 if layer_group is None else layer_group[layer]]
@@ -239,6 +242,7 @@ def step_attend(
             query_start_loc_cpu=group.query_start_loc_cpu,
             strategy=strategy,
             check=False,  # prepare_attention built the metadata, checked, once for every layer
+            **storage.scales(layer),
             **spec.window_and_cap(),
         )
         return out[None]

@@ -2,7 +2,7 @@
 
 The model is the tiny GPT or a Hugging Face Llama, Qwen2 or Mistral model, run through the same
 :class:`~paged_kv.model.causal_lm.CausalLM` interface; either way every layer's K/V goes into the one
-cache.
+cache. A paged cache may hold its K/V in fp8 (``kv_cache_dtype="fp8"``, lesson 10).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.device import resolve_device
+from paged_kv.kv.fp8 import kv_cache_dtype_str_to_dtype
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache, check_cache_fits
 from paged_kv.validate import check_count
@@ -40,6 +41,9 @@ def generate(
     block_size: int = 16,
     num_blocks: int | None = None,
     device: str | torch.device | None = None,
+    *,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    calculate_kv_scales: bool = False,
 ) -> GenerationResult:
     """Greedy generation for a batch of prompts of any lengths.
 
@@ -58,12 +62,19 @@ def generate(
     ``"prompt-1"``...) are freed from it at the end. ``device`` defaults to the model's and must be
     the model's.
 
+    ``kv_cache_dtype`` is the dtype of the ``"paged"`` cache's pools, in vLLM's names: ``"auto"``
+    (the model's), ``"fp8"`` (``"fp8_e4m3"``) or ``"fp8_e5m2"``, one byte per number, read back
+    dequantized (:class:`PagedKVCache`); its per-layer scales are 1.0 (vLLM's default), or measured
+    from each layer's first K/V, the prompts' packed prefill, with ``calculate_kv_scales=True``.
+    The other caches take neither: build the cache with them.
+
     Raises:
         ValueError: a bad argument (the message names it): a model of an unsupported architecture,
             a prompt whose tokens and ``max_new_tokens`` run past the model's ``max_len``, a token id
             outside the vocabulary, a cache built for another model's layers, K/V heads or head
-            size. The cache's own errors, such as :class:`~paged_kv.errors.OutOfBlocksError`, pass
-            through.
+            size, a ``kv_cache_dtype`` vLLM does not name, or an fp8 dtype or ``calculate_kv_scales``
+            asked of a cache that is not ``"paged"``. The cache's own errors, such as
+            :class:`~paged_kv.errors.OutOfBlocksError`, pass through.
     """
     model = as_causal_lm(model)
     config = model.config
@@ -83,12 +94,26 @@ def generate(
                 f"prompts[{i}] ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"max_len {config.max_len}"
             )
+    stored = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model.dtype)
+    if cache != "paged" and (stored != model.dtype or calculate_kv_scales):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} and calculate_kv_scales are options of cache='paged'; "
+            f"build the cache with them instead, got cache={cache!r}"
+        )
     if cache == "contiguous":
         cache = ContiguousKVCache(config, device)
     elif cache == "paged":
         needed = sum(blocks_for_tokens(len(p) + max_new_tokens, block_size) for p in prompts)
         num_blocks = needed if num_blocks is None else check_count("num_blocks", num_blocks, minimum=1)
-        cache = PagedKVCache(config, num_blocks, block_size, device, model.dtype)
+        cache = PagedKVCache(
+            config,
+            num_blocks,
+            block_size,
+            device,
+            model.dtype,
+            kv_cache_dtype=stored,
+            calculate_kv_scales=calculate_kv_scales,
+        )
     elif not isinstance(cache, KVCache):
         raise ValueError(f"cache must be 'contiguous', 'paged' or a KVCache, got {cache!r}")
     check_cache_fits(cache, config)

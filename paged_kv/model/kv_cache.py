@@ -20,6 +20,15 @@ The attention layers call the small :class:`KVCache` protocol, with two back-end
   need no computing, and ``prefill(prompt, seq_id, cache, start=c)`` runs only positions
   ``c .. n - 1``, writing their K/V after the cached ones and attending over both with
   :func:`~paged_kv.attention.paged.paged_prefill_attention`.
+
+  With ``kv_cache_dtype="fp8"`` (``"fp8_e4m3"``, ``"fp8_e5m2"``: vLLM's names, lesson 10) the pools
+  hold one byte per number (:mod:`paged_kv.kv.fp8`): the layers' K/V are quantized as they are
+  written, with each layer's per-tensor scales (1.0, vLLM's default, or measured from each layer's
+  first write with ``calculate_kv_scales=True``), and every attention reads them dequantized, with
+  those scales, in the model's dtype. One exception: a prompt prefilled alone from position 0
+  (``TinyGPT.prefill``, :func:`~paged_kv.model.attend.prefill_attend`) attends over its K/V as
+  computed, before they are stored; :func:`~paged_kv.model.generate`'s packed prefill, and every
+  decode, read the cache.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
+from paged_kv.kv.fp8 import is_fp8, kv_cache_dtype_str_to_dtype
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import FULL_ATTENTION, GPTConfig
 from paged_kv.model.step import AttentionMetadata, BlockTables, prepare_attention
@@ -133,6 +143,11 @@ class PagedKVCache(KVCache):
 
     ``record=True`` keeps :attr:`trace`, the manager's events as frames, to watch blocks arrive at
     the boundaries. ``enable_prefix_caching=True`` builds the manager with prefix caching.
+    ``dtype`` is the model's, the dtype of the K/V it writes; ``kv_cache_dtype`` the pools' (vLLM's
+    ``cache_dtype``): ``"auto"`` (``dtype``), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` or a torch
+    dtype (:func:`~paged_kv.kv.fp8.kv_cache_dtype_str_to_dtype`); an fp8 cache's per-layer scales
+    are ``k_scale`` and ``v_scale`` (a number or one per layer, default 1.0), or, with
+    ``calculate_kv_scales=True``, measured from each layer's first write (see the module).
 
     Invariant: every layer's pool holds the K/V of the same tokens at the same slots, those the
     manager's block tables name; a step's batch layout (:meth:`append`) is built once and read by
@@ -148,14 +163,32 @@ class PagedKVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         record: bool = False,
         enable_prefix_caching: bool = False,
+        *,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        k_scale: float | Sequence[float] = 1.0,
+        v_scale: float | Sequence[float] = 1.0,
+        calculate_kv_scales: bool = False,
     ) -> None:
+        stored = kv_cache_dtype_str_to_dtype(kv_cache_dtype, dtype)
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         # Every layer keeps all its blocks, sliding or not (vLLM's --disable-hybrid-kv-cache-manager):
         # a sliding layer's window is its attention's, not the cache's (the engine frees them, lesson 13).
         self.layer_attention = config.layer_attention
         self.storage = KVStorage(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
+            config.num_layers,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            stored,
+            device,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            calculate_kv_scales=calculate_kv_scales,
         )
+        #: The dtype the K/V are read back in (:meth:`read_kv`): the model's (float32 when ``dtype``
+        #: itself was fp8).
+        self.dtype = torch.float32 if is_fp8(dtype) else dtype
         self._recorder = Recorder(self.manager) if record else None
         # A prompt not fully prefilled -> its first unwritten position.
         self._unwritten: dict[Hashable, int] = {}
@@ -267,7 +300,15 @@ class PagedKVCache(KVCache):
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         spec = self.layer_attention[layer]
         return paged_prefill_attention(
-            q, k_cache, v_cache, block_ids[None], [length], [len(k)], spec.scale, **spec.window_and_cap()
+            q,
+            k_cache,
+            v_cache,
+            block_ids[None],
+            [length],
+            [len(k)],
+            spec.scale,
+            **self.storage.scales(layer),
+            **spec.window_and_cap(),
         )
 
     def begin_prefill(
@@ -348,6 +389,7 @@ class PagedKVCache(KVCache):
             metadata.seq_lens,
             metadata.query_lens,
             spec.scale,
+            **self.storage.scales(layer),
             **spec.window_and_cap(),
         )
 
@@ -389,7 +431,14 @@ class PagedKVCache(KVCache):
         k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
         spec = self.layer_attention[layer]
         return paged_attention(
-            q, k_cache, v_cache, metadata.block_table, metadata.seq_lens, spec.scale, **spec.window_and_cap()
+            q,
+            k_cache,
+            v_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            spec.scale,
+            **self.storage.scales(layer),
+            **spec.window_and_cap(),
         )
 
     def free(self, seq_id: Hashable) -> None:
@@ -405,8 +454,10 @@ class PagedKVCache(KVCache):
         self.tables.remove(seq_id)
 
     def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V of the sequence, gathered into contiguous ``(num_tokens, heads, dim)``."""
-        return self.storage.read(layer, self._block_ids(seq_id), self.manager.sequence_length(seq_id))
+        """One layer's K and V of the sequence, gathered into contiguous ``(num_tokens, heads, dim)``,
+        in :attr:`dtype` (an fp8 cache's dequantized)."""
+        ids, length = self._block_ids(seq_id), self.manager.sequence_length(seq_id)
+        return self.storage.read(layer, ids, length, self.dtype)
 
     def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
         """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 11)."""
