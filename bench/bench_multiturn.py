@@ -23,7 +23,6 @@ bookkeeping (``BlockManager.allocate_slots(seq, 1, token_ids)`` per sequence aga
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -35,12 +34,11 @@ from _timing import Row, text_table
 
 from paged_kv import BlockManager
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.model.config import GPTConfig
-from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine import Engine
 from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.workloads import chat_requests, ideal_hits
 from paged_kv.timing import compare_times, torch_threads
 
 IDEAL_TARGET = 0.99  # the share of the ideal hit rate decode-block caching must reach on the ample pool
@@ -65,63 +63,6 @@ class PromptBlocksOnlyEngine(Engine):
         scheduler, runner = super()._new_step_loop()
         scheduler.memory = PromptBlocksOnly(scheduler.memory.manager, watermark=self.watermark)
         return scheduler, runner
-
-
-def chat_requests(
-    model: TinyGPT,
-    num_chats: int,
-    num_turns: int,
-    system_tokens: int,
-    message: tuple[int, int],
-    answer: tuple[int, int],
-    seed: int = 0,
-) -> tuple[list[EngineRequest], dict]:
-    """Every turn of every conversation, turn by turn, and each one's answer (request id -> tokens).
-
-    Turn ``k`` arrives at step ``k * gap``.
-    A prompt is the conversation so far: the system prompt and first message, then for each later
-    turn the previous answer (the model's greedy tokens for the previous prompt alone) and a new
-    message. ``gap`` is the longest answer plus one, so turn ``k`` has finished when turn ``k + 1``
-    arrives (given a pool that admits a whole turn at once).
-    """
-    rng = random.Random(seed)
-    system = [rng.randrange(256) for _ in range(system_tokens)]
-    lengths = [[rng.randint(*answer) for _ in range(num_chats)] for _ in range(num_turns)]
-    gap = max(max(turn) for turn in lengths) + 1
-    history = [list(system) for _ in range(num_chats)]
-    requests, answers = [], {}
-    for turn in range(num_turns):
-        for chat in range(num_chats):
-            history[chat] += [rng.randrange(256) for _ in range(rng.randint(*message))]
-            request = EngineRequest((chat, turn), list(history[chat]), lengths[turn][chat], turn * gap)
-            requests.append(request)
-            alone = generate(model, [request.prompt], request.max_new_tokens, cache="contiguous")
-            answers[request.request_id] = alone.tokens[0]
-            history[chat] += answers[request.request_id]
-    return requests, answers
-
-
-def ideal_hits(requests: list[EngineRequest], answers: dict, block_size: int) -> int:
-    """The prompt tokens an unbounded cache serves: for each prompt, its leading full blocks whose
-    chained hashes an earlier prompt or fed answer token computed (at most ``len(prompt) - 1``).
-
-    Requests are taken in arrival order, those of one step in order, each seeing the prompts
-    admitted before it and the answers of the steps before (all but each answer's last token,
-    which is sampled and never fed).
-    """
-    computed: set[int] = set()
-    hits = 0
-    for step in sorted({r.arrival_step for r in requests}):
-        arriving = [r for r in requests if r.arrival_step == step]
-        for request in arriving:
-            hashes = chain_hashes(full_blocks(request.prompt, block_size))
-            usable = hashes[: (len(request.prompt) - 1) // block_size]
-            hits += block_size * next((i for i, h in enumerate(usable) if h not in computed), len(usable))
-            computed.update(hashes)
-        for request in arriving:
-            held = request.prompt + answers[request.request_id][:-1]
-            computed.update(chain_hashes(full_blocks(held, block_size)))
-    return hits
 
 
 ENGINES = {"decode": Engine, "prompts": PromptBlocksOnlyEngine}

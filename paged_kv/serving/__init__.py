@@ -10,5 +10,7 @@
   ``typing.Protocol`` classes;
 * :mod:`~paged_kv.serving.model_runner`: the runner of a model, and one that only counts tokens;
 * :mod:`~paged_kv.serving.config`: the engine's settings, vLLM's ``CacheConfig`` and ``SchedulerConfig``;
-* :mod:`~paged_kv.serving.engine`: ``Engine``, the loop of schedule, execute and update.
+* :mod:`~paged_kv.serving.engine`: ``Engine``, the loop of schedule, execute and update;
+* :mod:`~paged_kv.serving.metrics`: what a run measured, by vLLM's metric names (lesson 14);
+* :mod:`~paged_kv.serving.workloads`: multi-turn chat with the model's own answers (lesson 14).
 """
