@@ -589,3 +589,45 @@ def served_without_preemption(model, prompts, device):
 def test_the_bound_of_the_module_docstring_is_the_one_tested():
     assert "2**-4 * |x|, 2**-10 * s" in fp8.__doc__ and "2**-3 * |x|, 2**-17 * s" in fp8.__doc__
     assert math.isclose(fp8.fp8_max(E4M3), 448) and math.isclose(fp8.fp8_max(E5M2), 57344)
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+def test_the_engine_serves_an_fp8_cache_with_generates_tokens_and_a_quarter_of_float32s_bytes():
+    from paged_kv.serving.engine import Engine, EngineRequest
+
+    model = TinyGPT(GPTConfig(num_layers=2, num_heads=4, head_dim=8, max_len=96), seed=0).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 20))] for _ in range(6)]
+    requests = [EngineRequest(i, p, 8, arrival_step=i // 2) for i, p in enumerate(prompts)]
+    full = Engine(model, kv_cache_memory_bytes=2**16, block_size=4)
+    engine = Engine(model, kv_cache_memory_bytes=2**16, block_size=4, kv_cache_dtype="fp8")
+    assert engine.kv_cache_torch_dtype == E4M3 and engine.config.cache.cache_dtype == "fp8"
+    assert full.bytes_per_block == 4 * engine.bytes_per_block  # float32 against one byte
+    assert engine.num_blocks == 4 * full.num_blocks
+    alone = generate(model, prompts, max_new_tokens=8, kv_cache_dtype="fp8").tokens
+    assert engine.run(requests).tokens == dict(enumerate(alone))
+    # A tight pool preempts, by recompute and by swapping: the fp8 bytes come back as they were.
+    for preemption in ("recompute", "swap"):
+        tight = Engine(model, num_blocks=9, block_size=4, kv_cache_dtype="fp8", preemption=preemption)
+        result = tight.run(requests)
+        assert result.preemptions and result.tokens == dict(enumerate(alone))
+
+
+def test_the_engine_names_a_bad_kv_cache_dtype_and_sizes_fp8_at_start_up(monkeypatch):
+    import paged_kv.serving.engine as engine_module
+    from paged_kv.serving.engine import Engine
+
+    model = TinyGPT(GPTConfig(num_layers=2, num_heads=4, head_dim=8, max_len=96), seed=0).eval()
+    for bad in ("fp4", torch.float8_e4m3fn, "float16"):  # float16 is not this float32 model's dtype
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            Engine(model, num_blocks=8, kv_cache_dtype=bad)
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        Engine(model, num_blocks=8, calculate_kv_scales=1)
+    monkeypatch.setattr(engine_module, "device_memory", lambda device: 2**24)
+    sizes = {"gpu_memory_utilization": 0.5, "block_size": 4, "max_num_batched_tokens": 64}
+    auto, low = Engine(model, **sizes), Engine(model, kv_cache_dtype="fp8_e5m2", **sizes)
+    assert low.kv_cache_report.kv_cache_dtype == "fp8_e5m2"
+    assert low.kv_cache_report.bytes_per_block * 4 == auto.kv_cache_report.bytes_per_block
+    assert low.num_blocks // 4 == auto.num_blocks  # the same memory, a quarter of the bytes a block

@@ -2,7 +2,7 @@
 
 vLLM gathers its settings in ``VllmConfig``; the two parts that decide the KV cache are
 ``CacheConfig`` (``vllm/config/cache.py``: ``block_size``, ``gpu_memory_utilization``,
-``kv_cache_memory_bytes``, ``num_gpu_blocks_override``, ``enable_prefix_caching``) and
+``kv_cache_memory_bytes``, ``num_gpu_blocks_override``, ``enable_prefix_caching``, ``cache_dtype``) and
 ``SchedulerConfig`` (``vllm/config/scheduler.py``: ``max_num_seqs``, ``max_num_batched_tokens``,
 ``max_model_len``, ``scheduler_reserve_full_isl``, ``watermark``). :class:`EngineConfig` holds one
 of each, as the :class:`~paged_kv.serving.engine.Engine` was built; the engine reads its settings
@@ -21,6 +21,9 @@ class CacheConfig:
 
     ``num_blocks`` is the block count the engine settled on, whichever way it was given
     (``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or ``gpu_memory_utilization``).
+    ``cache_dtype`` is the K/V's format by vLLM's name (``"auto"``, the model's dtype, or ``"fp8"``,
+    ``"fp8_e4m3"``, ``"fp8_e5m2"``...: the engine's ``kv_cache_dtype``), and ``calculate_kv_scales``
+    whether an fp8 cache measures each layer's scales from its first write (else 1.0).
     """
 
     block_size: int = 16
@@ -29,6 +32,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = False
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
 from paged_kv.core.kv_cache_groups import kv_cache_groups, layer_tensors, num_tensors
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.device import resolve_device
+from paged_kv.kv.fp8 import kv_cache_dtype_str_to_dtype
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes
 from paged_kv.kv.startup import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -385,6 +386,11 @@ class Engine:
     :mod:`~paged_kv.serving.scheduler`). The tokens do not change. ``attention_strategy`` is the
     paged attention's (:func:`~paged_kv.attention.paged.paged_prefill_attention`).
 
+    ``kv_cache_dtype`` is the K/V's format by vLLM's name: ``"auto"`` (the model's dtype), ``"fp8"``
+    (``"fp8_e4m3"``) or ``"fp8_e5m2"``, one byte a number, so a block takes half the bytes of 16-bit
+    and the same memory holds twice the blocks (:mod:`~paged_kv.kv.fp8`, lesson 10); each layer's
+    scales are 1.0, or with ``calculate_kv_scales`` measured from its first write in each run.
+
     ``log_stats_interval`` logs vLLM's periodic line (:class:`~paged_kv.serving.metrics.LoggingStatLogger`)
     to the logger ``paged_kv.engine`` at INFO, every that many steps (an int) or seconds of the
     engine's wall clock (a float; vLLM's ``VLLM_LOG_STATS_INTERVAL``, 10.0 by default), and once
@@ -414,9 +420,17 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         attention_strategy: str = "auto",
         log_stats_interval: int | float | None = None,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.model = model = as_causal_lm(model)
         self.log_stats_interval = check_interval(log_stats_interval)
+        if not isinstance(kv_cache_dtype, str):
+            raise ValueError(f"kv_cache_dtype must be one of vLLM's names, a str, got {kv_cache_dtype!r}")
+        self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model.dtype)
+        """The dtype the K/V tensors hold: the model's for ``"auto"``, torch's fp8 for ``"fp8"``."""
+        if not isinstance(calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be True or False, got {calculate_kv_scales!r}")
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         block_size = check_count("block_size", block_size, minimum=1)
@@ -429,7 +443,7 @@ class Engine:
         windows = config.sliding_windows if hybrid else (None,) * config.num_layers
         self.kv_cache_groups = kv_cache_groups(windows, block_size)
         self.kv_spec = KVCacheSpec(
-            num_tensors(self.kv_cache_groups), config.num_kv_heads, config.head_dim, model.dtype
+            num_tensors(self.kv_cache_groups), config.num_kv_heads, config.head_dim, self.kv_cache_torch_dtype
         )
         model_device = resolve_device(model.device)
         self.device = model_device if device is None else resolve_device(device)
@@ -470,6 +484,7 @@ class Engine:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if hybrid and blocks < 2:
             raise ValueError(
@@ -488,6 +503,8 @@ class Engine:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
+                calculate_kv_scales=calculate_kv_scales,
             ),
             SchedulerConfig(
                 max_model_len=max_model_len,
@@ -593,6 +610,7 @@ class Engine:
         max_model_len: int,
         max_num_seqs: int | None,
         max_num_batched_tokens: int | None,
+        kv_cache_dtype: str,
     ) -> int:
         """The block count: given, or as many blocks as the budget in bytes holds (see the class).
 
@@ -638,6 +656,7 @@ class Engine:
             max_num_batched_tokens=profile_tokens,
             max_num_seqs=max_num_seqs,
             block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
             dtype=self.model.dtype,
             weight_bytes=self.model.weight_bytes,
             activation_peak_bytes=None
@@ -678,9 +697,10 @@ class Engine:
             self.block_size,
             config.num_kv_heads,
             config.head_dim,
-            self.model.dtype,
+            self.kv_cache_torch_dtype,
             self.device,
             layer_tensors=[layer_tensors(self.kv_cache_groups)[layer] for layer in range(config.num_layers)],
+            calculate_kv_scales=cache.calculate_kv_scales,
         )
         scheduler = Scheduler(
             memory,
