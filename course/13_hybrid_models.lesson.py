@@ -465,6 +465,7 @@ plt.show()
 # * The engine serves a tiny Gemma 3 with Hugging Face's tokens, at 2.7 times less KV cache at its
 #   peak than with every layer full.
 #
-# **Next:** this is the course's last lesson for now. The exercise,
-# `exercises/13_hybrid_models.ipynb`, has you write the skipped tokens, the blocks a window frees
-# (the null block in their place, in vLLM's order) and the prefix-cache hit every group agrees on.
+# **Next, lesson 14:** the settings a vLLM user turns and the metrics vLLM reports, by their vLLM
+# names, on the engine you built. The exercise, `exercises/13_hybrid_models.ipynb`, has you write the
+# skipped tokens, the blocks a window frees (the null block in their place, in vLLM's order) and the
+# prefix-cache hit every group agrees on.

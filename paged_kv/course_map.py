@@ -56,6 +56,7 @@ LESSONS = (
     Lesson("11", "running_out_of_blocks", "Running out of blocks"),
     Lesson("12", "writing_the_kernel", "Writing the kernel"),
     Lesson("13", "hybrid_models", "Hybrid models"),
+    Lesson("14", "settings_and_metrics", "Settings and metrics"),
 )
 BY_NUMBER = {lesson.number: lesson for lesson in LESSONS}
 

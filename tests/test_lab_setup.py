@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_kv.course_map import LESSONS
 from tools import lab_setup
 
 pytestmark = pytest.mark.setup
@@ -258,7 +259,7 @@ def test_make_lab_says_what_moved_in_a_first_map_copy(tmp_path, capsys):
     assert lab_setup.main(["--work", str(work), "--settings", str(settings)]) == 0
     out = capsys.readouterr().out
 
-    assert "your copy predates the course's map of 14 lessons" in out
+    assert f"your copy predates the course's map of {len(LESSONS)} lessons" in out
     assert "exercises/06_concurrent_workload.ipynb -> exercises/07_concurrent_workload.ipynb" in out
     assert "lesson 05 was split" in out and "nothing was deleted" in out
     assert (work / "lessons" / "07_concurrent_workload.ipynb").read_bytes() == (

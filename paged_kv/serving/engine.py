@@ -59,8 +59,9 @@ the wall clock and leaves a :class:`~paged_kv.serving.metrics.SchedulerStats` (r
 waiting, the KV-cache usage, the prefix cache's lookups, the step's preemptions and tokens), so a run
 gives times to first token, inter-token and end-to-end latencies in seconds as well as in steps,
 and :meth:`EngineResult.metrics` gathers them as vLLM's ``/metrics`` would show them. With
-``log_stats_interval`` the engine logs vLLM's periodic line (logger ``paged_kv.engine``, INFO), and a
-preemption always logs a WARNING there (see :func:`~paged_kv.serving.metrics.enable_engine_log`).
+``log_stats_interval`` the engine logs vLLM's periodic line (logger ``paged_kv.engine``, INFO), and
+preemptions log vLLM V0's WARNING there, the first and every 50th (see
+:func:`~paged_kv.serving.metrics.enable_engine_log`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ from paged_kv.serving.metrics import (
     ENGINE_LOGGER,
     PREEMPTION_MODES,
     PREEMPTION_WARNING,
+    PREEMPTION_WARNING_EVERY,
     LoggingStatLogger,
     RunMetrics,
     SchedulerStats,
@@ -784,13 +786,14 @@ class Engine:
                 result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
             else:
                 result.recomputed_tokens += preemption.num_tokens
+            if run.num_preemptions % PREEMPTION_WARNING_EVERY == 0:  # V0's rule: the 1st, the 51st...
+                _LOGGER.warning(
+                    PREEMPTION_WARNING,
+                    preemption.request_id,
+                    PREEMPTION_MODES[preemption.way],
+                    run.num_preemptions + 1,
+                )
             run.num_preemptions += 1
-            _LOGGER.warning(
-                PREEMPTION_WARNING,
-                preemption.request_id,
-                PREEMPTION_MODES[preemption.way],
-                run.num_preemptions,
-            )
         result.blocks_swapped_in += sum(
             blocks_for_tokens(new.num_computed_tokens, self.block_size)
             for new in output.scheduled_new_reqs

@@ -21,7 +21,7 @@ A serving engine is watched through a few numbers, and vLLM names them (vLLM 0.3
 The engine (:class:`~paged_kv.serving.engine.Engine`) makes one :class:`SchedulerStats` per step
 (``EngineResult.scheduler_stats``), times each step on the wall clock, logs the line every
 ``log_stats_interval`` steps or seconds when asked (logger ``paged_kv.engine``, INFO; off by
-default), logs a WARNING when it preempts a request (vLLM V0's text, :data:`PREEMPTION_WARNING`),
+default), logs a WARNING when it preempts (vLLM V0's text and rule, :data:`PREEMPTION_WARNING`),
 and gathers a run's metrics in a :class:`RunMetrics` (``EngineResult.metrics()``).
 :func:`enable_engine_log` shows the engine's log lines in a notebook.
 """
@@ -125,8 +125,12 @@ PREEMPTION_WARNING = (
 )
 """What a preemption logs, with the request id, the mode (``PreemptionMode.RECOMPUTE`` or
 ``PreemptionMode.SWAP``) and the preemptions so far: vLLM V0's warning (``Scheduler._preempt`` in
-``vllm/core/scheduler.py``, which logged every 50th). vLLM v1, 0.33.0 included, logs none: it counts
-them (``vllm:num_preemptions``, the log line's ``Preemptions: N``)."""
+``vllm/core/scheduler.py``), logged as V0 logged it, for the first preemption and every
+:data:`PREEMPTION_WARNING_EVERY`-th after. vLLM v1, 0.33.0 included, logs none: it counts them
+(``vllm:num_preemptions``, the log line's ``Preemptions: N``)."""
+
+PREEMPTION_WARNING_EVERY = 50
+"""V0 warned when its count of preemptions so far was a multiple of 50: the 1st, the 51st, the 101st."""
 
 PREEMPTION_MODES = {"recompute": "PreemptionMode.RECOMPUTE", "swap": "PreemptionMode.SWAP"}
 """The mode each way of preempting prints as in :data:`PREEMPTION_WARNING` (V0's enum)."""
