@@ -68,7 +68,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -93,6 +94,7 @@ from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.model.generation import is_token
 from paged_kv.progress import progress_bar
 from paged_kv.serving.config import CacheConfig, EngineConfig, SchedulerConfig
+from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.memory import (
     ContiguousMemory,
     HybridKVCacheManager,
@@ -104,9 +106,6 @@ from paged_kv.serving.memory import (
 )
 from paged_kv.serving.metrics import (
     ENGINE_LOGGER,
-    PREEMPTION_MODES,
-    PREEMPTION_WARNING,
-    PREEMPTION_WARNING_EVERY,
     LoggingStatLogger,
     RunMetrics,
     SchedulerStats,
@@ -116,14 +115,13 @@ from paged_kv.serving.metrics import (
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.protocols import KVMemory
-from paged_kv.serving.request import SchedulerRequest
-from paged_kv.serving.scheduler import PREEMPTIONS, Scheduler, StepResult, check_budget, run_steps
+from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.serving.scheduler import PREEMPTIONS, Scheduler, StepResult, check_budget
 from paged_kv.validate import check_count, check_hashable
 
 MODES = ("paged", "contiguous")
 
 _LOGGER = logging.getLogger(ENGINE_LOGGER)
-_NO_LOOKUPS = PrefixCacheStats()
 
 
 @dataclass(frozen=True)
@@ -566,16 +564,12 @@ class Engine:
                 a bad token id, or a request too long for ``max_model_len`` or for the budget alone.
         """
         requests = self._check_requests(requests)
-        scheduler, runner = self._new_step_loop()
+        llm = LLMEngine(self)
         result = EngineResult(self.mode, self.budget_tokens)
         result.arrival_step = {r.request_id: r.arrival_step for r in requests}
-        stop = frozenset() if self.ignore_eos else frozenset(getattr(self.model, "eos_token_ids", ()))
-        arrivals = [(r.arrival_step, _scheduler_request(r, stop)) for r in requests]
-        memory = scheduler.memory
+        pending = deque(sorted(requests, key=lambda r: r.arrival_step))  # stable: ties keep their order
         run = _RunState(
             {r.request_id: len(r.prompt) for r in requests},
-            memory,
-            memory.make_prefix_cache_stats if self.enable_prefix_caching else None,  # type: ignore[attr-defined]
             None
             if self.log_stats_interval is None
             else LoggingStatLogger(self.log_stats_interval, kv_cache_device=kv_cache_device(self.device)),
@@ -585,20 +579,29 @@ class Engine:
         try:
             start = clock()
             began = 0.0
-            for output, step in run_steps(scheduler, runner, arrivals):  # each step timed around it
+            while pending or llm.has_unfinished_requests():  # each step timed around it, arrivals included
+                while pending and pending[0].arrival_step <= llm.num_steps:
+                    r = pending.popleft()
+                    llm.add_request(r.request_id, r.prompt, self._sampling_params(r.max_new_tokens))
+                llm.step()
                 result.step_start_seconds.append(began)
                 result.step_end_seconds.append(clock() - start)
-                self._record(output, step, result, run)
+                self._record(*llm.last_step, llm.last_stats, result, run)
                 if bar is not None:
-                    bar.update(len(step.finished))
+                    bar.update(len(llm.last_step[1].finished))
                 began = clock() - start
             if run.stat_logger is not None:
                 run.stat_logger.flush(result.elapsed_seconds)
         finally:
+            llm.scheduler.free_all()
             if bar is not None:
                 bar.close()
         result.tokens = {r.request_id: result.tokens[r.request_id] for r in requests}  # request order
         return result
+
+    def _sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        """An offline request's parameters: greedy, ``max_new_tokens``, the engine's ``ignore_eos``."""
+        return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=self.ignore_eos)
 
     # ------------------------------------------------------------------------------ the helpers
 
@@ -739,46 +742,55 @@ class Engine:
                     f"request {r.request_id!r}: prompt ({len(r.prompt)} tokens) + max_new_tokens "
                     f"({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
                 )
-            if self.is_hybrid:
-                longest = len(r.prompt) + r.max_new_tokens - 1
-                needed = peak_blocks(self.kv_cache_groups, longest, self.max_num_batched_tokens) + 1
-                if needed > self.num_blocks:
-                    raise ValueError(
-                        f"num_blocks {self.num_blocks} cannot hold request {r.request_id!r} alone: at its "
-                        f"longest its KV-cache groups hold {needed - 1} blocks, and block 0 is the null block"
-                    )
-            elif self.mode == "paged" and not serves_alone(
-                len(r.prompt), r.max_new_tokens, self.num_blocks, self.block_size
-            ):
-                admit, peak = blocks_alone(len(r.prompt), r.max_new_tokens, self.block_size)
-                raise ValueError(
-                    f"num_blocks {self.num_blocks} cannot hold request {r.request_id!r} alone: it needs "
-                    f"{admit} blocks for its prompt and {peak} at its longest; see min_num_blocks"
-                )
+            self.check_request(r.request_id, r.prompt, r.max_new_tokens)
         return requests
 
+    def check_request(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Whether the memory could hold the request alone at its longest (else it would wait for ever).
+
+        Raises:
+            ValueError: it could not, with the blocks it needs.
+        """
+        if self.is_hybrid:
+            longest = len(prompt) + max_new_tokens - 1
+            needed = peak_blocks(self.kv_cache_groups, longest, self.max_num_batched_tokens) + 1
+            if needed > self.num_blocks:
+                raise ValueError(
+                    f"num_blocks {self.num_blocks} cannot hold request {request_id!r} alone: at its "
+                    f"longest its KV-cache groups hold {needed - 1} blocks, and block 0 is the null block"
+                )
+        elif self.mode == "paged" and not serves_alone(
+            len(prompt), max_new_tokens, self.num_blocks, self.block_size
+        ):
+            admit, peak = blocks_alone(len(prompt), max_new_tokens, self.block_size)
+            raise ValueError(
+                f"num_blocks {self.num_blocks} cannot hold request {request_id!r} alone: it needs "
+                f"{admit} blocks for its prompt and {peak} at its longest; see min_num_blocks"
+            )
+
     def _record(
-        self, output: SchedulerOutput, step: StepResult, result: EngineResult, run: _RunState
+        self,
+        output: SchedulerOutput,
+        step: StepResult,
+        stats: SchedulerStats,
+        result: EngineResult,
+        run: _RunState,
     ) -> None:
-        """Add one step's counts to ``result``: its lists, and its :class:`SchedulerStats`. Per step, the
-        loops here run over the step's events (admissions, first tokens, preemptions, finished
-        requests), never over every running request: the step's tokens are counted by ``len`` and
-        set operations on its dicts."""
+        """Add one step's counts and its :class:`SchedulerStats` (the online engine's) to ``result``.
+        Per step, the loops here run over the step's events (admissions, first tokens, preemptions,
+        finished requests), never over every running request: the step's tokens are counted by
+        ``len`` and set operations on its dicts."""
         k = output.step
         result.prefill_tokens_computed += step.num_prefill_tokens
         for new in output.scheduled_new_reqs:
             if new.req_id in output.blocks_to_swap_in:
                 continue
             result.admitted_step[new.req_id] = k
-            run.first_hits.setdefault(new.req_id, new.num_computed_tokens)
             if self.enable_prefix_caching:
                 result.prefix_cache_queries += len(new.token_ids)
                 result.prefix_cache_hits += new.num_computed_tokens
-        prompt_tokens = cached_tokens = 0
         for request_id in step.first_tokens:
             result.first_token_step.setdefault(request_id, k)
-            prompt_tokens += run.prompt_tokens[request_id]
-            cached_tokens += run.first_hits.get(request_id, 0)
         result.scheduled_tokens.append(tuple(output.num_scheduled_tokens.items()))
         for preemption in output.preemptions:
             result.preemptions_by_reason[preemption.way] += 1
@@ -786,14 +798,6 @@ class Engine:
                 result.blocks_swapped_out += blocks_for_tokens(preemption.num_tokens, self.block_size)
             else:
                 result.recomputed_tokens += preemption.num_tokens
-            if run.num_preemptions % PREEMPTION_WARNING_EVERY == 0:  # V0's rule: the 1st, the 51st...
-                _LOGGER.warning(
-                    PREEMPTION_WARNING,
-                    preemption.request_id,
-                    PREEMPTION_MODES[preemption.way],
-                    run.num_preemptions + 1,
-                )
-            run.num_preemptions += 1
         result.blocks_swapped_in += sum(
             blocks_for_tokens(new.num_computed_tokens, self.block_size)
             for new in output.scheduled_new_reqs
@@ -810,19 +814,6 @@ class Engine:
             result.tokens[request_id] = list(tokens)
             result.finished_step[request_id] = k
         run.inter_token_latencies(k, step, result)
-        stats = SchedulerStats(
-            num_running_reqs=step.num_running - len(step.finished),
-            num_waiting_reqs=step.num_waiting,
-            kv_cache_usage=run.memory.usage,  # type: ignore[attr-defined]
-            prefix_cache_stats=_NO_LOOKUPS
-            if run.make_prefix_cache_stats is None
-            else run.make_prefix_cache_stats(),
-            num_preempted_reqs=len(output.preemptions),
-            num_generation_tokens=len(step.new_tokens),
-            num_prompt_tokens=prompt_tokens,
-            num_cached_prompt_tokens=cached_tokens,
-            num_swapped_reqs=step.num_swapped,
-        )
         result.scheduler_stats.append(stats)
         if run.stat_logger is not None:
             run.stat_logger.record(stats, result.step_end_seconds[k])
@@ -832,21 +823,16 @@ class Engine:
 class _RunState:
     """What :meth:`Engine.run` keeps between steps to measure them, beside the result.
 
-    ``prompt_tokens`` and ``first_hits`` give each request's prompt length and the tokens the prefix
-    cache served at its first admission; ``last_sampled`` the tokens the last step sampled, and
-    ``paused`` the step of the last token of each request that stopped sampling (preempted, or
-    prefilling again) and will sample again.
+    ``prompt_tokens`` gives each request's prompt length; ``last_sampled`` the tokens the last step
+    sampled, and ``paused`` the step of the last token of each request that stopped sampling
+    (preempted, or prefilling again) and will sample again.
     """
 
     prompt_tokens: dict[Hashable, int]
-    memory: KVMemory
-    make_prefix_cache_stats: Callable[[], PrefixCacheStats] | None
     stat_logger: LoggingStatLogger | None
-    first_hits: dict[Hashable, int] = field(default_factory=dict)
     last_sampled: Mapping[Hashable, int] = field(default_factory=dict)
     last_finished: frozenset[Hashable] = frozenset()
     paused: dict[Hashable, int] = field(default_factory=dict)
-    num_preemptions: int = 0
 
     def inter_token_latencies(self, k: int, step: StepResult, result: EngineResult) -> None:
         """Add the inter-token latencies of step ``k``'s tokens to ``result``: a request that sampled in
@@ -876,15 +862,6 @@ def _profiled_module(model: CausalLM) -> torch.nn.Module | None:
     """The module a dummy forward of token ids runs on (the tiny GPT, or a Hugging Face model's), or None."""
     module = getattr(model, "model", model)  # HFCausalLM keeps the transformers model as .model
     return module if isinstance(module, torch.nn.Module) else None
-
-
-def _scheduler_request(request: EngineRequest, stop_token_ids: frozenset[int]) -> SchedulerRequest:
-    return SchedulerRequest(
-        request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt), stop_token_ids
-    )
-
-
-# ------------------------------------------------------------------------- budgets, for lesson 11
 
 
 def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16) -> int:

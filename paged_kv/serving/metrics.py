@@ -180,6 +180,29 @@ class SchedulerStats:
         return self.num_prompt_tokens - self.num_cached_prompt_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    """A request that finished in a step (vLLM: ``FinishedRequestStats``): why (``"stop"``,
+    ``"length"``, ``"abort"``), the seconds from its arrival, and the tokens it generated."""
+
+    finish_reason: str
+    e2e_latency: float
+    num_generation_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    """The latencies one step of the online engine completed, in wall-clock seconds (vLLM:
+    ``IterationStats``, lesson 15): each first token's time since its request arrived, each later
+    token's time since its request's previous one, and the requests that finished."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
+    time_to_first_tokens_iter: tuple[float, ...] = ()
+    inter_token_latencies_iter: tuple[float, ...] = ()
+    finished_requests: tuple[FinishedRequestStats, ...] = ()
+
+
 # ------------------------------------------------------------------------------ the log line
 
 

@@ -15,8 +15,10 @@
   3. runs **one** forward over the batch, prefill chunks and decodes together; each layer writes
      its K/V at the slot mapping and attends through the block table
      (:func:`~paged_kv.model.attend.step_attend`);
-  4. samples greedily at each request's last token, for the requests whose tokens reached their
-     end (a partial prefill chunk samples nothing).
+  4. samples at each request's last token, for the requests whose tokens reached their end (a
+     partial prefill chunk samples nothing): greedily, or by the request's sampling parameters
+     with its own generator (:mod:`~paged_kv.serving.sampler`, lesson 15), which the runner keeps
+     from the request's first step to its last, through preemptions.
 
   It never allocates nor frees a block: the scheduler has done both.
 * :class:`CountingRunner` runs no model and "samples" token 0, so a simulator counts steps and
@@ -37,6 +39,8 @@ from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention_by_group
 from paged_kv.serving.outputs import CachedRequestData, GroupBlockIds, ModelRunnerOutput, SchedulerOutput
+from paged_kv.serving.sampler import new_generator, sample
+from paged_kv.serving.sampling_params import SamplingParams
 
 
 class RequestState:
@@ -131,6 +135,9 @@ class ModelRunner:
         self.tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups))
         self.state = RequestState(self.tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
+        self.sampling: dict[Hashable, tuple[SamplingParams, torch.Generator]] = {}
+        """The random requests' parameters and generators, from their first step until they finish."""
+        self._seeds = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         self.last_metadata: AttentionMetadata | None = None
 
     def num_computed_tokens(self, req_id: Hashable) -> int:
@@ -158,7 +165,7 @@ class ModelRunner:
 
     def _run(self, req_ids: list[Hashable], query_lens: list[int]) -> dict[Hashable, int]:
         """One forward over ``query_lens[b]`` tokens of each request ``req_ids[b]``, in that order;
-        the greedy token of each request whose tokens reached their end (a partial chunk samples none)."""
+        the token sampled for each request whose tokens reached their end (a partial chunk samples none)."""
         state = self.state
         rows = long_tensor(self.tables.rows_of(req_ids))
         computed = state.num_computed_tokens[rows]
@@ -174,11 +181,16 @@ class ModelRunner:
         after = computed + long_tensor(query_lens)
         state.num_computed_tokens[rows] = after
         samples = after == state.num_tokens[rows]
-        tokens = logits.argmax(dim=-1).cpu()[samples]
+        sampled_ids = list(compress(req_ids, samples.tolist()))
+        if self.sampling and not self.sampling.keys().isdisjoint(sampled_ids):
+            chosen = [self.sampling.get(req_id, (None, None)) for req_id in sampled_ids]
+            tokens = sample(logits[samples.to(logits.device)], [c[0] for c in chosen], [c[1] for c in chosen])
+        else:  # every request greedy: one argmax
+            tokens = logits.argmax(dim=-1).cpu()[samples]
         sampling = rows[samples]
         state.num_tokens[sampling] += 1
         state.last_token[sampling] = tokens
-        return dict(zip(compress(req_ids, samples.tolist()), tokens.tolist(), strict=True))
+        return dict(zip(sampled_ids, tokens.tolist(), strict=True))
 
     # ------------------------------------------------------------------------------ the state
 
@@ -280,8 +292,10 @@ class ModelRunner:
         """Apply ``output`` to the rows and the request states (vLLM: ``finish_requests``,
         ``add_requests`` and ``update_requests``)."""
         tables = self.tables
-        for req_id in output.finished_req_ids:
+        for req_id in output.finished_req_ids:  # finished, stopped or aborted, wherever they were
             tables.remove(req_id)
+            self.swapped.pop(req_id, None)
+            self.sampling.pop(req_id, None)
         for req_id, block_ids in output.blocks_to_swap_out.items():  # before the forward overwrites them
             num_computed = self.num_computed_tokens(req_id)
             self.swapped[req_id] = swap.copy_out(self.storage, block_ids, num_computed, self.layer_group)
@@ -292,6 +306,9 @@ class ModelRunner:
         for req_id, block_ids in output.blocks_to_swap_in.items():
             swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids, self.layer_group)
         for new in output.scheduled_new_reqs:
+            params = new.sampling_params
+            if params is not None and not params.greedy and new.req_id not in self.sampling:
+                self.sampling[new.req_id] = (params, new_generator(params, self._seeds))
             row = tables.add_row(new.req_id, new.block_ids)
             self.state.add(row, list(new.token_ids), new.num_computed_tokens)
         cached = output.scheduled_cached_reqs

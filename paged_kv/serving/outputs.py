@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from paged_kv.serving.sampling_params import SamplingParams
 
 GroupBlockIds = tuple[tuple[int, ...], ...]
 """Block ids in vLLM's shape: one tuple per KV-cache group, in the groups' order (a model whose
@@ -29,13 +32,15 @@ class NewRequestData:
     ``token_ids`` are its tokens so far (the prompt, then the tokens it generated before a
     preemption); ``block_ids`` all its blocks, one tuple per KV-cache group, prefix-cache hits
     first (a sliding-window group's hit starts with null blocks); ``num_computed_tokens`` the
-    tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V).
+    tokens whose K/V those blocks already hold (the hits, or a swapped-in request's K/V);
+    ``sampling_params`` how its tokens are picked (None: greedy).
     """
 
     req_id: Hashable
     token_ids: tuple[int, ...] | None
     block_ids: GroupBlockIds
     num_computed_tokens: int
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.validate import check_count, check_hashable
 
 
@@ -13,9 +14,10 @@ class SchedulerRequest:
     """A request as the scheduler sees it: ``num_prompt_tokens`` of prompt, ``max_new_tokens`` to generate.
 
     ``prompt_token_ids`` are the prompt's token ids, or None where nobody needs them (the
-    simulator); prefix caching and a model need them. Decoding is greedy; a request finishes after
-    ``max_new_tokens`` tokens, or as soon as it generates one of ``stop_token_ids`` (a model's
-    end-of-sequence tokens; none by default), which it keeps.
+    simulator); prefix caching and a model need them. A request finishes after ``max_new_tokens``
+    tokens, or as soon as it generates one of ``stop_token_ids`` (a model's end-of-sequence tokens
+    and the request's own; none by default), which it keeps. ``sampling_params`` says how the runner
+    picks its tokens (lesson 15); None is greedy.
     """
 
     request_id: Hashable
@@ -23,6 +25,7 @@ class SchedulerRequest:
     max_new_tokens: int
     prompt_token_ids: tuple[int, ...] | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    sampling_params: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         check_hashable("request_id", self.request_id)

@@ -50,7 +50,7 @@ prefix caching its blocks are mostly still cached: freed blocks keep their hashe
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
@@ -295,6 +295,39 @@ class Scheduler:
         self._output = self._scheduled = None
         return step
 
+    def finish_requests(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
+        """Finish ``request_ids`` now, wherever they are (vLLM: ``Scheduler.finish_requests``, for an
+        abort or a stop string): a running request's blocks are freed at once, a waiting or
+        swapped-out one just leaves. The runner hears of them in the next step's
+        ``finished_req_ids``. Ids that are unknown or finished already are skipped; the ones
+        finished here are returned, in the order given.
+
+        Raises:
+            RuntimeError: a step is scheduled and not yet updated (finish between steps).
+        """
+        if self._output is not None:
+            raise RuntimeError(f"step {self._step} is scheduled: finish requests between steps")
+        wanted = list(dict.fromkeys(request_ids))
+        asked = set(wanted)
+        found = {
+            r.request_id: r
+            for queue in (self.running, self.waiting, self.swapped)
+            for r in queue
+            if r.request_id in asked
+        }
+        if not found:
+            return []
+        running = {r.request_id for r in self.running}
+        for request_id in found:
+            if request_id in running:
+                self.memory.free(request_id)
+            self._finished_ids.add(request_id)
+        gone = {id(request) for request in found.values()}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        self.swapped = deque(r for r in self.swapped if id(r) not in gone)
+        return [request_id for request_id in wanted if request_id in found]
+
     def free_all(self) -> None:
         """Free the memory of every running request (after an error: a finished run holds nothing)."""
         for request in self.running:
@@ -319,7 +352,13 @@ class Scheduler:
             self.running.append(request)
             step.swap_in[request.request_id] = block_ids
             step.new_reqs.append(
-                NewRequestData(request.request_id, request.token_ids, block_ids, request.num_computed_tokens)
+                NewRequestData(
+                    request.request_id,
+                    request.token_ids,
+                    block_ids,
+                    request.num_computed_tokens,
+                    request.request.sampling_params,
+                )
             )
             step.schedule(request, 1)
 
@@ -378,7 +417,13 @@ class Scheduler:
             request.num_prefill_tokens = request.num_tokens
             self.running.append(request)
             step.new_reqs.append(
-                NewRequestData(request.request_id, token_ids, block_ids, computed.num_tokens)
+                NewRequestData(
+                    request.request_id,
+                    token_ids,
+                    block_ids,
+                    computed.num_tokens,
+                    request.request.sampling_params,
+                )
             )
             step.schedule(request, num_new)
 
