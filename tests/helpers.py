@@ -119,3 +119,13 @@ def fails_cleanly(
     with unchanged(cache), pytest.raises(error, match=match) as caught:
         call()
     return caught.value
+
+
+def run_async(coroutine):
+    """``asyncio.run(coroutine)`` in a thread of its own: a session's Playwright (the browser tests)
+    keeps an event loop running in the main thread, where ``asyncio.run`` refuses to start another."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

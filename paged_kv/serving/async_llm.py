@@ -15,7 +15,8 @@ to it through queues; :class:`AsyncLLM` keeps the same shape in one process:
   hands the outputs to each request's queue. Only that thread touches the engine;
 * a client that stops iterating (it disconnected, or the task was cancelled) aborts its request:
   the abort is applied before the next step, so the request's blocks are back in the pool before
-  anything else runs. :meth:`AsyncLLM.abort` does the same by request id.
+  anything else runs. :meth:`AsyncLLM.abort` does the same by request id, and the request's
+  iterator ends with its last output, ``finish_reason`` ``"abort"``, as vLLM's does.
 
 :attr:`AsyncLLM.kv_view` is the pool as the last step left it (a :class:`KVCacheView`), for the
 live page; :meth:`AsyncLLM.stat_loggers` get every step's stats (the Prometheus metrics).
@@ -35,6 +36,7 @@ from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.metrics import IterationStats, SchedulerStats
 from paged_kv.serving.output_processor import RequestOutput
 from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.validate import check_hashable
 
 StatLogger = Callable[[SchedulerStats, IterationStats], None]
 """Called after every step with its two records (vLLM: ``StatLoggerBase.record``)."""
@@ -60,6 +62,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error: no request can be served (vLLM's name)."""
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """A request the engine refused when the loop applied it (its client raises ``error``), apart
+    from an error of the engine itself, which kills the loop."""
+
+    error: ValueError
+
+
 class AsyncLLM:
     """An :class:`~paged_kv.serving.llm_engine.LLMEngine` served to asyncio clients (see the module).
 
@@ -73,9 +83,12 @@ class AsyncLLM:
         self._adds: list[tuple[Hashable, list[int], SamplingParams, float]] = []
         self._aborts: list[Hashable] = []
         self._lock = threading.Lock()  # guards the two lists above: the loop appends, the thread takes
-        self._queues: dict[Hashable, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[Hashable, asyncio.Queue[RequestOutput | _Refused | BaseException]] = {}
+        self._taken: set[Hashable] = set()  # every request id generate() took: none is used twice
+        self._engine_lock = threading.Lock()  # held by whoever touches the engine: a step, shutdown
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._in_flight: asyncio.Future | None = None  # the step the worker thread runs, until delivered
         self._ids = itertools.count()
         self._queries = self._hits = 0
         self.kv_view = self._view()
@@ -107,8 +120,9 @@ class AsyncLLM:
         params = SamplingParams() if sampling_params is None else sampling_params
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         prompt = self.check(request_id, prompt_token_ids, params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | _Refused | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._taken.add(request_id)
         with self._lock:
             self._adds.append((request_id, prompt, params, self.llm_engine.clock()))
         self.start()
@@ -117,8 +131,8 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await queue.get()
-                if isinstance(item, ValueError):  # refused by the engine after all
-                    raise item
+                if isinstance(item, _Refused):  # refused by the engine after all
+                    raise item.error
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop failed") from item
                 finished = item.finished
@@ -140,8 +154,10 @@ class AsyncLLM:
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         engine = self.llm_engine
         prompt = engine.check_prompt(prompt_token_ids)
-        if request_id in self._queues:
+        check_hashable("request_id", request_id)
+        if request_id in self._taken:
             raise ValueError(f"request_id {request_id!r} is in use")
+        engine.check_request_id(request_id, params.n)
         if params.stop and engine.output_processor.decode is None:
             raise ValueError("stop strings need a tokenizer: give the engine a decode function")
         max_tokens = min(params.max_tokens, engine.engine.max_model_len - len(prompt))
@@ -161,18 +177,41 @@ class AsyncLLM:
         return len(self._queues)
 
     async def shutdown(self) -> None:
-        """Stop the engine loop; abort every request left (their blocks freed)."""
+        """Stop the engine loop; abort every request left (their blocks freed, their iterators ended
+        with an ``"abort"`` output). After an engine failure the running requests' blocks are freed."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # a failure is kept in errored
                 await self._task
             self._task = None
+        if self._in_flight is not None:  # cancelling the loop does not stop its step: let it end
+            try:
+                self._deliver(await self._in_flight)
+            except Exception as error:
+                self.errored = self.errored or error
+            self._in_flight = None
         with self._lock:
             self._adds.clear()
             self._aborts.clear()
+        self._deliver(await asyncio.to_thread(self._abort_all))
+
+    def _abort_all(self) -> list[tuple[Hashable, RequestOutput]]:
         engine = self.llm_engine
-        engine.abort_request(engine.output_processor.request_ids())
-        self.kv_view = self._view()
+        with self._engine_lock:
+            if self.errored is not None:  # the step broke off: the scheduler may be mid-step
+                engine.scheduler.free_all()
+                outputs = []
+            else:
+                outputs = engine.abort_request(engine.output_processor.request_ids())
+            self.kv_view = self._view()
+        return [(output.request_id, output) for output in outputs]
+
+    def _deliver(self, items: Sequence[tuple[Hashable, RequestOutput | _Refused]]) -> None:
+        """On the event loop: hand each item to its request's queue, if its client still listens."""
+        for request_id, item in items:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(item)
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -184,17 +223,16 @@ class AsyncLLM:
                 await wake.wait()
                 wake.clear()
                 while True:
-                    outputs = await asyncio.to_thread(self._step)
-                    for output in outputs:
-                        queue = self._queues.get(output.request_id)
-                        if queue is not None:
-                            queue.put_nowait(output)
+                    self._in_flight = asyncio.ensure_future(asyncio.to_thread(self._step))
+                    items = await asyncio.shield(self._in_flight)  # a cancel leaves it to shutdown
+                    self._in_flight = None
+                    self._deliver(items)
                     if not self.llm_engine.has_unfinished_requests() and not self._pending():
                         break
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # the engine failed: every client hears of it
-            self.errored = error
+            self.errored, self._in_flight = error, None
             for queue in self._queues.values():
                 queue.put_nowait(error)
             raise
@@ -203,32 +241,36 @@ class AsyncLLM:
         with self._lock:
             return bool(self._adds or self._aborts)
 
-    def _step(self) -> list[RequestOutput]:
-        """In the worker thread: apply the queued aborts and requests, then step if there is work."""
+    def _step(self) -> list[tuple[Hashable, RequestOutput | _Refused]]:
+        """In the worker thread: apply the queued requests and aborts, then step if there is work.
+        Returns what each request's queue gets (the loop hands them over: a queue is the loop's)."""
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
         engine = self.llm_engine
-        outputs: list[RequestOutput] = []
-        if aborts:
-            engine.abort_request(aborts)  # their blocks go before the step
-        for request_id, prompt, params, arrived in adds:
-            if request_id in aborts:
-                continue
-            try:
-                engine.add_request(request_id, prompt, params, arrival_time=arrived)
-            except ValueError as error:  # checked on the loop already: only a race gets here
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(error)
-        if engine.has_unfinished_requests():
-            outputs = engine.step()
-            stats = engine.last_stats.prefix_cache_stats
-            self._queries, self._hits = self._queries + stats.queries, self._hits + stats.hits
-            for logger in self.stat_loggers:
-                logger(engine.last_stats, engine.last_iteration)
-        self.kv_view = self._view()
-        return outputs
+        items: list[tuple[Hashable, RequestOutput | _Refused]] = []
+        with self._engine_lock:
+            for request_id, prompt, params, arrived in adds:
+                try:
+                    engine.add_request(request_id, prompt, params, arrival_time=arrived)
+                except ValueError as error:  # checked on the loop already: only a race gets here
+                    items.append((request_id, _Refused(error)))
+            aborted = engine.abort_request(aborts) if aborts else []
+            if aborted:  # their blocks go before the step; their clients get the "abort" output
+                items += [(output.request_id, output) for output in aborted]
+                self._record()  # the loggers see the blocks back and the aborts counted
+            if engine.has_unfinished_requests():
+                items += [(output.request_id, output) for output in engine.step()]
+                stats = engine.last_stats.prefix_cache_stats
+                self._queries, self._hits = self._queries + stats.queries, self._hits + stats.hits
+                self._record()
+            self.kv_view = self._view()
+        return items
+
+    def _record(self) -> None:
+        engine = self.llm_engine
+        for logger in self.stat_loggers:
+            logger(engine.last_stats, engine.last_iteration)
 
     def _view(self) -> KVCacheView:
         engine = self.llm_engine

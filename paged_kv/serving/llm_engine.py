@@ -43,7 +43,7 @@ from paged_kv.serving.metrics import (
     IterationStats,
     SchedulerStats,
 )
-from paged_kv.serving.output_processor import Decode, OutputProcessor, RequestOutput
+from paged_kv.serving.output_processor import Decode, OutputProcessor, RequestOutput, child_request_ids
 from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.request import SchedulerRequest
 from paged_kv.serving.sampling_params import SamplingParams
@@ -101,18 +101,18 @@ class LLMEngine:
         caps it. ``arrival_time`` (default: now, on :attr:`clock`) starts its time to first token.
 
         Raises:
-            ValueError: ``request_id`` is in use or not hashable; the prompt is empty, holds
-                something that is not a token id of the model, or leaves no room for one output
-                token within ``max_model_len`` (vLLM's message); the memory could not hold the
-                request alone. Nothing is queued.
+            ValueError: ``request_id`` (or a child's id) is in use, or was used, or is not
+                hashable; the prompt is empty, holds something that is not a token id of the
+                model, or leaves no room for one output token within ``max_model_len`` (vLLM's
+                message); the memory could not hold the request alone; stop strings without
+                ``decode``. Nothing is queued.
         """
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         prompt = self.check_prompt(prompt_token_ids)
         check_hashable("request_id", request_id)
-        if request_id in self.output_processor:
-            raise ValueError(f"request_id {request_id!r} is in use")
+        self.check_request_id(request_id, params.n)
         max_tokens = min(params.max_tokens, self.engine.max_model_len - len(prompt))
         self.engine.check_request(request_id, prompt, max_tokens)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -124,6 +124,17 @@ class LLMEngine:
                 SchedulerRequest(child, len(prompt), max_tokens, tuple(prompt), stop, child_params)
             )
             self._prompt_len[child], self._arrival[child] = len(prompt), arrived
+
+    def check_request_id(self, request_id: Hashable, n: int = 1) -> None:
+        """Whether ``request_id`` and its ``n`` children's core ids are free: the scheduler refuses
+        an id it was ever given (a child ``f"{i}_{request_id}"`` may collide with another request).
+
+        Raises:
+            ValueError: one of them is in use or was used.
+        """
+        used = self.scheduler._ids  # every core id the scheduler was given
+        if request_id in self.output_processor or not used.isdisjoint(child_request_ids(request_id, n)):
+            raise ValueError(f"request_id {request_id!r} is in use")
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list, if the engine can serve it (vLLM's input processor).
@@ -159,14 +170,23 @@ class LLMEngine:
     def abort_request(self, request_ids: Hashable | Iterable[Hashable]) -> list[RequestOutput]:
         """Finish ``request_ids`` now (one id, or several): every block of their running children
         goes back to the pool before this returns; waiting or preempted children just leave. Unknown
-        or finished ids are skipped. Returns the requests' last outputs, ``finish_reason`` ``"abort"``."""
+        or finished ids are skipped. Returns the requests' last outputs, ``finish_reason`` ``"abort"``.
+
+        An abort is recorded as a step is: :attr:`last_stats` is the pool as the abort left it (no
+        tokens, no lookups) and :attr:`last_iteration` holds the aborted requests as finished ones,
+        so a stat logger called now sees the blocks come back and counts the aborts (vLLM counts
+        them under ``finished_reason="abort"``).
+        """
         ids = [request_ids] if isinstance(request_ids, (str, int)) else list(request_ids)
         children = [child for request_id in ids for child in self.output_processor.children(request_id)]
         if not children:
             return []
         self.scheduler.finish_requests(children)
-        self._forget(children)
         outputs, _ = self.output_processor.process_outputs({}, aborted=children)
+        now = self.clock()
+        self.last_stats = self._pool_stats()
+        self.last_iteration = IterationStats(finished_requests=self._finished_stats(now))
+        self._forget(children)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -192,6 +212,7 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step = (output, step)
         finished = [request_id for request_id, _ in step.finished]
+        self._note_admissions(output)  # before the outputs, which carry the prefix-cache hits
         outputs, stopped = self.output_processor.process_outputs(step.new_tokens, finished)
         if stopped:  # a stop string ended them: their blocks go now
             scheduler.finish_requests(stopped)
@@ -202,12 +223,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ the records
 
+    def _note_admissions(self, output: SchedulerOutput) -> None:
+        """Record the prefix-cache hit of each request the step admitted for the first time."""
+        for new in output.scheduled_new_reqs:
+            if new.req_id not in output.blocks_to_swap_in and new.req_id not in self._first_hits:
+                self._first_hits[new.req_id] = new.num_computed_tokens  # its first admission only
+                self.output_processor.note_cached_tokens(new.req_id, new.num_computed_tokens)
+
     def _scheduler_stats(self, output: SchedulerOutput, step: StepResult) -> SchedulerStats:
         """The step's :class:`SchedulerStats`, measured after its finished requests left."""
-        for new in output.scheduled_new_reqs:
-            if new.req_id not in output.blocks_to_swap_in:
-                self._first_hits.setdefault(new.req_id, new.num_computed_tokens)
-                self.output_processor.note_cached_tokens(new.req_id, new.num_computed_tokens)
         prompt_tokens = sum(self._prompt_len[r] for r in step.first_tokens)
         cached_tokens = sum(self._first_hits.get(r, 0) for r in step.first_tokens)
         for preemption in output.preemptions:
@@ -219,11 +243,7 @@ class LLMEngine:
                     self.num_preemptions + 1,
                 )
             self.num_preemptions += 1
-        scheduler = self.scheduler
-        return SchedulerStats(
-            num_running_reqs=len(scheduler.running),
-            num_waiting_reqs=len(scheduler.waiting),
-            kv_cache_usage=scheduler.memory.usage,  # type: ignore[attr-defined]
+        return self._pool_stats(
             prefix_cache_stats=SchedulerStats().prefix_cache_stats
             if self._prefix_stats is None
             else self._prefix_stats(),
@@ -231,7 +251,17 @@ class LLMEngine:
             num_generation_tokens=len(step.new_tokens),
             num_prompt_tokens=prompt_tokens,
             num_cached_prompt_tokens=cached_tokens,
+        )
+
+    def _pool_stats(self, **counts: object) -> SchedulerStats:
+        """:class:`SchedulerStats` of the queues and the pool as they are now, with ``counts``."""
+        scheduler = self.scheduler
+        return SchedulerStats(
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            kv_cache_usage=scheduler.memory.usage,  # type: ignore[attr-defined]
             num_swapped_reqs=len(scheduler.swapped),
+            **counts,
         )
 
     def _iteration_stats(self, step: StepResult, now: float) -> IterationStats:
@@ -244,17 +274,21 @@ class LLMEngine:
             elif request_id in self._last_token_at:
                 itl.append(now - self._last_token_at[request_id])
             self._last_token_at[request_id] = now
-        done = tuple(
-            FinishedRequestStats(reason, now - self._arrival[child], num_tokens)
-            for child, reason, num_tokens in self.output_processor.last_finished
-            if child in self._arrival
-        )
+        done = self._finished_stats(now)
         return IterationStats(
             num_generation_tokens=len(step.new_tokens),
             num_prompt_tokens=self.last_stats.num_prompt_tokens,
             time_to_first_tokens_iter=tuple(ttft),
             inter_token_latencies_iter=tuple(itl),
             finished_requests=done,
+        )
+
+    def _finished_stats(self, now: float) -> tuple[FinishedRequestStats, ...]:
+        """The children the output processor just finished, with their seconds since arrival."""
+        return tuple(
+            FinishedRequestStats(reason, now - self._arrival[child], num_tokens)
+            for child, reason, num_tokens in self.output_processor.last_finished
+            if child in self._arrival
         )
 
     def _forget(self, children: Iterable[Hashable]) -> None:

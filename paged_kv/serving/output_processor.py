@@ -12,8 +12,10 @@ tokens into :class:`RequestOutput` objects. This module is that front end's half
   it (vLLM's default; the tokens stay), and the engine is told to finish the request in the core,
   which frees its blocks at once;
 * it names the **finish reason** as vLLM does: ``"stop"`` (an end-of-sequence token, one of the
-  request's ``stop_token_ids``, which is its ``stop_reason``, or a stop string, likewise),
-  ``"length"`` (``max_tokens`` reached) or ``"abort"``;
+  request's ``stop_token_ids``, which is its ``stop_reason``, or a stop string, likewise, which
+  wins over the others when the same token brings it), ``"length"`` (``max_tokens`` reached) or
+  ``"abort"``; the text of the token that stops a request is left out, as vLLM leaves it out (its id
+  stays in ``token_ids``);
 * it gathers the **children** of a request with ``n > 1`` (vLLM's ``ParentRequest``: child ``i`` is
   ``f"{i}_{request_id}"``) into one output per step, each child a :class:`CompletionOutput` with
   its ``index``; a ``FINAL_ONLY`` request is output once, when its last child finishes.
@@ -184,10 +186,12 @@ class OutputProcessor:
             if c.finish_reason is not None:
                 continue
             c.token_ids.append(token)
-            self._detokenize(parent, c)
-            if child_id in done:
+            by_token = child_id in done
+            stop_token = by_token and (token in parent.eos_token_ids or token in parent.params.stop_token_ids)
+            self._detokenize(parent, c, stop_token)
+            if c.finish_reason is None and by_token:
                 self._finish_by_token(parent, c, token)
-            elif c.finish_reason is not None:  # a stop string: the core must let it go
+            elif c.finish_reason is not None and not by_token:  # a stop string: the core must let it go
                 stopped.append(child_id)
             if c.finish_reason is not None:
                 ended.append((child_id, c.finish_reason, len(c.token_ids)))
@@ -204,10 +208,12 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------------------ the helpers
 
-    def _detokenize(self, parent: _Parent, c: _Completion) -> None:
+    def _detokenize(self, parent: _Parent, c: _Completion, stop_token: bool = False) -> None:
+        """The completion's text, without the stop token that ended it (as vLLM's detokenizer), and
+        cut before the first stop string found (which then ends it)."""
         if self.decode is None:
             return
-        c.text = self.decode(c.token_ids)
+        c.text = self.decode(c.token_ids[:-1] if stop_token else c.token_ids)
         for stop in parent.params.stop:
             at = c.text.find(stop)
             if at != -1:
@@ -216,10 +222,10 @@ class OutputProcessor:
                 return
 
     def _finish_by_token(self, parent: _Parent, c: _Completion, token: int) -> None:
-        if token in parent.params.stop_token_ids:
-            c.finish_reason, c.stop_reason = "stop", token
-        elif token in parent.eos_token_ids:
+        if token in parent.eos_token_ids:  # vLLM's check_stop: the end of sequence first
             c.finish_reason = "stop"
+        elif token in parent.params.stop_token_ids:
+            c.finish_reason, c.stop_reason = "stop", token
         else:
             c.finish_reason = "length"
 
@@ -257,4 +263,4 @@ def _sendable(text: str, params: SamplingParams) -> str:
     the tail that could still become a stop string."""
     text = text.rstrip("\ufffd")
     hold = params.stop_buffer_length if params.stop else 0
-    return text[: len(text) - hold] if hold else text
+    return text[: max(len(text) - hold, 0)]

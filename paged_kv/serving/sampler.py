@@ -4,7 +4,7 @@ A batch's rows are sampled each by its own :class:`~paged_kv.serving.sampling_pa
 
 * a greedy row (``temperature`` 0) takes the argmax, in one operation for all of them: exactly
   the token Hugging Face's greedy ``generate`` picks;
-* a random row divides its logits by the temperature, keeps the ``top_k`` largest (0: all), then
+* a random row divides its logits by the temperature, keeps the ``top_k`` largest (0 or -1: all), then
   the smallest set of tokens whose probabilities reach ``top_p`` (the most likely always kept), and
   draws from what is left with its request's own ``torch.Generator``.
 
@@ -51,7 +51,7 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     scaled = logits / params.temperature
     ordered, order = scaled.sort(descending=True)
     keep = ordered.numel()
-    if params.top_k:
+    if params.top_k > 0:  # 0 and -1 keep every token
         keep = min(keep, params.top_k)
     probs = ordered[:keep].softmax(dim=-1)
     if params.top_p < 1.0:

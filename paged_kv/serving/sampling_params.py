@@ -5,12 +5,13 @@ messages here are its own, for the parameters the course serves:
 
 * ``max_tokens`` (16 by default, as vLLM): the most tokens to generate;
 * ``temperature`` (1.0; 0 is greedy, the argmax, exactly the tokens of Hugging Face's
-  ``generate``), ``top_k`` (0: every token) and ``top_p`` (1.0: the whole distribution);
-* ``seed``: a seeded request draws from its own generator, so it gets the same tokens whatever
-  else runs in its batch, and whether or not it was preempted;
+  ``generate``; a positive one below 0.01 is raised to 0.01, as vLLM does), ``top_k`` (0, or -1 as
+  vLLM also accepts: every token) and ``top_p`` (1.0: the whole distribution);
+* ``seed`` (-1 is None, as in vLLM): a seeded request draws from its own generator, so it gets the
+  same tokens whatever else runs in its batch, and whether or not it was preempted;
 * ``stop`` strings (the text ends before the first one found, which is left out) and
-  ``stop_token_ids`` (kept, as vLLM keeps them); ``ignore_eos`` generates past the model's
-  end-of-sequence tokens;
+  ``stop_token_ids`` (kept in the token ids, their text left out, as vLLM does); ``ignore_eos``
+  generates past the model's end-of-sequence tokens;
 * ``n``: that many completions of one prompt (vLLM's ``ParentRequest``: child ``i`` is request
   ``f"{i}_{request_id}"`` with seed ``seed + i``); with prefix caching the children share the
   prompt's full blocks. ``n > 1`` needs random sampling, as in vLLM.
@@ -29,6 +30,10 @@ from enum import Enum
 
 MAX_N_SEQUENCES = 16
 """The largest ``n`` (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there: a small engine serves fewer)."""
+
+MIN_TEMPERATURE = 1e-2
+"""A positive temperature below this is raised to it, as vLLM raises it (its ``_MAX_TEMP``): dividing
+the logits by a smaller one could overflow them."""
 
 
 class RequestOutputKind(Enum):
@@ -61,11 +66,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: normalise the sequences once, here
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(stop):
+            raise ValueError("stop cannot contain an empty string.")
         set_field(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            raise ValueError(f"stop_token_ids must contain only integers, got {ids!r}.")
+        if any(t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
         set_field(self, "stop_token_ids", tuple(int(t) for t in ids))
         _check_int("n", self.n)
@@ -80,15 +89,19 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {temperature}.")
         if temperature > 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {temperature}.")
+        if 0.0 < temperature < MIN_TEMPERATURE:  # vLLM's _MAX_TEMP: 1 / T must stay finite
+            set_field(self, "temperature", MIN_TEMPERATURE)
         top_p = self.top_p
         if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
-        if self.top_k < 0:
+        if self.top_k < -1:  # vLLM quietly accepts -1 as 0 (disabled)
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed == -1:  # vLLM's "no seed"
+            set_field(self, "seed", None)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
