@@ -16,7 +16,7 @@ NBVAL := --nbval-current-env -p no:cacheprovider -n 2 --dist loadfile
 LESSON_NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL)
 SOLUTION_NBVAL := --nbval-lax $(NBVAL)
 
-.PHONY: help venv lab site test lint format test-lesson notebooks course check-env screenshots constraints clean
+.PHONY: help venv lab serve site test lint format test-lesson notebooks course check-env screenshots constraints clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -41,6 +41,12 @@ lab: $(STAMP) ## open your copy of the course, my_course/, in JupyterLab (flags:
 	$(if $(AS_ROOT),@echo "$(AS_ROOT_NOTE)")
 	$(BIN)/jupyter lab --ServerApp.root_dir="$(abspath $(WORK))" --LabApp.default_url=/lab/tree/lessons \
 		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(if $(AS_ROOT),--allow-root) $(LAB_ARGS)
+
+# The OpenAI-compatible server of lesson 15 on 127.0.0.1:8000, in the foreground (Ctrl-C stops it).
+SERVE_ARGS ?=
+
+serve: $(STAMP) ## start `paged-kv serve` on 127.0.0.1:8000 (flags: SERVE_ARGS="--tiny --port 8001")
+	$(BIN)/python -m paged_kv serve $(SERVE_ARGS)
 
 site: $(STAMP) ## build the lessons into a static site to read offline: open site/index.html (needs npm)
 	$(BIN)/python tools/build_site.py --out site
@@ -75,8 +81,9 @@ course: $(STAMP) ## regenerate the notebooks from course/ (ONLY=03 for one lesso
 check-env: $(STAMP) ## print versions and OK/FAIL per requirement, for bug reports
 	$(BIN)/python -m paged_kv check-env
 
-screenshots: $(STAMP) ## redraw docs/images/player.png and playground.png (needs chromium and npm)
+screenshots: $(STAMP) ## redraw docs/images/player.png, playground.png and kv_page.png (needs chromium and npm)
 	$(BIN)/python tools/screenshots.py
+	PAGED_KV_DOCS_IMAGES=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser/test_kv_page.py
 
 constraints: $(STAMP) ## re-pin constraints.txt from the current .venv (after a deliberate upgrade)
 	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f; } > constraints.new

@@ -1,4 +1,7 @@
-"""The command line: ``python -m paged_kv fragmentation | simulate | check-env`` (lessons 00 and 07).
+"""The command line: ``python -m paged_kv fragmentation | simulate | check-env | serve`` (lessons 00, 07, 15).
+
+``paged-kv serve`` (lesson 15) starts an OpenAI-compatible server over the course's engine, as
+``vllm serve`` does: see :func:`build_serve_app` and :mod:`paged_kv.entrypoints.openai`.
 
 Bad arguments print one line on stderr and exit with status 2, never a traceback.
 """
@@ -19,6 +22,12 @@ from paged_kv.simulation.fragmentation import fragmentation_report
 from paged_kv.simulation.workload import WORKLOADS, compare_policies, format_table
 
 USAGE_ERROR = 2
+DEFAULT_NUM_BLOCKS = 512
+"""The pool of ``paged-kv serve`` when neither ``--num-blocks`` nor ``--gpu-memory-utilization`` is
+given: 8,192 tokens in blocks of 16. (vLLM takes 90 % of the GPU by default; on a CPU that would be
+the machine's RAM, so the course serves a fixed pool unless asked.)"""
+TINY_MODEL_NAME = "tiny-gpt"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +63,23 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {value}")
     return value
 
 
@@ -134,7 +160,75 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the versions of Python, torch, ipywidgets, matplotlib, JupyterLab and nbval, "
         "the device default_device() picks, and OK or FAIL for each requirement.",
     )
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands) -> None:
+    """``serve``: vLLM's ``vllm serve`` flags, by vLLM's names, for the course's engine (lesson 15)."""
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the engine, as `vllm serve` (lesson 15)",
+        description="Serve a model with the course's engine behind OpenAI's API (/v1/models, "
+        "/v1/completions, /v1/chat/completions), with /health, vLLM's /metrics and the live page /kv. "
+        "The model is load_model(NAME)'s: the Hugging Face Hub's when it answers, else a random-weight "
+        "stand-in of SmolLM2-135M's architecture with byte tokens. Stop it with Ctrl-C.",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="the model to load and the name it is served under "
+        "(default: HuggingFaceTB/SmolLM2-135M; with --tiny: tiny-gpt)",
+    )
+    serve.add_argument(
+        "--tiny",
+        action="store_true",
+        help="serve the course's TinyGPT (random weights, byte tokens, 256 positions): starts at once",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="the port to listen on (8000)")
+    memory = serve.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        default=None,
+        help=f"blocks in the KV-cache pool (default {DEFAULT_NUM_BLOCKS}; vLLM's num_gpu_blocks_override)",
+    )
+    memory.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        help="size the pool as vLLM does: this fraction of the device's memory (the machine's RAM on a "
+        "CPU), less the weights and the activations",
+    )
+    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
+    serve.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="the longest prompt plus output (default: the model's context length)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=None,
+        help="the most requests running at once (no limit)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="the most tokens a step schedules; longer prompts are prefilled in chunks (no limit)",
+    )
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached blocks of a shared prompt prefix (on by default, as in vLLM v1)",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's log level (info)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if ok else 1
     if args.command == "simulate":
         return _simulate(parser, args)
+    if args.command == "serve":
+        return _serve(parser, args)
     try:
         result = fragmentation_report(args.request_tokens, args.block_size, args.total_blocks)
     except OutOfBlocksError:
@@ -195,6 +291,81 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         f"arrivals {arrivals}, seed {args.seed}"
     )
     print(format_table(results))
+    return 0
+
+
+def build_serve_app(args: argparse.Namespace):
+    """The app ``paged-kv serve`` serves, from its parsed arguments, and the lines it prints first.
+
+    The model is moved to :func:`~paged_kv.device.default_device` (``PAGED_KV_DEVICE`` chooses).
+
+    Raises:
+        ImportError: the server's packages (FastAPI, uvicorn, prometheus_client) are missing.
+        ValueError: the engine refused a setting (its message names it).
+    """
+    from paged_kv.device import default_device
+    from paged_kv.entrypoints.openai.api_server import build_app
+    from paged_kv.serving.async_llm import AsyncLLM
+    from paged_kv.serving.engine import Engine
+    from paged_kv.serving.llm_engine import LLMEngine
+
+    if args.tiny:
+        from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
+
+        name, model = args.model or TINY_MODEL_NAME, TinyGPT()
+        note = "the course's TinyGPT: random weights, byte tokens"
+    else:
+        from paged_kv.model.hub import SMOLLM2, load_model
+
+        loaded = load_model(args.model or SMOLLM2)
+        name, model, encode, decode, note = (
+            loaded.name,
+            loaded.model,
+            loaded.encode,
+            loaded.decode,
+            loaded.note,
+        )
+    model = model.to(default_device())
+    num_blocks = args.num_blocks
+    if num_blocks is None and args.gpu_memory_utilization is None:
+        num_blocks = DEFAULT_NUM_BLOCKS
+    engine = Engine(
+        model,
+        num_blocks=num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    app = build_app(AsyncLLM(LLMEngine(engine, decode=decode)), model_name=name, encode=encode, decode=decode)
+    caching = "on" if engine.enable_prefix_caching else "off"
+    lines = [
+        note,
+        f"{engine.num_blocks} blocks of {engine.block_size} tokens, max_model_len {engine.max_model_len}, "
+        f"prefix caching {caching}, on {engine.device}",
+        f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
+    ]
+    return app, lines
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        app, lines = build_serve_app(args)
+    except ImportError as error:
+        missing = error.name or str(error)
+        message = (
+            f"{missing} is missing: the server needs the course's packages: pip install 'paged_kv[course]'"
+        )
+        parser.exit(USAGE_ERROR, f"{parser.prog} serve: error: {message}\n")
+    except ValueError as error:
+        parser.exit(USAGE_ERROR, f"{parser.prog} serve: error: {error}\n")
+    from paged_kv.entrypoints.openai import launcher
+
+    for line in lines:
+        print(line, flush=True)
+    launcher.serve_http(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 
 

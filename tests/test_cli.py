@@ -1,4 +1,4 @@
-"""The command line: ``python -m paged_kv fragmentation``, ``simulate`` and ``check-env``."""
+"""The command line: ``python -m paged_kv fragmentation``, ``simulate``, ``check-env`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from paged_kv import env_check
-from paged_kv.cli import main
+from paged_kv.cli import build_parser, main
 from paged_kv.simulation.workload import compare_policies, format_table, sample_requests
 
 from .test_fragmentation import SEED_REPORT
@@ -400,3 +400,118 @@ def test_simulate_bad_arguments_give_one_line_and_exit_2(args, message, capsys):
     assert len(lines) == 1, err
     assert lines[0].startswith("python -m paged_kv simulate: error: ")
     assert message in lines[0]
+
+
+# ------------------------------------------------------------------------------ serve (lesson 15)
+
+
+def test_serve_defaults_are_vllms_where_they_can_be():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.block_size) == ("127.0.0.1", 8000, 16)
+    assert args.enable_prefix_caching is True  # vLLM v1's default
+    assert args.model is None and args.tiny is False
+    assert args.num_blocks is None and args.gpu_memory_utilization is None
+    assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (None, None, None)
+    assert args.uvicorn_log_level == "info"
+
+
+def test_serve_takes_vllms_flags():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "my-model",
+            "--tiny",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--num-blocks",
+            "64",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "256",
+            "--no-enable-prefix-caching",
+            "--uvicorn-log-level",
+            "warning",
+        ]
+    )
+    assert (args.model, args.tiny, args.host, args.port) == ("my-model", True, "0.0.0.0", 0)
+    assert (args.num_blocks, args.block_size, args.max_model_len) == (64, 32, 128)
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (4, 256)
+    assert args.enable_prefix_caching is False and args.uvicorn_log_level == "warning"
+    assert (
+        build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-blocks", "8", "--gpu-memory-utilization", "0.5"], "not allowed with argument"),
+        (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
+        (["--gpu-memory-utilization", "0"], "expected a fraction in (0, 1]"),
+        (["--num-blocks", "0"], "--num-blocks: expected a number of at least 1"),
+        (["--port", "70000"], "expected a port number from 0 to 65535"),
+        (["--port", "http"], "--port: expected a whole number"),
+        (["--block-size", "0"], "--block-size: expected a number of at least 1"),
+        (["--uvicorn-log-level", "loud"], "invalid choice: 'loud'"),
+        (["--enable-prefix-caching=yes"], "ignored explicit argument"),
+    ],
+)
+def test_serve_bad_arguments_give_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *args])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert message in lines[0]
+
+
+def test_serve_is_listed_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_setting_the_engine_refuses_in_one_line(capsys):
+    pytest.importorskip("fastapi")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--tiny", "--max-model-len", "1000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "python -m paged_kv serve: error: max_model_len 1000 exceeds the model's max_len 256\n"
+
+
+def test_serve_tiny_hands_the_app_to_uvicorn(monkeypatch, capsys):
+    """``paged-kv serve --tiny`` builds the engine and the app, prints where, and runs uvicorn (here
+    a stand-in that serves the app in a thread of this process and asks it one question)."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from paged_kv.entrypoints.openai import launcher
+
+    seen = {}
+
+    def serve_http(app, *, host, port, log_level):
+        seen.update(host=host, port=port, log_level=log_level)
+        with launcher.ServerThread(app) as server:
+            seen["models"] = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+            seen["async_llm"] = server.async_llm
+
+    monkeypatch.setattr(launcher, "serve_http", serve_http)
+    assert main(["serve", "--tiny", "--num-blocks", "8", "--port", "8123", "--no-enable-prefix-caching"]) == 0
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8123 and seen["log_level"] == "info"
+    (card,) = seen["models"]["data"]
+    assert card["id"] == "tiny-gpt" and card["max_model_len"] == 256
+    engine = seen["async_llm"].llm_engine.engine
+    assert (engine.num_blocks, engine.block_size, engine.enable_prefix_caching) == (8, 16, False)
+    out = capsys.readouterr().out
+    assert "8 blocks of 16 tokens, max_model_len 256, prefix caching off" in out
+    assert "serving 'tiny-gpt' at http://127.0.0.1:8123/v1" in out

@@ -23,8 +23,19 @@ LAYERS = {
     "serving": {"core", "kv", "attention", "model"},
     "simulation": {"core", "kv", "serving"},
     "pictures": {"core", "kv"},
+    # the server of lesson 15 (entrypoints/openai/, entrypoints/kv_page.py): the top of the stack
+    "entrypoints": {"core", "kv", "attention", "model", "serving", "pictures"},
 }
-LAYERED = sorted(path for layer in LAYERS for path in (PACKAGE / layer).glob("*.py"))
+LAYERED = sorted(path for layer in LAYERS for path in (PACKAGE / layer).rglob("*.py"))
+
+
+def layer_of(path: Path) -> str:
+    """The layer a module belongs to: the first folder under the package (a sub-package is its layer's)."""
+    return path.relative_to(PACKAGE).parts[0]
+
+
+def module_id(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
 
 
 def imported_parts(path: Path) -> set[str]:
@@ -40,17 +51,27 @@ def imported_parts(path: Path) -> set[str]:
     return parts
 
 
-@pytest.mark.parametrize("path", LAYERED, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", LAYERED, ids=module_id)
 def test_a_layer_imports_only_the_layers_below_it(path: Path) -> None:
-    layer = path.parent.name
+    layer = layer_of(path)
     allowed = LAYERS[layer] | BASE | {layer}
-    assert imported_parts(path) <= allowed, f"{layer}/{path.name} imports {imported_parts(path) - allowed}"
+    assert imported_parts(path) <= allowed, f"{module_id(path)} imports {imported_parts(path) - allowed}"
 
 
-@pytest.mark.parametrize("path", LAYERED, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", LAYERED, ids=module_id)
 def test_every_module_names_the_lessons_it_belongs_to(path: Path) -> None:
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert re.search(r"[Ll]essons? \d\d", docstring), f"{path.name}'s docstring names no lesson"
+    assert re.search(r"[Ll]essons? \d\d", docstring), f"{module_id(path)}'s docstring names no lesson"
+    if layer_of(path) == "entrypoints":  # the server is lesson 15's
+        lesson_15 = re.search(r"[Ll]essons? [\d, and]*\b15\b", docstring)
+        assert lesson_15, f"{module_id(path)}'s docstring does not name lesson 15"
+
+
+def test_the_server_layer_is_the_top_of_the_stack() -> None:
+    """Nothing below the server imports it: the engine never knows it is served over HTTP."""
+    for path in LAYERED:
+        if layer_of(path) != "entrypoints":
+            assert "entrypoints" not in imported_parts(path), f"{module_id(path)} imports the server"
 
 
 def test_the_top_level_exports_what_a_learner_imports() -> None:

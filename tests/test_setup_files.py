@@ -82,7 +82,7 @@ def test_environment_yml_uses_conda_forge_only_and_the_same_ranges():
     assert env["channels"] == ["conda-forge", "nodefaults"]
     conda = {requirement_name(d): d for d in env["dependencies"] if isinstance(d, str)}
     declared = declared_requirements()
-    conda_names = {"torch": "pytorch"}
+    conda_names = {"torch": "pytorch", "prometheus-client": "prometheus_client"}
     for name, specifier in declared.items():
         entry = conda[conda_names.get(name, name)]
         ranges = specifier.split(";")[0].strip()  # conda has no environment markers
