@@ -57,6 +57,7 @@ LESSONS = (
     Lesson("12", "writing_the_kernel", "Writing the kernel"),
     Lesson("13", "hybrid_models", "Hybrid models"),
     Lesson("14", "settings_and_metrics", "Settings and metrics"),
+    Lesson("15", "serving_it", "Serving it"),
 )
 BY_NUMBER = {lesson.number: lesson for lesson in LESSONS}
 
