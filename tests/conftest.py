@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 # "dev" keeps the edit-test loop quick; CI (HYPOTHESIS_PROFILE=ci) tries more examples.
 settings.register_profile("dev", max_examples=60, deadline=None)
 settings.register_profile(
-    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    "ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

@@ -37,12 +37,12 @@ def by_lesson(paths, lesson_of=lambda path: path.name[:2]) -> list:
 
 def max_examples(dev: int) -> int:
     """A test's own example count: ``dev`` under the dev profile, and as many times more under
-    another profile as that profile's ``max_examples`` is larger (five times under ci, 300 / 60).
+    another profile as that profile's ``max_examples`` is larger (2.5 times under ci, 150 / 60).
 
     For a property test whose every example is costly (it runs the model through the engine) and
     whose space other tests also cover step by step (the scheduler's and the cache's state
     machines): ``@settings(max_examples=max_examples(25))`` runs 25 examples in the edit-test
-    loop and 125 in CI.
+    loop and 62 in CI.
     """
     scale = settings.default.max_examples / settings.get_profile("dev").max_examples
     return max(1, round(dev * scale))
