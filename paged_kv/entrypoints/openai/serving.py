@@ -28,6 +28,7 @@ frees its blocks), or collected whole.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
 
@@ -209,6 +210,21 @@ class OpenAIServing:
         return request_id, params
 
     # ------------------------------------------------------------------------------ serving
+
+    async def respond(self, request, request_id: str, prompt: list[int], params: SamplingParams):
+        """The answer to a checked request: a stream of server-sent events (``stream_chunks``) or the
+        whole response (``response``), each endpoint's own."""
+        created = int(time.time())
+        if request.stream:
+            return ClosingStreamingResponse(
+                self.stream_chunks(request, request_id, created, prompt, params),
+                media_type="text/event-stream",
+            )
+        try:
+            final = await self.final_output(prompt, params, request_id)
+        except (ValueError, EngineDeadError) as error:
+            return error_json(error)
+        return JSONResponse(self.response(request, request_id, created, final).model_dump())
 
     async def final_output(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str

@@ -19,10 +19,9 @@ both left out, the answer may take the rest of the context.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from paged_kv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -35,14 +34,12 @@ from paged_kv.entrypoints.openai.protocol import (
     DeltaMessage,
 )
 from paged_kv.entrypoints.openai.serving import (
-    ClosingStreamingResponse,
     OpenAIServing,
     RequestError,
     error_json,
     sse,
     usage_info,
 )
-from paged_kv.serving.async_llm import EngineDeadError
 from paged_kv.serving.output_processor import RequestOutput
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -105,17 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             request_id, params = self.prepare(request, prompt, max_tokens)
         except ValueError as error:
             return error_json(error)
-        created = int(time.time())
-        if request.stream:
-            return ClosingStreamingResponse(
-                self.stream_chunks(request, request_id, created, prompt, params),
-                media_type="text/event-stream",
-            )
-        try:
-            final = await self.final_output(prompt, params, request_id)
-        except (ValueError, EngineDeadError) as error:
-            return error_json(error)
-        return JSONResponse(self.response(request, request_id, created, final).model_dump())
+        return await self.respond(request, request_id, prompt, params)
 
     def response(
         self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput

@@ -20,10 +20,9 @@ its first chunk, the ``prompt_token_ids``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from paged_kv.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -33,14 +32,12 @@ from paged_kv.entrypoints.openai.protocol import (
     CompletionStreamResponse,
 )
 from paged_kv.entrypoints.openai.serving import (
-    ClosingStreamingResponse,
     OpenAIServing,
     RequestError,
     error_json,
     sse,
     usage_info,
 )
-from paged_kv.serving.async_llm import EngineDeadError
 from paged_kv.serving.output_processor import RequestOutput
 
 
@@ -73,17 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id, params = self.prepare(request, prompt, request.max_tokens)
         except ValueError as error:
             return error_json(error)
-        created = int(time.time())
-        if request.stream:
-            return ClosingStreamingResponse(
-                self.stream_chunks(request, request_id, created, prompt, params),
-                media_type="text/event-stream",
-            )
-        try:
-            final = await self.final_output(prompt, params, request_id)
-        except (ValueError, EngineDeadError) as error:
-            return error_json(error)
-        return JSONResponse(self.response(request, request_id, created, final).model_dump())
+        return await self.respond(request, request_id, prompt, params)
 
     def response(
         self, request: CompletionRequest, request_id: str, created: int, final: RequestOutput
