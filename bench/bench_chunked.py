@@ -31,7 +31,8 @@ from bench_engine import burst_requests
 
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks
+from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks
+from paged_kv.serving.engine_result import EngineResult
 from paged_kv.timing import torch_threads
 
 

@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, compare_thread_times, spread_of, text_table
 from bench_engine import scaled_requests
 
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine_result import EngineResult
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from paged_kv.timing import Timings, compare_times, torch_threads
@@ -268,7 +269,7 @@ class TwoForwardRunner(ModelRunner):
         self._check(output)
         self._update_states(output)
         scheduled, state = output.num_scheduled_tokens, self.state
-        rows = [self.tables.row(r) for r in scheduled]
+        rows = [self.block_tables.row(r) for r in scheduled]
         prefilling = (state.num_computed_tokens[rows] < state.prefill_len[rows]).tolist()
         prefills = list(compress(scheduled, prefilling))
         decodes = [r for r, p in zip(scheduled, prefilling, strict=True) if not p]
@@ -287,14 +288,15 @@ class TwoForwardEngine(Engine):
 
     runner: TwoForwardRunner | None = None
 
-    def _new_step_loop(self):
-        scheduler, runner = super()._new_step_loop()
-        tables = runner.tables
-        self.runner = TwoForwardRunner(
+    def new_llm_engine(self):
+        llm = super().new_llm_engine()
+        core = llm.engine_core
+        runner, tables = core.model_runner, core.model_runner.block_tables
+        self.runner = core.model_runner = TwoForwardRunner(
             runner.model, runner.storage, max_num_reqs=tables.max_num_reqs,
-            max_blocks_per_req=tables.max_blocks_per_req, strategy=runner.strategy,
+            max_blocks_per_req=tables.max_blocks_per_req, attention_backend=runner.attention_backend,
         )  # fmt: skip
-        return scheduler, self.runner
+        return llm
 
 
 ONE_REQUEST = (EngineRequest("one", [1, 2, 3], 1),)

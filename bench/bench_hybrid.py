@@ -11,22 +11,21 @@ whole length. The baseline is the same model with every layer treated as full at
    (``prompt_range`` tokens, seeded uniform) with ShareGPT-shaped outputs, all arriving at once,
    through the package's :class:`~paged_kv.serving.scheduler.Scheduler` under a token budget and
    :class:`~paged_kv.serving.model_runner.CountingRunner`. Two memories of the **same K/V bytes**:
-   :class:`~paged_kv.serving.memory.HybridKVCacheManager` over a
-   :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` of ``N_h`` blocks, a block
-   costing ``num_tensors(groups)`` layers' pages, against
-   :class:`~paged_kv.serving.memory.KVCacheManager` over a
-   :class:`~paged_kv.core.block_manager.BlockManager` of ``N_f`` blocks, a block costing all
-   ``num_layers`` layers' pages, with ``N_h = N_f * num_layers // num_tensors`` (rounded down: the
-   hybrid pool never has more bytes; the null block is one of its ``N_h``). Measured: the requests
-   running per step (peak and mean), the K/V bytes the memory holds per running request (real
-   blocks in use, the null block excluded, times a block's bytes, over the running requests;
-   averaged over the steps) and the steps to serve everything. Beside them, the arithmetic for a
+   a :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager` given the hybrid KV-cache groups
+   (a :class:`~paged_kv.core.kv_cache_coordinator.HybridKVCacheCoordinator` over one ``BlockPool``
+   of ``N_h`` blocks, a block costing ``num_tensors(groups)`` layers' pages), against the same
+   manager with one full-attention group (a ``UnitaryKVCacheCoordinator`` over ``N_f`` blocks, a
+   block costing all ``num_layers`` layers' pages), with ``N_h = N_f * num_layers // num_tensors``
+   (rounded down: the hybrid pool never has more bytes; each pool's null block is one of its
+   blocks). Measured: the requests running per step (peak and mean), the K/V bytes the memory
+   holds per running request (real blocks in use, the null block excluded, times a block's bytes,
+   over the running requests; averaged over the steps) and the steps to serve everything. Beside them, the arithmetic for a
    decoding request of the run's mean length. At every step the blocks in use must equal the sum,
    over the running requests, of :func:`blocks_held` (raises otherwise).
 2. **Gemma 3 27B's published shape**, computed: per-request K/V bytes at 32k and 128k tokens,
    decoding and, under vLLM's admission cap, prefilling in chunks of a token budget.
 3. **The arithmetic against the coordinator**: a request of Gemma 3 27B's grouping prefilled in
-   chunks and decoded on a :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator`; after
+   chunks and decoded on :func:`~paged_kv.core.kv_cache_coordinator.get_kv_cache_coordinator`'s; after
    every call each group holds exactly :func:`sliding_blocks_held` / ``ceil(L / block_size)`` real
    blocks (raises otherwise), and the row compares its final holding with :func:`request_blocks`.
 
@@ -52,14 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator
+from paged_kv.core.block_pool import NULL_BLOCK
+from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec, kv_cache_groups, num_tensors
-from paged_kv.core.single_type_manager import NULL_BLOCK
 from paged_kv.kv.sizing import KVCacheSpec
-from paged_kv.serving.memory import HybridKVCacheManager, KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
 from paged_kv.simulation.workload import SHAREGPT, sample_requests
 
@@ -132,7 +130,7 @@ def sliding_bound(spec: SlidingWindowSpec, num_tokens: int, in_flight: int) -> i
     :func:`sliding_blocks_held`, is one block less where the window's first token starts a block,
     and never reaches it where ``(W - 2 + in_flight) % bs == 0`` (then the +1 is never needed)."""
     return min(
-        blocks_for_tokens(num_tokens, spec.block_size), spec.max_blocks_per_request(in_flight, num_tokens)
+        blocks_for_tokens(num_tokens, spec.block_size), spec.max_admission_blocks_per_request(in_flight, num_tokens)
     )
 
 
@@ -184,7 +182,7 @@ def check_coordinator(
     """
     size = groups[0].spec.block_size
     num_blocks = 1 + request_blocks(groups, num_prompt_tokens + num_decode, chunk)
-    coordinator = KVCacheCoordinator(groups, num_blocks, max_tokens_in_flight=chunk)
+    coordinator = get_kv_cache_coordinator(groups, num_blocks, max_in_flight_tokens=chunk)
     steps = [min(chunk, num_prompt_tokens - start) for start in range(0, num_prompt_tokens, chunk)]
     held = 0
     for num_new in steps + [1] * num_decode:
@@ -211,12 +209,12 @@ def check_coordinator(
 
 def long_prompt_requests(
     num_requests: int, prompt_range: tuple[int, int], seed: int = 0
-) -> list[SchedulerRequest]:
+) -> list[EngineCoreRequest]:
     """``num_requests`` requests: prompts of ``prompt_range`` tokens (seeded uniform), outputs the
     ShareGPT-shaped ones of ``sample_requests(SHAREGPT, num_requests, seed)``."""
     rng = random.Random(seed)
     return [
-        SchedulerRequest(r.request_id, rng.randint(*prompt_range), r.output_tokens)
+        EngineCoreRequest(r.request_id, rng.randint(*prompt_range), r.output_tokens)
         for r in sample_requests(SHAREGPT, num_requests, seed)
     ]
 
@@ -254,9 +252,9 @@ class Served:
 
 
 def serve(
-    memory: KVCacheManager | HybridKVCacheManager,
+    memory: KVCacheManager,
     groups: Sequence[KVCacheGroupSpec],
-    requests: Sequence[SchedulerRequest],
+    requests: Sequence[EngineCoreRequest],
     budget: int,
 ) -> Served:
     """Serve ``requests``, all arriving at once, on ``memory`` with ``Scheduler(memory,
@@ -309,10 +307,10 @@ def served_rows(
     hybrid_pool_blocks = full_pool_blocks * shape.num_layers // num_tensors(hybrid)  # the same bytes
     assert hybrid_pool_blocks * hybrid_block <= full_pool_blocks * full_block
     requests = long_prompt_requests(num_requests, prompt_range, seed)
-    coordinator = KVCacheCoordinator(hybrid, hybrid_pool_blocks, max_tokens_in_flight=budget)
-    h = serve(HybridKVCacheManager(coordinator), hybrid, requests, budget)
-    f = serve(KVCacheManager(BlockManager(full_pool_blocks, block_size)), full, requests, budget)
-    outputs = [r.max_new_tokens for r in requests]
+    per_group = KVCacheManager(hybrid_pool_blocks, kv_cache_groups=hybrid, max_in_flight_tokens=budget)
+    h = serve(per_group, hybrid, requests, budget)
+    f = serve(KVCacheManager(full_pool_blocks, block_size), full, requests, budget)
+    outputs = [r.max_tokens for r in requests]
     name = (
         f"{shape.describe(block_size)}, {num_requests} requests at once (prompts {prompt_range[0]:,}-"
         f"{prompt_range[1]:,}, ShareGPT outputs {min(outputs):,}-{max(outputs):,}), budget {budget:,}, "

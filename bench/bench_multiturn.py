@@ -10,13 +10,13 @@ alone, computed first, so that every prompt is known before the engine runs.
 The engine runs with prefix caching twice on the same requests: as the package does, where the
 scheduler passes a running request's token ids with every ``allocate_slots`` and every block that
 fills is cached when its tokens are scheduled (vLLM v1), and with a memory that drops those ids for
-running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.serving.memory.KVCacheManager`),
+running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`),
 so that only the blocks of prompts admitted whole are cached (the package before issue 15).
 Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against the ideal
 (every full block of the previous prompt and answer, computed from the chained hashes), on a pool
 that holds every request at once and on a tight one where cached blocks are evicted; the tokens,
 which must equal the answers of each prompt alone; and what the ids cost the decode step's
-bookkeeping (``BlockManager.allocate_slots(seq, 1, token_ids)`` per sequence against no ids).
+bookkeeping (``KVCacheManager.allocate_slots(request, 1, token_ids)`` per request against no ids).
 
     .venv/bin/python bench/bench_multiturn.py
 """
@@ -32,37 +32,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import Row, text_table
 
-from paged_kv import BlockManager
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.kv_cache_coordinator import ComputedBlocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.workloads import chat_requests, ideal_hits
 from paged_kv.timing import compare_times, torch_threads
 
 IDEAL_TARGET = 0.99  # the share of the ideal hit rate decode-block caching must reach on the ample pool
 
 
-class PromptBlocksOnly(KVCacheManager):
-    """The baseline's memory: a running request's ``allocate_slots`` (its decode tokens, or a later
-    prefill chunk) gets no token ids, so its hash chain ends there and only the blocks its
+def prompt_blocks_only(memory: KVCacheManager) -> None:
+    """Make ``memory`` the baseline's: a running request's ``allocate_slots`` (its decode tokens, or a
+    later prefill chunk) gets no token ids, so its hash chain ends there and only the blocks its
     admission filled, its prompt's, are cached."""
+    allocate = memory.allocate_slots
 
-    def allocate_slots(self, request, num_new_tokens, token_ids=None, **kwargs):
-        if request.request_id in self.manager:
+    def allocate_slots(request, num_new_tokens, token_ids=None, **kwargs):
+        if request.request_id in memory.coordinator:
             token_ids = None
-        return super().allocate_slots(request, num_new_tokens, token_ids, **kwargs)
+        return allocate(request, num_new_tokens, token_ids, **kwargs)
+
+    memory.allocate_slots = allocate_slots
 
 
 class PromptBlocksOnlyEngine(Engine):
-    """The package's :class:`~paged_kv.serving.engine.Engine` whose scheduler takes its blocks from
-    :class:`PromptBlocksOnly` over the same block manager: nothing else changes."""
+    """The package's :class:`~paged_kv.serving.engine.Engine` whose memory caches prompt blocks only
+    (:func:`prompt_blocks_only`): nothing else changes."""
 
-    def _new_step_loop(self):
-        scheduler, runner = super()._new_step_loop()
-        scheduler.memory = PromptBlocksOnly(scheduler.memory.manager, watermark=self.watermark)
-        return scheduler, runner
+    def new_llm_engine(self):
+        llm = super().new_llm_engine()
+        prompt_blocks_only(llm.engine_core.memory)
+        return llm
 
 
 ENGINES = {"decode": Engine, "prompts": PromptBlocksOnlyEngine}
@@ -77,22 +81,23 @@ def engines(model: TinyGPT, num_blocks: int, block_size: int) -> dict[str, Engin
 
 def decode_steps_of(num_seqs: int, steps: int, block_size: int, with_ids: bool) -> Callable[[], None]:
     """A call that runs ``steps`` decode steps of ``num_seqs`` sequences (100-token prompts) on a new
-    prefix-caching manager: per step and sequence, the token appended to its ids, then
-    ``allocate_slots(seq_id, 1, ids)`` as the scheduler calls it for a running request, or with no
+    prefix-caching memory: per step and request, the token appended to its ids, then
+    ``allocate_slots(request, 1, ids)`` as the scheduler calls it for a running request, or with no
     ids (its hash chain ends at the first)."""
 
     def decode() -> None:
-        manager = BlockManager(num_seqs * blocks_for_tokens(100 + steps, block_size), block_size,
-                               enable_prefix_caching=True)  # fmt: skip
-        seq_ids = list(range(num_seqs))
-        ids = {seq_id: [(seq_id * 7 + i) % 256 for i in range(100)] for seq_id in seq_ids}
-        for seq_id in seq_ids:
-            manager.allocate(seq_id, 100, ids[seq_id])
+        memory = KVCacheManager(num_seqs * blocks_for_tokens(100 + steps, block_size) + 1, block_size,
+                                enable_caching=True)  # fmt: skip
+        requests = [EngineCoreRequest(i, 100, steps + 1, tuple((i * 7 + t) % 256 for t in range(100)))
+                    for i in range(num_seqs)]  # fmt: skip
+        ids = {r.request_id: list(r.prompt_token_ids) for r in requests}
+        for r in requests:
+            memory.allocate_slots(r, 100, ids[r.request_id], new_computed_blocks=ComputedBlocks())
         for step in range(steps):
-            for seq_id in seq_ids:
-                tokens = ids[seq_id]
-                tokens.append((seq_id + step) % 256)
-                manager.allocate_slots(seq_id, 1, tokens if with_ids else None)
+            for r in requests:
+                tokens = ids[r.request_id]
+                tokens.append((r.request_id + step) % 256)
+                memory.allocate_slots(r, 1, tokens if with_ids else None)
 
     return decode
 
@@ -176,7 +181,7 @@ def run(
         Row(f"{name}: runs whose tokens equal each prompt's answer alone (both pools, both cachings)",
             equal, runs_total, equal / runs_total, "all", equal == runs_total, "runs"),
         Row(f"{decode_steps} decode steps of {decode_seqs} seqs (100-token prompts, block {block_size}), "
-            f"prefix caching: BlockManager.allocate_slots(seq, 1) per sequence with its token ids vs "
+            f"prefix caching: KVCacheManager.allocate_slots(request, 1) per request with its token ids vs "
             f"without (time ratio)",
             bookkeeping.median("with") * 1e3, bookkeeping.median("without") * 1e3,
             bookkeeping.ratio("with", "without"), "—", None, "ms"),

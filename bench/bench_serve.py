@@ -42,8 +42,7 @@ from paged_kv.entrypoints.openai.launcher import ServerThread
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.async_llm import AsyncLLM
-from paged_kv.serving.engine import Engine
-from paged_kv.serving.llm_engine import LLMEngine
+from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.simulation.workload import LengthDistribution, sample_requests
 
 QUARTER_SHAREGPT = LengthDistribution(
@@ -164,17 +163,18 @@ def serve_one(
     """Start a server with ``settings``, drive it, stop it; check every block came back."""
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(max_len=max_model_len), seed=0).eval()
-    engine = Engine(
-        model, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, **settings
+    engine_args = EngineArgs(
+        num_gpu_blocks_override=num_blocks, block_size=block_size, max_model_len=max_model_len, **settings
     )
-    async_llm = AsyncLLM(LLMEngine(engine, decode=decode))
-    app = build_app(async_llm, model_name=MODEL_NAME, encode=encode, decode=decode)
+    async_llm = AsyncLLM.from_engine_args(model, engine_args, decode=decode)
+    app = build_app(async_llm, model_name=MODEL_NAME, encode=encode)
     with ServerThread(app) as server, ThreadPoolExecutor(1) as pool:  # a loop of its own, whatever runs here
         run = asyncio.wait_for(drive(server.url, requests, max_concurrency), time_limit)
         stats = pool.submit(asyncio.run, run).result()
     llm = async_llm.llm_engine
     stats.leftover_requests = llm.get_num_unfinished_requests() + int(llm.has_unfinished_requests())
-    stats.leftover_blocks = round(llm.scheduler.memory.usage * llm.scheduler.memory.num_blocks)
+    memory = llm.engine_core.scheduler.memory
+    stats.leftover_blocks = round(memory.usage * memory.num_blocks)
     return stats
 
 

@@ -4,7 +4,7 @@ A step of the package's engine is ``output = scheduler.schedule(); result =
 runner.execute_model(output); scheduler.update_from_output(output, result)``: the scheduler
 decides every request's tokens and takes their blocks
 (:class:`~paged_kv.serving.scheduler.Scheduler` over a
-:class:`~paged_kv.serving.memory.KVCacheManager`), the runner applies the
+:class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`), the runner applies the
 :class:`~paged_kv.serving.outputs.SchedulerOutput` to its persistent block table, prepares the
 step's inputs once (:func:`~paged_kv.model.step.prepare_attention`: positions, ``query_start_loc``,
 ``seq_lens``, the block-table rows, the slot mapping) and runs the model, and the scheduler appends
@@ -49,12 +49,11 @@ from _nano_style import NanoStyleRunner, NanoStyleScheduler, NanoStyleSequence
 from _timing import Row, spread_of, text_table
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
 from paged_kv.timing import torch_threads
 
@@ -99,8 +98,8 @@ class PackageEngine:
     builds."""
 
     def __init__(self, lengths: list[int], max_new_tokens: int, block_size: int, budget: int | None) -> None:
-        num_blocks = pool_blocks(lengths, max_new_tokens, block_size)
-        memory = KVCacheManager(BlockManager(num_blocks, block_size))
+        num_blocks = pool_blocks(lengths, max_new_tokens, block_size) + 1  # and the pool's null block
+        memory = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(memory, max_num_batched_tokens=budget)
         storage = KVStorage(1, num_blocks, block_size, 1, 1)
         width = blocks_for_tokens(max(lengths) + max_new_tokens, block_size)
@@ -108,7 +107,7 @@ class PackageEngine:
         rng = random.Random(1)
         for i, n in enumerate(lengths):
             prompt = tuple(rng.randrange(256) for _ in range(n))
-            self.scheduler.add_request(SchedulerRequest(i, n, max_new_tokens, prompt))
+            self.scheduler.add_request(EngineCoreRequest(i, n, max_new_tokens, prompt))
 
     def step(self, clock: list[float]) -> None:
         """One step; the seconds of its three phases are added to ``clock``."""
@@ -129,8 +128,8 @@ class PackageEngine:
         return not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running)
 
     def tables(self) -> dict[int, list[int]]:
-        manager = self.scheduler.memory.manager
-        return {seq_id: list(table.block_ids) for seq_id, table in manager.tables.items()}
+        memory = self.scheduler.memory
+        return {r: list(memory.get_block_ids(r)[0]) for r in memory.coordinator.request_ids}
 
 
 class NanoEngine:

@@ -1,17 +1,17 @@
-"""The Triton decode kernel (lesson 12): compiled on CUDA against the other strategies; interpreted on a CPU.
+"""The Triton decode kernel (lesson 12): compiled on CUDA against the other backends; interpreted on a CPU.
 
-On CUDA (when there is one) the kernel, ``paged_attention(..., strategy="triton")``, is timed at
+On CUDA (when there is one) the kernel, ``paged_attention(..., backend="TRITON_ATTN")``, is timed at
 ``bench_attention``'s sizes (batch 32, 8 heads, head dim 64, context 1,024, block size 16, the
 blocks a random permutation of the pool, fp32) against contiguous ``scaled_dot_product_attention``
-over the same K/V, FlexAttention (``strategy="flex"``, compiled) and the package's in-place
-strategy (``strategy="in_place"``). Each is checked against SDPA first; the four are then timed
+over the same K/V, FlexAttention (``backend="FLEX_ATTENTION"``, compiled) and the course's in-place
+backend (``backend="IN_PLACE"``). Each is checked against SDPA first; the four are then timed
 interleaved, round by round, with a synchronize in each sample (``paged_kv.timing.compare_times``),
 and each ratio is the median of the rounds' kernel time over the other's: below 1, the kernel is
 faster. Without a GPU these rows are skipped, and the run says so.
 
 On the CPU the kernel runs in Triton's interpreter, which executes each program with numpy: it is
 timed at lesson 12's sizes (4 sequences of up to 4 blocks of 16 tokens, seeded lengths, 4 heads of
-head dim 16) beside the reference ``strategy="gather"`` on the same inputs, for scale only: the
+head dim 16) beside the reference ``backend="GATHER"`` on the same inputs, for scale only: the
 interpreter is for writing and checking a kernel, not for speed, so there is no target. The row
 runs with one torch thread: with two, the gather's tiny operations, alternating with the interpreter's
 numpy, took either about 1 ms or about 37 ms from one process to the next on this 2-core machine.
@@ -41,22 +41,22 @@ from paged_kv.timing import compare_times
 
 interpret_triton_without_a_gpu()
 
-#: The strategies the compiled kernel is compared with on CUDA, besides contiguous SDPA.
-CUDA_RIVALS = ("flex", "in_place")
+#: The backends the compiled kernel is compared with on CUDA, besides contiguous SDPA.
+CUDA_RIVALS = ("FLEX_ATTENTION", "IN_PLACE")
 
 
-def strategy(case: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """``paged_attention`` of the case's paged cache with strategy ``name``, ``(batch, heads, dim)``."""
+def attention(case: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``paged_attention`` of the case's paged cache in backend ``name``, ``(batch, heads, dim)``."""
     return paged_attention(
-        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["context_lens"],
-        strategy=name,
+        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
+        backend=name,
     )  # fmt: skip
 
 
 def check_close(case: dict[str, torch.Tensor], name: str, expected: torch.Tensor) -> None:
-    """Raise unless strategy ``name`` gives ``expected`` on the case."""
-    if not torch.allclose(strategy(case, name), expected, atol=1e-4, rtol=1e-4):
-        raise AssertionError(f"strategy {name!r} differs from the expected attention on the same K/V")
+    """Raise unless backend ``name`` gives ``expected`` on the case."""
+    if not torch.allclose(attention(case, name), expected, atol=1e-4, rtol=1e-4):
+        raise AssertionError(f"backend {name!r} differs from the expected attention on the same K/V")
 
 
 def lesson_case(
@@ -69,7 +69,7 @@ def lesson_case(
         1, max_blocks * block_size + 1, (batch,), generator=torch.Generator().manual_seed(seed)
     )
     lengths[0] = max_blocks * block_size
-    case["context_lens"] = lengths
+    case["seq_lens"] = lengths
     return case
 
 
@@ -78,15 +78,15 @@ def cpu_rows(
 ) -> list[Row]:
     """The interpreted kernel against the gather, at lesson 12's sizes, for information."""
     case = lesson_case(batch, num_heads, head_dim, block_size, max_blocks)
-    check_close(case, "triton", strategy(case, "gather"))
+    check_close(case, "TRITON_ATTN", attention(case, "GATHER"))
     timings = compare_times(
-        {"triton": lambda: strategy(case, "triton"), "gather": lambda: strategy(case, "gather")},
+        {"triton": lambda: attention(case, "TRITON_ATTN"), "gather": lambda: attention(case, "GATHER")},
         repeats=repeats,
         threads=1,
     )
     name = (
         f"Triton kernel in Triton's interpreter (lesson 12's sizes: {batch} sequences of up to {max_blocks} "
-        f"blocks of {block_size}, {num_heads} heads of dim {head_dim}, fp32) vs strategy='gather': "
+        f"blocks of {block_size}, {num_heads} heads of dim {head_dim}, fp32) vs backend='GATHER': "
         "CPU, 1 thread"
     )
     return [
@@ -98,21 +98,21 @@ def cpu_rows(
 def cuda_rows(
     batch: int, num_heads: int, head_dim: int, context: int, block_size: int, repeats: int
 ) -> list[Row]:
-    """The compiled kernel against SDPA, FlexAttention and the in-place strategy, on the GPU."""
+    """The compiled kernel against SDPA, FlexAttention and the in-place backend, on the GPU."""
     case = {
         key: value.cuda() for key, value in make_case(batch, num_heads, head_dim, context, block_size).items()
     }
     expected = contiguous(case)
-    for name in ("triton", *CUDA_RIVALS):
+    for name in ("TRITON_ATTN", *CUDA_RIVALS):
         check_close(case, name, expected)
-    contestants = {"triton": lambda: strategy(case, "triton"), "sdpa": lambda: contiguous(case)}
-    contestants |= {name: (lambda name=name: strategy(case, name)) for name in CUDA_RIVALS}
+    contestants = {"triton": lambda: attention(case, "TRITON_ATTN"), "sdpa": lambda: contiguous(case)}
+    contestants |= {name: (lambda name=name: attention(case, name)) for name in CUDA_RIVALS}
     timings = compare_times(contestants, repeats=repeats * 2, warmup=5, number=10, device="cuda")
     title = (
         f"Triton kernel, compiled (batch {batch}, {num_heads} heads, dim {head_dim}, context {context:,}, "
         f"block {block_size}, scattered, fp32): CUDA (synchronized), {torch.cuda.get_device_name(0)}"
     )
-    labels = {"sdpa": "contiguous SDPA", "flex": "strategy='flex'", "in_place": "strategy='in_place'"}
+    labels = {"sdpa": "contiguous SDPA"} | {name: f"backend='{name}'" for name in CUDA_RIVALS}
     return [
         Row(f"{title}, vs {label}", timings.median("triton") * 1e3, timings.median(key) * 1e3,
             timings.ratio("triton", key), "—", None, "ms")
@@ -140,7 +140,7 @@ def run(
               "is skipped (CUDA_VISIBLE_DEVICES= gives it)")  # fmt: skip
         return cuda_rows(*cuda_sizes, repeats=repeats)
     skipped = "no CUDA device" if not torch.cuda.is_available() else "Triton interprets in this process"
-    print(f"bench_triton: {skipped}: the compiled kernel vs SDPA, 'flex' and 'in_place' is skipped")
+    print(f"bench_triton: {skipped}: the compiled kernel vs SDPA, FLEX_ATTENTION and IN_PLACE is skipped")
     return cpu_rows(batch, num_heads, head_dim, block_size, max_blocks, repeats)
 
 

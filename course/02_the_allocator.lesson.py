@@ -388,7 +388,7 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 # What the course leaves out or does differently: with prefix caching off, vLLM 0.33.0 puts every
 # freed block at the front of the free queue, so the next request reuses it first, where this course
 # appends freed blocks to the tail (section 4); vLLM keeps block 0 back as `null_block`, and running
-# out is `allocate_slots` returning `None`, not an `OutOfBlocksError`. The course's `FreeBlockQueue`
+# out is `allocate_slots` returning `None`, not an `OutOfBlocksError`. The course's `FreeKVCacheBlockQueue`
 # is a ring through one sentinel, with its links in two arrays rather than on the blocks.
 
 # %% [markdown]

@@ -31,38 +31,38 @@ from paged_kv.checks import check
 # %% [markdown]
 # ## Task 1 · Gather one sequence's K and V
 #
-# Write `gather_kv(k_cache, v_cache, block_table, context_len)`.
+# Write `gather_kv(k_cache, v_cache, block_table, seq_len)`.
 #
 # * `k_cache` and `v_cache` have shape `(num_blocks, num_heads, block_size, head_dim)`.
 # * `block_table` lists the sequence's physical blocks in logical order, as a list of ints or a 1-D
 #   integer tensor (`int32`, like a row of `cache.block_tables_tensor(...)`). It may be longer than the
-#   sequence needs: entries past the first `ceil(context_len / block_size)` are padding (`-1`) and must
+#   sequence needs: entries past the first `ceil(seq_len / block_size)` are padding (`-1`) and must
 #   not end up in the result.
-# * Return `(k, v)`, each of shape `(context_len, num_heads, head_dim)`: position `p` in row `p`,
+# * Return `(k, v)`, each of shape `(seq_len, num_heads, head_dim)`: position `p` in row `p`,
 #   exactly like `cache.read_kv`.
 #
 # One expression per tensor is enough: `k_cache[blocks]` picks whole blocks, `(blocks, num_heads,
 # block_size, head_dim)`; then put the block and offset axes next to each other, merge them into
-# positions, and cut at `context_len`. Mind the order of the axes: the result has the tokens first
+# positions, and cut at `seq_len`. Mind the order of the axes: the result has the tokens first
 # and the heads second, unlike the heads-first gather of the lesson.
 #
 # **Checked:** an 8-token sequence in two full blocks, an 11-token sequence whose last block holds 3
 # tokens, and a 5-token sequence given as a padded `int32` row; K and V each against `cache.read_kv`,
 # exactly. A wrong answer is compared with the classic mistakes: K and V swapped, blocks in sorted order
-# instead of table order, a reshape without the transpose, positions past `context_len` kept, and the
+# instead of table order, a reshape without the transpose, positions past `seq_len` kept, and the
 # heads-first layout.
 
 
 # %%
-def gather_kv(k_cache, v_cache, block_table, context_len):
-    """One sequence's K and V from the paged cache, each (context_len, num_heads, head_dim)."""
-    ### BEGIN SOLUTION: take the table's first ceil(context_len / block_size) entries, gather whole blocks, bring block and offset axes together, merge them, cut at context_len
+def gather_kv(k_cache, v_cache, block_table, seq_len):
+    """One sequence's K and V from the paged cache, each (seq_len, num_heads, head_dim)."""
+    ### BEGIN SOLUTION: take the table's first ceil(seq_len / block_size) entries, gather whole blocks, bring block and offset axes together, merge them, cut at seq_len
     _, num_heads, block_size, head_dim = k_cache.shape
-    needed = -(-context_len // block_size)
+    needed = -(-seq_len // block_size)
     blocks = torch.as_tensor(block_table, device=k_cache.device).long()[:needed]
 
     def gather(cache):
-        return cache[blocks].transpose(1, 2).reshape(-1, num_heads, head_dim)[:context_len]
+        return cache[blocks].transpose(1, 2).reshape(-1, num_heads, head_dim)[:seq_len]
 
     return gather(k_cache), gather(v_cache)
     ### END SOLUTION
@@ -109,15 +109,15 @@ check("05.decode_attention", decode_attention)
 # %% [markdown]
 # ## Task 3 · Paged decode attention for a batch
 #
-# Write `paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens)`:
+# Write `paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens)`:
 #
 # * `query` has shape `(batch, num_heads, head_dim)`, one new token per sequence;
 # * `block_tables` is a `(batch, max_blocks)` integer tensor, one row per sequence, the shorter rows
 #   padded on the right; the padding is usually `-1` but may be any value;
-# * `context_lens` is a `(batch,)` integer tensor: sequence `b` attends to its first
-#   `context_lens[b]` positions, at least 1;
+# * `seq_lens` is a `(batch,)` integer tensor: sequence `b` attends to its first
+#   `seq_lens[b]` positions, at least 1;
 # * the scale is `1 / sqrt(head_dim)`; return `(batch, num_heads, head_dim)`, row `b` equal to SDPA
-#   of `query[b]` over the first `context_lens[b]` tokens of sequence `b`.
+#   of `query[b]` over the first `seq_lens[b]` tokens of sequence `b`.
 #
 # Write it for the whole batch at once, with no Python loop, as section 3 of the lesson does:
 #
@@ -127,7 +127,7 @@ check("05.decode_attention", decode_attention)
 #    the blocks and merge blocks and offsets into `max_blocks * block_size` positions;
 # 3. scores with `torch.einsum("bhd,bhpd->bhp", ...)`; then set to `-inf` every position at or past
 #    its sequence's length: `torch.arange(num_positions, device=query.device)[None, :] >=
-#    context_lens[:, None]` is a `(batch, positions)` mask for `masked_fill`;
+#    seq_lens[:, None]` is a `(batch, positions)` mask for `masked_fill`;
 # 4. a softmax over the positions, and the weighted sum of V.
 #
 # The check compares results only, so a loop over the batch that calls your `gather_kv` and
@@ -144,9 +144,9 @@ check("05.decode_attention", decode_attention)
 
 
 # %%
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens):
     """Decode attention for a batch, reading K/V through the block tables: (batch, heads, dim)."""
-    ### BEGIN SOLUTION: clamp the tables, gather (batch, heads, positions, dim), einsum the scores, mask positions >= context_len with -inf, softmax, einsum with V
+    ### BEGIN SOLUTION: clamp the tables, gather (batch, heads, positions, dim), einsum the scores, mask positions >= seq_len with -inf, softmax, einsum with V
     batch, num_heads, head_dim = query.shape
     num_blocks, _, block_size, _ = k_cache.shape
     blocks = block_tables.long().clamp(0, num_blocks - 1)
@@ -157,7 +157,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
 
     k, v = gather(k_cache), gather(v_cache)
     scores = torch.einsum("bhd,bhpd->bhp", query, k) * head_dim**-0.5
-    beyond = torch.arange(num_positions, device=query.device)[None, :] >= context_lens[:, None]
+    beyond = torch.arange(num_positions, device=query.device)[None, :] >= seq_lens[:, None]
     scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
     return torch.einsum("bhp,bhpd->bhd", torch.softmax(scores, dim=-1), v)
     ### END SOLUTION
@@ -171,8 +171,8 @@ check("05.paged_decode_attention", paged_decode_attention)
 #
 # With all three tasks done, this stores three sequences in a shuffled pool, then computes their
 # attention twice: one sequence at a time with `gather_kv` and `decode_attention`, and the whole batch
-# at once with `paged_decode_attention`. Try other lengths and block sizes, or pass context lengths
-# below the sequence lengths (to both computations) to attend to a prefix only.
+# at once with `paged_decode_attention`. Try other lengths and block sizes, or pass `seq_lens`
+# below the sequences' lengths (to both computations) to attend to a prefix only.
 
 # %%
 device = paged_kv.default_device()

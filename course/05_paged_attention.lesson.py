@@ -13,9 +13,9 @@
 # 1. compute decode attention for one sequence by hand and show it equals PyTorch's
 #    `scaled_dot_product_attention` (SDPA);
 # 2. gather a sequence's K and V from `k_cache` and `v_cache` through its block table, cut at its
-#    context length, and show that attention over them is unchanged;
+#    length, and show that attention over them is unchanged;
 # 3. build the batched, vectorised version, with the padding clamped and the positions past each
-#    context length masked, which is `paged_kv.paged_attention`;
+#    sequence's length masked, which is `paged_kv.paged_attention`'s reference backend;
 # 4. explain what goes wrong without the mask, and why the padding value does not matter with it;
 # 5. explain how a dedicated kernel differs from the gather: it reads each block in place, where it
 #    lies, and merges the blocks with an online softmax; the vLLM paper measures a 20 to 26 %
@@ -131,8 +131,9 @@ print("k_cache:", tuple(cache.k_cache.shape), "= (num_blocks, num_heads, block_s
 
 # %% [markdown]
 # An attention kernel never receives `k_a` and `v_a`. It receives what the engine has: the whole
-# `k_cache` and `v_cache`, the sequence's block table, and its **context length**, the number of
-# tokens it holds (11). From these it must find the tokens itself.
+# `k_cache` and `v_cache`, the sequence's block table, and its **length** `seq_len`, the number of
+# tokens it holds (11; vLLM's name for the batch's lengths is `seq_lens`). From these it must find
+# the tokens itself.
 #
 # The simplest way is to gather a contiguous copy, using the translation of lesson 03 one whole block
 # at a time:
@@ -141,21 +142,21 @@ print("k_cache:", tuple(cache.k_cache.shape), "= (num_blocks, num_heads, block_s
 # * `transpose(0, 1)` puts the heads first: `(heads, blocks, block_size, dim)`;
 # * `reshape` merges blocks and offsets into positions: `(heads, blocks × block_size, dim)`, where
 #   position `p` comes from block `table[p // block_size]` at offset `p % block_size`;
-# * `[:, :context_len]` drops the positions past the last token: the three blocks have room for 12
+# * `[:, :seq_len]` drops the positions past the last token: the three blocks have room for 12
 #   tokens but hold 11.
 
 # %%
 table_a = torch.tensor(cache.get_block_mapping("a"), device=device)
-context_len = cache.sequence_length("a")
+seq_len = cache.sequence_length("a")
 
 per_block = cache.k_cache[table_a]
 by_head = per_block.transpose(0, 1)
 positions = by_head.reshape(NUM_HEADS, -1, HEAD_DIM)
-k_gathered = positions[:, :context_len]
+k_gathered = positions[:, :seq_len]
 print("k_cache[table]:    ", tuple(per_block.shape))
 print("transpose(0, 1):   ", tuple(by_head.shape))
 print("reshape:           ", tuple(positions.shape))
-print("[:, :context_len]: ", tuple(k_gathered.shape))
+print("[:, :seq_len]: ", tuple(k_gathered.shape))
 print("equal to k_a with the heads first:", torch.equal(k_gathered, k_a.transpose(0, 1)))
 
 # %% [markdown]
@@ -165,11 +166,11 @@ print("equal to k_a with the heads first:", torch.equal(k_gathered, k_a.transpos
 
 
 # %%
-def gather(cache_tensor: torch.Tensor, table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's K (or V) from the pool, in position order: (heads, context_len, dim)."""
+def gather(cache_tensor: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's K (or V) from the pool, in position order: (heads, seq_len, dim)."""
     blocks = cache_tensor[table]  # (blocks, heads, block_size, dim)
     heads, dim = blocks.shape[1], blocks.shape[3]
-    return blocks.transpose(0, 1).reshape(heads, -1, dim)[:, :context_len]
+    return blocks.transpose(0, 1).reshape(heads, -1, dim)[:, :seq_len]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ print("attention over 12 positions equals SDPA:", torch.allclose(out_uncut, out_
 # The order of the blocks matters for the same reason. Attention itself treats its keys as a set
 # (where a token sits in the sentence is already encoded in its `q` and `k`, by rotary embeddings for
 # instance), so shuffling whole positions, K and V together, changes nothing. What needs the order is
-# the cut at `context_len`: it must fall in the *last logical* block. Gather the blocks by sorted id
+# the cut at `seq_len`: it must fall in the *last logical* block. Gather the blocks by sorted id
 # instead of table order and the cut removes the wrong slot:
 
 # %%
@@ -225,7 +226,7 @@ print("sorted blocks, cut at 11, equals SDPA:", torch.allclose(out_sorted, out_s
 # A server decodes many sequences in the same step, so the kernel takes a batch. Four more sequences
 # join `a`, of 4, 16, 6 and 1 tokens, and each gets its own keys, values and new query. The kernel
 # receives the block tables as one `(batch, max_blocks)` integer tensor, the shorter rows padded with
-# `-1` (lesson 03), and the context lengths as a `(batch,)` tensor.
+# `-1` (lesson 03), and the lengths as a `(batch,)` tensor, `seq_lens`.
 
 # %%
 batch = ["a", "b", "c", "d", "e"]
@@ -235,11 +236,11 @@ for seq_id, length in zip(batch[1:], [4, 16, 6, 1], strict=True):
     cache.write_kv(seq_id, k, v)
 
 block_tables = cache.block_tables_tensor(batch)  # (batch, max_blocks), padded with -1
-context_lens = torch.tensor([cache.sequence_length(s) for s in batch], device=device)
+seq_lens = torch.tensor([cache.sequence_length(s) for s in batch], device=device)
 query = torch.cat([q_a[None], torch.randn(len(batch) - 1, NUM_HEADS, HEAD_DIM, device=device)])
 print("query:", tuple(query.shape), "| block_tables:", tuple(block_tables.shape), block_tables.dtype)
-for seq_id, row, length in zip(batch, block_tables.tolist(), context_lens.tolist(), strict=True):
-    print(f"  {seq_id}: {row}  context_len {length:>2}")
+for seq_id, row, length in zip(batch, block_tables.tolist(), seq_lens.tolist(), strict=True):
+    print(f"  {seq_id}: {row}  seq_len {length:>2}")
 
 # %% [markdown]
 # A loop over the batch, calling `gather` and `attend` for each row, would work, but a GPU wants one
@@ -249,17 +250,17 @@ for seq_id, row, length in zip(batch, block_tables.tolist(), context_lens.tolist
 #
 # * **the padding is not a block.** `-1` names no block. `clamp(0, num_blocks - 1)` replaces it by a
 #   real block, any one; its data will not be used.
-# * **positions past the context length do not exist.** Those of the last block's empty tail, and now
+# * **positions past a sequence's length do not exist.** Those of the last block's empty tail, and now
 #   those of the padding blocks too. Before the softmax, we set their scores to `-inf`: `exp(-inf)` is
 #   exactly 0, so they get no weight at all, and the weights of the real positions still sum to 1.
 #   Every sequence holds at least one token, so no row is all `-inf` (which would give `NaN`).
 #
-# The mask compares each position with its sequence's length, `positions[None, :] >= context_lens[:,
+# The mask compares each position with its sequence's length, `positions[None, :] >= seq_lens[:,
 # None]`: a `(batch, positions)` table of booleans, built with broadcasting and no loop.
 
 
 # %%
-def paged_attention_by_hand(query, k_cache, v_cache, block_tables, context_lens, mask=True):
+def paged_attention_by_hand(query, k_cache, v_cache, block_tables, seq_lens, mask=True):
     """Decode attention for a batch, reading K/V through the block tables: (batch, heads, dim)."""
     batch, num_heads, head_dim = query.shape
     num_blocks, _, block_size, _ = k_cache.shape
@@ -270,15 +271,15 @@ def paged_attention_by_hand(query, k_cache, v_cache, block_tables, context_lens,
     k = k_cache[blocks].transpose(1, 2).reshape(batch, num_heads, num_positions, head_dim)
     v = v_cache[blocks].transpose(1, 2).reshape(batch, num_heads, num_positions, head_dim)
     scores = torch.einsum("bhd,bhpd->bhp", query, k) * head_dim**-0.5
-    # 3. Positions at or past the context length get a score of -inf.
+    # 3. Positions at or past the sequence's length get a score of -inf.
     if mask:
-        beyond = torch.arange(num_positions, device=query.device)[None, :] >= context_lens[:, None]
+        beyond = torch.arange(num_positions, device=query.device)[None, :] >= seq_lens[:, None]
         scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
     # 4. Softmax over positions, then the weighted sum of V.
     return torch.einsum("bhp,bhpd->bhd", torch.softmax(scores, dim=-1), v)
 
 
-out_batch = paged_attention_by_hand(query, cache.k_cache, cache.v_cache, block_tables, context_lens)
+out_batch = paged_attention_by_hand(query, cache.k_cache, cache.v_cache, block_tables, seq_lens)
 print("output:", tuple(out_batch.shape))
 
 # %% [markdown]
@@ -291,21 +292,22 @@ difference = (out_batch - expected).abs().max().item()
 print(f"max |by hand - SDPA| < 1e-5 -> {difference < 1e-5}")
 print("each sequence:", [torch.allclose(out_batch[i], expected[i], **TOL) for i in range(len(batch))])
 
-packaged = paged_attention(query, cache.k_cache, cache.v_cache, block_tables, context_lens)
+packaged = paged_attention(query, cache.k_cache, cache.v_cache, block_tables, seq_lens)
 print("paged_kv.paged_attention agrees:", torch.allclose(packaged, expected, **TOL))
 
 # %% [markdown]
 # All five sequences match. `paged_kv.paged_attention` computes the same thing, with input checks and
-# float32 arithmetic for half-precision caches added. With `strategy="gather"` it is this very function;
-# by default it may read the blocks another way, with the same result, which lesson 06 explains.
+# float32 arithmetic for half-precision caches added. It hands the batch to an **attention backend**,
+# named in a registry as vLLM names its own: with `backend="GATHER"`, the course's reference, it is
+# this very function; by default it runs the platform's backend (on a CPU with a C compiler,
+# `CPU_ATTN`, which reads the blocks in place, as section 5 describes), with the same result.
+# Lesson 06 compares them.
 #
 # **Predict, then run.** Run the same batch without the mask. Which of the five sequences still get
 # the right answer? (Their lengths are 11, 4, 16, 6 and 1; their rows are printed above.)
 
 # %%
-unmasked = paged_attention_by_hand(
-    query, cache.k_cache, cache.v_cache, block_tables, context_lens, mask=False
-)
+unmasked = paged_attention_by_hand(query, cache.k_cache, cache.v_cache, block_tables, seq_lens, mask=False)
 print("without the mask, allclose:", torch.allclose(unmasked, expected, **TOL))
 print("each sequence:", [torch.allclose(unmasked[i], expected[i], **TOL) for i in range(len(batch))])
 
@@ -327,7 +329,7 @@ garbage = {
 for name, filler in garbage.items():
     other = torch.where(padding, filler, block_tables)
     same = torch.equal(
-        paged_attention_by_hand(query, cache.k_cache, cache.v_cache, other, context_lens), out_batch
+        paged_attention_by_hand(query, cache.k_cache, cache.v_cache, other, seq_lens), out_batch
     )
     print(f"padding {name:>10}: same output -> {same}")
 print(
@@ -358,7 +360,7 @@ moved_tables = torch.where(
 )
 print("a's table before:", block_tables[0].tolist(), "| after:", moved_tables[0].tolist())
 
-out_moved = paged_attention(query, moved_k, moved_v, moved_tables, context_lens)
+out_moved = paged_attention(query, moved_k, moved_v, moved_tables, seq_lens)
 difference = (out_moved - expected).abs().max().item()
 print(f"after moving every block: max |paged - SDPA| < 1e-5 -> {difference < 1e-5}")
 
@@ -374,14 +376,14 @@ print(f"after moving every block: max |paged - SDPA| < 1e-5 -> {difference < 1e-
 # %%
 all_k = gather(cache.k_cache, table_a, 3 * BLOCK_SIZE)  # all 12 slots of a's blocks
 scores_a = torch.einsum("hd,hpd->hp", q_a, all_k) * SCALE
-scores_a[:, context_len:] = float("-inf")
+scores_a[:, seq_len:] = float("-inf")
 weights_a = torch.softmax(scores_a, dim=-1)[0].cpu()  # head 0
 print("position 11 gets a weight of exactly 0:", weights_a[11].item() == 0.0)
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [1, 2]})
 plot_padded_block_tables(block_tables.tolist(), batch, highlight=0, ax=left)
 plot_weights_by_block(
-    weights_a, table_a.tolist(), BLOCK_SIZE, context_len, ax=right, ylabel="attention weight (head 0)"
+    weights_a, table_a.tolist(), BLOCK_SIZE, seq_len, ax=right, ylabel="attention weight (head 0)"
 )
 right.set_xlabel("position in a")
 right.set_title("a's weights, coloured by physical block", loc="left", fontsize=10)
@@ -457,7 +459,7 @@ print("the same keys as the course's block:", torch.equal(vllm_block, one_block)
 
 
 # %%
-def online_softmax_attention(q, k_cache, v_cache, table, context_len):
+def online_softmax_attention(q, k_cache, v_cache, table, seq_len):
     """Attention of q (heads, dim) reading one block at a time, never holding all the scores."""
     heads, dim = q.shape
     block_size = k_cache.shape[2]
@@ -465,7 +467,7 @@ def online_softmax_attention(q, k_cache, v_cache, table, context_len):
     running_sum = torch.zeros(heads, device=q.device)
     acc = torch.zeros(heads, dim, device=q.device)
     for logical, block in enumerate(table.tolist()):
-        n = min(block_size, context_len - logical * block_size)  # tokens in this block
+        n = min(block_size, seq_len - logical * block_size)  # tokens in this block
         k_block, v_block = k_cache[block, :, :n], v_cache[block, :, :n]  # read in place: (heads, n, dim)
         s = torch.einsum("hd,hnd->hn", q, k_block) * SCALE
         new_max = torch.maximum(running_max, s.max(dim=-1).values)
@@ -483,7 +485,7 @@ def online_softmax_attention(q, k_cache, v_cache, table, context_len):
 # Will the result equal SDPA, only roughly, or not at all?
 
 # %%
-out_online = online_softmax_attention(q_a, cache.k_cache, cache.v_cache, table_a, context_len)
+out_online = online_softmax_attention(q_a, cache.k_cache, cache.v_cache, table_a, seq_len)
 print("online softmax over blocks equals SDPA:", torch.allclose(out_online, out_sdpa, **TOL))
 print("and the gathered version:              ", torch.allclose(out_online, out_paged, **TOL))
 
@@ -492,6 +494,14 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 # been known from the start, so the only differences are rounding. This is the same technique as
 # FlashAttention (a fused attention kernel that works through the keys one tile at a time), applied
 # across the blocks of a block table.
+#
+# The package has this loop as a kernel: its `CPU_ATTN` backend is about 250 lines of C
+# (`paged_kv/attention/csrc/cpu_attn.c`), compiled once with your machine's C compiler the first
+# time it runs (about a second) and kept on disk. One task per sequence and K/V head follows the
+# block table, reads each block where it lies, only the slots the query sees, and keeps the same
+# three running quantities in float32; the tasks are spread over the CPU's cores. It is what
+# `paged_kv.paged_attention` runs by default on a CPU with a C compiler (`default_backend` in
+# `paged_kv.attention` says which backend your machine gets); lesson 06 measures it against SDPA.
 #
 # **What it costs.** The block-table look-ups, the branches for a partly filled last block and the
 # varying lengths in a batch are not free: the vLLM paper measures its paged attention kernel at
@@ -512,8 +522,17 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 #   `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; it splits it into `key_cache` and
 #   `value_cache` and calls the kernel once for the whole batch, which reads each block in place.
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionMetadata` carries what this lesson's
-#   functions take: `block_table` (this course's `block_tables`) and `seq_lens` (this course's
-#   `context_lens`), with `max_seq_len`.
+#   functions take: `block_table` (this course's `block_tables`) and `seq_lens` (the same name
+#   here), with `max_seq_len`.
+# * `vllm/v1/attention/backends/cpu_attn.py`: `CPUAttentionBackendImpl.forward`, vLLM's attention on
+#   the CPU, splits the layer's cache into `key_cache` and `value_cache` and calls
+#   `cpu_attention_with_kv_cache`, a C++ kernel that reads the blocks in place with an online
+#   softmax, over the step's `query_start_loc`, `seq_lens` and `block_table`: what this course's
+#   `CPU_ATTN` does in C.
+# * `vllm/v1/attention/backends/registry.py`: `AttentionBackendEnum` names every backend
+#   (`FLASH_ATTN`, `TRITON_ATTN`, `FLEX_ATTENTION`, `CPU_ATTN`, ...); the course's registry uses
+#   vLLM's names for vLLM's ideas and names its own two: the course's `GATHER` (this lesson's
+#   batched function) and the course's `IN_PLACE` (lesson 06).
 # * `vllm/v1/kv_cache_layout.py`: `KVCacheLayout` names the order in memory of a cache's axes
 #   (layer, block, head, token, content); `LBNHC` puts a block's tokens before its heads, so one
 #   head's block is strided (section 5). It is the first of `_DEFAULT_LAYOUT_PREFERENCE` in
@@ -526,8 +545,9 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 #   contiguous, as in this course.
 #
 # What the course leaves out or does differently: the kernels vLLM runs are compiled CUDA
-# (FlashAttention) or Triton, fused, reading blocks in place with an online softmax, where this
-# lesson's batched function gathers with PyTorch operations; the course keeps K and V in two
+# (FlashAttention), Triton or C++ with a variant per instruction set (AMX, AVX-512, NEON), fused,
+# reading blocks in place with an online softmax, where this lesson's batched function gathers with
+# PyTorch operations and the course's C kernel is one portable loop; the course keeps K and V in two
 # tensors, heads before tokens.
 
 # %% [markdown]
@@ -535,22 +555,25 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 #
 # * Decode attention for one sequence: `softmax(q · kᵀ / sqrt(head_dim))` over its tokens, then the
 #   weighted sum of V, for each head; by hand it equals `scaled_dot_product_attention` (within `1e-5`).
-# * A paged kernel gets `k_cache`, `v_cache`, the block tables and the context lengths, never a
+# * A paged kernel gets `k_cache`, `v_cache`, the block tables and the lengths (`seq_lens`), never a
 #   contiguous K or V. `k_cache[table]` → `transpose` → `reshape` gives `(heads, blocks × block_size,
-#   dim)` in position order; the positions from `context_len` on must go.
+#   dim)` in position order; the positions from `seq_len` on must go.
 # * For a batch, rows padded with `-1` are clamped to a real block and every position at or past its
-#   `context_len` gets a score of `-inf`. Without the mask, 4 of our 5 sequences were wrong; with it,
+#   `seq_len` gets a score of `-inf`. Without the mask, 4 of our 5 sequences were wrong; with it,
 #   the padding value does not matter, and moving every block (with the tables updated) changes
 #   nothing. This is `paged_kv.paged_attention`.
-# * The order of the blocks matters only through the cut at `context_len`: gathering in sorted block
+# * The order of the blocks matters only through the cut at `seq_len`: gathering in sorted block
 #   order put a stale slot among `a`'s 11 positions.
 # * A dedicated kernel reads each block in place (in this course's layout one head's block is
 #   contiguous; in vLLM v1's FlashAttention layout, tokens before heads, it is strided) and merges
 #   the blocks with an online softmax (a running max, a running sum and an accumulator, rescaled
 #   when the max grows), equal to SDPA; the vLLM paper measures its kernel 20 to 26 % slower than
-#   contiguous attention, and paging repays that with much larger batches.
+#   contiguous attention, and paging repays that with much larger batches. The package's `CPU_ATTN`
+#   backend is that loop in C, the default on a CPU with a C compiler.
+# * `paged_kv.paged_attention(..., backend=)` names the backend that reads the blocks, as vLLM's
+#   registry names its own; `"GATHER"` is this lesson's batched function.
 #
-# **Next, lesson 06:** attention at scale: the package's three ways to read the blocks and what each
-# costs at a server's sizes, grouped-query attention, and prompt chunks of several new tokens over
+# **Next, lesson 06:** attention at scale: the package's backends, the ways to read the blocks, and
+# what each costs at a server's sizes, grouped-query attention, and prompt chunks of several new tokens over
 # the cache. The exercise for this lesson, `exercises/05_paged_attention.ipynb`, has you write the
 # gather, decode attention and the batched, masked paged attention yourself.

@@ -38,7 +38,7 @@ from paged_kv.checks import check
 # %% [markdown]
 # ## Task 1 · Decode attention with grouped-query heads
 #
-# Write `gqa_decode_attention(query, k_cache, v_cache, block_tables, context_lens)`, lesson 05's
+# Write `gqa_decode_attention(query, k_cache, v_cache, block_tables, seq_lens)`, lesson 05's
 # `paged_decode_attention` for a cache of fewer K/V heads than the query has:
 #
 # * `query` has shape `(batch, num_heads, head_dim)`, one new token per sequence;
@@ -46,8 +46,8 @@ from paged_kv.checks import check
 #   `num_kv_heads` dividing `num_heads`: `group = num_heads // num_kv_heads` query heads share each
 #   K/V head, and **query head `h` reads K/V head `h // group`** (the heads of a group are
 #   consecutive, as Hugging Face's `repeat_kv` and SDPA's `enable_gqa` pair them);
-# * `block_tables` is a `(batch, max_blocks)` integer tensor padded with `-1`, `context_lens` a
-#   `(batch,)` integer tensor: sequence `b` attends to its first `context_lens[b]` positions;
+# * `block_tables` is a `(batch, max_blocks)` integer tensor padded with `-1`, `seq_lens` a
+#   `(batch,)` integer tensor: sequence `b` attends to its first `seq_lens[b]` positions;
 # * the scale is `1 / sqrt(head_dim)`; return `(batch, num_heads, head_dim)`.
 #
 # The point is to do it **without repeating K and V** for every query head, as section 2 of the
@@ -63,13 +63,13 @@ from paged_kv.checks import check
 # 1); groups of 1 (lesson 05's case); and 8 heads over 4. A wrong output is compared with query head
 # `h` reading K/V head `h % num_kv_heads` (what `k.repeat(1, group, 1)` pairs), with K/V head
 # `h // num_kv_heads` (the group computed the other way round), and with the positions past
-# `context_len` not masked.
+# `seq_len` not masked.
 
 
 # %%
-def gqa_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
+def gqa_decode_attention(query, k_cache, v_cache, block_tables, seq_lens):
     """Paged decode attention, query head h reading KV head h // group: (batch, num_heads, head_dim)."""
-    ### BEGIN SOLUTION: gather (batch, kv_heads, positions, dim) as in lesson 05, view the query as (batch, kv_heads, group, dim), einsum 'bkgd,bkpd->bkgp', mask positions >= context_len, softmax, einsum with V, flatten back to num_heads
+    ### BEGIN SOLUTION: gather (batch, kv_heads, positions, dim) as in lesson 05, view the query as (batch, kv_heads, group, dim), einsum 'bkgd,bkpd->bkgp', mask positions >= seq_len, softmax, einsum with V, flatten back to num_heads
     batch, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -82,7 +82,7 @@ def gqa_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
     k, v = gather(k_cache), gather(v_cache)
     grouped = query.view(batch, num_kv_heads, group, head_dim)  # query head h is (h // group, h % group)
     scores = torch.einsum("bkgd,bkpd->bkgp", grouped, k) * head_dim**-0.5
-    beyond = torch.arange(num_positions, device=query.device)[None, :] >= context_lens[:, None]
+    beyond = torch.arange(num_positions, device=query.device)[None, :] >= seq_lens[:, None]
     scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgp,bkpd->bkgd", torch.softmax(scores, dim=-1), v)
     return out.reshape(batch, num_heads, head_dim)
@@ -95,24 +95,24 @@ check("06.gqa_decode_attention", gqa_decode_attention)
 # %% [markdown]
 # ## Task 2 · A prompt chunk over the cache
 #
-# Write `chunk_attention(query, k_cache, v_cache, block_table, context_len)` for one sequence that
-# holds `context_len` tokens, of which the last `q = query.shape[0]` are new: a chunk of its prompt
+# Write `chunk_attention(query, k_cache, v_cache, block_table, seq_len)` for one sequence that
+# holds `seq_len` tokens, of which the last `q = query.shape[0]` are new: a chunk of its prompt
 # (chunked prefill), the rest of a prompt after a prefix-cache hit, a fresh prompt (`q ==
-# context_len`) or a decode (`q == 1`). Their K/V are already written into the cache.
+# seq_len`) or a decode (`q == 1`). Their K/V are already written into the cache.
 #
 # * `query` has shape `(q, num_heads, head_dim)`: row `i` is the query of position
-#   `context_len - q + i`;
+#   `seq_len - q + i`;
 # * `block_table` is the sequence's row of block ids, a 1-D integer tensor that may be padded with
-#   `-1` past the `ceil(context_len / block_size)` entries it needs; the caches are as in task 1,
+#   `-1` past the `ceil(seq_len / block_size)` entries it needs; the caches are as in task 1,
 #   grouped heads included;
-# * **causal**: query `i` sees positions `0 .. context_len - q + i`, the cached ones and the new ones
+# * **causal**: query `i` sees positions `0 .. seq_len - q + i`, the cached ones and the new ones
 #   up to its own, and no later one;
 # * the scale is `1 / sqrt(head_dim)`; return `(q, num_heads, head_dim)`.
 #
-# Gather the sequence's `context_len` positions (lesson 05's `gather_kv` does it, with the heads
-# second), compute the `(q, context_len)` scores for every head, and set to `-inf` every score whose
+# Gather the sequence's `seq_len` positions (lesson 05's `gather_kv` does it, with the heads
+# second), compute the `(q, seq_len)` scores for every head, and set to `-inf` every score whose
 # position lies past its query's: with `i` a column of `torch.arange(q)` and `p` a row of
-# `torch.arange(context_len)`, the mask is `p > context_len - q + i`. Mind the offset: SDPA's
+# `torch.arange(seq_len)`, the mask is `p > seq_len - q + i`. Mind the offset: SDPA's
 # `is_causal=True` on `q` queries and more keys lines them up at position 0, which is not this.
 #
 # **Checked:** against SDPA with the causal mask over the sequence's K/V: a fresh prompt of 6
@@ -124,23 +124,23 @@ check("06.gqa_decode_attention", gqa_decode_attention)
 
 
 # %%
-def chunk_attention(query, k_cache, v_cache, block_table, context_len):
-    """Causal attention of a sequence's last q positions over its context_len cached ones: (q, heads, dim)."""
-    ### BEGIN SOLUTION: gather the sequence's context_len positions, scores (kv_heads, group, q, positions), -inf where position > context_len - q + i, softmax over positions, weighted sum of V
+def chunk_attention(query, k_cache, v_cache, block_table, seq_len):
+    """Causal attention of a sequence's last q positions over its seq_len cached ones: (q, heads, dim)."""
+    ### BEGIN SOLUTION: gather the sequence's seq_len positions, scores (kv_heads, group, q, positions), -inf where position > seq_len - q + i, softmax over positions, weighted sum of V
     q, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    needed = -(-context_len // block_size)
+    needed = -(-seq_len // block_size)
     blocks = torch.as_tensor(block_table, device=query.device).long()[:needed]
 
-    def gather(cache):  # (kv_heads, context_len, head_dim)
-        return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+    def gather(cache):  # (kv_heads, seq_len, head_dim)
+        return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
 
     k, v = gather(k_cache), gather(v_cache)
     grouped = query.view(q, num_kv_heads, group, head_dim)
     scores = torch.einsum("ikgd,kpd->kgip", grouped, k) * head_dim**-0.5
-    own = context_len - q + torch.arange(q, device=query.device)[:, None]  # each query's position
-    later = torch.arange(context_len, device=query.device)[None, :] > own  # (q, positions)
+    own = seq_len - q + torch.arange(q, device=query.device)[:, None]  # each query's position
+    later = torch.arange(seq_len, device=query.device)[None, :] > own  # (q, positions)
     scores = scores.masked_fill(later, float("-inf"))
     out = torch.einsum("kgip,kpd->ikgd", torch.softmax(scores, dim=-1), v)
     return out.reshape(q, num_heads, head_dim)
@@ -153,17 +153,17 @@ check("06.chunk_attention", chunk_attention)
 # %% [markdown]
 # ## Task 3 · Decodes and chunks packed into one call
 #
-# Write `packed_attention(query, k_cache, v_cache, block_tables, context_lens, query_lens)`: one
+# Write `packed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens)`: one
 # engine step's attention, for a batch whose sequences each bring `query_lens[b]` new tokens (1 for
 # a decode, more for a chunk or a fresh prompt), their queries packed one sequence after another.
 #
 # * `query` has shape `(sum(query_lens), num_heads, head_dim)`; **sequence `b`'s rows start at
 #   `sum(query_lens[:b])`**, the running sum of the query lengths before it (vLLM's
 #   `query_start_loc`), and there are `query_lens[b]` of them;
-# * `block_tables` is `(batch, max_blocks)` padded with `-1`; `context_lens` and `query_lens` are
-#   `(batch,)` integer tensors, with `1 <= query_lens[b] <= context_lens[b]`;
+# * `block_tables` is `(batch, max_blocks)` padded with `-1`; `seq_lens` and `query_lens` are
+#   `(batch,)` integer tensors, with `1 <= query_lens[b] <= seq_lens[b]`;
 # * each sequence's rows attend exactly as task 2's chunk: the last `query_lens[b]` of its
-#   `context_lens[b]` positions, causally;
+#   `seq_lens[b]` positions, causally;
 # * return `(sum(query_lens), num_heads, head_dim)`, packed like `query`.
 #
 # A loop over the sequences that slices each one's rows and calls your `chunk_attention` is all it
@@ -172,21 +172,19 @@ check("06.chunk_attention", chunk_attention)
 #
 # **Checked:** against SDPA per sequence as in task 2: one sequence (task 2's chunk); three decodes;
 # a decode then a chunk (the lesson's); two fresh prompts then a chunk; a mix of four; and 4 query
-# heads over 2 K/V heads. A wrong output is compared with rows split by `context_lens` instead of
+# heads over 2 K/V heads. A wrong output is compared with rows split by `seq_lens` instead of
 # `query_lens`, one query row assumed per sequence, each sequence's rows starting one row off, and
 # task 2's mistakes (no causal mask, an offset of 0, the chunk alone, the `h % num_kv_heads`
 # pairing).
 
 
 # %%
-def packed_attention(query, k_cache, v_cache, block_tables, context_lens, query_lens):
+def packed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens):
     """Each sequence's packed query rows attend as a chunk of its last query_lens[b] positions."""
-    ### BEGIN SOLUTION: for each sequence b, its rows start at the sum of the query_lens before it: slice them, call chunk_attention with its table row and context length, and concatenate the outputs in order
+    ### BEGIN SOLUTION: for each sequence b, its rows start at the sum of the query_lens before it: slice them, call chunk_attention with its table row and seq_len, and concatenate the outputs in order
     outputs, start = [], 0
-    for row, context_len, num_new in zip(
-        block_tables, context_lens.tolist(), query_lens.tolist(), strict=True
-    ):
-        outputs.append(chunk_attention(query[start : start + num_new], k_cache, v_cache, row, context_len))
+    for row, seq_len, num_new in zip(block_tables, seq_lens.tolist(), query_lens.tolist(), strict=True):
+        outputs.append(chunk_attention(query[start : start + num_new], k_cache, v_cache, row, seq_len))
         start += num_new
     return torch.cat(outputs)
     ### END SOLUTION

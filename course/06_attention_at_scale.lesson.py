@@ -2,7 +2,7 @@
 # # Lesson 06 · Attention at scale
 #
 # Lesson 05 built paged attention and showed it exact: gather a batch's blocks through padded block
-# tables, mask what lies past each context length, and the answer is SDPA's on the same tokens. A
+# tables, mask what lies past each sequence's length, and the answer is SDPA's on the same tokens. A
 # server asks more of it. Its batches are large, so *how* the blocks are read decides the cost of
 # every decode step. Its models share K/V heads between query heads, so the cache holds fewer heads
 # than the attention computes. And not every sequence brings one new token: a prompt computed in
@@ -11,9 +11,9 @@
 #
 # **By the end of this lesson you can**
 #
-# 1. compare the package's three ways of reading the blocks, gather, in place and FlexAttention: what
-#    each reads, what each costs on your machine against SDPA on contiguous K/V, and which one
-#    `paged_attention` picks by default, and why;
+# 1. compare the package's attention backends, `GATHER`, `IN_PLACE`, `FLEX_ATTENTION` and
+#    `CPU_ATTN`: what each reads, what each costs on your machine against SDPA on contiguous K/V,
+#    and which one `paged_attention` picks by default, and why;
 # 2. explain grouped-query and multi-query attention, compute what they save in the cache, and pair
 #    each query head with the K/V head the model was trained with;
 # 3. compute the attention of a prompt chunk of several new tokens that attends causally to the
@@ -21,7 +21,7 @@
 #    sequence;
 # 4. pack decodes and prompt chunks of different lengths into one call, as an engine's step does.
 #
-# Run the cells in order; two of them time the strategies, in 5 s each on a quiet 2-core CPU (8 s busy).
+# Run the cells in order; two of them time the backends, in 5 s each on a quiet 2-core CPU (8 s busy).
 
 # %%
 import warnings
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, paged_attention, paged_prefill_attention
+from paged_kv.attention import registry
 from paged_kv.pictures.plots import colour
 from paged_kv.timing import compare_times, how_fast
 
@@ -72,24 +73,26 @@ for seq_id, length in zip(batch, [11, 4, 16, 6, 1], strict=True):
     cache.allocate_for_sequence(seq_id, length)
     cache.write_kv(seq_id, *torch.randn(2, length, NUM_HEADS, HEAD_DIM, generator=gen).to(device))
 block_tables = cache.block_tables_tensor(batch)  # (batch, max_blocks), padded with -1
-context_lens = torch.tensor([cache.sequence_length(s) for s in batch], device=device)
+seq_lens = torch.tensor([cache.sequence_length(s) for s in batch], device=device)
 query = torch.randn(len(batch), NUM_HEADS, HEAD_DIM, generator=gen).to(device)
 expected = torch.stack([sdpa_one(query[i], *cache.read_kv(s)) for i, s in enumerate(batch)])
 print("block tables:", block_tables.tolist())
-print("context lengths:", context_lens.tolist())
+print("context lengths:", seq_lens.tolist())
 
 # %% [markdown]
-# ## 1. The package's three ways to read the blocks
+# ## 1. The package's backends: ways to read the blocks
 #
-# `paged_kv.paged_attention` computes the same attention in three ways, chosen with `strategy=`; the
-# answer is the same, what differs is how much memory traffic it costs.
+# `paged_kv.paged_attention` hands the batch to an **attention backend**, named with `backend=` as
+# the package's registry (`paged_kv.attention.registry`) names it; vLLM names its own backends the
+# same way. The answer is the same whichever reads the blocks; what differs is how much memory
+# traffic it costs.
 #
-# * **`"gather"`** is lesson 05's batched function. `k_cache[blocks]` copies every row's blocks, padding
+# * **`"GATHER"`** is lesson 05's batched function. `k_cache[blocks]` copies every row's blocks, padding
 #   included, into a contiguous `(batch, heads, max_blocks × block_size, dim)` tensor, and the same
 #   for V; then one masked attention runs over the copy. Every block is read to copy it, the copy is
 #   written, and then read again to attend: three passes over K and V, and a second copy of the
 #   batch's K and V in memory, just to put the blocks in table order.
-# * **`"in_place"`** never copies K or V. Each physical block is read by one row of the batch, so it
+# * **`"IN_PLACE"`** never copies K or V. Each physical block is read by one row of the batch, so it
 #   gives every block its reader's query, and one batched product over `k_cache`, in the pool's own
 #   order, gives the scores of every block with its reader: each block read once, where it lies. Only
 #   the scores, `block_size` numbers per block and head, move into each row's table order, where the
@@ -97,41 +100,47 @@ print("context lengths:", context_lens.tolist())
 #   a sum per row give the output. (A block several rows share, after a fork or from a prefix cache,
 #   lesson 08, is copied once and meets every row's query.) The price: the products run over the
 #   whole pool, so blocks nobody reads cost as much as the others.
-# * **`"flex"`** hands the work to PyTorch's FlexAttention (`torch.nn.attention.flex_attention`,
+# * **`"FLEX_ATTENTION"`** hands the work to PyTorch's FlexAttention (`torch.nn.attention.flex_attention`,
 #   torch 2.5 and later). The keys are the whole pool viewed as one long sequence (a view, no copy),
 #   the queries are the batch's new tokens, and a *mask function* says whether query `b` may see pool
 #   slot `kv`: yes when block `kv // block_size` is in row `b` of the block tables and the slot's
-#   logical position is below `context_lens[b]`. From it, `create_block_mask` builds a *block mask*
+#   logical position is below `seq_lens[b]`. From it, `create_block_mask` builds a *block mask*
 #   that lets the kernel skip every tile of the pool that a query cannot see. Compiled with
 #   `torch.compile` on a GPU, this is one fused kernel that reads each block in place, like vLLM's;
 #   anywhere else FlexAttention runs unfused, scoring every query against the whole pool.
+# * **`"CPU_ATTN"`** is lesson 05's online softmax as a compiled kernel, in C: one task per sequence
+#   and K/V head walks its block table, reads each block where it lies (only the slots its query
+#   sees, the next block fetched ahead while the current one is computed), and keeps the running
+#   maximum, sum and accumulator in float32. It reads what the batch reads, once, as SDPA over
+#   contiguous K/V does. It is built once with your machine's C compiler (about a second) and kept;
+#   vLLM's CPU backend has the same name and the same loop, in C++.
 #
-# The default, **`"auto"`**, reads in place when three things hold and gathers otherwise: the caches
-# are float32 (in place computes in the caches' dtype, so half-precision caches are gathered into
-# float32); the batch reads at least half of the pool (in place pays for the whole pool, gather only
-# for what the batch reads); and shared blocks, if any, are shared by enough rows to be worth meeting
-# every query. It never picks `"flex"`, which only pays on a GPU, compiled.
+# (`"TRITON_ATTN"`, the same loop as a Triton kernel, is lesson 12's.) Without `backend=`, the
+# platform picks, as vLLM's platforms do: on a CPU, `CPU_ATTN` when its kernel can be built here
+# and `GATHER` otherwise (a machine with no C compiler); on a GPU, the Triton kernel when triton is
+# installed.
 #
-# First, all three must be exact. Each is checked against SDPA, sequence by sequence, on the batch
+# First, all of them must be exact. Each is checked against SDPA, sequence by sequence, on the batch
 # above. (On a CPU, FlexAttention warns that it runs unfused; we know, so the cell silences that
-# one warning. On a GPU the first `"flex"` call compiles its kernel, which takes a while.)
+# one warning. On a GPU the first `"FLEX_ATTENTION"` call compiles its kernel, which takes a while.)
 
 # %%
-for strategy in ("gather", "in_place", "flex"):
+BACKENDS = ("GATHER", "IN_PLACE", "FLEX_ATTENTION", "CPU_ATTN")
+for name in BACKENDS:
+    why_not = registry.BACKENDS[name].unavailable(device, torch.float32, torch.float32)
+    if why_not:  # CPU_ATTN off the CPU or without a C compiler
+        print(f"backend {name!r:>16} cannot run here: {why_not}")
+        continue
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        out = paged_attention(
-            query, cache.k_cache, cache.v_cache, block_tables, context_lens, strategy=strategy
-        )
-    print(
-        f"strategy {strategy!r:>10} equals SDPA on all five sequences:", torch.allclose(out, expected, **TOL)
-    )
+        out = paged_attention(query, cache.k_cache, cache.v_cache, block_tables, seq_lens, backend=name)
+    print(f"backend {name!r:>16} equals SDPA on all five sequences:", torch.allclose(out, expected, **TOL))
 
 # %% [markdown]
 # **Predict, then run.** Now the cost, on a batch the size of a small server's: 32 sequences of 512
 # tokens, 8 heads of dimension 64, blocks of 16, scattered over a pool they fill. The baseline is
 # SDPA on the same tokens held contiguously, the fused attention a contiguous cache would use. How
-# much slower than it is each strategy, roughly? Does in place come close?
+# much slower than it is each backend, roughly? Does any of them come close?
 #
 # Timing on a laptop that is doing other things is noisy, so the cell follows the rules of
 # `paged_kv.timing`, the course's one timer: torch runs on one thread, every contender is called
@@ -158,76 +167,81 @@ big_query = torch.randn(BIG_BATCH, 8, 64, device=device)
 kv = [big.read_kv(s) for s in range(BIG_BATCH)]  # the same tokens, contiguous: (32, heads, 512, dim)
 k_contig = torch.stack([k.transpose(0, 1) for k, _ in kv])
 v_contig = torch.stack([v.transpose(0, 1) for _, v in kv])
+DEFAULT = registry.default_backend(device, torch.float32)  # CPU_ATTN on a CPU with a C compiler
 
 
-def big_paged(strategy, rows=BIG_BATCH):
-    """paged_attention on the first `rows` sequences of the big pool, with one strategy."""
+def big_paged(backend, rows=BIG_BATCH):
+    """paged_attention on the first `rows` sequences of the big pool, in one backend."""
     return paged_attention(
-        big_query[:rows], big.k_cache, big.v_cache, big_tables[:rows], big_lens[:rows], strategy=strategy
+        big_query[:rows], big.k_cache, big.v_cache, big_tables[:rows], big_lens[:rows], backend=backend
     )
 
 
+timed = dict.fromkeys(["GATHER", "IN_PLACE", "FLEX_ATTENTION", DEFAULT])  # in order, once each
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
     timings = compare_times(
-        {
-            "SDPA": lambda: F.scaled_dot_product_attention(big_query[:, :, None], k_contig, v_contig),
-            "gather": lambda: big_paged("gather"),
-            "in_place": lambda: big_paged("in_place"),
-            "flex": lambda: big_paged("flex"),
-        },
+        {"SDPA": lambda: F.scaled_dot_product_attention(big_query[:, :, None], k_contig, v_contig)}
+        | {name: (lambda name=name: big_paged(name)) for name in timed},
         repeats=7,
         threads=1,
         device=device,
     )
-for strategy in ("gather", "in_place", "flex"):
-    print(f"{strategy:>8}: {how_fast(timings.ratio(strategy, 'SDPA'))} SDPA on contiguous K/V")
+print("the default backend here:", DEFAULT)
+for name in timed:
+    print(f"{name:>14}: {how_fast(timings.ratio(name, 'SDPA'))} SDPA on contiguous K/V")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, this cell ran 12 times, 6 on a quiet machine and 6
-# with two other processes computing on both cores (`bench/lesson_ratios.py`). **Gather** came out
-# 11 to 15 times slower than SDPA quiet (11 to 18 busy), and unfused **flex** 26 to 37 times slower
-# (24 to 38 busy). **In place** came out 1.1 to 1.7 times slower quiet (1.1 to 1.3 busy: SDPA on one
-# thread suffers from a busy machine too). Your numbers will differ with the machine and with what
-# else it is doing, but gather and flex stay far behind, and in place within a small factor of SDPA.
+# On the 2-core CPU this course was written on, this cell ran 10 times (`bench/lesson_ratios.py`):
+# 6 on the machine shared with one other job (load average 1.3 to 1.9 on its 2 cores) and 4 with
+# two more processes computing on both cores. **GATHER** came out 7.9 to 11 times slower than SDPA
+# (7.7 to 11 with the two processes), unfused **FLEX_ATTENTION** 20 to 26 times slower (20 to 27),
+# and **IN_PLACE** 1.2 to 1.5 times slower (1.3 to 1.6). **CPU_ATTN** came out anywhere from 1.1
+# times faster to 1.4 times slower than SDPA (1.1 to 1.5 times slower with the two processes): it
+# reads K and V once, as SDPA does, and its look-ups through the block table cost about what the
+# vLLM paper's 20 to 26 % suggests. Your numbers will differ with the machine and with what else it
+# is doing, but the gather and unfused FlexAttention stay far behind.
 #
-# The copy is the gap between gather and in place: it moves the batch's whole K and V twice more
-# than attention needs, and on a CPU moving memory is what decode attention spends its time on, so
-# avoiding it brings in place within a small factor of the fused contiguous kernel. That is what the
-# vLLM paper's dedicated kernel does on a GPU, where its 20 to 26 % overhead comes from the
-# look-ups, not from copies. Unfused flex is slower still because, without a compiled kernel, its
-# mask cannot skip anything: it scores each of the 32 queries against all 16,384 slots of the pool,
-# 32 times the work. On a GPU, compiled, its block mask lets the kernel skip the tiles a query
-# cannot see, which is what it is for. (This course has not timed it on a GPU: run this cell on one
-# to see; the first `"flex"` call above paid for the compilation.)
+# The copy is the gap between the gather and the others: it moves the batch's whole K and V twice
+# more than attention needs, and on a CPU moving memory is what decode attention spends its time
+# on, so avoiding it brings a kernel within a small factor of the fused contiguous one. That is
+# what the vLLM paper's dedicated kernel does on a GPU, where its 20 to 26 % overhead comes from the
+# look-ups, not from copies. Unfused FlexAttention is slower still because, without a compiled
+# kernel, its mask cannot skip anything: it scores each of the 32 queries against all 16,384 slots
+# of the pool, 32 times the work. On a GPU, compiled, its block mask lets the kernel skip the tiles
+# a query cannot see, which is what it is for. (This course has not timed it on a GPU: run this
+# cell on one to see; the first `"FLEX_ATTENTION"` call above paid for the compilation.)
 #
-# Why does `"auto"` not always read in place? Because in place pays for the whole pool. The next cell
-# decodes only 2 of the 32 sequences, which read 1/16 of the pool, and times in place against gather.
+# Why not always read in place, then, as `IN_PLACE` does? Because it pays for the whole pool. The
+# next cell decodes only 2 of the 32 sequences, which read 1/16 of the pool, and times in place
+# against the gather, and the default backend beside them.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 FEW = 2
 read_by_few = big_tables[:FEW].unique().numel()
-choice = "reads in place" if 2 * read_by_few >= big.num_blocks else "gathers"
-print(f"{FEW} sequences read {read_by_few} of {big.num_blocks} blocks: auto {choice} (in place needs half)")
+print(f"{FEW} sequences read {read_by_few} of {big.num_blocks} blocks")
 few = compare_times(
-    {"gather": lambda: big_paged("gather", FEW), "in_place": lambda: big_paged("in_place", FEW)},
+    {
+        name: (lambda name=name: big_paged(name, FEW))
+        for name in dict.fromkeys(["GATHER", "IN_PLACE", DEFAULT])
+    },
     repeats=7,
     number=2,  # calls of a few milliseconds: two per sample
     threads=1,
     device=device,
 )
-print(f"reading in place is {how_fast(few.ratio('in_place', 'gather'))} gathering, for {FEW} sequences")
+print(f"reading in place is {how_fast(few.ratio('IN_PLACE', 'GATHER'))} gathering, for {FEW} sequences")
+print(f"the default, {DEFAULT}, is {how_fast(few.ratio(DEFAULT, 'GATHER'))} gathering")
 
 # %% [markdown]
 # Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
-# blocks: in the same 12 runs, in place came out 2.9 to 3.9 times slower than gather for the two
-# sequences quiet (3.4 to 4 busy). The two cost about the same when the batch read about an eighth
-# of the pool (4 of the 32 sequences: in place 1.1 to 1.5 times slower in three quiet runs);
-# `"auto"` draws its line at half, on the safe side, where in place was already 2.2 to 4.3 times as
-# fast as gather. A real
-# engine's kernel has no such trade-off: it follows each row's block table and reads only those
-# blocks, in place.
+# blocks: in the same 10 runs, in place came out 3.6 to 4.4 times slower than the gather for the two
+# sequences (3.3 to 3.9 with the two processes); when this lesson was first written, the two cost
+# about the same for 4 of the 32 sequences, an eighth of the pool. A kernel has no such trade-off:
+# it follows each row's block table and reads only those blocks, in place. `CPU_ATTN` came out 3 to
+# 3.8 times faster than the gather for the two sequences (3 to 4.8 with the two processes), the
+# copy saved and nothing else read.
 
 # %% [markdown]
 # ## 2. Grouped-query and multi-query attention
@@ -292,7 +306,7 @@ plt.show()
 # cache is the same `PagedKVCacheAllocator` as before, created with 2 heads, and its sequences are
 # written and read exactly as in lesson 05. The reference repeats each sequence's K/V to 8 heads
 # (`repeat_interleave`) and runs SDPA, one sequence at a time; `paged_attention` takes the 8-head
-# queries and the 2-head caches directly, with every strategy.
+# queries and the 2-head caches directly, in every backend.
 
 # %%
 GQA_Q_HEADS, GQA_KV_HEADS = 8, 2
@@ -319,12 +333,14 @@ def repeated_reference(q, k, v):
 gqa_expected = torch.stack(
     [repeated_reference(gqa_query[s], *gqa.read_kv(s)) for s in range(len(gqa_lengths))]
 )
-for strategy in ("gather", "in_place", "flex"):
+for name in BACKENDS:
+    if registry.BACKENDS[name].unavailable(device, torch.float32, torch.float32):
+        continue  # CPU_ATTN off the CPU or without a C compiler, as above
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        out = paged_attention(gqa_query, gqa.k_cache, gqa.v_cache, gqa_tables, gqa_lens, strategy=strategy)
+        out = paged_attention(gqa_query, gqa.k_cache, gqa.v_cache, gqa_tables, gqa_lens, backend=name)
     print(
-        f"strategy {strategy!r:>10}: output {tuple(out.shape)}, equals repeat + SDPA:",
+        f"backend {name!r:>16}: output {tuple(out.shape)}, equals repeat + SDPA:",
         torch.allclose(out, gqa_expected, **TOL),
     )
 k0, v0 = (t.transpose(0, 1)[None] for t in gqa.read_kv(0))
@@ -434,7 +450,7 @@ mixed = paged_prefill_attention(
     cache.k_cache,
     cache.v_cache,
     cache.block_tables_tensor(["a", "p"]),
-    context_lens=[11, 13],
+    seq_lens=[11, 13],
     query_lens=[1, CHUNK],
 )
 print("packed rows:", mixed.shape[0])
@@ -453,34 +469,51 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   the kernel maps each query head to its K/V head itself.
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionMetadata` carries `query_start_loc`,
 #   where each request's queries start in the packed batch (the running sum of this course's
-#   `query_lens`), beside `seq_lens` (the lengths, new tokens included: this course's
-#   `context_lens`), `block_table`, `max_query_len` and `max_seq_len`: what this course's
-#   `paged_prefill_attention` takes in section 3.
-# * `vllm/v1/attention/backends/flex_attention.py`: the FlexAttention backend, this course's `"flex"`
-#   strategy grown up: the keys are the whole pool, and `physical_to_logical_mapping` inverts the
-#   block tables so that a mask function can ask where a pool slot sits in a request.
+#   `query_lens`), beside `seq_lens` (the lengths, new tokens included, by the same name here),
+#   `block_table`, `max_query_len` and `max_seq_len`: what this course's `paged_prefill_attention`
+#   takes in section 3.
+# * `vllm/v1/attention/backend.py`: `AttentionImpl.forward(layer, query, key, value, kv_cache,
+#   attn_metadata, output)` is every backend's one entry, and `CommonAttentionMetadata` the batch
+#   every backend's metadata builder reads (`query_start_loc`, `query_start_loc_cpu`, `seq_lens`,
+#   `block_table_tensor`, `slot_mapping`); the course's backends have the same `forward`, without
+#   the `layer` and `output` arguments.
+# * `vllm/v1/attention/backends/registry.py`: `AttentionBackendEnum` names the backends;
+#   `FLEX_ATTENTION`, `TRITON_ATTN` and `CPU_ATTN` are this lesson's names for the same ideas.
+# * `vllm/v1/attention/backends/flex_attention.py`: `FlexAttentionImpl`, the FlexAttention backend,
+#   this course's `"FLEX_ATTENTION"` grown up: the keys are the whole pool, and
+#   `physical_to_logical_mapping` inverts the block tables so that a mask function can ask where a
+#   pool slot sits in a request.
+# * `vllm/v1/attention/backends/cpu_attn.py`: `CPUAttentionBackendImpl`, vLLM's backend on the CPU,
+#   takes the packed step to `cpu_attention_with_kv_cache`, its C++ kernel, with the step's
+#   `query_start_loc`, `seq_lens`, `block_table` and the layer's `sliding_window` and
+#   `logits_soft_cap`: the course's `CPU_ATTN` in C++, with a variant per instruction set.
+# * `vllm/platforms/cpu.py`: `CpuPlatform.get_attn_backend_cls` gives `CPU_ATTN` on every CPU, as
+#   the course's platform default does where a compiler is found; `vllm/platforms/cuda.py` tries
+#   `FLASH_ATTN`, `FLASHINFER`, `TRITON_ATTN` and `FLEX_ATTENTION` in turn (`_get_backend_priorities`).
 # * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` splits the cache's
 #   view into K and V and calls `unified_attention`, the Triton kernel lesson 12 reads.
 #
 # What the course leaves out or does differently: the kernels vLLM runs are compiled and fused, so
-# none has the gather's copies or the in-place strategy's price for the whole pool; the course's
+# none has the gather's copies or the in-place products' price for the whole pool; the course's
 # `paged_attention` takes one new token per sequence and `paged_prefill_attention` any number, where
-# every vLLM backend takes the packed step.
+# every vLLM backend takes the packed step (the course's backends do too, through their `forward`).
 
 # %% [markdown]
 # ## Recap
 #
-# * `paged_attention(..., strategy=)`: `"gather"` copies every block (three passes over K and V),
-#   `"in_place"` reads each block once where it lies but pays for the whole pool, `"flex"` is
-#   FlexAttention with a block mask, fast only compiled on a GPU. All of them equal SDPA. On a
-#   2-core CPU, 32 sequences of 512 tokens: gather 11 to 18 times slower than SDPA on contiguous
-#   K/V, quiet or busy, in place within a factor of 2. `"auto"` reads in place when the batch reads at least half
-#   the pool, in float32, and gathers otherwise.
+# * `paged_attention(..., backend=)` names the backend, as vLLM's registry names its own: `"GATHER"`
+#   copies every block (three passes over K and V), `"IN_PLACE"` reads each block once where it lies
+#   but pays for the whole pool, `"FLEX_ATTENTION"` is FlexAttention with a block mask, fast only
+#   compiled on a GPU, and `"CPU_ATTN"` is lesson 05's online softmax compiled in C, reading only
+#   the blocks the batch reads, in place. All of them equal SDPA. On a 2-core CPU, 32 sequences of
+#   512 tokens: gather 11 to 18 times slower than SDPA on contiguous K/V, quiet or busy, in place
+#   within a factor of 2, `CPU_ATTN` from 1.1 times faster to 1.5 times slower. Without `backend=`
+#   a CPU gets `CPU_ATTN` where a C compiler is found, `GATHER` elsewhere.
 # * Grouped-query attention shares each K/V head among a group of query heads (Llama-3-8B: 32 over
 #   8), multi-query attention shares one among all; the cache holds only the K/V heads, 128 KiB per
 #   token for Llama-3-8B in 16 bits instead of 512 KiB. Query head `h` reads K/V head
 #   `h // (num_heads // num_kv_heads)`, as `repeat_kv` and SDPA's `enable_gqa` pair them; every
-#   strategy of `paged_attention` takes such caches without repeating K/V.
+#   backend of `paged_attention` takes such caches without repeating K/V.
 # * A prompt chunk of `q` new tokens at an offset (chunked prefill, or the rest of a prompt after a
 #   prefix-cache hit) attends causally to the cached positions and its own: `paged_prefill_attention`
 #   equals the last `q` rows of causal SDPA on the whole sequence (5 of 13 here). The chunk alone is

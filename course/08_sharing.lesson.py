@@ -30,7 +30,7 @@ from IPython.display import HTML
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator
-from paged_kv.core.block_allocator import FreeBlockQueue
+from paged_kv.core.block_allocator import FreeKVCacheBlockQueue
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.pictures.plots import PALETTE
 from paged_kv.pictures.pool import render_allocator
@@ -389,7 +389,7 @@ show("7. r3 finishes; r4 arrives with r0's first 12 tokens")
 # `next_free_block`) between a fake head and a fake tail.
 
 # %%
-queue = FreeBlockQueue(8)
+queue = FreeKVCacheBlockQueue(8)
 print("queue:             ", list(queue))
 queue.remove(5)
 queue.remove(2)

@@ -283,20 +283,20 @@ plt.show()
 # %%
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
 
-memory = KVCacheManager(BlockManager(num_blocks=6, block_size=4))
+memory = KVCacheManager(num_blocks=6, block_size=4)
 scheduler = Scheduler(memory)
 storage = KVStorage(config.num_layers, 6, 4, config.num_kv_heads, config.head_dim, torch.float32, device)
 runner = ModelRunner(model, storage, max_num_reqs=3, max_blocks_per_req=4)
 
 
-def request(request_id: str, text: str, max_new_tokens: int) -> SchedulerRequest:
+def request(request_id: str, text: str, max_new_tokens: int) -> EngineCoreRequest:
     prompt = encode(text)
-    return SchedulerRequest(request_id, len(prompt), max_new_tokens, tuple(prompt))
+    return EngineCoreRequest(request_id, len(prompt), max_new_tokens, tuple(prompt))
 
 
 def step():
@@ -313,7 +313,7 @@ output, result = step()
 print(f"step 0: num_scheduled_tokens {output.num_scheduled_tokens}")
 for new in output.scheduled_new_reqs:
     print(f"  new request {new.req_id}: block_ids {new.block_ids}")
-print(f"  sampled {result.sampled}; free blocks: {memory.num_free_blocks} of 6")
+print(f"  sampled {result.sampled_token_ids}; free blocks: {memory.num_free_blocks} of 6")
 
 # %% [markdown]
 # Step 0 admitted both requests and prefilled both prompts in one forward of 11 tokens: `a`'s 9
@@ -335,7 +335,7 @@ for req_id, new_ids, done in zip(
     print(f"  running {req_id}: {done} tokens computed before the step, new_block_ids {new_ids}")
 for new in output.scheduled_new_reqs:
     print(f"  new request {new.req_id}: block_ids {new.block_ids}")
-print(f"  sampled {result.sampled}; free blocks: {memory.num_free_blocks} of 6")
+print(f"  sampled {result.sampled_token_ids}; free blocks: {memory.num_free_blocks} of 6")
 
 # %% [markdown]
 # Admitted, into a pool it fills: no block is left free. `a`'s 10th token (position 9) and `b`'s 3rd
@@ -510,8 +510,8 @@ plt.show()
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
 # step of attention (32 sequences, 8 heads of 64, contexts of 1,024 tokens in scattered blocks of
-# 16) against SDPA on the same tokens held contiguously: `paged_attention` takes **1.7 to 2.2
-# times** as long on a quiet 2-core CPU, 1.9 to 9 times with two busy processes beside it. On GPUs
+# 16) against SDPA on the same tokens held contiguously: `paged_attention`, in its C backend
+# `CPU_ATTN`, took **1.0 to 1.2 times** as long in four runs on a shared 2-core CPU. On GPUs
 # the vLLM paper measures its PagedAttention kernel at **20 to 26 %** more latency than
 # FasterTransformer's contiguous kernel. Around the attention, every step schedules in Python and
 # builds its inputs with a few tensor operations, once per step whatever the layers.
@@ -600,8 +600,8 @@ for mode, r in results.items():
 #   alone.
 # * On 96 ShareGPT-shaped requests in 2,048 slots: 18.7 sequences running on average against 7.2
 #   (2.6 times), 209 steps against 544, utilization 89 % against 24 %, 4 preemptions, the same
-#   tokens; the benchmark's burst gives 3.0 times. The price: `paged_attention` at 1.7 to 2.2 times
-#   SDPA on a quiet CPU (20 to 26 % on GPUs in the vLLM paper) and each step's bookkeeping.
+#   tokens; the benchmark's burst gives 3.0 times. The price: `paged_attention` at 1.0 to 1.2 times
+#   SDPA on a CPU (20 to 26 % on GPUs in the vLLM paper) and each step's bookkeeping.
 #
 # **Next, lesson 10:** a Hugging Face Llama on the same cache and engine, with exactly Hugging
 # Face's tokens, and a token budget that prefills long prompts in chunks. The exercise,

@@ -307,9 +307,10 @@ plt.show()
 # and attention reads `stored * k_scale` back in the model's dtype (V likewise). vLLM loads the
 # scales from the checkpoint when a quantized model brings them, and uses 1.0 when it does not;
 # `paged_kv` does the same, and with `calculate_kv_scales=True` it measures each layer's scales from
-# the first K and V the layer writes, so that the largest fills the format. Every attention strategy
-# of lessons 05, 06 and 12 reads an fp8 pool: the gather dequantizes the blocks it gathers, the
-# Triton kernel loads the bytes and folds `k_scale` into its score scale. The saving, for
+# the first K and V the layer writes, so that the largest fills the format. Every attention backend
+# of lessons 05, 06 and 12 reads an fp8 pool: `GATHER` dequantizes the blocks it gathers, the
+# Triton and C kernels (`TRITON_ATTN`, `CPU_ATTN`) load the bytes and fold `k_scale` into their score
+# scale. The saving, for
 # SmolLM2-135M, and three numbers stored in e4m3 and read back:
 
 # %%
@@ -411,9 +412,9 @@ for kv_cache_dtype in ("fp8", "fp8_e5m2"):
 #   stores each new key divided by `k_scale` (its `FP8_KV_CACHE` branch), and a key that is fp8
 #   already as it is, as our `KVStorage.write_slots` does; `vllm/v1/attention/ops/triton_unified_attention.py`:
 #   `kernel_unified_attention` reads each tile of K and V through `_cast_kv_tile`, the stored bytes
-#   in float32 times the scale, cast to the query's dtype, as our strategies read an fp8 pool; when
-#   the queries are fp8 too it folds the scales instead, `score_scale` and `value_scale`, as our
-#   Triton launcher does.
+#   in float32 times the scale, cast to the query's dtype, as our `GATHER` backend reads an fp8 pool;
+#   when the queries are fp8 too it folds the scales instead, `score_scale` and `value_scale`, as
+#   our Triton launcher and C kernel do.
 #
 # What the course leaves out or does differently: `long_prefill_token_threshold`, speculative
 # decoding (the `_spec` in `num_tokens_with_spec`), asynchronous scheduling, and of fp8 the queries

@@ -38,9 +38,9 @@ from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
 from paged_kv.pictures.plots import PALETTE, plot_block_tables, plot_metrics
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, sweep_budgets
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+from paged_kv.serving.scheduler import Scheduler, EngineCoreRequest, run_steps
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -147,8 +147,8 @@ plt.show()
 # `k`:
 
 # %%
-memory = KVCacheManager(BlockManager(num_blocks=8, block_size=4))
-arrivals = [(0, SchedulerRequest(seq_id, num_prompt_tokens=3, max_new_tokens=12)) for seq_id in "abcd"]
+memory = KVCacheManager(num_blocks=8, block_size=4)
+arrivals = [(0, EngineCoreRequest(seq_id, num_prompt_tokens=3, max_new_tokens=12)) for seq_id in "abcd"]
 for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals, max_steps=9):
     if output.preemptions:
         victims = [(p.request_id, p.way, p.num_tokens) for p in output.preemptions]
@@ -529,9 +529,10 @@ plt.show()
 # * Against the budget: from 20 preemptions and 177 steps at 11 blocks to none and 37 steps at 99;
 #   swap takes the same steps as recompute at every budget.
 #
-# **Next, lesson 12:** writing the kernel. Every decode step above ends in `paged_attention`, which
-# does lesson 03's address translation with PyTorch operations; a serving engine hands it to one
-# kernel, whose programs load the block ids from the table and read the keys and values they point
-# to. Lesson 12 writes it in Triton. The exercise for this lesson,
+# **Next, lesson 12:** writing the kernel. Every decode step above ends in attention over the
+# paged cache, which a serving engine hands to one kernel, whose programs load the block ids from
+# the table and read the keys and values they point to: on this CPU the package's `CPU_ATTN`, in
+# C; `GATHER` does lesson 03's address translation with PyTorch operations instead. Lesson 12
+# writes such a kernel in Triton. The exercise for this lesson,
 # `exercises/11_running_out_of_blocks.ipynb`, has you write the watermark rule, the choice of
 # victims and their requeueing, and the swap of a sequence out to host memory and back.

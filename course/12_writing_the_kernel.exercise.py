@@ -67,7 +67,7 @@ print(MISSING or f"Triton {'interprets' if triton_interpreted() else 'compiles'}
 # 5. **The output**: store `acc / total[:, None]`, cast to `out_ptr.dtype.element_ty`, at row
 #    `query_start + token` and the rows' heads of `out`, masked like the queries.
 #
-# **Checked:** against `paged_prefill_attention(..., strategy="gather")` within `atol=rtol=1e-5`, on
+# **Checked:** against `paged_prefill_attention(..., backend="GATHER")` within `atol=rtol=1e-5`, on
 # scattered blocks of a pool full of stale data: one decode in one full block, a partly full last
 # block, several blocks, a batch of decodes, grouped-query attention (2 KV heads, 2 query heads
 # each), vLLM v1's cache layout read through its strides, a fresh prompt, a chunk after 7 cached
@@ -205,7 +205,7 @@ check("12.paged_decode_kernel", paged_attention_kernel)
 #
 # Your kernel, launched by the package's launcher on one engine step: a decode, a fresh prompt of 6
 # tokens and a chunk of 4 tokens after 9 cached ones, packed into 11 query rows, with 4 query heads
-# reading 2 KV heads, against the gather strategy. Try other lengths, block sizes and head counts.
+# reading 2 KV heads, against the `GATHER` backend. Try other lengths, block sizes and head counts.
 
 # %%
 if MISSING:
@@ -223,6 +223,6 @@ else:
         query, k_cache, v_cache, tables, seq_lens, query_start_loc, 6, None, kernel=paged_attention_kernel
     )
     gathered = paged_prefill_attention(
-        query, k_cache, v_cache, tables, seq_lens, query_lens, strategy="gather"
+        query, k_cache, v_cache, tables, seq_lens, query_lens, backend="GATHER"
     )
     print("your kernel equals the gather:", torch.allclose(mine, gathered, atol=1e-5, rtol=1e-5))

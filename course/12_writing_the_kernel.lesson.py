@@ -277,9 +277,10 @@ for token in range(query_lens[2]):
 # program stores `acc / total` for its rows. Every quantity is kept in float32, whatever the cache's
 # dtype. Every row sees position 0, so the first block already gives each row a finite maximum.
 # Here is the package's kernel, a plain Python function in Triton's language; `triton.jit` makes it
-# a kernel, and `paged_attention_varlen(..., strategy="triton")` launches it over the step's
-# `seq_lens` and `query_start_loc`, as do `paged_prefill_attention` (which takes the query lengths)
-# and `paged_attention` (a step of decodes) with that strategy. Its two trailing constexpr
+# a kernel, the package's `TRITON_ATTN` backend launches it over the step's `seq_lens` and
+# `query_start_loc`, and `paged_attention_varlen(..., backend="TRITON_ATTN")` hands it this lesson's
+# batch, as do `paged_prefill_attention` (which takes the query lengths) and `paged_attention` (a
+# step of decodes) with that backend. Its two trailing constexpr
 # parameters, `SLIDING_WINDOW` and `SOFTCAP` (defaults: none), serve lesson 13's sliding-window and
 # soft-capped layers and change nothing here.
 
@@ -289,19 +290,19 @@ print(source[source.index("    seq = tl.program_id(0)") :] if KERNELS else sourc
 
 # %% [markdown]
 # **Predict, then run.** The unused slots of the pool hold random numbers, and the padding entries of
-# the table are `-1`, which names no block. Will the kernel equal the gather strategy exactly, only
+# the table are `-1`, which names no block. Will the kernel equal the `GATHER` backend exactly, only
 # roughly, or not at all? And if those slots held NaN?
 
 # %%
 if KERNELS:
     args = (tables, seq_lens, query_start_loc)
-    out = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, strategy="triton")
-    gathered = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, strategy="gather")
+    out = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, backend="TRITON_ATTN")
+    gathered = paged_attention_varlen(query, cache.k_cache, cache.v_cache, *args, backend="GATHER")
     print("the kernel equals the gather:", torch.allclose(out, gathered, **TOL))
     poisoned_k, poisoned_v = cache.k_cache.clone(), cache.v_cache.clone()
     last_block = int(tables[0, 2])
     poisoned_k[last_block, :, 3:], poisoned_v[last_block, :, 3:] = float("nan"), float("nan")
-    again = paged_attention_varlen(query, poisoned_k, poisoned_v, *args, strategy="triton")
+    again = paged_attention_varlen(query, poisoned_k, poisoned_v, *args, backend="TRITON_ATTN")
     print("with NaN in sequence 0's masked tail, the same output:", torch.equal(again, out))
 else:
     print(MISSING)
@@ -371,7 +372,7 @@ k_view, v_view = kv_view[..., :HEAD_DIM], kv_view[..., HEAD_DIM:]
 print("course k_cache strides:", cache.k_cache.stride())
 print("vLLM K, as a view:     ", k_view.stride(), "contiguous:", k_view.is_contiguous())
 if KERNELS:
-    from_vllm = paged_attention_varlen(query, k_view, v_view, *args, strategy="triton")
+    from_vllm = paged_attention_varlen(query, k_view, v_view, *args, backend="TRITON_ATTN")
     print("the kernel reads vLLM's layout in place, same output:", torch.allclose(from_vllm, out, **TOL))
 else:
     print(MISSING)
@@ -430,7 +431,9 @@ else:
 # * Two masks: the last block's tail is never loaded (NaN there changes nothing), and a query at
 #   `context_len + token` sees positions up to its own; a tile loads only the blocks its last token sees.
 # * The loop is lesson 05's online softmax, in float32: `m`, `total`, `acc`, rescaled by
-#   `exp(m_old - m_new)`; the result equals the gather strategy within 1e-5.
+#   `exp(m_old - m_new)`; the result equals the `GATHER` backend within 1e-5.
+# * The package runs this kernel as its `TRITON_ATTN` backend (vLLM's name), the platform's default
+#   on a GPU with triton; `CPU_ATTN`, the CPU's default, is the same loop in C.
 # * One step reads `2 * BLOCK_SIZE * HEAD_DIM` numbers for all of a tile's rows; 1,000 tokens take
 #   125, 63 or 32 steps with blocks of 8, 16 or 32, at 4 KiB, 8 KiB or 16 KiB per step in float16
 #   with head dimension 128.

@@ -9,7 +9,7 @@
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The package has the same rules in `paged_kv.core.kv_cache_groups`
-# (`SlidingWindowSpec`), `paged_kv.core.single_type_manager` (`SlidingWindowManager`) and
+# (`SlidingWindowSpec`), `paged_kv.core.single_type_kv_cache_manager` (`SlidingWindowManager`) and
 # `paged_kv.core.kv_cache_coordinator` (`KVCacheCoordinator`); try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the

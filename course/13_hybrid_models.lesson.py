@@ -66,10 +66,10 @@ print("paged_kv", paged_kv.__version__)
 #
 # A sliding layer needs only the `W - 1` tokens before the next one, plus the tokens a step is
 # computing. vLLM bounds what a sliding group of layers holds per request by
-# `ceil((W - 1 + tokens in flight) / block_size) + 1` blocks (`SlidingWindowSpec.max_blocks_per_request`;
+# `ceil((W - 1 + tokens in flight) / block_size) + 1` blocks (`SlidingWindowSpec.max_admission_blocks_per_request`;
 # the `+ 1` because the window need not start at a block's edge). Under a token budget of 2,048
 # (lesson 10; vLLM's API server takes it by default on a GPU under 70 GB, 8,192 on an H100), that is
-# 193 blocks; once the prompt is in and a step computes one token, 65. The package's `peak_blocks(groups, tokens, max_tokens_in_flight)` adds it
+# 193 blocks; once the prompt is in and a step computes one token, 65. The package's `peak_blocks(groups, tokens, max_in_flight_tokens)` adds it
 # up over the groups of section 3; for now, trust that a block of this model's groups costs the
 # pages of 10 layers.
 
@@ -79,7 +79,7 @@ PAGE = 2 * 16 * 128 * 2 * 16  # K and V, 16 heads of 128, 2 bytes, 16 tokens: on
 hybrid = kv_cache_groups(GEMMA3_27B, block_size=16)
 every_layer_full = kv_cache_groups([None] * 62, block_size=16)
 window = SlidingWindowSpec(block_size=16, sliding_window=1024)
-most = window.max_blocks_per_request(max_tokens_in_flight=2048, max_model_len=32768)
+most = window.max_admission_blocks_per_request(max_in_flight_tokens=2048, max_model_len=32768)
 print(f"a page: {format_bytes(PAGE)}; a sliding group holds at most {most} blocks")
 print(f"{'tokens':>8}{'every layer full':>18}{'per group':>11}{'less':>7}{'decoding':>10}")
 for tokens in (32_768, 131_072):
@@ -304,7 +304,7 @@ print(f"hit: {hit.num_tokens} tokens; sliding {list(hit.block_ids[0])}, full {li
 
 # %%
 coordinator.free("a")
-coordinator.pool.prefix_cache.evict(hit.block_ids[1][4])  # the full group's block of positions 16..19
+coordinator.block_pool.prefix_cache.evict(hit.block_ids[1][4])  # the full group's block of positions 16..19
 again = coordinator.get_computed_blocks(prompt)
 print(f"hit: {again.num_tokens} tokens; sliding {list(again.block_ids[0])}, full {list(again.block_ids[1])}")
 

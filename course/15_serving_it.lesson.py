@@ -81,7 +81,7 @@ model = TinyGPT(GPTConfig(max_len=512), seed=0).to(device).eval()
 # %%
 engine = Engine(model, num_blocks=64, block_size=16, enable_prefix_caching=True, max_model_len=512)
 llm = LLMEngine(engine, decode=decode)
-pool = llm.scheduler.memory  # the KV-cache manager the scheduler takes blocks from
+pool = llm.engine_core.scheduler.memory  # the KV-cache manager the scheduler takes blocks from
 
 
 def used_blocks() -> int:
@@ -99,7 +99,7 @@ for _ in range(3):
 llm.add_request("C", encode("Continuous batching admits requests as others finish."), greedy)
 llm.step()
 history.append(used_blocks())
-print(f"after 4 steps: {len(llm.scheduler.running)} running, {used_blocks()} blocks in use")
+print(f"after 4 steps: {len(llm.engine_core.scheduler.running)} running, {used_blocks()} blocks in use")
 
 # %% [markdown]
 # *Predict, then run:* request B is aborted now, between two steps. How many blocks are in use

@@ -19,7 +19,7 @@ from paged_kv.attention.paged import paged_attention, paged_attention_varlen, pa
 from paged_kv.core.block import Block, BlockTable, blocks_for_tokens
 from paged_kv.core.block_allocator import BlockAllocator
 from paged_kv.core.block_manager import BlockManager
-from paged_kv.core.events import BlockEvent
+from paged_kv.core.changes import BlockChange
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.trace import Recorder, TraceFrame
@@ -37,10 +37,11 @@ from paged_kv.model.hf import HFCausalLM
 from paged_kv.model.hub import load_model
 from paged_kv.model.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine_result import EngineResult
 from paged_kv.serving.metrics import RunMetrics, SchedulerStats
 from paged_kv.serving.outputs import SchedulerOutput
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
 from paged_kv.simulation.fragmentation import ContiguousUsage, contiguous_baseline, fragmentation_report
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, sample_requests, simulate
@@ -51,7 +52,7 @@ __all__ = [
     "AllocatorSnapshot",
     "Block",
     "BlockAllocator",
-    "BlockEvent",
+    "BlockChange",
     "BlockManager",
     "BlockTable",
     "BlockUsage",
@@ -60,6 +61,7 @@ __all__ = [
     "ContiguousPolicy",
     "ContiguousUsage",
     "Engine",
+    "EngineCoreRequest",
     "EngineRequest",
     "EngineResult",
     "GPTConfig",
@@ -78,7 +80,6 @@ __all__ = [
     "RunMetrics",
     "Scheduler",
     "SchedulerOutput",
-    "SchedulerRequest",
     "SchedulerStats",
     "TinyGPT",
     "TraceFrame",

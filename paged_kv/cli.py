@@ -23,7 +23,7 @@ from paged_kv.simulation.workload import WORKLOADS, compare_policies, format_tab
 
 USAGE_ERROR = 2
 DEFAULT_NUM_BLOCKS = 512
-"""The pool of ``paged-kv serve`` when neither ``--num-blocks`` nor ``--gpu-memory-utilization`` is
+"""The pool of ``paged-kv serve`` when neither ``--num-gpu-blocks-override`` nor ``--gpu-memory-utilization`` is
 given: 8,192 tokens in blocks of 16. (vLLM takes 90 % of the GPU by default; on a CPU that would be
 the machine's RAM, so the course serves a fixed pool unless asked.)"""
 TINY_MODEL_NAME = "tiny-gpt"
@@ -189,10 +189,10 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--port", type=_port, default=8000, help="the port to listen on (8000)")
     memory = serve.add_mutually_exclusive_group()
     memory.add_argument(
-        "--num-blocks",
+        "--num-gpu-blocks-override",
         type=_positive_int,
         default=None,
-        help=f"blocks in the KV-cache pool (default {DEFAULT_NUM_BLOCKS}; vLLM's num_gpu_blocks_override)",
+        help=f"blocks in the KV-cache pool, its null block among them (default {DEFAULT_NUM_BLOCKS})",
     )
     memory.add_argument(
         "--gpu-memory-utilization",
@@ -306,8 +306,7 @@ def build_serve_app(args: argparse.Namespace):
     from paged_kv.device import default_device
     from paged_kv.entrypoints.openai.api_server import build_app
     from paged_kv.serving.async_llm import AsyncLLM
-    from paged_kv.serving.engine import Engine
-    from paged_kv.serving.llm_engine import LLMEngine
+    from paged_kv.serving.engine_args import EngineArgs
 
     if args.tiny:
         from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
@@ -326,12 +325,11 @@ def build_serve_app(args: argparse.Namespace):
             loaded.note,
         )
     model = model.to(default_device())
-    num_blocks = args.num_blocks
+    num_blocks = args.num_gpu_blocks_override
     if num_blocks is None and args.gpu_memory_utilization is None:
         num_blocks = DEFAULT_NUM_BLOCKS
-    engine = Engine(
-        model,
-        num_blocks=num_blocks,
+    engine_args = EngineArgs(
+        num_gpu_blocks_override=num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -339,12 +337,15 @@ def build_serve_app(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    app = build_app(AsyncLLM(LLMEngine(engine, decode=decode)), model_name=name, encode=encode, decode=decode)
-    caching = "on" if engine.enable_prefix_caching else "off"
+    async_llm = AsyncLLM.from_engine_args(model, engine_args, decode=decode)
+    app = build_app(async_llm, model_name=name, encode=encode)
+    config = async_llm.vllm_config
+    cache = config.cache_config
     lines = [
         note,
-        f"{engine.num_blocks} blocks of {engine.block_size} tokens, max_model_len {engine.max_model_len}, "
-        f"prefix caching {caching}, on {engine.device}",
+        f"{cache.num_gpu_blocks} blocks of {cache.block_size} tokens, max_model_len "
+        f"{config.model_config.max_model_len}, prefix caching {'on' if cache.enable_prefix_caching else 'off'}, "
+        f"on {config.device_config.device}",
         f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
     ]
     return app, lines

@@ -16,7 +16,9 @@ from paged_kv import PagedKVCacheAllocator
 from paged_kv.attention.triton_decode import triton_available
 from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import EngineRequest
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine_args import EngineArgs
+from paged_kv.serving.llm_engine import LLMEngine
 
 NUM_HEADS, HEAD_DIM = 2, 4
 KERNEL_LESSONS = ("12",)  # lessons whose exercise is a Triton kernel
@@ -46,6 +48,28 @@ def max_examples(dev: int) -> int:
     """
     scale = settings.default.max_examples / settings.get_profile("dev").max_examples
     return max(1, round(dev * scale))
+
+
+def engine_args(num_blocks: int | None = None, **kwargs) -> EngineArgs:
+    """:class:`EngineArgs` with the offline engine's name for the pool's size, ``num_blocks``
+    (vLLM's ``num_gpu_blocks_override``)."""
+    return EngineArgs(num_gpu_blocks_override=num_blocks, **kwargs)
+
+
+def built(engine: Engine, watch: Callable[[LLMEngine], None] | None = None) -> list[LLMEngine]:
+    """The online engines ``engine``'s runs build, one per run, to look at after it; ``watch`` is
+    called on each as it is built (to wrap its parts and see each step)."""
+    made: list[LLMEngine] = []
+    build = engine.new_llm_engine
+
+    def new_llm_engine() -> LLMEngine:
+        made.append(build())
+        if watch is not None:
+            watch(made[-1])
+        return made[-1]
+
+    engine.new_llm_engine = new_llm_engine  # type: ignore[method-assign]
+    return made
 
 
 def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.device = "cpu", **kw):

@@ -19,11 +19,10 @@ import pytest
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.async_llm import AsyncLLM, EngineDeadError, KVCacheView
-from paged_kv.serving.engine import Engine, EngineRequest
-from paged_kv.serving.llm_engine import LLMEngine
+from paged_kv.serving.engine import EngineRequest
 from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
-from .helpers import alone, run_async
+from .helpers import alone, engine_args, run_async
 
 pytestmark = pytest.mark.lesson15
 
@@ -42,8 +41,7 @@ def letters(ids: Sequence[int]) -> str:
 
 
 def serving(model: TinyGPT, num_blocks: int = NUM_BLOCKS, **kwargs) -> AsyncLLM:
-    engine = Engine(model, num_blocks=num_blocks, block_size=4, **kwargs)
-    return AsyncLLM(LLMEngine(engine, decode=letters))
+    return AsyncLLM.from_engine_args(model, engine_args(num_blocks, block_size=4, **kwargs), decode=letters)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -51,7 +49,7 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def free_blocks(llm: AsyncLLM) -> int:
-    return llm.llm_engine.scheduler.memory.num_free_blocks
+    return llm.llm_engine.engine_core.scheduler.memory.num_free_blocks
 
 
 async def until(condition, seconds: float = 5.0) -> None:
@@ -95,7 +93,7 @@ def test_concurrent_clients_get_the_greedy_tokens_of_generate(cpu_model, device)
     assert {o.request_id for o in delta} == {"delta"}
     assert max(running for running, _ in views) > 1  # they were served together
     assert sum(tokens for _, tokens in views) == sum(lengths) + 5
-    assert free_blocks(llm) == NUM_BLOCKS and not llm.llm_engine.has_unfinished_requests()
+    assert free_blocks(llm) == NUM_BLOCKS - 1 and not llm.llm_engine.has_unfinished_requests()
     assert llm.num_unfinished_requests == 0
     assert isinstance(llm.kv_view, KVCacheView) and llm.kv_view.step == llm.llm_engine.num_steps
     assert llm.kv_view.kv_cache_usage == 0.0 and llm.kv_view.num_running == 0
@@ -116,16 +114,16 @@ def test_a_client_that_stops_iterating_aborts_its_request(cpu_model):
             async for out in stream:
                 seen.append(out)
                 if len(seen) == 3:
-                    assert "quits" in llm.llm_engine.scheduler.memory.manager.tables
+                    assert "quits" in llm.llm_engine.engine_core.scheduler.memory.coordinator
                     break
         closed_at = len(steps)
         # The abort is applied before the loop's next step: the blocks come back.
         await until(lambda: "quits" not in llm.llm_engine.output_processor)
-        assert "quits" not in llm.llm_engine.scheduler.memory.manager.tables  # its blocks are back
-        assert "quits" not in [r.request_id for r in llm.llm_engine.scheduler.running]
+        assert "quits" not in llm.llm_engine.engine_core.scheduler.memory.coordinator  # its blocks are back
+        assert "quits" not in [r.request_id for r in llm.llm_engine.engine_core.scheduler.running]
         assert sum("quits" in ids for ids in steps[closed_at:]) <= 1  # at most the step then in flight
         rest = await other
-        await until(lambda: free_blocks(llm) == NUM_BLOCKS)
+        await until(lambda: free_blocks(llm) == NUM_BLOCKS - 1)
         await llm.shutdown()
         return seen, rest
 
@@ -156,7 +154,7 @@ def test_abort_by_request_id_ends_the_clients_stream_and_frees_the_blocks(cpu_mo
 
     outputs, blocks = run_async(main())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
-    assert 2 <= len(outputs[-1].outputs[0].token_ids) < 40 and blocks == NUM_BLOCKS
+    assert 2 <= len(outputs[-1].outputs[0].token_ids) < 40 and blocks == NUM_BLOCKS - 1
 
 
 def test_an_abort_before_the_loop_takes_the_request_ends_it_too(cpu_model):
@@ -173,7 +171,7 @@ def test_an_abort_before_the_loop_takes_the_request_ends_it_too(cpu_model):
         return out, free_blocks(llm)
 
     out, blocks = run_async(main())
-    assert out.finished and out.outputs[0].finish_reason == "abort" and blocks == NUM_BLOCKS
+    assert out.finished and out.outputs[0].finish_reason == "abort" and blocks == NUM_BLOCKS - 1
 
 
 def test_shutdown_aborts_what_is_left_and_frees_every_block(cpu_model):
@@ -196,7 +194,7 @@ def test_shutdown_aborts_what_is_left_and_frees_every_block(cpu_model):
     assert all(not o.finished for o in firsts)
     for end in ends:
         assert end[-1].finished and end[-1].outputs[0].finish_reason == "abort"
-    assert free_blocks(llm) == NUM_BLOCKS and llm.llm_engine.get_num_unfinished_requests() == 0
+    assert free_blocks(llm) == NUM_BLOCKS - 1 and llm.llm_engine.get_num_unfinished_requests() == 0
     assert not llm.llm_engine.has_unfinished_requests() and llm.num_unfinished_requests == 0
     assert llm.kv_view.kv_cache_usage == 0.0
 
@@ -234,7 +232,7 @@ def test_shutdown_waits_for_a_step_still_running_in_the_worker_thread(cpu_model,
 
     llm, outputs, overlaps = run_async(main())
     assert overlaps == [False]  # the abort waited for the step
-    assert free_blocks(llm) == NUM_BLOCKS and not llm.llm_engine.has_unfinished_requests()
+    assert free_blocks(llm) == NUM_BLOCKS - 1 and not llm.llm_engine.has_unfinished_requests()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 1
     assert outputs[-1].outputs[0].finish_reason == ("length" if max_tokens == 1 else "abort")
 
@@ -247,7 +245,6 @@ def test_shutdown_waits_for_a_step_still_running_in_the_worker_thread(cpu_model,
         ([1] * 64, None, None, r"plus the number of requested output tokens \(at least 1\)"),
         ([1] * 70, None, None, r"is longer than the maximum model length of 64"),
         ([1, 2], "greedy", None, "sampling_params must be a SamplingParams"),
-        ([1, 2], None, "taken", "request_id 'taken' is in use"),
         ([1, 2], None, ["unhashable"], "request_id"),
         ([1] * 50, greedy(13), None, "cannot hold request"),
     ],
@@ -263,8 +260,25 @@ def test_a_bad_request_fails_in_generate_before_anything_is_queued(
         steps = llm.llm_engine.num_steps
         with pytest.raises(ValueError, match=message):
             await collect(llm, prompt, params, request_id)
-        assert not llm._adds and not llm._aborts and llm.num_unfinished_requests == 0
+        assert not llm._ops and llm.num_unfinished_requests == 0
         assert llm.llm_engine.num_steps == steps and not llm.llm_engine.has_unfinished_requests()
+        await llm.shutdown()
+
+    run_async(main())
+
+
+def test_an_id_is_in_use_only_while_its_client_listens(cpu_model):
+    model = cpu_model.to("cpu")
+
+    async def main():
+        llm = serving(model, num_blocks=12)
+        first = llm.generate([5], greedy(20, output_kind=RequestOutputKind.DELTA), request_id="taken")
+        await anext(first)  # running: its client listens
+        with pytest.raises(ValueError, match="request_id 'taken' is in use"):
+            await collect(llm, [1, 2], None, "taken")
+        await first.aclose()  # the client leaves: its request is aborted, its id free
+        again = await collect(llm, [5], greedy(2), request_id="taken")
+        assert again[-1].finished and again[-1].outputs[0].token_ids == alone(model, EngineRequest("x", [5], 2))
         await llm.shutdown()
 
     run_async(main())
@@ -274,10 +288,10 @@ def test_stop_strings_without_a_decode_fail_before_anything_is_queued(cpu_model)
     model = cpu_model.to("cpu")
 
     async def main():
-        llm = AsyncLLM(LLMEngine(Engine(model, num_blocks=12, block_size=4)))
+        llm = AsyncLLM.from_engine_args(model, engine_args(12, block_size=4))
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):
             await collect(llm, [1, 2], greedy(3, stop="x"))
-        assert llm._task is None and not llm._adds  # the loop was not even started
+        assert llm._task is None and not llm._ops  # the loop was not even started
         outputs = await collect(llm, [1, 2], greedy(3))
         await llm.shutdown()
         return outputs
@@ -291,7 +305,7 @@ def test_an_engine_error_surfaces_as_engine_dead_error(cpu_model, error):
 
     async def main():
         llm = serving(model)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.model_runner
         execute = runner.execute_model
         calls = []
 
@@ -314,4 +328,4 @@ def test_an_engine_error_surfaces_as_engine_dead_error(cpu_model, error):
     for result in results:
         assert isinstance(result, EngineDeadError) and result.__cause__ is error
     assert llm.errored is error
-    assert free_blocks(llm) == NUM_BLOCKS
+    assert free_blocks(llm) == NUM_BLOCKS - 1

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.attention.flex import flex_available
+from paged_kv.attention.backends.flex_attention import flex_available
 from paged_kv.attention.paged import decode_attention, gather_kv, paged_attention, paged_prefill_attention
 
 pytestmark = pytest.mark.lesson05
@@ -93,30 +93,30 @@ def test_repeat_kv_pairs_each_query_head_with_its_group_s_kv_head():
 
 def test_the_kernels_group_the_query_heads_as_a_view_in_repeat_kv_order():
     """Heads 0-3 of 8 share KV head 0, heads 4-7 KV head 1; no copy of the queries is made."""
-    from paged_kv.attention.paged import _group_heads
+    from paged_kv.attention.heads import group_heads
 
     q = torch.arange(8.0).reshape(1, 8, 1)
-    grouped = _group_heads(q, 2, dim=1)
+    grouped = group_heads(q, 2, dim=1)
     assert grouped.shape == (1, 2, 4, 1) and grouped.data_ptr() == q.data_ptr()
     assert grouped[0, :, :, 0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert torch.equal(grouped.flatten(1, 2), q)
 
 
-def reference(cache, query, context_lens, scale=None):
+def reference(cache, query, seq_lens, scale=None):
     """SDPA, one sequence at a time, over the contiguous K/V read back from the cache (in float32),
     repeated to the query's heads."""
     rows = []
-    for seq_id, context_len in enumerate(context_lens):
-        kv = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+    for seq_id, seq_len in enumerate(seq_lens):
+        kv = (t[:seq_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
         k, v = (repeat_kv(t, query.shape[1]) for t in kv)
         q = query[seq_id, :, None][None].float()  # (1, H, 1, D) against (1, H, T, D)
         rows.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0, :, 0])
     return torch.stack(rows)
 
 
-def run(cache, query, context_lens, **kw):
-    tables = cache.block_tables_tensor(range(len(context_lens)))
-    return paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, **kw)
+def run(cache, query, seq_lens, **kw):
+    tables = cache.block_tables_tensor(range(len(seq_lens)))
+    return paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, **kw)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
@@ -141,8 +141,8 @@ def test_a_batch_of_different_lengths_matches_sdpa_per_sequence(device, table_dt
     tables = cache.block_tables_tensor(range(len(lengths))).to(table_dtype)
     assert (tables == -1).any()  # the shorter rows are padded
     query = random_query(cache, len(lengths), num_heads=num_heads)
-    context_lens = torch.tensor(lengths, device=device)
-    out = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens)
+    seq_lens = torch.tensor(lengths, device=device)
+    out = paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens)
     torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
 
 
@@ -162,13 +162,13 @@ def test_context_lens_may_be_a_list_of_ints(device):
     data=st.data(),
 )
 def test_paged_attention_equals_contiguous_attention(block_size, lengths, heads, head_dim, seed, data):
-    """Over any first ``context_len`` tokens of each sequence, not only all of them; any head layout."""
+    """Over any first ``seq_len`` tokens of each sequence, not only all of them; any head layout."""
     num_heads, num_kv_heads = heads
     cache = scattered_cache(lengths, block_size, num_kv_heads, head_dim, seed=seed)
-    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
+    seq_lens = [data.draw(st.integers(1, n), label=f"seq_len {i}") for i, n in enumerate(lengths)]
     query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
-    out = run(cache, query, context_lens)
-    torch.testing.assert_close(out, reference(cache, query, context_lens), **TOLERANCES[torch.float32])
+    out = run(cache, query, seq_lens)
+    torch.testing.assert_close(out, reference(cache, query, seq_lens), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("garbage", ["valid ids", "out of range"])
@@ -185,9 +185,9 @@ def test_padding_values_never_matter(device, garbage):
         filler = filler[:, : tables.shape[1]]
     garbled = torch.where(padding, filler.to(tables), tables)
     query = random_query(cache, len(lengths))
-    context_lens = torch.tensor(lengths, device=device)
-    clean = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens)
-    assert torch.equal(paged_attention(query, cache.k_cache, cache.v_cache, garbled, context_lens), clean)
+    seq_lens = torch.tensor(lengths, device=device)
+    clean = paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens)
+    assert torch.equal(paged_attention(query, cache.k_cache, cache.v_cache, garbled, seq_lens), clean)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -250,8 +250,8 @@ def test_the_inputs_are_not_modified(device):
     cache = scattered_cache(lengths, device=device)
     query = random_query(cache, len(lengths))
     tables = cache.block_tables_tensor(range(len(lengths)))
-    context_lens = torch.tensor(lengths, device=device)
-    inputs = (query, cache.k_cache, cache.v_cache, tables, context_lens)
+    seq_lens = torch.tensor(lengths, device=device)
+    inputs = (query, cache.k_cache, cache.v_cache, tables, seq_lens)
     before = [t.clone() for t in inputs]
     paged_attention(*inputs)
     for tensor, original in zip(inputs, before, strict=True):
@@ -270,7 +270,7 @@ def good_inputs(device):
         "k_cache": cache.k_cache,
         "v_cache": cache.v_cache,
         "block_tables": cache.block_tables_tensor([0, 1]),
-        "context_lens": torch.tensor([5, 2], device=device),
+        "seq_lens": torch.tensor([5, 2], device=device),
     }
 
 
@@ -292,14 +292,14 @@ BAD_INPUTS = {
     "block_tables 1-D": ("block_tables", lambda a: a["block_tables"][0]),
     "block_tables other batch": ("block_tables", lambda a: a["block_tables"][:1]),
     "block_tables id too large": ("block_tables", lambda a: a["block_tables"].fill_(a["k_cache"].shape[0])),
-    "context_lens floats": ("context_lens", lambda a: a["context_lens"].float()),
-    "context_lens not numbers": ("context_lens", lambda a: ["five", "two"]),
-    "context_lens other batch": ("context_lens", lambda a: a["context_lens"][:1]),
-    "context_lens 2-D": ("context_lens", lambda a: a["context_lens"][None]),
-    "context_len of 0": ("context_lens", lambda a: a["context_lens"] * 0),
-    "context_len negative": ("context_lens", lambda a: a["context_lens"] - 6),
-    "context_len past the padding": ("context_lens", lambda a: torch.tensor([5, 5]).to(a["context_lens"])),
-    "context_len past the row": ("context_lens", lambda a: torch.tensor([9, 2]).to(a["context_lens"])),
+    "seq_lens floats": ("seq_lens", lambda a: a["seq_lens"].float()),
+    "seq_lens not numbers": ("seq_lens", lambda a: ["five", "two"]),
+    "seq_lens other batch": ("seq_lens", lambda a: a["seq_lens"][:1]),
+    "seq_lens 2-D": ("seq_lens", lambda a: a["seq_lens"][None]),
+    "seq_len of 0": ("seq_lens", lambda a: a["seq_lens"] * 0),
+    "seq_len negative": ("seq_lens", lambda a: a["seq_lens"] - 6),
+    "seq_len past the padding": ("seq_lens", lambda a: torch.tensor([5, 5]).to(a["seq_lens"])),
+    "seq_len past the row": ("seq_lens", lambda a: torch.tensor([9, 2]).to(a["seq_lens"])),
 }
 
 
@@ -330,7 +330,7 @@ def test_heads_that_do_not_group_name_k_cache_with_the_shape_expected(
     assert all(torch.equal(t, b) for t, b in zip(args[:4], before, strict=True))
 
 
-@pytest.mark.parametrize("name", ["k_cache", "v_cache", "block_tables", "context_lens"])
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "block_tables", "seq_lens"])
 def test_a_tensor_on_another_device_names_the_argument(device, name):
     inputs = good_inputs(device)
     inputs[name] = torch.empty_like(inputs[name], device="meta")
@@ -358,10 +358,10 @@ def test_gather_kv_reads_a_prefix_and_never_the_padding(device):
     cache = scattered_cache([11], block_size=4, device=device)
     table = cache.get_block_mapping(0)
     expected_k, expected_v = cache.read_kv(0)
-    for context_len in range(12):
-        k, v = gather_kv(cache.k_cache, cache.v_cache, [*table, -1, 10**6], context_len)
-        assert k.shape == (context_len, kv_heads(cache), cache.head_dim)
-        assert torch.equal(k, expected_k[:context_len]) and torch.equal(v, expected_v[:context_len])
+    for seq_len in range(12):
+        k, v = gather_kv(cache.k_cache, cache.v_cache, [*table, -1, 10**6], seq_len)
+        assert k.shape == (seq_len, kv_heads(cache), cache.head_dim)
+        assert torch.equal(k, expected_k[:seq_len]) and torch.equal(v, expected_v[:seq_len])
 
 
 def test_gather_kv_follows_the_table_order():
@@ -376,7 +376,7 @@ def gather_inputs():
         "k_cache": cache.k_cache,
         "v_cache": cache.v_cache,
         "block_table": cache.get_block_mapping(0),
-        "context_len": 5,
+        "seq_len": 5,
     }
 
 
@@ -384,9 +384,9 @@ BAD_GATHER_INPUTS = {
     "k_cache 3-D": ("k_cache", lambda a: a["k_cache"][0]),
     "k_cache not a tensor": ("k_cache", lambda a: a["k_cache"].tolist()),
     "v_cache other shape": ("v_cache", lambda a: a["v_cache"][:, :, :2]),
-    "context_len negative": ("context_len", lambda a: -1),
-    "context_len a bool": ("context_len", lambda a: True),
-    "context_len a float": ("context_len", lambda a: 5.0),
+    "seq_len negative": ("seq_len", lambda a: -1),
+    "seq_len a bool": ("seq_len", lambda a: True),
+    "seq_len a float": ("seq_len", lambda a: 5.0),
     "block_table floats": ("block_table", lambda a: torch.tensor(a["block_table"], dtype=torch.float32)),
     "block_table 2-D": ("block_table", lambda a: torch.tensor([a["block_table"]])),
     "block_table not numbers": ("block_table", lambda a: ["a", "b"]),
@@ -480,16 +480,16 @@ def test_paged_attention_is_gather_kv_then_decode_attention_per_sequence(
 ):
     num_heads, num_kv_heads = heads
     cache = scattered_cache(lengths, block_size, num_kv_heads=num_kv_heads, head_dim=4, seed=seed)
-    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
+    seq_lens = [data.draw(st.integers(1, n), label=f"seq_len {i}") for i, n in enumerate(lengths)]
     query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
     tables = cache.block_tables_tensor(range(len(lengths)))
     one_by_one = torch.stack(
         [
             decode_attention(query[b], *gather_kv(cache.k_cache, cache.v_cache, tables[b], n))
-            for b, n in enumerate(context_lens)
+            for b, n in enumerate(seq_lens)
         ]
     )
-    torch.testing.assert_close(run(cache, query, context_lens), one_by_one, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(run(cache, query, seq_lens), one_by_one, **TOLERANCES[torch.float32])
 
 
 # ------------------------------------------------------------------------------ prefill (causal)
@@ -503,35 +503,33 @@ def prefill_query(cache, query_lens, seed=1, num_heads=None):
     return query.to(dtype=cache.dtype, device=cache.device)
 
 
-def causal_mask(context_len, query_len, device="cpu"):
-    """``(query_len, context_len)``: new token i sits at ``context_len - query_len + i`` and sees up to it.
+def causal_mask(seq_len, query_len, device="cpu"):
+    """``(query_len, seq_len)``: new token i sits at ``seq_len - query_len + i`` and sees up to it.
 
     Built explicitly: SDPA's ``is_causal`` aligns the mask top-left, which is wrong when
-    ``query_len < context_len`` (the new tokens are the last ones, not the first).
+    ``query_len < seq_len`` (the new tokens are the last ones, not the first).
     """
-    query_positions = torch.arange(context_len - query_len, context_len, device=device)
-    return torch.arange(context_len, device=device)[None, :] <= query_positions[:, None]
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
 
 
-def prefill_reference(cache, query, context_lens, query_lens, scale=None):
+def prefill_reference(cache, query, seq_lens, query_lens, scale=None):
     """SDPA, one sequence at a time, over its contiguous K/V (in float32) repeated to the query's
     heads, packed like ``query``."""
     rows, start = [], 0
-    for seq_id, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
-        kv = (t[:context_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
+    for seq_id, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        kv = (t[:seq_len].transpose(0, 1)[None].float() for t in cache.read_kv(seq_id))
         k, v = (repeat_kv(t, query.shape[1]) for t in kv)
         q = query[start : start + query_len].transpose(0, 1)[None].float()  # (1, H, Q, D)
-        mask = causal_mask(context_len, query_len, query.device)
+        mask = causal_mask(seq_len, query_len, query.device)
         rows.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0].transpose(0, 1))
         start += query_len
     return torch.cat(rows) if rows else query.float()
 
 
-def run_prefill(cache, query, context_lens, query_lens, **kw):
-    tables = cache.block_tables_tensor(range(len(context_lens)))
-    return paged_prefill_attention(
-        query, cache.k_cache, cache.v_cache, tables, context_lens, query_lens, **kw
-    )
+def run_prefill(cache, query, seq_lens, query_lens, **kw):
+    tables = cache.block_tables_tensor(range(len(seq_lens)))
+    return paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, query_lens, **kw)
 
 
 def test_the_reference_mask_is_sdpa_is_causal_for_a_fresh_prompt():
@@ -546,17 +544,17 @@ def test_the_reference_mask_is_sdpa_is_causal_for_a_fresh_prompt():
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 def test_prefill_of_a_ragged_batch_matches_sdpa_per_sequence(device, table_dtype, num_heads, num_kv_heads):
     # a fresh prompt, a chunk after a cached prefix, one new token, a chunk ending mid-block
-    context_lens, query_lens = [9, 13, 6, 20, 1], [9, 5, 1, 7, 1]
-    cache = scattered_cache(context_lens, 4, num_kv_heads, head_dim=16, device=device, seed=3)
-    tables = cache.block_tables_tensor(range(len(context_lens))).to(table_dtype)
+    seq_lens, query_lens = [9, 13, 6, 20, 1], [9, 5, 1, 7, 1]
+    cache = scattered_cache(seq_lens, 4, num_kv_heads, head_dim=16, device=device, seed=3)
+    tables = cache.block_tables_tensor(range(len(seq_lens))).to(table_dtype)
     assert (tables == -1).any()
     assert cache.get_block_mapping(3) != sorted(cache.get_block_mapping(3))  # really scattered
     query = prefill_query(cache, query_lens, num_heads=num_heads)
     out = paged_prefill_attention(
-        query, cache.k_cache, cache.v_cache, tables, torch.tensor(context_lens, device=device), query_lens
+        query, cache.k_cache, cache.v_cache, tables, torch.tensor(seq_lens, device=device), query_lens
     )
     assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device
-    expected = prefill_reference(cache, query, context_lens, query_lens)
+    expected = prefill_reference(cache, query, seq_lens, query_lens)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
@@ -585,13 +583,13 @@ def test_prefill_of_one_token_per_sequence_is_decode(device):
 
 
 def test_a_sequence_with_no_new_tokens_contributes_no_rows(device):
-    context_lens, query_lens = [6, 9, 3], [2, 0, 3]
-    cache = scattered_cache(context_lens, device=device, seed=6)
+    seq_lens, query_lens = [6, 9, 3], [2, 0, 3]
+    cache = scattered_cache(seq_lens, device=device, seed=6)
     query = prefill_query(cache, query_lens)
-    out = run_prefill(cache, query, context_lens, query_lens)
+    out = run_prefill(cache, query, seq_lens, query_lens)
     assert out.shape == (5, cache.num_heads, cache.head_dim)
     torch.testing.assert_close(
-        out, prefill_reference(cache, query, context_lens, query_lens), **TOLERANCES[torch.float32]
+        out, prefill_reference(cache, query, seq_lens, query_lens), **TOLERANCES[torch.float32]
     )
 
 
@@ -608,19 +606,19 @@ def test_paged_prefill_equals_causal_contiguous_attention(block_size, lengths, h
     any head layout."""
     num_heads, num_kv_heads = heads
     cache = scattered_cache(lengths, block_size, num_kv_heads, head_dim, seed=seed)
-    context_lens = [data.draw(st.integers(1, n), label=f"context_len {i}") for i, n in enumerate(lengths)]
-    query_lens = [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(context_lens)]
+    seq_lens = [data.draw(st.integers(1, n), label=f"seq_len {i}") for i, n in enumerate(lengths)]
+    query_lens = [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(seq_lens)]
     query = prefill_query(cache, query_lens, seed=seed + 1, num_heads=num_heads)
-    out = run_prefill(cache, query, context_lens, query_lens)
-    expected = prefill_reference(cache, query, context_lens, query_lens)
+    out = run_prefill(cache, query, seq_lens, query_lens)
+    expected = prefill_reference(cache, query, seq_lens, query_lens)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("garbage", ["valid ids", "out of range"])
 def test_prefill_padding_values_never_matter(device, garbage):
-    context_lens, query_lens = [1, 9, 4, 16], [1, 3, 4, 2]
-    cache = scattered_cache(context_lens, block_size=4, device=device)
-    tables = cache.block_tables_tensor(range(len(context_lens)))
+    seq_lens, query_lens = [1, 9, 4, 16], [1, 3, 4, 2]
+    cache = scattered_cache(seq_lens, block_size=4, device=device)
+    tables = cache.block_tables_tensor(range(len(seq_lens)))
     padding = tables == -1
     assert padding.any()
     if garbage == "valid ids":
@@ -629,40 +627,40 @@ def test_prefill_padding_values_never_matter(device, garbage):
         filler = torch.full(tables.shape, cache.num_blocks + 7)
     garbled = torch.where(padding, filler.to(tables), tables)
     query = prefill_query(cache, query_lens)
-    args = (torch.tensor(context_lens, device=device), torch.tensor(query_lens, device=device))
+    args = (torch.tensor(seq_lens, device=device), torch.tensor(query_lens, device=device))
     clean = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, *args)
     assert torch.equal(paged_prefill_attention(query, cache.k_cache, cache.v_cache, garbled, *args), clean)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_in_half_precision_matches_within_a_looser_tolerance(device, dtype):
-    context_lens, query_lens = [3, 12, 17], [3, 4, 1]
-    cache = scattered_cache(context_lens, head_dim=16, device=device, dtype=dtype, seed=7)
+    seq_lens, query_lens = [3, 12, 17], [3, 4, 1]
+    cache = scattered_cache(seq_lens, head_dim=16, device=device, dtype=dtype, seed=7)
     query = prefill_query(cache, query_lens)
-    out = run_prefill(cache, query, context_lens, query_lens)
+    out = run_prefill(cache, query, seq_lens, query_lens)
     assert out.dtype == dtype
-    expected = prefill_reference(cache, query, context_lens, query_lens).to(dtype)
+    expected = prefill_reference(cache, query, seq_lens, query_lens).to(dtype)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
 def test_prefill_half_precision_scores_are_computed_in_float32(device):
-    context_lens, query_lens = [6, 11], [6, 3]
-    cache = scattered_cache(context_lens, head_dim=16, device=device, dtype=torch.float16, seed=13)
+    seq_lens, query_lens = [6, 11], [6, 3]
+    cache = scattered_cache(seq_lens, head_dim=16, device=device, dtype=torch.float16, seed=13)
     cache.k_cache.mul_(300)
     query = prefill_query(cache, query_lens) * 300
-    out = run_prefill(cache, query, context_lens, query_lens, scale=1e-4)
+    out = run_prefill(cache, query, seq_lens, query_lens, scale=1e-4)
     assert out.isfinite().all()
-    expected = prefill_reference(cache, query, context_lens, query_lens, scale=1e-4).half()
+    expected = prefill_reference(cache, query, seq_lens, query_lens, scale=1e-4).half()
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float16])
 
 
 @pytest.mark.parametrize("scale", [None, 0.05, 3.0])
 def test_prefill_with_a_custom_scale_matches_sdpa(device, scale):
-    context_lens, query_lens = [7, 12], [3, 12]
-    cache = scattered_cache(context_lens, device=device, seed=11)
+    seq_lens, query_lens = [7, 12], [3, 12]
+    cache = scattered_cache(seq_lens, device=device, seed=11)
     query = prefill_query(cache, query_lens)
-    expected = prefill_reference(cache, query, context_lens, query_lens, scale=scale)
-    out = run_prefill(cache, query, context_lens, query_lens, scale=scale)
+    expected = prefill_reference(cache, query, seq_lens, query_lens, scale=scale)
+    out = run_prefill(cache, query, seq_lens, query_lens, scale=scale)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
@@ -688,8 +686,8 @@ BAD_PREFILL_INPUTS = {
     "query of ints": ("query", lambda a: a["query"].long()),
     "k_cache heads not dividing query's": ("k_cache", lambda a: a["k_cache"].repeat(1, 2, 1, 1)[:, :3]),
     "block_tables 1-D": ("block_tables", lambda a: a["block_tables"][0]),
-    "context_lens other batch": ("context_lens", lambda a: a["context_lens"][:1]),
-    "context_len of 0": ("context_lens", lambda a: a["context_lens"] * 0),
+    "seq_lens other batch": ("seq_lens", lambda a: a["seq_lens"][:1]),
+    "seq_len of 0": ("seq_lens", lambda a: a["seq_lens"] * 0),
     "query_lens not a sequence of ints": ("query_lens", lambda a: ["three", "two"]),
     "query_lens floats": ("query_lens", lambda a: a["query_lens"].float()),
     "query_lens other batch": ("query_lens", lambda a: a["query_lens"][:1]),
@@ -716,12 +714,12 @@ def test_prefill_query_lens_on_another_device_names_it(device):
         paged_prefill_attention(**inputs)
 
 
-# ------------------------------------------------------------- the two ways of reading the blocks
+# --------------------------------------------------------------- the backends that run everywhere
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto"])
-def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strategy, num_heads, num_kv_heads):
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN"])
+def test_every_backend_matches_sdpa_on_ragged_scattered_batches(device, backend, num_heads, num_kv_heads):
     lengths = [1, 8, 13, 4, 7, 20]
     cache = scattered_cache(lengths, block_size=4, num_kv_heads=num_kv_heads, device=device)
     query = random_query(cache, len(lengths), num_heads=num_heads)
@@ -731,7 +729,7 @@ def test_every_strategy_matches_sdpa_on_ragged_scattered_batches(device, strateg
     )
     cache.k_cache[unread] = float("nan")
     cache.v_cache[unread] = float("nan")
-    out = run(cache, query, torch.tensor(lengths, device=device), strategy=strategy)
+    out = run(cache, query, torch.tensor(lengths, device=device), backend=backend)
     torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
 
 
@@ -747,15 +745,15 @@ def test_reading_in_place_equals_gathering(lengths, block_size, cut, shared_pref
     num_heads, num_kv_heads = heads
     cache = scattered_cache(lengths, block_size=block_size, num_kv_heads=num_kv_heads, seed=seed)
     query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
-    context_lens = torch.tensor([max(1, n - cut) for n in lengths])  # attend to a prefix, too
+    seq_lens = torch.tensor([max(1, n - cut) for n in lengths])  # attend to a prefix, too
     tables = cache.block_tables_tensor(range(len(lengths)))
     for row in range(1, len(lengths)):  # the first blocks of row 0, shared by every row long enough
-        width = min(shared_prefix, blocks_for_tokens(int(context_lens[row]), block_size), tables.shape[1])
-        width = min(width, blocks_for_tokens(int(context_lens[0]), block_size))
+        width = min(shared_prefix, blocks_for_tokens(int(seq_lens[row]), block_size), tables.shape[1])
+        width = min(width, blocks_for_tokens(int(seq_lens[0]), block_size))
         tables[row, :width] = tables[0, :width]
-    args = (query, cache.k_cache, cache.v_cache, tables, context_lens)
-    in_place = paged_attention(*args, strategy="in_place")
-    gathered = paged_attention(*args, strategy="gather")
+    args = (query, cache.k_cache, cache.v_cache, tables, seq_lens)
+    in_place = paged_attention(*args, backend="IN_PLACE")
+    gathered = paged_attention(*args, backend="GATHER")
     torch.testing.assert_close(in_place, gathered, **TOLERANCES[torch.float32])
 
 
@@ -767,36 +765,16 @@ def test_shared_blocks_are_read_in_place_by_every_row_that_holds_them(num_heads,
     tables[1, 0] = tables[2, 0] = tables[0, 0]  # rows 1 and 2 read row 0's first block too, as after a fork
     lens = torch.tensor([8, 8, 8])
     expected = table_reference(query, cache.k_cache, cache.v_cache, tables, lens)
-    for strategy in ("gather", "in_place", "auto"):
-        out = paged_attention(query, cache.k_cache, cache.v_cache, tables, lens, strategy=strategy)
-        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
+    for backend in ("GATHER", "IN_PLACE", "CPU_ATTN"):
+        out = paged_attention(query, cache.k_cache, cache.v_cache, tables, lens, backend=backend)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=backend)
 
 
-def test_auto_gathers_when_shared_blocks_are_thinly_shared():
-    """One block shared by 2 of 16 rows: meeting all 16 queries would waste 8 times the work."""
-    from paged_kv.attention.paged import _BlockReads
-
-    lengths = [12] * 16
-    cache = scattered_cache(lengths, block_size=4)
-    tables = cache.block_tables_tensor(range(16))
-
-    def in_place():
-        reads = _BlockReads.of(cache.num_blocks, 4, tables, torch.tensor(lengths))
-        return reads.worth_reading_in_place(cache.num_blocks, len(lengths))
-
-    assert in_place()
-    tables[1, 0] = tables[0, 0]
-    reads = _BlockReads.of(cache.num_blocks, 4, tables, torch.tensor(lengths))
-    assert reads.shared.tolist() == [int(tables[0, 0])] and reads.shared_entries == 2
-    assert not in_place()
-    tables[2:, 0] = tables[0, 0]  # every row reads it: in place again
-    assert in_place()
-
-
-def test_an_unknown_strategy_names_the_argument():
+def test_an_unknown_backend_names_the_argument_and_the_valid_names():
     cache = scattered_cache([4])
-    with pytest.raises(ValueError, match="strategy must be one of auto, gather, in_place, flex"):
-        run(cache, random_query(cache, 1), [4], strategy="fast")
+    valid = "CPU_ATTN, TRITON_ATTN, FLEX_ATTENTION, GATHER, IN_PLACE, or None"
+    with pytest.raises(ValueError, match=f"^backend must be one of {valid}.*got 'fast'"):
+        run(cache, random_query(cache, 1), [4], backend="fast")
 
 
 # ------------------------------------------------------------- FlexAttention, the optional CUDA path
@@ -817,12 +795,12 @@ def test_flex_matches_sdpa_on_ragged_scattered_batches(device, num_heads, num_kv
     )
     cache.k_cache[unread] = 1e4  # large stale values in blocks nobody reads must not reach the output
     cache.v_cache[unread] = -1e4
-    out = run(cache, query, torch.tensor(lengths, device=device), strategy="flex")
+    out = run(cache, query, torch.tensor(lengths, device=device), backend="FLEX_ATTENTION")
     torch.testing.assert_close(out, reference(cache, query, lengths), **TOLERANCES[torch.float32])
 
 
 # Without torch.compile each FlexAttention call traces its mask anew (0.4 s on a CPU), so this test
-# keeps to a few examples: test_every_strategy_and_prefill_equal_the_reference_for_any_valid_table
+# keeps to a few examples: test_every_backend_and_prefill_equal_the_reference_for_any_valid_table
 # below also runs flex on every example, on random tables whose blocks repeat within and across
 # rows, against the reference.
 @needs_flex
@@ -840,12 +818,12 @@ def test_flex_equals_gathering_also_with_shared_blocks(lengths, block_size, cut,
     num_heads, num_kv_heads = heads
     cache = scattered_cache(lengths, block_size=block_size, num_kv_heads=num_kv_heads, seed=seed)
     query = random_query(cache, len(lengths), seed=seed + 1, num_heads=num_heads)
-    context_lens = torch.tensor([max(1, n - cut) for n in lengths])
+    seq_lens = torch.tensor([max(1, n - cut) for n in lengths])
     tables = cache.block_tables_tensor(range(len(lengths)))
     if share and len(lengths) > 1:
         tables[-1, 0] = tables[0, 0]  # the last row reads the first row's first block, as after a fork
-    flex = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="flex")
-    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="gather")
+    flex = paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, backend="FLEX_ATTENTION")
+    gathered = paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, backend="GATHER")
     torch.testing.assert_close(flex, gathered, **TOLERANCES[torch.float32])
 
 
@@ -856,21 +834,21 @@ def test_flex_in_half_precision_matches_within_a_looser_tolerance(device, dtype)
     lengths = [5, 16, 9]
     cache = scattered_cache(lengths, block_size=4, device=device, dtype=dtype)
     query = random_query(cache, len(lengths))
-    out = run(cache, query, lengths, strategy="flex")
+    out = run(cache, query, lengths, backend="FLEX_ATTENTION")
     assert out.dtype == dtype and out.device == query.device
     torch.testing.assert_close(out, reference(cache, query, lengths).to(dtype), **TOLERANCES[dtype])
 
 
-def test_flex_on_an_old_torch_is_a_value_error_naming_the_strategy(monkeypatch):
-    import paged_kv.attention.flex
+def test_flex_on_an_old_torch_is_a_value_error_naming_the_backend(monkeypatch):
+    from paged_kv.attention.backends import flex_attention
 
-    monkeypatch.setattr(paged_kv.attention.flex, "flex_available", lambda: False)
+    monkeypatch.setattr(flex_attention, "flex_available", lambda: False)
     cache = scattered_cache([4])
-    with pytest.raises(ValueError, match=r"strategy 'flex' needs torch 2\.5"):
-        run(cache, random_query(cache, 1), [4], strategy="flex")
+    with pytest.raises(ValueError, match=r"FLEX_ATTENTION needs torch 2\.5"):
+        run(cache, random_query(cache, 1), [4], backend="FLEX_ATTENTION")
 
 
-def table_reference(query, k_cache, v_cache, tables, context_lens, query_lens=None):
+def table_reference(query, k_cache, v_cache, tables, seq_lens, query_lens=None):
     """SDPA per row over the K/V its table lists, entry by entry, in float32: the meaning of a table.
 
     Written without the package: entry ``j`` of a row contributes the slots of block ``tables[b, j]``
@@ -880,24 +858,22 @@ def table_reference(query, k_cache, v_cache, tables, context_lens, query_lens=No
     positions, each seeing up to its own.
     """
     block_size = k_cache.shape[2]
-    query_lens = torch.ones_like(context_lens) if query_lens is None else query_lens
+    query_lens = torch.ones_like(seq_lens) if query_lens is None else query_lens
     rows, start = [], 0
-    for b, (context_len, query_len) in enumerate(
-        zip(context_lens.tolist(), query_lens.tolist(), strict=True)
-    ):
-        ids = tables[b, : -(-context_len // block_size)].long()
+    for b, (seq_len, query_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist(), strict=True)):
+        ids = tables[b, : -(-seq_len // block_size)].long()
         k, v = (
-            repeat_kv(torch.cat(list(cache[ids].float()), dim=1)[:, :context_len], query.shape[1])
+            repeat_kv(torch.cat(list(cache[ids].float()), dim=1)[:, :seq_len], query.shape[1])
             for cache in (k_cache, v_cache)
         )  # (H, T, D)
         q = query[start : start + query_len].transpose(0, 1).float()  # (H, Q, D)
-        mask = causal_mask(context_len, query_len)
+        mask = causal_mask(seq_len, query_len)
         rows.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
         start += query_len
     return torch.cat(rows)
 
 
-STRATEGIES_HERE = ["gather", "in_place", "auto"] + (["flex"] if flex_available() else [])
+BACKENDS_HERE = ["GATHER", "IN_PLACE", "CPU_ATTN"] + (["FLEX_ATTENTION"] if flex_available() else [])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -910,7 +886,7 @@ STRATEGIES_HERE = ["gather", "in_place", "auto"] + (["flex"] if flex_available()
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_every_strategy_and_prefill_equal_the_reference_for_any_valid_table(
+def test_every_backend_and_prefill_equal_the_reference_for_any_valid_table(
     num_blocks, block_size, lengths, heads, seed, data
 ):
     """Random tables drawn from a small pool, so blocks repeat within a row (a row lists a block
@@ -922,30 +898,30 @@ def test_every_strategy_and_prefill_equal_the_reference_for_any_valid_table(
     kv_shape = (num_blocks, num_kv_heads, block_size, head_dim)
     k_cache, v_cache = (torch.randn(kv_shape, generator=gen) for _ in "kv")
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
-    context_lens = torch.tensor(lengths)
-    expected = table_reference(query, k_cache, v_cache, tables, context_lens)
-    for strategy in STRATEGIES_HERE:
-        out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
-        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
+    seq_lens = torch.tensor(lengths)
+    expected = table_reference(query, k_cache, v_cache, tables, seq_lens)
+    for backend in BACKENDS_HERE:
+        out = paged_attention(query, k_cache, v_cache, tables, seq_lens, backend=backend)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=backend)
     query_lens = torch.tensor(
         [data.draw(st.integers(0, n), label=f"query_len {i}") for i, n in enumerate(lengths)]
     )
     packed = torch.randn(int(query_lens.sum()), num_heads, head_dim, generator=gen)
-    out = paged_prefill_attention(packed, k_cache, v_cache, tables, context_lens, query_lens)
-    expected = table_reference(packed, k_cache, v_cache, tables, context_lens, query_lens)
+    out = paged_prefill_attention(packed, k_cache, v_cache, tables, seq_lens, query_lens)
+    expected = table_reference(packed, k_cache, v_cache, tables, seq_lens, query_lens)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg="prefill")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-@pytest.mark.parametrize("strategy", STRATEGIES_HERE)
-def test_a_row_that_lists_one_block_twice_reads_it_twice(device, strategy, num_heads, num_kv_heads):
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_a_row_that_lists_one_block_twice_reads_it_twice(device, backend, num_heads, num_kv_heads):
     """Row 0 reads block 1 at entries 0 and 2 (the second time cut to 3 slots); row 1 reads it too."""
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(4, num_kv_heads, 4, 8, generator=gen).to(device) for _ in "kv")
     query = torch.randn(2, num_heads, 8, generator=gen).to(device)
     tables = torch.tensor([[1, 0, 1], [1, 3, 3]], device=device)
-    context_lens = torch.tensor([11, 12], device=device)
-    out = paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
-    expected = table_reference(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), context_lens.cpu())
+    seq_lens = torch.tensor([11, 12], device=device)
+    out = paged_attention(query, k_cache, v_cache, tables, seq_lens, backend=backend)
+    expected = table_reference(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), seq_lens.cpu())
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCES[torch.float32])

@@ -29,12 +29,15 @@ from _timing import FLAT_LIMIT, Row, markdown_table, spread_of, text_table  # no
 
 from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator  # noqa: E402
 from paged_kv.attention.paged import gather_kv  # noqa: E402
+from paged_kv.attention.registry import default_backend  # noqa: E402
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted  # noqa: E402
 from paged_kv.kv.slots import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 from paged_kv.serving.engine import EngineRequest  # noqa: E402
+from paged_kv.serving.kv_cache_manager import KVCacheManager  # noqa: E402
+from paged_kv.serving.request import EngineCoreRequest  # noqa: E402
 
 
 @pytest.mark.lesson02
@@ -128,11 +131,13 @@ def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
 def test_rows_carry_ratios_and_targets():
     rows = bench_allocator.run(**bench_allocator.QUICK)
     targeted = [row for row in rows if row.met is not None]
-    target = bench_allocator.APPEND_TARGET
-    assert [row.target for row in targeted] == [f"<= {target}x", f"<= {FLAT_LIMIT}x (flat)"]
-    facade, flat = targeted
+    target, slots_target = bench_allocator.APPEND_TARGET, bench_allocator.SLOTS_TARGET
+    assert [row.target for row in targeted] == [f"<= {target}x", f"<= {slots_target}x", f"<= {FLAT_LIMIT}x (flat)"]
+    facade, slots, flat = targeted
     assert "PagedKVCacheAllocator.append_tokens" in facade.name and "may_append" in facade.name
+    assert "KVCacheManager.allocate_slots" in slots.name
     assert facade.met == (facade.ratio <= target) and flat.met == (flat.ratio <= FLAT_LIMIT)
+    assert slots.met == (slots.ratio <= slots_target)
     low, high = facade.spread
     assert low <= facade.ratio <= high
     for row in rows:
@@ -141,23 +146,37 @@ def test_rows_carry_ratios_and_targets():
 
 @pytest.mark.parametrize("path", ["facade", "append_tokens", "allocate_slots"])
 def test_the_nano_style_baseline_takes_the_blocks_each_package_path_takes(path):
+    """The lessons' paths number blocks from 0; the engine's pool keeps block 0 as its null block,
+    so its tables are nano-vllm's shifted by one."""
     nano = NanoStyleBlockManager(64, 4)
-    cache = PagedKVCacheAllocator(64, 4, num_heads=1, head_dim=1)
-    manager = cache.manager if path == "facade" else BlockManager(64, 4)
     seqs = [NanoStyleSequence(n) for n in (1, 4, 5, 8)]
-    for seq_id, seq in enumerate(seqs):
-        nano.allocate(seq)
-        manager.allocate(seq_id, len(seq))
-    append = {"facade": cache.append_tokens, "append_tokens": manager.append_tokens,
-              "allocate_slots": manager.allocate_slots}[path]  # fmt: skip
-    for _ in range(9):  # nano-vllm appends the token first, then asks for its block
+    if path == "allocate_slots":
+        memory = KVCacheManager(65, 4)
+        requests = [EngineCoreRequest(seq_id, len(seq), 10) for seq_id, seq in enumerate(seqs)]
+        append = memory.allocate_slots
+        tables = lambda: [[b - 1 for b in memory.get_block_ids(r.request_id)[0]] for r in requests]  # noqa: E731
+        free = lambda: [b - 1 for b in memory.block_pool.free_block_ids]  # noqa: E731
+        for request in requests:
+            memory.allocate_slots(request, request.num_prompt_tokens)
+    else:
+        cache = PagedKVCacheAllocator(64, 4, num_heads=1, head_dim=1)
+        manager = cache.manager if path == "facade" else BlockManager(64, 4)
+        requests = list(range(len(seqs)))
+        append = cache.append_tokens if path == "facade" else manager.append_tokens
+        tables = lambda: [manager.table(i).block_ids for i in requests]  # noqa: E731
+        free = lambda: list(manager.allocator.free_block_ids)  # noqa: E731
         for seq_id, seq in enumerate(seqs):
+            manager.allocate(seq_id, len(seq))
+    for seq in seqs:
+        nano.allocate(seq)
+    for _ in range(9):  # nano-vllm appends the token first, then asks for its block
+        for request, seq in zip(requests, seqs, strict=True):
             seq.num_tokens += 1
             assert nano.can_append(seq)
             nano.may_append(seq)
-            append(seq_id, 1)
-        assert [seq.block_table for seq in seqs] == [manager.table(i).block_ids for i in range(4)]
-    assert list(nano.free_block_ids) == list(manager.allocator.free_block_ids)
+            append(request, 1)
+        assert [seq.block_table for seq in seqs] == tables()
+    assert list(nano.free_block_ids) == free()
 
 
 def test_the_nano_style_scheduler_preempts_the_newest_and_frees_what_finishes():
@@ -190,7 +209,8 @@ def test_step_bench_engines_hold_the_same_tables_and_decode_alike():
     for _ in range(10):
         package.step(clock)
         nano.step(clock)
-        assert package.tables() == nano.tables()
+        shifted = {r: [b - 1 for b in ids] for r, ids in package.tables().items()}  # block 0: the null block
+        assert shifted == nano.tables()
     assert all(t > 0 for t in clock)
     assert [len(r.output_token_ids) for r in package.scheduler.running] == [11] * 8
     assert all(len(seq) - seq.num_prompt_tokens == 11 for seq in nano.scheduler.running)
@@ -233,6 +253,24 @@ def test_attention_bench_holds_the_same_kv_paged_and_contiguous(context, block_s
     )
     torch.testing.assert_close(bench_attention.paged(case), bench_attention.contiguous(case))
     bench_attention.check_equal(case)  # what the bench runs before timing
+
+
+@pytest.mark.lesson05
+def test_attention_bench_gives_the_defaults_ratio_to_sdpa_with_its_target_spread_and_build_time():
+    rows = bench_attention.run(**bench_attention.QUICK)
+    (targeted,) = [row for row in rows if row.met is not None]
+    default = default_backend("cpu", torch.float32)
+    assert f"{default} (the default)" in targeted.name and "vs contiguous SDPA" in targeted.name
+    assert (
+        targeted.target == f"<= {bench_attention.TARGET_SLOWDOWN}x" and bench_attention.TARGET_SLOWDOWN == 1.3
+    )
+    assert targeted.met == (targeted.ratio <= bench_attention.TARGET_SLOWDOWN)
+    low, high = targeted.spread
+    assert low <= targeted.ratio <= high
+    built = [row for row in rows if "built from its source" in row.name]
+    assert len(built) == (default == "CPU_ATTN") and all(
+        row.unit == "s" and row.measured > 0 for row in built
+    )
 
 
 @pytest.mark.lesson05
@@ -420,7 +458,7 @@ def test_two_forward_runner_splits_mixed_steps_and_generates_the_same_tokens():
 @pytest.mark.lesson12
 def test_triton_bench_case_has_lesson_10s_lengths_over_scattered_blocks():
     case = bench_triton.lesson_case(4, 4, 16, block_size=16, max_blocks=4, seed=3)
-    lengths = case["context_lens"].tolist()
+    lengths = case["seq_lens"].tolist()
     assert lengths[0] == 64 and all(1 <= n <= 64 for n in lengths) and len(set(lengths)) > 1
     assert case["block_tables"].shape == (4, 4) and case["query"].shape == (4, 4, 16)
     for b, length in enumerate(lengths):  # the cache holds each sequence's K/V at its table's blocks
@@ -429,11 +467,11 @@ def test_triton_bench_case_has_lesson_10s_lengths_over_scattered_blocks():
 
 
 @pytest.mark.lesson12
-def test_triton_bench_check_catches_a_wrong_strategy():
+def test_triton_bench_check_catches_a_wrong_backend():
     case = bench_triton.lesson_case(2, 2, 8, block_size=4, max_blocks=2)
-    bench_triton.check_close(case, "in_place", bench_triton.strategy(case, "gather"))
-    with pytest.raises(AssertionError, match="strategy 'gather' differs"):
-        bench_triton.check_close(case, "gather", bench_triton.strategy(case, "gather").flip(0))
+    bench_triton.check_close(case, "IN_PLACE", bench_triton.attention(case, "GATHER"))
+    with pytest.raises(AssertionError, match="backend 'GATHER' differs"):
+        bench_triton.check_close(case, "GATHER", bench_triton.attention(case, "GATHER").flip(0))
 
 
 @pytest.mark.lesson12
@@ -443,13 +481,13 @@ def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(capsys)
     printed = capsys.readouterr().out
     if triton_interpreted():
         (row,) = rows
-        assert "Triton's interpreter" in row.name and "strategy='gather'" in row.name
-        assert "the compiled kernel vs SDPA, 'flex' and 'in_place' is skipped" in printed
+        assert "Triton's interpreter" in row.name and "backend='GATHER'" in row.name
+        assert "the compiled kernel vs SDPA, FLEX_ATTENTION and IN_PLACE is skipped" in printed
     else:
         assert [row.name.rsplit(", vs ", 1)[1] for row in rows] == [
             "contiguous SDPA",
-            "strategy='flex'",
-            "strategy='in_place'",
+            "backend='FLEX_ATTENTION'",
+            "backend='IN_PLACE'",
         ]
         assert "the interpreter's CPU row is skipped" in printed
     for row in rows:

@@ -23,11 +23,10 @@ from bench_hybrid import (
     sliding_blocks_held,
 )
 
-from paged_kv.core.block_manager import BlockManager
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
+from paged_kv.core.kv_cache_coordinator import peak_blocks
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec, num_tensors
-from paged_kv.serving.memory import HybridKVCacheManager, KVCacheManager
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.serving.request import EngineCoreRequest
 
 SHAPES = {
     "Gemma 3's 5:1, window 8": HybridShape("g3", 12, 6, 8, 1, 1),
@@ -71,7 +70,7 @@ def test_the_bound_is_reached_unless_the_window_and_the_step_leave_one_token_ove
     for window in range(1, 40):
         spec = SlidingWindowSpec(block_size, window)
         most = max(sliding_blocks_held(spec, start, start + in_flight) for start in range(200))
-        bound = spec.max_blocks_per_request(in_flight, 10**6)
+        bound = spec.max_admission_blocks_per_request(in_flight, 10**6)
         assert most == bound - ((window - 2 + in_flight) % block_size == 0)
 
 
@@ -87,15 +86,15 @@ def test_serving_holds_what_the_arithmetic_says_step_by_step_with_preemptions():
     """serve() raises when the blocks in use at a step are not the sum of blocks_held."""
     shape = SHAPES["every 3rd full, window 5"]
     rng = random.Random(3)
-    requests = [SchedulerRequest(i, rng.randint(3, 40), rng.randint(1, 30)) for i in range(24)]
+    requests = [EngineCoreRequest(i, rng.randint(3, 40), rng.randint(1, 30)) for i in range(24)]
     hybrid, full = shape.groups(4), shape.all_full(4)
     assert num_tensors(hybrid) == 2 and num_tensors(full) == 6
-    coordinator = KVCacheCoordinator(hybrid, 45, max_tokens_in_flight=16)  # 45 x 2 layers = 15 x 6
-    h = serve(HybridKVCacheManager(coordinator), hybrid, requests, 16)
-    f = serve(KVCacheManager(BlockManager(17, 4)), full, requests, 16)
+    per_group = KVCacheManager(45, kv_cache_groups=hybrid, max_in_flight_tokens=16)  # 45 x 2 layers = 15 x 6
+    h = serve(per_group, hybrid, requests, 16)
+    f = serve(KVCacheManager(15, 4), full, requests, 16)
     assert h.preemptions and f.preemptions
     assert h.steps < f.steps and h.mean_running > f.mean_running
-    assert coordinator.num_free_blocks == 45 - 1  # everything given back, the null block kept
+    assert per_group.num_free_blocks == 45 - 1  # everything given back, the null block kept
 
 
 def test_blocks_held_counts_the_window_from_the_last_allocation():

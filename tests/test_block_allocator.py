@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv import BlockAllocator, OutOfBlocksError
-from paged_kv.core.block_allocator import DETACHED, FreeBlockQueue
+from paged_kv.core.block_allocator import DETACHED, FreeKVCacheBlockQueue
 
 pytestmark = pytest.mark.lesson02
 
@@ -194,8 +194,8 @@ TestBlockAllocatorMachine = BlockAllocatorMachine.TestCase
 # ------------------------------------------------------------- the doubly linked free list
 
 
-def links_are_consistent(queue: FreeBlockQueue) -> None:
-    """The structural invariants of a FreeBlockQueue, checked by walking its links both ways."""
+def links_are_consistent(queue: FreeKVCacheBlockQueue) -> None:
+    """The structural invariants of a FreeKVCacheBlockQueue, checked by walking its links both ways."""
     forward, backward = list(queue), list(reversed(queue))
     assert forward == backward[::-1]
     assert len(forward) == len(set(forward)) == len(queue)
@@ -210,17 +210,17 @@ def links_are_consistent(queue: FreeBlockQueue) -> None:
 
 
 def test_a_new_queue_holds_every_block_in_order():
-    queue = FreeBlockQueue(4)
+    queue = FreeKVCacheBlockQueue(4)
     assert list(queue) == [0, 1, 2, 3]
     assert list(reversed(queue)) == [3, 2, 1, 0]
     assert len(queue) == 4 and 2 in queue
-    assert repr(queue) == "FreeBlockQueue([0, 1, 2, 3])"
+    assert repr(queue) == "FreeKVCacheBlockQueue([0, 1, 2, 3])"
     links_are_consistent(queue)
 
 
 @pytest.mark.parametrize(("removed", "left"), [(0, [1, 2, 3, 4]), (2, [0, 1, 3, 4]), (4, [0, 1, 2, 3])])
 def test_remove_takes_a_block_from_the_head_the_middle_or_the_tail(removed, left):
-    queue = FreeBlockQueue(5)
+    queue = FreeKVCacheBlockQueue(5)
     queue.remove(removed)
     assert list(queue) == left
     assert removed not in queue
@@ -231,7 +231,7 @@ def test_remove_takes_a_block_from_the_head_the_middle_or_the_tail(removed, left
 
 
 def test_popleft_and_append_keep_fifo_order_until_empty():
-    queue = FreeBlockQueue(3)
+    queue = FreeKVCacheBlockQueue(3)
     queue.remove(1)
     queue.append(1)
     assert [queue.popleft() for _ in range(3)] == [0, 2, 1]
@@ -245,7 +245,7 @@ def test_popleft_and_append_keep_fifo_order_until_empty():
 
 
 def test_appendleft_puts_a_block_at_the_head_of_any_queue():
-    queue = FreeBlockQueue(4)
+    queue = FreeKVCacheBlockQueue(4)
     for block_id in (2, 0, 3, 1):
         queue.remove(block_id)
     queue.appendleft(1)  # into the empty ring
@@ -260,7 +260,7 @@ def test_appendleft_puts_a_block_at_the_head_of_any_queue():
 
 
 def test_removing_the_only_block_leaves_an_empty_ring():
-    queue = FreeBlockQueue(1)
+    queue = FreeKVCacheBlockQueue(1)
     queue.remove(0)
     assert list(queue) == [] and len(queue) == 0
     queue.append(0)
@@ -269,7 +269,7 @@ def test_removing_the_only_block_leaves_an_empty_ring():
 
 
 def test_queue_errors_name_the_block_and_change_nothing():
-    queue = FreeBlockQueue(4)
+    queue = FreeKVCacheBlockQueue(4)
     queue.remove(1)
     with pytest.raises(ValueError, match="block_id 2 is already on the free list"):
         queue.append(2)
@@ -330,7 +330,7 @@ class BlockAllocatorWithTakeMachine(BlockAllocatorMachine):
 
     @invariant()
     def the_links_hold(self):
-        links_are_consistent(self.pool._free)
+        links_are_consistent(self.pool.free_block_queue)
 
 
 TestBlockAllocatorWithTakeMachine = BlockAllocatorWithTakeMachine.TestCase

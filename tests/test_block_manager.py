@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import (
-    BlockEvent,
+    BlockChange,
     BlockManager,
     GPTConfig,
     KVStorage,
@@ -24,9 +24,9 @@ from paged_kv import (
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 
 
-def events_of(manager: BlockManager) -> list[BlockEvent]:
+def events_of(manager: BlockManager) -> list[BlockChange]:
     """A list that receives every event ``manager`` emits from now on."""
-    seen: list[BlockEvent] = []
+    seen: list[BlockChange] = []
     manager.subscribe(seen.append)
     return seen
 
@@ -205,15 +205,15 @@ def test_every_change_is_an_event_and_a_failure_is_none() -> None:
     manager.free("b")
     manager.allocate("c", 5, token_ids=[1, 2, 3, 4, 9])  # finds a's two full blocks cached
     assert seen == [
-        BlockEvent("allocate", "a", (0, 1), tokens=(1, 4)),
-        BlockEvent("new_block", "a", (2,), tokens=(5, 6)),
-        BlockEvent("new_block", "a", (3,), tokens=(7, 7)),
-        BlockEvent("fork", "b", (0, 1, 2, 3), parent="a"),
-        BlockEvent("copy_on_write", "b", (3, 4), copies=((3, 4),)),
-        BlockEvent("free", "a", (0, 1, 2, 3), freed=(3,)),
-        BlockEvent("free", "b", (0, 1, 2, 4), freed=(4, 2, 1, 0)),  # reverse order: a prefix ends last
-        BlockEvent("cache_hit", "c", (0, 1), tokens=(1, 4)),
-        BlockEvent("allocate", "c", (0, 1, 2), tokens=(1, 5)),  # block 2 held no hash: nothing evicted
+        BlockChange("allocate", "a", (0, 1), tokens=(1, 4)),
+        BlockChange("new_block", "a", (2,), tokens=(5, 6)),
+        BlockChange("new_block", "a", (3,), tokens=(7, 7)),
+        BlockChange("fork", "b", (0, 1, 2, 3), parent="a"),
+        BlockChange("copy_on_write", "b", (3, 4), copies=((3, 4),)),
+        BlockChange("free", "a", (0, 1, 2, 3), freed=(3,)),
+        BlockChange("free", "b", (0, 1, 2, 4), freed=(4, 2, 1, 0)),  # reverse order: a prefix ends last
+        BlockChange("cache_hit", "c", (0, 1), tokens=(1, 4)),
+        BlockChange("allocate", "c", (0, 1, 2), tokens=(1, 5)),  # block 2 held no hash: nothing evicted
     ]
 
 

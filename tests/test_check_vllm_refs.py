@@ -183,7 +183,7 @@ def test_a_name_imported_or_read_as_an_attribute_is_in_the_file():
 def test_the_course_names_beside_a_citation_are_not_looked_up():
     text = (
         "* `vllm/v1/core/block_pool.py`: `get_cached_block` (`PrefixCache.match` here), this"
-        " lesson's `CachingBlockAllocator`, the package's `FreeBlockQueue` and our `choose_victims`;"
+        " lesson's `CachingBlockAllocator`, the package's `FreeKVCacheBlockQueue` and our `choose_victims`;"
         " `BlockPool` is here.\n"
     )
     (citation,) = citations(text, "lesson.py")

@@ -161,7 +161,7 @@ def test_an_attribute_error_in_the_learners_code_gets_a_hint_about_init():
 # ---------------------------------------------------------- a task that uses an earlier one
 
 LATE_RULE_AND_DECODE_STEP = """
-from paged_kv.grading.reference.lesson04 import finish_and_admit
+from paged_kv.reference.lesson04 import finish_and_admit
 
 def needs_new_block(num_tokens, num_blocks_held, block_size):
     return num_tokens > num_blocks_held * block_size

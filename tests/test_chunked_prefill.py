@@ -18,15 +18,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, run_steps
+from tests.helpers import built
 
 pytestmark = pytest.mark.lesson09
 
@@ -44,7 +44,8 @@ def model(cpu_model: TinyGPT, device: torch.device) -> TinyGPT:
 
 
 def paged(num_blocks: int, block_size: int, *, caching: bool = False) -> KVCacheManager:
-    return KVCacheManager(BlockManager(num_blocks, block_size, enable_prefix_caching=caching))
+    """``num_blocks`` blocks for the requests, in a pool of one more: its null block."""
+    return KVCacheManager(num_blocks + 1, block_size, enable_caching=caching)
 
 
 def schedules(scheduler: Scheduler, arrivals) -> list[tuple]:
@@ -73,7 +74,7 @@ def workload(seed: int, n: int = 8, longest: int = 30, shared: int = 0) -> list[
 
 def test_a_budget_splits_a_prompt_into_chunks_and_decodes_come_first():
     scheduler = Scheduler(paged(16, 4), max_num_batched_tokens=4)
-    got = schedules(scheduler, [(0, SchedulerRequest("a", 6, 3)), (0, SchedulerRequest("b", 3, 2))])
+    got = schedules(scheduler, [(0, EngineCoreRequest("a", 6, 3)), (0, EngineCoreRequest("b", 3, 2))])
     assert got == [
         (("a", 4),),  # a's first chunk spends the budget: b waits
         (("a", 2), ("b", 2)),  # a's last chunk samples its first token; b is admitted with what is left
@@ -85,7 +86,7 @@ def test_a_budget_splits_a_prompt_into_chunks_and_decodes_come_first():
 def test_only_the_last_chunk_samples_and_the_computed_count_catches_up():
     memory = paged(16, 4)
     scheduler = Scheduler(memory, max_num_batched_tokens=3)
-    scheduler.add_request(SchedulerRequest("a", 7, 2))
+    scheduler.add_request(EngineCoreRequest("a", 7, 2))
     seen = []
     for _ in range(3):
         output = scheduler.schedule()
@@ -103,7 +104,7 @@ def test_only_the_last_chunk_samples_and_the_computed_count_catches_up():
 
 def test_a_partial_chunk_needs_no_token_and_a_sampling_one_does():
     scheduler = Scheduler(paged(16, 4), max_num_batched_tokens=2)
-    scheduler.add_request(SchedulerRequest("a", 3, 2))
+    scheduler.add_request(EngineCoreRequest("a", 3, 2))
     first = scheduler.schedule()
     scheduler.update_from_output(first, ModelRunnerOutput({}))  # nothing sampled: the chunk ends mid-prompt
     last = scheduler.schedule()
@@ -114,7 +115,7 @@ def test_a_partial_chunk_needs_no_token_and_a_sampling_one_does():
 
 def test_without_a_budget_a_step_prefills_whole_prompts():
     got = schedules(
-        Scheduler(paged(16, 4)), [(0, SchedulerRequest("a", 6, 2)), (0, SchedulerRequest("b", 3, 1))]
+        Scheduler(paged(16, 4)), [(0, EngineCoreRequest("a", 6, 2)), (0, EngineCoreRequest("b", 3, 1))]
     )
     assert got == [(("a", 6), ("b", 3)), (("a", 1),)]
 
@@ -126,7 +127,7 @@ def test_with_prefix_caching_the_first_chunk_starts_after_the_cached_blocks():
         run_steps(
             scheduler,
             CountingRunner(),
-            [(0, SchedulerRequest("a", 7, 1, prompt)), (5, SchedulerRequest("b", 7, 1, prompt))],
+            [(0, EngineCoreRequest("a", 7, 1, prompt)), (5, EngineCoreRequest("b", 7, 1, prompt))],
         )
     )
     b = [
@@ -252,10 +253,9 @@ def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tok
         model, num_blocks=min_num_blocks(requests, 4), block_size=4, max_num_batched_tokens=budget
     )
     outputs = []
-    build = engine._new_step_loop
 
-    def watched():
-        scheduler, runner = build()
+    def watch(llm):
+        scheduler, runner = llm.engine_core.scheduler, llm.engine_core.model_runner
         execute = runner.execute_model
 
         def execute_model(output):
@@ -271,9 +271,8 @@ def test_a_recomputed_request_resumes_by_prefilling_its_prompt_and_generated_tok
             return execute(output)
 
         runner.execute_model = execute_model
-        return scheduler, runner
 
-    engine._new_step_loop = watched
+    built(engine, watch)
     result = engine.run(requests)
     resumed = 0
     for output, state in outputs:
@@ -331,7 +330,7 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(1, 7), outputs=st.integers(1, 6), shared=st.booleans())
     def add(self, prompt: int, outputs: int, shared: bool) -> None:
         ids = tuple(range(prompt)) if shared else tuple(1000 + len(self.added) + i for i in range(prompt))
-        request = SchedulerRequest(len(self.added), prompt, outputs, ids)
+        request = EngineCoreRequest(len(self.added), prompt, outputs, ids)
         self.scheduler.add_request(request)
         self.added[request.request_id] = request
 
@@ -350,7 +349,7 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         assert set(output.num_scheduled_tokens) == {r.request_id for r in self.scheduler.running}
         result = self.scheduler.update_from_output(output, self.runner.execute_model(output))
         for request_id, tokens in result.finished:
-            assert len(tokens) == self.added[request_id].max_new_tokens
+            assert len(tokens) == self.added[request_id].max_tokens
             self.finished[request_id] = tokens
 
     @invariant()
@@ -373,7 +372,7 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         places = [r.request_id for r in self.scheduler.running]
         places += [r.request_id for r in self.scheduler.waiting] + list(self.finished)
         assert sorted(places) == sorted(self.added)
-        if not self.memory.enable_prefix_caching:  # shared blocks count once
+        if not self.memory.enable_caching:  # shared blocks count once
             used = sum(
                 blocks_for_tokens(r.num_computed_tokens, self.block_size) for r in self.scheduler.running
             )
@@ -395,7 +394,7 @@ def test_a_budget_changes_when_tokens_come_not_how_many(budget, requests):
     """With a counting runner on a pool too large to preempt: the same requests finish with the
     same numbers of tokens, every step runs at most the budget, and the steps run exactly the
     same tokens in all."""
-    arrivals = [(t, SchedulerRequest(i, p, o)) for i, (t, p, o) in enumerate(requests)]
+    arrivals = [(t, EngineCoreRequest(i, p, o)) for i, (t, p, o) in enumerate(requests)]
 
     def run(max_num_batched_tokens):
         scheduler = Scheduler(paged(64, 2), max_num_batched_tokens=max_num_batched_tokens)

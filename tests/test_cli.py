@@ -410,7 +410,7 @@ def test_serve_defaults_are_vllms_where_they_can_be():
     assert (args.host, args.port, args.block_size) == ("127.0.0.1", 8000, 16)
     assert args.enable_prefix_caching is True  # vLLM v1's default
     assert args.model is None and args.tiny is False
-    assert args.num_blocks is None and args.gpu_memory_utilization is None
+    assert args.num_gpu_blocks_override is None and args.gpu_memory_utilization is None
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (None, None, None)
     assert args.uvicorn_log_level == "info"
 
@@ -426,7 +426,7 @@ def test_serve_takes_vllms_flags():
             "0.0.0.0",
             "--port",
             "0",
-            "--num-blocks",
+            "--num-gpu-blocks-override",
             "64",
             "--block-size",
             "32",
@@ -442,7 +442,7 @@ def test_serve_takes_vllms_flags():
         ]
     )
     assert (args.model, args.tiny, args.host, args.port) == ("my-model", True, "0.0.0.0", 0)
-    assert (args.num_blocks, args.block_size, args.max_model_len) == (64, 32, 128)
+    assert (args.num_gpu_blocks_override, args.block_size, args.max_model_len) == (64, 32, 128)
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (4, 256)
     assert args.enable_prefix_caching is False and args.uvicorn_log_level == "warning"
     assert (
@@ -453,10 +453,10 @@ def test_serve_takes_vllms_flags():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--num-blocks", "8", "--gpu-memory-utilization", "0.5"], "not allowed with argument"),
+        (["--num-gpu-blocks-override", "8", "--gpu-memory-utilization", "0.5"], "not allowed with argument"),
         (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
         (["--gpu-memory-utilization", "0"], "expected a fraction in (0, 1]"),
-        (["--num-blocks", "0"], "--num-blocks: expected a number of at least 1"),
+        (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override: expected a number of at least 1"),
         (["--port", "70000"], "expected a port number from 0 to 65535"),
         (["--port", "http"], "--port: expected a whole number"),
         (["--block-size", "0"], "--block-size: expected a number of at least 1"),
@@ -506,12 +506,13 @@ def test_serve_tiny_hands_the_app_to_uvicorn(monkeypatch, capsys):
             seen["async_llm"] = server.async_llm
 
     monkeypatch.setattr(launcher, "serve_http", serve_http)
-    assert main(["serve", "--tiny", "--num-blocks", "8", "--port", "8123", "--no-enable-prefix-caching"]) == 0
+    argv = ["serve", "--tiny", "--num-gpu-blocks-override", "8", "--port", "8123", "--no-enable-prefix-caching"]
+    assert main(argv) == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123 and seen["log_level"] == "info"
     (card,) = seen["models"]["data"]
     assert card["id"] == "tiny-gpt" and card["max_model_len"] == 256
-    engine = seen["async_llm"].llm_engine.engine
-    assert (engine.num_blocks, engine.block_size, engine.enable_prefix_caching) == (8, 16, False)
+    cache = seen["async_llm"].vllm_config.cache_config
+    assert (cache.num_gpu_blocks, cache.block_size, cache.enable_prefix_caching) == (8, 16, False)
     out = capsys.readouterr().out
     assert "8 blocks of 16 tokens, max_model_len 256, prefix caching off" in out
     assert "serving 'tiny-gpt' at http://127.0.0.1:8123/v1" in out

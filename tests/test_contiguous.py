@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv.errors import UnknownSequenceError
-from paged_kv.serving.memory import ContiguousMemory
+from paged_kv.serving.contiguous_memory import ContiguousMemory
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.contiguous import ContiguousAllocator, Extent, FirstFitMemory
 
@@ -173,11 +173,11 @@ TestFirstFit = FirstFitMachine.TestCase
 
 
 def request(name, prompt, output):
-    return SchedulerRequest(name, prompt, output)
+    return EngineCoreRequest(name, prompt, output)
 
 
-def final_length(r: SchedulerRequest) -> int:
-    return r.num_prompt_tokens + r.max_new_tokens
+def final_length(r: EngineCoreRequest) -> int:
+    return r.num_prompt_tokens + r.max_tokens
 
 
 def test_a_request_waits_for_a_hole_even_when_the_free_total_would_hold_it():

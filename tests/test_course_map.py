@@ -141,7 +141,7 @@ def test_a_notebook_of_the_first_map_grades_as_the_lesson_its_tasks_belong_to_no
 
 
 def test_a_check_cell_of_the_first_map_finds_its_task(capsys):
-    from paged_kv.grading.reference import lesson08
+    from paged_kv.reference import lesson08
 
     check("07.fork", lesson08.SharedCache, lesson08.fork)  # exercise 07's first check, before the renumbering
     assert "08.fork" in capsys.readouterr().out

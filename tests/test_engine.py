@@ -9,6 +9,7 @@ import torch
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
+from paged_kv.attention.registry import ATTENTION_BACKENDS, BACKENDS
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.pictures.plots import plot_metrics
@@ -19,9 +20,9 @@ from paged_kv.serving.engine import (
     min_num_blocks,
     sweep_budgets,
 )
-from paged_kv.serving.memory import watermark_blocks
+from paged_kv.serving.kv_cache_manager import watermark_blocks
 
-from .helpers import alone, max_examples
+from .helpers import alone, built, max_examples
 
 pytestmark = pytest.mark.lesson09
 
@@ -48,27 +49,16 @@ def random_requests(
     ]
 
 
-def captured(engine: Engine) -> list:
-    """The (scheduler, runner) pairs ``engine`` builds, one per run, to look at after the run."""
-    made: list = []
-    build = engine._new_step_loop
-
-    def capture():
-        made.append(build())
-        return made[-1]
-
-    engine._new_step_loop = capture  # type: ignore[method-assign]
-    return made
-
-
-def all_free(made: list, num_blocks: int) -> bool:
+def all_free(made: list) -> bool:
     """After a run: the memory holds no block, the scheduler no request, the runner no swapped K/V
     (its rows of the last step's requests go when it is next told who finished, as vLLM's do)."""
-    ((scheduler, runner),) = made
+    (llm,) = made
+    core = llm.engine_core
     return (
-        scheduler.memory.num_free_blocks == num_blocks
-        and not scheduler.has_unfinished_requests
-        and not runner.swapped
+        core.memory.reserved_tokens == 0  # every block free (the null block aside), or every seat
+        and not core.scheduler.has_unfinished_requests
+        and not core.scheduler.requests
+        and not core.model_runner.swapped
     )
 
 
@@ -131,11 +121,11 @@ def test_preemption_keeps_the_text_and_frees_all_memory(
     model = model.to(device)
     try:
         engine = Engine(model, num_blocks=6, block_size=4, preemption=preemption)
-        made = captured(engine)
+        made = built(engine)
         result = engine.run(requests)
         assert result.preemptions_by_reason[preemption] >= 5  # many
         check_invariants(engine, result, requests)
-        assert all_free(made, 6)
+        assert all_free(made)
         for request in requests:
             assert result.tokens[request.request_id] == alone(model, request)
     finally:
@@ -161,11 +151,11 @@ def test_paged_runs_more_sequences_than_contiguous_on_the_same_budget(model: Tin
 def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_at_the_next_step(
     model: TinyGPT,
 ) -> None:
-    # 2 blocks of 4. A's prompt takes 1; at step 1 its 5th token takes the other, so B (1 block,
-    # arriving at step 1) finds none free and waits until A has finished.
+    # 2 blocks of 4, and the pool's null block. A's prompt takes 1; at step 1 its 5th token takes the
+    # other, so B (1 block, arriving at step 1) finds none free and waits until A has finished.
     a = EngineRequest("a", [1, 2, 3, 4], max_new_tokens=3)  # ends holding 4 + 3 - 1 = 6 tokens: 2 blocks
     b = EngineRequest("b", [5, 6], max_new_tokens=2, arrival_step=1)
-    engine = Engine(model, num_blocks=2, block_size=4)
+    engine = Engine(model, num_blocks=3, block_size=4)
     result = engine.run([a, b])
     # A prefills at step 0 (token 1) and decodes at steps 1 and 2, then frees; B comes in at step 3.
     assert result.admitted_step == {"a": 0, "b": 3}
@@ -179,11 +169,12 @@ def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_a
 
 
 def test_a_request_is_admitted_into_a_full_pool_with_no_headroom(model: TinyGPT) -> None:
-    # 3 blocks of 4: at step 1 A takes its second block and B its prompt's, the last free block.
-    # vLLM keeps no block back for A's growth (the course's engine once kept one per sequence).
+    # 3 blocks of 4 (and the null block): at step 1 A takes its second block and B its prompt's, the
+    # last free block. vLLM keeps no block back for A's growth (the course's engine once kept one per
+    # sequence).
     a = EngineRequest("a", [1, 2, 3, 4], max_new_tokens=3)
     b = EngineRequest("b", [5, 6], max_new_tokens=2, arrival_step=1)
-    result = Engine(model, num_blocks=3, block_size=4).run([a, b])
+    result = Engine(model, num_blocks=4, block_size=4).run([a, b])
     assert result.admitted_step == {"a": 0, "b": 1}
     assert result.used_blocks[1] == 3 and result.preemptions == 0
     assert result.tokens == {"a": alone(model, a), "b": alone(model, b)}
@@ -192,10 +183,10 @@ def test_a_request_is_admitted_into_a_full_pool_with_no_headroom(model: TinyGPT)
 def test_all_memory_is_free_after_a_run(model: TinyGPT) -> None:
     requests = random_requests(6, seed=9)
     engine = Engine(model, num_blocks=10, block_size=4, enable_prefix_caching=True)
-    made = captured(engine)
+    made = built(engine)
     result = engine.run(requests)
     assert result.tokens == Engine(model, num_blocks=10, block_size=4).run(requests).tokens
-    assert all_free(made, 10)
+    assert all_free(made)
 
 
 def test_contiguous_mode_reserves_one_max_length_slot_per_sequence(model: TinyGPT) -> None:
@@ -219,6 +210,7 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
     ("kwargs", "name"),
     [
         ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 1}, "null block"),
         ({"num_blocks": 4, "block_size": 0}, "block_size"),
         ({"num_blocks": 4, "mode": "ring"}, "mode"),
         ({"num_blocks": 4, "max_model_len": 0}, "max_model_len"),
@@ -227,7 +219,7 @@ def test_requests_arriving_later_wait_for_their_step(model: TinyGPT) -> None:
         ({"num_blocks": 4, "device": "meta"}, "device"),
         ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs"),
         ({"num_blocks": 4, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-        ({"num_blocks": 4, "attention_strategy": "magic"}, "attention_strategy"),
+        ({"num_blocks": 4, "attention_backend": "magic"}, "attention_backend"),
         (
             {"num_blocks": 4, "mode": "contiguous", "max_model_len": 64, "enable_prefix_caching": True},
             "prefix",
@@ -255,17 +247,27 @@ def test_bad_requests_raise_value_error_naming_them(model: TinyGPT) -> None:
         EngineRequest("x", [1], 0)
     with pytest.raises(ValueError, match="arrival_step"):
         EngineRequest("x", [1], 1, arrival_step=-1)
-    engine = Engine(model, num_blocks=4, block_size=4, max_model_len=16)
+    engine = Engine(model, num_blocks=5, block_size=4, max_model_len=16)
     with pytest.raises(ValueError, match="request_id"):
         engine.run([EngineRequest("x", [1], 1), EngineRequest("x", [2], 1)])
     with pytest.raises(ValueError, match="prompt"):
         engine.run([EngineRequest("x", [300], 1)])
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.run([EngineRequest("x", [1] * 10, 7)])
-    with pytest.raises(ValueError, match="num_blocks"):
-        Engine(model, num_blocks=2, block_size=4).run([EngineRequest("x", [1] * 6, 8)])
+    with pytest.raises(ValueError, match="maximum model length of 16"):
+        engine.run([EngineRequest("x", [1] * 16, 1)])
+    with pytest.raises(ValueError, match="num_blocks 3 cannot hold request 'x' alone"):
+        Engine(model, num_blocks=3, block_size=4).run([EngineRequest("x", [1] * 6, 8)])
     with pytest.raises(ValueError, match="EngineRequest"):
         engine.run([("x", [1], 1)])
+    ok = EngineRequest("ok", [1], 1)
+    with pytest.raises(ValueError, match="prompt_token_ids must hold token ids"):  # before anything runs
+        engine.run([ok, EngineRequest("late", [999], 1, arrival_step=3)])
+
+
+def test_a_request_that_would_pass_max_model_len_stops_there(model: TinyGPT) -> None:
+    # vLLM caps max_tokens at max_model_len less the prompt: 10 + 7 passes 16, so it stops at 6.
+    engine = Engine(model, num_blocks=5, block_size=4, max_model_len=16)
+    request = EngineRequest("x", [1] * 10, 7)
+    assert engine.run([request]).tokens["x"] == alone(model, request)[:6]
 
 
 def test_plot_metrics_draws(model: TinyGPT) -> None:
@@ -285,14 +287,15 @@ def test_plot_metrics_draws(model: TinyGPT) -> None:
 
 
 def two_growing_requests() -> list[EngineRequest]:
-    # Block size 2, 4 blocks: each ends holding 2 + 4 - 1 = 5 tokens (3 blocks); together they outgrow 4.
+    # Block size 2, 4 blocks and the null block: each ends holding 2 + 4 - 1 = 5 tokens (3 blocks);
+    # together they outgrow 4.
     return [EngineRequest("a", [1, 2], 4), EngineRequest("b", [3, 4], 4)]
 
 
 @pytest.mark.lesson11
 def test_swap_brings_the_preempted_sequence_back_where_it_stopped(model: TinyGPT) -> None:
     requests = two_growing_requests()
-    engine = Engine(model, num_blocks=4, block_size=2, preemption="swap")
+    engine = Engine(model, num_blocks=5, block_size=2, preemption="swap")
     result = engine.run(requests)
     # Steps 0-2: both hold 2, 3, 4 tokens (4 blocks). Step 3: both need a block, none is free: b goes
     # out with its 4 tokens (2 blocks), a decodes its last token and leaves. Step 4: b comes back,
@@ -312,7 +315,7 @@ def test_swap_brings_the_preempted_sequence_back_where_it_stopped(model: TinyGPT
 @pytest.mark.lesson11
 def test_recompute_frees_the_victim_and_resumes_it_by_prefill(model: TinyGPT) -> None:
     requests = two_growing_requests()
-    result = Engine(model, num_blocks=4, block_size=2, preemption="recompute").run(requests)
+    result = Engine(model, num_blocks=5, block_size=2, preemption="recompute").run(requests)
     # The same step 3, but b's K/V is thrown away, not its 3 tokens: it is admitted again at step 4,
     # prefills its prompt and those tokens (5) and samples its last one, finishing at step 4, as swap
     # does, having computed the K/V of its 4 held tokens again.
@@ -329,7 +332,7 @@ def test_recompute_frees_the_victim_and_resumes_it_by_prefill(model: TinyGPT) ->
 
 @pytest.mark.lesson11
 def test_swapped_sequences_come_back_before_new_requests_are_admitted(model: TinyGPT) -> None:
-    # 6 blocks of 2. a (1 + 6 tokens) and b (3 + 6) run; c (1 + 1) arrives at step 4.
+    # 6 blocks of 2 (and the null block). a (1 + 6 tokens) and b (3 + 6) run; c (1 + 1) arrives at step 4.
     # Step 4: a and b both need a block, none is free: b goes out with its 7 tokens (4 blocks), and
     # nobody is admitted in a step that preempts. Step 5: b (4 blocks and its next token) does not
     # fit beside a: it stays out, and so c, which would fit, is not admitted either. a finishes.
@@ -339,7 +342,7 @@ def test_swapped_sequences_come_back_before_new_requests_are_admitted(model: Tin
         EngineRequest("b", [2, 2, 2], 6),
         EngineRequest("c", [3], 1, arrival_step=4),
     ]
-    engine = Engine(model, num_blocks=6, block_size=2, preemption="swap")
+    engine = Engine(model, num_blocks=7, block_size=2, preemption="swap")
     result = engine.run(requests)
     assert result.swapped == [0, 0, 0, 0, 1, 1, 0, 0]
     assert result.waiting == [0, 0, 0, 0, 1, 1, 0, 0]
@@ -352,11 +355,11 @@ def test_swapped_sequences_come_back_before_new_requests_are_admitted(model: Tin
 
 @pytest.mark.lesson11
 def test_swapped_sequences_come_back_oldest_first(model: TinyGPT) -> None:
-    # 6 blocks of 2; a, b and c are admitted at step 0. Step 3: c, the newest, goes out; step 5: b
-    # goes out too and a finishes. Step 6: both come back, b (the older) first, and finish.
+    # 6 blocks of 2 (and the null block); a, b and c are admitted at step 0. Step 3: c, the newest, goes
+    # out; step 5: b goes out too and a finishes. Step 6: both come back, b (the older) first, and finish.
     requests = [EngineRequest("a", [1], 6), EngineRequest("b", [2, 2], 6), EngineRequest("c", [3], 4)]
-    engine = Engine(model, num_blocks=6, block_size=2, preemption="swap")
-    made = captured(engine)
+    engine = Engine(model, num_blocks=7, block_size=2, preemption="swap")
+    made = built(engine)
     result = engine.run(requests)
     assert result.swapped == [0, 0, 0, 1, 1, 2, 0]
     assert result.running == [3, 3, 3, 2, 2, 1, 2]
@@ -364,21 +367,22 @@ def test_swapped_sequences_come_back_oldest_first(model: TinyGPT) -> None:
     assert (result.preemptions, result.blocks_swapped_out, result.blocks_swapped_in) == (2, 5, 5)
     check_invariants(engine, result, requests)
     assert result.tokens == {r.request_id: alone(model, r) for r in requests}
-    assert all_free(made, 6)
+    assert all_free(made)
 
 
 @pytest.mark.lesson11
 @pytest.mark.parametrize(
-    ("watermark", "kept_free", "admitted_at_once"), [(0.0, 0, 4), (0.25, 2, 3), (0.5, 4, 2)]
+    ("watermark", "kept_free", "admitted_at_once"), [(0.0, 0, 4), (0.2, 2, 3), (0.4, 4, 2)]
 )
 def test_the_watermark_keeps_blocks_free_at_admission(
     model: TinyGPT, watermark: float, kept_free: int, admitted_at_once: int
 ) -> None:
-    # 8 blocks of 4; each prompt takes 2 blocks. The first is admitted alone (no watermark alone);
-    # each next one while others run needs its 2 blocks + the watermark free: of 6, 4 and 2 free,
-    # 4 fit with none kept, 3 when 2 are kept, 2 when 4 are kept.
+    # 9 blocks of 4, the null block among them; each prompt takes 2 blocks. The watermark keeps
+    # ceil(watermark * 9) blocks. The first is admitted alone (no watermark alone); each next one
+    # while others run needs its 2 blocks + the watermark free: of 6, 4 and 2 free, 4 fit with none
+    # kept, 3 when 2 are kept, 2 when 4 are kept.
     requests = [EngineRequest(i, [i + 1] * 8, 1) for i in range(4)]
-    engine = Engine(model, num_blocks=8, block_size=4, watermark=watermark)
+    engine = Engine(model, num_blocks=9, block_size=4, watermark=watermark)
     assert engine.watermark_blocks == kept_free
     result = engine.run(requests)
     assert result.running[0] == admitted_at_once
@@ -407,8 +411,8 @@ def test_watermark_blocks_rounds_up(model: TinyGPT, watermark: float, num_blocks
 
 @pytest.mark.lesson11
 def test_a_request_alone_needs_no_watermark(model: TinyGPT) -> None:
-    request = EngineRequest("x", [1] * 12, 1)  # 3 blocks of 4: all of the pool
-    result = Engine(model, num_blocks=3, block_size=4, watermark=0.5).run([request])
+    request = EngineRequest("x", [1] * 12, 1)  # 3 blocks of 4: all of the pool but its null block
+    result = Engine(model, num_blocks=4, block_size=4, watermark=0.5).run([request])
     assert result.tokens["x"] == alone(model, request)
 
 
@@ -453,14 +457,14 @@ def test_any_workload_on_any_budget_gets_the_text_of_each_prompt_alone(
         watermark=watermark,
         max_num_batched_tokens=budget,
     )
-    made = captured(engine)
+    made = built(engine)
     result = engine.run(requests)  # ends: no deadlock, no livelock
     event(f"{preemption}: {'preempted' if result.preemptions else 'no preemption'}")
     target(float(result.preemptions), label="preemptions")  # steer towards tight, busy runs
     check_invariants(engine, result, requests)
     for request in requests:
         assert result.tokens[request.request_id] == alone(model, request), request.request_id
-    assert all_free(made, num_blocks)
+    assert all_free(made)
     if budget is not None:
         assert max(result.tokens_per_step) <= budget
     if smallest > 1:  # one block fewer is refused up front
@@ -485,11 +489,11 @@ def test_a_request_resumed_alone_comes_back_though_its_prompt_and_the_watermark_
 
 @pytest.mark.lesson11
 def test_min_num_blocks_counts_the_peak() -> None:
-    request = EngineRequest("x", [1, 2, 3], 10)  # at its longest 12 tokens: 3 blocks of 4
-    assert min_num_blocks([request], block_size=4) == 3
-    assert min_num_blocks([request], block_size=16) == 1
+    request = EngineRequest("x", [1, 2, 3], 10)  # at its longest 12 tokens: 3 blocks of 4, and the null block
+    assert min_num_blocks([request], block_size=4) == 4
+    assert min_num_blocks([request], block_size=16) == 2
     long_prompt = EngineRequest("y", [1] * 17, 1)  # 17 tokens: 5 blocks of 4
-    assert min_num_blocks([request, long_prompt], block_size=4) == 5
+    assert min_num_blocks([request, long_prompt], block_size=4) == 6
     with pytest.raises(ValueError, match="requests"):
         min_num_blocks([], block_size=4)
     with pytest.raises(ValueError, match="requests"):
@@ -562,16 +566,16 @@ def test_watermark_blocks_is_public_rounds_up_and_checks_its_arguments() -> None
         watermark_blocks(0.1, 0)
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "flex", "triton"])
-def test_every_attention_strategy_serves_the_same_tokens_in_one_forward_per_step(
-    model: TinyGPT, strategy: str
-) -> None:
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_every_attention_backend_serves_the_same_tokens_in_one_forward_per_step(model: TinyGPT, backend: str) -> None:
     # Steps that mix prefill chunks and decodes, in a pool that preempts: the same tokens whatever
-    # reads the blocks (triton runs in its interpreter on the CPU; flex unfused).
-    if strategy == "triton":
+    # reads the blocks (TRITON_ATTN runs in triton's interpreter on the CPU; FLEX_ATTENTION unfused).
+    if backend == "TRITON_ATTN":
         pytest.importorskip("triton")
+    elif why := BACKENDS[backend].unavailable(torch.device("cpu"), torch.float32, torch.float32):
+        pytest.skip(why)
     requests = random_requests(5, seed=4, max_prompt=10, max_new=6, spread=3)
     settings = {"num_blocks": 5, "block_size": 4, "max_num_batched_tokens": 6}
-    result = Engine(model, attention_strategy=strategy, **settings).run(requests)
+    result = Engine(model, attention_backend=backend, **settings).run(requests)
     assert result.tokens == {r.request_id: alone(model, r) for r in requests}
     assert result.preemptions > 0 and max(result.tokens_per_step) <= 6

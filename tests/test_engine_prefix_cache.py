@@ -20,9 +20,10 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.pictures.plots import plot_metrics
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult, min_num_blocks
+from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks
+from paged_kv.serving.engine_result import EngineResult
 
-from .helpers import alone, max_examples
+from .helpers import alone, built, max_examples
 
 pytestmark = pytest.mark.lesson09
 
@@ -52,11 +53,10 @@ class Spy:
     def __init__(self, engine: Engine, prompts_only: bool = False) -> None:
         self.cached: dict[object, list[int]] = {}
         self.admitted_tokens: list[int] = []
-        build = engine._new_step_loop
 
-        def watched():
-            scheduler, runner = build()
-            self.memory = memory = scheduler.memory
+        def watch(llm):
+            runner = llm.engine_core.model_runner
+            self.memory = memory = llm.engine_core.memory
             execute, allocate = runner.execute_model, memory.allocate_slots
 
             def execute_model(output):
@@ -67,20 +67,19 @@ class Spy:
                 return execute(output)
 
             def allocate_slots(request, num_new_tokens, token_ids=None, **kwargs):
-                if prompts_only and request.request_id in memory.manager:
+                if prompts_only and request.request_id in memory.coordinator:
                     token_ids = None
                 return allocate(request, num_new_tokens, token_ids, **kwargs)
 
             runner.execute_model = execute_model
             memory.allocate_slots = allocate_slots
             self.runner = runner
-            return scheduler, runner
 
-        engine._new_step_loop = watched  # type: ignore[method-assign]
+        built(engine, watch)
 
     @property
     def manager(self):
-        return self.memory.manager
+        return self.memory
 
     @property
     def num_blocks(self) -> int:
@@ -88,10 +87,10 @@ class Spy:
 
     @property
     def enable_prefix_caching(self) -> bool:
-        return self.memory.enable_prefix_caching
+        return self.memory.enable_caching
 
     def all_free(self) -> bool:
-        return self.memory.num_free_blocks == self.num_blocks and self.manager.seq_ids == ()
+        return self.memory.num_free_blocks == self.num_blocks - 1 and not self.memory.coordinator.request_ids
 
 
 def spied(spies: list, model, prompts_only: bool = False, **kwargs) -> Engine:
@@ -303,14 +302,14 @@ def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute(model: TinyGP
 def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first(
     model: TinyGPT, other_new_tokens: int, hits: int
 ) -> None:
-    # 4 blocks of 4. a (12 tokens, 3 blocks) finishes at step 0 and frees its blocks last to
+    # 4 blocks of 4 (and the null block). a (12 tokens, 3 blocks) finishes at step 0 and frees its blocks last to
     # first, so SYSTEM's first block is the last to be evicted. c (12 other tokens) runs next,
     # then b, which shares SYSTEM with a, arrives after c has finished.
     a = EngineRequest("a", [*SYSTEM, 1, 2, 3], 1)
     c = EngineRequest("c", list(range(50, 62)), other_new_tokens, arrival_step=1)
     b = EngineRequest("b", [*SYSTEM, 4, 5, 6], 1, arrival_step=other_new_tokens + 1)
     caches: list = []
-    engine = spied(caches, model, num_blocks=4, block_size=4, enable_prefix_caching=True)
+    engine = spied(caches, model, num_blocks=5, block_size=4, enable_prefix_caching=True)
     result = engine.run([a, c, b])
     assert result.finished_step["c"] < result.admitted_step["b"]
     assert caches[0].cached == {"a": [0], "c": [0], "b": [hits]}

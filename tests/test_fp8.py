@@ -1,8 +1,8 @@
-"""An fp8 KV cache (lesson 10): vLLM's ``kv_cache_dtype`` names, per-tensor scales, every strategy.
+"""An fp8 KV cache (lesson 10): vLLM's ``kv_cache_dtype`` names, per-tensor scales, every backend.
 
 An fp8 cache holds ``K / k_scale`` and ``V / v_scale`` in ``torch.float8_e4m3fn`` or
 ``torch.float8_e5m2``, one byte a number. The storage quantizes as it writes and dequantizes as it
-reads; every attention strategy over an fp8 pool must equal the reference, the same attention over
+reads; every attention backend over an fp8 pool must equal the reference, the same attention over
 the pool dequantized to the query's dtype (``stored * scale``) through the float path, which
 tests/test_attention.py and its neighbours check against SDPA. At the model level the tokens cannot
 equal the 32-bit cache's (fp8 keeps 3 or 2 bits of mantissa), so the tests measure the agreement and
@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv.attention.paged import paged_attention, paged_attention_varlen, paged_prefill_attention
+from paged_kv.attention.registry import ATTENTION_BACKENDS
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv import fp8, swap
@@ -31,9 +32,9 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 
 from .helpers import max_examples
@@ -47,7 +48,7 @@ pytestmark = [
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
-STRATEGIES = ["gather", "in_place", "auto", "flex", "triton"]
+BACKENDS = list(ATTENTION_BACKENDS)
 #: Half a step of each format, relative in its normal range, and half its smallest subnormal.
 HALF_STEP = {E4M3: (2**-4, 2**-10), E5M2: (2**-3, 2**-17)}
 
@@ -279,26 +280,26 @@ def nulled_before_windows(k_cache, v_cache, tables, seq_lens, query_lens, window
     return tables.to(k_cache.device), k_cache, v_cache
 
 
-# Every strategy with multi-head, grouped-query and multi-query heads; the kernel, which runs in
+# Every backend with multi-head, grouped-query and multi-query heads; the kernel, which runs in
 # Triton's interpreter here (slow), with grouped-query heads only.
-STRATEGY_HEADS = [
-    pytest.param(strategy, *heads.values, id=f"{strategy}-{heads.id}")
-    for strategy in STRATEGIES
-    for heads in (HEADS[1:2] if strategy == "triton" else HEADS[:3])
+BACKEND_HEADS = [
+    pytest.param(backend, *heads.values, id=f"{backend}-{heads.id}")
+    for backend in BACKENDS
+    for heads in (HEADS[1:2] if backend == "TRITON_ATTN" else HEADS[:3])
 ]
 
 
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", FORMATS)
-@pytest.mark.parametrize(("strategy", "num_heads", "num_kv_heads"), STRATEGY_HEADS)
-def test_every_strategy_equals_attention_over_the_dequantized_cache(
-    device, strategy, num_heads, num_kv_heads, dtype, window, query_dtype
+@pytest.mark.parametrize(("backend", "num_heads", "num_kv_heads"), BACKEND_HEADS)
+def test_every_backend_equals_attention_over_the_dequantized_cache(
+    device, backend, num_heads, num_kv_heads, dtype, window, query_dtype
 ):
     """A packed step (prompts, chunks, decodes) and a decode batch, with scales other than 1: each
-    strategy equals the gather over the pool dequantized to the query's dtype (the float path); with
+    backend equals the gather over the pool dequantized to the query's dtype (the float path); with
     a window, the blocks before it name a NaN block and change nothing."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     block_size, head_dim, k_scale, v_scale = 4, 8, 0.02, 1.5
     num_blocks = 1 + sum(-(-n // block_size) for n in SEQ_LENS) + 2
     k_cache, v_cache = fp8_pool(
@@ -314,7 +315,7 @@ def test_every_strategy_equals_attention_over_the_dequantized_cache(
     seq_lens, query_lens = torch.tensor(SEQ_LENS, device=device), torch.tensor(QUERY_LENS, device=device)
     scales = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
     expected = paged_prefill_attention(
-        query, k_float, v_float, tables, seq_lens, query_lens, strategy="gather", sliding_window=window
+        query, k_float, v_float, tables, seq_lens, query_lens, backend="GATHER", sliding_window=window
     )
     decodes = [0, 2, 3, 5]  # a decode batch: the last token of four sequences
     decode_query = torch.randn(len(decodes), num_heads, head_dim, generator=gen).to(query_dtype).to(device)
@@ -324,7 +325,7 @@ def test_every_strategy_equals_attention_over_the_dequantized_cache(
         v_float,
         tables[decodes],
         seq_lens[decodes],
-        strategy="gather",
+        backend="GATHER",
         sliding_window=window,
     )
     if window is not None:
@@ -334,23 +335,23 @@ def test_every_strategy_equals_attention_over_the_dequantized_cache(
     tolerance = TOLERANCES[query_dtype]
 
     out = paged_prefill_attention(
-        query, k_cache, v_cache, tables, seq_lens, query_lens, strategy=strategy, **scales
+        query, k_cache, v_cache, tables, seq_lens, query_lens, backend=backend, **scales
     )
     assert out.dtype == query_dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, **tolerance)
     starts = starts_of(QUERY_LENS, device)
     varlen = paged_attention_varlen(
-        query, k_cache, v_cache, tables, seq_lens, starts, strategy=strategy, **scales
+        query, k_cache, v_cache, tables, seq_lens, starts, backend=backend, **scales
     )
     torch.testing.assert_close(varlen, expected, **tolerance)
     decoded = paged_attention(
-        decode_query, k_cache, v_cache, tables[decodes], seq_lens[decodes], strategy=strategy, **scales
+        decode_query, k_cache, v_cache, tables[decodes], seq_lens[decodes], backend=backend, **scales
     )
     torch.testing.assert_close(decoded, decode_expected, **tolerance)
 
 
 def test_the_reference_is_sdpa_over_the_dequantized_keys_and_values():
-    """The float path the strategies are held to, over a dequantized pool, is SDPA over it."""
+    """The float path the backends are held to, over a dequantized pool, is SDPA over it."""
     k_cache, v_cache = fp8_pool(E4M3, 6, 2, 4, 8, 0.05, 0.5, "cpu", 4)
     k, v = fp8.dequantize(k_cache, 0.05, torch.float32), fp8.dequantize(v_cache, 0.5, torch.float32)
     tables = torch.tensor([[3, 1, 5]])
@@ -379,7 +380,7 @@ def test_a_kernel_written_without_fp8_in_mind_reads_an_fp8_cache():
         query, k_cache, v_cache, tables, seq_lens, starts, 3, None, kernel, k_scale=0.03, v_scale=2.0
     )
     k, v = fp8.dequantize(k_cache, 0.03, torch.float32), fp8.dequantize(v_cache, 2.0, torch.float32)
-    expected = paged_attention_varlen(query, k, v, tables, seq_lens, starts, strategy="gather")
+    expected = paged_attention_varlen(query, k, v, tables, seq_lens, starts, backend="GATHER")
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
@@ -562,11 +563,11 @@ def test_the_engines_runner_over_an_fp8_storage_agrees_with_generate(device, pre
     model = TinyGPT(config, seed=7).to(device)
     prompts = workload(3, 6, 20)
     num_blocks = 12 if preemption else 64
-    manager = KVCacheManager(BlockManager(num_blocks, 4))
+    manager = KVCacheManager(num_blocks, 4)
     scheduler = Scheduler(manager, **({"preemption": preemption} if preemption else {}))
     storage = KVStorage(2, num_blocks, 4, 2, 8, E4M3, device, k_scale=0.02, v_scale=0.01)
     runner = ModelRunner(model, storage, max_num_reqs=8, max_blocks_per_req=16)
-    arrivals = [(0, SchedulerRequest(i, len(p), 10, tuple(p))) for i, p in enumerate(prompts)]
+    arrivals = [(0, EngineCoreRequest(i, len(p), 10, tuple(p))) for i, p in enumerate(prompts)]
     served = {r: list(t) for _, step in run_steps(scheduler, runner, arrivals) for r, t in step.finished}
     fp32 = generate(model, prompts, 10).tokens
     agreeing = [x == y for i, want in enumerate(fp32) for x, y in zip(served[i], want, strict=True)]
@@ -576,10 +577,10 @@ def test_the_engines_runner_over_an_fp8_storage_agrees_with_generate(device, pre
 
 
 def served_without_preemption(model, prompts, device):
-    manager = KVCacheManager(BlockManager(64, 4))
+    manager = KVCacheManager(64, 4)
     storage = KVStorage(2, 64, 4, 2, 8, E4M3, device, k_scale=0.02, v_scale=0.01)
     runner = ModelRunner(model, storage, max_num_reqs=8, max_blocks_per_req=16)
-    arrivals = [(0, SchedulerRequest(i, len(p), 10, tuple(p))) for i, p in enumerate(prompts)]
+    arrivals = [(0, EngineCoreRequest(i, len(p), 10, tuple(p))) for i, p in enumerate(prompts)]
     served = {
         r: list(t) for _, step in run_steps(Scheduler(manager), runner, arrivals) for r, t in step.finished
     }
@@ -603,7 +604,7 @@ def test_the_engine_serves_an_fp8_cache_with_generates_tokens_and_a_quarter_of_f
     requests = [EngineRequest(i, p, 8, arrival_step=i // 2) for i, p in enumerate(prompts)]
     full = Engine(model, kv_cache_memory_bytes=2**16, block_size=4)
     engine = Engine(model, kv_cache_memory_bytes=2**16, block_size=4, kv_cache_dtype="fp8")
-    assert engine.kv_cache_torch_dtype == E4M3 and engine.config.cache.cache_dtype == "fp8"
+    assert engine.kv_cache_torch_dtype == E4M3 and engine.vllm_config.cache_config.cache_dtype == "fp8"
     assert full.bytes_per_block == 4 * engine.bytes_per_block  # float32 against one byte
     assert engine.num_blocks == 4 * full.num_blocks
     alone = generate(model, prompts, max_new_tokens=8, kv_cache_dtype="fp8").tokens
@@ -616,7 +617,7 @@ def test_the_engine_serves_an_fp8_cache_with_generates_tokens_and_a_quarter_of_f
 
 
 def test_the_engine_names_a_bad_kv_cache_dtype_and_sizes_fp8_at_start_up(monkeypatch):
-    import paged_kv.serving.engine as engine_module
+    import paged_kv.serving.kv_cache_planning as planning
     from paged_kv.serving.engine import Engine
 
     model = TinyGPT(GPTConfig(num_layers=2, num_heads=4, head_dim=8, max_len=96), seed=0).eval()
@@ -625,7 +626,7 @@ def test_the_engine_names_a_bad_kv_cache_dtype_and_sizes_fp8_at_start_up(monkeyp
             Engine(model, num_blocks=8, kv_cache_dtype=bad)
     with pytest.raises(ValueError, match="calculate_kv_scales"):
         Engine(model, num_blocks=8, calculate_kv_scales=1)
-    monkeypatch.setattr(engine_module, "device_memory", lambda device: 2**24)
+    monkeypatch.setattr(planning, "device_memory", lambda device: 2**24)
     sizes = {"gpu_memory_utilization": 0.5, "block_size": 4, "max_num_batched_tokens": 64}
     auto, low = Engine(model, **sizes), Engine(model, kv_cache_dtype="fp8_e5m2", **sizes)
     assert low.kv_cache_report.kv_cache_dtype == "fp8_e5m2"

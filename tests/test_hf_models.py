@@ -235,8 +235,10 @@ def test_a_prompt_past_the_model_positions_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"prompts\[0\].*max_len 128"):
         generate(model, [[1] * 120], 9)
-    with pytest.raises(ValueError, match="max_model_len 128"):
-        Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 120, 9)])
+    with pytest.raises(ValueError, match="maximum model length of 128"):
+        Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 128, 1)])
+    # A prompt and output past it stop there, as vLLM caps max_tokens: 8 tokens, not 9.
+    assert len(Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 120, 9)]).tokens["r"]) == 8
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():
@@ -276,7 +278,7 @@ def test_the_engine_sizes_its_cache_from_a_budget_in_bytes():
 
 
 def test_the_engine_sizes_its_cache_from_a_share_of_the_device_as_vllm_starts(monkeypatch, caplog):
-    import paged_kv.serving.engine as engine_module
+    import paged_kv.serving.kv_cache_planning as engine_module
     from paged_kv.kv.startup import estimate_activation_peak, model_shape
 
     model = tiny_model("llama")
@@ -307,7 +309,7 @@ def test_the_engine_sizes_its_cache_from_a_share_of_the_device_as_vllm_starts(mo
 
 
 def test_the_engine_refuses_a_device_share_too_small_for_one_request_as_vllm_does(monkeypatch):
-    import paged_kv.serving.engine as engine_module
+    import paged_kv.serving.kv_cache_planning as engine_module
     from paged_kv.kv.startup import estimate_activation_peak, model_shape
 
     model = tiny_model("llama")

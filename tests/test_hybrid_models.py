@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.kv_cache_coordinator import peak_blocks
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec
-from paged_kv.core.single_type_manager import NULL_BLOCK
+from paged_kv.core.single_type_kv_cache_manager import NULL_BLOCK
 from paged_kv.model.causal_lm import as_causal_lm
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
@@ -161,15 +161,16 @@ def test_a_sliding_group_holds_the_window_while_a_full_one_holds_everything():
     # Gemma 2's groups: layers (0, 2) slide over 8 tokens, (1, 3) attend fully. One request of a
     # 10-token prompt decoding 60 tokens: blocks of 4.
     engine = Engine(hybrid("gemma2"), num_blocks=64, block_size=4)
-    scheduler, runner = engine._new_step_loop()
+    core = engine.new_llm_engine().engine_core
+    scheduler, runner = core.scheduler, core.model_runner
     coordinator = scheduler.memory.coordinator
-    sliding = [m for m in coordinator.managers if isinstance(m.spec, SlidingWindowSpec)]
+    sliding = [m for m in coordinator.single_type_managers if isinstance(m.spec, SlidingWindowSpec)]
     request = EngineRequest("r", prompts(1, seed=6, shortest=10, longest=10)[0], 60)
     held = []
     arrivals = [(0, scheduler_request(request))]
     for _ in run_steps(scheduler, runner, arrivals):
         if "r" in coordinator:
-            sliding_ids, full_ids = (coordinator.get_block_ids("r")[m.group_id] for m in coordinator.managers)
+            sliding_ids, full_ids = (coordinator.get_block_ids("r")[m.group_id] for m in coordinator.single_type_managers)
             held.append(sum(b != NULL_BLOCK for b in sliding_ids))
             tokens = coordinator.num_tokens("r")
             assert len(full_ids) == blocks_for_tokens(tokens, 4) and NULL_BLOCK not in full_ids
@@ -178,9 +179,9 @@ def test_a_sliding_group_holds_the_window_while_a_full_one_holds_everything():
 
 
 def scheduler_request(request: EngineRequest):
-    from paged_kv.serving.request import SchedulerRequest
+    from paged_kv.serving.request import EngineCoreRequest
 
-    return SchedulerRequest(
+    return EngineCoreRequest(
         request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt)
     )
 
@@ -319,9 +320,9 @@ def test_a_runner_refuses_block_ids_for_another_group_layout_and_changes_nothing
     runner = ModelRunner(tiny_hybrid(), storage, max_num_reqs=2, max_blocks_per_req=8, kv_cache_groups=groups)
     good = NewRequestData("a", (1, 2, 3), ((1,), (2,), (3,)), 0)
     runner.execute_model(SchedulerOutput(0, {"a": 3}, 3, (good,)))
-    before = (dict(runner.tables.rows), runner.tables.block_ids("a"))
+    before = (dict(runner.block_tables.rows), runner.block_tables.block_ids("a"))
     for block_ids, match in [(((4,),), "3 groups"), (((4,), (5, 6), (7,)), "each as long")]:
         bad = NewRequestData("b", (1, 2), block_ids, 0)
         with pytest.raises(ValueError, match=match):
             runner.execute_model(SchedulerOutput(1, {"b": 2}, 2, (bad,)))
-        assert (dict(runner.tables.rows), runner.tables.block_ids("a")) == before
+        assert (dict(runner.block_tables.rows), runner.block_tables.block_ids("a")) == before

@@ -10,8 +10,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_allocator import BlockAllocator
-from paged_kv.core.kv_cache_coordinator import GroupComputedBlocks, KVCacheCoordinator
+from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
+from paged_kv.core.kv_cache_coordinator import (
+    ComputedBlocks,
+    HybridKVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
 from paged_kv.core.kv_cache_groups import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -20,8 +25,8 @@ from paged_kv.core.kv_cache_groups import (
     layer_tensors,
     num_tensors,
 )
-from paged_kv.core.prefix_cache import CachingBlockAllocator, chain_hashes, full_blocks
-from paged_kv.core.single_type_manager import NULL_BLOCK, SlidingWindowManager, manager_for
+from paged_kv.core.prefix_cache import chain_hashes, full_blocks
+from paged_kv.core.single_type_kv_cache_manager import SlidingWindowManager, get_manager_for_kv_cache_spec
 
 pytestmark = pytest.mark.lesson13
 
@@ -83,9 +88,9 @@ def test_the_skipped_tokens_rule_and_the_blocks_a_hit_needs():
 
 
 def sliding_manager(block_size=2, window=4, num_blocks=64, caching=False):
-    pool = CachingBlockAllocator(num_blocks) if caching else BlockAllocator(num_blocks)
-    assert pool.allocate() == NULL_BLOCK
-    return manager_for(SlidingWindowSpec(block_size, window), pool, 0)
+    pool = BlockPool(num_blocks, enable_caching=caching)
+    assert pool.null_block == NULL_BLOCK and pool.ref_count(NULL_BLOCK) == 1
+    return get_manager_for_kv_cache_spec(SlidingWindowSpec(block_size, window), pool, 0)
 
 
 def test_blocks_wholly_before_the_window_are_freed_and_nulled():
@@ -93,7 +98,7 @@ def test_blocks_wholly_before_the_window_are_freed_and_nulled():
     manager = sliding_manager()
     manager.allocate_new_blocks("r", 22)
     original = list(manager.req_to_blocks["r"])
-    free = manager.pool.num_free_blocks
+    free = manager.block_pool.num_free_blocks
 
     def nulls_then_original(n):
         return [NULL_BLOCK] * n + original[n:]
@@ -101,7 +106,7 @@ def test_blocks_wholly_before_the_window_are_freed_and_nulled():
     for computed, nulls in [(0, 0), (4, 0), (5, 1), (6, 1), (7, 2), (11, 4)]:
         manager.remove_skipped_blocks("r", computed)
         assert manager.req_to_blocks["r"] == nulls_then_original(nulls), computed
-        assert manager.pool.num_free_blocks == free + nulls
+        assert manager.block_pool.num_free_blocks == free + nulls
     assert manager.remove_skipped_blocks("r", 11) == []  # once only
 
 
@@ -109,10 +114,10 @@ def test_a_new_request_counts_its_fresh_blocks_and_its_hits_on_the_free_list():
     # vLLM's test_get_num_blocks_to_allocate: hits sitting on the free list cost a free block each.
     manager = sliding_manager()
     free_hits = list(range(1, 11))
-    assert manager.num_blocks_to_allocate("a", 40, free_hits) == 20
-    assert manager.num_blocks_to_allocate("b", 40, [NULL_BLOCK] * 5 + free_hits[:5]) == 15
-    held = manager.pool.allocate_blocks(2)  # a hit another request holds costs nothing
-    assert manager.num_blocks_to_allocate("c", 8, held) == 2
+    assert manager.get_num_blocks_to_allocate("a", 40, free_hits) == 20
+    assert manager.get_num_blocks_to_allocate("b", 40, [NULL_BLOCK] * 5 + free_hits[:5]) == 15
+    held = manager.block_pool.get_new_blocks(2)  # a hit another request holds costs nothing
+    assert manager.get_num_blocks_to_allocate("c", 8, held) == 2
 
 
 # Block i is cached when flags[i]; the hit each case expects, in blocks (vLLM's
@@ -141,7 +146,7 @@ def test_a_window_hit_needs_only_the_blocks_its_first_uncomputed_token_reads(fla
     blocks = manager.req_to_blocks["r"]
     for block_id, cached in zip(blocks, flags, strict=True):
         if not cached:
-            manager.pool.prefix_cache.evict(block_id)
+            manager.block_pool.evict(block_id)
     pieces = full_blocks(tokens, 2)
     found, length = manager.find_longest_cache_hit(pieces, chain_hashes(pieces), len(flags))
     assert length == expected
@@ -171,17 +176,18 @@ def gemma2(block_size=4, window=8):
 
 
 def test_the_null_block_is_block_zero_never_handed_out_nor_freed():
-    coordinator = KVCacheCoordinator(gemma2(), 9)
-    assert coordinator.num_free_blocks == 8 and coordinator.usage == 0.0
+    coordinator = get_kv_cache_coordinator(gemma2(), 9)
+    assert isinstance(coordinator, HybridKVCacheCoordinator)
+    assert coordinator.num_free_blocks == 8 and coordinator.block_pool.get_usage() == 0.0
     taken = coordinator.allocate_slots("a", 16)  # 4 blocks per group
     assert taken is not None and NULL_BLOCK not in taken[0] + taken[1]
-    assert coordinator.usage == 1.0 and coordinator.allocate_slots("b", 1) is None
+    assert coordinator.block_pool.get_usage() == 1.0 and coordinator.allocate_slots("b", 1) is None
     coordinator.free("a")
-    assert coordinator.num_free_blocks == 8 and NULL_BLOCK not in coordinator.pool.free_block_ids
+    assert coordinator.num_free_blocks == 8 and NULL_BLOCK not in coordinator.block_pool.free_block_ids
 
 
 def test_a_sliding_group_holds_the_window_however_long_the_request():
-    coordinator = KVCacheCoordinator(gemma2(block_size=4, window=8), 64)
+    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64)
     coordinator.allocate_slots("a", 5)
     for _ in range(200):  # decode 200 tokens
         assert coordinator.allocate_slots("a", 1) is not None
@@ -189,24 +195,24 @@ def test_a_sliding_group_holds_the_window_however_long_the_request():
         held = sum(b != NULL_BLOCK for b in sliding)
         assert held <= blocks_for_tokens(8 - 1 + 1, 4) + 1  # ceil((W - 1 + scheduled) / bs) + 1
         assert len(sliding) == len(full) == blocks_for_tokens(coordinator.num_tokens("a"), 4)
-    assert sliding[: len(sliding) - 3] == [NULL_BLOCK] * (len(sliding) - 3)
+    assert sliding[: len(sliding) - 3] == (NULL_BLOCK,) * (len(sliding) - 3)
     assert NULL_BLOCK not in full
 
 
 def test_allocation_is_all_or_none_over_every_group():
-    coordinator = KVCacheCoordinator(gemma2(window=16), 8)  # 7 blocks to give
+    coordinator = get_kv_cache_coordinator(gemma2(window=16), 8)  # 7 blocks to give
     assert coordinator.allocate_slots("a", 12) is not None  # 3 + 3, nothing out of the window
     before = (coordinator.num_free_blocks, coordinator.get_block_ids("a"))
     assert coordinator.allocate_slots("b", 4) is None  # needs 1 + 1, 1 free
     assert coordinator.allocate_slots("a", 4) is None  # a 4th block in each group
     assert (coordinator.num_free_blocks, coordinator.get_block_ids("a")) == before
     assert "b" not in coordinator
-    assert coordinator.allocate_slots("b", 4, keep_free=1) is None
+    assert coordinator.allocate_slots("b", 4, reserved_blocks=1) is None
 
 
 def test_a_refused_allocation_may_still_free_the_windows_old_blocks():
     # vLLM frees the blocks out of the window before it counts: a freeing that is never undone.
-    coordinator = KVCacheCoordinator(kv_cache_groups([4], 4), 4)  # one sliding group, 3 blocks
+    coordinator = get_kv_cache_coordinator(kv_cache_groups([4], 4), 4)  # one sliding group, 3 blocks
     coordinator.allocate_slots("a", 12)
     assert coordinator.allocate_slots("b", 1) is None
     # a's next token (position 12) reads 9..12: block 0 goes, the null block in its place.
@@ -215,7 +221,7 @@ def test_a_refused_allocation_may_still_free_the_windows_old_blocks():
 
 
 def test_the_hybrid_hit_is_the_longest_prefix_every_group_hits():
-    coordinator = KVCacheCoordinator(gemma2(block_size=4, window=8), 64, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64, enable_caching=True)
     prompt = list(range(40))
     coordinator.allocate_slots("a", 40, prompt)
     coordinator.free("a")
@@ -225,23 +231,23 @@ def test_the_hybrid_hit_is_the_longest_prefix_every_group_hits():
     assert sliding[:7] == (NULL_BLOCK,) * 7 and NULL_BLOCK not in sliding[7:] + full
     # Evict the full group's block 4: the full hit ends at 4 blocks, and the sliding group must hit
     # again at 4 blocks, with the window of token 16 (blocks 2 and 3).
-    coordinator.pool.prefix_cache.evict(full[4])
+    coordinator.block_pool.evict(full[4])
     computed = coordinator.get_computed_blocks(prompt)
     assert computed.num_tokens == 16
     assert computed.block_ids[0][:2] == (NULL_BLOCK,) * 2 and NULL_BLOCK not in computed.block_ids[0][2:]
     # Evict the sliding group's block 3 as well: its hit at 4 blocks fails, and at 3... down to a
     # run that starts at block 0: blocks 0, 1 and 2 are still cached.
-    coordinator.pool.prefix_cache.evict(computed.block_ids[0][3])
+    coordinator.block_pool.evict(computed.block_ids[0][3])
     assert coordinator.get_computed_blocks(prompt).num_tokens == 12
 
 
 def test_a_new_request_starts_with_its_hits_and_freed_window_blocks_stay_cached():
-    coordinator = KVCacheCoordinator(gemma2(block_size=4, window=8), 64, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64, enable_caching=True)
     prompt = list(range(33))
     coordinator.allocate_slots("a", 33, prompt)
     for token in range(33, 45):  # decode: the window slides and frees sliding blocks
         assert coordinator.allocate_slots("a", 1, [*prompt, *range(33, token + 1)]) is not None
-    assert coordinator.get_block_ids("a")[0][:8] == [NULL_BLOCK] * 8
+    assert coordinator.get_block_ids("a")[0][:8] == (NULL_BLOCK,) * 8
     free_before = coordinator.num_free_blocks
     computed = coordinator.get_computed_blocks(prompt)
     assert computed.num_tokens == 32  # the freed window blocks are still cached
@@ -260,7 +266,7 @@ def test_a_new_requests_fresh_blocks_never_evict_another_groups_hit():
     # Every group's hits are taken before any group's fresh blocks: a fresh block comes off the head
     # of the free list, where another group's hit may still sit, cached. Here the full group's fresh
     # block would be the sliding group's hit, which it would evict and then share with it.
-    coordinator = KVCacheCoordinator(kv_cache_groups([None, 2], 2), 5, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(kv_cache_groups([None, 2], 2), 5, enable_caching=True)
     tokens = [1, 1, 1, 1]
     coordinator.allocate_slots("a", 2, tokens)
     coordinator.allocate_slots("a", 1, tokens)
@@ -275,15 +281,15 @@ def test_a_new_requests_fresh_blocks_never_evict_another_groups_hit():
 
 
 def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
-    coordinator = KVCacheCoordinator(gemma2(), 16, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(gemma2(), 16, enable_caching=True)
     coordinator.allocate_slots("a", 8, list(range(8)))
     before = (coordinator.num_free_blocks, coordinator.get_block_ids("a"))
     cases = [
         (lambda: coordinator.allocate_slots("a", -1), "num_new_tokens"),
-        (lambda: coordinator.allocate_slots("b", 1, keep_free=-1), "keep_free"),
+        (lambda: coordinator.allocate_slots("b", 1, reserved_blocks=-1), "reserved_blocks"),
         (lambda: coordinator.allocate_slots(["x"], 1), "request_id"),
         (lambda: coordinator.allocate_slots("a", 4, [1, 2]), "token_ids"),
-        (lambda: coordinator.allocate_slots("a", 1, computed=GroupComputedBlocks()), "computed"),
+        (lambda: coordinator.allocate_slots("a", 1, computed=ComputedBlocks()), "computed"),
         (lambda: coordinator.allocate_slots("b", 1, num_tokens_to_fit=-3), "num_tokens_to_fit"),
         (lambda: coordinator.get_computed_blocks([1, -2]), "token_ids"),
     ]
@@ -292,7 +298,7 @@ def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
             call()
         assert (coordinator.num_free_blocks, coordinator.get_block_ids("a")) == before
     for groups, num_blocks, match in [
-        ((), 8, "groups"),
+        ((), 8, "kv_cache_groups"),
         (
             (KVCacheGroupSpec((0,), FullAttentionSpec(4)), KVCacheGroupSpec((1,), FullAttentionSpec(8))),
             8,
@@ -306,11 +312,11 @@ def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
         (gemma2(), 1, "num_blocks"),
     ]:
         with pytest.raises(ValueError, match=match):
-            KVCacheCoordinator(groups, num_blocks)
+            HybridKVCacheCoordinator(groups, num_blocks)
 
 
 def test_a_stale_hit_is_refused():
-    coordinator = KVCacheCoordinator(gemma2(), 16, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(gemma2(), 16, enable_caching=True)
     prompt = list(range(12))
     coordinator.allocate_slots("a", 12, prompt)
     coordinator.free("a")
@@ -324,9 +330,9 @@ def test_a_stale_hit_is_refused():
 def test_the_admission_check_caps_a_sliding_groups_share_of_a_long_prompt():
     # One sliding group of window 8, blocks of 4, 8 tokens in flight a step: a 200-token prompt
     # admitted for its first chunk needs at most ceil((8 - 1 + 8) / 4) + 1 = 5 blocks at once.
-    coordinator = KVCacheCoordinator(kv_cache_groups([8], 4), 7, max_tokens_in_flight=8)
+    coordinator = get_kv_cache_coordinator(kv_cache_groups([8], 4), 7, max_in_flight_tokens=8)
     assert coordinator.allocate_slots("a", 8, num_tokens_to_fit=200) is not None
-    uncapped = KVCacheCoordinator(kv_cache_groups([8], 4), 7)
+    uncapped = get_kv_cache_coordinator(kv_cache_groups([8], 4), 7)
     assert uncapped.allocate_slots("a", 8, num_tokens_to_fit=200) is None
 
 
@@ -345,8 +351,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         caching=st.booleans(),
     )
     def build(self, windows, block_size, num_blocks, caching):
-        self.coordinator = KVCacheCoordinator(
-            kv_cache_groups(windows, block_size), num_blocks, enable_prefix_caching=caching
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_groups(windows, block_size), num_blocks, enable_caching=caching
         )
         self.block_size = block_size
         self.tokens: dict[str, list[int]] = {}  # request -> its token ids so far
@@ -382,7 +388,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if gained is None:
             assert [len(ids) for ids in after] == [len(ids) for ids in before]
         else:
-            assert all(list(a[len(b) :]) == g for a, b, g in zip(after, before, gained, strict=True))
+            assert all(a[len(b) :] == g for a, b, g in zip(after, before, gained, strict=True))
             self.tokens[request] = more
         self.skipped_at[request] = len(held)
 
@@ -401,7 +407,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         owner: dict[int, int] = {}  # block -> the group holding it: one group at a time
         for request, tokens in self.tokens.items():
             for manager, ids in zip(
-                self.coordinator.managers, self.coordinator.get_block_ids(request), strict=True
+                self.coordinator.single_type_managers, self.coordinator.get_block_ids(request), strict=True
             ):
                 for block_id in ids:
                     if block_id != NULL_BLOCK:
@@ -413,7 +419,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert NULL_BLOCK not in ids[nulls:]
                 for block_id in ids[nulls:]:
                     holders[block_id] = holders.get(block_id, 0) + 1
-        pool = self.coordinator.pool
+        pool = self.coordinator.block_pool
         for block_id, count in holders.items():
             assert pool.ref_count(block_id) == count
         assert pool.num_free_blocks + len(holders) + 1 == self.coordinator.num_blocks
@@ -434,8 +440,8 @@ def test_a_windows_hit_equals_a_brute_force_search(prompt, window, block_size):
     manager.cache_blocks("r", prompt)
     blocks = manager.req_to_blocks["r"]
     for index in range(0, len(blocks), 3):
-        manager.pool.prefix_cache.evict(blocks[index])
-    cached = {i for i, b in enumerate(blocks) if manager.pool.prefix_cache.entry(b) is not None}
+        manager.block_pool.prefix_cache.evict(blocks[index])
+    cached = {i for i, b in enumerate(blocks) if manager.block_pool.prefix_cache.entry(b) is not None}
     pieces = full_blocks(prompt, block_size)
     need = manager.spec.blocks_for_hit
     expected = max(

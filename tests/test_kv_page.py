@@ -29,10 +29,9 @@ from paged_kv.entrypoints.kv_page import LEGEND, NO_POOL, PAGE_TITLE, kv_routes,
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT, decode
 from paged_kv.serving.async_llm import AsyncLLM
-from paged_kv.serving.engine import Engine
-from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.sampling_params import SamplingParams
 
+from . import helpers
 from .helpers import run_async
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
@@ -49,7 +48,7 @@ def model() -> TinyGPT:
 def new_async_llm(model: TinyGPT, **engine_args) -> AsyncLLM:
     """An AsyncLLM over a fresh engine: 32 blocks of 4 slots, prefix caching on (unless overridden)."""
     args = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "enable_prefix_caching": True, **engine_args}
-    return AsyncLLM(LLMEngine(Engine(model, **args), decode=decode))
+    return AsyncLLM.from_engine_args(model, helpers.engine_args(**args), decode=decode)
 
 
 def app_for(async_llm: AsyncLLM, **route_args) -> FastAPI:
@@ -98,13 +97,13 @@ def run(
 
 async def all_free(client: httpx.AsyncClient) -> bool:
     state = (await client.get("/kv/state")).json()
-    return state["num_free_blocks"] == NUM_BLOCKS and not state["requests"]
+    return state["num_free_blocks"] == NUM_BLOCKS - 1 and not state["requests"]
 
 
 def check_invariant(state: dict) -> None:
     """Free blocks plus the distinct blocks the tables hold make the pool."""
     held = {b for r in state["requests"] for b in r["block_ids"]}
-    assert state["num_free_blocks"] + len(held) == state["num_blocks"]
+    assert state["num_free_blocks"] + len(held) + 1 == state["num_blocks"]  # and the null block
     assert held.isdisjoint(state["free_block_ids"])
 
 
@@ -157,8 +156,8 @@ def test_state_and_frame_follow_a_streaming_request_and_free_its_blocks_when_it_
         assert request["request_id"] == "req-0"
         assert request["num_tokens"] >= len(PROMPT) + 1
         assert len(request["block_ids"]) == -(-request["num_cached_tokens"] // BLOCK_SIZE) >= 3
-        assert state["num_free_blocks"] == NUM_BLOCKS - len(request["block_ids"])
-        assert state["kv_cache_usage_perc"] == pytest.approx(len(request["block_ids"]) / NUM_BLOCKS)
+        assert state["num_free_blocks"] == NUM_BLOCKS - 1 - len(request["block_ids"])
+        assert state["kv_cache_usage_perc"] == pytest.approx(len(request["block_ids"]) / (NUM_BLOCKS - 1))
         check_invariant(state)
         frame = (await client.get("/kv/frame")).text
         assert f'data-step="{state["step"]}"' in frame and "<svg" in frame and "req-0" in frame

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -72,6 +73,26 @@ def test_the_server_layer_is_the_top_of_the_stack() -> None:
     for path in LAYERED:
         if layer_of(path) != "entrypoints":
             assert "entrypoints" not in imported_parts(path), f"{module_id(path)} imports the server"
+
+
+# The course's own folders beside the layers, lowest first: the package's answer to each exercise,
+# the expectations behind the check cells (some compare with that answer), then the grader, which
+# loads the answer as the implementation "package" and runs the checks.
+COURSE = ("reference", "checks", "grading")
+COURSE_MODULES = sorted(path for folder in COURSE for path in (PACKAGE / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", COURSE_MODULES, ids=module_id)
+def test_no_course_folder_imports_one_above_it(path: Path) -> None:
+    above = set(COURSE[COURSE.index(layer_of(path)) + 1 :])
+    assert not imported_parts(path) & above, f"{module_id(path)} imports {imported_parts(path) & above}"
+
+
+def test_the_course_folders_are_ordered_as_they_import() -> None:
+    """Each folder imports the one below it, so the order above is the code's, not a wish."""
+    for lower, upper in itertools.pairwise(COURSE):
+        modules = (PACKAGE / upper).rglob("*.py")
+        assert any(lower in imported_parts(p) for p in modules), f"nothing in {upper}/ imports {lower}/"
 
 
 def test_the_top_level_exports_what_a_learner_imports() -> None:

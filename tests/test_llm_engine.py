@@ -28,7 +28,7 @@ from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.output_processor import OutputProcessor, RequestOutput, child_request_ids
 from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
-from .helpers import alone, max_examples
+from .helpers import alone, engine_args, max_examples
 
 pytestmark = pytest.mark.lesson15
 
@@ -65,7 +65,7 @@ def expected(model: TinyGPT, prompt: Sequence[int], max_tokens: int) -> list[int
 
 
 def online(model: TinyGPT, num_blocks: int = 48, block_size: int = 4, decode=letters, **kwargs) -> LLMEngine:
-    return LLMEngine(Engine(model, num_blocks=num_blocks, block_size=block_size, **kwargs), decode=decode)
+    return LLMEngine.from_engine_args(model, engine_args(num_blocks, block_size=block_size, **kwargs), decode=decode)
 
 
 def run(llm: LLMEngine, max_steps: int = 500) -> dict[Hashable, list[RequestOutput]]:
@@ -94,13 +94,13 @@ def served_alone(
 
 def state(llm: LLMEngine) -> tuple:
     """Everything a refused request must leave as it was."""
-    scheduler = llm.scheduler
+    scheduler = llm.engine_core.scheduler
     return (
         llm.output_processor.request_ids(),
         [r.request_id for r in scheduler.waiting],
         [r.request_id for r in scheduler.running],
         [r.request_id for r in scheduler.swapped],
-        set(scheduler._ids),
+        set(scheduler.requests),
         scheduler.memory.num_free_blocks,
         dict(llm._arrival),
     )
@@ -128,7 +128,7 @@ def test_a_batch_of_greedy_requests_gets_the_tokens_of_generate(model):
         assert (completion.finish_reason, completion.stop_reason) == ("length", None)
         assert [o.finished for o in outputs[i]] == [False] * (n - 1) + [True]  # one output per token
     assert llm.get_num_unfinished_requests() == 0 and not llm.has_unfinished_requests()
-    assert llm.scheduler.memory.num_free_blocks == 48
+    assert llm.engine_core.scheduler.memory.num_free_blocks == 47
     assert llm.step() == []  # nothing to run: nothing happens
 
 
@@ -136,7 +136,7 @@ def test_the_offline_engine_runs_the_online_one_step_for_step(model):
     requests = [EngineRequest(f"r{i}", p, 6 + i, arrival_step=i) for i, p in enumerate(PROMPTS)]
     engine = Engine(model, num_blocks=10, block_size=2)
     result = engine.run(requests)
-    llm = LLMEngine(Engine(model, num_blocks=10, block_size=2))
+    llm = online(model, num_blocks=10, block_size=2, decode=None)
     scheduled, tokens = [], {}
     pending = list(requests)
     while pending or llm.has_unfinished_requests():
@@ -176,28 +176,28 @@ def test_requests_arriving_while_others_run_get_the_tokens_of_generate(model):
 
 def test_aborting_a_running_request_frees_its_blocks_at_once(model):
     llm = online(model, num_blocks=16, block_size=2)
-    memory, runner = llm.scheduler.memory, llm.runner
+    memory, runner = llm.engine_core.scheduler.memory, llm.engine_core.model_runner
     llm.add_request("a", PROMPTS[1], greedy(12))
     llm.add_request("b", PROMPTS[0], greedy(8))
     for _ in range(3):
         llm.step()
     held = len(memory.get_block_ids("a")[0])
     free, usage = memory.num_free_blocks, memory.usage
-    assert held > 0 and "a" in runner.tables.rows
+    assert held > 0 and "a" in runner.block_tables.rows
     (out,) = llm.abort_request("a")
     assert memory.num_free_blocks == free + held and memory.usage < usage  # before any step
-    assert "a" not in memory.manager.tables
-    assert [r.request_id for r in llm.scheduler.running] == ["b"]
+    assert "a" not in memory.coordinator
+    assert [r.request_id for r in llm.engine_core.scheduler.running] == ["b"]
     assert out.request_id == "a" and out.finished
     (completion,) = out.outputs
     assert completion.finish_reason == "abort" and completion.stop_reason is None
     assert completion.token_ids == expected(model, PROMPTS[1], 12)[:3]  # what it had: three steps
-    assert "a" in runner.tables.rows  # the runner hears of it at the next step
+    assert "a" in runner.block_tables.rows  # the runner hears of it at the next step
     llm.step()
-    assert "a" not in runner.tables.rows and "a" not in llm.output_processor
+    assert "a" not in runner.block_tables.rows and "a" not in llm.output_processor
     assert llm.abort_request("a") == []  # finished: skipped
     assert final_tokens(run(llm))["b"] == expected(model, PROMPTS[0], 8)
-    assert memory.num_free_blocks == 16
+    assert memory.num_free_blocks == 15
 
 
 def test_aborting_a_waiting_request_just_removes_it(model):
@@ -205,33 +205,42 @@ def test_aborting_a_waiting_request_just_removes_it(model):
     llm.add_request("a", PROMPTS[0], greedy(5))
     llm.add_request("b", PROMPTS[1], greedy(5))
     llm.step()
-    assert [r.request_id for r in llm.scheduler.waiting] == ["b"]
-    free = llm.scheduler.memory.num_free_blocks
+    assert [r.request_id for r in llm.engine_core.scheduler.waiting] == ["b"]
+    free = llm.engine_core.scheduler.memory.num_free_blocks
     (out,) = llm.abort_request(["b", "nobody"])
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == [] and out.finished
-    assert not llm.scheduler.waiting and llm.scheduler.memory.num_free_blocks == free
+    assert not llm.engine_core.scheduler.waiting and llm.engine_core.scheduler.memory.num_free_blocks == free
     assert llm.get_num_unfinished_requests() == 1
     assert final_tokens(run(llm)) == {"a": expected(model, PROMPTS[0], 5)}
 
 
 def test_aborting_a_swapped_out_request_drops_its_host_copy_at_the_next_step(model):
-    llm = online(model, num_blocks=5, block_size=2, preemption="swap")
+    llm = online(model, num_blocks=6, block_size=2, preemption="swap")  # 5 blocks and the null block
     llm.add_request("a", [1, 2, 3], greedy(8))
     llm.add_request("b", [4, 5, 6], greedy(8))
     for _ in range(20):  # a small pool: the newest is swapped out within a few steps
-        if llm.scheduler.swapped:
+        if llm.engine_core.scheduler.swapped:
             break
         llm.step()
-    assert [r.request_id for r in llm.scheduler.swapped] == ["b"] and "b" in llm.runner.swapped
-    free = llm.scheduler.memory.num_free_blocks
+    assert [r.request_id for r in llm.engine_core.scheduler.swapped] == ["b"] and "b" in llm.engine_core.model_runner.swapped
+    free = llm.engine_core.scheduler.memory.num_free_blocks
     (out,) = llm.abort_request("b")
     assert out.outputs[0].finish_reason == "abort"
-    assert not llm.scheduler.swapped and llm.scheduler.memory.num_free_blocks == free
-    assert "b" in llm.runner.swapped  # until the runner is told
+    assert not llm.engine_core.scheduler.swapped and llm.engine_core.scheduler.memory.num_free_blocks == free
+    assert "b" in llm.engine_core.model_runner.swapped  # until the runner is told
     llm.step()
-    assert "b" not in llm.runner.swapped
+    assert "b" not in llm.engine_core.model_runner.swapped
     assert final_tokens(run(llm)) == {"a": expected(model, [1, 2, 3], 8)}
-    assert llm.scheduler.memory.num_free_blocks == 5 and not llm.runner.swapped
+    assert llm.engine_core.scheduler.memory.num_free_blocks == 5 and not llm.engine_core.model_runner.swapped
+
+
+def test_an_id_is_refused_only_while_its_request_is_live(model):
+    llm = online(model)
+    llm.add_request("done", [1, 2, 3], greedy(1))
+    run(llm)
+    assert not llm.engine_core.scheduler.requests and not llm.output_processor.request_ids()
+    llm.add_request("done", [4, 5], greedy(2))  # finished: its id may come again, as in vLLM
+    assert final_tokens(run(llm)) == {"done": expected(model, [4, 5], 2)}
 
 
 def test_unknown_and_finished_ids_are_ignored_and_a_parent_aborts_all_its_children(model):
@@ -248,7 +257,7 @@ def test_unknown_and_finished_ids_are_ignored_and_a_parent_aborts_all_its_childr
     assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
     assert {c.finish_reason for c in out.outputs} == {"abort"}
     assert all(len(c.token_ids) == 3 for c in out.outputs)
-    assert not llm.has_unfinished_requests() and llm.scheduler.memory.num_free_blocks == 48
+    assert not llm.has_unfinished_requests() and llm.engine_core.scheduler.memory.num_free_blocks == 47
 
 
 # ------------------------------------------------------------------------------ refused requests
@@ -279,7 +288,6 @@ def test_unknown_and_finished_ids_are_ignored_and_a_parent_aborts_all_its_childr
         ),
         ("run", [1, 2], None, "request_id 'run' is in use"),
         ("wait", [1, 2], None, "request_id 'wait' is in use"),
-        ("done", [1, 2], None, "request_id 'done' is in use"),  # the scheduler never takes an id twice
         ("0_kids", [1, 2], None, "request_id '0_kids' is in use"),  # a child's core id
         ("kids", [3], greedy(1), "request_id 'kids' is in use"),
         (["x"], [1, 2], None, "request_id"),
@@ -288,7 +296,7 @@ def test_unknown_and_finished_ids_are_ignored_and_a_parent_aborts_all_its_childr
     ],
 )
 def test_a_refused_request_leaves_the_engine_as_it_was(request_id, prompt, params, message):
-    llm = LLMEngine(Engine(_model().to("cpu"), num_blocks=12, block_size=4, max_num_seqs=2), decode=letters)
+    llm = online(_model().to("cpu"), num_blocks=12, block_size=4, max_num_seqs=2)
     llm.add_request("done", [1, 2, 3], greedy(1))
     llm.step()
     llm.add_request("run", [1, 2, 3], greedy(5))
@@ -300,11 +308,11 @@ def test_a_refused_request_leaves_the_engine_as_it_was(request_id, prompt, param
         llm.add_request(request_id, prompt, params)
     assert state(llm) == before
     run(llm)
-    assert llm.scheduler.memory.num_free_blocks == 12
+    assert llm.engine_core.scheduler.memory.num_free_blocks == 11
 
 
 def test_stop_strings_need_a_decode_function():
-    llm = LLMEngine(Engine(_model().to("cpu"), num_blocks=12, block_size=4))
+    llm = online(_model().to("cpu"), num_blocks=12, block_size=4, decode=None)
     before = state(llm)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.add_request("a", [1, 2], SamplingParams(stop="x"))
@@ -338,16 +346,16 @@ def test_a_stop_string_cuts_the_text_and_frees_the_blocks_at_once(model):
     while not outputs or not outputs[-1].finished:
         (out,) = llm.step()
         outputs.append(out)
-    assert llm.scheduler.memory.num_free_blocks == 48 and not llm.has_unfinished_requests()  # at once
+    assert llm.engine_core.scheduler.memory.num_free_blocks == 47 and not llm.has_unfinished_requests()  # at once
     (completion,) = outputs[-1].outputs
     assert completion.text == text[:at] and stop not in completion.text
     assert completion.token_ids == tokens[: at + 2]  # up to the token that completed it
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert len(outputs) == at + 2  # the step that completed it was the last one
-    assert "s" in llm.runner.tables.rows  # the runner drops its row when it hears, next step
+    assert "s" in llm.engine_core.model_runner.block_tables.rows  # the runner drops its row when it hears, next step
     llm.add_request("t", [1], greedy(1))
     run(llm)
-    assert "s" not in llm.runner.tables.rows
+    assert "s" not in llm.engine_core.model_runner.block_tables.rows
 
 
 def test_a_stop_string_wins_over_the_length_on_the_same_token(model):
@@ -454,9 +462,9 @@ def test_a_seeded_request_gets_its_tokens_whatever_runs_beside_it(model):
     llm.add_request("r2", PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.3))
     tokens = final_tokens(run(llm))
     assert tokens["s"] == by_itself
-    assert "s" in llm.runner.sampling and "g" not in llm.runner.sampling  # until the runner hears
+    assert "s" in llm.engine_core.model_runner.sampling and "g" not in llm.engine_core.model_runner.sampling  # until the runner hears
     llm.step()
-    assert not llm.runner.sampling
+    assert not llm.engine_core.model_runner.sampling
     assert tokens["g"] == expected(model, PROMPTS[0], 7)
     assert served_alone(model, PROMPTS[1], params).outputs[0].token_ids == by_itself
     other_seed = SamplingParams(seed=6, max_tokens=12)
@@ -492,7 +500,7 @@ def test_n_children_are_vllms_and_child_i_is_the_request_with_seed_plus_i(model)
     llm = online(model)
     params = SamplingParams(n=3, seed=40, max_tokens=6, temperature=1.2)
     llm.add_request("p", PROMPTS[1], params)
-    assert [r.request_id for r in llm.scheduler.waiting] == ["0_p", "1_p", "2_p"] == child_request_ids("p", 3)
+    assert [r.request_id for r in llm.engine_core.scheduler.waiting] == ["0_p", "1_p", "2_p"] == child_request_ids("p", 3)
     assert llm.get_num_unfinished_requests() == 1
     outputs = run(llm)["p"]
     assert all(len(out.outputs) == 3 for out in outputs)  # cumulative: every child, every step
@@ -512,11 +520,11 @@ def test_children_share_the_prompts_blocks_with_prefix_caching(model):
         llm = online(model, num_blocks=40, enable_prefix_caching=caching)
         llm.add_request("p", prompt, SamplingParams(n=4, seed=3, max_tokens=3, output_kind=DELTA))
         llm.step()
-        used[caching] = 40 - llm.scheduler.memory.num_free_blocks
+        used[caching] = 39 - llm.engine_core.scheduler.memory.num_free_blocks  # 39 blocks and the null block
         assert llm.last_stats.num_running_reqs == 4
         outputs = run(llm)["p"]
         assert sum(len(c.token_ids) for out in outputs for c in out.outputs) == 4 * 2  # deltas after step 1
-        assert llm.scheduler.memory.num_free_blocks == 40
+        assert llm.engine_core.scheduler.memory.num_free_blocks == 39
         assert outputs[-1].num_cached_tokens == 0  # the first child's admission found nothing cached
         llm.add_request("again", prompt, greedy(1))
         assert run(llm)["again"][-1].num_cached_tokens == (8 if caching else 0)
@@ -528,8 +536,8 @@ def test_children_share_the_prompts_blocks_with_prefix_caching(model):
 
 def test_the_step_records_count_first_tokens_latencies_and_finished_requests(model):
     now = [0.0]
-    engine = Engine(model, num_blocks=20, block_size=4, max_num_seqs=2)
-    llm = LLMEngine(engine, decode=letters, clock=lambda: now[0])
+    args = engine_args(20, block_size=4, max_num_seqs=2)
+    llm = LLMEngine.from_engine_args(model, args, decode=letters, clock=lambda: now[0])
     llm.add_request("a", [1, 2, 3], greedy(2))
     llm.add_request("b", [4, 5, 6, 7, 8], greedy(3))
     llm.add_request("c", [9], greedy(1), arrival_time=-1.0)
@@ -538,7 +546,7 @@ def test_the_step_records_count_first_tokens_latencies_and_finished_requests(mod
     stats, it = llm.last_stats, llm.last_iteration
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, 1)
     assert stats.num_generation_tokens == 2 and stats.num_prompt_tokens == 8
-    assert stats.kv_cache_usage == pytest.approx(3 / 20)  # a: 1 block, b: 2 blocks
+    assert stats.kv_cache_usage == pytest.approx(3 / 19)  # a: 1 block, b: 2, of 19 (the null block aside)
     assert it.time_to_first_tokens_iter == (2.0, 2.0) and it.inter_token_latencies_iter == ()
     assert it.num_generation_tokens == 2 and it.num_prompt_tokens == 8 and it.finished_requests == ()
     now[0] = 5.0
@@ -665,14 +673,13 @@ class OnlineEngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.model = _model().to("cpu")
-        engine = Engine(
-            self.model,
-            num_blocks=NUM_BLOCKS,
+        args = engine_args(
+            NUM_BLOCKS,
             block_size=BLOCK_SIZE,
             enable_prefix_caching=True,
-            attention_strategy="gather",  # the quickest on a CPU at this size: the steps are what is tested
+            attention_backend="GATHER",  # the quickest on a CPU at this size: the steps are what is tested
         )
-        self.llm = LLMEngine(engine, decode=letters)
+        self.llm = LLMEngine.from_engine_args(self.model, args, decode=letters)
         self.requests: dict[Hashable, tuple[list[int], SamplingParams]] = {}
         self.tokens: dict[Hashable, dict[int, list[int]]] = {}  # request -> child index -> tokens
         self.final: dict[Hashable, RequestOutput] = {}
@@ -724,30 +731,30 @@ class OnlineEngineMachine(RuleBasedStateMachine):
     def abort_request(self, data) -> None:
         live = [r for r in self.requests if r not in self.final]
         request_id = data.draw(st.sampled_from([*live, "ghost", *list(self.final)[:1]]))
-        free = self.llm.scheduler.memory.num_free_blocks
+        free = self.llm.engine_core.scheduler.memory.num_free_blocks
         where = {
-            r.request_id: name for name in ("waiting", "running") for r in getattr(self.llm.scheduler, name)
+            r.request_id: name for name in ("waiting", "running") for r in getattr(self.llm.engine_core.scheduler, name)
         }
         event(f"abort of a {where.get(request_id, 'missing')} request")
         event(f"abort of a {where.get(f'0_{request_id}', 'missing')} child")
         outputs = self.llm.abort_request(request_id)
         assert (len(outputs) == 1) == (request_id in live)
         self.record(outputs)
-        assert self.llm.scheduler.memory.num_free_blocks >= free
+        assert self.llm.engine_core.scheduler.memory.num_free_blocks >= free
         for out in outputs:
             assert out.finished and {c.finish_reason for c in out.outputs} <= {"abort", "stop", "length"}
 
     @invariant()
     def the_memory_holds_the_running_requests_only(self) -> None:
-        scheduler = self.llm.scheduler
+        scheduler = self.llm.engine_core.scheduler
         running = {r.request_id for r in scheduler.running}
-        assert set(scheduler.memory.manager.tables) == running
+        assert set(scheduler.memory.coordinator.request_ids) == running
         if not running:
             assert scheduler.memory.usage == 0.0
 
     @invariant()
     def the_scheduler_holds_the_unfinished_children_only(self) -> None:
-        scheduler, processor = self.llm.scheduler, self.llm.output_processor
+        scheduler, processor = self.llm.engine_core.scheduler, self.llm.output_processor
         held = [
             r.request_id for queue in (scheduler.waiting, scheduler.running, scheduler.swapped) for r in queue
         ]
@@ -759,8 +766,8 @@ class OnlineEngineMachine(RuleBasedStateMachine):
         # The runner keeps rows and generators for the requests still there, and for those that left
         # since the last step only: it hears of them (finished_req_ids) at the next one.
         leaving = scheduler._finished_ids
-        assert set(self.llm.runner.tables.rows) <= {r.request_id for r in scheduler.running} | leaving
-        assert set(self.llm.runner.sampling) <= set(held) | leaving
+        assert set(self.llm.engine_core.model_runner.block_tables.rows) <= {r.request_id for r in scheduler.running} | leaving
+        assert set(self.llm.engine_core.model_runner.sampling) <= set(held) | leaving
 
     def teardown(self) -> None:
         for _ in range(300):
@@ -768,7 +775,7 @@ class OnlineEngineMachine(RuleBasedStateMachine):
                 break
             self.record(self.llm.step())
         assert not self.llm.has_unfinished_requests() and self.llm.get_num_unfinished_requests() == 0
-        assert self.llm.scheduler.memory.num_free_blocks == NUM_BLOCKS
+        assert self.llm.engine_core.scheduler.memory.num_free_blocks == NUM_BLOCKS - 1
         assert set(self.final) == set(self.requests)  # every one finished or was aborted
         for request_id, (prompt, params) in self.requests.items():
             final = self.final[request_id]

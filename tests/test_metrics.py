@@ -7,29 +7,34 @@ import io
 import logging
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator
 from paged_kv.core.kv_cache_groups import kv_cache_groups
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving import metrics
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
-from paged_kv.serving.memory import HybridKVCacheManager, KVCacheManager
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine_result import EngineResult
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.metrics import (
     PREEMPTION_WARNING,
     CachingMetrics,
+    FinishedRequestStats,
+    IterationStats,
     LoggingStatLogger,
+    MetricSpec,
     RunMetrics,
     SchedulerStats,
     format_log_line,
-    go_float,
     kv_cache_device,
     percentile,
 )
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
+from tests.helpers import built
 
 pytestmark = pytest.mark.lesson07
 
@@ -49,16 +54,9 @@ def burst(n: int = 6, new_tokens: int = 6) -> list[EngineRequest]:
 
 def run_capturing(engine: Engine, requests: list[EngineRequest]) -> tuple[EngineResult, object]:
     """Run ``engine`` and return its result and the run's memory, to look at after the run."""
-    built: list = []
-    build = engine._new_step_loop
-
-    def capture():
-        built.append(build())
-        return built[-1]
-
-    engine._new_step_loop = capture  # type: ignore[method-assign]
+    made = built(engine)
     result = engine.run(requests)
-    return result, built[0][0].memory
+    return result, made[0].engine_core.memory
 
 
 def preempting(model: TinyGPT, caplog=None, **settings) -> EngineResult:
@@ -120,6 +118,30 @@ def test_the_names_are_vllm_0_33_0s() -> None:
         "preempted_hits",
     ]
     assert metrics.ENGINE_LOGGER == "paged_kv.engine"
+    # Every family is labelled as vLLM labels it; the server's vllm:request_success has its reasons.
+    assert {spec.labelnames for spec in metrics.METRICS} == {("model_name", "engine")}
+    success = metrics.REQUEST_SUCCESS_METRIC
+    assert (success.name, success.type, success.documentation, success.labelnames) == (
+        "vllm:request_success",
+        "counter",
+        "Count of successfully processed requests.",
+        ("model_name", "engine", "finished_reason"),
+    )
+    # vllm/v1/engine/__init__.py: FINISH_REASON_STRINGS
+    assert metrics.FINISH_REASONS == ("stop", "length", "abort", "error", "repetition")
+
+
+@pytest.mark.parametrize(
+    ("kind", "buckets", "message"),
+    [
+        ("summary", (), "type must be one of counter, gauge, histogram, got 'summary'"),
+        ("histogram", (), "buckets go with a histogram and only with one, got () for a histogram"),
+        ("gauge", (1.0,), "buckets go with a histogram and only with one, got (1.0,) for a gauge"),
+    ],
+)
+def test_a_metric_spec_refuses_what_prometheus_could_not_declare(kind, buckets, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MetricSpec("vllm:x", kind, "help", buckets)
 
 
 # ------------------------------------------------------------------------------ the log line
@@ -221,25 +243,25 @@ def test_the_usage_falls_to_0_after_a_burst_though_the_prefix_cache_keeps_its_bl
     result, memory = run_capturing(engine, burst(6))
     assert max(result.kv_cache_usage) > 0.3
     assert result.scheduler_stats[-1].kv_cache_usage == 0.0 == memory.usage
-    assert memory.manager.cached_blocks()  # every freed block with a hash still cached: free all the same
-    assert memory.num_free_blocks == memory.num_blocks
+    assert memory.block_pool.prefix_cache.cached_blocks()  # cached blocks freed count free all the same
+    assert memory.num_free_blocks == memory.num_blocks - 1  # all but the null block
     # Used blocks over the pool at each step's end: the blocks in use before the finished left, but
     # for theirs (used_blocks counts them before).
     finished_at = set(result.finished_step.values())
     for k, (stats, used) in enumerate(zip(result.scheduler_stats, result.used_blocks, strict=True)):
-        assert stats.kv_cache_usage == used / 32 if k not in finished_at else stats.kv_cache_usage < used / 32
+        usage = used / 31  # the null block counts in neither
+        assert stats.kv_cache_usage == pytest.approx(usage) if k not in finished_at else stats.kv_cache_usage < usage
     metrics_ = result.metrics()
     assert metrics_.kv_cache_usage_perc == 0.0
 
 
 def test_the_usage_of_a_hybrid_pool_leaves_the_null_block_out(model) -> None:
     groups = kv_cache_groups((4, None), 4)  # a sliding-window layer beside a full one
-    coordinator = KVCacheCoordinator(groups, 9)  # block 0 is the null block: 8 to give out
-    memory = HybridKVCacheManager(coordinator)
+    memory = KVCacheManager(9, kv_cache_groups=groups)  # block 0 is the null block: 8 to give out
     assert memory.usage == 0.0  # the null block is held, and not counted
-    request = SchedulerRequest("a", 5, 1, tuple(range(5)))
+    request = EngineCoreRequest("a", 5, 1, tuple(range(5)))
     memory.allocate_slots(
-        request, 5, request.prompt_token_ids, computed=memory.get_computed_blocks(request, None)
+        request, 5, request.prompt_token_ids, new_computed_blocks=memory.get_computed_blocks(request, None)
     )
     assert memory.num_free_blocks == 8 - 4  # two blocks in each group
     assert memory.usage == 4 / 8
@@ -248,7 +270,7 @@ def test_the_usage_of_a_hybrid_pool_leaves_the_null_block_out(model) -> None:
     hybrid = TinyGPT(GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=128, sliding_windows=(4, None)))
     engine = Engine(hybrid, num_blocks=20, block_size=4, enable_prefix_caching=True)
     result, hybrid_memory = run_capturing(engine, burst(3))
-    assert isinstance(hybrid_memory, HybridKVCacheManager)
+    assert isinstance(hybrid_memory, KVCacheManager) and len(hybrid_memory.kv_cache_groups) == 2
     assert max(result.kv_cache_usage) > 0 and result.kv_cache_usage[-1] == 0.0  # not 1 / 20
 
 
@@ -310,17 +332,15 @@ def test_a_resumed_requests_lookup_counts_apart(model) -> None:
 
 
 def test_the_scheduler_says_when_a_lookup_is_a_resumption() -> None:
-    from paged_kv.core.block_manager import BlockManager
-
-    memory = KVCacheManager(BlockManager(16, 4, enable_prefix_caching=True))
+    memory = KVCacheManager(16, 4, enable_caching=True)
     prompt = tuple(range(10))
-    request = SchedulerRequest("a", 10, 4, prompt)
-    memory.allocate_slots(request, 10, prompt, computed=memory.get_computed_blocks(request, prompt))
+    request = EngineCoreRequest("a", 10, 4, prompt)
+    memory.allocate_slots(request, 10, prompt, new_computed_blocks=memory.get_computed_blocks(request, prompt))
     assert memory.make_prefix_cache_stats() == PrefixCacheStats(requests=1, queries=10)
     memory.free("a")  # preempted by recompute: it comes back with a token it generated
     resumed = (*prompt, 7)
     computed = memory.get_computed_blocks(request, resumed)
-    memory.allocate_slots(request, 3, resumed, computed=computed, preempted=True)
+    memory.allocate_slots(request, 3, resumed, new_computed_blocks=computed, preempted=True)
     assert memory.make_prefix_cache_stats() == PrefixCacheStats(
         preempted_requests=1, preempted_queries=11, preempted_hits=8
     )
@@ -421,23 +441,26 @@ def test_the_prometheus_text_parses(model) -> None:
     )
 
 
+RUN = RunMetrics(
+    steps=3,
+    elapsed_seconds=1.5,
+    num_requests=2,
+    num_requests_running=1,
+    num_requests_waiting=2,
+    kv_cache_usage_perc=0.375,
+    num_preemptions=4,
+    prompt_tokens=1_234_567,
+    generation_tokens=89,
+    prefix_cache_stats=PrefixCacheStats(2, 40, 16, 1, 20, 8),
+    time_to_first_token_seconds=(0.0005, 0.3, 3000.0),
+    inter_token_latency_seconds=tuple((7 * i % 13) / 97 + 0.003 for i in range(40)),  # unsorted
+    e2e_request_latency_seconds=(0.25, 9.0),
+)
+"""A run with a value in every family, an exponent (1.234567e+06) and samples past the last bucket."""
+
+
 def test_the_prometheus_text_is_prometheus_clients() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    run = RunMetrics(
-        steps=3,
-        elapsed_seconds=1.5,
-        num_requests=2,
-        num_requests_running=1,
-        num_requests_waiting=2,
-        kv_cache_usage_perc=0.375,
-        num_preemptions=4,
-        prompt_tokens=1_234_567,
-        generation_tokens=89,
-        prefix_cache_stats=PrefixCacheStats(2, 40, 16, 1, 20, 8),
-        time_to_first_token_seconds=(0.0005, 0.3, 3000.0),
-        inter_token_latency_seconds=tuple((7 * i % 13) / 97 + 0.003 for i in range(40)),  # unsorted
-        e2e_request_latency_seconds=(0.25, 9.0),
-    )
     registry = prometheus_client.CollectorRegistry()
     made = {}
     for spec in metrics.METRICS:
@@ -455,28 +478,76 @@ def test_the_prometheus_text_is_prometheus_clients() -> None:
     made["vllm:prompt_tokens"].inc(1_234_567)
     made["vllm:generation_tokens"].inc(89)
     for name, values in (
-        ("vllm:time_to_first_token_seconds", run.time_to_first_token_seconds),
-        ("vllm:inter_token_latency_seconds", run.inter_token_latency_seconds),
-        ("vllm:e2e_request_latency_seconds", run.e2e_request_latency_seconds),
+        ("vllm:time_to_first_token_seconds", RUN.time_to_first_token_seconds),
+        ("vllm:inter_token_latency_seconds", RUN.inter_token_latency_seconds),
+        ("vllm:e2e_request_latency_seconds", RUN.e2e_request_latency_seconds),
     ):
         for value in values:
             made[name].observe(value)
     expected = prometheus_client.generate_latest(registry).decode()
     expected = "".join(line for line in expected.splitlines(keepends=True) if "_created" not in line)
-    assert run.prometheus_text(model_name="m") == expected
+    assert RUN.prometheus_text(model_name="m") == expected
     parser = pytest.importorskip("prometheus_client.parser")
     parsed = {f.name: f for f in parser.text_string_to_metric_families(expected)}
     assert parsed["vllm:num_preemptions"].type == "counter"
 
 
-def test_go_floats_and_percentiles() -> None:
-    assert [go_float(v) for v in (3, 0.25, math.inf, 1234567.0, 0.001)] == [
-        "3.0",
-        "0.25",
-        "+Inf",
-        "1.234567e+06",
-        "0.001",
+def test_a_runs_text_is_the_servers_after_one_step_of_the_same_values() -> None:
+    """One path: the run's text and the server's /metrics come from the same specs through
+    prometheus_client, so a logger fed the run's totals in one step serves the same lines (and, besides,
+    the _created series and vllm:request_success that a run's text leaves out)."""
+    pytest.importorskip("prometheus_client")
+    from paged_kv.entrypoints.openai.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m")
+    logger(
+        SchedulerStats(
+            num_running_reqs=RUN.num_requests_running,
+            num_waiting_reqs=RUN.num_requests_waiting,
+            kv_cache_usage=RUN.kv_cache_usage_perc,
+            prefix_cache_stats=RUN.prefix_cache_stats,
+            num_preempted_reqs=RUN.num_preemptions,
+        ),
+        IterationStats(
+            num_generation_tokens=RUN.generation_tokens,
+            num_prompt_tokens=RUN.prompt_tokens,
+            time_to_first_tokens_iter=RUN.time_to_first_token_seconds,
+            inter_token_latencies_iter=RUN.inter_token_latency_seconds,
+            finished_requests=tuple(
+                FinishedRequestStats("stop", s, 1) for s in RUN.e2e_request_latency_seconds
+            ),
+        ),
+    )
+    text = logger.render().decode()
+    served = [
+        line
+        for line in text.splitlines(keepends=True)
+        if "_created" not in line and "vllm:request_success" not in line
     ]
+    assert RUN.prometheus_text(model_name="m") == "".join(served)
+    assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 2.0' in text
+
+
+def test_the_metrics_import_without_prometheus_client() -> None:
+    """prometheus_client is the course's extra: the core's import path never needs it."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import paged_kv, paged_kv.serving.metrics, paged_kv.serving.engine\n"
+        "from paged_kv.serving.metrics import METRICS\n"
+        "print(len(METRICS))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "11"), done.stderr
+
+
+def test_a_text_without_prometheus_client_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'paged_kv\[course\]'") as raised:
+        RUN.prometheus_text()
+    assert raised.value.name == "prometheus_client"
+
+
+def test_percentiles() -> None:
     assert percentile([], 99) == 0.0
     assert percentile([4.0, 1.0, 2.0, 3.0], 50) == 2.5  # numpy's linear interpolation
     assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)

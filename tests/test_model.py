@@ -220,20 +220,22 @@ def test_prefill_batch_refuses_mismatched_or_bad_arguments():
         model.prefill_batch([], [], cache)
 
 
-def test_a_packed_prefill_on_the_paged_cache_is_one_paged_prefill_attention_per_layer(monkeypatch):
-    import paged_kv.model.kv_cache as kv_cache
+def test_a_packed_prefill_on_the_paged_cache_is_one_backend_forward_per_layer(monkeypatch):
+    from paged_kv.attention.backend import AttentionImpl
 
     calls = []
-    real = kv_cache.paged_prefill_attention
+    real = AttentionImpl.forward
 
-    def spy(query, k_cache, v_cache, block_tables, context_lens, query_lens, *args):
-        calls.append((len(query), block_tables.shape[0], query_lens.tolist()))
-        return real(query, k_cache, v_cache, block_tables, context_lens, query_lens, *args)
+    def spy(self, query, key, value, kv_cache, metadata):
+        calls.append((len(query), metadata.num_reqs, metadata.query_lens.tolist()))
+        return real(self, query, key, value, kv_cache, metadata)
 
-    monkeypatch.setattr(kv_cache, "paged_prefill_attention", spy)
+    monkeypatch.setattr(AttentionImpl, "forward", spy)
     model = TinyGPT(seed=0)
     generate(model, prompts(), 2, cache="paged", block_size=BLOCK_SIZE)
-    assert calls == [(sum(PROMPT_LENGTHS), 3, list(PROMPT_LENGTHS))] * model.config.num_layers
+    prefill = [(sum(PROMPT_LENGTHS), 3, list(PROMPT_LENGTHS))] * model.config.num_layers
+    decode = [(3, 3, [1, 1, 1])] * model.config.num_layers
+    assert calls == prefill + decode  # the prompts packed in one forward, then one decode step
 
 
 def test_a_packed_prefill_refuses_a_bad_layout_and_writes_nothing():
@@ -251,3 +253,48 @@ def test_a_packed_prefill_refuses_a_bad_layout_and_writes_nothing():
     with pytest.raises(ValueError, match="k must have shape"):
         cache.attend_prefill_batch(0, ["a"], k, k[:, :2], k[:, :2])
     assert not cache.storage.k_caches[0].any()  # nothing was written
+
+
+@pytest.mark.parametrize("backend", [None, "GATHER", "IN_PLACE", "CPU_ATTN"])
+def test_step_attend_writes_each_layers_kv_and_attends_in_the_named_backend_as_the_layer_attends(backend):
+    """Two requests (a chunk of 3 after 5 cached tokens, a decode after 6), two layers: full
+    attention, then a window of 3 with a soft cap; each layer's output is the reference backend's
+    over its own pool once the step's K/V are in."""
+    from paged_kv.attention.paged import paged_prefill_attention
+    from paged_kv.kv.storage import KVStorage
+    from paged_kv.model.attend import step_attend
+    from paged_kv.model.config import LayerAttention
+    from paged_kv.model.step import BlockTables, prepare_attention
+
+    from .test_varlen_attention import skip_unless_runnable
+
+    if backend is not None and backend.isupper():
+        skip_unless_runnable(backend, "cpu")
+    tables = BlockTables(4, 4)
+    tables.add_row("a", ([3, 0],))
+    tables.add_row("b", ([1, 4],))
+    metadata = prepare_attention(tables, ["a", "b"], [5, 6], [3, 1], 4)
+    storage = KVStorage(2, 6, 4, 2, 8)
+    gen = torch.Generator().manual_seed(9)
+    for pool in (*storage.k_caches, *storage.v_caches):
+        pool.copy_(torch.randn(pool.shape, generator=gen))  # the cached tokens, and stale slots
+    q, k, v = torch.randn(1, 4, 4, 8, generator=gen), *torch.randn(2, 1, 4, 2, 8, generator=gen)
+    layers = [LayerAttention(), LayerAttention(sliding_window=3, softcap=2.0)]
+    attend = step_attend([metadata], storage, backend, None, layers)
+    for layer, spec in enumerate(layers):
+        out = attend(layer, q, k, v)
+        slots = metadata.slot_mapping
+        assert torch.equal(storage.k_caches[layer][slots // 4, :, slots % 4], k[0])
+        expected = paged_prefill_attention(
+            q[0], storage.k_caches[layer], storage.v_caches[layer], metadata.block_table,
+            metadata.seq_lens, metadata.query_lens, backend="GATHER", **spec.window_and_cap(),
+        )  # fmt: skip
+        torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_step_attend_refuses_a_name_no_backend_has():
+    from paged_kv.kv.storage import KVStorage
+    from paged_kv.model.attend import step_attend
+
+    with pytest.raises(ValueError, match=r"^attention_backend must be one of CPU_ATTN, .*got 'fast'"):
+        step_attend([], KVStorage(1, 2, 4, 1, 8), "fast")

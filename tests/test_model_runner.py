@@ -10,16 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.step import PAD, AttentionMetadata, BlockTables, prepare_attention
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 from tests.helpers import max_examples
 
@@ -138,8 +137,8 @@ def make_runner(model: TinyGPT, num_blocks: int = 16, block_size: int = 4):
 def test_the_runner_gives_the_tokens_of_generate_and_never_touches_the_blocks(model):
     # The scheduler over a manager; the runner over the storage. The manager's state is the
     # scheduler's doing alone: across each step's execute_model it does not change.
-    manager = BlockManager(16, 4)
-    scheduler = Scheduler(KVCacheManager(manager), max_num_batched_tokens=6)
+    manager = KVCacheManager(16, 4)
+    scheduler = Scheduler(manager, max_num_batched_tokens=6)
     runner = make_runner(model)
     execute = runner.execute_model
 
@@ -151,7 +150,7 @@ def test_the_runner_gives_the_tokens_of_generate_and_never_touches_the_blocks(mo
 
     runner.execute_model = watched
     prompts = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [9, 8, 7]}
-    arrivals = [(0, SchedulerRequest(r, len(p), 5, tuple(p))) for r, p in prompts.items()]
+    arrivals = [(0, EngineCoreRequest(r, len(p), 5, tuple(p))) for r, p in prompts.items()]
     tokens = {r: list(t) for _, step in run_steps(scheduler, runner, arrivals) for r, t in step.finished}
     expected = generate(model, list(prompts.values()), 5, cache="contiguous").tokens
     assert tokens == dict(zip(prompts, expected, strict=True))
@@ -166,7 +165,7 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
         (NewRequestData("a", (1, 2, 3), ((5,),), 0),),
     )
     runner.execute_model(first)
-    state = (dict(runner.tables.rows), runner.num_computed_tokens("a"), runner.tables.block_ids("a"))
+    state = (dict(runner.block_tables.rows), runner.num_computed_tokens("a"), runner.block_tables.block_ids("a"))
     bad = [
         (SchedulerOutput(1, {"zz": 1}, 1, (), CachedRequestData(("zz",), (((),),), (0,))), "no row"),
         (
@@ -192,13 +191,13 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
         with pytest.raises(ValueError, match=match):
             runner.execute_model(output)  # type: ignore[arg-type]
         assert state == (
-            dict(runner.tables.rows),
+            dict(runner.block_tables.rows),
             runner.num_computed_tokens("a"),
-            runner.tables.block_ids("a"),
+            runner.block_tables.block_ids("a"),
         )
     good = SchedulerOutput(1, {"a": 1}, 1, (), CachedRequestData(("a",), (((6,),),), (3,)))
-    assert set(runner.execute_model(good).sampled) == {"a"}
-    assert runner.tables.block_ids("a") == ([5, 6],)
+    assert set(runner.execute_model(good).sampled_token_ids) == {"a"}
+    assert runner.block_tables.block_ids("a") == ([5, 6],)
 
 
 def test_one_forward_runs_every_request_of_a_step(model, monkeypatch):
@@ -210,9 +209,9 @@ def test_one_forward_runs_every_request_of_a_step(model, monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward_step", counted)
-    scheduler = Scheduler(KVCacheManager(BlockManager(16, 4)), max_num_batched_tokens=5)
+    scheduler = Scheduler(KVCacheManager(16, 4), max_num_batched_tokens=5)
     runner = make_runner(model)
-    arrivals = [(0, SchedulerRequest("a", 2, 4, (1, 2))), (1, SchedulerRequest("b", 7, 2, tuple(range(7))))]
+    arrivals = [(0, EngineCoreRequest("a", 2, 4, (1, 2))), (1, EngineCoreRequest("b", 7, 2, tuple(range(7))))]
     steps = list(run_steps(scheduler, runner, arrivals))
     assert calls == [output.total_num_scheduled_tokens for output, _ in steps]  # one per step
     mixed = [dict(output.num_scheduled_tokens) for output, _ in steps[1:3]]
@@ -230,12 +229,12 @@ def test_the_runner_keeps_each_steps_metadata_and_inputs_in_its_request_state(mo
         return forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward_step", recorded)
-    scheduler = Scheduler(KVCacheManager(BlockManager(16, 4)), max_num_batched_tokens=5)
+    scheduler = Scheduler(KVCacheManager(16, 4), max_num_batched_tokens=5)
     runner = make_runner(model)
     prompts = {"a": (1, 2), "b": (11, 12, 13, 14, 15, 16, 17)}
     arrivals = [
-        (0, SchedulerRequest("a", 2, 4, prompts["a"])),
-        (1, SchedulerRequest("b", 7, 2, prompts["b"])),
+        (0, EngineCoreRequest("a", 2, 4, prompts["a"])),
+        (1, EngineCoreRequest("b", 7, 2, prompts["b"])),
     ]
     steps = run_steps(scheduler, runner, arrivals)
     _, first = next(steps)
@@ -245,7 +244,7 @@ def test_the_runner_keeps_each_steps_metadata_and_inputs_in_its_request_state(mo
     metadata = runner.last_metadata
     assert metadata.positions.tolist() == [2, 0, 1, 2, 3]
     assert metadata.query_start_loc_cpu.tolist() == metadata.query_start_loc.tolist() == [0, 1, 5]
-    rebuilt = prepare_attention(runner.tables, ["a", "b"], [2, 0], [1, 4], 4)
+    rebuilt = prepare_attention(runner.block_tables, ["a", "b"], [2, 0], [1, 4], 4)
     assert metadata.slot_mapping.tolist() == rebuilt.slot_mapping.tolist()
     assert runner.num_computed_tokens("a") == 3 and runner.num_computed_tokens("b") == 4
     next(steps)
@@ -254,12 +253,12 @@ def test_the_runner_keeps_each_steps_metadata_and_inputs_in_its_request_state(mo
 
 
 def test_more_requests_than_rows_grow_the_table_and_the_state(model):
-    scheduler = Scheduler(KVCacheManager(BlockManager(64, 4)))
+    scheduler = Scheduler(KVCacheManager(64, 4))
     storage = KVStorage(CONFIG.num_layers, 64, 4, CONFIG.num_kv_heads, CONFIG.head_dim)
     runner = ModelRunner(model, storage, max_num_reqs=2, max_blocks_per_req=8)
     prompts = [[i + 1, i + 2, i + 3] for i in range(7)]
-    arrivals = [(0, SchedulerRequest(i, 3, 4, tuple(p))) for i, p in enumerate(prompts)]
+    arrivals = [(0, EngineCoreRequest(i, 3, 4, tuple(p))) for i, p in enumerate(prompts)]
     tokens = {r: list(t) for _, step in run_steps(scheduler, runner, arrivals) for r, t in step.finished}
-    assert runner.tables.max_num_reqs == 8 and len(runner.state.num_tokens) == 8
+    assert runner.block_tables.max_num_reqs == 8 and len(runner.state.num_tokens) == 8
     expected = generate(model, prompts, 4, cache="contiguous").tokens
     assert [tokens[i] for i in range(7)] == expected

@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from paged_kv import AllocatorSnapshot, BlockTable
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator
+from paged_kv.core.block_pool import NULL_BLOCK
+from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator, group_names, table_name
 from paged_kv.core.kv_cache_groups import kv_cache_groups
-from paged_kv.core.single_type_manager import NULL_BLOCK
-from paged_kv.pictures.hybrid import HybridRecorder, coordinator_snapshot, group_names, table_name
+from paged_kv.pictures.hybrid import HybridRecorder
 from paged_kv.pictures.pool import NULL_FILL, block_tokens, render_allocator, seq_colour, snapshot_usage
 from paged_kv.pictures.widgets import AllocationPlayer
 
@@ -43,7 +43,7 @@ def fills(element: ET.Element) -> list[str | None]:
 
 def decoded(window: int = 8, prompt: int = 6, steps: int = 14, num_blocks: int = 16) -> KVCacheCoordinator:
     """One request of Gemma 2's two groups (a window, full attention) in blocks of 4, past its window."""
-    coordinator = KVCacheCoordinator(kv_cache_groups([window, None], 4), num_blocks)
+    coordinator = get_kv_cache_coordinator(kv_cache_groups([window, None], 4), num_blocks)
     coordinator.allocate_slots("a", prompt)
     for _ in range(steps):
         coordinator.allocate_slots("a", 1)
@@ -63,23 +63,22 @@ def test_groups_are_named_by_kind_and_numbered_only_when_a_kind_repeats():
 def test_a_coordinators_snapshot_has_a_table_per_request_and_group_and_names_the_null_block():
     coordinator = decoded()  # 20 tokens: the window of the next token, 13..20, starts in block 3
     coordinator.allocate_slots("b", 3)
-    snapshot = coordinator_snapshot(coordinator)
+    snapshot = coordinator.snapshot()
     assert list(snapshot.tables) == ["sw·a", "full·a", "sw·b", "full·b"]
     sliding, full = coordinator.get_block_ids("a")
-    assert snapshot.tables["sw·a"] == BlockTable(sliding, 20) and snapshot.tables["full·a"] == BlockTable(
-        full, 20
-    )
-    assert sliding[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in full
+    assert snapshot.tables["sw·a"] == BlockTable(list(sliding), 20)
+    assert snapshot.tables["full·a"] == BlockTable(list(full), 20)
+    assert sliding[:3] == (NULL_BLOCK,) * 3 and NULL_BLOCK not in full
     assert snapshot.null_block == NULL_BLOCK
-    assert snapshot.free_block_ids == coordinator.pool.free_block_ids
+    assert snapshot.free_block_ids == coordinator.block_pool.free_block_ids
     assert NULL_BLOCK not in snapshot.free_block_ids and snapshot.ref_counts[NULL_BLOCK] == 1
     # A copy: the coordinator going on changes nothing in it.
     coordinator.allocate_slots("a", 4)
-    assert snapshot.tables["sw·a"].block_ids == sliding
+    assert snapshot.tables["sw·a"].block_ids == list(sliding)
 
 
 def test_the_usage_leaves_out_the_null_block_and_the_entries_that_name_it():
-    snapshot = coordinator_snapshot(decoded())
+    snapshot = decoded().snapshot()
     usage = snapshot_usage(snapshot)
     # sw holds 2 blocks (positions 12..19), full 5 (0..19): 7 of the 15 blocks besides the null block.
     assert (usage.used_blocks, usage.free_blocks) == (7, 8)
@@ -99,7 +98,7 @@ def test_a_snapshot_without_a_null_block_is_measured_as_before():
 
 
 def test_the_null_block_is_grey_and_labelled_in_the_pool_and_in_the_tables():
-    snapshot = coordinator_snapshot(decoded())
+    snapshot = decoded().snapshot()
     markup = render_allocator(snapshot, inline=True)
     root = ET.fromstring(markup)
     null = pool_block(root, NULL_BLOCK)
@@ -126,14 +125,14 @@ def test_a_request_keeps_its_colour_in_every_group():
 
 
 def test_blocks_shared_through_the_prefix_cache_are_shared_and_the_null_block_still_is_not():
-    coordinator = KVCacheCoordinator(kv_cache_groups([8, None], 4), 32, enable_prefix_caching=True)
+    coordinator = get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 32, enable_caching=True)
     prompt = list(range(20))
     coordinator.allocate_slots("a", 20, prompt)
     for token in range(20, 26):  # the window slides: sliding blocks leave, null in their place
         coordinator.allocate_slots("a", 1, [*prompt, *range(20, token + 1)])
     computed = coordinator.get_computed_blocks(prompt)
     coordinator.allocate_slots("b", 4, prompt, computed=computed)
-    snapshot = coordinator_snapshot(coordinator)
+    snapshot = coordinator.snapshot()
     usage = snapshot_usage(snapshot)
     assert usage.shared_blocks > 0
     root = picture(snapshot)
@@ -145,7 +144,7 @@ def test_blocks_shared_through_the_prefix_cache_are_shared_and_the_null_block_st
 
 
 def test_the_recorder_keeps_a_frame_per_call_with_what_each_group_took_and_gave_back():
-    recorder = HybridRecorder(KVCacheCoordinator(kv_cache_groups([8, None], 4), 16))
+    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 16))
     recorder.allocate("a", 6)
     recorder.decode("a", 6)
     captions = [frame.caption for frame in recorder.frames]
@@ -170,7 +169,7 @@ def test_the_recorder_keeps_a_frame_per_call_with_what_each_group_took_and_gave_
 def test_a_block_freed_from_the_window_and_taken_again_at_once_is_still_reported():
     # 4 blocks: the null block and 3. One sliding group, window 4, blocks of 2: the pool is full when
     # token 7 needs a block, and the block the window just left is the one it gets.
-    recorder = HybridRecorder(KVCacheCoordinator(kv_cache_groups([4], 2), 4))
+    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([4], 2), 4))
     recorder.allocate("a", 6)
     recorder.decode("a", 1)
     assert (
@@ -181,7 +180,7 @@ def test_a_block_freed_from_the_window_and_taken_again_at_once_is_still_reported
 
 
 def test_a_refused_allocation_raises_and_records_nothing():
-    recorder = HybridRecorder(KVCacheCoordinator(kv_cache_groups([8, None], 4), 5))
+    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 5))
     recorder.allocate("a", 8)  # 2 + 2 blocks: the pool is full
     frames = len(recorder.frames)
     with pytest.raises(ValueError, match="refused: too few free blocks"):
@@ -202,7 +201,7 @@ def test_the_recorder_starts_from_an_empty_coordinator():
 
 
 def test_the_player_plays_a_hybrid_trace():
-    recorder = HybridRecorder(KVCacheCoordinator(kv_cache_groups([8, None], 4), 16))
+    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 16))
     recorder.allocate("a", 6)
     recorder.decode("a", 10)
     player = AllocationPlayer(recorder.frames)

@@ -1,4 +1,4 @@
-"""Exercise 11's reference answers (paged_kv.grading.reference.lesson11) against the engine they model.
+"""Exercise 11's reference answers (paged_kv.reference.lesson11) against the engine they model.
 
 ``choose_victims`` is the scheduler's preemption on plain numbers: the victims of a decode step that
 finds too few free blocks, newest first; the scheduler itself must preempt exactly those.
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from paged_kv import OutOfBlocksError
 from paged_kv.checks.lesson11 import _engine_admits, _grid
 from paged_kv.core.block_manager import BlockManager
-from paged_kv.grading.reference.lesson11 import admit_with_watermark, choose_victims
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.reference.lesson11 import admit_with_watermark, choose_victims
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, SchedulerRequest, run_steps
+from paged_kv.serving.scheduler import Scheduler, EngineCoreRequest, run_steps
 
 from .helpers import max_examples
 
@@ -115,8 +115,8 @@ def test_the_scheduler_preempts_exactly_the_victims_choose_victims_names(seed, n
     requests = []
     for i in range(rng.randint(2, 6)):
         prompt = rng.randint(1, largest // 2)
-        requests.append(SchedulerRequest(f"r{i}", prompt, rng.randint(1, largest - prompt + 1)))
-    memory = KVCacheManager(BlockManager(num_blocks, block_size))
+        requests.append(EngineCoreRequest(f"r{i}", prompt, rng.randint(1, largest - prompt + 1)))
+    memory = KVCacheManager(num_blocks + 1, block_size)  # and its null block
     scheduler = Scheduler(memory)
     runner = CountingRunner()
     for request in requests:
@@ -138,10 +138,11 @@ def test_the_scheduler_preempts_exactly_the_victims_choose_victims_names(seed, n
 
 
 def test_the_scheduler_example_preempts_newest_first():
-    # Three 3-token prompts in 3 blocks of 4, one block each. The 5th tokens need three blocks, none
-    # free: a's allocation pops c, and b's finds none again, pops b itself, and ends the loop.
-    memory = KVCacheManager(BlockManager(3, 4))
-    arrivals = [(0, SchedulerRequest(s, 3, 3)) for s in "abc"]
+    # Three 3-token prompts in 3 blocks of 4 (and the null block), one block each. The 5th tokens
+    # need three blocks, none free: a's allocation pops c, and b's finds none again, pops b itself,
+    # and ends the loop.
+    memory = KVCacheManager(4, 4)
+    arrivals = [(0, EngineCoreRequest(s, 3, 3)) for s in "abc"]
     preempted = [
         [p.request_id for p in output.preemptions]
         for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals)

@@ -27,7 +27,6 @@ from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceErr
 from paged_kv.core import prefix_cache
 from paged_kv.core.prefix_cache import (
     ROOT_HASH,
-    CachingBlockAllocator,
     PrefixCache,
     PrefixCacheStats,
     chain_hashes,
@@ -523,21 +522,6 @@ def test_prefix_cache_maps_stay_in_step():
 def test_prefix_cache_stats_hit_rate():
     assert PrefixCacheStats().hit_rate == 0.0
     assert PrefixCacheStats(requests=2, queries=40, hits=10).hit_rate == 0.25
-
-
-def test_caching_block_allocator_evicts_only_what_allocate_hands_out():
-    pool = CachingBlockAllocator(3)
-    block_ids, cached, chain = pool.allocate_prompt((1, 2, 3, 4, 5), 2, "a prompt")
-    assert (block_ids, cached) == ([0, 1, 2], 0)
-    assert (chain.last.block_id, chain.num_blocks, chain.tail) == (1, 2, [5])
-    assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
-    for block_id in reversed(block_ids):
-        pool.free(block_id)
-    assert pool.free_block_ids == (2, 1, 0)
-    pool.take(0)  # a hit takes a cached block: it keeps its hash
-    assert pool.prefix_cache.cached_blocks() == {0: (1, 2), 1: (3, 4)}
-    assert pool.allocate() == 2 and pool.allocate() == 1
-    assert pool.prefix_cache.cached_blocks() == {0: (1, 2)}
 
 
 # --------------------------------------------------------------------- blocks filled during decode

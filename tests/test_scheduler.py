@@ -15,9 +15,10 @@ from paged_kv.core.block_manager import BlockManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
-from paged_kv.serving.memory import ContiguousMemory, KVCacheManager
+from paged_kv.serving.contiguous_memory import ContiguousMemory
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, run_steps
 from paged_kv.simulation.workload import ContiguousPolicy, PagedPolicy, Request, simulate
 from tests.helpers import max_examples
@@ -31,10 +32,11 @@ def model() -> TinyGPT:
 
 
 def paged(num_blocks: int, block_size: int, *, caching: bool = False, **kwargs) -> KVCacheManager:
-    return KVCacheManager(BlockManager(num_blocks, block_size, enable_prefix_caching=caching), **kwargs)
+    """``num_blocks`` blocks for the requests, in a pool of one more: its null block."""
+    return KVCacheManager(num_blocks + 1, block_size, enable_caching=caching, **kwargs)
 
 
-def serve(scheduler: Scheduler, requests: list[tuple[int, SchedulerRequest]]):
+def serve(scheduler: Scheduler, requests: list[tuple[int, EngineCoreRequest]]):
     """Every step's output and result, with a counting runner."""
     return list(run_steps(scheduler, CountingRunner(), requests))
 
@@ -49,13 +51,13 @@ def scheduled(steps) -> list[dict]:
 def test_a_step_is_a_frozen_decision_then_an_update():
     memory = paged(8, 4)
     scheduler = Scheduler(memory)
-    scheduler.add_request(SchedulerRequest("a", 5, 3))
+    scheduler.add_request(EngineCoreRequest("a", 5, 3))
     output = scheduler.schedule()
     assert isinstance(output, SchedulerOutput) and output.step == 0
     assert output.num_scheduled_tokens == {"a": 5} and output.total_num_scheduled_tokens == 5
     (new,) = output.scheduled_new_reqs
     assert (new.req_id, new.num_computed_tokens, len(new.block_ids[0])) == ("a", 0, 2)
-    assert memory.get_block_ids("a") == (list(new.block_ids[0]),)  # taken when scheduled, before it runs
+    assert memory.get_block_ids("a") == new.block_ids  # taken when scheduled, before it runs
     with pytest.raises(dataclasses.FrozenInstanceError):
         output.step = 1  # type: ignore[misc]
     with pytest.raises(RuntimeError, match="update_from_output first"):
@@ -73,7 +75,7 @@ def test_a_step_is_a_frozen_decision_then_an_update():
 def test_a_decode_takes_its_block_at_the_boundary_when_it_is_scheduled():
     memory = paged(8, 4)
     scheduler = Scheduler(memory)
-    scheduler.add_request(SchedulerRequest("a", 4, 3))
+    scheduler.add_request(EngineCoreRequest("a", 4, 3))
     scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 1}))
     free = memory.num_free_blocks
     output = scheduler.schedule()  # token 5 starts block 2
@@ -84,7 +86,7 @@ def test_a_decode_takes_its_block_at_the_boundary_when_it_is_scheduled():
 
 def test_a_request_with_o_output_tokens_runs_o_steps():
     for outputs in (1, 2, 5):
-        steps = serve(Scheduler(paged(8, 4)), [(0, SchedulerRequest("a", 3, outputs))])
+        steps = serve(Scheduler(paged(8, 4)), [(0, EngineCoreRequest("a", 3, outputs))])
         assert len(steps) == outputs
         (request_id, tokens), *_ = steps[-1][1].finished
         assert request_id == "a" and len(tokens) == outputs
@@ -93,8 +95,8 @@ def test_a_request_with_o_output_tokens_runs_o_steps():
 def test_a_stop_token_finishes_a_request_early_and_is_kept():
     # the counting runner samples token 0: a request stopping at 0 ends with its first token
     stopping, running_on = (
-        SchedulerRequest("a", 3, 5, stop_token_ids=frozenset({0})),
-        SchedulerRequest("b", 3, 5),
+        EngineCoreRequest("a", 3, 5, stop_token_ids=frozenset({0})),
+        EngineCoreRequest("b", 3, 5),
     )
     steps = serve(Scheduler(paged(8, 4)), [(0, stopping), (0, running_on)])
     finished = {request_id: tokens for _, result in steps for request_id, tokens in result.finished}
@@ -107,7 +109,7 @@ def test_admission_needs_the_whole_prompt_and_no_headroom():
     # 6 blocks of 2: a (3 tokens) takes 2; b (5 tokens, 3 blocks) fits in the 4 left with no block
     # of headroom kept for a (vLLM keeps none); c (3 tokens, 2 blocks) finds 1 and waits.
     scheduler = Scheduler(paged(6, 2))
-    for request in (SchedulerRequest("a", 3, 4), SchedulerRequest("b", 5, 2), SchedulerRequest("c", 3, 1)):
+    for request in (EngineCoreRequest("a", 3, 4), EngineCoreRequest("b", 5, 2), EngineCoreRequest("c", 3, 1)):
         scheduler.add_request(request)
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"a": 3, "b": 5}
@@ -117,7 +119,7 @@ def test_admission_needs_the_whole_prompt_and_no_headroom():
 def test_admission_is_first_come_first_served():
     # b (5 tokens) does not fit in the 4 blocks of 2 a leaves free; c (1 token) must not jump it.
     scheduler = Scheduler(paged(6, 2))
-    for request in (SchedulerRequest("a", 4, 2), SchedulerRequest("b", 9, 2), SchedulerRequest("c", 1, 1)):
+    for request in (EngineCoreRequest("a", 4, 2), EngineCoreRequest("b", 9, 2), EngineCoreRequest("c", 1, 1)):
         scheduler.add_request(request)
     assert scheduler.schedule().num_scheduled_tokens == {"a": 4}
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
@@ -130,11 +132,11 @@ def test_a_chunk_takes_its_own_blocks_but_the_whole_prompt_must_fit():
     # off a first chunk alone may be admitted into blocks the rest of the prompt could not have.
     memory = paged(7, 2)
     scheduler = Scheduler(memory, max_num_batched_tokens=4)
-    scheduler.add_request(SchedulerRequest("a", 10, 2))
+    scheduler.add_request(EngineCoreRequest("a", 10, 2))
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"a": 4} and memory.num_free_blocks == 5
     scheduler.update_from_output(output, ModelRunnerOutput({}))
-    scheduler.add_request(SchedulerRequest("b", 6, 1))
+    scheduler.add_request(EngineCoreRequest("b", 6, 1))
     output = scheduler.schedule()  # a's second chunk spends the budget
     assert output.num_scheduled_tokens == {"a": 4} and memory.num_free_blocks == 3
     scheduler.update_from_output(output, ModelRunnerOutput({}))
@@ -142,27 +144,27 @@ def test_a_chunk_takes_its_own_blocks_but_the_whole_prompt_must_fit():
     assert output.num_scheduled_tokens == {"a": 2}
 
     lenient = Scheduler(paged(7, 2), max_num_batched_tokens=4, reserve_full_prompt=False)
-    lenient.add_request(SchedulerRequest("a", 10, 2))
+    lenient.add_request(EngineCoreRequest("a", 10, 2))
     lenient.update_from_output(lenient.schedule(), ModelRunnerOutput({}))
     lenient.update_from_output(lenient.schedule(), ModelRunnerOutput({}))
-    lenient.add_request(SchedulerRequest("b", 6, 1))
+    lenient.add_request(EngineCoreRequest("b", 6, 1))
     assert lenient.schedule().num_scheduled_tokens == {"a": 2, "b": 2}  # b's first chunk squeezes in
 
 
 def test_the_watermark_applies_only_while_another_request_runs():
     # 4 blocks of 2, a watermark of 1 block: alone, a 7-token prompt (4 blocks) is admitted.
     scheduler = Scheduler(paged(4, 2, watermark=0.25))
-    scheduler.add_request(SchedulerRequest("a", 7, 1))
+    scheduler.add_request(EngineCoreRequest("a", 7, 1))
     assert scheduler.schedule().num_scheduled_tokens == {"a": 7}
     beside = Scheduler(paged(6, 2, watermark=0.2))  # keeps ceil(0.2 * 6) = 2 blocks
-    for request in (SchedulerRequest("a", 2, 3), SchedulerRequest("b", 7, 1)):
+    for request in (EngineCoreRequest("a", 2, 3), EngineCoreRequest("b", 7, 1)):
         beside.add_request(request)
     assert beside.schedule().num_scheduled_tokens == {"a": 2}  # b's 4 blocks + 2 > the 5 free
 
 
 def test_max_num_seqs_caps_the_running_sequences():
     scheduler = Scheduler(paged(64, 4), max_num_seqs=2)
-    steps = serve(scheduler, [(0, SchedulerRequest(i, 2, 3)) for i in range(5)])
+    steps = serve(scheduler, [(0, EngineCoreRequest(i, 2, 3)) for i in range(5)])
     assert max(result.num_running for _, result in steps) == 2
     assert sum(len(result.finished) for _, result in steps) == 5
 
@@ -170,7 +172,7 @@ def test_max_num_seqs_caps_the_running_sequences():
 def test_preemption_takes_the_newest_and_requeues_it_at_the_front():
     # 4 blocks of 2, a and b 2 + 4 tokens: at step 3 a's 5th token needs a 3rd block, none is free.
     scheduler = Scheduler(paged(4, 2))
-    steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
+    steps = serve(scheduler, [(0, EngineCoreRequest("a", 2, 4)), (0, EngineCoreRequest("b", 2, 4))])
     preempted = [
         (output.step, p.request_id, p.way, p.num_tokens) for output, _ in steps for p in output.preemptions
     ]
@@ -183,7 +185,7 @@ def test_preemption_takes_the_newest_and_requeues_it_at_the_front():
 
 def test_a_request_that_cannot_fit_preempts_itself_when_it_is_the_newest():
     scheduler = Scheduler(paged(3, 2))
-    for request in (SchedulerRequest("a", 2, 3), SchedulerRequest("b", 4, 3)):
+    for request in (EngineCoreRequest("a", 2, 3), EngineCoreRequest("b", 4, 3)):
         scheduler.add_request(request)
     scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 1, "b": 1}))
     output = scheduler.schedule()  # a's 3rd token fits in block 2? no: a holds 1 block, full
@@ -194,7 +196,7 @@ def test_a_request_that_cannot_fit_preempts_itself_when_it_is_the_newest():
 def test_swap_preemption_moves_the_blocks_and_brings_them_back():
     memory = paged(4, 2)
     scheduler = Scheduler(memory, preemption="swap")
-    steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
+    steps = serve(scheduler, [(0, EngineCoreRequest("a", 2, 4)), (0, EngineCoreRequest("b", 2, 4))])
     out = next(output for output, _ in steps if output.blocks_to_swap_out)
     assert list(out.blocks_to_swap_out) == ["b"] and len(out.blocks_to_swap_out["b"][0]) == 2
     back = next(output for output, _ in steps if output.blocks_to_swap_in)
@@ -207,10 +209,10 @@ def test_swap_preemption_moves_the_blocks_and_brings_them_back():
 
 def test_contiguous_memory_reserves_at_admission_and_never_preempts():
     memory = ContiguousMemory(
-        12, lambda r: r.num_prompt_tokens + r.max_new_tokens, seat_tokens=6, block_size=2
+        12, lambda r: r.num_prompt_tokens + r.max_tokens, seat_tokens=6, block_size=2
     )
     scheduler = Scheduler(memory)
-    steps = serve(scheduler, [(0, SchedulerRequest("a", 2, 4)), (0, SchedulerRequest("b", 2, 4))])
+    steps = serve(scheduler, [(0, EngineCoreRequest("a", 2, 4)), (0, EngineCoreRequest("b", 2, 4))])
     assert [result.reserved_tokens for _, result in steps] == [12, 12, 12, 12]
     assert all(not output.preemptions for output, _ in steps)
     assert [r.block_ids for r in steps[0][0].scheduled_new_reqs] == [((0, 1, 2),), ((3, 4, 5),)]
@@ -221,13 +223,13 @@ def test_prefix_hits_are_computed_tokens_of_a_new_request():
     memory = paged(8, 2, caching=True)
     scheduler = Scheduler(memory)
     prompt = (1, 2, 3, 4, 5)
-    scheduler.add_request(SchedulerRequest("a", 5, 1, prompt))
+    scheduler.add_request(EngineCoreRequest("a", 5, 1, prompt))
     scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 9}))
-    scheduler.add_request(SchedulerRequest("b", 5, 1, prompt))
+    scheduler.add_request(EngineCoreRequest("b", 5, 1, prompt))
     output = scheduler.schedule()
     (new,) = output.scheduled_new_reqs
     assert new.num_computed_tokens == 4 and output.num_scheduled_tokens == {"b": 1}
-    assert new.block_ids[0][:2] == tuple(memory.manager.table("b").block_ids[:2])
+    assert new.block_ids[0][:2] == memory.get_block_ids("b")[0][:2]
 
 
 # -------------------------------------------------------------------------------- invariants
@@ -237,7 +239,7 @@ def test_prefix_hits_are_computed_tokens_of_a_new_request():
 def workloads(draw):
     n = draw(st.integers(0, 8))
     return [
-        (draw(st.integers(0, 6)), SchedulerRequest(i, draw(st.integers(1, 12)), draw(st.integers(1, 10))))
+        (draw(st.integers(0, 6)), EngineCoreRequest(i, draw(st.integers(1, 12)), draw(st.integers(1, 10))))
         for i in range(n)
     ]
 
@@ -254,7 +256,7 @@ def workloads(draw):
 def test_every_request_is_in_one_place_and_the_memory_ends_empty(
     arrivals, block_size, extra, max_num_seqs, budget, preemption
 ):
-    largest = max((r.num_prompt_tokens + r.max_new_tokens for _, r in arrivals), default=1)
+    largest = max((r.num_prompt_tokens + r.max_tokens for _, r in arrivals), default=1)
     num_blocks = largest // block_size + 1 + extra
     memory = paged(num_blocks, block_size)
     scheduler = Scheduler(
@@ -273,10 +275,10 @@ def test_every_request_is_in_one_place_and_the_memory_ends_empty(
         if budget is not None:
             assert output.total_num_scheduled_tokens <= budget
         for request in scheduler.running:  # the memory holds exactly the computed tokens
-            assert memory.manager.sequence_length(request.request_id) == request.num_computed_tokens
+            assert memory.coordinator.num_tokens(request.request_id) == request.num_computed_tokens
         finished.update(result.finished)
-    assert {i: len(t) for i, t in finished.items()} == {r.request_id: r.max_new_tokens for _, r in arrivals}
-    assert memory.num_free_blocks == num_blocks
+    assert {i: len(t) for i, t in finished.items()} == {r.request_id: r.max_tokens for _, r in arrivals}
+    assert memory.num_free_blocks == num_blocks and not scheduler.requests
 
 
 # ------------------------------------------------------------------- the simulator is the engine
@@ -311,7 +313,8 @@ def test_the_simulator_counts_the_steps_and_tokens_the_engine_counts(
 ):
     num_blocks = 24 // block_size + extra  # the longest request holds 21 tokens at most
     simulated = simulate(requests, PagedPolicy(block_size), num_blocks * block_size)
-    served = Engine(model, num_blocks=num_blocks, block_size=block_size).run(engine_requests(requests, seed))
+    # The simulator's pool is the budget's blocks and its null block: the engine's num_blocks counts both.
+    served = Engine(model, num_blocks=num_blocks + 1, block_size=block_size).run(engine_requests(requests, seed))
     assert simulated.steps == served.steps
     assert simulated.running == served.running and simulated.waiting == served.waiting
     assert simulated.held_tokens == served.held_tokens
@@ -350,11 +353,11 @@ def test_the_contiguous_simulator_counts_what_the_contiguous_engine_counts(model
         (lambda: Scheduler(paged(4, 2), preemption="evict"), "preemption must be one of"),
         (lambda: Scheduler(paged(4, 2), max_num_seqs=0), "max_num_seqs"),
         (lambda: Scheduler(paged(4, 2), max_num_batched_tokens=0), "max_num_batched_tokens"),
-        (lambda: SchedulerRequest([1], 2, 2), "request_id"),
-        (lambda: SchedulerRequest("a", 0, 2), "num_prompt_tokens"),
-        (lambda: SchedulerRequest("a", 2, 0), "max_new_tokens"),
-        (lambda: SchedulerRequest("a", 2, 2, (1,)), "prompt_token_ids"),
-        (lambda: paged(0, 2), "num_blocks"),
+        (lambda: EngineCoreRequest([1], 2, 2), "request_id"),
+        (lambda: EngineCoreRequest("a", 0, 2), "num_prompt_tokens"),
+        (lambda: EngineCoreRequest("a", 2, 0), "max_tokens"),
+        (lambda: EngineCoreRequest("a", 2, 2, (1,)), "prompt_token_ids"),
+        (lambda: KVCacheManager(1, 2), "num_blocks"),  # the null block and one more, at least
         (lambda: paged(4, 2, watermark=1.0), "watermark"),
         (lambda: ContiguousMemory(0, len, seat_tokens=1), "budget_tokens"),
         (lambda: ContiguousMemory(8, 3, seat_tokens=1), "reserve"),
@@ -366,22 +369,21 @@ def test_bad_arguments_are_value_errors_naming_them(call, match):
         call()
 
 
-def test_a_refused_request_leaves_the_queue_unchanged():
+def test_a_live_id_is_refused_and_a_finished_one_comes_again():
     scheduler = Scheduler(paged(4, 2))
-    scheduler.add_request(SchedulerRequest("a", 2, 2))
-    for bad, match in (
-        (SchedulerRequest("a", 2, 2), "was added before"),
-        (SchedulerRequest("big", 7, 3), "cannot hold request 'big' even alone"),
-        (("b", 2, 2), "must be a SchedulerRequest"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            scheduler.add_request(bad)  # type: ignore[arg-type]
-    assert [r.request_id for r in scheduler.waiting] == ["a"]
+    scheduler.add_request(EngineCoreRequest("a", 2, 1))
+    with pytest.raises(ValueError, match="request_id 'a' is live"):
+        scheduler.add_request(EngineCoreRequest("a", 2, 2))
+    assert [r.request_id for r in scheduler.waiting] == ["a"] and list(scheduler.requests) == ["a"]
+    scheduler.update_from_output(output := scheduler.schedule(), CountingRunner().execute_model(output))
+    assert not scheduler.requests and not scheduler.has_unfinished_requests  # finished: forgotten
+    scheduler.add_request(EngineCoreRequest("a", 2, 1))  # its id is free again
+    assert list(scheduler.requests) == ["a"]
 
 
 def test_an_update_that_does_not_match_the_step_changes_nothing():
     scheduler = Scheduler(paged(8, 2))
-    scheduler.add_request(SchedulerRequest("a", 2, 3))
+    scheduler.add_request(EngineCoreRequest("a", 2, 3))
     output = scheduler.schedule()
     with pytest.raises(ValueError, match="no sampled token for"):
         scheduler.update_from_output(output, ModelRunnerOutput({}))
@@ -408,7 +410,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prompt=st.integers(1, 6), outputs=st.integers(1, 6))
     def add(self, prompt: int, outputs: int) -> None:
-        request = SchedulerRequest(len(self.added), prompt, outputs)
+        request = EngineCoreRequest(len(self.added), prompt, outputs)
         self.scheduler.add_request(request)
         self.added[request.request_id] = request
 
@@ -426,7 +428,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         result = self.scheduler.update_from_output(output, self.runner.execute_model(output))
         assert result.held_tokens <= result.reserved_tokens
         for request_id, tokens in result.finished:
-            assert len(tokens) == self.added[request_id].max_new_tokens
+            assert len(tokens) == self.added[request_id].max_tokens
             self.finished[request_id] = tokens
 
     @invariant()

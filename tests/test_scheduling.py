@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError, PagedKVCacheAllocator, UnknownSequenceError, blocks_for_tokens
-from paged_kv.grading.reference.lesson04 import decode_step, finish_and_admit
+from paged_kv.reference.lesson04 import decode_step, finish_and_admit
 
 from .helpers import fails_cleanly
 

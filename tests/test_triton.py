@@ -1,7 +1,7 @@
 """The Triton kernel's decode equals the reference: interpreted on the CPU, compiled on CUDA (lessons 05, 12).
 
 The kernel serves packed batches of several query tokens per sequence too: tests/test_varlen_attention.py.
-Here ``paged_attention(..., strategy="triton")`` against ``strategy="gather"`` (and, for tables that
+Here ``paged_attention(..., backend="TRITON_ATTN")`` against ``backend="GATHER"`` (and, for tables that
 repeat a block, against SDPA over what each table lists): scattered, repeated and shared blocks,
 context lengths from one token to several blocks, block sizes 8, 16 and 32, every head layout,
 float32, float16 and bfloat16, and the cache in this course's layout or in vLLM v1's, read through
@@ -19,8 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import paged_kv.attention.paged
-from paged_kv.attention.paged import STRATEGIES, paged_attention
+from paged_kv.attention.paged import paged_attention
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted
 
 from .test_attention import HEADS, TOLERANCES, head_layouts, random_query, scattered_cache, table_reference
@@ -44,11 +43,11 @@ def kernel_device(device):
     return device
 
 
-def both(query, k_cache, v_cache, tables, context_lens):
+def both(query, k_cache, v_cache, tables, seq_lens):
     """The kernel's output and the reference's, for the same inputs."""
     return tuple(
-        paged_attention(query, k_cache, v_cache, tables, context_lens, strategy=strategy)
-        for strategy in ("triton", "gather")
+        paged_attention(query, k_cache, v_cache, tables, seq_lens, backend=backend)
+        for backend in ("TRITON_ATTN", "GATHER")
     )
 
 
@@ -83,9 +82,9 @@ def test_blocks_repeated_in_a_row_and_shared_between_rows(
     tables = torch.tensor(
         [[1, 3, 1, 1], [0, 1, 4, -1], [0, 1, -1, -1]], dtype=table_dtype, device=kernel_device
     )
-    context_lens = torch.tensor([29, 17, 16], device=kernel_device)
-    out, gathered = both(query, k_cache, v_cache, tables, context_lens)
-    expected = table_reference(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), context_lens.cpu())
+    seq_lens = torch.tensor([29, 17, 16], device=kernel_device)
+    out, gathered = both(query, k_cache, v_cache, tables, seq_lens)
+    expected = table_reference(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), seq_lens.cpu())
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCES[torch.float32])
     torch.testing.assert_close(out, gathered, **TOLERANCES[torch.float32])
 
@@ -150,22 +149,22 @@ def test_slots_and_entries_past_the_context_are_never_read(kernel_device):
     cache = scattered_cache(lengths, block_size=8, head_dim=8, device=kernel_device, seed=9)
     query = random_query(cache, len(lengths))
     tables = cache.block_tables_tensor(range(len(lengths)))
-    context_lens = torch.tensor(lengths, device=kernel_device)
-    clean = paged_attention(query, cache.k_cache, cache.v_cache, tables, context_lens, strategy="triton")
+    seq_lens = torch.tensor(lengths, device=kernel_device)
+    clean = paged_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, backend="TRITON_ATTN")
     read = {b for seq in range(len(lengths)) for b in cache.get_block_mapping(seq)}
     for cache_tensor in (cache.k_cache, cache.v_cache):
         cache_tensor[sorted(set(range(cache.num_blocks)) - read)] = float("nan")
         for seq, length in enumerate(lengths):
             cache_tensor[cache.get_block_mapping(seq)[-1], :, (length - 1) % 8 + 1 :] = float("nan")
     garbled = torch.where(tables == -1, 10**9, tables)  # an address far outside the cache
-    out = paged_attention(query, cache.k_cache, cache.v_cache, garbled, context_lens, strategy="triton")
+    out = paged_attention(query, cache.k_cache, cache.v_cache, garbled, seq_lens, backend="TRITON_ATTN")
     assert torch.equal(out, clean)
 
 
 def test_an_empty_batch_gives_an_empty_output(kernel_device):
     k_cache = torch.randn(3, 2, 4, 8, device=kernel_device)
     query, tables = torch.randn(0, 2, 8, device=kernel_device), torch.zeros(0, 2, dtype=torch.int32)
-    out = paged_attention(query, k_cache, k_cache, tables.to(kernel_device), [], strategy="triton")
+    out = paged_attention(query, k_cache, k_cache, tables.to(kernel_device), [], backend="TRITON_ATTN")
     assert out.shape == (0, 2, 8)
 
 
@@ -192,35 +191,35 @@ def test_the_kernel_equals_the_reference_for_any_valid_table(
     k_cache, v_cache = (torch.randn(shape, generator=gen) for _ in "kv")
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
     query, k_cache, v_cache, tables = (t.to(KERNEL_DEVICE) for t in (query, k_cache, v_cache, tables))
-    context_lens = torch.tensor(lengths, device=KERNEL_DEVICE)
-    out = paged_attention(query, k_cache, v_cache, tables, context_lens, scale, strategy="triton")
-    expected = paged_attention(query, k_cache, v_cache, tables, context_lens, scale, strategy="gather")
+    seq_lens = torch.tensor(lengths, device=KERNEL_DEVICE)
+    out = paged_attention(query, k_cache, v_cache, tables, seq_lens, scale, backend="TRITON_ATTN")
+    expected = paged_attention(query, k_cache, v_cache, tables, seq_lens, scale, backend="GATHER")
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
 # ------------------------------------------------------------------------------------ bad input
 
 
-def test_it_takes_the_checked_inputs_of_every_strategy():
+def test_it_takes_the_checked_inputs_of_every_backend():
     cache = scattered_cache([5])
     query, tables = random_query(cache, 1), cache.block_tables_tensor([0])
     with pytest.raises(ValueError, match="k_cache must have shape"):
-        paged_attention(query[..., :4], cache.k_cache, cache.v_cache, tables, [5], strategy="triton")
-    with pytest.raises(ValueError, match=r"context_lens\[0\] = 9 must be at least 1 and fit"):
-        paged_attention(query, cache.k_cache, cache.v_cache, tables, [9], strategy="triton")
+        paged_attention(query[..., :4], cache.k_cache, cache.v_cache, tables, [5], backend="TRITON_ATTN")
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 must be at least 1 and fit"):
+        paged_attention(query, cache.k_cache, cache.v_cache, tables, [9], backend="TRITON_ATTN")
     with pytest.raises(ValueError, match=r"k_cache has dtype torch\.float16 but query has torch\.float32"):
-        paged_attention(query, cache.k_cache.half(), cache.v_cache, tables, [5], strategy="triton")
+        paged_attention(query, cache.k_cache.half(), cache.v_cache, tables, [5], backend="TRITON_ATTN")
 
 
 def one_sequence(dtype=torch.float32):
     """A call of the kernel on one sequence of 5 tokens, on the CPU, to be made inside ``pytest.raises``."""
     cache = scattered_cache([5], dtype=dtype)
     query, tables = random_query(cache, 1), cache.block_tables_tensor([0])
-    return lambda: paged_attention(query, cache.k_cache, cache.v_cache, tables, [5], strategy="triton")
+    return lambda: paged_attention(query, cache.k_cache, cache.v_cache, tables, [5], backend="TRITON_ATTN")
 
 
 def test_a_dtype_the_kernel_does_not_read_is_a_value_error():
-    with pytest.raises(ValueError, match="strategy 'triton' reads float32, float16, bfloat16 caches"):
+    with pytest.raises(ValueError, match="TRITON_ATTN reads float32, float16, bfloat16 caches"):
         one_sequence(torch.float64)()
 
 
@@ -230,10 +229,10 @@ def test_changing_triton_interpret_after_triton_was_imported_is_a_value_error(mo
         one_sequence()()
 
 
-def test_without_triton_the_strategy_is_a_value_error_naming_it(monkeypatch):
+def test_without_triton_the_backend_is_a_value_error_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     assert not triton_available() and not triton_interpreted()
-    with pytest.raises(ValueError, match="strategy 'triton' needs the triton package"):
+    with pytest.raises(ValueError, match="TRITON_ATTN needs the triton package"):
         one_sequence()()
 
 
@@ -252,7 +251,7 @@ print(tuple(paged_kv.paged_attention(q, k, k, table, [6]).shape), sys.modules.ge
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted
 print(triton_available(), triton_interpreted())
 try:
-    paged_kv.paged_attention(q, k, k, table, [6], strategy="triton")
+    paged_kv.paged_attention(q, k, k, table, [6], backend="TRITON_ATTN")
 except ValueError as error:
     print(error)
 """
@@ -263,7 +262,7 @@ def test_the_package_imports_and_attends_where_triton_cannot_be_imported():
     assert out == [
         "(1, 1, 8) False",
         "False False",
-        "strategy 'triton' needs the triton package (Linux wheels only): it is not installed",
+        "TRITON_ATTN needs the triton package (Linux wheels only): it is not installed",
     ]
 
 
@@ -272,18 +271,19 @@ def test_compiled_triton_refuses_cpu_tensors_naming_the_interpreter():
     out = python(ONE_SEQUENCE).splitlines()
     assert out[:2] == ["(1, 1, 8) False", "True False"]
     assert out[2] == (
-        "strategy 'triton' compiles for CUDA; on cpu tensors it runs in Triton's interpreter only: "
+        "TRITON_ATTN compiles for CUDA; on cpu tensors it runs in Triton's interpreter only: "
         "set TRITON_INTERPRET=1 in the environment before triton is first imported"
     )
 
 
-def test_auto_never_picks_the_kernel(monkeypatch):
-    def refuse(*args):
-        raise AssertionError("auto ran the Triton kernel")
+def test_the_cpus_default_is_never_the_kernel(monkeypatch):
+    from paged_kv.attention.backends import triton_attn
 
-    monkeypatch.setattr(paged_kv.attention.paged, "triton_decode", refuse)
-    assert "triton" in STRATEGIES
-    for lengths in ([5], [4] * 16):  # a small batch gathers; one that reads the whole pool, in place
+    def refuse(*args, **keywords):
+        raise AssertionError("the default ran the Triton kernel")
+
+    monkeypatch.setattr(triton_attn, "triton_attention", refuse)
+    for lengths in ([5], [4] * 16):
         cache = scattered_cache(lengths)
         query, tables = random_query(cache, len(lengths)), cache.block_tables_tensor(range(len(lengths)))
         paged_attention(query, cache.k_cache, cache.v_cache, tables, lengths)

@@ -1,7 +1,7 @@
 """One paged attention for an engine step: decodes, prompts and chunks packed together (lessons 06, 12).
 
 ``paged_prefill_attention`` (query lengths) and ``paged_attention_varlen`` (vLLM's
-``query_start_loc``) in every strategy, against SDPA with the causal mask at each sequence's offset
+``query_start_loc``) in every backend, against SDPA with the causal mask at each sequence's offset
 over its contiguous K/V: ragged batches mixing decodes (one query token), whole prompts and chunks
 after cached tokens, sequences with no query token, every head layout, shuffled block tables padded
 with ``-1``, stale data in every slot nobody wrote, float32 and float16. Triton runs in its
@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import paged_kv.attention.paged as paged
-from paged_kv.attention.flex import flex_available
+from paged_kv.attention.backends import in_place
 from paged_kv.attention.paged import paged_attention_varlen, paged_prefill_attention
+from paged_kv.attention.registry import ATTENTION_BACKENDS, BACKENDS
 from paged_kv.attention.triton_decode import query_tile_for, triton_available, triton_interpreted
 
 from .helpers import max_examples
@@ -39,20 +39,24 @@ SEQ_LENS = [9, 13, 6, 20, 4, 7]
 QUERY_LENS = [9, 5, 1, 7, 0, 1]
 
 
-def strategies_on(device: torch.device) -> list[str]:
-    """The strategies that can run on ``device`` here: the kernel where Triton compiles (CUDA) or
-    interprets (CPU), FlexAttention where torch has it."""
-    runnable = ["gather", "in_place", "auto"]
-    if flex_available():
-        runnable.append("flex")
-    if triton_available() and (device.type == "cuda") != triton_interpreted():
-        runnable.append("triton")
+def backends_on(device, dtype=torch.float32, cache_dtype=None) -> list[str]:
+    """The backends that can run a ``dtype`` query over a ``cache_dtype`` cache (default ``dtype``) on
+    ``device`` here: the Triton kernel where it compiles (CUDA) or interprets (CPU), FlexAttention
+    where torch has it, the CPU kernel where a C compiler built it."""
+    device = torch.device(device)
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    runnable = []
+    for name in ATTENTION_BACKENDS:
+        if name == "TRITON_ATTN" and triton_available() and (device.type == "cuda") == triton_interpreted():
+            continue  # the interpreter is for CPU tensors here, the compiler for CUDA ones
+        if not BACKENDS[name].unavailable(device, dtype, cache_dtype):
+            runnable.append(name)
     return runnable
 
 
-def skip_unless_runnable(strategy: str, device: torch.device) -> None:
-    if strategy not in strategies_on(device):
-        pytest.skip(f"strategy {strategy!r} cannot run on {device.type} here")
+def skip_unless_runnable(backend: str, device, dtype=torch.float32, cache_dtype=None) -> None:
+    if backend not in backends_on(device, dtype, cache_dtype):
+        pytest.skip(f"backend {backend!r} cannot run on {torch.device(device).type} here")
 
 
 def starts_of(query_lens, device=None, dtype=torch.int32) -> torch.Tensor:
@@ -70,14 +74,14 @@ def table_reference(packed, k_cache, v_cache, tables, seq_lens, query_lens):
     return table_reference_of(packed, k_cache, v_cache, tables[index], seq_lens[index], query_lens[index])
 
 
-# ------------------------------------------------------------------ every strategy, the reference
+# ------------------------------------------------------------------ every backend, the reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "flex", "triton"])
-def test_every_strategy_equals_causal_sdpa_on_a_mixed_step(device, strategy, num_heads, num_kv_heads, dtype):
-    skip_unless_runnable(strategy, device)
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"])
+def test_every_backend_equals_causal_sdpa_on_a_mixed_step(device, backend, num_heads, num_kv_heads, dtype):
+    skip_unless_runnable(backend, device)
     cache = scattered_cache(SEQ_LENS, 4, num_kv_heads, head_dim=8, device=device, dtype=dtype, seed=21)
     tables = cache.block_tables_tensor(range(len(SEQ_LENS)))
     assert (tables == -1).any() and cache.get_block_mapping(3) != sorted(cache.get_block_mapping(3))
@@ -89,39 +93,39 @@ def test_every_strategy_equals_causal_sdpa_on_a_mixed_step(device, strategy, num
         tables,
         torch.tensor(SEQ_LENS, device=device),
         QUERY_LENS,
-        strategy=strategy,
+        backend=backend,
     )
     assert out.shape == query.shape and out.dtype == dtype and out.device == query.device
     expected = prefill_reference(cache, query, SEQ_LENS, QUERY_LENS)  # float32, over the rounded inputs
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "flex", "triton"])
-def test_a_step_of_decodes_and_one_of_prompts_equal_the_reference(device, strategy):
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"])
+def test_a_step_of_decodes_and_one_of_prompts_equal_the_reference(device, backend):
     """The two ends of the mix: every query length 1 (auto's decode path), every row a whole prompt."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     lengths = [5, 12, 1, 8]
     cache = scattered_cache(lengths, 4, 2, head_dim=8, device=device, seed=23)
     tables, seq_lens = cache.block_tables_tensor(range(4)), torch.tensor(lengths, device=device)
     for query_lens in ([1, 1, 1, 1], lengths):
         query = prefill_query(cache, query_lens, seed=24, num_heads=4)
         out = paged_prefill_attention(
-            query, cache.k_cache, cache.v_cache, tables, seq_lens, query_lens, strategy=strategy
+            query, cache.k_cache, cache.v_cache, tables, seq_lens, query_lens, backend=backend
         )
         expected = prefill_reference(cache, query, lengths, query_lens)
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=str(query_lens))
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "flex", "triton"])
-def test_a_row_that_lists_one_block_twice_and_blocks_shared_between_rows(device, strategy):
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"])
+def test_a_row_that_lists_one_block_twice_and_blocks_shared_between_rows(device, backend):
     """Row 0 reads block 1 at entries 0 and 2 (a chunk of 4 over it), row 1 shares block 1 (a chunk of 2)."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(4, 2, 4, 8, generator=gen).to(device) for _ in "kv")
     tables = torch.tensor([[1, 0, 1], [1, 3, 3]], device=device)
     seq_lens, query_lens = torch.tensor([11, 12], device=device), torch.tensor([4, 2], device=device)
     packed = torch.randn(6, 4, 8, generator=gen).to(device)
-    out = paged_prefill_attention(packed, k_cache, v_cache, tables, seq_lens, query_lens, strategy=strategy)
+    out = paged_prefill_attention(packed, k_cache, v_cache, tables, seq_lens, query_lens, backend=backend)
     cpu = (t.cpu() for t in (packed, k_cache, v_cache, tables, seq_lens, query_lens))
     torch.testing.assert_close(out.cpu(), table_reference(*cpu), **TOLERANCES[torch.float32])
 
@@ -135,7 +139,7 @@ def test_a_row_that_lists_one_block_twice_and_blocks_shared_between_rows(device,
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_the_torch_strategies_equal_the_reference_for_any_packed_batch(
+def test_the_torch_backends_equal_the_reference_for_any_packed_batch(
     num_blocks, block_size, lengths, heads, seed, data
 ):
     """Random tables from a small pool (blocks repeat within and across rows), any query length
@@ -153,25 +157,23 @@ def test_the_torch_strategies_equal_the_reference_for_any_packed_batch(
     packed = torch.randn(int(query_lens.sum()), num_heads, head_dim, generator=gen)
     seq_lens = torch.tensor(lengths)
     expected = table_reference(packed, k_cache, v_cache, tables, seq_lens, query_lens)
-    for strategy in ("gather", "in_place", "auto"):
-        out = paged_prefill_attention(
-            packed, k_cache, v_cache, tables, seq_lens, query_lens, strategy=strategy
-        )
-        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=strategy)
+    for backend in ("GATHER", "IN_PLACE", "CPU_ATTN"):
+        out = paged_prefill_attention(packed, k_cache, v_cache, tables, seq_lens, query_lens, backend=backend)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32], msg=backend)
 
 
 # ------------------------------------------------------------------------- vLLM's query_start_loc
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "triton"])
-def test_query_start_loc_gives_what_query_lens_give(device, strategy):
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "TRITON_ATTN"])
+def test_query_start_loc_gives_what_query_lens_give(device, backend):
     """int32 starts as vLLM's runner holds them; with or without ``max_query_len`` and the checks."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     cache = scattered_cache(SEQ_LENS, 4, 2, head_dim=8, device=device, seed=25)
     tables, seq_lens = cache.block_tables_tensor(range(len(SEQ_LENS))), torch.tensor(SEQ_LENS, device=device)
     query = prefill_query(cache, QUERY_LENS, seed=26, num_heads=4)
     args = (query, cache.k_cache, cache.v_cache, tables, seq_lens)
-    expected = paged_prefill_attention(*args, QUERY_LENS, strategy=strategy)
+    expected = paged_prefill_attention(*args, QUERY_LENS, backend=backend)
     starts = starts_of(QUERY_LENS, device)
     variants = [
         {},
@@ -179,12 +181,12 @@ def test_query_start_loc_gives_what_query_lens_give(device, strategy):
         {"max_query_len": max(QUERY_LENS), "check": False},
         {"max_query_len": max(QUERY_LENS), "check": False, "query_start_loc_cpu": starts.cpu()},
     ]
-    for kw in variants[3:] if strategy == "triton" else variants:  # the interpreter is slow
-        out = paged_attention_varlen(*args, starts, strategy=strategy, **kw)
+    for kw in variants[3:] if backend == "TRITON_ATTN" else variants:  # the interpreter is slow
+        out = paged_attention_varlen(*args, starts, backend=backend, **kw)
         torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=str(kw))
 
 
-def test_the_positional_signature_stays_and_the_strategy_is_a_keyword():
+def test_the_positional_signature_stays_and_the_backend_is_a_keyword():
     cache = scattered_cache([6, 3], seed=27)
     tables = cache.block_tables_tensor([0, 1])
     query = prefill_query(cache, [2, 3])
@@ -192,7 +194,7 @@ def test_the_positional_signature_stays_and_the_strategy_is_a_keyword():
     expected = prefill_reference(cache, query, [6, 3], [2, 3], scale=0.5)
     torch.testing.assert_close(by_position, expected, **TOLERANCES[torch.float32])
     with pytest.raises(TypeError):
-        paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, [6, 3], [2, 3], 0.5, "gather")
+        paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, [6, 3], [2, 3], 0.5, "GATHER")
 
 
 def good_varlen_inputs(device):
@@ -256,26 +258,26 @@ def test_without_the_value_checks_the_shapes_are_still_checked(device):
     inputs = good_varlen_inputs(device)
     with pytest.raises(ValueError, match=r"^max_query_len must be at least 0"):
         paged_attention_varlen(**inputs, max_query_len=-1)
-    with pytest.raises(ValueError, match=r"^strategy must be one of"):
-        paged_attention_varlen(**inputs, strategy="fast")
+    with pytest.raises(ValueError, match=r"^backend must be one of"):
+        paged_attention_varlen(**inputs, backend="fast")
 
 
 def test_an_empty_step_and_a_step_of_no_query_tokens_give_empty_outputs(device):
-    for strategy in strategies_on(device):
+    for backend in backends_on(device):
         inputs = good_varlen_inputs(device)
         inputs["query"] = inputs["query"][:0]
         inputs["query_start_loc"] = torch.zeros(3, dtype=torch.long, device=device)
-        assert paged_attention_varlen(**inputs, strategy=strategy).shape == (0, 2, 8), strategy
+        assert paged_attention_varlen(**inputs, backend=backend).shape == (0, 2, 8), backend
         inputs["block_tables"], inputs["seq_lens"] = inputs["block_tables"][:0], inputs["seq_lens"][:0]
         inputs["query_start_loc"] = inputs["query_start_loc"][:1]
-        assert paged_attention_varlen(**inputs, strategy=strategy).shape == (0, 2, 8), strategy
+        assert paged_attention_varlen(**inputs, backend=backend).shape == (0, 2, 8), backend
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="synchronisations are seen on CUDA only")
-@pytest.mark.parametrize("strategy", ["gather", "triton"])
-def test_the_hot_path_reads_nothing_back_from_the_gpu(strategy):
+@pytest.mark.parametrize("backend", ["GATHER", "TRITON_ATTN"])
+def test_the_hot_path_reads_nothing_back_from_the_gpu(backend):
     """With ``max_query_len`` given and ``check=False``, no call synchronises with the device."""
-    skip_unless_runnable(strategy, torch.device("cuda"))
+    skip_unless_runnable(backend, torch.device("cuda"))
     cache = scattered_cache(SEQ_LENS, 4, 2, head_dim=8, device="cuda", seed=30)
     args = (
         prefill_query(cache, QUERY_LENS, num_heads=4),
@@ -285,7 +287,7 @@ def test_the_hot_path_reads_nothing_back_from_the_gpu(strategy):
         torch.tensor(SEQ_LENS, device="cuda"),
         starts_of(QUERY_LENS, "cuda"),
     )
-    kw = {"max_query_len": max(QUERY_LENS), "check": False, "strategy": strategy}
+    kw = {"max_query_len": max(QUERY_LENS), "check": False, "backend": backend}
     paged_attention_varlen(*args, **kw)  # compiles the kernel first
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -294,56 +296,44 @@ def test_the_hot_path_reads_nothing_back_from_the_gpu(strategy):
         torch.cuda.set_sync_debug_mode("default")
 
 
-# --------------------------------------------------------------------------------- auto's choice
+# ------------------------------------------------------------------------ IN_PLACE's two halves
 
 
-def spy(monkeypatch, name: str) -> list[tuple]:
-    """Record the calls of ``paged.<name>`` (their query's shape and table rows), still running it."""
+def spy(monkeypatch, module, name: str) -> list[tuple]:
+    """Record the calls of ``module.<name>`` (the shapes of their first argument), still running it."""
     calls: list[tuple] = []
-    real = getattr(paged, name)
+    real = getattr(module, name)
 
-    def recording(query, k_cache, v_cache, block_tables, *rest):
-        calls.append((tuple(query.shape), block_tables.shape[0]))
-        return real(query, k_cache, v_cache, block_tables, *rest)
+    def recording(first, *rest, **keywords):
+        calls.append(tuple(first.shape))
+        return real(first, *rest, **keywords)
 
-    monkeypatch.setattr(paged, name, recording)
+    monkeypatch.setattr(module, name, recording)
     return calls
 
 
-def test_auto_runs_the_decodes_as_a_decode_batch_and_gathers_only_the_chunks(monkeypatch):
-    decodes, chunks = spy(monkeypatch, "_decode"), spy(monkeypatch, "_chunks_gathered")
-    for name in ("triton_attention", "triton_decode", "flex_varlen", "flex_decode"):
-        monkeypatch.setattr(paged, name, lambda *args, name=name: pytest.fail(f"auto ran {name}"))
+def test_in_place_reads_the_decodes_together_and_the_chunks_together(monkeypatch):
+    """Five decodes, a sequence with nothing new, a chunk and a prompt: two products over the pool,
+    one of the decodes (one query each) and one of the chunks (padded to the longest, 9)."""
+    calls = spy(monkeypatch, in_place, "read_in_place")  # q: (rows, queries, heads, dim)
     lengths = [12] * 6 + [12, 9]
     cache = scattered_cache(lengths, block_size=4, seed=31)
     tables, seq_lens = cache.block_tables_tensor(range(8)), torch.tensor(lengths)
-    mixed = [1, 1, 1, 0, 1, 1, 5, 9]  # five decodes, a sequence with nothing new, a chunk, a prompt
+    mixed = [1, 1, 1, 0, 1, 1, 5, 9]
     query = prefill_query(cache, mixed)
-    out = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, seq_lens, mixed)
+    out = paged_prefill_attention(
+        query, cache.k_cache, cache.v_cache, tables, seq_lens, mixed, backend="IN_PLACE"
+    )
     torch.testing.assert_close(
         out, prefill_reference(cache, query, lengths, mixed), **TOLERANCES[torch.float32]
     )
-    assert decodes == [((5, 2, 8), 5)] and chunks == [((14, 2, 8), 2)]
-    decodes.clear(), chunks.clear()
+    assert calls == [(5, 1, 2, 8), (2, 9, 2, 8)]
+    calls.clear()
+    decodes = prefill_query(cache, [1] * 8)
     paged_prefill_attention(
-        prefill_query(cache, [1] * 8), cache.k_cache, cache.v_cache, tables, seq_lens, [1] * 8
+        decodes, cache.k_cache, cache.v_cache, tables, seq_lens, [1] * 8, backend="IN_PLACE"
     )
-    assert decodes == [((8, 2, 8), 8)] and not chunks  # a step of decodes: the decode path as it is
-
-
-def test_in_place_reads_the_chunks_in_place_too(monkeypatch):
-    in_place, gathered = spy(monkeypatch, "_in_place"), spy(monkeypatch, "_chunks_gathered")
-    lengths = [12, 9, 7]
-    cache = scattered_cache(lengths, block_size=4, seed=32)
-    tables, seq_lens = cache.block_tables_tensor(range(3)), torch.tensor(lengths)
-    query_lens = [1, 9, 3]
-    query = prefill_query(cache, query_lens)
-    out = paged_prefill_attention(
-        query, cache.k_cache, cache.v_cache, tables, seq_lens, query_lens, strategy="in_place"
-    )
-    expected = prefill_reference(cache, query, lengths, query_lens)
-    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
-    assert [shape[1] for shape, _ in in_place] == [1, 9] and not gathered  # (rows, queries, heads, dim)
+    assert calls == [(8, 1, 2, 8)]  # a step of decodes: one product, no split
 
 
 # ------------------------------------------------------------------------- the Triton kernel's tiles
@@ -373,7 +363,7 @@ def test_the_kernel_computes_a_prompt_of_several_tiles_in_vllms_layout(num_heads
     assert not k_view.is_contiguous()
     query = prefill_query(cache, query_lens, seed=34, num_heads=num_heads)
     tables, seq_lens = cache.block_tables_tensor(range(3)), torch.tensor(lengths, device=KERNEL_DEVICE)
-    out = paged_prefill_attention(query, k_view, v_view, tables, seq_lens, query_lens, strategy="triton")
+    out = paged_prefill_attention(query, k_view, v_view, tables, seq_lens, query_lens, backend="TRITON_ATTN")
     torch.testing.assert_close(
         out, prefill_reference(cache, query, lengths, query_lens), **TOLERANCES[torch.float32]
     )
@@ -388,14 +378,14 @@ def test_the_kernel_never_reads_past_a_sequence_nor_a_padding_entry():
     query = prefill_query(cache, query_lens, num_heads=4)
     tables, seq_lens = cache.block_tables_tensor(range(4)), torch.tensor(lengths, device=KERNEL_DEVICE)
     args = (seq_lens, query_lens)
-    clean = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, *args, strategy="triton")
+    clean = paged_prefill_attention(query, cache.k_cache, cache.v_cache, tables, *args, backend="TRITON_ATTN")
     read = {b for seq in range(4) for b in cache.get_block_mapping(seq)}
     for cache_tensor in (cache.k_cache, cache.v_cache):
         cache_tensor[sorted(set(range(cache.num_blocks)) - read)] = float("nan")
         for seq, length in enumerate(lengths):
             cache_tensor[cache.get_block_mapping(seq)[-1], :, (length - 1) % 8 + 1 :] = float("nan")
     garbled = torch.where(tables == -1, 10**9, tables)  # an address far outside the cache
-    out = paged_prefill_attention(query, cache.k_cache, cache.v_cache, garbled, *args, strategy="triton")
+    out = paged_prefill_attention(query, cache.k_cache, cache.v_cache, garbled, *args, backend="TRITON_ATTN")
     assert torch.equal(out, clean) and not out.isnan().any()
 
 
@@ -429,5 +419,5 @@ def test_the_kernel_equals_the_reference_for_any_packed_batch(
     seq_lens = torch.tensor(lengths)
     expected = table_reference(packed, k_cache, v_cache, tables, seq_lens, query_lens)
     on_device = (t.to(KERNEL_DEVICE) for t in (packed, k_cache, v_cache, tables, seq_lens, query_lens))
-    out = paged_prefill_attention(*on_device, strategy="triton")
+    out = paged_prefill_attention(*on_device, backend="TRITON_ATTN")
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCES[torch.float32])

@@ -1,11 +1,11 @@
-"""Sliding-window attention and logit soft-capping, in every strategy of paged attention.
+"""Sliding-window attention and logit soft-capping, in every backend of paged attention.
 
 Hybrid models (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2 and 3) have layers that attend to
 a sliding window of ``W`` tokens: the query at position ``p`` sees positions ``max(0, p - W + 1) ..
 p`` (Hugging Face's ``kv_idx > q_idx - sliding_window``, vLLM's FlashAttention ``window_size=(W - 1,
 0)``); Gemma 2 soft-caps its scaled scores, ``c * tanh(s / c)``, before the mask and the softmax.
 ``paged_attention``, ``paged_prefill_attention`` and ``paged_attention_varlen`` take both, as
-``sliding_window`` and ``softcap``, in every strategy: the reference here is contiguous attention
+``sliding_window`` and ``softcap``, in every backend: the reference here is contiguous attention
 written without the package (einsum scores, the soft cap, the sliding causal mask), itself checked
 against SDPA with an explicit boolean mask.
 
@@ -31,20 +31,20 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import paged_kv.attention.paged as paged
 from paged_kv.attention.paged import paged_attention, paged_attention_varlen, paged_prefill_attention
+from paged_kv.attention.registry import ATTENTION_BACKENDS
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted
 
 from .helpers import max_examples
 from .test_attention import HEADS, TOLERANCES, causal_mask, head_layouts, repeat_kv
-from .test_varlen_attention import skip_unless_runnable, starts_of, strategies_on
+from .test_varlen_attention import backends_on, skip_unless_runnable, starts_of
 
 pytestmark = [
     pytest.mark.lesson13,
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
 ]
 
-STRATEGIES = ["gather", "in_place", "auto", "flex", "triton"]
+BACKENDS = list(ATTENTION_BACKENDS)
 
 # A step as an engine packs it: a fresh prompt of 9 (two tiles of the kernel with 2 query heads per
 # KV head), a chunk of 5 after 8 cached tokens, a decode, a chunk of 7 ending mid-block, a sequence
@@ -168,9 +168,9 @@ class Case:
     expected: torch.Tensor
     dead: int  # the table entries moved off their blocks (before a window)
 
-    def run(self, strategy, window, softcap=None, **kw):
+    def run(self, backend, window, softcap=None, **kw):
         args = (self.query, self.k_cache, self.v_cache, self.tables, self.seq_lens, self.query_lens)
-        return paged_prefill_attention(*args, strategy=strategy, sliding_window=window, softcap=softcap, **kw)
+        return paged_prefill_attention(*args, backend=backend, sliding_window=window, softcap=softcap, **kw)
 
 
 def first_entries(seq_lens, query_lens, window, block_size) -> list[int]:
@@ -244,7 +244,7 @@ def check(out, case: Case, dtype=torch.float32, msg=""):
     torch.testing.assert_close(out.float().cpu(), case.expected, **TOLERANCES[dtype], msg=msg)
 
 
-# ----------------------------------------------------------------- every strategy, the reference
+# ----------------------------------------------------------------- every backend, the reference
 
 # (window, softcap): smaller than, equal to and larger than the block size of 4; one token; larger
 # than every sequence; Gemma 2's cap of 50 and caps small enough to bend the scores; a cap alone.
@@ -252,41 +252,41 @@ WINDOWS = [(1, None), (3, 1.0), (4, None), (5, 50.0), (8, 2.0), (100, None), (No
 
 
 @pytest.mark.parametrize(("window", "softcap"), WINDOWS, ids=lambda x: str(x))
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_strategy_equals_the_reference_on_a_mixed_step_whatever_lies_before_the_windows(
-    device, strategy, window, softcap
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_equals_the_reference_on_a_mixed_step_whatever_lies_before_the_windows(
+    device, backend, window, softcap
 ):
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     case = windowed_case(SEQ_LENS, QUERY_LENS, window, softcap, device=device, seed=1, stale=window == 5)
     assert case.dead or window is None or window >= 20
-    check(case.run(strategy, window, softcap), case, msg=strategy)
+    check(case.run(backend, window, softcap), case, msg=backend)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_head_layout_with_a_window_and_a_soft_cap(device, strategy, num_heads, num_kv_heads):
-    skip_unless_runnable(strategy, device)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_head_layout_with_a_window_and_a_soft_cap(device, backend, num_heads, num_kv_heads):
+    skip_unless_runnable(backend, device)
     case = windowed_case(
         SEQ_LENS, QUERY_LENS, 6, 1.5, num_heads=num_heads, num_kv_heads=num_kv_heads, device=device, seed=2
     )
-    check(case.run(strategy, 6, 1.5), case, msg=strategy)
+    check(case.run(backend, 6, 1.5), case, msg=backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_half_precision_with_a_window_and_a_soft_cap(device, strategy, dtype):
-    """Computed in float32 (``"in_place"`` gathers half caches; ``"flex"`` and ``"triton"``
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision_with_a_window_and_a_soft_cap(device, backend, dtype):
+    """Computed in float32 (``IN_PLACE`` gathers half caches; ``FLEX_ATTENTION`` and ``TRITON_ATTN``
     accumulate in float32), against the float32 reference over the same rounded inputs."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     case = windowed_case(SEQ_LENS, QUERY_LENS, 5, 2.0, dtype=dtype, device=device, seed=3, stale=True)
-    check(case.run(strategy, 5, 2.0), case, dtype, msg=strategy)
+    check(case.run(backend, 5, 2.0), case, dtype, msg=backend)
 
 
 @pytest.mark.parametrize("window", [1, 4, 6, 100])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_decode_with_a_window_equals_the_reference(device, strategy, window):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_with_a_window_equals_the_reference(device, backend, window):
     """``paged_attention``: one query token per sequence, at its last position."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     lengths = [1, 4, 5, 13, 16, 9]
     softcap = 3.0 if window == 6 else None
     case = windowed_case(lengths, [1] * 6, window, softcap, device=device, seed=4, stale=window == 4)
@@ -296,25 +296,25 @@ def test_decode_with_a_window_equals_the_reference(device, strategy, window):
         case.v_cache,
         case.tables,
         case.seq_lens,
-        strategy=strategy,
+        backend=backend,
         sliding_window=window,
         softcap=softcap,
     )
-    check(out, case, msg=strategy)
+    check(out, case, msg=backend)
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "triton"])
-def test_the_varlen_call_takes_both_with_the_engines_host_metadata(device, strategy):
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "TRITON_ATTN"])
+def test_the_varlen_call_takes_both_with_the_engines_host_metadata(device, backend):
     """``paged_attention_varlen`` with ``max_query_len``, ``query_start_loc_cpu`` and ``check=False``,
     as a model runner calls it once per layer."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     case = windowed_case(SEQ_LENS, QUERY_LENS, 3, 2.5, device=device, seed=5)
     starts = starts_of(QUERY_LENS, device)
     args = (case.query, case.k_cache, case.v_cache, case.tables, case.seq_lens, starts)
     variants = [{}, {"max_query_len": 9, "query_start_loc_cpu": starts.cpu(), "check": False}]
-    for kw in variants[1:] if strategy == "triton" else variants:  # the interpreter is slow
-        out = paged_attention_varlen(*args, strategy=strategy, sliding_window=3, softcap=2.5, **kw)
-        check(out, case, msg=f"{strategy} {kw}")
+    for kw in variants[1:] if backend == "TRITON_ATTN" else variants:  # the interpreter is slow
+        out = paged_attention_varlen(*args, backend=backend, sliding_window=3, softcap=2.5, **kw)
+        check(out, case, msg=f"{backend} {kw}")
 
 
 @given(
@@ -328,7 +328,7 @@ def test_the_varlen_call_takes_both_with_the_engines_host_metadata(device, strat
     data=st.data(),
 )
 @settings(max_examples=max_examples(25), deadline=None)
-def test_the_torch_strategies_equal_the_reference_for_any_packed_batch_window_and_cap(
+def test_the_torch_backends_equal_the_reference_for_any_packed_batch_window_and_cap(
     block_size, lengths, window, softcap, heads, stale, seed, data
 ):
     """Any block size, any query length from 0 to a sequence's length (decodes, chunks, prompts and
@@ -348,18 +348,18 @@ def test_the_torch_strategies_equal_the_reference_for_any_packed_batch_window_an
         seed=seed,
         stale=stale,
     )
-    for strategy in strategies_on(torch.device("cpu")):
-        if strategy != "triton":
-            check(case.run(strategy, window, softcap), case, msg=strategy)
+    for backend in backends_on(torch.device("cpu")):
+        if backend != "TRITON_ATTN":
+            check(case.run(backend, window, softcap), case, msg=backend)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_window_of_one_token_gives_each_query_its_own_value(device, strategy):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_of_one_token_gives_each_query_its_own_value(device, backend):
     """W = 1: each query token sees itself alone, so its output is its own V (each query head the V
     of its group's KV head), whatever the scores and the cap."""
-    skip_unless_runnable(strategy, device)
+    skip_unless_runnable(backend, device)
     case = windowed_case(SEQ_LENS, QUERY_LENS, 1, 0.5, device=device, seed=6)
-    out = case.run(strategy, 1, 0.5)
+    out = case.run(backend, 1, 0.5)
     rows = []
     for b, (n, new) in enumerate(zip(SEQ_LENS, QUERY_LENS, strict=True)):
         for p in range(n - new, n):
@@ -368,45 +368,17 @@ def test_a_window_of_one_token_gives_each_query_its_own_value(device, strategy):
     torch.testing.assert_close(out, torch.stack(rows), **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("strategy", ["gather", "in_place", "auto", "flex"])
-def test_a_window_as_long_as_the_sequences_and_a_huge_cap_change_nothing(device, strategy):
-    skip_unless_runnable(strategy, device)
+@pytest.mark.parametrize("backend", ["GATHER", "IN_PLACE", "CPU_ATTN", "FLEX_ATTENTION"])
+def test_a_window_as_long_as_the_sequences_and_a_huge_cap_change_nothing(device, backend):
+    skip_unless_runnable(backend, device)
     case = windowed_case(SEQ_LENS, QUERY_LENS, None, device=device, seed=7)
-    full = case.run(strategy, None)
+    full = case.run(backend, None)
     # (flex runs over a copy of the windows' blocks, in another order: equal up to rounding)
-    torch.testing.assert_close(case.run(strategy, max(SEQ_LENS)), full, **TOLERANCES[torch.float32])
-    torch.testing.assert_close(case.run(strategy, None, 1e6), full, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(case.run(backend, max(SEQ_LENS)), full, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(case.run(backend, None, 1e6), full, **TOLERANCES[torch.float32])
     # and the cases above are not vacuous: a small cap and a short window do change the output
-    assert not torch.allclose(case.run(strategy, None, 0.5), full, atol=1e-3)
-    assert not torch.allclose(case.run(strategy, 3), full, atol=1e-3)
-
-
-# ---------------------------------------------------------------------------- "auto"'s choice
-
-
-def spy(monkeypatch, name: str) -> list[int]:
-    """Record the table rows of each call of ``paged.<name>``, still running it."""
-    calls: list[int] = []
-    real = getattr(paged, name)
-
-    def recording(query, k_cache, v_cache, block_tables, *rest):
-        calls.append(block_tables.shape[0])
-        return real(query, k_cache, v_cache, block_tables, *rest)
-
-    monkeypatch.setattr(paged, name, recording)
-    return calls
-
-
-def test_auto_counts_the_blocks_of_the_windows_when_it_chooses_to_read_in_place(monkeypatch):
-    """Decodes of 16 tokens in blocks of 4 over a pool of 4 * 4 + 3: all of it read without a window
-    (in place), one block per row with a window of 2 (gathered, a window's worth per row)."""
-    in_place = spy(monkeypatch, "_in_place")
-    lengths = [16, 16, 16, 16]
-    for window, reads_in_place in ((None, True), (16, True), (2, False)):
-        case = windowed_case(lengths, [1] * 4, window, seed=8)
-        check(case.run("auto", window), case, msg=str(window))
-        assert bool(in_place) == reads_in_place, window
-        in_place.clear()
+    assert not torch.allclose(case.run(backend, None, 0.5), full, atol=1e-3)
+    assert not torch.allclose(case.run(backend, 3), full, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------- the Triton kernel
@@ -432,7 +404,7 @@ def test_the_kernel_never_loads_an_entry_or_a_block_before_its_programs_windows(
     null_k = case.k_cache[0].data_ptr(), case.k_cache[1].data_ptr()
     null_v = case.v_cache[0].data_ptr(), case.v_cache[1].data_ptr()
     with loaded_addresses(*table) as entries, loaded_addresses(*null_k) as k, loaded_addresses(*null_v) as v:
-        out = case.run("triton", window)
+        out = case.run("TRITON_ATTN", window)
     check(out, case)
     assert not k and not v  # the null block, which the entries before the windows name
     width, size = case.tables.shape[1], case.tables.element_size()
@@ -530,11 +502,11 @@ def test_a_bad_window_is_named_before_any_work_and_changes_nothing(device):
     case = windowed_case([5, 2], [3, 2], None, device=device, seed=13)
     before = [t.clone() for t in (case.query, case.k_cache, case.v_cache, case.tables)]
     with pytest.raises(ValueError, match=r"^sliding_window must be at least 1, got 0"):
-        case.run("gather", 0)
+        case.run("GATHER", 0)
     with pytest.raises(ValueError, match=r"^sliding_window must be an integer, got the bool True"):
-        case.run("gather", True)
+        case.run("GATHER", True)
     with pytest.raises(ValueError, match=r"^softcap must be a positive finite number or None, got -2"):
-        case.run("gather", None, -2)
+        case.run("GATHER", None, -2)
     after = (case.query, case.k_cache, case.v_cache, case.tables)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
@@ -550,9 +522,9 @@ def test_the_new_arguments_are_keywords_after_the_old_ones():
 
 
 def test_an_empty_step_and_a_step_of_no_query_tokens_give_empty_outputs_with_a_window(device):
-    for strategy in strategies_on(device):
+    for backend in backends_on(device):
         case = windowed_case([5, 2], [0, 0], 2, device=device, seed=15)
-        assert case.run(strategy, 2, 1.0).shape == (0, 4, 8), strategy
+        assert case.run(backend, 2, 1.0).shape == (0, 4, 8), backend
         empty = (
             case.query,
             case.k_cache,
@@ -561,6 +533,6 @@ def test_an_empty_step_and_a_step_of_no_query_tokens_give_empty_outputs_with_a_w
             case.seq_lens[:0],
             case.query_lens[:0],
         )
-        assert paged_prefill_attention(*empty, strategy=strategy, sliding_window=2).shape == (0, 4, 8)
-        decode = paged_attention(*empty[:-1], strategy=strategy, sliding_window=2, softcap=1.0)
-        assert decode.shape == (0, 4, 8), strategy
+        assert paged_prefill_attention(*empty, backend=backend, sliding_window=2).shape == (0, 4, 8)
+        decode = paged_attention(*empty[:-1], backend=backend, sliding_window=2, softcap=1.0)
+        assert decode.shape == (0, 4, 8), backend

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_kv import BlockManager
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.simulation.workload import (
     ALPACA,
@@ -207,38 +207,40 @@ def test_paged_admits_whole_prompts_into_a_full_pool():
 
 
 def test_block_bookkeeping_is_the_engines_memory_with_no_tensor():
-    memory = BlockBookkeeping(BlockManager(4, 2, enable_prefix_caching=True), record=True)
-    a, b = SchedulerRequest("a", 4, 2, (1, 2, 3, 4)), SchedulerRequest("b", 3, 2, (1, 2, 9))
+    memory = BlockBookkeeping(5, 2, enable_caching=True, record=True)  # 4 blocks and the null block
+    a, b = EngineCoreRequest("a", 4, 2, (1, 2, 3, 4)), EngineCoreRequest("b", 3, 2, (1, 2, 9))
     assert len(memory.allocate_slots(a, 4, a.prompt_token_ids)[0]) == 2
     computed = memory.get_computed_blocks(b, b.prompt_token_ids)
     assert computed.num_tokens == 2  # b's first block is a's
-    assert memory.allocate_slots(b, 1, b.prompt_token_ids, computed=computed) == (
-        (*computed.block_ids, memory.get_block_ids("b")[0][-1]),
+    assert memory.allocate_slots(b, 1, b.prompt_token_ids, new_computed_blocks=computed) == (
+        (*computed.block_ids[0], memory.get_block_ids("b")[0][-1]),
     )
     assert memory.num_free_blocks == 1
     memory.free("a")
     memory.free("b")
-    assert memory.num_free_blocks == 4 and memory.trace  # the frames of every change
+    assert memory.num_free_blocks == 4
+    assert [f.event for f in memory.trace] == ["start", "allocate", "allocate", "free", "free"]
 
 
-class CountingManager(BlockManager):
-    """The package's block manager, counting the calls the simulator makes."""
+class CountingBookkeeping(BlockBookkeeping):
+    """The simulator's memory, counting the calls its scheduler makes."""
 
     calls: dict[str, int]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls = {"allocate_slots": 0, "refused": 0, "free": 0}
-        CountingManager.last = self
+        CountingBookkeeping.last = self
 
-    def allocate_slots(self, seq_id, num_new_tokens, token_ids=None, **kwargs):
-        blocks = super().allocate_slots(seq_id, num_new_tokens, token_ids, **kwargs)
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         self.calls["allocate_slots" if blocks is not None else "refused"] += 1
         return blocks
 
-    def free(self, seq_id):
-        self.calls["free"] += 1
-        return super().free(seq_id)
+    def free(self, request_id):
+        if request_id in self.coordinator:
+            self.calls["free"] += 1
+        return super().free(request_id)
 
 
 def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
@@ -248,7 +250,7 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     # free: B, the newest, is preempted, its 2 blocks freed, and A takes one and finishes. B resumes
     # at step 4: it prefills its prompt and its 3 generated tokens (5 tokens, 3 blocks), samples its
     # last token and finishes.
-    monkeypatch.setattr("paged_kv.simulation.workload.BlockManager", CountingManager)
+    monkeypatch.setattr("paged_kv.simulation.workload.BlockBookkeeping", CountingBookkeeping)
     a, b = Request("a", 0, 2, 4), Request("b", 0, 2, 4)
     result = simulate([a, b], PagedPolicy(block_size=2), budget_tokens=8)
     assert result.preemptions == 1
@@ -257,10 +259,10 @@ def test_running_out_of_blocks_preempts_the_newest_by_recompute(monkeypatch):
     assert result.waiting == [0, 0, 0, 1, 0]
     assert result.held_tokens == [4, 6, 8, 5, 5]
     assert result.reserved_tokens == [4, 8, 8, 6, 6]
-    # The real manager did the bookkeeping: one allocation per scheduled request and step (2 + 2 +
-    # 2 + 1 + 1), one refused (A's at step 3, before B made room), and B was freed twice.
-    assert CountingManager.last.calls == {"allocate_slots": 8, "refused": 1, "free": 3}
-    assert CountingManager.last.num_free_blocks == 4
+    # The engine's memory did the bookkeeping: one allocation per scheduled request and step (2 + 2
+    # + 2 + 1 + 1), one refused (A's at step 3, before B made room), and B was freed twice.
+    assert CountingBookkeeping.last.calls == {"allocate_slots": 8, "refused": 1, "free": 3}
+    assert CountingBookkeeping.last.num_free_blocks == 4  # the null block aside
 
 
 def test_the_contiguous_oracle_never_preempts_the_same_workload():
@@ -501,7 +503,9 @@ def test_a_recorded_paged_run_keeps_one_frame_per_event():
     assert recorded.running == plain.running and recorded.held_tokens == plain.held_tokens
     events = [frame.event for frame in recorded.trace]
     # start, a's prompt, a's decode (its 5th token takes a block), b's prompt, two frees
-    assert events.count("allocate") == 2 and events.count("free") == 2
+    assert events.count("allocate") == 2 and events.count("free") == 2 and "new_block" in events
     assert events[0] == "start" and recorded.trace[-1].snapshot.tables == {}
-    assert "seq a: 4-token prompt takes blocks [0]" in [frame.caption for frame in recorded.trace]
+    # Block 0 of the pool is its null block: a's prompt takes block 1.
+    assert "seq a: 4-token prompt takes blocks [1]" in [frame.caption for frame in recorded.trace]
+    assert all(frame.snapshot.null_block == 0 for frame in recorded.trace)
     assert simulate(requests, ContiguousPolicy("oracle"), budget_tokens=16, record=True).trace == []

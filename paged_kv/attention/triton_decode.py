@@ -7,9 +7,9 @@ whole cache and the block tables, and each program finds its sequence's tokens i
 translation done in pointer arithmetic (token ``p`` is offset ``p % block_size`` of block
 ``block_tables[b, p // block_size]``), and combines the blocks with lesson 05's online softmax.
 The kernel's source is :func:`paged_kv.attention.triton_kernel.paged_attention_kernel`; this module
-launches it: :func:`triton_attention` for a packed batch of any number of query tokens per sequence
-(``paged_prefill_attention`` and ``paged_attention_varlen`` with ``strategy="triton"``), and
-:func:`triton_decode`, the same kernel on one query token per sequence (``paged_attention``).
+launches it: :func:`triton_attention` for a packed batch of any number of query tokens per sequence,
+decodes (one query token each) and chunks alike: the ``TRITON_ATTN`` backend's work
+(:mod:`paged_kv.attention.backends.triton_attn`).
 
 One program runs per (sequence, KV head, tile of query tokens), ``grid = (batch, num_kv_heads,
 ceil(max_query_len / QUERY_TILE))``, and handles the ``num_heads // num_kv_heads`` query heads that
@@ -106,47 +106,6 @@ def triton_interpreted() -> bool:
     return not isinstance(tl.zeros, triton.JITFunction)
 
 
-def triton_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float | None,
-    kernel: Callable | None = None,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Decode attention of checked inputs (see ``paged_attention``) with the Triton kernel.
-
-    ``query`` is ``(batch, num_heads, head_dim)``, one query token per sequence, in the caches'
-    dtype (or over fp8 caches); the rest is as for :func:`triton_attention`, ``context_lens`` being
-    its ``seq_lens``. A batch of decodes is the kernel's simplest case: ``query_start_loc = [0, 1,
-    ..., batch]`` and one query token per program (``QUERY_TILE`` 1), each program's rows the
-    ``GROUP`` query heads of its KV head.
-    """
-    batch = query.shape[0]
-    query_start_loc = torch.arange(batch + 1, device=query.device)
-    return triton_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        1,
-        scale,
-        kernel,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-
-
 def triton_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -164,8 +123,9 @@ def triton_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Paged attention of checked inputs (see ``paged_attention_varlen``) with the Triton kernel:
-    any number of query tokens per sequence, causal inside a chunk, decodes and chunks in one launch.
+    """Paged attention of checked inputs (:class:`~paged_kv.attention.metadata.AttentionMetadata`)
+    with the Triton kernel: any number of query tokens per sequence, causal inside a chunk, decodes
+    and chunks in one launch.
 
     ``query`` is ``(num_tokens, num_heads, head_dim)`` in the caches' dtype, one of
     :data:`KERNEL_DTYPES` (or over caches of an fp8 dtype, with their checked scales ``k_scale`` and
@@ -191,11 +151,11 @@ def triton_attention(
     kernel writes (the query's shape and dtype, as vLLM's ``unified_attention`` takes its ``out``);
     lesson 12's check fills it with NaN first, so a row a kernel never stores shows.
 
-    ``sliding_window`` (an int of at least 1) and ``softcap`` (a positive float), checked, as for
-    ``paged_attention_varlen``, reach the kernel as its trailing constexprs ``SLIDING_WINDOW`` and
-    ``SOFTCAP``, each only when given: a kernel without those parameters (lesson 12's) launches as
-    before when neither is asked for. Each value is a constexpr, so each compiles a kernel of its
-    own (once per model, as a model has one window and one cap).
+    ``sliding_window`` (an int of at least 1) and ``softcap`` (a positive float), checked by
+    :class:`~paged_kv.attention.backend.AttentionImpl`, reach the kernel as its trailing constexprs
+    ``SLIDING_WINDOW`` and ``SOFTCAP``, each only when given: a kernel without those parameters
+    (lesson 12's) launches as before when neither is asked for. Each value is a constexpr, so each
+    compiles a kernel of its own (once per model, as a model has one window and one cap).
 
     Raises:
         ValueError: Triton is not installed; the caches' dtype is neither one of
@@ -205,14 +165,12 @@ def triton_attention(
             ``kernel`` that lacks the parameter (the message names the argument).
     """
     if not triton_available():
-        raise ValueError(
-            "strategy 'triton' needs the triton package (Linux wheels only): it is not installed"
-        )
+        raise ValueError("TRITON_ATTN needs the triton package (Linux wheels only): it is not installed")
     import triton
 
     if k_cache.dtype not in KERNEL_DTYPES and not is_fp8(k_cache.dtype):
         names = ", ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
-        raise ValueError(f"strategy 'triton' reads {names} caches and fp8 ones, got {k_cache.dtype}")
+        raise ValueError(f"TRITON_ATTN reads {names} caches and fp8 ones, got {k_cache.dtype}")
     interpret = triton_interpreted()
     if triton.knobs.runtime.interpret != interpret:
         raise ValueError(
@@ -222,7 +180,7 @@ def triton_attention(
         )
     if query.device.type != "cuda" and not interpret:
         raise ValueError(
-            f"strategy 'triton' compiles for CUDA; on {query.device.type} tensors it runs in Triton's "
+            f"TRITON_ATTN compiles for CUDA; on {query.device.type} tensors it runs in Triton's "
             "interpreter only: set TRITON_INTERPRET=1 in the environment before triton is first imported"
         )
     _, num_kv_heads, block_size, head_dim = k_cache.shape

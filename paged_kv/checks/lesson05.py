@@ -8,7 +8,7 @@ no mask) and, when the result matches one, the hint names it.
 While the learner's code runs, what the check compares with and the package's own answers
 (``paged_kv.paged_attention``, and ``gather_kv``, ``decode_attention`` and ``paged_attention`` of
 :mod:`paged_kv.attention.paged`) raise when called through their modules. The package is graded through
-:mod:`paged_kv.grading.reference.lesson05`, which binds those functions at import, so it still passes.
+:mod:`paged_kv.reference.lesson05`, which binds those functions at import, so it still passes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SCALE_BY_D = (
 OVER_HEADS = "the softmax runs over the heads: it must run over the positions (tokens), for each head"
 SORTED = "the blocks are in sorted order: position p lives in block_table[p // block_size], in table order"
 TAIL = (
-    "the positions past context_len are not masked: the last block holds only some real tokens, "
+    "the positions past seq_len are not masked: the last block holds only some real tokens, "
     "the rest of its slots is stale data"
 )
 
@@ -91,22 +91,22 @@ def _sdpa(q, k, v, scale=None) -> torch.Tensor:
     return out[0, :, 0]
 
 
-def _gather(cache_tensor, table, context_len, order="table", layout="right") -> torch.Tensor:
-    """One sequence's K or V, (context_len, heads, dim), optionally gathered the wrong way."""
+def _gather(cache_tensor, table, seq_len, order="table", layout="right") -> torch.Tensor:
+    """One sequence's K or V, (seq_len, heads, dim), optionally gathered the wrong way."""
     block_size, heads, dim = cache_tensor.shape[2], cache_tensor.shape[1], cache_tensor.shape[3]
-    ids = [int(b) for b in table][: -(-context_len // block_size)]
+    ids = [int(b) for b in table][: -(-seq_len // block_size)]
     if order == "sorted":
         ids = sorted(ids)
     blocks = cache_tensor[torch.tensor(ids, device=cache_tensor.device)]
     if layout == "no transpose":
-        return blocks.reshape(-1, heads, dim)[:context_len]
-    return blocks.transpose(1, 2).reshape(-1, heads, dim)[:context_len]
+        return blocks.reshape(-1, heads, dim)[:seq_len]
+    return blocks.transpose(1, 2).reshape(-1, heads, dim)[:seq_len]
 
 
 def _paged(cache, query, lens, *, swap=False, scale=None, over_heads=False, order="table", mask="positions"):
     """Paged attention per sequence, optionally with a classic mistake, stacked: (batch, heads, dim).
 
-    ``mask`` is ``"positions"`` (right: positions from context_len on are ignored), ``"blocks"``
+    ``mask`` is ``"positions"`` (right: positions from seq_len on are ignored), ``"blocks"``
     (only the padding blocks are ignored, not the tail of the last block), ``"none"`` (every slot
     of the row is attended, -1 reading the last block) or ``"none, clamped"`` (the same, -1 read as
     block 0).
@@ -248,7 +248,7 @@ def _gather_kv(c: Checker, gather_kv) -> None:
             str(cache.get_block_mapping(1)),
             1,
             11,
-            "11 tokens fill 2 blocks of 4 and 3 slots of the third: keep the first context_len positions",
+            "11 tokens fill 2 blocks of 4 and 3 slots of the third: keep the first seq_len positions",
         ),
         (
             padded_row,
@@ -256,15 +256,15 @@ def _gather_kv(c: Checker, gather_kv) -> None:
             2,
             5,
             "block_table may be an int32 tensor longer than needed, padded with -1: use only its first "
-            "ceil(context_len / block_size) entries, and keep the first context_len positions",
+            "ceil(seq_len / block_size) entries, and keep the first seq_len positions",
         ),
     ]
-    for table, shown, seq_id, context_len, hint in cases:
-        call = f"gather_kv(k_cache, v_cache, {shown}, {context_len})"
+    for table, shown, seq_id, seq_len, hint in cases:
+        call = f"gather_kv(k_cache, v_cache, {shown}, {seq_len})"
         result = _run_without(
             c,
             call,
-            lambda t=table, n=context_len: gather_kv(cache.k_cache, cache.v_cache, t, n),
+            lambda t=table, n=seq_len: gather_kv(cache.k_cache, cache.v_cache, t, n),
             hint,
             _package("gather_kv"),
         )
@@ -284,19 +284,19 @@ def _gather_kv(c: Checker, gather_kv) -> None:
                 "K and V are swapped: k comes from k_cache and v from v_cache, returned as (k, v)",
                 lambda ev=expected_v: ev,
             ),
-            (SORTED, lambda ids=ids, n=context_len: _gather(cache.k_cache, ids, n, "sorted")),
+            (SORTED, lambda ids=ids, n=seq_len: _gather(cache.k_cache, ids, n, "sorted")),
             (
                 "reshaping (blocks, heads, block_size, dim) straight to (-1, heads, dim) mixes heads and "
                 "offsets: transpose(1, 2) first",
-                lambda ids=ids, n=context_len: _gather(cache.k_cache, ids, n, layout="no transpose"),
+                lambda ids=ids, n=seq_len: _gather(cache.k_cache, ids, n, layout="no transpose"),
             ),
             (
-                "the positions past context_len are kept (padding -1 reads the last block of the cache): "
-                "keep only the first context_len positions",
+                "the positions past seq_len are kept (padding -1 reads the last block of the cache): "
+                "keep only the first seq_len positions",
                 lambda ids=ids, whole=whole: _gather(cache.k_cache, ids, whole),
             ),
             (
-                "the result is (context_len, num_heads, head_dim), tokens first like cache.read_kv, "
+                "the result is (seq_len, num_heads, head_dim), tokens first like cache.read_kv, "
                 "not heads first",
                 lambda ek=expected_k: ek.transpose(0, 1),
             ),
@@ -402,11 +402,11 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
     answer = "paged_kv.paged_attention computes the answer this check compares with: write your own"
     padding_hint = (
         "row 1 is padded with -1, and k_cache[-1] is the last block of the cache: clamp the padding to "
-        "a real block and give every position at or past context_len a score of -inf before the softmax"
+        "a real block and give every position at or past seq_len a score of -inf before the softmax"
     )
     clamped_hint = (
         "the padding is clamped but still attended: the block it now names holds another sequence's "
-        "data; give every position at or past context_len a score of -inf before the softmax"
+        "data; give every position at or past seq_len a score of -inf before the softmax"
     )
     tail_hint = TAIL + "; give them a score of -inf before the softmax"
     unmasked = {"none": tail_hint, "none, clamped": tail_hint}
@@ -424,7 +424,7 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
         (
             [11, 4, 16, 6, 1, 9],
             "lengths 1, exact multiples of block_size and partial last blocks together: clamp the padding, "
-            "gather in table order, mask positions >= context_len",
+            "gather in table order, mask positions >= seq_len",
             unmasked,
             -1,
             False,
@@ -452,8 +452,8 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
             expected = expected.cpu()
         where = " (on the CPU)" if on_cpu else ""
         call = (
-            "paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens)"
-            f"  # block_tables {tables.tolist()}, context_lens {lengths}{where}"
+            "paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens)"
+            f"  # block_tables {tables.tolist()}, seq_lens {lengths}{where}"
         )
         got = _run_without(
             c,
@@ -478,7 +478,7 @@ def _paged_decode_attention(c: Checker, paged_decode_attention) -> None:
             (unmasked_hints["none"], lambda w=wrong: w(mask="none")),
             (unmasked_hints["none, clamped"], lambda w=wrong: w(mask="none, clamped")),
             (
-                TAIL + "; mask every position >= context_len, not only the padding",
+                TAIL + "; mask every position >= seq_len, not only the padding",
                 lambda w=wrong: w(mask="blocks"),
             ),
             (SORTED, lambda w=wrong: w(order="sorted")),

@@ -11,16 +11,16 @@ When an output is wrong, :func:`~paged_kv.checks._core.diagnose` runs the learne
 small wrong implementations of the classic mistakes on every case of the task, and names the
 mistake whose outputs are close to the learner's on all of them (a case where the learner's code
 raises counts as wrong for both): query head ``h`` read with KV head ``h % num_kv_heads`` (``repeat``
-where ``repeat_interleave`` belongs) or ``h // num_kv_heads``, the positions past the context not
+where ``repeat_interleave`` belongs) or ``h // num_kv_heads``, the positions past the sequence's length not
 masked; a chunk attending over itself alone, without the causal mask, with the mask one position
-off either way, or as if it started at position 0; packed rows split by the context lengths, one
+off either way, or as if it started at position 0; packed rows split by the sequence lengths, one
 query row assumed per sequence, or each sequence's rows starting one row off.
 
 While the learner's code runs, SDPA and the package's own answers raise when called through their
 modules: ``paged_kv.paged_attention`` and ``paged_kv.paged_prefill_attention``, and
 ``paged_attention``, ``paged_prefill_attention`` and ``decode_attention`` of
 :mod:`paged_kv.attention.paged` (lesson 05's mechanism, :func:`paged_kv.checks.lesson05._run_without`).
-The package is graded through :mod:`paged_kv.grading.reference.lesson06`, which binds them at import.
+The package is graded through :mod:`paged_kv.reference.lesson06`, which binds them at import.
 """
 
 from __future__ import annotations
@@ -46,30 +46,30 @@ BY_KV_HEADS = (
     "query head h reads KV head h // num_kv_heads: the group is computed the other way round; "
     "group = num_heads // num_kv_heads query heads share a KV head, and head h reads KV head h // group"
 )
-UNMASKED = TAIL + "; give every position at or past context_len a score of -inf before the softmax"
+UNMASKED = TAIL + "; give every position at or past seq_len a score of -inf before the softmax"
 ALONE = (
     "the chunk attends over its own tokens only: its queries attend over the cached positions before "
-    "it too, positions 0 .. context_len - q + i for query i"
+    "it too, positions 0 .. seq_len - q + i for query i"
 )
 NOT_CAUSAL = (
-    "every query sees all context_len positions: the mask is not causal. Query i is at position "
-    "context_len - q + i and must not see a later one (a score of -inf where position > its own)"
+    "every query sees all seq_len positions: the mask is not causal. Query i is at position "
+    "seq_len - q + i and must not see a later one (a score of -inf where position > its own)"
 )
 ONE_MORE = (
     "the mask is one off: query i sees one position past its own. It is at position "
-    "context_len - q + i and sees positions up to that one (position <= its own), not the next"
+    "seq_len - q + i and sees positions up to that one (position <= its own), not the next"
 )
 ONE_LESS = (
     "the mask is one off: query i does not see its own position. It is at position "
-    "context_len - q + i and sees positions 0 .. its own, itself included (<=, not <)"
+    "seq_len - q + i and sees positions 0 .. its own, itself included (<=, not <)"
 )
 FROM_ZERO = (
     "the chunk is masked as if it started at position 0 (query i sees 0 .. i, which is what SDPA's "
-    "is_causal does when there are fewer queries than keys): it is the last q of context_len "
-    "positions, so query i sees 0 .. context_len - q + i"
+    "is_causal does when there are fewer queries than keys): it is the last q of seq_len "
+    "positions, so query i sees 0 .. seq_len - q + i"
 )
-STARTS_FROM_CONTEXT = (
-    "the packed rows are split by context_lens: only the new tokens have query rows, so sequence b's "
+STARTS_FROM_SEQ_LENS = (
+    "the packed rows are split by seq_lens: only the new tokens have query rows, so sequence b's "
     "rows start at sum(query_lens[:b]) and there are query_lens[b] of them"
 )
 ONE_ROW_EACH = (
@@ -110,11 +110,11 @@ def _expected_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible).transpose(0, 1)
 
 
-def _causal(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """The (queries, positions) mask of the last ``num_queries`` of ``context_len`` positions: True = seen."""
-    offset = context_len - num_queries
+def _causal(num_queries: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """The (queries, positions) mask of the last ``num_queries`` of ``seq_len`` positions: True = seen."""
+    offset = seq_len - num_queries
     rows = torch.arange(num_queries, device=device)[:, None]
-    return torch.arange(context_len, device=device)[None, :] <= offset + rows
+    return torch.arange(seq_len, device=device)[None, :] <= offset + rows
 
 
 def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, kv_of: list[int]):
@@ -145,7 +145,7 @@ def _row_ids(block_table, num_blocks: int, pad: int | None = None) -> list[int]:
 # ------------------------------------------------------------------------------ wrong implementations
 
 
-def _gqa(query, k_cache, v_cache, block_tables, context_lens, *, pairing="group", mask="positions"):
+def _gqa(query, k_cache, v_cache, block_tables, seq_lens, *, pairing="group", mask="positions"):
     """Decode attention of task 1, with a pairing of the heads and a mask (``"positions"`` is right;
     ``"blocks"`` masks the padding blocks only, ``"none"`` nothing, ``"none, clamped"`` nothing with
     the padding read as block 0)."""
@@ -154,7 +154,7 @@ def _gqa(query, k_cache, v_cache, block_tables, context_lens, *, pairing="group"
     out = []
     for b in range(query.shape[0]):
         row = _row_ids(block_tables[b], num_blocks, 0 if mask == "none, clamped" else None)
-        n = int(context_lens[b])
+        n = int(seq_lens[b])
         used = {"positions": n, "blocks": -(-n // size) * size}.get(mask, len(row) * size)
         k, v = _gather(k_cache, row, used), _gather(v_cache, row, used)
         visible = torch.ones(1, used, dtype=torch.bool, device=query.device)
@@ -162,9 +162,9 @@ def _gqa(query, k_cache, v_cache, block_tables, context_lens, *, pairing="group"
     return torch.stack(out)
 
 
-def _chunk(query, k_cache, v_cache, block_table, context_len, *, sees="causal", pairing="group"):
+def _chunk(query, k_cache, v_cache, block_table, seq_len, *, sees="causal", pairing="group"):
     """The chunk attention of task 2; ``sees`` says which positions query i sees (``"causal"`` is right)."""
-    q, n, device = query.shape[0], int(context_len), query.device
+    q, n, device = query.shape[0], int(seq_len), query.device
     row = _row_ids(block_table, k_cache.shape[0])
     k, v = _gather(k_cache, row, n), _gather(v_cache, row, n)
     i = torch.arange(q, device=device)[:, None]
@@ -181,10 +181,10 @@ def _chunk(query, k_cache, v_cache, block_table, context_len, *, sees="causal", 
     return _rows(query, k, v, visible, _kv_heads(pairing, query.shape[1], k_cache.shape[1]))
 
 
-def _packed(query, k_cache, v_cache, block_tables, context_lens, query_lens, *, starts="query_lens", **chunk):
+def _packed(query, k_cache, v_cache, block_tables, seq_lens, query_lens, *, starts="query_lens", **chunk):
     """The packed attention of task 3; ``starts`` says where sequence b's rows begin (``"query_lens"``
     is right; ``"one row"`` gives every sequence row b alone, as its decode)."""
-    new, lens = [int(n) for n in query_lens], [int(n) for n in context_lens]
+    new, lens = [int(n) for n in query_lens], [int(n) for n in seq_lens]
     out = []
     for b, (q, n) in enumerate(zip(new, lens, strict=True)):
         if starts == "one row":
@@ -192,7 +192,7 @@ def _packed(query, k_cache, v_cache, block_tables, context_lens, query_lens, *, 
         else:
             start = {
                 "query_lens": sum(new[:b]),
-                "context_lens": sum(lens[:b]),
+                "seq_lens": sum(lens[:b]),
                 "one early": max(sum(new[:b]) - 1, 0),
                 "one late": sum(new[:b]) + (1 if b else 0),
             }[starts]
@@ -214,7 +214,7 @@ GQA_MISTAKES: list[Mistake] = [
     (_with(_gqa, pairing="by kv"), BY_KV_HEADS),
     (_with(_gqa, mask="none"), UNMASKED),
     (_with(_gqa, mask="none, clamped"), UNMASKED),
-    (_with(_gqa, mask="blocks"), TAIL + "; mask every position >= context_len, not only the padding blocks"),
+    (_with(_gqa, mask="blocks"), TAIL + "; mask every position >= seq_len, not only the padding blocks"),
 ]
 CHUNK_MISTAKES: list[Mistake] = [
     (_with(_chunk, sees="alone"), ALONE),
@@ -225,7 +225,7 @@ CHUNK_MISTAKES: list[Mistake] = [
     (_with(_chunk, pairing="modulo"), MODULO),
 ]
 PACKED_MISTAKES: list[Mistake] = [
-    (_with(_packed, starts="context_lens"), STARTS_FROM_CONTEXT),
+    (_with(_packed, starts="seq_lens"), STARTS_FROM_SEQ_LENS),
     (_with(_packed, starts="one row"), ONE_ROW_EACH),
     (_with(_packed, starts="one early"), START_ONE_OFF),
     (_with(_packed, starts="one late"), START_ONE_OFF),
@@ -319,7 +319,7 @@ def _gqa_decode_attention(c: Checker, gqa_decode_attention) -> None:
             6,
             3,
             "a batch with padded rows and partial last blocks, groups of 2: clamp the padding, mask the "
-            "positions >= context_len, pair query head h with KV head h // group",
+            "positions >= seq_len, pair query head h with KV head h // group",
         ),
         ([5, 12], 8, 1, "multi-query attention: one KV head, read by every query head"),
         (
@@ -343,8 +343,8 @@ def _gqa_decode_attention(c: Checker, gqa_decode_attention) -> None:
             ]
         )
         call = (
-            f"gqa_decode_attention(query, k_cache, v_cache, block_tables, context_lens)  # {heads} query "
-            f"heads over {kv_heads} KV heads, block_tables {tables.tolist()}, context_lens {lengths}"
+            f"gqa_decode_attention(query, k_cache, v_cache, block_tables, seq_lens)  # {heads} query "
+            f"heads over {kv_heads} KV heads, block_tables {tables.tolist()}, seq_lens {lengths}"
         )
         checked.append((call, (query, cache.k_cache, cache.v_cache, tables, lens), expected, hint))
     _check_cases(c, gqa_decode_attention, checked, _gqa, GQA_MISTAKES)
@@ -372,9 +372,9 @@ def _chunk_attention(c: Checker, chunk_attention) -> None:
             2,
             [],
             "8 tokens cached and a chunk of 5: query i is at position 8 + i and sees positions 0 .. 8 + i, "
-            "the cached ones included (context_len - q + i in general)",
+            "the cached ones included (seq_len - q + i in general)",
         ),
-        (10, 1, 2, 2, [], "a chunk of one token is a decode: it sees all context_len positions"),
+        (10, 1, 2, 2, [], "a chunk of one token is a decode: it sees all seq_len positions"),
         (
             14,
             7,
@@ -382,7 +382,7 @@ def _chunk_attention(c: Checker, chunk_attention) -> None:
             2,
             [19],
             "a chunk that starts and ends inside a block, its row padded with -1: use the first "
-            "ceil(context_len / block_size) entries of block_table",
+            "ceil(seq_len / block_size) entries of block_table",
         ),
         (
             11,
@@ -412,7 +412,7 @@ def _chunk_attention(c: Checker, chunk_attention) -> None:
 
 @task("06.packed_attention", "decodes and prompt chunks packed into one call")
 def _packed_attention(c: Checker, packed_attention) -> None:
-    cases = [  # query_lens, context_lens, query heads, KV heads, hint
+    cases = [  # query_lens, seq_lens, query heads, KV heads, hint
         ([5], [13], 2, 2, "one sequence is task 2's chunk: its 5 rows are the last 5 of its 13 positions"),
         (
             [1, 1, 1],
@@ -435,7 +435,7 @@ def _packed_attention(c: Checker, packed_attention) -> None:
             2,
             2,
             "two fresh prompts, then a chunk of 4 over 9 positions: each sequence's rows attend as in "
-            "task 2, at offset context_len - query_len",
+            "task 2, at offset seq_len - query_len",
         ),
         (
             [3, 1, 4, 2],
@@ -468,8 +468,8 @@ def _packed_attention(c: Checker, packed_attention) -> None:
             torch.tensor(new, device=device),
         )
         call = (
-            "packed_attention(query, k_cache, v_cache, block_tables, context_lens, query_lens)  # "
-            f"query_lens {new}, context_lens {lengths}, {sum(new)} query rows, {heads} query heads over "
+            "packed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens)  # "
+            f"query_lens {new}, seq_lens {lengths}, {sum(new)} query rows, {heads} query heads over "
             f"{kv_heads} KV heads"
         )
         checked.append((call, arguments, expected, hint))

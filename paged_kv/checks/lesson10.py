@@ -42,7 +42,8 @@ from paged_kv.device import default_device
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.hub import SMOLLM2_ARCHITECTURE
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import Engine, EngineRequest, EngineResult
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.engine_result import EngineResult
 
 Step = list[tuple[Hashable, int]]
 
@@ -292,13 +293,13 @@ def _kv_bytes_per_token(c: Checker, kv_bytes_per_token) -> None:
             "return an int: compute head_dim with //, not /",
         )
     for what, model, size in _tiny_models():
-        engine = Engine(model, num_blocks=1, block_size=1)  # one block of one token, in every layer
+        engine = Engine(model, num_blocks=2, block_size=1)  # blocks of one token, in every layer
         call = f"kv_bytes_per_token(model.config, {size})  # {what}"
         got = c.run(call, lambda model=model, size=size: kv_bytes_per_token(model.config, size))
         c.holds(
             call,
             got == engine.bytes_per_block,
-            f"{engine.bytes_per_block} (Engine(model, num_blocks=1, block_size=1).bytes_per_block)",
+            f"{engine.bytes_per_block} (Engine(model, num_blocks=2, block_size=1).bytes_per_block)",
             got,
             lambda: diagnose(kv_bytes_per_token, BYTES_MISTAKES, probe, RULE),
         )

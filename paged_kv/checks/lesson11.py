@@ -2,10 +2,10 @@
 
 The admission rule is vLLM's, the engine's: the prompt's blocks, and the watermark's blocks only while
 another request runs, with no headroom for the running requests' growth. It is checked on examples at
-the boundary, then against the engine's own memory, :class:`paged_kv.serving.memory.KVCacheManager`,
+the boundary, then against the engine's own memory, :class:`paged_kv.serving.kv_cache_manager.KVCacheManager`,
 on a grid of cases one block on either side of the rule. The victims are checked on small cases that
 each isolate one mistake, then against the package's answer
-(:func:`paged_kv.grading.reference.lesson11.choose_victims`, the scheduler's preemption on plain
+(:func:`paged_kv.reference.lesson11.choose_victims`, the scheduler's preemption on plain
 numbers) on random cases. The swap round trip runs on a :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
 on the default device whose pool starts full of stale random K/V and whose freed blocks are overwritten
 before the sequence comes back, so a copy that is not a copy, a block that is not written, or a token
@@ -24,13 +24,12 @@ import torch
 
 from paged_kv.checks._core import Checker, answers, diagnose, task
 from paged_kv.checks.lesson03 import kv_mixup
-from paged_kv.core.block_manager import BlockManager
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
-from paged_kv.grading.reference.lesson11 import choose_victims as package_victims
 from paged_kv.kv.cache import PagedKVCacheAllocator
-from paged_kv.serving.memory import KVCacheManager, watermark_blocks
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.reference.lesson11 import choose_victims as package_victims
+from paged_kv.serving.kv_cache_manager import KVCacheManager, watermark_blocks
+from paged_kv.serving.request import EngineCoreRequest
 
 # ------------------------------------------------------------------------------- Task 1
 
@@ -144,11 +143,11 @@ GRID_WATERMARKS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5)
 def _engine_admits(free: int, blocks: int, running: int, num_blocks: int, watermark: float) -> bool:
     """The engine's answer: its memory, with ``free`` blocks free, asked for a prompt of ``blocks``
     blocks of one token (vLLM's ``allocate_slots`` with the whole prompt to fit)."""
-    manager = BlockManager(num_blocks, 1)
-    if num_blocks > free:
-        manager.allocate("others", num_blocks - free)
-    memory = KVCacheManager(manager, watermark=watermark)
-    request = SchedulerRequest("new", blocks, 1)
+    memory = KVCacheManager(num_blocks, 1, watermark=watermark)  # its block 0, the null block, never free
+    others = num_blocks - 1 - free
+    if others:
+        memory.allocate_slots(EngineCoreRequest("others", others, 1), others, has_scheduled_reqs=False)
+    request = EngineCoreRequest("new", blocks, 1)
     taken = memory.allocate_slots(request, blocks, num_tokens_to_fit=blocks, has_scheduled_reqs=running > 0)
     return taken is not None
 
@@ -165,7 +164,7 @@ def _grid() -> list[tuple[int, int, int, int, float]]:
                         (free, blocks, running, num_blocks, watermark)
                         for free in range(needed - 1, needed + 2)
                     ]
-    return [case for case in cases if 0 <= case[0] <= case[3]]
+    return [case for case in cases if 0 <= case[0] < case[3]]  # the pool's null block is never free
 
 
 def _admission_hint(admit: Callable[..., object]) -> str:

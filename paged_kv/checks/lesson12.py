@@ -6,7 +6,7 @@ packed batch of decodes, prompts and chunks of prompts, causal inside each seque
 launches it the way the package launches its own, through
 :func:`paged_kv.attention.triton_decode.triton_attention`, which applies ``triton.jit`` to it on first
 use (compiled on CUDA, in Triton's interpreter on the CPU: :mod:`paged_kv.attention.triton_language`
-fixes the mode), and compares its output with the gather strategy of ``paged_prefill_attention``,
+fixes the mode), and compares its output with the ``GATHER`` backend of ``paged_prefill_attention``,
 from one decode in one block to a packed step of decodes, a prompt, a chunk and a sequence with no
 query token, with grouped-query attention and vLLM's cache layout. Sizes stay small: the
 interpreter runs each program in numpy. (The task keeps its first id, ``12.paged_decode_kernel``,
@@ -291,7 +291,7 @@ def _case(seq_lens, query_lens, block_size, num_kv_heads, group, seed, layout, f
     ``layout`` ``"vllm"`` copies the cache into vLLM 0.33.0's default layout of one layer,
     ``(num_blocks, block_size, num_kv_heads, 2 * head_size)`` in memory (K and V side by side), and
     passes the K and V halves of its heads-first view, read through their strides. The expected
-    output is the gather strategy's on the clean cache; then the slots of each last block past its
+    output is the GATHER backend's on the clean cache; then the slots of each last block past its
     sequence's last token get NaN from the second on (from the first with ``first_unwritten_nan``).
     """
     head_dim = 8
@@ -312,7 +312,7 @@ def _case(seq_lens, query_lens, block_size, num_kv_heads, group, seed, layout, f
     lens = torch.tensor(seq_lens, device=query.device)
     new = torch.tensor(query_lens, device=query.device)
     inputs = (query, k_cache, v_cache, tables, lens, new)
-    expected = paged_prefill_attention(*inputs, strategy="gather")
+    expected = paged_prefill_attention(*inputs, backend="GATHER")
     for row, length in enumerate(seq_lens):
         first = length % block_size + (0 if first_unwritten_nan else 1)  # the tail's slots from there
         if length % block_size and first < block_size:
@@ -508,7 +508,7 @@ def _paged_attention_kernel(c: Checker, paged_attention_kernel) -> None:
         c.holds(
             call,
             problem is None,
-            f"{_shape(expected)} equal to paged_prefill_attention(..., strategy='gather'), "
+            f"{_shape(expected)} equal to paged_prefill_attention(..., backend='GATHER'), "
             "within atol=rtol=1e-5",
             problem,
             lambda case=case: _diagnose(paged_attention_kernel, case),

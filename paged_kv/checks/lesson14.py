@@ -8,8 +8,8 @@ lookups and empty steps left out, whole steps dropped oldest first...), then aga
 cases: ``common_block_size`` against :func:`paged_kv.kv.block_size.common_block_size` (vLLM 0.33.0's real
 backend lists among them, :data:`~paged_kv.kv.block_size.BACKEND_BLOCK_SIZES`), ``log_line`` against
 :func:`paged_kv.serving.metrics.format_log_line` and ``CachingMetrics`` against
-:class:`paged_kv.serving.metrics.CachingMetrics` (through the grader's reference,
-:mod:`paged_kv.grading.reference.lesson14`). When an answer is wrong, the check runs the learner's code
+:class:`paged_kv.serving.metrics.CachingMetrics` (through the package's reference,
+:mod:`paged_kv.reference.lesson14`). When an answer is wrong, the check runs the learner's code
 beside the classic mistakes, written as small wrong implementations, and names the one it behaves like
 (:func:`~paged_kv.checks._core.diagnose`).
 """
@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 from paged_kv.checks._core import Checker, diagnose, task
 from paged_kv.core.prefix_cache import PrefixCacheStats
-from paged_kv.grading.reference.lesson14 import CachingMetrics as PackageCachingMetrics
-from paged_kv.grading.reference.lesson14 import common_block_size as package_common
-from paged_kv.grading.reference.lesson14 import log_line as package_line
 from paged_kv.kv.block_size import BACKEND_BLOCK_SIZES, EXACT_SIZES_ONLY, MultipleOf
+from paged_kv.reference.lesson14 import CachingMetrics as PackageCachingMetrics
+from paged_kv.reference.lesson14 import common_block_size as package_common
+from paged_kv.reference.lesson14 import log_line as package_line
 
 
 def _outcome(thunk: Callable[[], object]) -> object:

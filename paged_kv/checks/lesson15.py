@@ -9,9 +9,9 @@ leaving...), then against the package on many cases: ``cut_at_stop`` and ``senda
 :class:`paged_kv.serving.output_processor.OutputProcessor` (each on random texts, then both together on
 random token streams, some ending in half a UTF-8 character, whose every output they must reproduce),
 ``child_requests`` against the processor's child ids and the engine's child seeds, and ``abort`` against
-:class:`~paged_kv.core.single_type_manager.FullAttentionManager` freeing tables over a
-:class:`~paged_kv.core.block_allocator.BlockAllocator` (through the grader's reference,
-:mod:`paged_kv.grading.reference.lesson15`). When an answer is wrong, the check runs the learner's code
+:class:`~paged_kv.core.single_type_kv_cache_manager.FullAttentionManager` freeing tables over a
+:class:`~paged_kv.core.block_allocator.BlockAllocator` (through the package's reference,
+:mod:`paged_kv.reference.lesson15`). When an answer is wrong, the check runs the learner's code
 beside the classic mistakes, written as small wrong implementations, and names the one it behaves like
 (:func:`~paged_kv.checks._core.diagnose`).
 """
@@ -24,10 +24,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from paged_kv.checks._core import Checker, diagnose, task
-from paged_kv.grading.reference.lesson15 import abort as package_abort
-from paged_kv.grading.reference.lesson15 import child_requests as package_children
-from paged_kv.grading.reference.lesson15 import cut_at_stop as package_cut
-from paged_kv.grading.reference.lesson15 import sendable as package_sendable
+from paged_kv.reference.lesson15 import abort as package_abort
+from paged_kv.reference.lesson15 import child_requests as package_children
+from paged_kv.reference.lesson15 import cut_at_stop as package_cut
+from paged_kv.reference.lesson15 import sendable as package_sendable
 from paged_kv.serving.output_processor import OutputProcessor
 from paged_kv.serving.sampling_params import SamplingParams
 

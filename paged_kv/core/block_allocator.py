@@ -4,7 +4,7 @@
 It knows nothing about sequences or K/V data; :class:`~paged_kv.kv.cache.PagedKVCacheAllocator`
 builds on it.
 
-The free list is a :class:`FreeBlockQueue`, a doubly linked list threaded through two arrays
+The free list is a :class:`FreeKVCacheBlockQueue`, a doubly linked list threaded through two arrays
 indexed by block id (as vLLM v1's ``FreeKVCacheBlockQueue``): besides taking the head and adding at
 the tail, it can take one particular block out of the middle in O(1), which prefix caching needs
 when a request reuses a cached block that sits on the free list.
@@ -19,10 +19,10 @@ from paged_kv.errors import OutOfBlocksError
 from paged_kv.validate import check_count
 
 DETACHED = -1
-"""The ``prev``/``next`` link of a block that is not on a :class:`FreeBlockQueue`."""
+"""The ``prev``/``next`` link of a block that is not on a :class:`FreeKVCacheBlockQueue`."""
 
 
-class FreeBlockQueue:
+class FreeKVCacheBlockQueue:
     """A FIFO queue of block ids ``0 .. num_blocks - 1``, each at most once, with O(1) removal anywhere.
 
     The list is a ring through a sentinel node, index ``num_blocks``: ``next[sentinel]`` is the
@@ -44,10 +44,11 @@ class FreeBlockQueue:
         # Node i links to i - 1 and i + 1; the sentinel closes the ring at both ends.
         self._next = [*range(1, num_blocks + 1), 0]
         self._prev = [num_blocks, *range(num_blocks)]
-        self._len = num_blocks
+        self.num_free_blocks = num_blocks
+        """How many blocks are queued (vLLM's name): kept as a count, so that reading it costs no call."""
 
     def __len__(self) -> int:
-        return self._len
+        return self.num_free_blocks
 
     def __iter__(self) -> Iterator[int]:
         """The queued blocks from head to tail."""
@@ -72,7 +73,7 @@ class FreeBlockQueue:
         )
 
     def __repr__(self) -> str:
-        return f"FreeBlockQueue({list(self)})"
+        return f"FreeKVCacheBlockQueue({list(self)})"
 
     def append(self, block_id: int) -> None:
         """Put a block that is not queued at the tail.
@@ -97,10 +98,14 @@ class FreeBlockQueue:
         Raises:
             IndexError: the queue is empty.
         """
-        head = self._next[self._sentinel]
-        if head == self._sentinel:
-            raise IndexError("pop from an empty FreeBlockQueue")
-        self._unlink(head)
+        nxt, prev, sentinel = self._next, self._prev, self._sentinel
+        head = nxt[sentinel]
+        if head == sentinel:
+            raise IndexError("pop from an empty FreeKVCacheBlockQueue")
+        after = nxt[head]  # _unlink(head), inlined: every allocation comes here
+        nxt[sentinel], prev[after] = after, sentinel
+        prev[head] = nxt[head] = DETACHED
+        self.num_free_blocks -= 1
         return head
 
     def remove(self, block_id: int) -> None:
@@ -136,14 +141,14 @@ class FreeBlockQueue:
         self._prev[block_id] = before
         self._next[block_id] = after
         self._prev[after] = block_id
-        self._len += 1
+        self.num_free_blocks += 1
 
     def _unlink(self, block_id: int) -> None:
         before, after = self._prev[block_id], self._next[block_id]
         self._next[before] = after
         self._prev[after] = before
         self._prev[block_id] = self._next[block_id] = DETACHED
-        self._len -= 1
+        self.num_free_blocks -= 1
 
 
 class BlockAllocator:
@@ -166,8 +171,10 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self._num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self._blocks = [Block(block_id) for block_id in range(self._num_blocks)]
-        self._free = FreeBlockQueue(self._num_blocks)
-        self._num_shared = 0  # blocks with a ref count above 1
+        self.free_block_queue = FreeKVCacheBlockQueue(self._num_blocks)
+        """The free list (vLLM's name; read it: the allocator changes it)."""
+        self.num_shared_blocks = 0
+        """How many blocks have more than one holder (kept up to date in O(1); read it)."""
 
     def __repr__(self) -> str:
         return f"BlockAllocator(free={self.num_free_blocks}/{self._num_blocks})"
@@ -180,26 +187,21 @@ class BlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         """How many blocks are on the free list."""
-        return len(self._free)
+        return len(self.free_block_queue)
 
     @property
     def num_used_blocks(self) -> int:
         """How many blocks have a ref count above 0."""
-        return self._num_blocks - len(self._free)
-
-    @property
-    def num_shared_blocks(self) -> int:
-        """How many blocks have more than one holder (kept up to date in O(1))."""
-        return self._num_shared
+        return self._num_blocks - len(self.free_block_queue)
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
         """The free list in order: the first id is the next one ``allocate`` returns."""
-        return tuple(self._free)
+        return tuple(self.free_block_queue)
 
     def can_allocate(self, num_blocks: int = 1) -> bool:
         """Whether ``num_blocks`` blocks are free right now."""
-        return check_count("num_blocks", num_blocks) <= len(self._free)
+        return check_count("num_blocks", num_blocks) <= len(self.free_block_queue)
 
     def allocate(self) -> int:
         """Take the next free block, set its ref count to 1 and return its id.
@@ -208,7 +210,7 @@ class BlockAllocator:
             OutOfBlocksError: no block is free.
         """
         try:
-            block_id = self._free.popleft()
+            block_id = self.free_block_queue.popleft()
         except IndexError:
             raise OutOfBlocksError(needed=1, free=0) from None
         self._blocks[block_id].ref_count = 1
@@ -221,8 +223,8 @@ class BlockAllocator:
             OutOfBlocksError: fewer than ``num_blocks`` blocks are free (nothing is taken).
         """
         num_blocks = check_count("num_blocks", num_blocks)
-        if num_blocks > len(self._free):
-            raise OutOfBlocksError(needed=num_blocks, free=len(self._free))
+        if num_blocks > len(self.free_block_queue):
+            raise OutOfBlocksError(needed=num_blocks, free=len(self.free_block_queue))
         return [self.allocate() for _ in range(num_blocks)]
 
     def take(self, block_id: int) -> None:
@@ -240,7 +242,7 @@ class BlockAllocator:
                 f"block_id {block.block_id} is in use (ref count {block.ref_count}), not on the free "
                 "list; use add_ref to share a used block"
             )
-        self._free.remove(block.block_id)
+        self.free_block_queue.remove(block.block_id)
         block.ref_count = 1
 
     def add_ref(self, block_id: int) -> int:
@@ -248,7 +250,7 @@ class BlockAllocator:
         block = self._used_block(block_id)
         block.ref_count += 1
         if block.ref_count == 2:
-            self._num_shared += 1
+            self.num_shared_blocks += 1
         return block.ref_count
 
     def free(self, block_id: int) -> bool:
@@ -264,7 +266,7 @@ class BlockAllocator:
         block = self._used_block(block_id)
         block.ref_count -= 1
         if block.ref_count == 1:
-            self._num_shared -= 1
+            self.num_shared_blocks -= 1
         if block.ref_count == 0:
             self._release(block.block_id)
             return True
@@ -272,7 +274,7 @@ class BlockAllocator:
 
     def _release(self, block_id: int) -> None:
         """Put a block whose ref count reached 0 on the free list: at the tail (FIFO)."""
-        self._free.append(block_id)
+        self.free_block_queue.append(block_id)
 
     def ref_count(self, block_id: int) -> int:
         """How many holders the block has; 0 when it is free."""

@@ -1,10 +1,17 @@
-"""The block manager: the block tables, ref counts, free list and prefix cache of a pool, and no tensors.
+"""The lessons' block manager: sequences' block tables, with fork and copy-on-write, over a block pool,
+and no tensors (lessons 02, 04, 08).
 
-Lessons 02, 04 and 08 build its parts; this is where they meet. vLLM keeps one such manager
-(``KVCacheManager`` over a ``BlockPool``) for all the layers of a model: a block id names the same
-slot range in every layer's K/V tensors, so the bookkeeping is done once per block, whatever the
-number of layers. The tensors live in :class:`~paged_kv.kv.storage.KVStorage`; what must happen to
-them is what the manager returns: the ``(source, copy)`` block pairs of a copy-on-write, which the
+Lessons 02, 04 and 08 build its parts; this is where they meet, behind the lessons' facade
+(:class:`~paged_kv.kv.cache.PagedKVCacheAllocator`, ``generate``'s
+:class:`~paged_kv.model.kv_cache.PagedKVCache`). It keeps one table per sequence over a
+:class:`~paged_kv.core.block_pool.BlockPool`, the very pool the engine's coordinator holds (built
+here without a null block, so that the lessons' block 0 is an ordinary block): the pool hands out,
+caches and evicts, and a prompt's cached prefix is found by the same
+:meth:`~paged_kv.core.prefix_cache.PrefixCache.match` the engine's full-attention groups use. What
+the manager adds is vLLM V0's: a prompt allocated at once (``BlockSpaceManager.allocate``), appends
+token by token, and :meth:`fork` with copy-on-write (parallel sampling, beam search), which vLLM v1's
+engine no longer has. The tensors live in :class:`~paged_kv.kv.storage.KVStorage`; what must happen
+to them is what the manager returns: the ``(source, copy)`` block pairs of a copy-on-write, which the
 caller copies in every layer before writing.
 
 Invariants, true after every call (and unchanged by a call that raises):
@@ -15,31 +22,31 @@ Invariants, true after every call (and unchanged by a call that raises):
 * no sequence writes into a block another sequence holds: the appends and :meth:`prepare_write`
   first give the writer its own copy of such a block (returned as a ``(source, copy)`` pair), so
   every holder of a shared block holds the same tokens in it;
-* with prefix caching, a cached block's K/V never change under its hash (see
-  :class:`~paged_kv.core.prefix_cache.CachingBlockAllocator`), and its hash is the chained hash of
-  exactly the tokens it holds, from its sequence's first block on, whether it filled in prefill or
-  in decode (a sequence whose appends give their ``token_ids`` keeps a
-  :class:`~paged_kv.core.prefix_cache.HashChain`).
+* with prefix caching, a cached block's K/V never change under its hash: a write below the slots
+  already written in a cached block makes the pool forget the hash first (:meth:`prepare_write`);
+  and a cached block's hash is the chained hash of exactly the tokens it holds, from its sequence's
+  first block on, whether it filled in prefill or in decode (a sequence whose appends give their
+  ``token_ids`` keeps a :class:`~paged_kv.core.prefix_cache.HashChain`).
 
-Every successful change is announced to the observers as a :class:`~paged_kv.core.events.BlockEvent`;
+Every successful change is announced to the observers as a :class:`~paged_kv.core.changes.BlockChange`;
 the recorder of the widgets' traces is one (:class:`~paged_kv.core.trace.Recorder`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from paged_kv.core import mapping
 from paged_kv.core.block import BlockTable, blocks_for_tokens
-from paged_kv.core.block_allocator import BlockAllocator
-from paged_kv.core.events import BlockEvent, Observer
+from paged_kv.core.block_pool import BlockPool
+from paged_kv.core.changes import BlockChange, Observer
 from paged_kv.core.prefix_cache import (
     CachedBlock,
-    CachingBlockAllocator,
     HashChain,
     PrefixCacheStats,
+    chain_hashes,
     check_token_ids,
+    full_blocks,
 )
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.core.usage import BlockUsage
@@ -50,16 +57,6 @@ Copies = list[tuple[int, int]]
 """``(shared block, its copy)`` pairs: the block copies the caller makes in the K/V storage."""
 
 
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """The cached prefix a new sequence can start with (vLLM: the ``KVCacheBlocks`` of
-    ``get_computed_blocks``): its block ids in table order and the tokens they hold, whole blocks."""
-
-    block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    entries: tuple[CachedBlock, ...] = field(default=(), repr=False)
-
-
 class BlockManager:
     """Block tables for many sequences over one pool of ``num_blocks`` blocks of ``block_size`` slots.
 
@@ -67,18 +64,19 @@ class BlockManager:
     with its ``token_ids`` reuses the blocks of its longest cached prefix (full blocks only, see
     :mod:`paged_kv.core.prefix_cache`), and its full blocks are cached; while every append gives its
     ``token_ids`` too, each block that fills during decode is cached the same way.
+
+    Raises:
+        ValueError: a bad ``num_blocks`` or ``block_size``, or ``enable_prefix_caching`` not a bool.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
-        self.num_blocks = check_count("num_blocks", num_blocks, minimum=1)
         self.block_size = check_count("block_size", block_size, minimum=1)
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self.allocator = BlockPool(num_blocks, enable_caching=enable_prefix_caching, null_block=False)
+        """The pool: free list, ref counts and prefix cache (read it; the manager changes it)."""
+        self.num_blocks = self.allocator.num_blocks
         self._observers: list[Observer] = []
-        if enable_prefix_caching:
-            self._allocator: BlockAllocator = CachingBlockAllocator(self.num_blocks, on_evict=self._evicted)
-        else:
-            self._allocator = BlockAllocator(self.num_blocks)
         self._tables: dict[Hashable, BlockTable] = {}
         self._cached_tokens: dict[Hashable, int] = {}
         # Per sequence whose tokens are known, its place in the chain of block hashes.
@@ -93,11 +91,6 @@ class BlockManager:
     # ----------------------------------------------------------------------------- the pool
 
     @property
-    def allocator(self) -> BlockAllocator:
-        """The pool: free list and ref counts (read it; the manager changes it)."""
-        return self._allocator
-
-    @property
     def tables(self) -> dict[Hashable, BlockTable]:
         """The live block tables by sequence id, in allocation order: the manager's own dict, not a copy.
 
@@ -109,7 +102,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """How many blocks are free."""
-        return self._allocator.num_free_blocks
+        return self.allocator.num_free_blocks
 
     @property
     def seq_ids(self) -> tuple[Hashable, ...]:
@@ -124,130 +117,43 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``."""
-        return self._allocator.ref_count(block_id)
+        return self.allocator.ref_count(block_id)
 
     @property
     def enable_prefix_caching(self) -> bool:
         """Whether prompts given with ``token_ids`` reuse cached blocks (set when the manager is built)."""
-        return isinstance(self._allocator, CachingBlockAllocator)
+        return self.allocator.enable_caching
 
     # ----------------------------------------------------------------------------- observers
 
     def subscribe(self, observer: Observer) -> None:
-        """Call ``observer(event)`` after each successful change from now on (:mod:`paged_kv.core.events`)."""
+        """Call ``observer(change)`` after each successful change from now on (:mod:`paged_kv.core.changes`)."""
         if not callable(observer):
-            raise ValueError(f"observer must be callable with a BlockEvent, got {observer!r}")
+            raise ValueError(f"observer must be callable with a BlockChange, got {observer!r}")
+        if not self._observers:  # the pool's evictions become "evict" changes
+            self.allocator.add_listener(_Evictions(self._emit))
         self._observers.append(observer)
 
-    def _emit(self, event: BlockEvent) -> None:
+    def _emit(self, change: BlockChange) -> None:
         for observer in self._observers:
-            observer(event)
-
-    def _evicted(self, block_id: int) -> None:
-        if self._observers:
-            self._emit(BlockEvent("evict", blocks=(block_id,)))
+            observer(change)
 
     # ------------------------------------------------------------------- the life of a sequence
-
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
-        """The longest cached prefix a new sequence of ``token_ids`` can reuse (vLLM:
-        ``KVCacheManager.get_computed_blocks``): whole blocks, at most ``len(token_ids) - 1``
-        tokens, since the last token is always computed. Nothing changes; without prefix caching
-        it finds nothing.
-
-        Raises:
-            ValueError: ``token_ids`` is not a list of non-negative integers.
-        """
-        token_ids = check_token_ids(token_ids, None)
-        if not isinstance(self._allocator, CachingBlockAllocator):
-            return ComputedBlocks()
-        hits = self._allocator.find_longest_cache_hit(token_ids, self.block_size)
-        block_ids = tuple(entry.block_id for entry in hits)
-        return ComputedBlocks(block_ids, len(hits) * self.block_size, tuple(hits))
-
-    def allocate_slots(
-        self,
-        seq_id: Hashable,
-        num_new_tokens: int,
-        token_ids: Sequence[int] | None = None,
-        *,
-        computed: ComputedBlocks | None = None,
-        num_tokens_to_fit: int | None = None,
-        keep_free: int = 0,
-        preempted: bool = False,
-    ) -> list[int] | None:
-        """Take the blocks for ``num_new_tokens`` more tokens of a sequence, all or none (vLLM:
-        ``KVCacheManager.allocate_slots``): the scheduler's one call, for a decode token and for a
-        prefill chunk alike.
-
-        A sequence the manager does not hold is new: it starts with the ``computed`` blocks (what
-        :meth:`get_computed_blocks` found, whose tokens it need not compute) and grows by
-        ``num_new_tokens`` after them. A held one grows from its tokens. The new tokens need a
-        block each time they cross a block boundary; they never land in a block another sequence
-        holds (a fork's copy-on-write is :meth:`append_tokens`'s, the lessons' API).
-
-        ``token_ids`` are the sequence's tokens from its first on, at least through the new ones
-        (``None``: unknown). With prefix caching, each block the new tokens fill is cached under its
-        chained hash now, when they are scheduled, as vLLM does: they are computed in this step's
-        forward, before any later step can read them. ``num_tokens_to_fit`` (vLLM's
-        ``full_sequence_must_fit``, the default of ``scheduler_reserve_full_isl``) asks that the
-        blocks of that many tokens be free as well, so that a prompt admitted for its first chunk
-        can also take the rest; ``keep_free`` blocks (the watermark) must stay free after either.
-        A new sequence's lookup is counted in :attr:`prefix_cache_stats` (with ``token_ids`` and
-        prefix caching), apart when ``preempted`` says it resumes after a preemption (vLLM counts a
-        request with ``num_preemptions > 0`` apart); ``preempted`` means nothing for a held one.
-
-        Returns:
-            The block ids the sequence's table gained, in table order (for a new sequence, all of
-            them, hits first: vLLM's ``NewRequestData.block_ids``); ``None`` when too few blocks
-            are free, and then nothing changed.
-
-        Raises:
-            ValueError: a bad count; ``computed`` given for a held sequence, or no longer cached;
-                ``token_ids`` shorter than the tokens it must cover; or the new tokens would land in
-                a shared block. Nothing changes.
-        """
-        if type(num_new_tokens) is not int or num_new_tokens < 0:  # the hot path's cheap test first
-            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        size, allocator = self.block_size, self._allocator
-        table = self._tables.get(seq_id) if computed is None else None
-        if table is not None and num_tokens_to_fit is None and not self._observers:
-            # The hot path of a decode step: nothing to look up, nobody watching.
-            start = table.num_tokens
-            end = start + num_new_tokens
-            if not allocator._num_shared and end <= len(table.block_ids) * size:  # fits its last block
-                table.num_tokens = end
-                if self._chains and num_new_tokens:
-                    self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
-                return []
-            if allocator.num_shared_blocks and self._shared_blocks(table, start, end):
-                self._refuse_shared(seq_id)
-            missing = -(-end // size) - len(table.block_ids)
-            taken: list[int] = []
-            if missing > 0:
-                if missing + keep_free > allocator.num_free_blocks:
-                    return None
-                taken = [allocator.allocate() for _ in range(missing)]
-                table.block_ids += taken
-            table.num_tokens = end
-            if self._chains and num_new_tokens:
-                self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
-            return taken
-        return self._allocate_slots(
-            seq_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, keep_free, preempted
-        )
 
     def allocate(
         self, seq_id: Hashable, num_prompt_tokens: int, token_ids: Sequence[int] | None = None
     ) -> BlockTable:
         """Give a new sequence the blocks for its whole prompt: ``ceil(num_prompt_tokens / block_size)``.
 
-        The lessons' call (vLLM V0's ``BlockSpaceManager.allocate``): :meth:`get_computed_blocks`
-        and :meth:`allocate_slots` for every prompt token at once. With prefix caching and the
-        prompt's ``token_ids``, the leading full blocks of the longest cached prefix are reused
-        (at most ``num_prompt_tokens - 1`` tokens) and :meth:`num_cached_tokens` says how many
-        tokens they cover; the prompt's fresh full blocks are cached for later prompts. Without
-        prefix caching ``token_ids`` are checked and otherwise ignored.
+        The lessons' call (vLLM V0's ``BlockSpaceManager.allocate``). With prefix caching and the
+        prompt's ``token_ids``, the leading full blocks of the longest cached prefix are reused (at
+        most ``num_prompt_tokens - 1`` tokens: the last prompt token is always computed, for the
+        logits that sample the next token) and :meth:`num_cached_tokens` says how many tokens they
+        cover; the hits are taken first (off the free list, or one more reference), then the fresh
+        blocks from the head of the free list, which evicts whatever they held, and the prompt's
+        fresh full blocks are cached for later prompts: the caller must write their K/V before
+        another prompt reuses them. Without prefix caching ``token_ids`` are checked and otherwise
+        ignored.
 
         Returns:
             A copy of the new block table.
@@ -262,12 +168,32 @@ class BlockManager:
         num_tokens = check_count("num_prompt_tokens", num_prompt_tokens)
         if token_ids is not None:
             token_ids = check_token_ids(token_ids, num_tokens)
-        computed = self.get_computed_blocks(token_ids) if token_ids is not None else ComputedBlocks()
-        blocks = self.allocate_slots(seq_id, num_tokens - computed.num_tokens, token_ids, computed=computed)
-        if blocks is None:
-            needed = self._blocks_needed(len(computed.block_ids), computed.block_ids, num_tokens)
-            raise OutOfBlocksError(needed, self.num_free_blocks, f"sequence {seq_id!r} ({num_tokens} tokens)")
-        return self._tables[seq_id].copy()
+        pool, size = self.allocator, self.block_size
+        caching = pool.enable_caching and token_ids is not None
+        hits: list[CachedBlock] = []
+        if caching:
+            blocks = full_blocks(token_ids, size)
+            hits = pool.prefix_cache.match(blocks, chain_hashes(blocks), max(0, (num_tokens - 1) // size))
+        hit_ids = [entry.block_id for entry in hits]
+        num_fresh = blocks_for_tokens(num_tokens, size) - len(hits)
+        needed = num_fresh + pool.num_revived(hit_ids)
+        if needed > pool.num_free_blocks:
+            raise OutOfBlocksError(needed, pool.num_free_blocks, f"sequence {seq_id!r} ({num_tokens} tokens)")
+        pool.touch(hit_ids)
+        cached = len(hits) * size
+        table = self._tables[seq_id] = BlockTable(hit_ids, num_tokens)
+        if cached:
+            self._cached_tokens[seq_id] = cached
+            if self._observers:
+                self._emit(BlockChange("cache_hit", seq_id, tuple(hit_ids), tokens=(1, cached)))
+        table.block_ids += pool.get_new_blocks(num_fresh)
+        if caching:
+            pool.prefix_cache.record(num_tokens, cached)
+            self._chains[seq_id] = HashChain(hits[-1] if hits else None, len(hits))
+            self._advance_chain(seq_id, table, token_ids[cached:])
+        if self._observers:
+            self._emit(BlockChange("allocate", seq_id, tuple(table.block_ids), tokens=(1, num_tokens)))
+        return table.copy()
 
     def append_tokens(
         self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None
@@ -305,7 +231,7 @@ class BlockManager:
             table = self._table(seq_id)  # raises the package's own error
         if type(n) is not int or n < 0:
             n = check_count("n", n)
-        if token_ids is None and not self._observers and not self._allocator._num_shared:
+        if token_ids is None and not self._observers and not self.allocator.num_shared_blocks:
             end = table.num_tokens + n
             if end <= len(table.block_ids) * self.block_size:  # the common case: it fits its last block
                 table.num_tokens = end
@@ -316,13 +242,13 @@ class BlockManager:
             token_ids = check_token_ids(token_ids, n, "n", "appended token")
         size, end = self.block_size, table.num_tokens + n
         shared = (
-            self._shared_blocks(table, table.num_tokens, end) if self._allocator.num_shared_blocks else ()
+            self._shared_blocks(table, table.num_tokens, end) if self.allocator.num_shared_blocks else ()
         )
         missing = max(0, -(-end // size) - len(table.block_ids))
-        if len(shared) + missing > self._allocator.num_free_blocks:
+        if len(shared) + missing > self.allocator.num_free_blocks:
             self._check_free(len(shared) + missing, f"appending {n} tokens to sequence {seq_id!r}")
         if not shared and not self._observers:  # the common case, with the same outcome as the loop
-            taken = [self._allocator.allocate() for _ in range(missing)] if missing else []
+            taken = [self.allocator.allocate() for _ in range(missing)] if missing else []
             table.block_ids += taken
             table.num_tokens = end
             if self._chains and n:
@@ -335,7 +261,7 @@ class BlockManager:
             stop = min(end, table.num_tokens - first + size)
             kind = "append"
             if logical == len(table.block_ids):
-                table.block_ids.append(self._allocator.allocate())
+                table.block_ids.append(self.allocator.allocate())
                 taken.append(table.block_ids[-1])
                 kind = "new_block"
             elif logical in shared:
@@ -346,7 +272,7 @@ class BlockManager:
             table.num_tokens = stop
             if self._observers:
                 pair = tuple(copies[-1:]) if kind == "copy_on_write" else ()
-                self._emit(BlockEvent(kind, seq_id, (table.block_ids[logical],), tokens, copies=pair))
+                self._emit(BlockChange(kind, seq_id, (table.block_ids[logical],), tokens, copies=pair))
         if self._chains and n:
             self._advance_chain(seq_id, table, token_ids)
         return taken, copies
@@ -380,10 +306,10 @@ class BlockManager:
             token_ids = check_token_ids(token_ids, len(seq_ids), "len(seq_ids)", "sequence")
         size = self.block_size  # the boundary rule of mapping.needs_new_block, inlined: the hot path
         full = [table for table in tables if table.num_tokens == len(table.block_ids) * size]
-        if not self._allocator.num_shared_blocks and not self._observers:
-            if len(full) > self._allocator.num_free_blocks:
+        if not self.allocator.num_shared_blocks and not self._observers:
+            if len(full) > self.allocator.num_free_blocks:
                 self._check_free(len(full), f"a decode step of {len(tables)} sequences")
-            allocate = self._allocator.allocate
+            allocate = self.allocator.allocate
             for table in full:
                 table.block_ids.append(allocate())
             for table in tables:
@@ -409,7 +335,7 @@ class BlockManager:
         (block_id,) = self._take(1, f"a new block for sequence {seq_id!r}")
         table.append_block(block_id)
         if self._observers:
-            self._emit(BlockEvent("new_block", seq_id, (block_id,)))
+            self._emit(BlockChange("new_block", seq_id, (block_id,)))
         return block_id
 
     def needs_new_block(self, seq_id: Hashable) -> bool:
@@ -440,13 +366,13 @@ class BlockManager:
         if check_hashable("child_id", child_id) in self._tables:
             raise ValueError(f"child_id {child_id!r} is already allocated; fork into a new id")
         for block_id in parent.block_ids:
-            self._allocator.add_ref(block_id)
+            self.allocator.add_ref(block_id)
         child = parent.copy()
         self._tables[child_id] = child
         if parent_id in self._chains:  # the same tokens: the child goes on from the parent's place
             self._chains[child_id] = self._chains[parent_id].copy()
         if self._observers:
-            self._emit(BlockEvent("fork", child_id, tuple(child.block_ids), parent=parent_id))
+            self._emit(BlockChange("fork", child_id, tuple(child.block_ids), parent=parent_id))
         return child.copy()
 
     def free(self, seq_id: Hashable) -> list[int]:
@@ -466,9 +392,9 @@ class BlockManager:
         self._cached_tokens.pop(seq_id, None)
         self._chains.pop(seq_id, None)
         order = reversed(table.block_ids) if self.enable_prefix_caching else table.block_ids
-        freed = [block_id for block_id in order if self._allocator.free(block_id)]
+        freed = [block_id for block_id in order if self.allocator.free(block_id)]
         if self._observers:
-            self._emit(BlockEvent("free", seq_id, tuple(table.block_ids), freed=tuple(freed)))
+            self._emit(BlockChange("free", seq_id, tuple(table.block_ids), freed=tuple(freed)))
         return freed
 
     def prepare_write(self, seq_id: Hashable, start: int, end: int) -> Copies:
@@ -498,13 +424,13 @@ class BlockManager:
         self._check_free(len(shared), f"copying the shared blocks sequence {seq_id!r} writes into")
         copies = self._copy_on_write(table, shared)
         if copies and self._observers:
-            self._emit(BlockEvent("copy_on_write", seq_id, _flat(copies), copies=tuple(copies)))
-        if isinstance(self._allocator, CachingBlockAllocator) and end > start:
+            self._emit(BlockChange("copy_on_write", seq_id, _flat(copies), copies=tuple(copies)))
+        if self.allocator.enable_caching and end > start:
             size = self.block_size
             for logical in range(start // size, (end - 1) // size + 1):
                 base = logical * size
                 first, last = max(start, base) - base, min(end, base + size) - base
-                if self._allocator.record_write(table.block_ids[logical], first, last):
+                if self.allocator.record_write(table.block_ids[logical], first, last):
                     self._chains.pop(seq_id, None)
         return copies
 
@@ -546,31 +472,25 @@ class BlockManager:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prompts, prompt tokens looked up and prompt tokens found; all 0 without prefix caching."""
-        if isinstance(self._allocator, CachingBlockAllocator):
-            return self._allocator.prefix_cache.stats
-        return PrefixCacheStats()
+        return self.allocator.prefix_cache.stats
 
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """Each block that holds a prompt's hash (used or free), with the token ids it holds."""
-        if isinstance(self._allocator, CachingBlockAllocator):
-            return self._allocator.prefix_cache.cached_blocks()
-        return {}
+        return self.allocator.prefix_cache.cached_blocks()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash and zero the counters; return how many blocks held one (0 if not caching).
 
         Live sequences keep their blocks; the free list keeps its order.
         """
-        if isinstance(self._allocator, CachingBlockAllocator):
-            return self._allocator.prefix_cache.reset()
-        return 0
+        return self.allocator.clear_prefix_cache()
 
     def usage(self) -> BlockUsage:
         """Blocks used, free and shared; tokens held and reserved; waste; utilization (shared ones once)."""
         return BlockUsage.of_tables(
             self._tables.values(),
             num_blocks=self.num_blocks,
-            free_blocks=self._allocator.num_free_blocks,
+            free_blocks=self.allocator.num_free_blocks,
             block_size=self.block_size,
         )
 
@@ -579,86 +499,12 @@ class BlockManager:
         return AllocatorSnapshot(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            free_block_ids=self._allocator.free_block_ids,
-            ref_counts=tuple(self._allocator.ref_count(b) for b in range(self.num_blocks)),
+            free_block_ids=self.allocator.free_block_ids,
+            ref_counts=tuple(self.allocator.ref_count(b) for b in range(self.num_blocks)),
             tables={seq_id: table.copy() for seq_id, table in self._tables.items()},
         )
 
     # ------------------------------------------------------------------------------- helpers
-
-    def _allocate_slots(
-        self,
-        seq_id: Hashable,
-        num_new_tokens: int,
-        token_ids: Sequence[int] | None,
-        computed: ComputedBlocks | None,
-        num_tokens_to_fit: int | None,
-        keep_free: int,
-        preempted: bool = False,
-    ) -> list[int] | None:
-        """:meth:`allocate_slots` for a new sequence, a full-sequence check or an observed manager."""
-        keep_free = check_count("keep_free", keep_free)
-        table = self._tables.get(check_hashable("seq_id", seq_id))
-        if table is not None and computed is not None:
-            raise ValueError(f"computed blocks are a new sequence's, but {seq_id!r} is allocated already")
-        held = list(computed.block_ids) if computed is not None else table.block_ids if table else []
-        start = computed.num_tokens if computed is not None else table.num_tokens if table else 0
-        end = start + num_new_tokens
-        if token_ids is not None and len(token_ids) < end:
-            raise ValueError(
-                f"token_ids must cover the sequence's {end} tokens, through the new ones, "
-                f"got {len(token_ids)}"
-            )
-        if computed is not None and computed.block_ids:
-            cache = self._allocator.prefix_cache  # type: ignore[attr-defined]  # hits come from one
-            if any(cache.entry(entry.block_id) is not entry for entry in computed.entries):
-                raise ValueError("computed blocks are no longer cached: look them up again")
-        if table is not None and self._allocator.num_shared_blocks and self._shared_blocks(table, start, end):
-            self._refuse_shared(seq_id)
-        hit_ids = held if table is None else []
-        free = self._allocator.num_free_blocks
-        fit = (
-            end
-            if num_tokens_to_fit is None
-            else max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
-        )
-        if self._blocks_needed(len(held), hit_ids, fit) + keep_free > free:
-            return None
-        if table is None:
-            if isinstance(self._allocator, CachingBlockAllocator):
-                self._allocator.take_hits(hit_ids)
-                if token_ids is not None:
-                    self._allocator.prefix_cache.record(len(token_ids), start, preempted)
-                    last = computed.entries[-1] if computed is not None and computed.entries else None
-                    self._chains[seq_id] = HashChain(last, len(hit_ids))
-            table = self._tables[seq_id] = BlockTable(list(hit_ids), start)
-            if start:
-                self._cached_tokens[seq_id] = start
-            if start and self._observers:
-                self._emit(BlockEvent("cache_hit", seq_id, tuple(hit_ids), tokens=(1, start)))
-            taken = self._allocator.allocate_blocks(self._blocks_needed(len(hit_ids), [], end))
-            table.block_ids += taken
-            table.num_tokens = end
-            if self._chains and end > start:
-                self._advance_chain(seq_id, table, _new_ids(token_ids, start, end))
-            if self._observers:
-                self._emit(BlockEvent("allocate", seq_id, tuple(table.block_ids), tokens=(1, end)))
-            return list(table.block_ids)
-        return self.append_tokens(seq_id, num_new_tokens, _new_ids(token_ids, start, end))[0]
-
-    def _blocks_needed(self, num_held: int, hit_ids: Sequence[int], num_tokens: int) -> int:
-        """Free blocks a table of ``num_held`` blocks (``hit_ids`` among them, still to be taken)
-        takes to hold ``num_tokens``: its fresh blocks, and the hits that sit on the free list."""
-        fresh = max(0, blocks_for_tokens(num_tokens, self.block_size) - num_held)
-        if hit_ids and isinstance(self._allocator, CachingBlockAllocator):
-            return fresh + self._allocator.num_revived(hit_ids)
-        return fresh
-
-    def _refuse_shared(self, seq_id: Hashable) -> None:
-        raise ValueError(
-            f"the new tokens of sequence {seq_id!r} would land in a block another sequence holds: "
-            f"allocate_slots never copies; a fork's copy-on-write is append_tokens'"
-        )
 
     def _table(self, seq_id: Hashable) -> BlockTable:
         try:
@@ -675,11 +521,11 @@ class BlockManager:
 
     def _take(self, count: int, what: str) -> list[int]:
         self._check_free(count, what)
-        return self._allocator.allocate_blocks(count)
+        return self.allocator.allocate_blocks(count)
 
     def _check_free(self, count: int, what: str) -> None:
-        if count > self._allocator.num_free_blocks:
-            raise OutOfBlocksError(count, self._allocator.num_free_blocks, what)
+        if count > self.allocator.num_free_blocks:
+            raise OutOfBlocksError(count, self.allocator.num_free_blocks, what)
 
     def _advance_chain(self, seq_id: Hashable, table: BlockTable, token_ids: Sequence[int] | None) -> None:
         """After an append: cache the blocks the new tokens filled, or drop the sequence's chain when
@@ -687,7 +533,7 @@ class BlockManager:
         chain = self._chains.get(seq_id)
         if chain is None:
             return
-        if token_ids is None or not self._allocator.cache_full_blocks(  # type: ignore[attr-defined]
+        if token_ids is None or not self.allocator.cache_full_blocks(
             chain, token_ids, table.block_ids, self.block_size
         ):
             del self._chains[seq_id]
@@ -713,13 +559,13 @@ class BlockManager:
         The one place a write into a shared block is caught. Positions past the table's blocks
         (blocks yet to append) are not shared.
         """
-        if end <= start or not self._allocator.num_shared_blocks:
+        if end <= start or not self.allocator.num_shared_blocks:
             return []
         first = start // self.block_size
         last = min(len(table.block_ids), blocks_for_tokens(end, self.block_size))
         if last - first == 1:  # one block, as for every decode token: one look-up
-            return [first] if self._allocator.ref_count(table.block_ids[first]) > 1 else []
-        return [i for i in range(first, last) if self._allocator.ref_count(table.block_ids[i]) > 1]
+            return [first] if self.allocator.ref_count(table.block_ids[first]) > 1 else []
+        return [i for i in range(first, last) if self.allocator.ref_count(table.block_ids[i]) > 1]
 
     def _copy_on_write(self, table: BlockTable, logical_blocks: Sequence[int]) -> Copies:
         """Put a fresh block in place of each shared block of ``logical_blocks``; return the pairs.
@@ -730,11 +576,10 @@ class BlockManager:
         copies: Copies = []
         for logical in logical_blocks:
             source = table.block_ids[logical]
-            copy = self._allocator.allocate()
+            copy = self.allocator.allocate()
             table.block_ids[logical] = copy
-            if isinstance(self._allocator, CachingBlockAllocator):
-                self._allocator.copy_written(source, copy)
-            self._allocator.free(source)  # shared, so it keeps at least one holder
+            self.allocator.copy_written(source, copy)
+            self.allocator.free(source)  # shared, so it keeps at least one holder
             copies.append((source, copy))
         return copies
 
@@ -747,3 +592,19 @@ def _flat(copies: Sequence[tuple[int, int]]) -> tuple[int, ...]:
 def _new_ids(token_ids: Sequence[int] | None, start: int, end: int) -> Sequence[int] | None:
     """The ids of positions ``start .. end - 1`` of a sequence's ``token_ids`` (``None`` when unknown)."""
     return None if token_ids is None else token_ids[start:end]
+
+
+class _Evictions:
+    """A pool listener that turns the pool's evictions into the manager's ``"evict"`` changes."""
+
+    def __init__(self, emit: Observer) -> None:
+        self._emit = emit
+
+    def block_stored(self, entry: CachedBlock) -> None:
+        """Nothing: a stored block is shown by the change that filled it."""
+
+    def block_removed(self, entry: CachedBlock) -> None:
+        self._emit(BlockChange("evict", blocks=(entry.block_id,)))
+
+    def all_blocks_cleared(self) -> None:
+        """Nothing: the lessons' pictures show no reset."""

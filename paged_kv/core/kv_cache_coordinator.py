@@ -1,33 +1,33 @@
-"""The KV-cache coordinator: every KV-cache group of a hybrid model over one block pool (lesson 13).
+"""The KV-cache coordinator: every KV-cache group of a model over one block pool (lessons 09, 13).
 
-vLLM 0.33.0's ``KVCacheManager`` talks to a coordinator (``vllm/v1/core/kv_cache_coordinator.py``;
-``HybridKVCacheCoordinator`` when the groups' specs differ) that holds one single-type manager per
-group (:mod:`paged_kv.core.single_type_manager`) over one ``BlockPool``. This is the same split,
-with the same calls the engine's scheduler makes on a :class:`~paged_kv.core.block_manager.BlockManager`
-(:meth:`get_computed_blocks`, :meth:`allocate_slots`, :meth:`free`, :meth:`get_block_ids`), so
-the :class:`~paged_kv.serving.memory.KVCacheManager` drives either.
+vLLM 0.33.0's ``KVCacheManager`` talks to a coordinator (``vllm/v1/core/kv_cache_coordinator.py``)
+that holds one single-type manager per KV-cache group (:mod:`paged_kv.core.single_type_kv_cache_manager`)
+over one :class:`~paged_kv.core.block_pool.BlockPool`: a ``UnitaryKVCacheCoordinator`` for a model
+of one group (every layer attends fully, the common case), a ``HybridKVCacheCoordinator`` for
+several (sliding-window layers beside full-attention ones, lesson 13). The course has the same
+three classes, and the engine's memory (:class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`)
+runs every model on one of them: one ``allocate_slots``, one prefix-cache lookup, one pool.
 
-**One pool.** The groups draw blocks from one :class:`~paged_kv.core.block_allocator.BlockAllocator`
-(a :class:`~paged_kv.core.prefix_cache.CachingBlockAllocator` with prefix caching) whose block 0 is
-the null block, taken here once and never given back (vLLM's ``BlockPool`` does the same): a pool of
-``num_blocks`` blocks has ``num_blocks - 1`` to give out.
+**One pool.** Every group draws from one pool whose block 0 is the null block, taken once and never
+given back (vLLM's ``BlockPool`` does the same for every model): a pool of ``num_blocks`` blocks has
+``num_blocks - 1`` to give out.
 
-**All or none.** :meth:`allocate_slots` first gives back, in every sliding-window group, the blocks
-wholly before the window of the request's next token (as vLLM does before it counts: this frees
-blocks, never takes one, and stays done even when the allocation is refused), then asks every
-group how many free blocks it would take, and takes them only when all of them, plus ``keep_free``,
-are free; else it returns ``None`` and takes nothing.
+**All or none.** :meth:`KVCacheCoordinator.allocate_slots` first gives back, in every
+sliding-window group, the blocks wholly before the window of the request's next token (as vLLM
+does before it counts: this frees blocks, never takes one, and stays done even when the allocation
+is refused), then counts the free blocks every group would take, and takes them only when all of
+them, plus ``reserved_blocks``, are free; else it returns ``None`` and takes nothing.
 
 **A hit every group agrees on.** With prefix caching, each group finds its longest hit in its own
-way (every block of the prefix for full attention, only the window's blocks for a sliding window),
-and the request's hit is the longest prefix every group hits: a fixed point, the candidate length
-shrinking until no group shortens it (vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``).
-A full-attention hit is a prefix of every longer one, so trimming it is free; a sliding-window group
-is asked again at each new length, since a shorter prefix needs other blocks.
+way (every block of the prefix for full attention, only the window's blocks for a sliding window).
+One group's hit is the request's (:class:`UnitaryKVCacheCoordinator`); with several, the request's
+hit is the longest prefix every group hits, a fixed point, the candidate length shrinking until no
+group shortens it (:class:`HybridKVCacheCoordinator`, vLLM's ``find_longest_cache_hit``).
 
 Invariants, after every call: each request has a list in every group, all of the same length
-``ceil(num_tokens / block_size)``; ``num_tokens`` is the tokens it was given slots for; a block is
-held by at most one group; used + free blocks == ``num_blocks`` (the null block counts as used).
+``ceil(num_tokens / block_size)``, where ``num_tokens`` is the tokens it was given slots for; a
+block is held by at most one group; used + free blocks == ``num_blocks`` (the null block counts as
+used).
 """
 
 from __future__ import annotations
@@ -35,159 +35,180 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.block import BlockTable, blocks_for_tokens
+from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec
 from paged_kv.core.prefix_cache import (
     CachedBlock,
-    CachingBlockAllocator,
     PrefixCacheStats,
+    TokenIds,
     chain_hashes,
     check_token_ids,
     full_blocks,
 )
-from paged_kv.core.single_type_manager import NULL_BLOCK, SingleTypeManager, manager_for
+from paged_kv.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.validate import check_count, check_hashable
 
-BlockIdLists = tuple[list[int], ...]
-"""One list of block ids per KV-cache group, in group order (vLLM: ``KVCacheBlocks.get_block_ids()``)."""
+BlockIds = tuple[tuple[int, ...], ...]
+"""Block ids in vLLM's shape: one tuple per KV-cache group, in the groups' order (vLLM:
+``KVCacheBlocks.get_block_ids()``)."""
 
 
 @dataclass(frozen=True)
-class GroupComputedBlocks:
-    """The cached prefix a new request can start with, in every group (vLLM: the ``KVCacheBlocks`` of
-    ``get_computed_blocks``): per group the block id of each of its ``num_tokens // block_size``
-    blocks, :data:`~paged_kv.core.single_type_manager.NULL_BLOCK` where the group does not need it."""
+class ComputedBlocks:
+    """The cached prefix a new request can start with, in every group (vLLM: the ``KVCacheBlocks`` and
+    ``num_computed_tokens`` of ``get_computed_blocks``): per group the block id of each of its
+    ``num_tokens // block_size`` blocks, :data:`~paged_kv.core.block_pool.NULL_BLOCK` where the group
+    does not need it (a sliding window's blocks before the window). Empty: no hit."""
 
-    block_ids: tuple[tuple[int, ...], ...] = ()
+    block_ids: BlockIds = ()
     num_tokens: int = 0
     entries: tuple[tuple[CachedBlock | None, ...], ...] = field(default=(), repr=False)
 
 
 class KVCacheCoordinator:
-    """The block tables of every KV-cache group in ``groups`` over one pool of ``num_blocks`` blocks.
+    """The block tables of every KV-cache group in ``kv_cache_groups`` over one pool of ``num_blocks``
+    blocks (see the module); :func:`get_kv_cache_coordinator` picks the subclass.
 
-    ``max_tokens_in_flight`` bounds the tokens one request computes in a step (the engine's token
-    budget; ``None``: any number), so a sliding-window group's share of a whole prompt admitted
-    for its first chunk is capped as vLLM caps it (``SlidingWindowSpec.max_blocks_per_request``).
+    ``max_in_flight_tokens`` bounds the tokens one request computes before its blocks are settled
+    (vLLM's ``VllmConfig.max_in_flight_tokens``: the token budget of the one batch in flight;
+    ``None``: no budget), so a sliding-window group's share of a whole prompt admitted for its first
+    chunk is capped as vLLM caps it (``SlidingWindowSpec.max_admission_blocks_per_request``).
 
     Raises:
         ValueError: no groups, groups of different block sizes or sharing a layer, a pool of fewer
-            than 2 blocks (the null block and one more), or a bad ``max_tokens_in_flight``.
+            than 2 blocks (the null block and one more), or a bad ``max_in_flight_tokens``.
     """
 
     def __init__(
         self,
-        groups: Sequence[KVCacheGroupSpec],
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
         num_blocks: int,
         *,
-        enable_prefix_caching: bool = False,
-        max_tokens_in_flight: int | None = None,
+        enable_caching: bool = False,
+        max_in_flight_tokens: int | None = None,
     ) -> None:
-        self.groups = tuple(groups)
-        if not self.groups or not all(isinstance(g, KVCacheGroupSpec) for g in self.groups):
-            raise ValueError(f"groups must be one KVCacheGroupSpec or more, got {groups!r}")
-        sizes = {g.spec.block_size for g in self.groups}
+        self.kv_cache_groups = tuple(kv_cache_groups)
+        if not self.kv_cache_groups or not all(isinstance(g, KVCacheGroupSpec) for g in self.kv_cache_groups):
+            raise ValueError(f"kv_cache_groups must be one KVCacheGroupSpec or more, got {kv_cache_groups!r}")
+        sizes = {g.spec.block_size for g in self.kv_cache_groups}
         if len(sizes) != 1:
             raise ValueError(f"every group must have the same block_size, got {sorted(sizes)}")
-        layers = [layer for g in self.groups for layer in g.layers]
+        layers = [layer for g in self.kv_cache_groups for layer in g.layers]
         if len(layers) != len(set(layers)):
             raise ValueError(
-                f"a layer belongs to one group only, got the groups {[g.layers for g in self.groups]}"
+                f"a layer belongs to one group only, got the groups {[g.layers for g in self.kv_cache_groups]}"
             )
-        self.num_blocks = check_count("num_blocks", num_blocks, minimum=2)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        self.max_tokens_in_flight = (
+        self.max_in_flight_tokens = (
             None
-            if max_tokens_in_flight is None
-            else check_count("max_tokens_in_flight", max_tokens_in_flight, minimum=1)
+            if max_in_flight_tokens is None
+            else check_count("max_in_flight_tokens", max_in_flight_tokens, minimum=1)
         )
         self.block_size = sizes.pop()
-        pool = CachingBlockAllocator(num_blocks) if enable_prefix_caching else BlockAllocator(num_blocks)
-        self.pool: BlockAllocator = pool
-        null = pool.allocate()  # the head of a fresh free list: block 0, held for ever
-        assert null == NULL_BLOCK
-        self.managers: tuple[SingleTypeManager, ...] = tuple(
-            manager_for(g.spec, pool, i) for i, g in enumerate(self.groups)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.num_blocks = self.block_pool.num_blocks
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(g.spec, self.block_pool, i) for i, g in enumerate(self.kv_cache_groups)
         )
-        self._num_tokens: dict[Hashable, int] = {}
+        self._sliding = tuple(m for m in self.single_type_managers if isinstance(m.spec, SlidingWindowSpec))
+        self._lists = tuple(m.req_to_blocks for m in self.single_type_managers)
+        self._nothing: BlockIds = ((),) * len(self.single_type_managers)
+        self._held: dict[Hashable, _Held] = {}  # by request, in the order they came
 
     def __repr__(self) -> str:
-        kinds = ", ".join(type(m).__name__ for m in self.managers)
-        return f"KVCacheCoordinator([{kinds}], num_blocks={self.num_blocks}, free={self.num_free_blocks})"
+        kinds = ", ".join(type(m).__name__ for m in self.single_type_managers)
+        return f"{type(self).__name__}([{kinds}], num_blocks={self.num_blocks}, free={self.num_free_blocks})"
 
     # ----------------------------------------------------------------------------- the pool
 
     @property
-    def enable_prefix_caching(self) -> bool:
-        return isinstance(self.pool, CachingBlockAllocator)
+    def enable_caching(self) -> bool:
+        return self.block_pool.enable_caching
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Blocks in use over the blocks the pool can give out, the null block left out of both
-        (vLLM: ``BlockPool.get_usage``)."""
-        return 1.0 - self.pool.num_free_blocks / (self.num_blocks - 1)
+        return self.block_pool.num_free_blocks
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompts, prompt tokens looked up and prompt tokens found; all 0 without prefix caching."""
-        if isinstance(self.pool, CachingBlockAllocator):
-            return self.pool.prefix_cache.stats
-        return PrefixCacheStats()
+        """Requests, tokens looked up and tokens found, a resumed request's apart; all 0 without caching."""
+        return self.block_pool.prefix_cache.stats
 
     def __contains__(self, request_id: object) -> bool:
         try:
-            return request_id in self._num_tokens
+            return request_id in self._held
         except TypeError:
             return False
 
+    @property
+    def request_ids(self) -> tuple[Hashable, ...]:
+        """The requests that hold blocks, in the order they came."""
+        return tuple(self._held)
+
     def num_tokens(self, request_id: Hashable) -> int:
         """The tokens the request was given slots for."""
-        return self._num_tokens[request_id]
+        return self._held[request_id].num_tokens
 
-    def get_block_ids(self, request_id: Hashable) -> BlockIdLists:
-        """The request's block ids, one new list per group (vLLM: ``KVCacheManager.get_block_ids``),
-        with :data:`~paged_kv.core.single_type_manager.NULL_BLOCK` where a block left a window.
+    def get_block_ids(self, request_id: Hashable) -> BlockIds:
+        """The request's block ids, one tuple per group (vLLM: ``KVCacheManager.get_block_ids``), with
+        :data:`~paged_kv.core.block_pool.NULL_BLOCK` where a block left a window.
 
         Raises:
             KeyError: the request holds no blocks here.
         """
-        if request_id not in self._num_tokens:
+        if request_id not in self._held:
             raise KeyError(request_id)
-        return tuple(list(m.req_to_blocks[request_id]) for m in self.managers)
+        return tuple(tuple(blocks[request_id]) for blocks in self._lists)
+
+    def snapshot(self) -> AllocatorSnapshot:
+        """A frozen copy of the bookkeeping, for the pool picture, the player and the live page: one
+        table per request and group (named by the request alone when every layer attends fully, else
+        ``"sw·a"`` or ``"full·a"``: :func:`group_names`), the free list, ref counts and the null
+        block."""
+        names = group_names(self.kv_cache_groups)
+        plain = len(names) == 1 and not self._sliding  # every layer attends fully: one table a request
+        tables: dict[Hashable, BlockTable] = {}
+        for request_id, held in self._held.items():
+            for name, blocks in zip(names, self._lists, strict=True):
+                key = request_id if plain else table_name(name, request_id)
+                tables[key] = BlockTable(list(blocks[request_id]), held.num_tokens)
+        pool = self.block_pool
+        return AllocatorSnapshot(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_block_ids=pool.free_block_ids,
+            ref_counts=tuple(pool.ref_count(b) for b in range(self.num_blocks)),
+            tables=tables,
+            null_block=pool.null_block,
+        )
 
     # --------------------------------------------------------------------- the life of a request
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> GroupComputedBlocks:
-        """The longest cached prefix of ``token_ids`` that every group hits, whole blocks, at most
-        ``len(token_ids) - 1`` tokens (the last one is always computed); see the module. Nothing
-        changes; without prefix caching it finds nothing.
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+        """The longest cached prefix of ``token_ids`` the groups hit, whole blocks, at most
+        ``len(token_ids) - 1`` tokens (the last one is always computed). Nothing changes; without
+        prefix caching it finds nothing.
 
         Raises:
             ValueError: ``token_ids`` is not a list of non-negative integers.
         """
         token_ids = check_token_ids(token_ids, None)
-        if not isinstance(self.pool, CachingBlockAllocator) or len(token_ids) < 2:
-            return GroupComputedBlocks()
+        if not self.block_pool.enable_caching or len(token_ids) < 2:
+            return ComputedBlocks()
         blocks = full_blocks(token_ids, self.block_size)
-        hashes = chain_hashes(blocks)
-        length = (len(token_ids) - 1) // self.block_size  # candidate hit, in blocks
-        found: list[list[CachedBlock | None]] = [[] for _ in self.managers]
-        while True:
-            candidate = length
-            for index, manager in enumerate(self.managers):
-                found[index], length = manager.find_longest_cache_hit(blocks, hashes, length)
-            if length == candidate:
-                break
-        for index in range(len(found)):
-            del found[index][length:]  # a full-attention hit found before the length shrank
+        found, length = self.find_longest_cache_hit(
+            blocks, chain_hashes(blocks), (len(token_ids) - 1) // self.block_size
+        )
         block_ids = tuple(tuple(NULL_BLOCK if e is None else e.block_id for e in hits) for hits in found)
-        return GroupComputedBlocks(block_ids, length * self.block_size, tuple(map(tuple, found)))
+        return ComputedBlocks(block_ids, length * self.block_size, tuple(map(tuple, found)))
+
+    def find_longest_cache_hit(
+        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+    ) -> tuple[list[list[CachedBlock | None]], int]:
+        """Each group's entries of the request's hit (``None`` where a group does not need a block)
+        and the hit's length in blocks, at most ``max_blocks``."""
+        raise NotImplementedError
 
     def allocate_slots(
         self,
@@ -195,161 +216,292 @@ class KVCacheCoordinator:
         num_new_tokens: int,
         token_ids: Sequence[int] | None = None,
         *,
-        computed: GroupComputedBlocks | None = None,
+        computed: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
-        keep_free: int = 0,
+        reserved_blocks: int = 0,
         preempted: bool = False,
-    ) -> BlockIdLists | None:
+    ) -> BlockIds | None:
         """Take the blocks, in every group, for ``num_new_tokens`` more tokens of a request, all or
-        none (vLLM: ``KVCacheManager.allocate_slots``; see the module).
+        none (vLLM: ``KVCacheManager.allocate_slots``; see the module): the one call for a decode
+        token, a prompt chunk and a new request alike.
 
         A request the coordinator does not hold is new: it starts with the ``computed`` blocks
         (:meth:`get_computed_blocks`) and grows by ``num_new_tokens`` after them. ``token_ids`` are
         the request's tokens from its first on, at least through the new ones (``None``: unknown;
-        with prefix caching, each full block they fill is cached when they are scheduled).
-        ``num_tokens_to_fit`` (vLLM's ``full_sequence_must_fit``) asks that the blocks of that many
-        tokens be free as well, a sliding-window group's capped at what it ever holds at once;
-        ``keep_free`` blocks must stay free after either. A new request's lookup is counted in
-        :attr:`prefix_cache_stats` (with ``token_ids`` and prefix caching), apart when
-        ``preempted`` says it resumes after a preemption, as vLLM counts it.
+        with prefix caching, each full block they fill is cached now, when they are scheduled: they
+        are computed in this step's forward, before any later step reads them). ``num_tokens_to_fit``
+        (vLLM's ``full_sequence_must_fit``) asks that the blocks of that many tokens be free as well,
+        a sliding-window group's capped at what it holds at once; ``reserved_blocks`` (the
+        watermark's) must stay free after either. A new request's lookup is counted in
+        :attr:`prefix_cache_stats` (with ``token_ids`` and caching), apart when ``preempted`` says it
+        resumes after a preemption, as vLLM counts it.
 
         Returns:
-            The block ids each group gained, in table order (for a new request, all of them, hits
-            and null blocks first: vLLM's ``NewRequestData.block_ids``); ``None`` when too few blocks
-            are free, and then no block was taken.
+            The block ids each group gained, in table order (for a new request, all of them, hits and
+            null blocks first: vLLM's ``NewRequestData.block_ids``); ``None`` when too few blocks are
+            free, and then no block was taken.
 
         Raises:
             ValueError: a bad count; ``computed`` given for a held request, or no longer cached;
                 ``token_ids`` shorter than the tokens it must cover. Nothing changes.
         """
+        if computed is None and num_tokens_to_fit is None:
+            try:
+                held = self._held.get(request_id)
+            except TypeError:  # not hashable: the message every call gives
+                check_hashable("request_id", request_id)
+                raise
+            if held is not None:  # a running request: the hot path, a few comparisons
+                if type(num_new_tokens) is not int or num_new_tokens < 0:
+                    num_new_tokens = check_count("num_new_tokens", num_new_tokens)
+                start = held.num_tokens
+                end = start + num_new_tokens
+                if token_ids is not None and len(token_ids) < end:
+                    _short(token_ids, end)
+                if self._sliding:
+                    for manager in self._sliding:
+                        manager.remove_skipped_blocks(request_id, start)
+                gained = self._nothing
+                if end > held.capacity:  # blocks to take, as many in every group
+                    missing = -(-(end - held.capacity) // self.block_size)
+                    pool = self.block_pool
+                    if missing * len(self._lists) + reserved_blocks > pool.free_block_queue.num_free_blocks:
+                        return None
+                    if missing == 1 and len(self._lists) == 1:  # a decode's block, one group: inlined
+                        block_id = pool.allocate()
+                        self._lists[0][request_id].append(block_id)
+                        gained = ((block_id,),)
+                    else:
+                        gained = tuple([m.allocate_new_blocks(request_id, end) for m in self.single_type_managers])
+                    held.capacity += missing * self.block_size
+                held.num_tokens = end
+                if token_ids is not None and num_new_tokens:
+                    self._cache_blocks(request_id, token_ids, start, end)
+                return gained
+        return self._allocate_slots(
+            request_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, reserved_blocks, preempted
+        )
+
+    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> list[int]:
+        """Give back, in every sliding-window group, the request's blocks wholly before the window of
+        its token at ``num_computed_tokens`` (the null block in their place); return the ids given
+        back. :meth:`allocate_slots` does it by itself."""
+        if request_id not in self._held:
+            return []
+        num_computed_tokens = min(
+            check_count("num_computed_tokens", num_computed_tokens), self._held[request_id].num_tokens
+        )
+        return [b for m in self._sliding for b in m.remove_skipped_blocks(request_id, num_computed_tokens)]
+
+    def free(self, request_id: Hashable) -> list[int]:
+        """Give back every block of the request in every group (an unknown id is a no-op); return
+        them, each group's last block first (so that a cached prefix loses its tail before its head)."""
+        if self._held.pop(check_hashable("request_id", request_id), None) is None:
+            return []
+        return [b for manager in self.single_type_managers for b in manager.free(request_id)]
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset: forget every cached hash, only when no request holds a block."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def _allocate_slots(
+        self,
+        request_id: Hashable,
+        num_new_tokens: int,
+        token_ids: Sequence[int] | None,
+        computed: ComputedBlocks | None,
+        num_tokens_to_fit: int | None,
+        reserved_blocks: int,
+        preempted: bool,
+    ) -> BlockIds | None:
+        """:meth:`allocate_slots` for a new request or a full-sequence check."""
         num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        keep_free = check_count("keep_free", keep_free)
-        held = self._num_tokens.get(check_hashable("request_id", request_id))
+        reserved_blocks = check_count("reserved_blocks", reserved_blocks)
+        place = self._held.get(check_hashable("request_id", request_id))
+        held = None if place is None else place.num_tokens
         if held is not None and computed is not None:
             raise ValueError(f"computed blocks are a new request's, but {request_id!r} holds blocks already")
-        computed = computed if held is None and computed is not None else GroupComputedBlocks()
+        computed = computed if computed is not None else ComputedBlocks()
         start = computed.num_tokens if held is None else held
         end = start + num_new_tokens
         if token_ids is not None and len(token_ids) < end:
-            raise ValueError(
-                f"token_ids must cover the request's {end} tokens, through the new ones, got {len(token_ids)}"
-            )
-        hits = computed.block_ids or ((),) * len(self.managers)
+            _short(token_ids, end)
+        hits = computed.block_ids or self._nothing
         if held is None and computed.num_tokens:
             self._check_still_cached(computed)
         if num_tokens_to_fit is not None:
             fit = max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
-            if (
-                self._blocks_to_allocate(request_id, hits, start, fit, cap=True) + keep_free
-                > self.num_free_blocks
+            if self._blocks_to_allocate(request_id, hits, start, fit, cap=True) + reserved_blocks > (
+                self.block_pool.num_free_blocks
             ):
                 return None
         if held is not None:
-            for manager in self.managers:
+            for manager in self._sliding:
                 manager.remove_skipped_blocks(request_id, held)
-        if self._blocks_to_allocate(request_id, hits, start, end) + keep_free > self.num_free_blocks:
+        if self._blocks_to_allocate(request_id, hits, start, end) + reserved_blocks > self.num_free_blocks:
             return None
+        managers = self.single_type_managers
         if held is None:  # every group's hits first: a fresh block must never evict another group's hit
-            for manager, group_hits in zip(self.managers, hits, strict=True):
-                manager.add_hits(request_id, group_hits)
+            for manager, group_hits in zip(managers, hits, strict=True):
+                manager.save_new_computed_blocks(request_id, group_hits)
         gained = []
-        for manager, group_hits in zip(self.managers, hits, strict=True):
+        for manager, group_hits in zip(managers, hits, strict=True):
             new = manager.allocate_new_blocks(request_id, end)
-            gained.append([*group_hits, *new] if held is None else new)
+            gained.append((*group_hits, *new) if held is None else new)
         if held is None:
             self._start_request(request_id, computed, token_ids, preempted)
-        self._num_tokens[request_id] = end
+            place = self._held[request_id] = _Held()
+        place.num_tokens = end
+        place.capacity = len(self._lists[0][request_id]) * self.block_size
         if token_ids is not None and end > start:
-            for manager in self.managers:
-                manager.cache_blocks(request_id, token_ids[start:end])
+            self._cache_blocks(request_id, token_ids, start, end)
         return tuple(gained)
 
-    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> list[int]:
-        """Give back, in every sliding-window group, the request's blocks wholly before the window of
-        its token at ``num_computed_tokens`` (:data:`~paged_kv.core.single_type_manager.NULL_BLOCK`
-        in their place); return the ids given back. :meth:`allocate_slots` does it by itself."""
-        if request_id not in self._num_tokens:
-            return []
-        num_computed_tokens = min(
-            check_count("num_computed_tokens", num_computed_tokens), self._num_tokens[request_id]
-        )
-        return [
-            b
-            for manager in self.managers
-            for b in manager.remove_skipped_blocks(request_id, num_computed_tokens)
-        ]
-
-    def free(self, request_id: Hashable) -> list[int]:
-        """Give back every block of the request in every group (an unknown id is a no-op); return
-        them, each group's last block first."""
-        if self._num_tokens.pop(check_hashable("request_id", request_id), None) is None:
-            return []
-        return [b for manager in self.managers for b in manager.free(request_id)]
-
-    # ------------------------------------------------------------------------------- helpers
+    def _cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], start: int, end: int) -> None:
+        """Cache, in every group, the full blocks that the request's tokens ``start .. end - 1`` fill."""
+        new = token_ids[start:end]
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request_id, new)
 
     def _blocks_to_allocate(
-        self,
-        request_id: Hashable,
-        hits: Sequence[Sequence[int]],
-        start: int,
-        num_tokens: int,
-        cap: bool = False,
+        self, request_id: Hashable, hits: BlockIds, start: int, num_tokens: int, cap: bool = False
     ) -> int:
         """Free blocks every group together takes to hold ``num_tokens`` (a sliding window's capped
         at what it ever holds at once, with ``cap``)."""
         total = 0
-        for manager, group_hits in zip(self.managers, hits, strict=True):
+        for manager, group_hits in zip(self.single_type_managers, hits, strict=True):
             tokens = num_tokens
             if cap and isinstance(manager.spec, SlidingWindowSpec):
-                in_flight = self.max_tokens_in_flight or num_tokens
-                most = manager.spec.max_blocks_per_request(in_flight, num_tokens) * self.block_size
+                in_flight = self.max_in_flight_tokens or num_tokens
+                most = manager.spec.max_admission_blocks_per_request(in_flight, num_tokens) * self.block_size
                 tokens = min(num_tokens, start + most)
-            total += manager.num_blocks_to_allocate(request_id, tokens, group_hits, start)
+            total += manager.get_num_blocks_to_allocate(request_id, tokens, group_hits, start)
         return total
 
-    def _check_still_cached(self, computed: GroupComputedBlocks) -> None:
-        cache = self.pool.prefix_cache  # type: ignore[attr-defined]  # hits come from a caching pool
+    def _check_still_cached(self, computed: ComputedBlocks) -> None:
+        cache = self.block_pool.prefix_cache
         for entries in computed.entries:
             if any(e is not None and cache.entry(e.block_id) is not e for e in entries):
                 raise ValueError("computed blocks are no longer cached: look them up again")
 
     def _start_request(
-        self,
-        request_id: Hashable,
-        computed: GroupComputedBlocks,
-        token_ids: Sequence[int] | None,
-        preempted: bool = False,
+        self, request_id: Hashable, computed: ComputedBlocks, token_ids: Sequence[int] | None, preempted: bool
     ) -> None:
         """A new request's prefix-cache bookkeeping: the lookup counted (apart for a resumed
         request's), a chain per group."""
-        if not isinstance(self.pool, CachingBlockAllocator) or token_ids is None:
+        if not self.block_pool.enable_caching or token_ids is None:
             return
-        self.pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
+        self.block_pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
         num_hit_blocks = computed.num_tokens // self.block_size
-        for index, manager in enumerate(self.managers):
+        for index, manager in enumerate(self.single_type_managers):
             entries = computed.entries[index] if computed.entries else ()
             manager.start_chain(request_id, entries[-1] if entries else None, num_hit_blocks)
 
 
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """The coordinator of a model of one KV-cache group (vLLM: ``UnitaryKVCacheCoordinator``): the
+    group's own hit is the request's."""
+
+    def find_longest_cache_hit(
+        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+    ) -> tuple[list[list[CachedBlock | None]], int]:
+        hits, length = self.single_type_managers[0].find_longest_cache_hit(blocks, hashes, max_blocks)
+        return [hits], length
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """The coordinator of a model of several KV-cache groups (vLLM: ``HybridKVCacheCoordinator``): the
+    request's hit is the longest prefix every group hits, found as a fixed point. A full-attention
+    hit is a prefix of every longer one, so trimming it is free; a sliding-window group is asked
+    again at each new length, since a shorter prefix needs other blocks."""
+
+    def find_longest_cache_hit(
+        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+    ) -> tuple[list[list[CachedBlock | None]], int]:
+        length = max_blocks
+        found: list[list[CachedBlock | None]] = [[] for _ in self.single_type_managers]
+        while True:
+            candidate = length
+            for index, manager in enumerate(self.single_type_managers):
+                found[index], length = manager.find_longest_cache_hit(blocks, hashes, length)
+            if length == candidate:
+                break
+        for hits in found:
+            del hits[length:]  # a full-attention hit found before the length shrank
+        return found, length
+
+
+class _Held:
+    """A held request's place: the tokens it was given slots for, and the slots its blocks hold in
+    each group (every group's list is as long)."""
+
+    __slots__ = ("capacity", "num_tokens")
+
+    def __init__(self) -> None:
+        self.num_tokens = self.capacity = 0
+
+
+def _short(token_ids: Sequence[int], end: int) -> None:
+    raise ValueError(f"token_ids must cover the request's {end} tokens, through the new ones, got {len(token_ids)}")
+
+
+def get_kv_cache_coordinator(
+    kv_cache_groups: Sequence[KVCacheGroupSpec],
+    num_blocks: int,
+    *,
+    enable_caching: bool = False,
+    max_in_flight_tokens: int | None = None,
+) -> KVCacheCoordinator:
+    """The coordinator for ``kv_cache_groups`` (vLLM: ``get_kv_cache_coordinator``): unitary for one
+    group, hybrid for several."""
+    kind = UnitaryKVCacheCoordinator if len(kv_cache_groups) == 1 else HybridKVCacheCoordinator
+    return kind(
+        kv_cache_groups, num_blocks, enable_caching=enable_caching, max_in_flight_tokens=max_in_flight_tokens
+    )
+
+
+def group_names(groups: Sequence[KVCacheGroupSpec]) -> tuple[str, ...]:
+    """A short name per group: ``"sw"`` for a sliding window, ``"full"`` for full attention, numbered
+    within its kind when the model has several groups of that kind.
+
+    >>> from paged_kv.core.kv_cache_groups import kv_cache_groups
+    >>> group_names(kv_cache_groups([8, None], 4)), group_names(kv_cache_groups([8, 8, None], 4))
+    (('sw', 'full'), ('sw0', 'sw1', 'full'))
+    """
+    kinds = ["sw" if isinstance(g.spec, SlidingWindowSpec) else "full" for g in groups]
+    seen: dict[str, int] = {}
+    names = []
+    for kind in kinds:
+        names.append(f"{kind}{seen.get(kind, 0)}" if kinds.count(kind) > 1 else kind)
+        seen[kind] = seen.get(kind, 0) + 1
+    return tuple(names)
+
+
+def table_name(group_name: str, request_id: Hashable) -> str:
+    """The name of a request's table in a group, ``"sw·a"``: the group, then the request."""
+    return f"{group_name}\N{MIDDLE DOT}{request_id}"
+
+
 def peak_blocks(
-    groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_tokens_in_flight: int | None = None
+    groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_in_flight_tokens: int | None = None
 ) -> int:
     """The most blocks one request of ``num_tokens`` tokens, alone, holds at once over every group:
     a full-attention group holds them all; a sliding-window group at most its window and the tokens
-    a step computes (``max_tokens_in_flight``; ``None``: a whole prompt may run in one step, so the
-    window caps nothing). The null block is not counted."""
+    in flight (``max_in_flight_tokens``; ``None``: a whole prompt may run in one step, so the window
+    caps nothing). The null block is not counted."""
     total = 0
     for group in groups:
         blocks = blocks_for_tokens(num_tokens, group.spec.block_size)
-        if isinstance(group.spec, SlidingWindowSpec) and max_tokens_in_flight is not None:
-            blocks = min(blocks, group.spec.max_blocks_per_request(max_tokens_in_flight, num_tokens))
+        if isinstance(group.spec, SlidingWindowSpec) and max_in_flight_tokens is not None:
+            blocks = min(blocks, group.spec.max_admission_blocks_per_request(max_in_flight_tokens, num_tokens))
         total += blocks
     return total
 
 
 def max_tokens_alone(
-    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_tokens_in_flight: int | None = None
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_in_flight_tokens: int | None = None
 ) -> int:
     """The longest request a pool of ``num_blocks`` blocks (the null block among them) holds alone:
     the most tokens whose :func:`peak_blocks` is at most ``num_blocks - 1`` (``2**31`` when every
@@ -357,7 +509,7 @@ def max_tokens_alone(
     low, high = 0, 1 << 31
     while low < high:
         middle = (low + high + 1) // 2
-        if peak_blocks(groups, middle, max_tokens_in_flight) <= num_blocks - 1:
+        if peak_blocks(groups, middle, max_in_flight_tokens) <= num_blocks - 1:
             low = middle
         else:
             high = middle - 1

@@ -25,7 +25,8 @@ that group's ``t``-th layer. So a block costs ``group_size`` layers' pages whate
 and a request pays full-length K/V only in the full-attention groups.
 
 Nothing here holds a tensor: these are plain descriptions that :mod:`paged_kv.core.kv_cache_coordinator`
-and the engine's storage read.
+and the engine's storage read. A model whose layers all attend fully has one group of every layer
+(:func:`full_attention_group`).
 """
 
 from __future__ import annotations
@@ -89,15 +90,15 @@ class SlidingWindowSpec:
         ``_contiguous_blocks_for_hit``)."""
         return blocks_for_tokens(self.sliding_window - 1, self.block_size)
 
-    def max_blocks_per_request(self, max_tokens_in_flight: int, max_model_len: int) -> int:
-        """The most blocks one request holds at once (vLLM: ``max_admission_blocks_per_request``):
-        the window's ``sliding_window - 1`` earlier tokens and the tokens a step computes, never more
-        than ``max_model_len``, plus one block because the window need not start at a block's edge.
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """The most blocks one request holds at once (vLLM's name): the window's ``sliding_window - 1``
+        earlier tokens and the tokens in flight (a step's, the token budget), never more than
+        ``max_model_len``, plus one block because the window need not start at a block's edge.
 
-        >>> SlidingWindowSpec(block_size=4, sliding_window=3).max_blocks_per_request(4, 1024)
+        >>> SlidingWindowSpec(block_size=4, sliding_window=3).max_admission_blocks_per_request(4, 1024)
         3
         """
-        tokens = min(self.sliding_window - 1 + max_tokens_in_flight, max_model_len)
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return blocks_for_tokens(tokens, self.block_size) + 1
 
 
@@ -111,6 +112,13 @@ class KVCacheGroupSpec:
 
     layers: tuple[int, ...]
     spec: AttentionSpec
+
+
+def full_attention_group(block_size: int, num_layers: int = 1) -> tuple[KVCacheGroupSpec, ...]:
+    """The one group of a model whose ``num_layers`` layers all attend fully (what a memory with no
+    model behind it, such as lesson 07's simulator's, holds its blocks in)."""
+    num_layers = check_count("num_layers", num_layers, minimum=1)
+    return (KVCacheGroupSpec(tuple(range(num_layers)), FullAttentionSpec(block_size)),)
 
 
 def attention_spec(sliding_window: int | None, block_size: int) -> AttentionSpec:

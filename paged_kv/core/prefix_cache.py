@@ -22,24 +22,20 @@ previous hit found. By induction the whole prefix matches, so a collision can co
 shares a block that holds the wrong data, whatever order blocks are evicted in (a block cached after
 a parent that was since evicted, and whose hash a colliding block took over, matches no more).
 
-:class:`CachingBlockAllocator` is a :class:`~paged_kv.core.block_allocator.BlockAllocator` with a
-prefix cache. A freed block keeps its hash and its K/V: it sits on the free list, *cached*, until
-``allocate`` takes it from the head of the list for other data, and only then is its hash dropped
-(evicted). The head is the block freed longest ago, so eviction is least recently used first and
-O(1). A hit on a cached block that is on the free list takes it out of the middle of the list, also
-in O(1); a hit on a block that live sequences hold adds a reference.
+:class:`PrefixCache` holds the maps and takes no block: the
+:class:`~paged_kv.core.block_pool.BlockPool` keeps it beside its free list. A freed block keeps its
+hash and its K/V there: it sits on the free list, *cached*, until the pool hands it out for other
+data, and only then is its hash dropped (evicted). The head of the free list is the block freed
+longest ago, so eviction is least recently used first and O(1). A hit on a cached block that is on
+the free list takes it out of the middle of the list, also in O(1); a hit on a block that live
+requests hold adds a reference.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-
-from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_allocator import BlockAllocator
-from paged_kv.errors import OutOfBlocksError
-from paged_kv.validate import check_count
 
 TokenIds = tuple[int, ...]
 
@@ -138,7 +134,7 @@ class PrefixCacheStats:
     ``vllm:prefix_cache_hits``). Every lookup is one or the other: the tokens looked up in all are
     ``queries + preempted_queries``. Only successful allocations with ``token_ids`` count: a refused
     allocation counts nothing. The caller that allocates says whether a lookup is a resumption
-    (the engine's memory knows: :class:`~paged_kv.serving.memory.KVCacheManager`); the lessons'
+    (the engine's memory knows: :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`); the lessons'
     calls never are.
     """
 
@@ -356,17 +352,16 @@ class PrefixCache:
         self._by_block[block_id] = entry
         return entry
 
-    def evict(self, block_id: int) -> bool:
+    def evict(self, block_id: int) -> CachedBlock | None:
         """Forget the hash a block holds, if any (its K/V are about to be overwritten).
 
         Returns:
-            Whether the block held a hash.
+            The entry the block held, or ``None``.
         """
         entry = self._by_block.pop(block_id, None)
-        if entry is None:
-            return False
-        del self._by_hash[entry.block_hash, entry.group]
-        return True
+        if entry is not None:
+            del self._by_hash[entry.block_hash, entry.group]
+        return entry
 
     def record(self, queries: int, hits: int, preempted: bool = False) -> None:
         """Count one lookup of ``queries`` tokens, ``hits`` of them found in the cache: a first one,
@@ -391,165 +386,6 @@ class PrefixCache:
         self._by_block.clear()
         self._stats = PrefixCacheStats()
         return dropped
-
-
-class CachingBlockAllocator(BlockAllocator):
-    """A :class:`BlockAllocator` whose blocks can hold a prompt prefix for later prompts to reuse.
-
-    Everything :class:`BlockAllocator` guarantees still holds, and also:
-
-    * a block is evicted (its hash forgotten) exactly when ``allocate`` hands it out for new data,
-      which takes the head of the free list: the block freed longest ago goes first;
-    * a released block that holds no cached prefix goes to the *head* of the free list, a cached
-      one to the tail: new data takes every block with nothing worth keeping before it evicts a
-      cached prefix (vLLM v1's free queue does the same);
-    * ``allocate_prompt`` is all or nothing: when it raises, no ref count, free list entry, hash or
-      counter has changed;
-    * a block that fills during decode is cached by :meth:`cache_full_blocks` under the same rule
-      as a prompt's full blocks, so its hash is that of exactly its sequence's tokens up to it;
-    * a cached block's K/V never change under its hash: :meth:`record_write` forgets the hash of a
-      cached block that is written again where it was written before (the cache's writes report
-      every block they touch), so the cache never serves new K/V for old tokens.
-    """
-
-    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
-        """A pool of ``num_blocks`` blocks; ``on_evict(block_id)`` is called when a block loses its hash."""
-        super().__init__(num_blocks)
-        self._prefix_cache = PrefixCache()
-        self._on_evict = on_evict
-        # Per block: how many leading slots have been written since ``allocate`` handed it out.
-        self._written = [0] * self.num_blocks
-
-    @property
-    def prefix_cache(self) -> PrefixCache:
-        """The hash maps and the counters (read them; the allocator changes them)."""
-        return self._prefix_cache
-
-    def allocate(self) -> int:
-        """Take the head of the free list for new data, evicting the hash it held."""
-        block_id = super().allocate()
-        self._written[block_id] = 0
-        if self._prefix_cache.evict(block_id) and self._on_evict is not None:
-            self._on_evict(block_id)
-        return block_id
-
-    def record_write(self, block_id: int, first: int, end: int) -> bool:
-        """Note a write into slots ``first .. end - 1`` of a used block; return whether it overwrote.
-
-        A write that starts below the slots already written overwrites K/V: if the block is cached,
-        its hash is forgotten first, since the new K/V may not be those of its tokens. Writes are
-        assumed to fill a block in order (prefill, then decode); a write out of order is taken for
-        an overwrite, which costs a cache entry and never correctness.
-        """
-        overwrites = first < self._written[block_id]
-        self._written[block_id] = max(self._written[block_id], end)
-        if overwrites and self._prefix_cache.evict(block_id) and self._on_evict is not None:
-            self._on_evict(block_id)
-        return overwrites
-
-    def copy_written(self, source: int, copy: int) -> None:
-        """A used block ``copy`` now holds ``source``'s K/V (copy-on-write): it has its written slots,
-        so that a later write below them counts as an overwrite, as it would in ``source``."""
-        self._written[copy] = self._written[source]
-
-    def _release(self, block_id: int) -> None:
-        """A cached block goes to the tail of the free list, to stay cached longest; any other to
-        the head, to be reused first."""
-        if self._prefix_cache.entry(block_id) is None:
-            self._free.appendleft(block_id)
-        else:
-            self._free.append(block_id)
-
-    def allocate_prompt(
-        self, token_ids: TokenIds, block_size: int, what: str
-    ) -> tuple[list[int], int, HashChain | None]:
-        """The blocks of a new prompt: cached ones for its longest cached prefix, fresh ones after.
-
-        At most ``len(token_ids) - 1`` tokens come from the cache: the caller always computes the
-        last prompt token, whose output is needed to sample the next token (as vLLM does). So a
-        prompt of exactly ``n`` full blocks can reuse ``n - 1`` of them.
-
-        The cached blocks are taken first (out of the free list, or one more reference), then the
-        fresh ones from the head of the free list, which evicts whatever they held. The fresh full
-        blocks are then cached under the prompt's hashes (:meth:`PrefixCache.extend`): the caller
-        must write their K/V before another prompt can reuse them.
-
-        Returns:
-            The prompt's block ids, in table order; how many leading tokens were cached (a
-            multiple of ``block_size``); and the prompt's :class:`HashChain`, for the blocks its
-            decode fills (``None`` when the chain ended at a collision).
-
-        Raises:
-            OutOfBlocksError: the fresh blocks plus the cached blocks that sit on the free list
-                are more than the free blocks (nothing changes, nothing is counted).
-        """
-        block_size = check_count("block_size", block_size, minimum=1)
-        blocks = full_blocks(token_ids, block_size)
-        hashes = chain_hashes(blocks)
-        hits = self._prefix_cache.match(blocks, hashes, max(0, (len(token_ids) - 1) // block_size))
-        hit_ids = [entry.block_id for entry in hits]
-        num_fresh = blocks_for_tokens(len(token_ids), block_size) - len(hits)
-        needed = num_fresh + self.num_revived(hit_ids)
-        if needed > self.num_free_blocks:
-            raise OutOfBlocksError(needed, self.num_free_blocks, what)
-        self.take_hits(hit_ids)
-        block_ids = hit_ids + self.allocate_blocks(num_fresh)
-        last = hits[-1] if hits else None
-        chain: HashChain | None = None
-        for index in range(len(hits), len(blocks)):
-            last = self._prefix_cache.extend(last, blocks[index], block_ids[index], hashes[index])
-            if last is None:
-                break
-        else:
-            chain = HashChain(last, len(blocks), list(token_ids[len(blocks) * block_size :]))
-        num_cached_tokens = len(hits) * block_size
-        self._prefix_cache.record(len(token_ids), num_cached_tokens)
-        return block_ids, num_cached_tokens, chain
-
-    def find_longest_cache_hit(self, token_ids: TokenIds, block_size: int) -> list[CachedBlock]:
-        """The cached entries of the longest cached prefix of ``token_ids``, whole blocks, at most
-        ``len(token_ids) - 1`` tokens (the last token is always computed). Nothing changes (vLLM:
-        ``find_longest_cache_hit`` of its ``FullAttentionManager``)."""
-        blocks = full_blocks(token_ids, block_size)
-        return self._prefix_cache.match(
-            blocks, chain_hashes(blocks), max(0, (len(token_ids) - 1) // block_size)
-        )
-
-    def num_revived(self, hit_ids: Sequence[int]) -> int:
-        """How many of the hit blocks sit on the free list: taking them costs free blocks too."""
-        return sum(self.is_free(block_id) for block_id in hit_ids)
-
-    def take_hits(self, hit_ids: Sequence[int]) -> None:
-        """One more holder for each hit block: off the free list when nobody held it (vLLM: ``touch``)."""
-        for block_id in hit_ids:
-            if self.is_free(block_id):
-                self.take(block_id)
-            else:
-                self.add_ref(block_id)
-
-    def cache_full_blocks(
-        self, chain: HashChain, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int
-    ) -> bool:
-        """A sequence grew by ``token_ids``: cache each of its blocks that they fill, as a prompt's.
-
-        ``block_ids`` is the sequence's block table after the growth; the block that fills is
-        hashed after ``chain.last`` with the tokens ``chain.tail`` and ``token_ids`` put in it, and
-        cached by :meth:`PrefixCache.extend`; ``chain`` moves past it. Nothing is taken or freed.
-        The caller must write the K/V of the new tokens before another prompt can reuse them.
-
-        Returns:
-            Whether the chain goes on (``False``: it ended, and the caller drops it).
-        """
-        tail = chain.tail
-        tail.extend(token_ids)
-        while len(tail) >= block_size:
-            tokens = tuple(tail[:block_size])
-            del tail[:block_size]
-            chain.last = self._prefix_cache.extend(chain.last, tokens, block_ids[chain.num_blocks])
-            chain.num_blocks += 1
-            if chain.last is None:
-                return False
-        return True
 
 
 def _descends(entry: CachedBlock, blocks: Sequence[TokenIds], index: int) -> bool:

@@ -1,7 +1,7 @@
 """A recorded trace of the block manager: one :class:`TraceFrame` per event, for the widgets' animations.
 
 A :class:`Recorder` is an observer of a :class:`~paged_kv.core.block_manager.BlockManager`: it turns
-the events the manager emits (:mod:`paged_kv.core.events`) into frames, so recording never changes
+the events the manager emits (:mod:`paged_kv.core.changes`) into frames, so recording never changes
 what the manager does and has no code path of its own. The trace is a "start" frame of the empty
 pool, then one frame after every allocation, fork, copy-on-write and release, and one after *each
 token* an append places, so an animation can step token by token. Each frame holds a snapshot, a
@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from paged_kv.core.events import BlockEvent
+from paged_kv.core.changes import BlockChange
 from paged_kv.core.snapshot import AllocatorSnapshot
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class Recorder:
         self.frames: list[TraceFrame] = [TraceFrame(manager.snapshot(), start, "start", None, ())]
         manager.subscribe(self)
 
-    def __call__(self, event: BlockEvent) -> None:
+    def __call__(self, event: BlockChange) -> None:
         if event.kind in ("cache_hit", "evict"):
             return
         snapshot = self._manager.snapshot()
@@ -137,7 +137,7 @@ class Recorder:
             caption = free_caption(seq_id, event.blocks, event.freed)
         self.frames.append(TraceFrame(snapshot, caption, event.kind, seq_id, event.blocks))
 
-    def _tokens(self, event: BlockEvent, snapshot: AllocatorSnapshot) -> None:
+    def _tokens(self, event: BlockChange, snapshot: AllocatorSnapshot) -> None:
         """One frame per token of an append into one block: the first names what the block took."""
         seq_id, (block_id,) = event.seq_id, event.blocks
         first, last = event.tokens

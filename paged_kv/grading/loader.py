@@ -2,7 +2,7 @@
 
 An implementation is one of
 
-* ``"package"``: the finished package, through :mod:`paged_kv.grading.reference`;
+* ``"package"``: the finished package, through :mod:`paged_kv.reference`;
 * a notebook (``.ipynb``), a learner's exercise or a solution;
 * a plain Python file (``.py``).
 
@@ -60,7 +60,7 @@ def load(source: str, lesson: str) -> Implementation:
     """Load ``source`` (``"package"``, a ``.ipynb`` or a ``.py`` path) for grading lesson ``lesson``."""
     if source == PACKAGE:
         try:
-            module = importlib.import_module(f"paged_kv.grading.reference.lesson{lesson}")
+            module = importlib.import_module(f"paged_kv.reference.lesson{lesson}")
         except ModuleNotFoundError:
             raise LoadError(f"the package has no reference for lesson {lesson}") from None
         return Implementation(source, dict(vars(module)))

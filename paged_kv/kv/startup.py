@@ -558,7 +558,7 @@ def kv_cache_report(
 
     def blocks_per_request(length: int) -> int:
         return sum(
-            group.spec.max_blocks_per_request(in_flight, length)
+            group.spec.max_admission_blocks_per_request(in_flight, length)
             if isinstance(group.spec, SlidingWindowSpec)
             else blocks_for_tokens(length, block_size)
             for group in groups

@@ -15,9 +15,10 @@ builds that callable for the two phases, so every model meets the cache the same
 * :func:`decode_attend`: one new token per sequence of the batch; the layer stores their K/V in the
   slots the cache's ``append`` chose (:func:`append_decode`) and attends over each whole sequence.
 * :func:`step_attend`: the engine's step, vLLM's way. The runner prepared the step's
-  :class:`~paged_kv.model.step.AttentionMetadata` once; each layer writes every new token's K/V at
-  its slot and runs one paged attention over the flattened batch, any number of query tokens per
-  request (causal inside a chunk), whatever mix of prefill chunks and decodes the step holds.
+  :class:`~paged_kv.attention.metadata.AttentionMetadata` once; each layer calls its attention
+  backend's ``forward``, which writes every new token's K/V at its slot and attends over the
+  flattened batch, any number of query tokens per request (causal inside a chunk), whatever mix of
+  prefill chunks and decodes the step holds.
 
 The first three serve :func:`~paged_kv.model.generate` and the lessons' caches (the
 :class:`~paged_kv.model.kv_cache.KVCache` interface); the engine only uses :func:`step_attend`.
@@ -32,12 +33,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paged_kv.attention.backend import AttentionImpl, LayerKVCache
 from paged_kv.attention.contiguous import causal_attention
-from paged_kv.attention.paged import paged_attention_varlen
+from paged_kv.attention.metadata import AttentionMetadata
+from paged_kv.attention.registry import check_backend_name
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import FULL_ATTENTION, LayerAttention
 from paged_kv.model.kv_cache import PagedKVCache
-from paged_kv.model.step import AttentionMetadata
 from paged_kv.validate import check_count
 
 if TYPE_CHECKING:
@@ -212,39 +214,34 @@ def decode_attend(cache: KVCache, seq_ids: Sequence[Hashable]) -> Attend:
 def step_attend(
     metadata: Sequence[AttentionMetadata],
     storage: KVStorage,
-    strategy: str = "auto",
+    attention_backend: str | None = None,
     layer_group: Sequence[int] | None = None,
     layer_attention: Sequence[LayerAttention] | None = None,
 ) -> Attend:
-    """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: layer ``l`` writes
-    the new K/V at its KV-cache group's slot mapping and attends through that group's block table
-    (``metadata[layer_group[l]]``; ``layer_group`` ``None``: every layer in group 0), with its
-    window, scale and soft cap (``layer_attention[l]``; ``None``: full attention everywhere). An fp8
-    ``storage`` quantizes as it writes and the attention reads it with the layer's scales,
-    ``storage.k_scales[l]`` and ``v_scales[l]``, looked up after the write (which measures them, the
-    first time, under ``calculate_kv_scales``). vLLM: an attention backend's ``forward``, after
-    ``reshape_and_cache``, with the metadata of the layer's group and the layer's ``_k_scale`` and
-    ``_v_scale``."""
+    """The ``attend`` of one engine step over ``(1, num_tokens, ...)`` tensors: layer ``l`` attends
+    through its KV-cache group's metadata (``metadata[layer_group[l]]``; ``layer_group`` ``None``:
+    every layer in group 0) with its window, scale and soft cap (``layer_attention[l]``; ``None``:
+    full attention everywhere), in backend ``attention_backend`` (a name of
+    :data:`~paged_kv.attention.registry.ATTENTION_BACKENDS`, or ``None`` for the platform's
+    default). The backend's ``forward`` writes
+    the new K/V at the group's slot mapping through ``storage`` (an fp8 storage quantizes, and
+    measures its scales at the first write under ``calculate_kv_scales``) and reads the layer with
+    its scales after that write. One implementation per distinct layer attention, made at the
+    step's first layer of it. vLLM: each layer's ``AttentionImpl.forward`` with the metadata of the
+    layer's group.
+
+    Raises:
+        ValueError: ``attention_backend`` is not a backend's name (the message lists them).
+    """
+    backend = check_backend_name(attention_backend, "attention_backend")
+    impls: dict[LayerAttention, AttentionImpl] = {}
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = metadata[0 if layer_group is None else layer_group[layer]]
         spec = FULL_ATTENTION if layer_attention is None else layer_attention[layer]
-        storage.write_slots(layer, group.slot_mapping, k[0], v[0])
-        out = paged_attention_varlen(
-            q[0],
-            storage.k_caches[layer],
-            storage.v_caches[layer],
-            group.block_table,
-            group.seq_lens,
-            group.query_start_loc,
-            spec.scale,
-            max_query_len=group.max_query_len,
-            query_start_loc_cpu=group.query_start_loc_cpu,
-            strategy=strategy,
-            check=False,  # prepare_attention built the metadata, checked, once for every layer
-            **storage.scales(layer),
-            **spec.window_and_cap(),
-        )
-        return out[None]
+        impl = impls.get(spec)
+        if impl is None:
+            impl = impls[spec] = spec.impl(backend, q[0], storage.num_kv_heads, storage.dtype)
+        return impl.forward(q[0], k[0], v[0], LayerKVCache.of_layer(storage, layer), group)[None]
 
     return attend

@@ -44,6 +44,12 @@ class CausalLM(Protocol):
         """The bytes its parameters and buffers take: the memory that is not the KV cache."""
         ...
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Its end-of-sequence tokens, at which a sequence ends unless ``ignore_eos`` (none: runs to
+        its length)."""
+        ...
+
     def prefill(self, prompt: torch.Tensor, seq_id: Hashable, cache: KVCache, start: int = 0) -> torch.Tensor:
         """Run prompt positions ``start ..`` (after ``cache.add_sequence``), storing their K/V.
 

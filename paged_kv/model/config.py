@@ -12,6 +12,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
+from paged_kv.attention.backend import AttentionImpl
+from paged_kv.attention.registry import attention_backend
 from paged_kv.validate import check_count
 
 
@@ -35,6 +39,16 @@ class LayerAttention:
         if self.softcap is not None:
             extra["softcap"] = self.softcap
         return extra
+
+    def impl(
+        self, backend: str | None, query: torch.Tensor, num_kv_heads: int, cache_dtype: torch.dtype
+    ) -> AttentionImpl:
+        """This layer's attention in backend ``backend`` (a registry name; ``None``: the platform's
+        default for the query's device and dtype and ``cache_dtype``), for queries shaped like
+        ``query`` (``(..., num_heads, head_dim)``) over a cache of ``num_kv_heads`` K/V heads."""
+        return attention_backend(backend, query.device, query.dtype, cache_dtype)(
+            query.shape[-2], query.shape[-1], self.scale, num_kv_heads, self.sliding_window, self.softcap
+        )
 
 
 FULL_ATTENTION = LayerAttention()

@@ -118,7 +118,7 @@ def generate(
         raise ValueError(f"cache must be 'contiguous', 'paged' or a KVCache, got {cache!r}")
     check_cache_fits(cache, config)
 
-    stop = frozenset(getattr(model, "eos_token_ids", ()))
+    stop = frozenset(model.eos_token_ids)
     seq_ids = [f"prompt-{i}" for i in range(len(prompts))]
     added: list[str] = []  # freed at the end, even after an error
     steps: list[torch.Tensor] = []

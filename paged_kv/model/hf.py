@@ -11,9 +11,8 @@ head. Only the attention itself is ours. transformers looks each layer's attenti
 name in its ``AttentionInterface`` and passes it any keyword argument the forward was given, so
 this module registers one function, ``"paged_kv"``, and each forward passes it the step's
 ``attend`` (:mod:`paged_kv.model.attend`): the function hands the layer's post-rotary queries,
-keys and values to the cache, and the cache stores the K/V and attends
-(:func:`~paged_kv.attention.paged.paged_prefill_attention` after a prefix hit,
-:func:`~paged_kv.attention.paged.paged_attention` at decode). The forward runs with
+keys and values to the cache, and the cache stores the K/V and attends (an attention backend's
+``forward``, :mod:`paged_kv.attention.registry`: the platform's default). The forward runs with
 ``use_cache=False``, so Hugging Face keeps no cache of its own. This is the seam HF's own continuous
 batching and vLLM's Transformers backend (``vllm/model_executor/models/transformers``) use; the
 other way, re-writing each architecture's layers around its weights, is what vLLM's own model files

@@ -10,9 +10,10 @@ The attention layers call the small :class:`KVCache` protocol, with two back-end
   allocated, hashed, copied and freed once, whatever the number of layers. A prompt is allocated
   with ``add_sequence`` and each layer writes its K/V; each decode step appends one token to every
   sequence of the batch in one :meth:`~paged_kv.core.block_manager.BlockManager.append_batch` (a new
-  block only at a block boundary), builds the batch's block tables and slots once, and each layer
-  scatters its new K/V into those slots in one indexing operation and attends with
-  :func:`~paged_kv.attention.paged.paged_attention`: no per-sequence loop beyond the bookkeeping.
+  block only at a block boundary), builds the batch's block tables and slots once, and each layer's
+  attention backend (:mod:`paged_kv.attention.registry`, the platform's default) scatters its new
+  K/V into those slots in one indexing operation and attends: no per-sequence loop beyond the
+  bookkeeping.
 
   With ``enable_prefix_caching=True`` the manager reuses the blocks of a prompt prefix that an
   earlier prompt computed (:mod:`paged_kv.core.prefix_cache`): ``add_sequence(seq_id, n, token_ids)``
@@ -38,16 +39,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from paged_kv.attention.backend import AttentionImpl, LayerKVCache
 from paged_kv.attention.contiguous import causal_attention
-from paged_kv.attention.paged import paged_attention, paged_prefill_attention
+from paged_kv.attention.metadata import AttentionMetadata
+from paged_kv.attention.paged import paged_prefill_attention
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.trace import Recorder, TraceFrame
 from paged_kv.kv import swap
 from paged_kv.kv.fp8 import is_fp8, kv_cache_dtype_str_to_dtype
 from paged_kv.kv.storage import KVStorage
-from paged_kv.model.config import FULL_ATTENTION, GPTConfig
-from paged_kv.model.step import AttentionMetadata, BlockTables, prepare_attention
+from paged_kv.model.config import FULL_ATTENTION, GPTConfig, LayerAttention
+from paged_kv.model.step import BlockTables, prepare_attention
 
 
 @runtime_checkable
@@ -199,6 +202,7 @@ class PagedKVCache(KVCache):
         )
         self._step: tuple[tuple[Hashable, ...], AttentionMetadata] | None = None  # the last append's
         self._prefill: tuple[tuple[Hashable, ...], AttentionMetadata] | None = None  # the last layout
+        self._impls: dict[tuple[LayerAttention, torch.dtype], AttentionImpl] = {}  # each layer attention's
 
     @property
     def num_blocks(self) -> int:
@@ -360,8 +364,8 @@ class PagedKVCache(KVCache):
     def attend_prefill_batch(
         self, layer: int, seq_ids: Sequence[Hashable], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Store one layer's K/V of the packed prefill and attend: one
-        :func:`~paged_kv.attention.paged.paged_prefill_attention` for the whole batch.
+        """Store one layer's K/V of the packed prefill and attend: one attention backend's
+        ``forward`` for the whole batch (the platform's default backend).
 
         ``q`` ``(tokens, num_heads, head_dim)`` and ``k``, ``v`` ``(tokens, num_kv_heads, head_dim)``
         hold the new tokens of every sequence, packed as :meth:`begin_prefill` laid them out; each
@@ -378,20 +382,7 @@ class PagedKVCache(KVCache):
         self.storage.check_kv_pair(k, v)
         if len(k) != metadata.num_tokens:
             raise ValueError(f"k holds {len(k)} tokens but the prefill laid out {metadata.num_tokens}")
-        self.storage.write_slots(layer, metadata.slot_mapping, k, v)
-        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
-        spec = self.layer_attention[layer]
-        return paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            metadata.block_table,
-            metadata.seq_lens,
-            metadata.query_lens,
-            spec.scale,
-            **self.storage.scales(layer),
-            **spec.window_and_cap(),
-        )
+        return self._forward(layer, q, k, v, metadata)
 
     def append(
         self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | torch.Tensor | None = None
@@ -426,20 +417,20 @@ class PagedKVCache(KVCache):
         """
         if self._step is None or tuple(seq_ids) != self._step[0]:
             raise RuntimeError("attend must follow append for the same batch: call append(seq_ids) first")
-        metadata = self._step[1]
-        self.storage.write_slots(layer, metadata.slot_mapping, k, v)
-        k_cache, v_cache = self.storage.k_caches[layer], self.storage.v_caches[layer]
+        return self._forward(layer, q, k, v, self._step[1])
+
+    def _forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The layer's attention backend (the platform's default, one per layer attention and query
+        dtype) writes ``k`` and ``v`` at the metadata's slots and attends ``q`` over the batch."""
         spec = self.layer_attention[layer]
-        return paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            metadata.block_table,
-            metadata.seq_lens,
-            spec.scale,
-            **self.storage.scales(layer),
-            **spec.window_and_cap(),
-        )
+        impl = self._impls.get((spec, q.dtype))
+        if impl is None:
+            impl = self._impls[spec, q.dtype] = spec.impl(
+                None, q, self.storage.num_kv_heads, self.storage.dtype
+            )
+        return impl.forward(q, k, v, LayerKVCache.of_layer(self.storage, layer), metadata)
 
     def free(self, seq_id: Hashable) -> None:
         """Give the sequence's blocks back. A prompt freed before its prefill wrote every position

@@ -18,7 +18,8 @@ added, extended and dropped as the scheduler says: vLLM 0.33.0's Model Runner V2
 (``BlockTables`` in ``vllm/v1/worker/gpu/block_table.py``; the V1 runner's, now the fallback, is
 ``vllm/v1/worker/block_table.py``). :func:`prepare_attention` builds the metadata from it with a
 handful of tensor operations and no loop over tokens (vLLM: ``prepare_inputs`` and the attention
-backend's metadata builder).
+backend's metadata builder); the metadata's type lives below the model, with the backends that read
+it (:class:`~paged_kv.attention.metadata.AttentionMetadata`).
 
 Invariant: row ``rows[b]`` of the table holds request ``b``'s blocks in order for its first
 ``seq_lens[b]`` positions; entries past them are padding.
@@ -28,10 +29,11 @@ from __future__ import annotations
 
 import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from paged_kv.attention.metadata import AttentionMetadata
 from paged_kv.kv.slots import slot_mapping
 from paged_kv.validate import check_count
 
@@ -201,30 +203,6 @@ class BlockTables:
                 f"request {req_id!r} would hold {num_blocks} blocks, more than max_blocks_per_req "
                 f"{self.max_blocks_per_req}"
             )
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """One step's flattened batch as every attention layer reads it (vLLM: the
-    ``CommonAttentionMetadata`` an attention backend's builder reads). Tensors on the cache's
-    device, but ``query_start_loc_cpu``, the host's copy of ``query_start_loc`` (vLLM keeps both),
-    from which a layer splits the batch into decodes and chunks without reading the device;
-    ``num_reqs`` and ``max_query_len`` are host ints. See the module for the meaning of each field."""
-
-    positions: torch.Tensor  # (num_tokens,) long
-    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
-    query_start_loc_cpu: torch.Tensor  # (num_reqs + 1,) int32, on the host
-    query_lens: torch.Tensor  # (num_reqs,) long
-    seq_lens: torch.Tensor  # (num_reqs,) long
-    block_table: torch.Tensor  # (num_reqs, width) int32
-    slot_mapping: torch.Tensor  # (num_tokens,) long
-    logits_indices: torch.Tensor  # (num_reqs,): each request's last token in the batch
-    num_reqs: int
-    max_query_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
 
 
 def host_long(values: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,9 @@ class TinyGPT(nn.Module):
                     std = 1.0 if "embedding" in name else 1 / math.sqrt(param.shape[1])
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
+    eos_token_ids: tuple[int, ...] = ()
+    """The tiny GPT names no end-of-sequence token: a sequence runs to its length."""
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the weights, which the model's K/V cache takes too."""

@@ -8,13 +8,14 @@ A :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` holds one bloc
 (:class:`~paged_kv.pictures.widgets.AllocationPlayer`) draw an
 :class:`~paged_kv.core.snapshot.AllocatorSnapshot`, one table per name, so:
 
-* :func:`coordinator_snapshot` turns the coordinator's state into one, a table per request and
-  group named ``"sw·a"`` (request ``a``'s table in a sliding-window group) or ``"full·a"`` (in a
-  full-attention group), with the snapshot's ``null_block`` set: the picture draws the null block
-  and the null entries in grey. The group comes first in the name so that the colour, which the
-  picture takes from the end of a name, is the request's in every group, and so that the name fits
-  the pool's six-character label. A model with several groups of one kind numbers them, ``"sw0·a"``,
-  ``"sw1·a"`` (:func:`group_names`).
+* the coordinator's own snapshot (:meth:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator.snapshot`)
+  is one: a table per request and group named ``"sw·a"`` (request ``a``'s table in a
+  sliding-window group) or ``"full·a"`` (in a full-attention group), with the snapshot's
+  ``null_block`` set: the picture draws the null block and the null entries in grey. The group
+  comes first in the name so that the colour, which the picture takes from the end of a name, is
+  the request's in every group, and so that the name fits the pool's six-character label. A model
+  with several groups of one kind numbers them, ``"sw0·a"``, ``"sw1·a"``
+  (:func:`~paged_kv.core.kv_cache_coordinator.group_names`).
 * :class:`HybridRecorder` drives the coordinator step by step (a prompt, decode steps, a request
   that finishes) and keeps a :class:`~paged_kv.core.trace.TraceFrame` after each, whose caption
   says which blocks each group took and which blocks left a window, the null block in their place.
@@ -28,62 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from paged_kv.core.block import BlockTable
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator
-from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec
-from paged_kv.core.single_type_manager import NULL_BLOCK
-from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.core.block_pool import NULL_BLOCK
+from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, group_names
 from paged_kv.core.trace import TraceFrame
 from paged_kv.validate import check_count, check_hashable
 
-__all__ = ["HybridRecorder", "coordinator_snapshot", "group_names", "table_name"]
-
-
-def group_names(groups: Sequence[KVCacheGroupSpec]) -> tuple[str, ...]:
-    """A short name per group: ``"sw"`` for a sliding window, ``"full"`` for full attention, numbered
-    within its kind when the model has several groups of that kind.
-
-    >>> from paged_kv.core.kv_cache_groups import kv_cache_groups
-    >>> group_names(kv_cache_groups([8, None], 4)), group_names(kv_cache_groups([8, 8, None], 4))
-    (('sw', 'full'), ('sw0', 'sw1', 'full'))
-    """
-    kinds = ["sw" if isinstance(g.spec, SlidingWindowSpec) else "full" for g in groups]
-    seen: dict[str, int] = {}
-    names = []
-    for kind in kinds:
-        names.append(f"{kind}{seen.get(kind, 0)}" if kinds.count(kind) > 1 else kind)
-        seen[kind] = seen.get(kind, 0) + 1
-    return tuple(names)
-
-
-def table_name(group_name: str, request_id: Hashable) -> str:
-    """The name of a request's table in a group, ``"sw·a"``: the group, then the request."""
-    return f"{group_name}\N{MIDDLE DOT}{request_id}"
-
-
-def coordinator_snapshot(coordinator: KVCacheCoordinator) -> AllocatorSnapshot:
-    """A frozen copy of the coordinator's bookkeeping, for the pool picture and the player.
-
-    One table per request and group, requests in the order they came and, within a request, groups
-    in order (:func:`table_name`); each table's ``num_tokens`` is the tokens the request was given
-    slots for, and its entries the group's block ids, :data:`~paged_kv.core.single_type_manager.NULL_BLOCK`
-    where a block left the window. The pool's free list and ref counts are the coordinator's; the
-    snapshot's ``null_block`` is the null block.
-    """
-    pool, names = coordinator.pool, group_names(coordinator.groups)
-    tables: dict[Hashable, BlockTable] = {}
-    for request_id in coordinator.managers[0].req_to_blocks:
-        tokens = coordinator.num_tokens(request_id)
-        for name, block_ids in zip(names, coordinator.get_block_ids(request_id), strict=True):
-            tables[table_name(name, request_id)] = BlockTable(block_ids, tokens)
-    return AllocatorSnapshot(
-        num_blocks=coordinator.num_blocks,
-        block_size=coordinator.block_size,
-        free_block_ids=pool.free_block_ids,
-        ref_counts=tuple(pool.ref_count(b) for b in range(coordinator.num_blocks)),
-        tables=tables,
-        null_block=NULL_BLOCK,
-    )
+__all__ = ["HybridRecorder"]
 
 
 class HybridRecorder:
@@ -101,19 +52,19 @@ class HybridRecorder:
     def __init__(self, coordinator: KVCacheCoordinator) -> None:
         if not isinstance(coordinator, KVCacheCoordinator):
             raise ValueError(f"coordinator must be a KVCacheCoordinator, got {type(coordinator).__name__}")
-        if len(coordinator.managers[0].req_to_blocks):
+        if coordinator.request_ids:
             raise ValueError("the coordinator must hold no request yet: the trace starts from the empty pool")
         self.coordinator = coordinator
-        self.names = group_names(coordinator.groups)
+        self.names = group_names(coordinator.kv_cache_groups)
         caption = (
             f"empty pool: {coordinator.num_blocks} blocks of {coordinator.block_size} slots, block "
             f"{NULL_BLOCK} the null block; {len(self.names)} groups ({', '.join(self.names)})"
         )
         self.frames: list[TraceFrame] = [
-            TraceFrame(coordinator_snapshot(coordinator), caption, "start", None, ())
+            TraceFrame(coordinator.snapshot(), caption, "start", None, ())
         ]
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> tuple[list[int], ...]:
+    def allocate(self, request_id: Hashable, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """A new request's prompt of ``num_tokens`` tokens: its blocks in every group, all or none."""
         check_hashable("request_id", request_id)
         check_count("num_tokens", num_tokens, minimum=1)
@@ -159,7 +110,7 @@ class HybridRecorder:
 
     # ------------------------------------------------------------------------------- helpers
 
-    def _allocate(self, request_id: Hashable, num_tokens: int, what: str) -> tuple[list[int], ...]:
+    def _allocate(self, request_id: Hashable, num_tokens: int, what: str) -> tuple[tuple[int, ...], ...]:
         free = self.coordinator.num_free_blocks
         gained = self.coordinator.allocate_slots(request_id, num_tokens)
         if gained is None:
@@ -192,5 +143,5 @@ class HybridRecorder:
     ) -> None:
         touched = tuple(b for ids in (*gained, *freed) for b in ids if b != NULL_BLOCK)
         self.frames.append(
-            TraceFrame(coordinator_snapshot(self.coordinator), caption, event, request_id, touched)
+            TraceFrame(self.coordinator.snapshot(), caption, event, request_id, touched)
         )

@@ -625,7 +625,7 @@ def plot_step_batch(
     blocks this step writes into are in the request's colour, those holding only earlier tokens
     grey; an arrow runs from every slot down to its block, and each row is labelled with the
     request's ``seq_len``, the tokens it attends over once the step's are in. The inputs may be
-    tensors (fields of :class:`~paged_kv.model.step.AttentionMetadata`) or lists.
+    tensors (fields of :class:`~paged_kv.attention.metadata.AttentionMetadata`) or lists.
 
     Raises:
         ValueError: the inputs do not describe one step: ``query_start_loc`` is not ``0`` then

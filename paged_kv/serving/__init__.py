@@ -1,16 +1,23 @@
-"""Serving: the one scheduler, the memory it takes blocks from, its runners, the engine (lessons 07, 09-11).
+"""Serving: vLLM v1's engine in one process, from its settings to its step (lessons 07, 09-11, 13-15).
 
-* :mod:`~paged_kv.serving.scheduler`: :class:`~paged_kv.serving.scheduler.Scheduler`, vLLM v1's:
-  each step's tokens per request and their blocks, preemptions, admissions, as a
-  ``SchedulerOutput``; the sampled tokens come back with ``update_from_output``;
-* :mod:`~paged_kv.serving.outputs`: the step's two values, ``SchedulerOutput`` and ``ModelRunnerOutput``;
-* :mod:`~paged_kv.serving.memory`: the KV memory it takes blocks from, paged (``KVCacheManager``)
-  or contiguous reservations;
-* :mod:`~paged_kv.serving.protocols`: what the engine drives (the memory, the runner), as
-  ``typing.Protocol`` classes;
+The request's way, module by module:
+
+* :mod:`~paged_kv.serving.engine_args` and :mod:`~paged_kv.serving.config`: the settings, checked once
+  (``EngineArgs``) into one ``VllmConfig`` of vLLM's sections;
+* :mod:`~paged_kv.serving.input_processor`: the one check of a request, into an ``EngineCoreRequest``
+  (:mod:`~paged_kv.serving.request`, beside the scheduler's ``Request``);
+* :mod:`~paged_kv.serving.llm_engine` and :mod:`~paged_kv.serving.async_llm`: the online engine and
+  its asyncio front; :mod:`~paged_kv.serving.engine`, the offline ``Engine`` on top (vLLM's ``LLM``),
+  and :mod:`~paged_kv.serving.engine_result`, what a run saw;
+* :mod:`~paged_kv.serving.engine_core`: the scheduler, memory, storage and runner, built from the
+  config and the cache's plan (:mod:`~paged_kv.serving.kv_cache_planning`);
+* :mod:`~paged_kv.serving.scheduler`: vLLM v1's scheduler, each step as a ``SchedulerOutput``
+  (:mod:`~paged_kv.serving.outputs`), over a memory (:mod:`~paged_kv.serving.protocols`): the paged
+  ``KVCacheManager`` for every model (:mod:`~paged_kv.serving.kv_cache_manager`) or the contiguous
+  baseline (:mod:`~paged_kv.serving.contiguous_memory`);
 * :mod:`~paged_kv.serving.model_runner`: the runner of a model, and one that only counts tokens;
-* :mod:`~paged_kv.serving.config`: the engine's settings, vLLM's ``CacheConfig`` and ``SchedulerConfig``;
-* :mod:`~paged_kv.serving.engine`: ``Engine``, the loop of schedule, execute and update;
+  :mod:`~paged_kv.serving.sampler` and :mod:`~paged_kv.serving.sampling_params`, how it samples;
+* :mod:`~paged_kv.serving.output_processor`: tokens back to text, stop strings, ``n`` children;
 * :mod:`~paged_kv.serving.metrics`: what a run measured, by vLLM's metric names (lesson 14);
-* :mod:`~paged_kv.serving.workloads`: multi-turn chat with the model's own answers (lesson 14).
+  :mod:`~paged_kv.serving.workloads`, multi-turn chat with the model's own answers.
 """

@@ -5,8 +5,9 @@ milliseconds of CPU or GPU: stepping on the event loop would stall every client.
 ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) runs the engine core in another process and talks
 to it through queues; :class:`AsyncLLM` keeps the same shape in one process:
 
-* :meth:`AsyncLLM.generate` checks a request on the event loop (bad input fails there, before
-  anything is queued), queues it for the engine, and yields its
+* :meth:`AsyncLLM.generate` checks a request on the event loop, through the engine's input
+  processor (bad input fails there, before anything is queued), queues it for the engine, and
+  yields its
   :class:`~paged_kv.serving.output_processor.RequestOutput` objects as they come, an async iterator
   ending with the finished one;
 * one background task, :meth:`AsyncLLM.run_engine_loop`, hands each step to a worker thread
@@ -19,7 +20,8 @@ to it through queues; :class:`AsyncLLM` keeps the same shape in one process:
   iterator ends with its last output, ``finish_reason`` ``"abort"``, as vLLM's does.
 
 :attr:`AsyncLLM.kv_view` is the pool as the last step left it (a :class:`KVCacheView`), for the
-live page; :meth:`AsyncLLM.stat_loggers` get every step's stats (the Prometheus metrics).
+live page; :meth:`AsyncLLM.stat_loggers` get every step's stats (the Prometheus metrics). A request's
+id is refused only while its client listens; everything kept per request leaves with it.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from paged_kv.core.snapshot import AllocatorSnapshot
+from paged_kv.model.causal_lm import CausalLM
+from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.metrics import IterationStats, SchedulerStats
-from paged_kv.serving.output_processor import RequestOutput
+from paged_kv.serving.output_processor import Decode, RequestOutput
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.sampling_params import SamplingParams
-from paged_kv.validate import check_hashable
 
 StatLogger = Callable[[SchedulerStats, IterationStats], None]
 """Called after every step with its two records (vLLM: ``StatLoggerBase.record``)."""
@@ -70,21 +74,28 @@ class _Refused:
     error: ValueError
 
 
+_Queue = asyncio.Queue  # a client's queue: its outputs, a refusal, or the engine's failure
+
+
 class AsyncLLM:
     """An :class:`~paged_kv.serving.llm_engine.LLMEngine` served to asyncio clients (see the module).
 
     Create it inside a running event loop (or call :meth:`start` from one); :meth:`shutdown` stops
     the loop and aborts what is left, leaving every block free.
+
+    Requests and aborts reach the engine in the order the clients made them, each tied to its
+    client's queue: an abort ends the request its own client started, never a later request that
+    took the same id, and the engine's outputs go to the queue of the client whose request is live.
     """
 
     def __init__(self, llm_engine: LLMEngine) -> None:
         self.llm_engine = llm_engine
+        self.vllm_config = llm_engine.vllm_config
         self.stat_loggers: list[StatLogger] = []
-        self._adds: list[tuple[Hashable, list[int], SamplingParams, float]] = []
-        self._aborts: list[Hashable] = []
-        self._lock = threading.Lock()  # guards the two lists above: the loop appends, the thread takes
-        self._queues: dict[Hashable, asyncio.Queue[RequestOutput | _Refused | BaseException]] = {}
-        self._taken: set[Hashable] = set()  # every request id generate() took: none is used twice
+        self._ops: list[tuple[EngineCoreRequest | Hashable, _Queue]] = []  # requests and aborts, in order
+        self._lock = threading.Lock()  # guards the list above: the loop appends, the thread takes
+        self._queues: dict[Hashable, _Queue] = {}  # the listening clients, by request id
+        self._routes: dict[Hashable, _Queue] = {}  # the engine's live requests' clients (the thread's)
         self._engine_lock = threading.Lock()  # held by whoever touches the engine: a step, shutdown
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -93,6 +104,13 @@ class AsyncLLM:
         self._queries = self._hits = 0
         self.kv_view = self._view()
         self.errored: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(
+        cls, model: CausalLM | object, engine_args: EngineArgs, *, decode: Decode | None = None
+    ) -> AsyncLLM:
+        """An asyncio engine built from ``engine_args`` (vLLM: ``AsyncLLM.from_engine_args``)."""
+        return cls(LLMEngine.from_engine_args(model, engine_args, decode=decode))
 
     # ------------------------------------------------------------------------------ the front
 
@@ -117,16 +135,11 @@ class AsyncLLM:
         """
         if self.errored is not None:
             raise EngineDeadError("the engine loop failed") from self.errored
-        params = SamplingParams() if sampling_params is None else sampling_params
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        prompt = self.check(request_id, prompt_token_ids, params)
-        queue: asyncio.Queue[RequestOutput | _Refused | BaseException] = asyncio.Queue()
+        request = self.check(request_id, prompt_token_ids, sampling_params)
+        queue: _Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._taken.add(request_id)
-        with self._lock:
-            self._adds.append((request_id, prompt, params, self.llm_engine.clock()))
-        self.start()
-        self._wake.set()
+        self._submit(request, queue)
         finished = False
         try:
             while not finished:
@@ -138,38 +151,41 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
             if not finished:  # the client went away, or the loop failed: let its blocks go
                 self.abort(request_id)
+            del self._queues[request_id]
 
     def check(
-        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> list[int]:
-        """What :meth:`generate` checks before queueing, without touching the engine's state.
+        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> EngineCoreRequest:
+        """What :meth:`generate` checks before queueing, without touching the engine's state: the
+        engine's input processor, and that no client is waiting on ``request_id``; the request as the
+        engine core will take it.
 
         Raises:
-            ValueError: as :meth:`LLMEngine.add_request <paged_kv.serving.llm_engine.LLMEngine.add_request>`.
+            ValueError: as :meth:`InputProcessor.process_inputs
+                <paged_kv.serving.input_processor.InputProcessor.process_inputs>`, or the id is in use.
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         engine = self.llm_engine
-        prompt = engine.check_prompt(prompt_token_ids)
-        check_hashable("request_id", request_id)
-        if request_id in self._taken:
+        request = engine.input_processor.process_inputs(request_id, prompt_token_ids, params, engine.clock())
+        if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is in use")
-        engine.check_request_id(request_id, params.n)
-        if params.stop and engine.output_processor.decode is None:
-            raise ValueError("stop strings need a tokenizer: give the engine a decode function")
-        max_tokens = min(params.max_tokens, engine.engine.max_model_len - len(prompt))
-        engine.engine.check_request(request_id, prompt, max_tokens)
-        return prompt
+        return request
 
     def abort(self, request_id: Hashable) -> None:
-        """Abort ``request_id``: its blocks are freed before the next step (a no-op once it finished)."""
+        """Abort ``request_id``: its blocks are freed before the next step, and its client's iterator
+        ends with the ``"abort"`` output (a no-op once it finished, or for an unknown id)."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            self._submit(request_id, queue)
+
+    def _submit(self, op: EngineCoreRequest | Hashable, queue: _Queue) -> None:
+        """Queue a request (an :class:`EngineCoreRequest`) or the abort of one (its id) for the engine
+        thread, with the queue of the client it belongs to; wake the loop."""
         with self._lock:
-            self._aborts.append(request_id)
-        if self._wake is not None:
-            self._wake.set()
+            self._ops.append((op, queue))
+        self.start()
+        self._wake.set()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -191,27 +207,26 @@ class AsyncLLM:
                 self.errored = self.errored or error
             self._in_flight = None
         with self._lock:
-            self._adds.clear()
-            self._aborts.clear()
+            self._ops.clear()
         self._deliver(await asyncio.to_thread(self._abort_all))
 
-    def _abort_all(self) -> list[tuple[Hashable, RequestOutput]]:
+    def _abort_all(self) -> list[tuple[_Queue, RequestOutput]]:
         engine = self.llm_engine
         with self._engine_lock:
             if self.errored is not None:  # the step broke off: the scheduler may be mid-step
-                engine.scheduler.free_all()
+                engine.engine_core.free_all()
                 outputs = []
             else:
                 outputs = engine.abort_request(engine.output_processor.request_ids())
             self.kv_view = self._view()
-        return [(output.request_id, output) for output in outputs]
+            items = self._routed(outputs)
+            self._routes.clear()
+        return items
 
-    def _deliver(self, items: Sequence[tuple[Hashable, RequestOutput | _Refused]]) -> None:
-        """On the event loop: hand each item to its request's queue, if its client still listens."""
-        for request_id, item in items:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(item)
+    def _deliver(self, items: Sequence[tuple[_Queue, RequestOutput | _Refused]]) -> None:
+        """On the event loop: hand each item to its client's queue (a client that left reads none)."""
+        for queue, item in items:
+            queue.put_nowait(item)
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -239,33 +254,44 @@ class AsyncLLM:
 
     def _pending(self) -> bool:
         with self._lock:
-            return bool(self._adds or self._aborts)
+            return bool(self._ops)
 
-    def _step(self) -> list[tuple[Hashable, RequestOutput | _Refused]]:
-        """In the worker thread: apply the queued requests and aborts, then step if there is work.
-        Returns what each request's queue gets (the loop hands them over: a queue is the loop's)."""
+    def _step(self) -> list[tuple[_Queue, RequestOutput | _Refused]]:
+        """In the worker thread: apply the queued requests and aborts in order, then step if there is
+        work. Returns what each client's queue gets (the loop hands them over: a queue is the loop's)."""
         with self._lock:
-            adds, self._adds = self._adds, []
-            aborts, self._aborts = self._aborts, []
+            ops, self._ops = self._ops, []
         engine = self.llm_engine
-        items: list[tuple[Hashable, RequestOutput | _Refused]] = []
+        items: list[tuple[_Queue, RequestOutput | _Refused]] = []
         with self._engine_lock:
-            for request_id, prompt, params, arrived in adds:
-                try:
-                    engine.add_request(request_id, prompt, params, arrival_time=arrived)
-                except ValueError as error:  # checked on the loop already: only a race gets here
-                    items.append((request_id, _Refused(error)))
-            aborted = engine.abort_request(aborts) if aborts else []
-            if aborted:  # their blocks go before the step; their clients get the "abort" output
-                items += [(output.request_id, output) for output in aborted]
-                self._record()  # the loggers see the blocks back and the aborts counted
+            aborted = False
+            for op, queue in ops:
+                if isinstance(op, EngineCoreRequest):
+                    try:
+                        engine.add_request(op.request_id, op)
+                        self._routes[op.request_id] = queue
+                    except ValueError as error:  # a child's id in use: only a race gets here
+                        items.append((queue, _Refused(error)))
+                elif self._routes.get(op) is queue:  # the abort of the request its own client started
+                    items += self._routed(engine.abort_request([op]))  # its blocks go before the step
+                    aborted = True
+            if aborted:  # the loggers see the blocks back and the aborts counted
+                self._record()
             if engine.has_unfinished_requests():
-                items += [(output.request_id, output) for output in engine.step()]
+                items += self._routed(engine.step())
                 stats = engine.last_stats.prefix_cache_stats
                 self._queries, self._hits = self._queries + stats.queries, self._hits + stats.hits
                 self._record()
             self.kv_view = self._view()
         return items
+
+    def _routed(self, outputs: Sequence[RequestOutput]) -> list[tuple[_Queue, RequestOutput]]:
+        """Each output with its client's queue; a finished request's route goes with it."""
+        routed = [(self._routes[output.request_id], output) for output in outputs]
+        for output in outputs:
+            if output.finished:
+                del self._routes[output.request_id]
+        return routed
 
     def _record(self) -> None:
         engine = self.llm_engine
@@ -274,14 +300,12 @@ class AsyncLLM:
 
     def _view(self) -> KVCacheView:
         engine = self.llm_engine
-        scheduler = engine.scheduler
+        scheduler = engine.engine_core.scheduler
         memory = scheduler.memory
-        manager = getattr(memory, "manager", None)
-        snapshot = manager.snapshot() if manager is not None and hasattr(manager, "snapshot") else None
         return KVCacheView(
-            snapshot,
+            memory.snapshot(),
             engine.num_steps,
-            memory.usage,  # type: ignore[attr-defined]
+            memory.usage,
             len(scheduler.running),
             len(scheduler.waiting),
             {r.request_id: r.num_tokens for r in scheduler.running},

@@ -1,52 +1,74 @@
-"""The engine's settings in one place, split as vLLM splits them (lessons 09-11).
+"""The engine's settings in one object, split as vLLM splits them (lessons 09-11, 14, 15).
 
-vLLM gathers its settings in ``VllmConfig``; the two parts that decide the KV cache are
-``CacheConfig`` (``vllm/config/cache.py``: ``block_size``, ``gpu_memory_utilization``,
-``kv_cache_memory_bytes``, ``num_gpu_blocks_override``, ``enable_prefix_caching``, ``cache_dtype``) and
+vLLM builds every engine from one ``VllmConfig`` (``vllm/config/vllm.py``), a section per concern:
+``ModelConfig`` (``vllm/config/model.py``: ``max_model_len``), ``CacheConfig``
+(``vllm/config/cache.py``: ``block_size``, ``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
+``num_gpu_blocks_override``, ``enable_prefix_caching``, ``cache_dtype``, ``calculate_kv_scales``),
 ``SchedulerConfig`` (``vllm/config/scheduler.py``: ``max_num_seqs``, ``max_num_batched_tokens``,
-``max_model_len``, ``scheduler_reserve_full_isl``, ``watermark``). :class:`EngineConfig` holds one
-of each, as the :class:`~paged_kv.serving.engine.Engine` was built; the engine reads its settings
-there and nowhere else. The course adds the settings of its own comparisons: the contiguous
-baseline (``mode``) and preemption by swapping (``preemption``), which vLLM v1 does not have.
+``scheduler_reserve_full_isl``, ``watermark``), ``ParallelConfig`` (``tensor_parallel_size``),
+``DeviceConfig`` and ``AttentionConfig`` (``backend``). :class:`VllmConfig` here has the same
+sections with the same names, and every later section (speculative decoding, KV transfer, KV-cache
+events) is one more field beside them. Users rarely build one by hand: the offline
+:class:`~paged_kv.serving.engine.Engine`'s keywords and ``paged-kv serve``'s flags are
+:class:`~paged_kv.serving.engine_args.EngineArgs`, which checks them and makes the config. The course
+adds the settings of its own comparisons: the contiguous baseline (``CacheConfig.mode``) and
+preemption by swapping (``SchedulerConfig.preemption``), which vLLM v1 does not have.
+
+Every section is frozen: a config, once made, describes one engine for its whole life.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine knows of its model (vLLM: ``ModelConfig``): ``max_model_len``, the longest
+    prompt plus output a request may have, and the model's vocabulary and dtype."""
+
+    max_model_len: int
+    vocab_size: int
+    dtype: torch.dtype = torch.float32
+
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How big the KV cache is and how its blocks are used.
+    """How big the KV cache is and how its blocks are used (vLLM: ``CacheConfig``).
 
-    ``num_blocks`` is the block count the engine settled on, whichever way it was given
-    (``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or ``gpu_memory_utilization``).
+    The size is given one of three ways: ``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or
+    ``gpu_memory_utilization``; ``num_gpu_blocks`` is what the engine settled on once it sized the
+    cache (vLLM sets ``cache_config.num_gpu_blocks`` after its profile run), ``None`` before.
     ``cache_dtype`` is the K/V's format by vLLM's name (``"auto"``, the model's dtype, or ``"fp8"``,
-    ``"fp8_e4m3"``, ``"fp8_e5m2"``...: the engine's ``kv_cache_dtype``), and ``calculate_kv_scales``
-    whether an fp8 cache measures each layer's scales from its first write (else 1.0).
+    ``"fp8_e4m3"``, ``"fp8_e5m2"``), and ``calculate_kv_scales`` whether an fp8 cache measures each
+    layer's scales from its first write (else 1.0). ``mode`` is the course's: ``"paged"`` blocks,
+    or the ``"contiguous"`` baseline of one reservation of ``max_model_len`` per request.
     """
 
     block_size: int = 16
-    num_blocks: int = 0
+    num_gpu_blocks: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = False
     cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    mode: str = "paged"
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler may run in a step, and how it makes room.
+    """What the scheduler may run in a step, and how it makes room (vLLM: ``SchedulerConfig``).
 
     ``max_num_seqs`` and ``max_num_batched_tokens`` are ``None`` for no limit (vLLM always has
-    both); ``watermark`` is the share of the blocks an admission keeps free (vLLM's
-    ``SchedulerConfig.watermark``); ``preemption`` is ``"recompute"`` (vLLM v1's only way) or
-    ``"swap"`` (the paper's other way, and vLLM V0's).
+    both); ``watermark`` is the share of the blocks an admission keeps free;
+    ``scheduler_reserve_full_isl`` admits a request only when its whole prompt fits; ``preemption``
+    is ``"recompute"`` (vLLM v1's only way) or ``"swap"`` (the paper's other way, and vLLM V0's
+    ``preemption_mode``).
     """
 
-    max_model_len: int
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     scheduler_reserve_full_isl: bool = True
@@ -55,13 +77,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Every setting of an :class:`~paged_kv.serving.engine.Engine`: vLLM's two parts, the memory
-    ``mode`` (``"paged"`` or the ``"contiguous"`` baseline), ``ignore_eos`` (vLLM's sampling
-    parameter) and the paged attention's ``attention_strategy``."""
+class ParallelConfig:
+    """How the model is split over devices (vLLM: ``ParallelConfig``): ``tensor_parallel_size`` ranks
+    each holding ``1 / tensor_parallel_size`` of the attention heads. The course's engine runs one
+    rank; lesson 14 sizes a cache for several."""
 
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    mode: str = "paged"
-    ignore_eos: bool = False
-    attention_strategy: str = "auto"
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model, the K/V storage and the step's tensors live (vLLM: ``DeviceConfig``)."""
+
+    device: torch.device = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention backend reads the paged cache (vLLM: ``AttentionConfig.backend``, the
+    ``--attention-backend`` flag): a registry name, or ``None`` for the platform's choice."""
+
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Every setting of one engine, a section per concern (vLLM: ``VllmConfig``; see the module)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = ParallelConfig()
+    device_config: DeviceConfig = DeviceConfig()
+    attention_config: AttentionConfig = AttentionConfig()
+
+    @property
+    def max_in_flight_tokens(self) -> int | None:
+        """The most tokens scheduled and not yet settled (vLLM's property of that name): one batch of
+        ``max_num_batched_tokens``, the course's engine running one step at a time; ``None`` without a
+        budget. A sliding-window group holds its window and these at once."""
+        return self.scheduler_config.max_num_batched_tokens

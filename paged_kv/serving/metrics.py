@@ -15,8 +15,14 @@ A serving engine is watched through a few numbers, and vLLM names them (vLLM 0.3
 * on ``/metrics``, counters, gauges and histograms in Prometheus' text format (vLLM's
   ``PrometheusStatLogger``): ``vllm:kv_cache_usage_perc``, ``vllm:num_requests_running``,
   ``vllm:num_preemptions_total``, ``vllm:time_to_first_token_seconds_bucket{le="0.1"}``, ...
-  (:meth:`RunMetrics.prometheus_text`, with the same names, help texts, types and buckets, and no
-  ``prometheus_client``).
+
+Every Prometheus family is declared once, here (:data:`METRICS` and :data:`REQUEST_SUCCESS_METRIC`,
+each a :class:`MetricSpec`: vLLM 0.33.0's name, type, help text, labels and buckets), and both
+texts are ``prometheus_client``'s, made from those specs: :meth:`RunMetrics.prometheus_text`, a
+run's end (lesson 14), and the server's live ``/metrics``
+(:class:`~paged_kv.entrypoints.openai.metrics.PrometheusStatLogger`, lesson 15). ``prometheus_client``
+is in the course's extra, not a core dependency: it is imported when a metric is made or a text
+rendered, never when this module is imported.
 
 The engine (:class:`~paged_kv.serving.engine.Engine`) makes one :class:`SchedulerStats` per step
 (``EngineResult.scheduler_stats``), times each step on the wall clock, logs the line every
@@ -31,12 +37,18 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import types
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from paged_kv.core.prefix_cache import PrefixCacheStats
+
+if TYPE_CHECKING:  # prometheus_client is the course's extra: imported only where a metric is made
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
+    from prometheus_client.metrics_core import Metric
 
 # ------------------------------------------------------------------------------ vLLM's names
 
@@ -53,6 +65,15 @@ GENERATION_TOKENS = "vllm:generation_tokens"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+REQUEST_SUCCESS = "vllm:request_success"
+"""A counter of finished requests, one series per ``finished_reason`` (the server's; a run has none)."""
+
+LABEL_NAMES: tuple[str, ...] = ("model_name", "engine")
+"""The labels of every series, as vLLM's ``PrometheusStatLogger`` names them: the served model's name
+and the engine's index (``"0"``)."""
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
+"""vLLM's ``FinishReason`` names (``vllm/v1/engine/__init__.py``): each a ``finished_reason`` series
+of :data:`REQUEST_SUCCESS` from the start."""
 
 TIME_TO_FIRST_TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -70,16 +91,60 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """vLLM's buckets of ``vllm:e2e_request_latency_seconds``."""
 
+# ------------------------------------------------------------------------------ the Prometheus families
+
+METRIC_TYPES = ("counter", "gauge", "histogram")
+"""The kinds of metric the families here are: a type of :class:`MetricSpec`."""
+
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """How vLLM declares a metric: its name, its type (``"counter"``, ``"gauge"``, ``"histogram"``),
-    its help text and, for a histogram, its buckets."""
+    """How vLLM declares a metric family: its name, its type (``"counter"``, ``"gauge"``,
+    ``"histogram"``), its help text, its label names and, for a histogram, its buckets.
+
+    :meth:`create` makes the family a ``prometheus_client`` metric and :meth:`record` adds a value
+    to one of its series, so every text of the family has these names, help, labels and buckets.
+
+    Invariant: ``type`` is one of :data:`METRIC_TYPES`, and ``buckets`` are given exactly when it is
+    ``"histogram"`` (a ValueError naming the field otherwise).
+    """
 
     name: str
     type: str
     documentation: str
     buckets: tuple[float, ...] = ()
+    labelnames: tuple[str, ...] = LABEL_NAMES
+
+    def __post_init__(self) -> None:
+        if self.type not in METRIC_TYPES:
+            raise ValueError(f"type must be one of {', '.join(METRIC_TYPES)}, got {self.type!r}")
+        if bool(self.buckets) != (self.type == "histogram"):
+            raise ValueError(
+                f"buckets go with a histogram and only with one, got {self.buckets!r} for a {self.type}"
+            )
+
+    def create(self, registry: CollectorRegistry) -> MetricWrapperBase:
+        """The family as a ``prometheus_client`` metric in ``registry``, its series made by
+        ``.labels(*values)``, one value for each of :attr:`labelnames`.
+
+        Raises:
+            ModuleNotFoundError: ``prometheus_client`` (the course's extra) is not installed.
+        """
+        client = _prometheus_client()
+        kind = {"gauge": client.Gauge, "counter": client.Counter, "histogram": client.Histogram}[self.type]
+        extra = {"buckets": self.buckets} if self.type == "histogram" else {}
+        return kind(self.name, self.documentation, self.labelnames, registry=registry, **extra)
+
+    def record(self, series: MetricWrapperBase, value: float | Sequence[float]) -> None:
+        """Add ``value`` to ``series``, one series of :meth:`create`'s metric: a gauge is set to it, a
+        counter grows by it, and a histogram observes each sample of it (a sequence of them)."""
+        if self.type == "gauge":
+            series.set(value)  # type: ignore[attr-defined]
+        elif self.type == "counter":
+            series.inc(value)  # type: ignore[attr-defined]
+        else:
+            for sample in value:  # type: ignore[union-attr]
+                series.observe(sample)  # type: ignore[attr-defined]
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -112,8 +177,45 @@ METRICS: tuple[MetricSpec, ...] = (
         REQUEST_LATENCY_BUCKETS,
     ),
 )
-"""The metrics :meth:`RunMetrics.prometheus_text` exposes, in the order vLLM's
-``PrometheusStatLogger`` declares them, each with vLLM's help text, type and buckets."""
+"""The engine's families, which a run's :meth:`RunMetrics.prometheus_text` and the server's
+``/metrics`` both expose, in the order vLLM's ``PrometheusStatLogger`` declares them, each with
+vLLM's help text, type, labels (:data:`LABEL_NAMES`) and buckets."""
+
+REQUEST_SUCCESS_METRIC = MetricSpec(
+    REQUEST_SUCCESS,
+    "counter",
+    "Count of successfully processed requests.",
+    labelnames=(*LABEL_NAMES, "finished_reason"),
+)
+"""The server's count of finished requests by :data:`FINISH_REASONS` (vLLM's ``counter_request_success``);
+a run's :class:`RunMetrics` does not keep finish reasons, so its text has none."""
+
+
+def _prometheus_client() -> types.ModuleType:
+    """``prometheus_client``, imported when first needed: it is the course's extra, not a core dependency."""
+    try:
+        import prometheus_client
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "vLLM's Prometheus metrics are made with prometheus_client, which is missing: it comes with "
+            "the course's packages, pip install 'paged_kv[course]'",
+            name="prometheus_client",
+        ) from error
+    return prometheus_client
+
+
+class _WithoutCreated:
+    """A registry's families without their ``_created`` series: a finished run's text is the same at
+    every run, so it leaves out when each counter and histogram was made."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+            yield family
+
 
 ENGINE_LOGGER = "paged_kv.engine"
 """The name of the engine's logger: the periodic line at INFO, a preemption's warning at WARNING."""
@@ -508,11 +610,16 @@ class RunMetrics:
         return total / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
 
     def prometheus_text(self, model_name: str = "paged_kv", engine: int = 0) -> str:
-        """The run's metrics in Prometheus' text format (version 0.0.4), as vLLM's ``/metrics`` serves
-        them: :data:`METRICS`, each with its ``# HELP`` and ``# TYPE`` lines, labelled
-        ``model_name`` and ``engine`` as vLLM labels them, a counter's name ending in ``_total``,
-        a histogram as cumulative ``_bucket`` lines (``le``, up to ``+Inf``), ``_count`` and
-        ``_sum``; the lines ``prometheus_client`` writes, without its ``_created`` series.
+        """The run's metrics in Prometheus' text format (version 0.0.4), as a scrape of vLLM's
+        ``/metrics`` at the run's end reads them: :data:`METRICS`, each with its ``# HELP`` and
+        ``# TYPE`` lines, labelled ``model_name`` and ``engine`` as vLLM labels them, a counter's name
+        ending in ``_total``, a histogram as cumulative ``_bucket`` lines (``le``, up to ``+Inf``),
+        ``_count`` and ``_sum``. ``prometheus_client`` writes the text, from the specs the server's
+        ``/metrics`` is made from (:meth:`MetricSpec.create`, :meth:`MetricSpec.record`), without
+        its ``_created`` series.
+
+        Raises:
+            ModuleNotFoundError: ``prometheus_client`` (the course's extra) is not installed.
         """
         values: dict[str, float | Sequence[float]] = {
             NUM_REQUESTS_RUNNING: self.num_requests_running,
@@ -527,25 +634,11 @@ class RunMetrics:
             INTER_TOKEN_LATENCY_SECONDS: self.inter_token_latency_seconds,
             E2E_REQUEST_LATENCY_SECONDS: self.e2e_request_latency_seconds,
         }
-        labels = {"engine": str(engine), "model_name": model_name}
-        lines: list[str] = []
+        prometheus_client = _prometheus_client()
+        registry = prometheus_client.CollectorRegistry()
         for spec in METRICS:
-            name = spec.name + "_total" if spec.type == "counter" else spec.name
-            lines.append(f"# HELP {name} {_escape_help(spec.documentation)}")
-            lines.append(f"# TYPE {name} {spec.type}")
-            value = values[spec.name]
-            if spec.type != "histogram":
-                lines.append(f"{name}{_labels(labels)} {go_float(value)}")  # type: ignore[arg-type]
-                continue
-            samples = sorted(value)  # type: ignore[arg-type]
-            below = 0
-            for bound in (*spec.buckets, math.inf):
-                while below < len(samples) and samples[below] <= bound:
-                    below += 1
-                lines.append(f"{name}_bucket{_labels({**labels, 'le': go_float(bound)})} {go_float(below)}")
-            lines.append(f"{name}_count{_labels(labels)} {go_float(len(samples))}")
-            lines.append(f"{name}_sum{_labels(labels)} {go_float(sum(value))}")  # type: ignore[arg-type]  # in order
-        return "\n".join(lines) + "\n"
+            spec.record(spec.create(registry).labels(model_name, str(engine)), values[spec.name])
+        return prometheus_client.generate_latest(_WithoutCreated(registry)).decode()
 
     def summary(self) -> str:
         """The run in the layout of ``vllm bench serve``'s result (``vllm/benchmarks/serve.py``): requests,
@@ -587,34 +680,3 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def go_float(value: float) -> str:
-    """A sample value or bound as Prometheus' text format writes it (``prometheus_client``'s
-    ``floatToGoString``): ``3.0``, ``0.25``, ``+Inf``, ``1.234567e+06``."""
-    value = float(value)
-    if value == math.inf:
-        return "+Inf"
-    if value == -math.inf:
-        return "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    text = repr(value)
-    dot = text.find(".")
-    if value > 0 and dot > 6:  # Go switches to an exponent sooner than Python
-        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+{dot - 1:02d}"
-    return text
-
-
-def _labels(labels: dict[str, str]) -> str:
-    """``{name="value",...}``, sorted by name, values escaped."""
-    body = ",".join(
-        '{}="{}"'.format(k, v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\""))
-        for k, v in sorted(labels.items())
-    )
-    return "{" + body + "}"
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", r"\\").replace("\n", r"\n")

@@ -38,7 +38,8 @@ from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention_by_group
-from paged_kv.serving.outputs import CachedRequestData, GroupBlockIds, ModelRunnerOutput, SchedulerOutput
+from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.serving.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.sampler import new_generator, sample
 from paged_kv.serving.sampling_params import SamplingParams
 
@@ -99,14 +100,14 @@ class ModelRunner:
     """Runs ``model`` over ``storage`` for each :class:`~paged_kv.serving.scheduler.SchedulerOutput`.
 
     ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks bound the persistent block table (it
-    doubles its rows when a step needs more); ``strategy`` is the paged attention's
+    doubles its rows when a step needs more); ``attention_backend`` is the paged attention's
     (:func:`~paged_kv.attention.paged.paged_attention_varlen`). ``kv_cache_groups`` are the model's
     KV-cache groups (lesson 13; default: one group of every layer, attending fully): the block
     table has a row per group for each request, and each layer writes and reads through its
     group's. :attr:`last_metadata` is the :class:`~paged_kv.model.step.AttentionMetadata` of the
     last step that ran (its first group's: the groups share all but the block table and slots).
 
-    Invariant between steps: :attr:`tables` has a row for exactly the running requests, built from
+    Invariant between steps: :attr:`block_tables` has a row for exactly the running requests, built from
     the scheduler's block ids, and :attr:`state` the computed tokens the scheduler counts.
     """
 
@@ -117,10 +118,10 @@ class ModelRunner:
         *,
         max_num_reqs: int,
         max_blocks_per_req: int,
-        strategy: str = "auto",
+        attention_backend: str | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
-        self.model, self.storage, self.strategy = model, storage, strategy
+        self.model, self.storage, self.attention_backend = model, storage, attention_backend
         self.block_size = storage.block_size
         self.device = storage.device
         num_layers = model.config.num_layers
@@ -132,8 +133,8 @@ class ModelRunner:
         for index, group in enumerate(self.kv_cache_groups):
             for layer in group.layers:
                 self.layer_group[layer] = index
-        self.tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups))
-        self.state = RequestState(self.tables.max_num_reqs)
+        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups))
+        self.state = RequestState(self.block_tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
         self.sampling: dict[Hashable, tuple[SamplingParams, torch.Generator]] = {}
         """The random requests' parameters and generators, from their first step until they finish."""
@@ -146,7 +147,7 @@ class ModelRunner:
         Raises:
             ValueError: the runner has no row for ``req_id``.
         """
-        return int(self.state.num_computed_tokens[self.tables.row(req_id)])
+        return int(self.state.num_computed_tokens[self.block_tables.row(req_id)])
 
     @torch.no_grad()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -167,15 +168,19 @@ class ModelRunner:
         """One forward over ``query_lens[b]`` tokens of each request ``req_ids[b]``, in that order;
         the token sampled for each request whose tokens reached their end (a partial chunk samples none)."""
         state = self.state
-        rows = long_tensor(self.tables.rows_of(req_ids))
+        rows = long_tensor(self.block_tables.rows_of(req_ids))
         computed = state.num_computed_tokens[rows]
         by_group = prepare_attention_by_group(
-            self.tables, req_ids, computed, query_lens, self.block_size, check=False
+            self.block_tables, req_ids, computed, query_lens, self.block_size, check=False
         )
         metadata = self.last_metadata = by_group[0]
         input_ids = state.input_ids(rows, computed, metadata).to(self.device)
         attend = step_attend(
-            by_group, self.storage, self.strategy, self.layer_group, self.model.config.layer_attention
+            by_group,
+            self.storage,
+            self.attention_backend,
+            self.layer_group,
+            self.model.config.layer_attention,
         )
         logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
         after = computed + long_tensor(query_lens)
@@ -200,7 +205,7 @@ class ModelRunner:
         if not isinstance(output, SchedulerOutput):
             raise ValueError(f"output must be a SchedulerOutput, got {type(output).__name__}")
         leaving = output.finished_req_ids | output.preempted_req_ids
-        rows, num_blocks, scheduled = self.tables.rows, self.storage.num_blocks, output.num_scheduled_tokens
+        rows, num_blocks, scheduled = self.block_tables.rows, self.storage.num_blocks, output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             if new.req_id in rows and new.req_id not in leaving:
                 raise ValueError(f"new request {new.req_id!r} is running already")
@@ -228,7 +233,7 @@ class ModelRunner:
         if len(cached.new_block_ids) != len(cached.req_ids):
             raise ValueError("scheduled_cached_reqs must give new_block_ids for each of its req_ids")
         gained = [0] * len(cached.req_ids)
-        for index in _gaining(cached.new_block_ids, self.tables.num_groups):  # crossed a block boundary
+        for index in _gaining(cached.new_block_ids, self.block_tables.num_groups):  # crossed a block boundary
             gained[index] = self._check_blocks(cached.req_ids[index], cached.new_block_ids[index], num_blocks)
         known = {new.req_id for new in output.scheduled_new_reqs}.union(cached.req_ids)
         if not scheduled.keys() <= known:
@@ -253,7 +258,7 @@ class ModelRunner:
         state, rows = self.state, long_tensor(cached_rows)
         theirs, ours = long_tensor(cached.num_computed_tokens), state.num_computed_tokens[rows]
         ends = ours + long_tensor(list(map(scheduled.get, cached.req_ids, repeat(0))))
-        held = long_tensor(list(map(self.tables.num_blocks.__getitem__, cached_rows)))
+        held = long_tensor(list(map(self.block_tables.num_blocks.__getitem__, cached_rows)))
         held += long_tensor(gained)
         known = state.num_tokens[rows]
         failed = (theirs != ours) | (held * self.block_size < ends) | (ends > known)
@@ -273,12 +278,12 @@ class ModelRunner:
             f"run past the {int(known[b])} tokens the runner knows"
         )
 
-    def _check_blocks(self, req_id: Hashable, block_ids: GroupBlockIds, num_blocks: int) -> int:
+    def _check_blocks(self, req_id: Hashable, block_ids: BlockIds, num_blocks: int) -> int:
         """The blocks each group of ``block_ids`` holds: as many in every group, all in the pool."""
-        if len(block_ids) != self.tables.num_groups or len({len(ids) for ids in block_ids}) != 1:
+        if len(block_ids) != self.block_tables.num_groups or len({len(ids) for ids in block_ids}) != 1:
             raise ValueError(
                 f"request {req_id!r} was given block ids for {len(block_ids)} groups of "
-                f"{[len(ids) for ids in block_ids]} blocks: the runner has {self.tables.num_groups} "
+                f"{[len(ids) for ids in block_ids]} blocks: the runner has {self.block_tables.num_groups} "
                 f"groups, each as long"
             )
         flat = [b for ids in block_ids for b in ids]
@@ -291,32 +296,32 @@ class ModelRunner:
     def _update_states(self, output: SchedulerOutput) -> None:
         """Apply ``output`` to the rows and the request states (vLLM: ``finish_requests``,
         ``add_requests`` and ``update_requests``)."""
-        tables = self.tables
+        block_tables = self.block_tables
         for req_id in output.finished_req_ids:  # finished, stopped or aborted, wherever they were
-            tables.remove(req_id)
+            block_tables.remove(req_id)
             self.swapped.pop(req_id, None)
             self.sampling.pop(req_id, None)
         for req_id, block_ids in output.blocks_to_swap_out.items():  # before the forward overwrites them
             num_computed = self.num_computed_tokens(req_id)
             self.swapped[req_id] = swap.copy_out(self.storage, block_ids, num_computed, self.layer_group)
-            tables.remove(req_id)
+            block_tables.remove(req_id)
         for preempted in output.preemptions:
             if preempted.way == "recompute":
-                tables.remove(preempted.request_id)
+                block_tables.remove(preempted.request_id)
         for req_id, block_ids in output.blocks_to_swap_in.items():
             swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids, self.layer_group)
         for new in output.scheduled_new_reqs:
             params = new.sampling_params
             if params is not None and not params.greedy and new.req_id not in self.sampling:
                 self.sampling[new.req_id] = (params, new_generator(params, self._seeds))
-            row = tables.add_row(new.req_id, new.block_ids)
+            row = block_tables.add_row(new.req_id, new.block_ids)
             self.state.add(row, list(new.token_ids), new.num_computed_tokens)
         cached = output.scheduled_cached_reqs
-        for index in _gaining(cached.new_block_ids, tables.num_groups):
-            tables.append(cached.req_ids[index], cached.new_block_ids[index])
+        for index in _gaining(cached.new_block_ids, block_tables.num_groups):
+            block_tables.append(cached.req_ids[index], cached.new_block_ids[index])
 
 
-def _gaining(new_block_ids: Sequence[GroupBlockIds], num_groups: int) -> list[int]:
+def _gaining(new_block_ids: Sequence[BlockIds], num_groups: int) -> list[int]:
     """The indices of the requests that gained a block (a few a step), found at C speed."""
     nothing = ((),) * num_groups
     return list(compress(range(len(new_block_ids)), map(nothing.__ne__, new_block_ids)))

@@ -101,6 +101,11 @@ def child_request_ids(request_id: Hashable, n: int) -> list[Hashable]:
     return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Child ``index``'s seed: ``seed + index``, as vLLM's ``ParentRequest`` gives it (``None``: unseeded)."""
+    return None if seed is None else seed + index
+
+
 class OutputProcessor:
     """Turns the core's tokens into :class:`RequestOutput` objects (see the module).
 
@@ -128,13 +133,8 @@ class OutputProcessor:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
     ) -> list[Hashable]:
-        """Track a request; return its children's core ids.
-
-        Raises:
-            ValueError: stop strings without a tokenizer to read them.
-        """
-        if params.stop and self.decode is None:
-            raise ValueError("stop strings need a tokenizer: give the engine a decode function")
+        """Track a request (checked: its id not :meth:`in_use`, its stop strings readable); return its
+        children's core ids."""
         ids = child_request_ids(request_id, params.n)
         parent = _Parent(
             request_id,
@@ -147,6 +147,12 @@ class OutputProcessor:
         for child in ids:
             self._parent_of[child] = parent
         return ids
+
+    def in_use(self, request_id: Hashable, n: int = 1) -> bool:
+        """Whether ``request_id``, or one of its ``n`` children's core ids, names a request tracked now
+        (vLLM refuses a live id: "Request id ... already running"); a finished one's id is free."""
+        ids = {request_id, *child_request_ids(request_id, n)}
+        return not ids.isdisjoint(self._parents) or not ids.isdisjoint(self._parent_of)
 
     def request_ids(self) -> list[Hashable]:
         """The requests tracked: added and not yet output as finished."""

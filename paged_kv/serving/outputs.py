@@ -13,15 +13,10 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from paged_kv.core.kv_cache_coordinator import BlockIds
+
 if TYPE_CHECKING:
     from paged_kv.serving.sampling_params import SamplingParams
-
-GroupBlockIds = tuple[tuple[int, ...], ...]
-"""Block ids in vLLM's shape: one tuple per KV-cache group, in the groups' order (a model whose
-layers all attend fully has one group; a hybrid model one per group, lesson 13)."""
-
-NO_NEW_BLOCKS: GroupBlockIds = ((),)
-"""What a request of a one-group memory gains in a step that takes no block."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,7 @@ class NewRequestData:
 
     req_id: Hashable
     token_ids: tuple[int, ...] | None
-    block_ids: GroupBlockIds
+    block_ids: BlockIds
     num_computed_tokens: int
     sampling_params: SamplingParams | None = None
 
@@ -51,7 +46,7 @@ class CachedRequestData:
     row keeps the old id, which no window reads again."""
 
     req_ids: tuple[Hashable, ...] = ()
-    new_block_ids: tuple[GroupBlockIds, ...] = ()
+    new_block_ids: tuple[BlockIds, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
 
 
@@ -86,8 +81,8 @@ class SchedulerOutput:
     scheduled_new_reqs: tuple[NewRequestData, ...] = ()
     scheduled_cached_reqs: CachedRequestData = CachedRequestData()
     preemptions: tuple[Preemption, ...] = ()
-    blocks_to_swap_out: Mapping[Hashable, GroupBlockIds] = field(default_factory=dict)
-    blocks_to_swap_in: Mapping[Hashable, GroupBlockIds] = field(default_factory=dict)
+    blocks_to_swap_out: Mapping[Hashable, BlockIds] = field(default_factory=dict)
+    blocks_to_swap_in: Mapping[Hashable, BlockIds] = field(default_factory=dict)
     finished_req_ids: frozenset[Hashable] = frozenset()
 
     @property
@@ -98,8 +93,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """What a runner computed for a :class:`SchedulerOutput` (vLLM: ``ModelRunnerOutput``): the token
-    sampled for each request whose scheduled tokens reached its end (a decode, or the last chunk of
-    a prefill); a partial chunk samples nothing."""
+    """What a runner computed for a :class:`SchedulerOutput` (vLLM: ``ModelRunnerOutput``):
+    ``sampled_token_ids`` maps each request whose scheduled tokens reached its end (a decode, or the
+    last chunk of a prefill) to the token it sampled; a partial chunk samples nothing."""
 
-    sampled: Mapping[Hashable, int]
+    sampled_token_ids: Mapping[Hashable, int]

@@ -3,7 +3,8 @@
 vLLM 0.33.0 keeps these in ``vllm/sampling_params.py``; the names, the defaults and the error
 messages here are its own, for the parameters the course serves:
 
-* ``max_tokens`` (16 by default, as vLLM): the most tokens to generate;
+* ``max_tokens`` (16 by default, as vLLM): the most tokens to generate; ``None``, as many as the
+  context leaves (the input processor settles it, capped at ``max_model_len`` less the prompt);
 * ``temperature`` (1.0; 0 is greedy, the argmax, exactly the tokens of Hugging Face's
   ``generate``; a positive one below 0.01 is raised to 0.01, as vLLM does), ``top_k`` (0, or -1 as
   vLLM also accepts: every token) and ``top_p`` (1.0: the whole distribution);
@@ -60,7 +61,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class SamplingParams:
             set_field(self, "seed", None)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

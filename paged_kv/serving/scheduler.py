@@ -29,7 +29,7 @@ tokens. It is vLLM v1's scheduler (``Scheduler.schedule`` and ``Scheduler.update
 4. every scheduled request's ``num_computed_tokens`` advances by its scheduled tokens (vLLM's
    ``_update_after_schedule``), and the step is returned as a :class:`SchedulerOutput`, a value;
 5. :meth:`Scheduler.update_from_output` appends each sampled token, and a request holding its
-   ``max_new_tokens`` tokens (or ending with a stop token) finishes and frees its blocks at once.
+   ``max_tokens`` tokens (or ending with a stop token) finishes and frees its blocks at once.
 
 A request with ``o`` output tokens that is never preempted runs ``o`` steps once its prompt is
 prefilled: the last chunk of its prefill samples the first token, ``o - 1`` decodes the rest.
@@ -55,16 +55,16 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
 
+from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.serving.outputs import (
     CachedRequestData,
-    GroupBlockIds,
     ModelRunnerOutput,
     NewRequestData,
     Preemption,
     SchedulerOutput,
 )
 from paged_kv.serving.protocols import KVMemory, Runner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest, Request
 from paged_kv.validate import check_count
 
 PREEMPTIONS = ("recompute", "swap")
@@ -96,60 +96,6 @@ class StepResult:
     num_prefill_tokens: int = 0
 
 
-class Request:
-    """A request the scheduler holds (vLLM: ``Request``), compared by identity. Invariant:
-    ``num_computed_tokens <= num_tokens``; between steps, a request that decodes has
-    ``num_computed_tokens == num_tokens - 1``."""
-
-    __slots__ = (
-        "all_token_ids",
-        "max_new_tokens",
-        "num_cached_tokens",
-        "num_computed_tokens",
-        "num_preemptions",
-        "num_prefill_tokens",
-        "num_tokens",
-        "output_token_ids",
-        "request",
-        "request_id",
-        "stop_token_ids",
-    )
-
-    def __init__(self, request: SchedulerRequest) -> None:
-        self.request = request
-        self.request_id: Hashable = request.request_id
-        self.max_new_tokens, self.stop_token_ids = request.max_new_tokens, request.stop_token_ids
-        prompt = request.prompt_token_ids
-        self.all_token_ids: list[int] | None = None if prompt is None else list(prompt)
-        """Prompt then output token ids (``None`` when the prompt's are unknown, as in a simulator)."""
-        self.output_token_ids: list[int] = []
-        self.num_tokens = request.num_prompt_tokens
-        """Prompt and output tokens (vLLM: ``Request.num_tokens``)."""
-        self.num_computed_tokens = 0
-        """Tokens whose K/V the memory holds (vLLM: ``Request.num_computed_tokens``), cached ones included."""
-        self.num_cached_tokens = 0
-        """The tokens the prefix cache served at its last admission."""
-        self.num_prefill_tokens = 0
-        """Its tokens at its last admission: positions below this are prefilled, the others decoded."""
-        self.num_preemptions = 0
-        """Times it was preempted (vLLM: ``Request.num_preemptions``): its prefix-cache lookups after
-        the first count apart."""
-
-    @property
-    def token_ids(self) -> tuple[int, ...] | None:
-        return None if self.all_token_ids is None else tuple(self.all_token_ids)
-
-    def append_output(self, token: int) -> bool:
-        """Append a sampled token; return whether the request is finished now: all its
-        ``max_new_tokens`` generated, or ``token`` is one of its stop tokens."""
-        output = self.output_token_ids
-        output.append(token)
-        self.num_tokens += 1
-        if self.all_token_ids is not None:
-            self.all_token_ids.append(token)
-        return len(output) == self.max_new_tokens or token in self.stop_token_ids
-
-
 class Scheduler:
     """Continuous batching over ``memory``, a :class:`~paged_kv.serving.protocols.KVMemory` (see the module).
 
@@ -159,9 +105,11 @@ class Scheduler:
     ``scheduler_reserve_full_isl`` (on by default: a request is admitted only when its whole prompt
     fits). Requests are added with :meth:`add_request` and wait, oldest first.
 
-    Invariant between steps: every added request is in exactly one of waiting, running, swapped
-    or finished, and the memory holds exactly the running requests' blocks, for their computed
-    tokens; under a budget every step schedules at most ``max_num_batched_tokens`` tokens.
+    Invariant between steps: every request in :attr:`requests` (the live ones, by id, as vLLM's
+    ``Scheduler.requests``) is in exactly one of waiting, running or swapped, and leaves
+    :attr:`requests` when it finishes, so the scheduler's state is bounded by the live requests
+    however long it serves; the memory holds exactly the running requests' blocks, for their
+    computed tokens; under a budget every step schedules at most ``max_num_batched_tokens`` tokens.
 
     Raises:
         ValueError: a bad ``preemption``, ``max_num_seqs`` or ``max_num_batched_tokens`` (a
@@ -189,7 +137,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # arrived or preempted by recompute, oldest first
         self.swapped: deque[Request] = deque()  # swapped out, in admission order
         self.running: list[Request] = []  # in admission order, the newest last
-        self._ids: set[Hashable] = set()
+        self.requests: dict[Hashable, Request] = {}
+        """The live requests by id: waiting, running or swapped out."""
         self._finished_ids: set[Hashable] = set()  # since the last schedule
         self._step = 0
         self._output: SchedulerOutput | None = None  # the step scheduled and not yet updated
@@ -200,26 +149,19 @@ class Scheduler:
         """Whether a request waits, runs or is swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
-    def add_request(self, request: SchedulerRequest) -> None:
-        """Queue ``request`` behind the waiting ones.
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue ``request`` behind the waiting ones (vLLM: ``Scheduler.add_request``). Its content was
+        checked once, by whoever made it (the engine's
+        :class:`~paged_kv.serving.input_processor.InputProcessor`, or a simulator's workload).
 
         Raises:
-            ValueError: it is not a :class:`SchedulerRequest`, its id was added before, or the
-                memory could not hold it even alone at its longest (it would wait for ever).
-                Nothing is queued.
+            ValueError: a live request has its id (the scheduler keeps each request in one place);
+                nothing is queued. A finished request's id may come again.
         """
-        if not isinstance(request, SchedulerRequest):
-            raise ValueError(f"request must be a SchedulerRequest, got {request!r}")
-        if request.request_id in self._ids:
-            raise ValueError(f"request_id {request.request_id!r} was added before")
-        longest = request.num_prompt_tokens + request.max_new_tokens - 1
-        if longest > self.memory.max_tokens(request):
-            raise ValueError(
-                f"the memory cannot hold request {request.request_id!r} even alone: it grows to "
-                f"{longest} tokens, and at most {self.memory.max_tokens(request)} fit"
-            )
-        self._ids.add(request.request_id)
-        self.waiting.append(Request(request))
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is live: it waits, runs or is swapped out")
+        live = self.requests[request.request_id] = Request(request)
+        self.waiting.append(live)
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step (see the module): the running requests' tokens and blocks, preemptions,
@@ -267,18 +209,24 @@ class Scheduler:
         """
         if output is not self._output:
             raise ValueError(f"output must be the SchedulerOutput of step {self._step}, got {output!r}")
-        sampling, sampled = self._scheduled.sampling, result.sampled
-        missing = [r.request_id for r in sampling if r.request_id not in sampled]
-        if missing:
-            raise ValueError(f"the runner's result has no sampled token for {missing!r}")
+        sampling, sampled = self._scheduled.sampling, result.sampled_token_ids
+        try:
+            tokens = [sampled[r.request_id] for r in sampling]
+        except KeyError:
+            missing = [r.request_id for r in sampling if r.request_id not in sampled]
+            raise ValueError(f"the runner's result has no sampled token for {missing!r}") from None
         first, new_tokens, done = [], {}, []
-        for request in sampling:  # only a request that sampled can finish
-            token = int(sampled[request.request_id])
-            if not request.output_token_ids:
-                first.append(request.request_id)
-            if request.append_output(token):
-                done.append(request)
-            new_tokens[request.request_id] = token
+        for request, token in zip(sampling, tokens):  # only a request that sampled can finish
+            output_ids, request_id = request.output_token_ids, request.request_id
+            if not output_ids:
+                first.append(request_id)
+            output_ids.append(token)
+            request.num_tokens += 1
+            if request.all_token_ids is not None:
+                request.all_token_ids.append(token)
+            if len(output_ids) == request.max_tokens or token in request.stop_token_ids:
+                done.append(request)  # all its max_tokens generated, or a stop token
+            new_tokens[request_id] = token
         step = StepResult(
             self._step,
             num_running=len(self.running),
@@ -322,6 +270,7 @@ class Scheduler:
             if request_id in running:
                 self.memory.free(request_id)
             self._finished_ids.add(request_id)
+            del self.requests[request_id]
         gone = {id(request) for request in found.values()}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
@@ -329,10 +278,14 @@ class Scheduler:
         return [request_id for request_id in wanted if request_id in found]
 
     def free_all(self) -> None:
-        """Free the memory of every running request (after an error: a finished run holds nothing)."""
+        """Free the memory of every running request and forget every request (after an error, or at
+        the end of an offline run: a finished run holds nothing)."""
         for request in self.running:
             self.memory.free(request.request_id)
         self.running = []
+        self.waiting.clear()
+        self.swapped.clear()
+        self.requests.clear()
 
     # ------------------------------------------------------------------------------ the phases
 
@@ -366,33 +319,43 @@ class Scheduler:
         """Give each running request its tokens and their slots; preempt the newest when they do not fit.
 
         The hot loop of a step: one pass, one call to the memory per request, the budget counted
-        in a local (written back to ``step`` at the end) and everything it touches bound once."""
+        in a local (written back to ``step`` at the end) and everything it touches bound once. A
+        scheduled request's computed tokens advance here, at once (vLLM's ``_update_after_schedule``
+        for it): nothing later in the step reads them, and a victim is never a request scheduled
+        before it (victims are popped from the end, where the loop has not been)."""
         running, allocate = self.running, self.memory.allocate_slots
         cached, cached_blocks, cached_computed = step.cached, step.cached_blocks, step.cached_computed
-        num_scheduled, scheduled = step.num_scheduled, step.scheduled
+        num_scheduled, sampling = step.num_scheduled, step.sampling
         budget = step.budget_left
-        index = 0
+        prefilled = index = 0
         while index < len(running) and budget != 0:
             request = running[index]
-            computed = request.num_computed_tokens
-            num_new = request.num_tokens - computed
-            if budget is not None:
-                num_new = min(num_new, budget)
+            computed, num_tokens = request.num_computed_tokens, request.num_tokens
+            num_new = num_tokens - computed
+            if budget is not None and num_new > budget:
+                num_new = budget
             while (block_ids := allocate(request.request, num_new, request.all_token_ids)) is None:
                 victim = running.pop()
                 self._preempt(victim, step)
                 if victim is request:
                     step.budget_left = budget
+                    step.num_prefill_tokens += prefilled
                     return
-            cached.append(request.request_id)
+            request_id = request.request_id
+            cached.append(request_id)
             cached_blocks.append(block_ids)
             cached_computed.append(computed)
-            num_scheduled[request.request_id] = num_new
-            scheduled.append(request)
+            num_scheduled[request_id] = num_new
+            request.num_computed_tokens = end = computed + num_new
+            if end == num_tokens:
+                sampling.append(request)
+            if request.num_prefill_tokens > computed:  # positions below it prefill
+                prefilled += min(num_new, request.num_prefill_tokens - computed)
             if budget is not None:
                 budget -= num_new
             index += 1
         step.budget_left = budget
+        step.num_prefill_tokens += prefilled
 
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests, first come first served, while they fit and the budget lasts."""
@@ -405,7 +368,7 @@ class Scheduler:
                 request.request,
                 num_new,
                 token_ids,
-                computed=computed,
+                new_computed_blocks=computed,
                 num_tokens_to_fit=request.num_tokens if self.reserve_full_prompt else None,
                 has_scheduled_reqs=bool(self.running),
                 preempted=request.num_preemptions > 0,
@@ -429,16 +392,17 @@ class Scheduler:
 
     @staticmethod
     def _update_after_schedule(step: _Step) -> None:
-        """Advance each scheduled request's computed tokens (vLLM: ``_update_after_schedule``); note
-        the requests that reach their end, and so sample, and the tokens that prefill."""
+        """Advance the computed tokens of each request admitted or swapped in (vLLM:
+        ``_update_after_schedule``; the running ones advanced as they were scheduled); note those
+        that reach their end, and so sample, and the tokens that prefill."""
         sampling, prefilled = step.sampling, 0
-        for request, n in zip(step.scheduled, step.num_scheduled.values(), strict=True):
+        for request, n in step.scheduled:
             computed = request.num_computed_tokens = request.num_computed_tokens + n
             if computed == request.num_tokens:
                 sampling.append(request)
             if request.num_prefill_tokens > computed - n:  # positions below it prefill
                 prefilled += min(n, request.num_prefill_tokens - (computed - n))
-        step.num_prefill_tokens = prefilled
+        step.num_prefill_tokens += prefilled
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Swap out or free ``victim``, the newest running request. A request still prefilling is
@@ -447,7 +411,7 @@ class Scheduler:
         victim.num_preemptions += 1
         prefilling = victim.num_computed_tokens < victim.num_tokens - 1 or not victim.output_token_ids
         if self.preemption == "swap" and not prefilling:
-            step.swap_out[request_id] = tuple(map(tuple, self.memory.get_block_ids(request_id)))
+            step.swap_out[request_id] = self.memory.get_block_ids(request_id)
             self.memory.free(request_id)
             self.swapped.appendleft(victim)  # older victims come first
             step.preemptions.append(Preemption(request_id, "swap", victim.num_computed_tokens))
@@ -464,6 +428,7 @@ class Scheduler:
         for request in done:
             self.memory.free(request.request_id)
             self._finished_ids.add(request.request_id)
+            del self.requests[request.request_id]
         gone = {id(request) for request in done}
         self.running = [request for request in self.running if id(request) not in gone]
         return tuple((r.request_id, tuple(r.output_token_ids)) for r in done)
@@ -475,15 +440,15 @@ class _Step:
 
     budget: int | None
     num_scheduled: dict[Hashable, int] = field(default_factory=dict)
-    scheduled: list[Request] = field(default_factory=list)
-    """The scheduled requests, in the order of ``num_scheduled``."""
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    """The requests admitted or swapped in, with their tokens, in the order of ``num_scheduled``."""
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[Hashable] = field(default_factory=list)
-    cached_blocks: list[GroupBlockIds] = field(default_factory=list)
+    cached_blocks: list[BlockIds] = field(default_factory=list)
     cached_computed: list[int] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
-    swap_out: dict[Hashable, GroupBlockIds] = field(default_factory=dict)
-    swap_in: dict[Hashable, GroupBlockIds] = field(default_factory=dict)
+    swap_out: dict[Hashable, BlockIds] = field(default_factory=dict)
+    swap_in: dict[Hashable, BlockIds] = field(default_factory=dict)
     budget_left: int | None = None
     """Tokens the step may still schedule (None: no budget)."""
     sampling: list[Request] = field(default_factory=list)
@@ -499,8 +464,9 @@ class _Step:
         return num_tokens if left is None else min(num_tokens, left)
 
     def schedule(self, request: Request, num_tokens: int) -> None:
+        """Schedule a request admitted or swapped in (the running ones are the hot loop's)."""
         self.num_scheduled[request.request_id] = num_tokens
-        self.scheduled.append(request)
+        self.scheduled.append((request, num_tokens))
         if self.budget_left is not None:
             self.budget_left -= num_tokens
 
@@ -518,7 +484,7 @@ def check_budget(max_num_batched_tokens: object) -> int | None:
 def run_steps(
     scheduler: Scheduler,
     runner: Runner,
-    arrivals: Sequence[tuple[int, SchedulerRequest]],
+    arrivals: Sequence[tuple[int, EngineCoreRequest]],
     max_steps: int | None = None,
 ) -> Iterator[tuple[SchedulerOutput, StepResult]]:
     """Drive ``scheduler`` and ``runner`` step by step; yield each step's output and result.

@@ -28,10 +28,10 @@ import bisect
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
-from paged_kv.core.block_manager import ComputedBlocks
+from paged_kv.core.kv_cache_coordinator import BlockIds, ComputedBlocks
 from paged_kv.errors import UnknownSequenceError
-from paged_kv.serving.outputs import NO_NEW_BLOCKS, GroupBlockIds
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.contiguous_memory import ReservationMemory
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.validate import check_count, check_hashable
 
 
@@ -161,7 +161,7 @@ class ContiguousAllocator:
         return moved
 
 
-class FirstFitMemory:
+class FirstFitMemory(ReservationMemory):
     """The scheduler's :class:`~paged_kv.serving.protocols.KVMemory` over a :class:`ContiguousAllocator`.
 
     ``reserve(request)`` gives the slots a request reserves when it is admitted; a request is
@@ -180,7 +180,7 @@ class FirstFitMemory:
     block_size = 1
 
     def __init__(
-        self, budget_tokens: int, reserve: Callable[[SchedulerRequest], int], *, compact: bool = False
+        self, budget_tokens: int, reserve: Callable[[EngineCoreRequest], int], *, compact: bool = False
     ) -> None:
         self.allocator = ContiguousAllocator(check_count("budget_tokens", budget_tokens, minimum=1))
         if not callable(reserve):
@@ -210,32 +210,32 @@ class FirstFitMemory:
     def reserved_tokens(self) -> int:
         return self.allocator.used_slots
 
-    def max_tokens(self, request: SchedulerRequest) -> int:
+    @property
+    def usage(self) -> float:
+        """The share of the slots reserved."""
+        return self.allocator.used_slots / self.allocator.capacity
+
+    def max_tokens(self, request: EngineCoreRequest) -> int:
         size = self.reserve(request)
         return size if size <= self.budget_tokens else 0
 
-    def get_computed_blocks(
-        self, request: SchedulerRequest, token_ids: tuple[int, ...] | None
-    ) -> ComputedBlocks:
-        return ComputedBlocks()
-
     def allocate_slots(
         self,
-        request: SchedulerRequest,
+        request: EngineCoreRequest,
         num_new_tokens: int,
         token_ids: Sequence[int] | None = None,
         *,
-        computed: ComputedBlocks | None = None,
+        new_computed_blocks: ComputedBlocks | None = None,
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
         preempted: bool = False,
-    ) -> GroupBlockIds | None:
+    ) -> BlockIds | None:
         """A new request gets its range first fit (compacting first when that is what admits it,
         ``compact=True``), or waits: ``None``; a request with a range always fits."""
         request_id = request.request_id
         if request_id in self._lengths:
             self._lengths[request_id] += num_new_tokens
-            return NO_NEW_BLOCKS
+            return ((),)
         size = self.reserve(request)
         if not self.allocator.fits(size):
             if size > self.allocator.free_slots:
@@ -247,12 +247,12 @@ class FirstFitMemory:
             self.compactions += 1
         self.allocator.allocate(request_id, size)
         self._lengths[request_id] = num_new_tokens
-        return (tuple(self.get_block_ids(request_id)[0]),)
+        return self.get_block_ids(request_id)
 
-    def get_block_ids(self, request_id: Hashable) -> tuple[list[int], ...]:
+    def get_block_ids(self, request_id: Hashable) -> BlockIds:
         """The slots of the request's range, as one group's block ids (blocks of one slot)."""
         extent = self.allocator.ranges[request_id]
-        return (list(range(extent.start, extent.end)),)
+        return (tuple(range(extent.start, extent.end)),)
 
     def free(self, request_id: Hashable) -> None:
         if request_id in self._lengths:

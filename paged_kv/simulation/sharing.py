@@ -27,11 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from paged_kv.core.block_manager import BlockManager
 from paged_kv.core.prefix_cache import PrefixCacheStats
-from paged_kv.serving.memory import serves_alone
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.workload import SHAREGPT, BlockBookkeeping, sample_requests
 from paged_kv.validate import check_count
@@ -143,7 +141,8 @@ def serve(
 
     The scheduler is the engine's (:class:`~paged_kv.serving.scheduler.Scheduler`, ``max_num_seqs
     = max_running``) over a :class:`~paged_kv.simulation.workload.BlockBookkeeping` of
-    ``num_blocks`` blocks, with prefix caching when ``caching`` is on, and a runner that counts
+    ``num_blocks`` blocks for the requests (and the pool's null block), with prefix caching when
+    ``caching`` is on, and a runner that counts
     tokens: a request's prompt is looked up in the prefix cache and admitted by the engine's rule (its
     whole prompt's blocks, less the hits, are free), its output grows one token per step, and it
     frees its blocks (which stay cached) when done.
@@ -155,17 +154,16 @@ def serve(
     num_blocks = check_count("num_blocks", num_blocks, minimum=1)
     block_size = check_count("block_size", block_size, minimum=1)
     max_running = check_count("max_running", max_running, minimum=1)
-    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    memory = BlockBookkeeping(manager)
+    memory = BlockBookkeeping(num_blocks + 1, block_size, enable_caching=caching)
     arrivals = [
-        (0, SchedulerRequest(seq_id, len(r.token_ids), r.output_tokens, tuple(r.token_ids)))
+        (0, EngineCoreRequest(seq_id, len(r.token_ids), r.output_tokens, tuple(r.token_ids)))
         for seq_id, r in enumerate(requests)
     ]
     for _, request in arrivals:
-        if not serves_alone(request.num_prompt_tokens, request.max_new_tokens, num_blocks, block_size):
+        if request.num_prompt_tokens + request.max_tokens - 1 > memory.max_tokens(request):
             raise ValueError(
                 f"num_blocks={num_blocks} cannot hold request {request.request_id} alone: its "
-                f"{request.num_prompt_tokens}-token prompt and {request.max_new_tokens} output "
+                f"{request.num_prompt_tokens}-token prompt and {request.max_tokens} output "
                 f"tokens, in blocks of {block_size}"
             )
     prompt_tokens = cached = steps = preemptions = 0
@@ -176,4 +174,4 @@ def serve(
         cached += sum(new.num_computed_tokens for new in admitted)
         preemptions += len(output.preemptions)
         steps += 1
-    return ServeResult(prompt_tokens, cached, manager.prefix_cache_stats, steps, preemptions)
+    return ServeResult(prompt_tokens, cached, memory.prefix_cache_stats, steps, preemptions)

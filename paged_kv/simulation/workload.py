@@ -9,7 +9,7 @@ only counts tokens (:class:`~paged_kv.serving.model_runner.CountingRunner`), so 
 tokens exactly as lesson 09's engine does. The policies:
 
 * :class:`PagedPolicy` (vLLM): blocks of ``block_size`` tokens, taken on demand from a
-  :class:`BlockBookkeeping` (the package's block manager with no model behind it), admitted by the
+  :class:`BlockBookkeeping` (the engine's paged memory with no model behind it), admitted by the
   engine's rule (vLLM's: the whole prompt's blocks are free); when a decode step finds too few free
   blocks, the most recently admitted sequence is preempted by recompute.
 * :class:`ContiguousPolicy` (the paper's Orca baselines): one contiguous range per sequence,
@@ -36,13 +36,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
-from paged_kv.core.trace import Recorder, TraceFrame
+from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.core.trace import TraceFrame, allocate_caption, free_caption, start_caption, token_caption
 from paged_kv.progress import progress_bar
-from paged_kv.serving.memory import KVCacheManager
+from paged_kv.serving.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
-from paged_kv.serving.request import SchedulerRequest
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps
 from paged_kv.simulation.contiguous import FirstFitMemory
 from paged_kv.simulation.shares import MemoryShares, SlotUse
@@ -202,10 +202,9 @@ class PagedPolicy:
         return budget_tokens // self.block_size * self.block_size
 
     def memory(self, budget_tokens: int, record: bool = False) -> BlockBookkeeping:
-        """The ``budget_tokens // block_size`` blocks of the budget, as the scheduler's memory."""
-        return BlockBookkeeping(
-            BlockManager(budget_tokens // self.block_size, self.block_size), record=record
-        )
+        """The ``budget_tokens // block_size`` blocks of the budget as the scheduler's memory, in a
+        pool of one block more: its null block (block 0), which holds no request's tokens."""
+        return BlockBookkeeping(budget_tokens // self.block_size + 1, self.block_size, record=record)
 
 
 CONTIGUOUS_KINDS = ("max", "pow2", "oracle")
@@ -326,20 +325,63 @@ class BlockBookkeeping(KVCacheManager):
     """Paged blocks with no model and no tensor behind them: the memory the simulators' scheduler
     takes blocks from (lessons 07, 08).
 
-    It is the engine's :class:`~paged_kv.serving.memory.KVCacheManager` over the package's
-    :class:`~paged_kv.core.block_manager.BlockManager`, so the blocks are taken, shared, cached and
-    freed exactly as in the engine. ``record=True`` keeps the manager's frames for an animation
-    (:attr:`trace`).
+    It is the engine's :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`, ``num_blocks``
+    blocks (its null block among them) of one group, so the blocks are taken, shared, cached and
+    freed exactly as in the engine. ``record=True`` keeps a frame of the pool after each allocation
+    and release for an animation (:attr:`trace`): a request's admission, each step's tokens (a
+    frame names the block the step opened, or the last one it filled), each finished request.
     """
 
-    def __init__(self, manager: BlockManager, *, watermark: float = 0.0, record: bool = False) -> None:
-        super().__init__(manager, watermark=watermark)
-        self._recorder = Recorder(manager) if record else None
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = False,
+        watermark: float = 0.0,
+        record: bool = False,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_caching=enable_caching, watermark=watermark)
+        self.record = record
+        self._frames: list[TraceFrame] = []
+        if record:
+            self._frames.append(TraceFrame(self.snapshot(), start_caption(num_blocks, block_size), "start", None, ()))
 
     @property
     def trace(self) -> list[TraceFrame]:
         """The recorded frames (empty unless built with ``record=True``)."""
-        return list(self._recorder.frames) if self._recorder is not None else []
+        return list(self._frames)
+
+    def allocate_slots(self, request: EngineCoreRequest, num_new_tokens: int, *args, **kwargs) -> BlockIds | None:
+        new = request.request_id not in self.coordinator
+        gained = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if self.record and gained is not None:
+            self._record_allocation(request.request_id, new, gained[0])
+        return gained
+
+    def free(self, request_id: Hashable) -> None:
+        held = self.get_block_ids(request_id)[0] if self.record and request_id in self.coordinator else None
+        super().free(request_id)
+        if held is not None:
+            freed = [b for b in held if self.block_pool.is_free(b)]
+            frame = TraceFrame(self.snapshot(), free_caption(request_id, held, freed), "free", request_id, held)
+            self._frames.append(frame)
+
+    def sequences(self) -> dict[Hashable, tuple[int, int]]:
+        """Each request's ``(tokens held, slots reserved)``: its length, and its blocks' slots."""
+        coordinator, size = self.coordinator, self.block_size
+        return {r: (coordinator.num_tokens(r), len(coordinator.get_block_ids(r)[0]) * size) for r in coordinator.request_ids}
+
+    def _record_allocation(self, request_id: Hashable, new: bool, gained: tuple[int, ...]) -> None:
+        snapshot = self.snapshot()
+        num_tokens = self.coordinator.num_tokens(request_id)
+        if new:
+            caption, kind, highlight = allocate_caption(request_id, num_tokens, gained), "allocate", gained
+        else:
+            last = gained[-1] if gained else self.get_block_ids(request_id)[0][-1]
+            caption = token_caption(request_id, num_tokens, last, bool(gained))
+            kind, highlight = ("new_block" if gained else "append"), (last,)
+        self._frames.append(TraceFrame(snapshot, caption, kind, request_id, tuple(highlight)))
 
 
 def sequences_that_fit(requests: Sequence[Request], policy: Policy, budget_tokens: int) -> int:
@@ -445,9 +487,9 @@ class SimulationResult:
         }
 
 
-def _request(request: SchedulerRequest) -> Request:
+def _request(request: EngineCoreRequest) -> Request:
     """A scheduler's request back as a :class:`Request` (for a policy's reservation)."""
-    return Request(request.request_id, 0, request.num_prompt_tokens, request.max_new_tokens)
+    return Request(request.request_id, 0, request.num_prompt_tokens, request.max_tokens)
 
 
 def simulate(
@@ -503,7 +545,7 @@ def simulate(
         )
     memory = policy.memory(budget_tokens, record)
     arrivals = [
-        (r.arrival_step, SchedulerRequest(r.request_id, r.prompt_tokens, r.output_tokens)) for r in requests
+        (r.arrival_step, EngineCoreRequest(r.request_id, r.prompt_tokens, r.output_tokens)) for r in requests
     ]
     for request, (_, scheduled) in zip(requests, arrivals, strict=True):  # else it would wait for ever
         if request.total_tokens - 1 > memory.max_tokens(scheduled):
@@ -557,7 +599,7 @@ def _run(
 ) -> None:
     """The scheduler's steps over ``memory`` with a measuring runner, recorded into ``result``."""
     finished = 0
-    final_lengths = {r.request_id: r.num_prompt_tokens + r.max_new_tokens for _, r in arrivals}
+    final_lengths = {r.request_id: r.num_prompt_tokens + r.max_tokens for _, r in arrivals}
     runner = _MeasuringRunner(memory, final_lengths, result.budget_tokens)
     for output, step in run_steps(Scheduler(memory), runner, arrivals, max_steps):
         result.slot_use.append(runner.last)

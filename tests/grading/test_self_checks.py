@@ -104,8 +104,7 @@ def test_a_wrong_implementation_loses_points_on_its_task_with_the_named_mistake(
 # ------------------------------------------------------------------- robust against learner code
 
 REFERENCE = (
-    "from paged_kv.grading.reference.lesson00 import paged_usage, contiguous_usage, "
-    "block_bytes, startup_line\n"
+    "from paged_kv.reference.lesson00 import paged_usage, contiguous_usage, block_bytes, startup_line\n"
 )
 
 
@@ -143,8 +142,8 @@ def test_code_that_raises_fails_its_task_only(tmp_path):
 def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(tmp_path):
     source = tmp_path / "mine.py"
     source.write_text(
-        "from paged_kv.grading.reference.lesson00 import blocks_for_tokens, contiguous_usage\n"
-        "from paged_kv.grading.reference.lesson00 import block_bytes, startup_line\n"
+        "from paged_kv.reference.lesson00 import blocks_for_tokens, contiguous_usage\n"
+        "from paged_kv.reference.lesson00 import block_bytes, startup_line\n"
         "def paged_usage(request_tokens, block_size):\n    while True:\n        pass\n"
     )
     report = grade(str(source), "00", time_limit=3)
@@ -235,7 +234,7 @@ def test_an_exception_in_a_notebook_cell_shows_the_cell_its_line_and_its_source(
 
 
 LATE_RULE_AND_ITS_DECODE_STEP = """\
-from paged_kv.grading.reference.lesson04 import BlockManager, finish_and_admit
+from paged_kv.reference.lesson04 import BlockManager, finish_and_admit
 
 
 def needs_new_block(num_tokens, num_blocks_held, block_size):
@@ -294,7 +293,7 @@ def test_an_exception_while_defining_a_name_shows_the_learners_line(tmp_path):
 
 def test_a_missing_name_is_named(tmp_path):
     source = tmp_path / "mine.py"
-    source.write_text("from paged_kv.grading.reference.lesson00 import blocks_for_tokens, paged_usage\n")
+    source.write_text("from paged_kv.reference.lesson00 import blocks_for_tokens, paged_usage\n")
     report = grade(str(source), "00")
     assert statuses(report)["00.contiguous_usage"] == "missing"
     assert "contiguous_usage is not defined" in report.result("00.contiguous_usage").message
@@ -362,7 +361,7 @@ def test_the_command_exits_0_on_full_marks_and_speaks_json():
 
 def test_the_command_takes_the_lesson_from_an_option(tmp_path):
     source = tmp_path / "mine.py"
-    source.write_text("from paged_kv.grading.reference.lesson00 import *\n")
+    source.write_text("from paged_kv.reference.lesson00 import *\n")
     assert run_grade(str(source), "--lesson", "00").returncode == 0
 
 

@@ -76,31 +76,22 @@ def build_app(
     *,
     model_name: str,
     encode: Callable[[str], list[int]],
-    decode: Callable[[Sequence[int]], str] | None = None,
-    max_model_len: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_llm`` (see the module), serving ``model_name``.
 
     ``encode`` is the tokenizer's (text to token ids: prompts and chat messages). The text of the
-    outputs comes from the engine's output processor, built with the tokenizer's ``decode``; an
-    engine built without one gets ``decode`` here. ``max_model_len`` defaults to the engine's and
-    may only lower it. The app appends a
+    outputs comes from the engine's output processor, built with the tokenizer's ``decode``
+    (``AsyncLLM.from_engine_args(..., decode=...)``); the model's ``max_model_len`` is the engine's.
+    The app appends a
     :class:`~paged_kv.entrypoints.openai.metrics.PrometheusStatLogger` to ``async_llm.stat_loggers``
     and keeps it, the ``AsyncLLM`` and the settings in ``app.state``.
 
     Raises:
-        ValueError: no ``decode`` anywhere, or ``max_model_len`` above the engine's.
+        ValueError: the engine has no ``decode``.
     """
-    engine_limit = async_llm.llm_engine.engine.max_model_len
-    if max_model_len is None:
-        max_model_len = engine_limit
-    elif max_model_len > engine_limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the engine's max_model_len {engine_limit}")
-    processor = async_llm.llm_engine.output_processor
-    if processor.decode is None:
-        if decode is None:
-            raise ValueError("the server needs the tokenizer's decode: build_app(decode=...) or LLMEngine")
-        processor.decode = decode
+    max_model_len = async_llm.vllm_config.model_config.max_model_len
+    if async_llm.llm_engine.output_processor.decode is None:
+        raise ValueError("the server needs the tokenizer's decode: build the engine with decode=...")
     stat_logger = PrometheusStatLogger(model_name)
     async_llm.stat_loggers.append(stat_logger)
 
@@ -116,7 +107,7 @@ def build_app(
     app.state.model_name = model_name
     app.state.max_model_len = max_model_len
     app.state.stat_logger = stat_logger
-    settings = {"model_name": model_name, "encode": encode, "max_model_len": max_model_len}
+    settings = {"model_name": model_name, "encode": encode}
     completions = OpenAIServingCompletion(async_llm, **settings)
     chat = OpenAIServingChat(async_llm, **settings)
 

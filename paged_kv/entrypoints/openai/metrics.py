@@ -2,9 +2,11 @@
 
 vLLM's ``PrometheusStatLogger`` (``vllm/v1/metrics/loggers.py``) turns each step's
 ``SchedulerStats`` and ``IterationStats`` into ``prometheus_client`` gauges, counters and
-histograms; :class:`PrometheusStatLogger` does the same for the metrics of
-:data:`paged_kv.serving.metrics.METRICS` (lesson 14's names, help texts, types and buckets) and
-``vllm:request_success``:
+histograms; :class:`PrometheusStatLogger` does the same for the families declared in
+:mod:`paged_kv.serving.metrics` (:data:`~paged_kv.serving.metrics.METRICS`, whose names, help
+texts, types and buckets lesson 14's run text has too, and
+:data:`~paged_kv.serving.metrics.REQUEST_SUCCESS_METRIC`), each made and fed by its
+:class:`~paged_kv.serving.metrics.MetricSpec`:
 
 * gauges, set from the step's ``SchedulerStats`` (measured after its finished requests left):
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a
@@ -25,17 +27,11 @@ thread-safe, so a scrape on the event loop reads them as they are.
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from paged_kv.serving.metrics import (
     E2E_REQUEST_LATENCY_SECONDS,
+    FINISH_REASONS,
     GENERATION_TOKENS,
     INTER_TOKEN_LATENCY_SECONDS,
     KV_CACHE_USAGE_PERC,
@@ -46,16 +42,11 @@ from paged_kv.serving.metrics import (
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     PROMPT_TOKENS,
+    REQUEST_SUCCESS_METRIC,
     TIME_TO_FIRST_TOKEN_SECONDS,
     IterationStats,
     SchedulerStats,
 )
-
-REQUEST_SUCCESS = "vllm:request_success"
-REQUEST_SUCCESS_HELP = "Count of successfully processed requests."
-FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-"""vLLM's ``FinishReason`` names: each a ``finished_reason`` of ``vllm:request_success`` from the start."""
-LABEL_NAMES = ("model_name", "engine")
 
 
 class PrometheusStatLogger:
@@ -71,39 +62,31 @@ class PrometheusStatLogger:
     def __init__(self, model_name: str, engine_index: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.labels = (model_name, str(engine_index))
-        specs = {spec.name: spec for spec in METRICS}
-        metrics = {}
-        for name, spec in specs.items():
-            kind = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}[spec.type]
-            extra = {"buckets": spec.buckets} if spec.type == "histogram" else {}
-            metric = kind(name, spec.documentation, LABEL_NAMES, registry=self.registry, **extra)
-            metrics[name] = metric.labels(*self.labels)
-        self.metrics = metrics
-        success = Counter(
-            REQUEST_SUCCESS, REQUEST_SUCCESS_HELP, (*LABEL_NAMES, "finished_reason"), registry=self.registry
-        )
+        self.metrics = {spec.name: spec.create(self.registry).labels(*self.labels) for spec in METRICS}
+        success = REQUEST_SUCCESS_METRIC.create(self.registry)
         self.request_success = {reason: success.labels(*self.labels, reason) for reason in FINISH_REASONS}
 
     def __call__(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """Record one step (vLLM: ``PrometheusStatLogger.record``)."""
-        m = self.metrics
-        m[NUM_REQUESTS_RUNNING].set(stats.num_running_reqs)
-        m[NUM_REQUESTS_WAITING].set(stats.num_waiting_reqs)
-        m[KV_CACHE_USAGE_PERC].set(stats.kv_cache_usage)
-        m[PREFIX_CACHE_QUERIES].inc(stats.prefix_cache_stats.queries)
-        m[PREFIX_CACHE_HITS].inc(stats.prefix_cache_stats.hits)
-        m[NUM_PREEMPTIONS].inc(stats.num_preempted_reqs)
-        m[PROMPT_TOKENS].inc(iteration.num_prompt_tokens)
-        m[GENERATION_TOKENS].inc(iteration.num_generation_tokens)
-        for seconds in iteration.time_to_first_tokens_iter:
-            m[TIME_TO_FIRST_TOKEN_SECONDS].observe(seconds)
-        for seconds in iteration.inter_token_latencies_iter:
-            m[INTER_TOKEN_LATENCY_SECONDS].observe(seconds)
+        values = {
+            NUM_REQUESTS_RUNNING: stats.num_running_reqs,
+            NUM_REQUESTS_WAITING: stats.num_waiting_reqs,
+            KV_CACHE_USAGE_PERC: stats.kv_cache_usage,
+            PREFIX_CACHE_QUERIES: stats.prefix_cache_stats.queries,
+            PREFIX_CACHE_HITS: stats.prefix_cache_stats.hits,
+            NUM_PREEMPTIONS: stats.num_preempted_reqs,
+            PROMPT_TOKENS: iteration.num_prompt_tokens,
+            GENERATION_TOKENS: iteration.num_generation_tokens,
+            TIME_TO_FIRST_TOKEN_SECONDS: iteration.time_to_first_tokens_iter,
+            INTER_TOKEN_LATENCY_SECONDS: iteration.inter_token_latencies_iter,
+            E2E_REQUEST_LATENCY_SECONDS: [finished.e2e_latency for finished in iteration.finished_requests],
+        }
+        for spec in METRICS:
+            spec.record(self.metrics[spec.name], values[spec.name])
         for finished in iteration.finished_requests:
             counter = self.request_success.get(finished.finish_reason)
             if counter is not None:
                 counter.inc()
-            m[E2E_REQUEST_LATENCY_SECONDS].observe(finished.e2e_latency)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format (``prometheus_client.generate_latest``)."""

@@ -7,16 +7,17 @@ no block, no step and no place in any queue.
 
 1. the model name: a name other than the served one is a 404 ``NotFoundError`` ("The model `X`
    does not exist."); no name at all is the served model, as in vLLM;
-2. the prompt's token ids: longer than ``max_model_len`` is vLLM's renderer's 400 ("This model's
-   maximum context length is X tokens. However, your prompt contains Y input tokens, ...",
-   ``vllm/renderers/params.py``);
-3. ``max_tokens``: left out (None), as many as the context leaves, ``max_model_len`` less the
-   prompt (vLLM's ``get_max_tokens``); given, capped at that;
-4. the :class:`~paged_kv.serving.sampling_params.SamplingParams`, whose own checks raise vLLM's
-   messages (``temperature``, ``top_p``, ``n``, ``max_tokens``...);
-5. :meth:`AsyncLLM.check <paged_kv.serving.async_llm.AsyncLLM.check>`: what the engine would
-   refuse (token ids outside the vocabulary, a prompt that leaves no room for one token, a
-   request the pool could not hold alone).
+2. the :class:`~paged_kv.serving.sampling_params.SamplingParams` from the request's fields, whose own
+   checks raise vLLM's messages (``temperature``, ``top_p``, ``n``, ``max_tokens``...);
+   ``max_tokens`` passes as the client sent it, ``None`` when left out;
+3. the request itself, once, by the engine's input processor
+   (:meth:`AsyncLLM.check <paged_kv.serving.async_llm.AsyncLLM.check>`): token ids outside the
+   vocabulary, a prompt too long for ``max_model_len`` or with no room for one token, a request the
+   pool could not hold alone; ``max_tokens`` settled there, ``None`` as many as the context leaves
+   (vLLM's ``get_max_tokens``), a larger number capped there. (vLLM's front end measures the prompt
+   earlier too, in its renderer, and words that refusal "This model's maximum context length is X
+   tokens..."; the course checks a request in one place, so its server answers the input
+   processor's words.)
 
 Each failure is a :class:`~paged_kv.entrypoints.openai.protocol.ErrorResponse` (vLLM:
 ``create_error_response``: a ``ValueError`` is a 400 ``BadRequestError``). Only then is the request
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -131,11 +132,10 @@ class OpenAIServing:
 
     request_id_prefix = "cmpl"
 
-    def __init__(self, async_llm: AsyncLLM, *, model_name: str, encode: Encode, max_model_len: int) -> None:
+    def __init__(self, async_llm: AsyncLLM, *, model_name: str, encode: Encode) -> None:
         self.async_llm = async_llm
         self.model_name = model_name
         self.encode = encode
-        self.max_model_len = max_model_len
 
     # ------------------------------------------------------------------------------ the checks
 
@@ -149,30 +149,7 @@ class OpenAIServing:
                 param="model",
             )
 
-    def check_prompt_length(self, prompt_token_ids: Sequence[int]) -> None:
-        """Raises vLLM's renderer's error for a prompt longer than ``max_model_len``."""
-        if len(prompt_token_ids) > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt contains {len(prompt_token_ids)} input tokens, which exceeds this limit even "
-                "without any output tokens. Please reduce the length of the input prompt.",
-                param="input_tokens",
-            )
-
-    def max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
-        """vLLM's ``get_max_tokens``: the room the context leaves, or ``requested`` within it. A
-        ``requested`` below 1 is returned as it is, for ``SamplingParams`` to refuse in its words; a
-        prompt that leaves no room gives 1, for the engine to refuse in its words."""
-        room = self.max_model_len - num_prompt_tokens
-        if requested is None:
-            return max(room, 1)
-        if isinstance(requested, int) and requested >= 1:
-            return max(min(requested, room), 1)
-        return requested
-
-    def sampling_params(
-        self, request: SamplingFields, max_tokens: int | None, prompt_token_ids: Sequence[int]
-    ) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None) -> SamplingParams:
         """The request's :class:`SamplingParams`: OpenAI's defaults for what it leaves out, ``DELTA``
         outputs for a stream and ``FINAL_ONLY`` otherwise.
 
@@ -190,21 +167,20 @@ class OpenAIServing:
             stop=stop,
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
-            max_tokens=self.max_tokens(max_tokens, len(prompt_token_ids)),
+            max_tokens=max_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def prepare(
         self, request: SamplingFields, prompt_token_ids: list[int], max_tokens: int | None
     ) -> tuple[str, SamplingParams]:
-        """Every check of the module, steps 2 to 5 (the model was checked first); a fresh request
-        id and the request's parameters.
+        """Steps 2 and 3 of the module (the model was checked first); a fresh request id and the
+        request's parameters.
 
         Raises:
             RequestError, ValueError: the request is refused; nothing changed.
         """
-        self.check_prompt_length(prompt_token_ids)
-        params = self.sampling_params(request, max_tokens, prompt_token_ids)
+        params = self.sampling_params(request, max_tokens)
         request_id = f"{self.request_id_prefix}-{random_uuid()}"
         self.async_llm.check(request_id, prompt_token_ids, params)
         return request_id, params

@@ -9,21 +9,21 @@ def masked(hidden):
     """``chunk_attention`` that hides position ``p`` from query ``i`` where ``hidden(p, own, n, q)``
     holds, ``own`` being query ``i``'s position ``n - q + i`` (the right mask is ``p > own``)."""
 
-    def chunk_attention(query, k_cache, v_cache, block_table, context_len):
+    def chunk_attention(query, k_cache, v_cache, block_table, seq_len):
         q, num_heads, head_dim = query.shape
         _, num_kv_heads, block_size, _ = k_cache.shape
         group = num_heads // num_kv_heads
-        blocks = torch.as_tensor(block_table, device=query.device).long()[: -(-context_len // block_size)]
+        blocks = torch.as_tensor(block_table, device=query.device).long()[: -(-seq_len // block_size)]
 
         def gather(cache):
-            return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+            return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
 
         k, v = gather(k_cache), gather(v_cache)
         grouped = query.view(q, num_kv_heads, group, head_dim)
         scores = torch.einsum("ikgd,kpd->kgip", grouped, k) * head_dim**-0.5
-        own = context_len - q + torch.arange(q, device=query.device)[:, None]
-        p = torch.arange(context_len, device=query.device)[None, :]
-        scores = scores.masked_fill(hidden(p, own, context_len, q), float("-inf"))
+        own = seq_len - q + torch.arange(q, device=query.device)[:, None]
+        p = torch.arange(seq_len, device=query.device)[None, :]
+        scores = scores.masked_fill(hidden(p, own, seq_len, q), float("-inf"))
         out = torch.einsum("kgip,kpd->ikgd", torch.softmax(scores, dim=-1), v)
         return out.reshape(q, num_heads, head_dim)
 

@@ -1,6 +1,6 @@
 """Sizing the cache in the model's dtype whatever kv_cache_dtype says, so an fp8 block costs bfloat16's."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.block_bytes"
 MESSAGE = "kv_cache_dtype decides the bytes of a cached number"

@@ -1,6 +1,6 @@
 """num_key_value_heads // tensor_parallel_size with no floor: 0 heads, 0 bytes, past one GPU a K/V head."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.block_bytes"
 MESSAGE = "with more GPUs than K/V heads vLLM replicates them"

@@ -1,6 +1,6 @@
 """Counting the query heads, num_attention_heads, where only the K/V heads are cached."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.block_bytes"
 MESSAGE = "not the query heads num_attention_heads"

@@ -1,6 +1,6 @@
 """Dividing by the tensor-parallel size twice: the K/V heads per GPU, then the bytes again."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.block_bytes"
 MESSAGE = "you divided by tensor_parallel_size twice"

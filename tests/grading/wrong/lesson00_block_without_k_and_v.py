@@ -1,6 +1,6 @@
 """Counting K only: one vector a token, a K/V head and a layer, where a block holds K and V."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.block_bytes"
 MESSAGE = "you forgot the factor 2 of K and V"

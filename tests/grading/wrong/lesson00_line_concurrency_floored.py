@@ -1,6 +1,6 @@
 """The concurrency as a whole number of requests, blocks // blocks per request: 6.00x for 6.5."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.startup_line"
 MESSAGE = "// gives a whole number of requests"

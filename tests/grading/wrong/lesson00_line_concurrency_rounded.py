@@ -1,6 +1,6 @@
 """Rounding the concurrency to two decimals with round() instead of formatting it: 6.5x, not 6.50x."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.startup_line"
 MESSAGE = "round(max_concurrency, 2) shows 6.5x"

@@ -1,6 +1,6 @@
 """Writing the token counts without vLLM's thousands separators: 51808 tokens, not 51,808."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.startup_line"
 MESSAGE = "thousands separators"

@@ -1,6 +1,6 @@
 """Leaving the null block out of the line's concurrency, which vLLM 0.33.0 counts among the pool's blocks."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.startup_line"
 MESSAGE = "counts every block of the pool, the null block too"

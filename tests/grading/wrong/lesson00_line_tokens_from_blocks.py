@@ -1,6 +1,6 @@
 """The line's tokens as the pool's slots, blocks * block_size, instead of the concurrency times the length."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.startup_line"
 MESSAGE = "not num_gpu_blocks * block_size"

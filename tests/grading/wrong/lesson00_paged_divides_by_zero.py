@@ -1,6 +1,6 @@
 """Computing the utilization as held / reserved even when nothing is reserved, a ZeroDivisionError."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.paged_usage"
 MESSAGE = "avoid dividing by zero"

@@ -1,6 +1,6 @@
 """Giving each request a contiguous slot as long as itself instead of as long as the longest request."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.contiguous_usage"
 MESSAGE = "as long as the longest one"

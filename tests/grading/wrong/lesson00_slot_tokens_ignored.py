@@ -1,6 +1,6 @@
 """Always sizing the contiguous slot by the longest request, ignoring a slot_tokens that is given."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.contiguous_usage"
 MESSAGE = "when slot_tokens is given"

@@ -1,6 +1,6 @@
 """Rounding up the total of all requests' tokens, as if requests shared blocks, instead of each request."""
 
-from paged_kv.grading.reference.lesson00 import *  # every other task stays right
+from paged_kv.reference.lesson00 import *  # every other task stays right
 
 BREAKS = "00.paged_usage"
 MESSAGE = "not blocks_for_tokens of the total"

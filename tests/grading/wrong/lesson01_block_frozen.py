@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from paged_kv.grading.reference.lesson01 import *  # every other task stays right
+from paged_kv.reference.lesson01 import *  # every other task stays right
 
 BREAKS = "01.block"
 MESSAGE = "do not freeze the dataclass"

@@ -1,6 +1,6 @@
 """Finding the logical block with `/`, a float that cannot index the list of block ids."""
 
-from paged_kv.grading.reference.lesson01 import *  # every other task stays right
+from paged_kv.reference.lesson01 import *  # every other task stays right
 
 BREAKS = "01.physical_block"
 MESSAGE = "`/` gives a float"

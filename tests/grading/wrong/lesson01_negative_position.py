@@ -1,6 +1,6 @@
 """Checking only the upper end, so that Python reads a negative position from the end of the table."""
 
-from paged_kv.grading.reference.lesson01 import *  # every other task stays right
+from paged_kv.reference.lesson01 import *  # every other task stays right
 
 BREAKS = "01.physical_block"
 MESSAGE = "reads block_ids[-1] as the last entry"

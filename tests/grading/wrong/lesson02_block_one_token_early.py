@@ -1,7 +1,7 @@
 """Giving a sequence n // block_size + 1 blocks, a block too many when its last block is exactly full."""
 
 from paged_kv import BlockTable, OutOfBlocksError
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "off by one at the block boundary"

@@ -2,7 +2,7 @@
 
 import torch
 
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.kv_cache"
 MESSAGE = "call super().__init__(num_blocks, block_size) first"

@@ -1,7 +1,7 @@
 """Accepting a sequence id that is already allocated, which replaces its table and leaks its blocks."""
 
 from paged_kv import BlockTable, OutOfBlocksError, blocks_for_tokens
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "a duplicate id must raise ValueError"

@@ -1,6 +1,6 @@
 """Returning every block of a freed sequence, even one that another table still holds."""
 
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "return only the blocks for which allocator.free(...) returned True"

@@ -1,6 +1,6 @@
 """Popping the table with self.tables.pop(seq_id), a KeyError for a sequence that was never allocated."""
 
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "no-op that returns []"

@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.block_allocator"
 MESSAGE = "block 0 still has a holder, so it must stay off the free list"
@@ -11,10 +11,10 @@ MESSAGE = "block 0 still has a holder, so it must stay off the free list"
 class BlockAllocator(BlockAllocator):
     def __init__(self, num_blocks):
         super().__init__(num_blocks)
-        self._free = deque(self._free)  # the exercise's deque free list, where the mistake is made
+        self.free_block_queue = deque(self.free_block_queue)  # the exercise's deque free list, where the mistake is made
 
     def free(self, block_id):
         block = self._used_block(block_id)
         block.ref_count -= 1
-        self._free.append(block_id)
+        self.free_block_queue.append(block_id)
         return block.ref_count == 0

@@ -1,7 +1,7 @@
 """Taking blocks one by one without checking first, so that a failed allocation keeps the blocks it took."""
 
 from paged_kv import BlockTable, blocks_for_tokens
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "the blocks taken before it leak"

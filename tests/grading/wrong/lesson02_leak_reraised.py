@@ -1,7 +1,7 @@
 """Catching the error of a failing allocate() and raising the right one, but keeping the blocks taken."""
 
 from paged_kv import BlockTable, OutOfBlocksError, blocks_for_tokens
-from paged_kv.grading.reference.lesson02 import *  # every other task stays right
+from paged_kv.reference.lesson02 import *  # every other task stays right
 
 BREAKS = "02.sequence_allocator"
 MESSAGE = "the failed call took blocks and kept them (a leak)"

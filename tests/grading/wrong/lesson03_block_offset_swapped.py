@@ -1,6 +1,6 @@
 """Returning (offset, physical_block_id) instead of (physical_block_id, offset)."""
 
-from paged_kv.grading.reference.lesson03 import *  # every other task stays right
+from paged_kv.reference.lesson03 import *  # every other task stays right
 
 BREAKS = "03.physical_location"
 MESSAGE = "block and offset are swapped"

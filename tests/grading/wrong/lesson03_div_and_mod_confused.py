@@ -1,6 +1,6 @@
 """Taking the logical block as position % block_size and the offset as position // block_size."""
 
-from paged_kv.grading.reference.lesson03 import *  # every other task stays right
+from paged_kv.reference.lesson03 import *  # every other task stays right
 
 BREAKS = "03.physical_location"
 MESSAGE = "// and % are confused"

@@ -1,6 +1,6 @@
 """Checking only the upper end of the range, so position -1 silently reads the last block."""
 
-from paged_kv.grading.reference.lesson03 import *  # every other task stays right
+from paged_kv.reference.lesson03 import *  # every other task stays right
 
 BREAKS = "03.physical_location"
 MESSAGE = "refuse a negative position"

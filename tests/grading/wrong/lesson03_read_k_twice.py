@@ -2,7 +2,7 @@
 
 import torch
 
-from paged_kv.grading.reference.lesson03 import *  # every other task stays right
+from paged_kv.reference.lesson03 import *  # every other task stays right
 
 BREAKS = "03.write_read_kv"
 MESSAGE = "the v you return holds K"

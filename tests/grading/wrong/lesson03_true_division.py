@@ -1,6 +1,6 @@
 """Finding the logical block with / instead of //, which gives a float that cannot index the table."""
 
-from paged_kv.grading.reference.lesson03 import *  # every other task stays right
+from paged_kv.reference.lesson03 import *  # every other task stays right
 
 BREAKS = "03.physical_location"
 MESSAGE = "/ gives a float"

@@ -1,7 +1,7 @@
 """Skipping a waiting request that does not fit and admitting a younger one that does."""
 
 from paged_kv import blocks_for_tokens
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 
 BREAKS = "04.finish_and_admit"
 MESSAGE = "skipped ahead of"

@@ -1,7 +1,7 @@
 """Taking the appended block from the tail of the free list (pop) instead of its head (popleft)."""
 
 from paged_kv import OutOfBlocksError
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 from tests.grading.wrong._block_manager import GivenBlockManager
 
 BREAKS = "04.append_block"

@@ -1,6 +1,6 @@
 """Appending a block with free_blocks.popleft() and no look at the free list first."""
 
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 from tests.grading.wrong._block_manager import GivenBlockManager
 
 BREAKS = "04.append_block"

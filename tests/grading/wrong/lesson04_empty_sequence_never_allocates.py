@@ -1,6 +1,6 @@
 """Guarding the rule with "holds a block", so an empty sequence never gets its first block."""
 
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 
 BREAKS = "04.needs_new_block"
 MESSAGE = "an empty sequence holds no block"

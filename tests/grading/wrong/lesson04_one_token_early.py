@@ -1,6 +1,6 @@
 """Taking a new block when (num_tokens + 1) % block_size == 0, one token before the block is full."""
 
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 
 BREAKS = "04.needs_new_block"
 MESSAGE = "one token early"

@@ -1,6 +1,6 @@
 """Counting a prompt's blocks as prompt_tokens // block_size, rounding down instead of up."""
 
-from paged_kv.grading.reference.lesson04 import *  # every other task stays right
+from paged_kv.reference.lesson04 import *  # every other task stays right
 
 BREAKS = "04.finish_and_admit"
 MESSAGE = "ceil(13 / 4) = 4 blocks"

@@ -2,13 +2,13 @@
 
 import torch
 
-from paged_kv.grading.reference.lesson05 import *  # every other task stays right
+from paged_kv.reference.lesson05 import *  # every other task stays right
 
 BREAKS = "05.paged_decode_attention"
 MESSAGE = "clamp block_tables to 0 .. num_blocks - 1 before indexing"
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens):
     batch, num_heads, head_dim = query.shape
     block_size = k_cache.shape[2]
     blocks = block_tables.long()  # the mistake: the padding indexes the cache as it is
@@ -19,6 +19,6 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
 
     k, v = gather(k_cache), gather(v_cache)
     scores = torch.einsum("bhd,bhpd->bhp", query, k) * head_dim**-0.5
-    beyond = torch.arange(num_positions, device=query.device)[None, :] >= context_lens[:, None]
+    beyond = torch.arange(num_positions, device=query.device)[None, :] >= seq_lens[:, None]
     scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
     return torch.einsum("bhp,bhpd->bhd", torch.softmax(scores, dim=-1), v)

@@ -1,7 +1,7 @@
 """The scores scaled by 1 / head_dim instead of 1 / sqrt(head_dim)."""
 
-from paged_kv.grading.reference.lesson05 import *  # every other task stays right
-from paged_kv.grading.reference.lesson05 import decode_attention as right_decode_attention
+from paged_kv.reference.lesson05 import *  # every other task stays right
+from paged_kv.reference.lesson05 import decode_attention as right_decode_attention
 
 BREAKS = "05.decode_attention"
 MESSAGE = "the scores are scaled by 1 / head_dim"

@@ -1,14 +1,14 @@
-"""Only the padding blocks masked: the positions past context_len in the partly filled last block are kept."""
+"""Only the padding blocks masked: the positions past seq_len in the partly filled last block are kept."""
 
 import torch
 
-from paged_kv.grading.reference.lesson05 import *  # every other task stays right
+from paged_kv.reference.lesson05 import *  # every other task stays right
 
 BREAKS = "05.paged_decode_attention"
-MESSAGE = "the positions past context_len are not masked"
+MESSAGE = "the positions past seq_len are not masked"
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens):
     batch, num_heads, head_dim = query.shape
     num_blocks, _, block_size, _ = k_cache.shape
     blocks = block_tables.long().clamp(0, num_blocks - 1)
@@ -20,7 +20,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
     k, v = gather(k_cache), gather(v_cache)
     scores = torch.einsum("bhd,bhpd->bhp", query, k) * head_dim**-0.5
     # the mistake: a whole block is masked or kept, so the stale tail of the last block is kept
-    needed_blocks = (context_lens + block_size - 1) // block_size
+    needed_blocks = (seq_lens + block_size - 1) // block_size
     block_of = torch.arange(num_positions, device=query.device) // block_size
     beyond = block_of[None, :] >= needed_blocks[:, None]
     scores = scores.masked_fill(beyond[:, None, :], float("-inf"))

@@ -1,14 +1,14 @@
-"""Grouped heads right, but no mask: the stale slots past context_len (and the padding) are attended."""
+"""Grouped heads right, but no mask: the stale slots past seq_len (and the padding) are attended."""
 
 import torch
 
-from paged_kv.grading.reference.lesson06 import *  # every other task stays right
+from paged_kv.reference.lesson06 import *  # every other task stays right
 
 BREAKS = "06.gqa_decode_attention"
-MESSAGE = "the positions past context_len are not masked"
+MESSAGE = "the positions past seq_len are not masked"
 
 
-def gqa_decode_attention(query, k_cache, v_cache, block_tables, context_lens):
+def gqa_decode_attention(query, k_cache, v_cache, block_tables, seq_lens):
     batch, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -1,7 +1,7 @@
 """A request of exactly max_model_len tokens refused: >= where > belongs."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
-from paged_kv.grading.reference.lesson07 import reserved_tokens as right_reserved_tokens
+from paged_kv.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import reserved_tokens as right_reserved_tokens
 
 BREAKS = "07.reserved_tokens"
 MESSAGE = "(>, not >=)"

@@ -1,6 +1,6 @@
 """A doubling loop that starts at 2, so the next power of two of 1 comes out as 2."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import *  # every other task stays right
 
 BREAKS = "07.next_power_of_two"
 MESSAGE = "the answer for 1 is 1"

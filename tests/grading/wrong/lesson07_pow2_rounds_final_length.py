@@ -1,7 +1,7 @@
 """The power of two of the whole final length, not of the output alone: 300 + 1 tokens reserve 512 slots."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
-from paged_kv.grading.reference.lesson07 import reserved_tokens as right_reserved_tokens
+from paged_kv.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import reserved_tokens as right_reserved_tokens
 
 BREAKS = "07.reserved_tokens"
 MESSAGE = "rounds only the output"

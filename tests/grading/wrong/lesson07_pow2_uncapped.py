@@ -1,7 +1,7 @@
 """The power-of-two room not capped at max_model_len: 150 + 200 tokens reserve 406 slots, over 400."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
-from paged_kv.grading.reference.lesson07 import reserved_tokens as right_reserved_tokens
+from paged_kv.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import reserved_tokens as right_reserved_tokens
 
 BREAKS = "07.reserved_tokens"
 MESSAGE = "cap the reservation at max_model_len"

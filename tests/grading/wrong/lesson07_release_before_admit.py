@@ -1,6 +1,6 @@
 """Finished sequences released before the admissions, so their slots are reused in a step they still run."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import *  # every other task stays right
 
 BREAKS = "07.continuous_batcher"
 MESSAGE = "admit before you release"

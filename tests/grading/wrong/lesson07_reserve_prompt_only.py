@@ -1,7 +1,7 @@
 """A contiguous slot reserved for the prompt alone, as if it could grow while the request decodes."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
-from paged_kv.grading.reference.lesson07 import reserved_tokens as right_reserved_tokens
+from paged_kv.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import reserved_tokens as right_reserved_tokens
 
 BREAKS = "07.reserved_tokens"
 MESSAGE = "not for the prompt alone"

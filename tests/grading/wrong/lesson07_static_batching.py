@@ -1,6 +1,6 @@
 """Memory released only when the whole batch has finished (static batching), not when each sequence does."""
 
-from paged_kv.grading.reference.lesson07 import *  # every other task stays right
+from paged_kv.reference.lesson07 import *  # every other task stays right
 
 BREAKS = "07.continuous_batcher"
 MESSAGE = "static batching"

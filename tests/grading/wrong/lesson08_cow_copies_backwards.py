@@ -1,6 +1,6 @@
 """Copy-on-write that copies the fresh block over the shared one: the other holders' K/V are destroyed."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "copy from the shared block into the new one"

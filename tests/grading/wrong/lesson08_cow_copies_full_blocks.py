@@ -1,7 +1,7 @@
 """Copy-on-write of every shared block of the table, full ones included, instead of the one written into."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
-from paged_kv.grading.reference.lesson08 import append_token as right_append_token
+from paged_kv.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import append_token as right_append_token
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "full blocks take no new token, so they stay shared"

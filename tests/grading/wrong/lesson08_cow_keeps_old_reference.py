@@ -1,6 +1,6 @@
 """Copy-on-write that never drops the writer's reference to the shared block, which then leaks."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "drop one reference to it"

@@ -1,6 +1,6 @@
 """Copy-on-write that swaps in a fresh block but copies no K/V into it: the writer loses its prefix."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "copy the shared block's K and V into the new block"

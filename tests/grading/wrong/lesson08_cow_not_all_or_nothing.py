@@ -1,7 +1,7 @@
 """Copy-on-write that drops the shared block's reference before taking the copy: out of blocks, it leaks."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
-from paged_kv.grading.reference.lesson08 import append_token as right_append_token
+from paged_kv.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import append_token as right_append_token
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "raise OutOfBlocksError before changing anything"

@@ -1,6 +1,6 @@
 """Appending with the boundary rule alone: a token lands in a shared block, which nobody copies."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.copy_on_write"
 MESSAGE = "copy it into a fresh block"

@@ -1,7 +1,7 @@
 """Forking by copying: the child takes fresh blocks and a copy of the parent's K/V, sharing nothing."""
 
 from paged_kv.core.block import BlockTable
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.fork"
 MESSAGE = "fork takes no block and moves no K/V"

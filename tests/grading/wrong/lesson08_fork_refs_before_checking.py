@@ -1,6 +1,6 @@
 """Adding the references before refusing a child id that is already allocated: the failed fork leaks them."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.fork"
 MESSAGE = "raise ValueError before you add any reference"

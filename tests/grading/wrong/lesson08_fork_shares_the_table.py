@@ -1,6 +1,6 @@
 """Forking by storing the parent's own BlockTable under the child's id, so the two tables are one object."""
 
-from paged_kv.grading.reference.lesson08 import *  # every other task stays right
+from paged_kv.reference.lesson08 import *  # every other task stays right
 
 BREAKS = "08.fork"
 MESSAGE = "copy of the parent's table"

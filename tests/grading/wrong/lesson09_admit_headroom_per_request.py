@@ -2,7 +2,7 @@
 prompt's blocks. vLLM keeps none: it admits into a full pool and preempts when a decode finds no block."""
 
 from paged_kv import blocks_for_tokens
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.can_admit"
 MESSAGE = (

@@ -1,7 +1,7 @@
 """Headroom for the running requests only: one block kept back per running request, none for the new one."""
 
 from paged_kv import blocks_for_tokens
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.can_admit"
 MESSAGE = "you kept one block of headroom per running request. vLLM keeps no block per running request"

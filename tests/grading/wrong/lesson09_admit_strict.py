@@ -1,7 +1,7 @@
 """A strict comparison: a request that needs exactly the free blocks is refused."""
 
 from paged_kv import blocks_for_tokens
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.can_admit"
 MESSAGE = "compare with <=, not <"

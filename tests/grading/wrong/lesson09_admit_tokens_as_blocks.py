@@ -1,6 +1,6 @@
 """The prompt's tokens compared with the free blocks, as if a block held one token."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.can_admit"
 MESSAGE = "you compared tokens with blocks"

@@ -1,6 +1,6 @@
 """append grows every sequence once per layer, as if each layer had its own allocator."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.paged_cache"
 MESSAGE = "once per layer"

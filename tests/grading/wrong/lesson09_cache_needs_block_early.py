@@ -1,6 +1,6 @@
 """The seed's boundary rule, (length + 1) % block_size == 0: a block asked for one token early."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.paged_cache"
 MESSAGE = "its next token needs a new one"

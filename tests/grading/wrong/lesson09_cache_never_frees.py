@@ -1,6 +1,6 @@
 """free forgets to give the blocks back: finished sequences fill the pool."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.paged_cache"
 MESSAGE = "give the sequence's blocks back to the manager"

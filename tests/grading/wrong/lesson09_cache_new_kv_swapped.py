@@ -1,6 +1,6 @@
 """The new token's K and V swapped when attend stores them (the prompt's are right)."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.paged_cache"
 MESSAGE = "K and V are swapped"

@@ -1,6 +1,6 @@
 """The prompt's K and V swapped when they are stored."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.paged_cache"
 MESSAGE = "K and V are swapped"

@@ -2,8 +2,8 @@
 
 import torch
 
-from paged_kv.grading.reference.lesson04 import decode_step
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson04 import decode_step
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.decode_slots"
 MESSAGE = "its new token is at position length - 1"

@@ -1,7 +1,7 @@
 """Slots computed from the int32 block tables and returned as an int32 tensor, not a LongTensor."""
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
-from paged_kv.grading.reference.lesson09 import decode_slots as right_decode_slots
+from paged_kv.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import decode_slots as right_decode_slots
 
 BREAKS = "09.decode_slots"
 MESSAGE = "make a LongTensor"

@@ -2,7 +2,7 @@
 
 import torch
 
-from paged_kv.grading.reference.lesson09 import *  # every other task stays right
+from paged_kv.reference.lesson09 import *  # every other task stays right
 
 BREAKS = "09.decode_slots"
 MESSAGE = "(a leak)"

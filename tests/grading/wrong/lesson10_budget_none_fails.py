@@ -1,6 +1,6 @@
 """budget=None not handled: min(wanted, None) raises a TypeError."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.schedule_step"
 MESSAGE = "budget=None means no budget"

@@ -1,6 +1,6 @@
 """The step of each request's first chunk taken for the step of its first token."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.first_token_steps"
 MESSAGE = "you gave the step of each request's first chunk"

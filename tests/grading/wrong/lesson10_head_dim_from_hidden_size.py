@@ -1,6 +1,6 @@
 """The head size always computed from hidden_size, even where the config gives head_dim."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.kv_bytes_per_token"
 MESSAGE = "the head size comes from hidden_size // num_attention_heads although the config gives head_dim"

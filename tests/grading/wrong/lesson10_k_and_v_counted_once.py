@@ -1,6 +1,6 @@
 """The factor 2 forgotten: only K counted, as if the cache kept no V."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.kv_bytes_per_token"
 MESSAGE = "K and V are counted once"

@@ -1,6 +1,6 @@
 """The sum compared with > instead of >=: the step after the chunk that completes the prompt."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.first_token_steps"
 MESSAGE = "one step late"

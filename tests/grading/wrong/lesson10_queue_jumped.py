@@ -1,6 +1,6 @@
 """A prompt that does not fit whole is skipped, and a later one that fits is admitted before it."""
 
-from paged_kv.grading.reference.lesson10 import *  # every other task stays right
+from paged_kv.reference.lesson10 import *  # every other task stays right
 
 BREAKS = "10.schedule_step"
 MESSAGE = "a prompt that does not fit the budget left is passed over and a later, shorter one admitted"

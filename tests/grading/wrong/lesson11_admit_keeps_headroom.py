@@ -3,7 +3,7 @@ prompt. vLLM keeps none; it admits when the prompt fits and preempts when a deco
 
 import math
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.admit_with_watermark"
 MESSAGE = "no block of headroom per running sequence"

@@ -3,7 +3,7 @@ vLLM never had. It admits into a pool that may run short next step, and preempts
 
 import math
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.admit_with_watermark"
 MESSAGE = "no block of headroom per running sequence"

@@ -1,7 +1,7 @@
 """Victims taken from the front of running: the oldest sequences lose their place first."""
 
 from paged_kv.errors import OutOfBlocksError
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "you preempted the oldest sequences first"

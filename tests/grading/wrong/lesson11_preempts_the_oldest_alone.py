@@ -1,6 +1,6 @@
 """When nothing else helps, the oldest sequence is preempted too, and nothing is left running."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "never preempt the oldest sequence"

@@ -1,6 +1,6 @@
 """Preempted requests requeued at the back, behind requests that arrived after them."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "the victims went to the back of the queue"

@@ -1,6 +1,6 @@
 """Victims at the front of the queue, but the newest ahead of the older ones."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "at the front but the newest first"

@@ -1,6 +1,6 @@
 """Swap-in grows the sequence token by token: when the blocks run out, a half-built sequence stays."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.swap_round_trip"
 MESSAGE = "a call that raises changes nothing"

@@ -1,6 +1,6 @@
 """Swap-in allocates the blocks but never copies the K/V back: the sequence attends to stale data."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.swap_round_trip"
 MESSAGE = "write the saved K and V into the new blocks"

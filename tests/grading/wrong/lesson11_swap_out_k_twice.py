@@ -1,6 +1,6 @@
 """Swap-out saves K twice: the sequence comes back with its keys as its values."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.swap_round_trip"
 MESSAGE = "the v you return holds K"

@@ -1,6 +1,6 @@
 """Swap-out copies the K/V to the host but never frees the blocks: the swap makes no room."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.swap_round_trip"
 MESSAGE = "free the sequence"

@@ -1,7 +1,7 @@
 """A victim's own need stays in the count, although it no longer decodes in this step."""
 
 from paged_kv.errors import OutOfBlocksError
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "a victim does not decode in this step"

@@ -1,7 +1,7 @@
 """The right victims, listed oldest first instead of in the order they are preempted."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
-from paged_kv.grading.reference.lesson11 import choose_victims as _choose_victims
+from paged_kv.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import choose_victims as _choose_victims
 
 BREAKS = "11.choose_victims"
 MESSAGE = "the right victims in the wrong order"

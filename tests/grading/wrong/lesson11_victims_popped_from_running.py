@@ -1,7 +1,7 @@
 """The victims are popped off the caller's list: the engine's running list loses them behind its back."""
 
 from paged_kv.errors import OutOfBlocksError
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.choose_victims"
 MESSAGE = "leave running as it is"

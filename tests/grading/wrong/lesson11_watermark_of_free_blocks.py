@@ -2,7 +2,7 @@
 
 import math
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.admit_with_watermark"
 MESSAGE = "not of the blocks free now"

@@ -1,6 +1,6 @@
 """The watermark rounded down: 1 % of 50 blocks is half a block, and int() keeps none of them free."""
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.admit_with_watermark"
 MESSAGE = "the watermark is rounded down"

@@ -3,7 +3,7 @@ prompt now holds its output too, can be refused for ever by a pool that would ho
 
 import math
 
-from paged_kv.grading.reference.lesson11 import *  # every other task stays right
+from paged_kv.reference.lesson11 import *  # every other task stays right
 
 BREAKS = "11.admit_with_watermark"
 MESSAGE = "the watermark is kept only while another request runs"

@@ -1,6 +1,6 @@
 """The right blocks freed first to last: vLLM frees them from the last skipped block down."""
 
-from paged_kv.grading.reference.lesson13 import *  # every other task stays right
+from paged_kv.reference.lesson13 import *  # every other task stays right
 
 BREAKS = "13.remove_skipped_blocks"
 MESSAGE = "the right blocks in the wrong order"

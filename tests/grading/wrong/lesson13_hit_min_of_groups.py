@@ -1,7 +1,7 @@
 """Each group asked once, at the longest possible hit, and the shortest answer taken: a sliding group is
 never asked again at the shorter length, where its window needs other blocks."""
 
-from paged_kv.grading.reference.lesson13 import *  # every other task stays right
+from paged_kv.reference.lesson13 import *  # every other task stays right
 
 BREAKS = "13.hybrid_hit"
 MESSAGE = "you took the shortest of the groups' own hits"

@@ -1,7 +1,7 @@
 """The skipped tokens off by one: the window of the next token is taken to start W tokens back, without
 counting the token itself, so one token too few is skipped."""
 
-from paged_kv.grading.reference.lesson13 import *  # every other task stays right
+from paged_kv.reference.lesson13 import *  # every other task stays right
 
 BREAKS = "13.num_skipped_tokens"
 MESSAGE = "off by one: the window counts the token itself"

@@ -1,6 +1,6 @@
 """The skipped tokens without max(0, ...): a request shorter than its window skips a negative number."""
 
-from paged_kv.grading.reference.lesson13 import *  # every other task stays right
+from paged_kv.reference.lesson13 import *  # every other task stays right
 
 BREAKS = "13.num_skipped_tokens"
 MESSAGE = "a count of tokens is never negative"

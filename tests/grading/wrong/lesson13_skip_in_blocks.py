@@ -1,6 +1,6 @@
 """The skipped tokens counted in blocks of 16: the block size has no part in which tokens a window skips."""
 
-from paged_kv.grading.reference.lesson13 import *  # every other task stays right
+from paged_kv.reference.lesson13 import *  # every other task stays right
 
 BREAKS = "13.num_skipped_tokens"
 MESSAGE = "you used the block size"

@@ -1,7 +1,7 @@
 """The window counted in steps, not requests: max_recent_requests steps are kept, however many requests
 each one looked up."""
 
-from paged_kv.grading.reference.lesson14 import *  # every other task stays right
+from paged_kv.reference.lesson14 import *  # every other task stays right
 
 BREAKS = "14.CachingMetrics"
 MESSAGE = "the window holds the most recent max_recent_requests requests, not steps"

@@ -4,7 +4,7 @@
 import itertools
 import math
 
-from paged_kv.grading.reference.lesson14 import *  # every other task stays right
+from paged_kv.reference.lesson14 import *  # every other task stays right
 
 BREAKS = "14.common_block_size"
 MESSAGE = "take the smallest candidate, not the first one found"

@@ -1,7 +1,7 @@
 """The throughputs divided by the window's seconds without a guard: a window of 0 s raises
 ZeroDivisionError where vLLM writes 0.0 tokens/s."""
 
-from paged_kv.grading.reference.lesson14 import *  # every other task stays right
+from paged_kv.reference.lesson14 import *  # every other task stays right
 
 BREAKS = "14.log_line"
 MESSAGE = "a window of 0 seconds has no throughput to divide by"

@@ -1,6 +1,6 @@
 """'Preemptions: 0' in every line: vLLM shows the part only when the window preempted."""
 
-from paged_kv.grading.reference.lesson14 import *  # every other task stays right
+from paged_kv.reference.lesson14 import *  # every other task stays right
 
 BREAKS = "14.log_line"
 MESSAGE = "only when the window preempted"

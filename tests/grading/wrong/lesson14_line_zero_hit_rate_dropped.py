@@ -1,7 +1,7 @@
 """`if prefix_cache_hit_rate:` for `is not None`: a hit rate of 0.0, a cache looked up that found
 nothing, disappears from the line."""
 
-from paged_kv.grading.reference.lesson14 import *  # every other task stays right
+from paged_kv.reference.lesson14 import *  # every other task stays right
 
 BREAKS = "14.log_line"
 MESSAGE = "a hit rate of 0.0 is still a hit rate"

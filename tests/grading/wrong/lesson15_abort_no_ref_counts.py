@@ -1,7 +1,7 @@
 """Every block of an aborted request's table freed, those another table still holds too: the prefix two
 requests share goes back to the free list while the other one still reads it."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.abort"
 MESSAGE = "a block another table still holds"

@@ -3,7 +3,7 @@ aborted requests, whose blocks are already free."""
 
 from collections import Counter
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.abort"
 MESSAGE = "change running, waiting, free_blocks and block_tables themselves, in place"

@@ -3,7 +3,7 @@ last, and the blocks after it can no longer be found."""
 
 from collections import Counter
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.abort"
 MESSAGE = "a request gives its blocks back the last first"

@@ -1,6 +1,6 @@
 """The index after the request's id: 'cmpl-7_0' where vLLM names the child '0_cmpl-7'."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.child_requests"
 MESSAGE = "vLLM puts the index first"

@@ -1,6 +1,6 @@
 """Every child given the request's seed: the n completions draw the same numbers and come out identical."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.child_requests"
 MESSAGE = "each child gets its own seed, seed + i"

@@ -1,6 +1,6 @@
 """`if seed` for `seed is not None`: a request seeded with 0 gets children without seeds."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.child_requests"
 MESSAGE = "a seed of 0 is a seed"

@@ -1,7 +1,7 @@
 """The whole length of the longest stop string held back, not one less: a stream with stop=['\\n'] then
 holds back its last character for nothing."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "hold back the longest stop string's length less one"

@@ -1,6 +1,6 @@
 """The tail held back once the completion has finished too: its last characters never reach the client."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "a finished text is sent whole"

@@ -1,7 +1,7 @@
 """text[:-hold] to hold back the tail: with no stop strings hold is 0, and text[:-0] is '', so a stream
 without stop strings sends nothing until it finishes."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "text[:-hold] is '' when hold is 0"

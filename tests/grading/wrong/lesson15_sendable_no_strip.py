@@ -1,7 +1,7 @@
 """A trailing '\\ufffd' sent: the client reads a replacement character where the next token completes
 'é' or '€'."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "a trailing '\\ufffd' is a character whose bytes have not all arrived"

@@ -1,7 +1,7 @@
 """The stop string that starts earliest in the text wins, not the first one listed: with stop=['.', '\\n']
 the text 'Yes!\\nNo.' ends at the '\\n', where vLLM, trying '.' first, ends it at the '.'."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "vLLM tries the stop strings in the order they are listed"

@@ -1,7 +1,7 @@
 """The stop string kept at the end of the text: vLLM leaves it out by default
 (include_stop_str_in_output=False)."""
 
-from paged_kv.grading.reference.lesson15 import *  # every other task stays right
+from paged_kv.reference.lesson15 import *  # every other task stays right
 
 BREAKS = "15.stop_strings"
 MESSAGE = "the stop string is left out of the text"

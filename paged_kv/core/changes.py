@@ -1,4 +1,9 @@
-"""What the block manager tells its observers: one :class:`BlockEvent` per change of the bookkeeping.
+"""What the lessons' block manager tells its observers: one :class:`BlockChange` per change of its
+bookkeeping, the pictures' trace (lessons 02, 04, 08).
+
+Not vLLM's KV-cache events: those (``BlockStored``, ``BlockRemoved``) say which hashes a pool
+cached and evicted, and hang at :class:`~paged_kv.core.block_pool.BlockPool`'s listeners. A change
+here is any step of a sequence's table that a picture shows.
 
 :class:`~paged_kv.core.block_manager.BlockManager` emits an event after each successful change, to
 every observer given to :meth:`~paged_kv.core.block_manager.BlockManager.subscribe`, in the order
@@ -6,7 +11,7 @@ the changes happen. An observer sees the manager already changed, so it can take
 Recording a trace for the widgets (:class:`~paged_kv.core.trace.Recorder`) is one such observer; a
 call that raises emits nothing, so an observer only ever sees what really happened.
 
-The kinds (lessons 02, 04 and 08):
+The kinds:
 
 * ``"allocate"``: a prompt got its blocks (``blocks``, the new table; ``tokens``, ``(1, n)`` for a
   prompt of ``n`` tokens, ``n`` possibly 0);
@@ -29,11 +34,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-EVENT_KINDS = ("allocate", "cache_hit", "append", "new_block", "copy_on_write", "fork", "free", "evict")
+CHANGE_KINDS = ("allocate", "cache_hit", "append", "new_block", "copy_on_write", "fork", "free", "evict")
 
 
 @dataclass(frozen=True)
-class BlockEvent:
+class BlockChange:
     """One change of the block manager's bookkeeping; the fields a kind does not use stay empty."""
 
     kind: str
@@ -45,5 +50,5 @@ class BlockEvent:
     parent: Hashable | None = None
 
 
-Observer = Callable[[BlockEvent], None]
-"""Anything called with each :class:`BlockEvent`; what it returns is ignored."""
+Observer = Callable[[BlockChange], None]
+"""Anything called with each :class:`BlockChange`; what it returns is ignored."""

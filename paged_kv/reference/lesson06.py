@@ -23,8 +23,8 @@ def chunk_attention(
     k_cache: _torch.Tensor,
     v_cache: _torch.Tensor,
     block_table: _torch.Tensor | _Sequence[int],
-    context_len: int,
+    seq_len: int,
 ) -> _torch.Tensor:
-    """The last ``query.shape[0]`` of a sequence's ``context_len`` positions, attending causally."""
+    """The last ``query.shape[0]`` of a sequence's ``seq_len`` positions, attending causally."""
     row = _torch.as_tensor(block_table, device=query.device)[None]
-    return packed_attention(query, k_cache, v_cache, row, [int(context_len)], [query.shape[0]])
+    return packed_attention(query, k_cache, v_cache, row, [int(seq_len)], [query.shape[0]])

@@ -1,16 +1,18 @@
 """One KV-cache group's block tables over a shared pool: full attention or a sliding window (lesson 13).
 
 vLLM 0.33.0 keeps one such manager per KV-cache group (``vllm/v1/core/single_type_kv_cache_manager.py``:
-``FullAttentionManager``, ``SlidingWindowManager``), all drawing from one ``BlockPool``; the
+``SingleTypeKVCacheManager``, with ``FullAttentionManager`` and ``SlidingWindowManager``), all
+drawing from one :class:`~paged_kv.core.block_pool.BlockPool`; the
 :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` asks every manager before it takes
-a block for any of them. A manager holds, per request, the list of its group's block ids, one per
+a block for any of them. A model whose layers all attend fully has one group, and so one
+:class:`FullAttentionManager`. A manager holds, per request, the list of its group's block ids, one per
 logical block: logical block ``j`` holds positions ``j * block_size ..`` of the request in every
 layer of the group.
 
 **The null block.** A sliding-window layer never reads a block that lies wholly before the window
 of the request's next token: :meth:`SingleTypeManager.remove_skipped_blocks` gives such blocks back
-to the pool and puts the **null block** (block 0 of the pool, never allocated nor freed, vLLM's
-``BlockPool.null_block``) in their place. The table keeps its length, so logical block ``j`` is
+to the pool and puts the **null block** (block 0 of the pool, :data:`~paged_kv.core.block_pool.NULL_BLOCK`, never
+allocated nor freed) in their place. The table keeps its length, so logical block ``j`` is
 still entry ``j`` and a position's slot is computed as before; the attention's window mask never
 reads the null entries. A full-attention manager skips nothing.
 
@@ -23,7 +25,8 @@ Invariants, per request, after every call:
 
 With prefix caching each full block is cached under the chained hash of its request's tokens,
 tagged with the group (:class:`~paged_kv.core.prefix_cache.PrefixCache`); a block freed from the
-window stays cached, evictable, on the pool's free list. :meth:`find_longest_cache_hit` is where the
+window stays cached, evictable, on the pool's free list. The pool alone stores and evicts hashes
+(:meth:`~paged_kv.core.block_pool.BlockPool.cache_block`, its ``allocate``). :meth:`find_longest_cache_hit` is where the
 two kinds differ most: full attention needs every block of the prefix, a sliding window only the
 blocks its first uncomputed token reads.
 """
@@ -33,27 +36,22 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_allocator import BlockAllocator
+from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_groups import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from paged_kv.core.prefix_cache import CachedBlock, CachingBlockAllocator, HashChain, TokenIds
-
-NULL_BLOCK = 0
-"""The pool's null block: the entry of a block freed from a sliding window (vLLM: ``null_block``)."""
+from paged_kv.core.prefix_cache import CachedBlock, HashChain, TokenIds
 
 
-class SingleTypeManager:
-    """The block tables of KV-cache group ``group_id``, whose layers have ``spec``, over ``pool``.
+class SingleTypeKVCacheManager:
+    """The block tables of KV-cache group ``group_id``, whose layers have ``spec``, over ``block_pool``
+    (vLLM: ``SingleTypeKVCacheManager``). A sliding-window group needs the pool's null block."""
 
-    The pool's block :data:`NULL_BLOCK` must be taken already (the coordinator takes it at once).
-    """
-
-    def __init__(self, spec: AttentionSpec, pool: BlockAllocator, group_id: int) -> None:
-        self.spec, self.pool, self.group_id = spec, pool, group_id
+    def __init__(self, spec: AttentionSpec, block_pool: BlockPool, group_id: int) -> None:
+        self.spec, self.block_pool, self.group_id = spec, block_pool, group_id
         self.block_size = spec.block_size
         self.req_to_blocks: dict[Hashable, list[int]] = {}
         self._chains: dict[Hashable, HashChain] = {}  # with prefix caching and token ids
 
-    def num_blocks_to_allocate(
+    def get_num_blocks_to_allocate(
         self, request_id: Hashable, num_tokens: int, hits: Sequence[int] = (), num_computed_tokens: int = 0
     ) -> int:
         """Free blocks the request takes to hold ``num_tokens`` tokens (vLLM:
@@ -66,27 +64,21 @@ class SingleTypeManager:
             return max(0, required - len(held))
         skipped = self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size
         fresh = max(0, required - max(skipped, len(hits)))
-        return fresh + sum(self.pool.is_free(b) for b in hits[skipped:] if b != NULL_BLOCK)
+        return fresh + self.block_pool.num_revived(hits[skipped:])
 
-    def add_hits(self, request_id: Hashable, hits: Sequence[int]) -> None:
+    def save_new_computed_blocks(self, request_id: Hashable, hits: Sequence[int]) -> None:
         """Start a new request's list with its prefix-cache ``hits``, one more holder for each real
-        block (off the free list when nobody held it)."""
-        for block_id in hits:
-            if block_id == NULL_BLOCK:
-                continue
-            if self.pool.is_free(block_id):
-                self.pool.take(block_id)
-            else:
-                self.pool.add_ref(block_id)
+        block (vLLM: ``save_new_computed_blocks``, through the pool's ``touch``)."""
+        self.block_pool.touch(hits)
         self.req_to_blocks[request_id] = list(hits)
 
-    def allocate_new_blocks(self, request_id: Hashable, num_tokens: int) -> list[int]:
+    def allocate_new_blocks(self, request_id: Hashable, num_tokens: int) -> tuple[int, ...]:
         """Take the blocks the request is missing to hold ``num_tokens`` tokens (the caller checked
-        they are free); return them, in table order."""
+        they are free); return them, in table order (vLLM: ``allocate_new_blocks``)."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        new = self.pool.allocate_blocks(max(0, blocks_for_tokens(num_tokens, self.block_size) - len(blocks)))
+        new = self.block_pool.get_new_blocks(-(-num_tokens // self.block_size) - len(blocks))
         blocks += new
-        return new
+        return tuple(new)
 
     def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> list[int]:
         """Give back the blocks wholly before the window of the request's token at position
@@ -103,8 +95,7 @@ class SingleTypeManager:
                 break
             freed.append(blocks[index])
             blocks[index] = NULL_BLOCK
-        for block_id in freed:
-            self.pool.free(block_id)
+        self.block_pool.free_blocks(freed)
         return freed
 
     def start_chain(self, request_id: Hashable, last_hit: CachedBlock | None, num_hit_blocks: int) -> None:
@@ -122,22 +113,10 @@ class SingleTypeManager:
         chain = self._chains.get(request_id)
         if chain is None:
             return
-        pool, blocks, size = self.pool, self.req_to_blocks[request_id], self.block_size
-        tail = chain.tail
-        tail.extend(token_ids)
-        cache = pool.prefix_cache  # type: ignore[attr-defined]  # a chain exists only with caching
         sliding = isinstance(self.spec, SlidingWindowSpec)
-        while len(tail) >= size:
-            tokens = tuple(tail[:size])
-            del tail[:size]
-            block_id = blocks[chain.num_blocks]
-            chain.last = cache.extend(
-                chain.last, tokens, block_id, group=self.group_id, evicted_parent=sliding
-            )
-            chain.num_blocks += 1
-            if chain.last is None:
-                del self._chains[request_id]
-                return
+        blocks = self.req_to_blocks[request_id]
+        if not self.block_pool.cache_full_blocks(chain, token_ids, blocks, self.block_size, self.group_id, sliding):
+            del self._chains[request_id]
 
     def free(self, request_id: Hashable) -> list[int]:
         """Give back every real block of the request, the last first (so that a cached prefix loses
@@ -145,8 +124,7 @@ class SingleTypeManager:
         self._chains.pop(request_id, None)
         blocks = self.req_to_blocks.pop(request_id, [])
         freed = [b for b in reversed(blocks) if b != NULL_BLOCK]
-        for block_id in freed:
-            self.pool.free(block_id)
+        self.block_pool.free_blocks(freed)
         return freed
 
     def find_longest_cache_hit(
@@ -157,17 +135,17 @@ class SingleTypeManager:
         raise NotImplementedError
 
 
-class FullAttentionManager(SingleTypeManager):
+class FullAttentionManager(SingleTypeKVCacheManager):
     """A group of full-attention layers (vLLM: ``FullAttentionManager``): every block of the prefix."""
 
     def find_longest_cache_hit(
         self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
     ) -> tuple[list[CachedBlock | None], int]:
-        hits = _cache(self.pool).match(blocks, hashes, max_blocks, self.group_id)
+        hits = self.block_pool.prefix_cache.match(blocks, hashes, max_blocks, self.group_id)
         return list(hits), len(hits)
 
 
-class SlidingWindowManager(SingleTypeManager):
+class SlidingWindowManager(SingleTypeKVCacheManager):
     """A group of sliding-window layers (vLLM: ``SlidingWindowManager``): only the window's blocks."""
 
     spec: SlidingWindowSpec
@@ -178,16 +156,12 @@ class SlidingWindowManager(SingleTypeManager):
         need = self.spec.blocks_for_hit
         if not need:  # a window of one token: no earlier K/V is ever read
             return [None] * max_blocks, max_blocks
-        return _cache(self.pool).match_window(blocks, hashes, max_blocks, need, self.group_id)
+        return self.block_pool.prefix_cache.match_window(blocks, hashes, max_blocks, need, self.group_id)
 
 
-def manager_for(spec: AttentionSpec, pool: BlockAllocator, group_id: int) -> SingleTypeManager:
-    """The manager of a group whose layers have ``spec``."""
+def get_manager_for_kv_cache_spec(
+    spec: AttentionSpec, block_pool: BlockPool, group_id: int
+) -> SingleTypeKVCacheManager:
+    """The manager of a group whose layers have ``spec`` (vLLM: ``get_manager_for_kv_cache_spec``)."""
     kind = FullAttentionManager if isinstance(spec, FullAttentionSpec) else SlidingWindowManager
-    return kind(spec, pool, group_id)
-
-
-def _cache(pool: BlockAllocator):
-    """The pool's prefix cache (only a caching pool is ever asked for a hit)."""
-    assert isinstance(pool, CachingBlockAllocator), "a prefix-cache hit needs a caching pool"
-    return pool.prefix_cache
+    return kind(spec, block_pool, group_id)

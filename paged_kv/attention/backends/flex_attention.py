@@ -1,5 +1,5 @@
-"""Paged attention through PyTorch's FlexAttention, decode and packed batches: the optional fast path
-for CUDA (lessons 05, 06).
+"""``FLEX_ATTENTION``: paged attention through PyTorch's FlexAttention, for decode and packed batches,
+compiled on CUDA (lessons 05, 06).
 
 FlexAttention (``torch.nn.attention.flex_attention``, torch 2.5 and later) runs attention with a
 *mask function* that says, for each query and key position, whether the query may see the key,
@@ -16,7 +16,7 @@ Paged decode maps onto it without moving a byte of K or V:
   ``h // (num_heads // num_kv_heads)``, with no copy of K or V per query head;
 * query ``b`` sees key ``kv`` as many times as row ``b`` of the block table reads that slot: the
   entries ``j`` that name physical block ``kv // block_size`` and whose logical position
-  ``j * block_size + kv % block_size`` is below ``context_lens[b]``. Every entry but a row's last
+  ``j * block_size + kv % block_size`` is below ``seq_lens[b]``. Every entry but a row's last
   reads its whole block, so a small table ``full[b, block]`` (how many of those entries name the
   block) and the last entry's block and length answer that in one lookup. The same physical block
   in several rows (fork, a prefix cache) needs nothing special: the mask lets each row see it.
@@ -44,9 +44,9 @@ dequantized to the query's dtype, ``stored * k_scale`` and ``stored * v_scale``
 (:func:`~paged_kv.kv.fp8.dequantize`), right before the attention, so the copy is of the keys it
 runs over: the pool, or with a window the copy of the windows' blocks, dequantized after that copy.
 
-The result equals :func:`paged_kv.attention.paged.paged_attention` (the reference). On a CPU FlexAttention
-runs unfused (it materialises the scores over the whole pool), which is correct but slow: this path
-is for CUDA, and tests check it against the reference wherever it runs. One difference from the
+The result equals the ``GATHER`` backend's (the reference). On a CPU FlexAttention runs unfused
+(it materialises the scores over the whole pool), which is correct but slow: this path is for
+CUDA, and tests check it against the reference wherever it runs. One difference from the
 reference: a masked-out slot still meets a zero weight in ``weights @ V``, so every key slot of the
 pool (of the copy, with a window) must hold finite values (the pool starts as zeros and only ever
 holds K/V written to it; NaN planted in a free block would leak through, where the reference ignores
@@ -60,7 +60,39 @@ from collections.abc import Callable
 
 import torch
 
+from paged_kv.attention.backend import AttentionImpl, LayerKVCache
+from paged_kv.attention.metadata import AttentionMetadata
 from paged_kv.kv.fp8 import dequantize, is_fp8
+
+NEEDS = f"FLEX_ATTENTION needs torch 2.5 or later (FlexAttention); this is {torch.__version__}"
+
+
+class FlexAttentionImpl(AttentionImpl):
+    """FlexAttention over the pool with a block mask built from the tables (see the module): a step of
+    decodes without a window through :func:`flex_decode`, any other step through :func:`flex_varlen`.
+    vLLM 0.33.0: ``FlexAttentionImpl`` in ``vllm/v1/attention/backends/flex_attention.py``."""
+
+    name = "FLEX_ATTENTION"
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+        return "" if flex_available() else NEEDS
+
+    def _attend(
+        self, query: torch.Tensor, kv_cache: LayerKVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        args = (query, kv_cache.k_cache, kv_cache.v_cache, metadata.block_table, metadata.seq_lens)
+        keywords = {
+            "sliding_window": self.sliding_window,
+            "softcap": self.logits_soft_cap,
+            "k_scale": kv_cache.k_scale,
+            "v_scale": kv_cache.v_scale,
+        }
+        if metadata.is_decode_only:
+            out = flex_decode(*args, self.scale, **keywords)
+        else:
+            out = flex_varlen(*args, metadata.query_start_loc, self.scale, **keywords)
+        return out.to(query.dtype)
 
 
 def flex_available() -> bool:
@@ -77,7 +109,7 @@ def flex_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float | None,
     compiled: bool | None = None,
     *,
@@ -86,17 +118,17 @@ def flex_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Decode attention of checked inputs (see ``paged_attention``) with FlexAttention.
+    """Decode attention of checked inputs (one query token per sequence) with FlexAttention.
 
     ``query`` is ``(batch, num_heads, dim)`` in the caches' dtype (any float dtype over fp8 caches,
     which are dequantized to it with ``k_scale`` and ``v_scale``, checked), over caches of
     ``(num_blocks, num_kv_heads, block_size, dim)`` with ``num_kv_heads`` dividing ``num_heads``
     (FlexAttention's ``enable_gqa``: query head ``h`` reads KV head ``h // (num_heads //
-    num_kv_heads)``); ``context_lens`` is a long tensor on the query's device. ``compiled``
+    num_kv_heads)``); ``seq_lens`` is a long tensor on the query's device. ``compiled``
     defaults to ``True`` on CUDA and ``False`` elsewhere. ``sliding_window`` (an int of at least
-    1) and ``softcap`` (a positive float), checked, as for ``paged_attention``: a decode batch with
-    a window is :func:`flex_varlen`'s, one query token per sequence; the soft cap is a score
-    modifier.
+    1) and ``softcap`` (a positive float), checked (:class:`~paged_kv.attention.backend.AttentionImpl`):
+    a decode batch with a window is :func:`flex_varlen`'s, one query token per sequence; the soft
+    cap is a score modifier.
 
     Raises:
         ValueError: this torch has no FlexAttention.
@@ -108,7 +140,7 @@ def flex_decode(
             k_cache,
             v_cache,
             block_tables,
-            context_lens,
+            seq_lens,
             starts,
             scale,
             compiled,
@@ -118,9 +150,7 @@ def flex_decode(
             v_scale=v_scale,
         )
     if not flex_available():
-        raise ValueError(
-            f"strategy 'flex' needs torch 2.5 or later (FlexAttention); this is {torch.__version__}"
-        )
+        raise ValueError(NEEDS)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
@@ -128,7 +158,7 @@ def flex_decode(
     device = query.device
     if compiled is None:
         compiled = device.type == "cuda"
-    reads = _slot_reads(block_tables, context_lens, num_blocks, block_size)
+    reads = _slot_reads(block_tables, seq_lens, num_blocks, block_size)
     mask_mod, score_mod = _paged_mods(reads, block_size)
     score_mod = _soft_capped(score_mod, softcap)
     pool = num_blocks * block_size
@@ -160,8 +190,9 @@ def flex_varlen(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of a checked packed batch (see ``paged_attention_varlen``) with FlexAttention: causal
-    inside each sequence, over the whole pool, or with a sliding window over the blocks of the windows.
+    """Attention of a checked packed batch (:class:`~paged_kv.attention.metadata.AttentionMetadata`)
+    with FlexAttention: causal inside each sequence, over the whole pool, or with a sliding window
+    over the blocks of the windows.
 
     ``query`` is ``(num_tokens, num_heads, dim)`` in the caches' dtype, sequence ``b``'s query
     tokens being rows ``query_start_loc[b] .. query_start_loc[b + 1] - 1``, the last ones of its
@@ -177,9 +208,7 @@ def flex_varlen(
         ValueError: this torch has no FlexAttention.
     """
     if not flex_available():
-        raise ValueError(
-            f"strategy 'flex' needs torch 2.5 or later (FlexAttention); this is {torch.__version__}"
-        )
+        raise ValueError(NEEDS)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     num_tokens, num_heads, _ = query.shape
@@ -328,25 +357,25 @@ def _compiled_flex_attention() -> Callable:
 
 
 def _slot_reads(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """How often each row reads each slot of the pool, in three small tensors.
 
     Returns ``full``, ``(batch, num_blocks)``: how many of a row's read entries before its last
     name each block (those entries read every slot of their block); ``last``, ``(batch,)``: the
     block of the row's last read entry; and ``tail``, ``(batch,)``: how many slots of it are read
-    (1 .. block_size). Entries past ``ceil(context_len / block_size)`` are padding and count for
+    (1 .. block_size). Entries past ``ceil(seq_len / block_size)`` are padding and count for
     nothing. One scatter, no loop.
     """
     batch, width = block_tables.shape
     index = torch.arange(width, device=block_tables.device).expand(batch, width)
-    last_entry = (context_lens + block_size - 1) // block_size - 1
+    last_entry = (seq_lens + block_size - 1) // block_size - 1
     before_last = index < last_entry[:, None]
     full = torch.zeros((batch, num_blocks + 1), dtype=torch.long, device=block_tables.device)
     targets = torch.where(before_last, block_tables.long(), num_blocks)  # the rest go to a spare column
     full.scatter_add_(1, targets, before_last.long())
     last = block_tables.long().gather(1, last_entry[:, None])[:, 0]
-    return full[:, :num_blocks], last, context_lens - last_entry * block_size
+    return full[:, :num_blocks], last, seq_lens - last_entry * block_size
 
 
 def _paged_mods(

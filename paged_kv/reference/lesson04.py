@@ -21,8 +21,8 @@ from paged_kv.core.block import BlockTable as _BlockTable
 from paged_kv.core.block import blocks_for_tokens as _blocks_for_tokens
 from paged_kv.core.mapping import needs_new_block
 from paged_kv.errors import OutOfBlocksError as _OutOfBlocksError
-from paged_kv.grading.reference.lesson02 import SequenceAllocator as _SequenceAllocator
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
+from paged_kv.reference.lesson02 import SequenceAllocator as _SequenceAllocator
 from paged_kv.validate import check_count as _check_count
 
 __all__ = ["BlockManager", "decode_step", "finish_and_admit", "needs_new_block"]

@@ -6,7 +6,7 @@ characters of a running text after its trailing ``\\ufffd``, as the processor's 
 more than the text has; ``child_requests`` names the children as the processor does
 (``child_request_ids``) and seeds them as :class:`~paged_kv.serving.llm_engine.LLMEngine` does (vLLM's
 ``ParentRequest.get_child_info``); ``abort`` frees each running request's table with
-:class:`~paged_kv.core.single_type_manager.FullAttentionManager` (vLLM's
+:class:`~paged_kv.core.single_type_kv_cache_manager.FullAttentionManager` (vLLM's
 ``SingleTypeKVCacheManager.free``: ref counts, the last block first) over a
 :class:`~paged_kv.core.block_allocator.BlockAllocator` that holds the free list given.
 """
@@ -15,12 +15,12 @@ from collections import Counter as _Counter
 from collections.abc import Hashable as _Hashable
 from collections.abc import Sequence as _Sequence
 
-from paged_kv.core.block_allocator import BlockAllocator as _BlockAllocator
+from paged_kv.core.block_pool import BlockPool as _BlockPool
 from paged_kv.core.kv_cache_groups import FullAttentionSpec as _FullAttentionSpec
-from paged_kv.core.single_type_manager import FullAttentionManager as _FullAttentionManager
-from paged_kv.serving.llm_engine import _child_seed
+from paged_kv.core.single_type_kv_cache_manager import FullAttentionManager as _FullAttentionManager
 from paged_kv.serving.output_processor import OutputProcessor as _OutputProcessor
 from paged_kv.serving.output_processor import child_request_ids as _child_request_ids
+from paged_kv.serving.output_processor import child_seed as _child_seed
 from paged_kv.serving.sampling_params import SamplingParams as _SamplingParams
 
 __all__ = ["abort", "child_requests", "cut_at_stop", "sendable"]
@@ -68,8 +68,8 @@ def abort(
     ids = list(dict.fromkeys([*free_blocks, *table_ids]))
     pool_id = {block_id: index + 1 for index, block_id in enumerate(ids)}  # the pool's block 0 is null
     block_id_of = {index: block_id for block_id, index in pool_id.items()}
-    pool = _BlockAllocator(len(ids) + 1)
-    pool.allocate_blocks(pool.num_blocks)  # every block held; the free ones go back in their order
+    pool = _BlockPool(len(ids) + 1)  # its block 0, the null block, taken already
+    pool.get_new_blocks(len(ids))  # every block held; the free ones go back in their order
     for block_id in free_blocks:
         pool.free(pool_id[block_id])
     for block_id, holders in _Counter(table_ids).items():

@@ -8,7 +8,7 @@ copies a shared block on write. ``block_hashes`` is :func:`paged_kv.core.prefix_
 prompt's :func:`~paged_kv.core.prefix_cache.full_blocks`. ``cached_prefix`` states, on the exercise's plain
 ``{hash: (token_ids, block_id)}`` dict, the rule the package's prefix cache applies
 (:meth:`~paged_kv.core.prefix_cache.PrefixCache.match` under the limit of
-:meth:`~paged_kv.core.prefix_cache.CachingBlockAllocator.allocate_prompt`): the leading full blocks whose
+:meth:`~paged_kv.core.block_manager.BlockManager.allocate`): the leading full blocks whose
 hash is cached with the same tokens, the first miss ending the run, at most ``len - 1`` tokens. The
 package also checks each hit's parent entry, which the exercise's dict does not hold.
 """

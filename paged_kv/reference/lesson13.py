@@ -1,18 +1,18 @@
 """Exercise 13 graded on the package: ``num_skipped_tokens`` is :class:`~paged_kv.core.kv_cache_groups.
 SlidingWindowSpec`'s (vLLM's ``SlidingWindowManager.get_num_skipped_tokens``); ``remove_skipped_blocks``
-runs :class:`~paged_kv.core.single_type_manager.SlidingWindowManager`'s on a pool holding the table's
+runs :class:`~paged_kv.core.single_type_kv_cache_manager.SlidingWindowManager`'s on a pool holding the table's
 blocks; ``hybrid_hit`` asks a :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` with
 prefix caching, whose groups cached a prompt's blocks and then lost those the flags say are gone.
 """
 
 from collections.abc import Sequence as _Sequence
 
-from paged_kv.core.block_allocator import BlockAllocator as _BlockAllocator
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator as _KVCacheCoordinator
+from paged_kv.core.block_pool import BlockPool as _BlockPool
+from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator as _get_kv_cache_coordinator
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec as _KVCacheGroupSpec
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec as _SlidingWindowSpec
 from paged_kv.core.kv_cache_groups import attention_spec as _attention_spec
-from paged_kv.core.single_type_manager import SlidingWindowManager as _SlidingWindowManager
+from paged_kv.core.single_type_kv_cache_manager import SlidingWindowManager as _SlidingWindowManager
 
 __all__ = ["hybrid_hit", "num_skipped_tokens", "remove_skipped_blocks"]
 
@@ -38,9 +38,8 @@ def remove_skipped_blocks(
     # so that the table's null block is the pool's.
     ids = {null_block: 0, **{b: i + 1 for i, b in enumerate(dict.fromkeys(real))}}
     names = {i: b for b, i in ids.items()}
-    pool = _BlockAllocator(len(ids))
-    for _ in ids:
-        pool.allocate()
+    pool = _BlockPool(len(ids) + 1)  # the null block (taken already), the table's, and one to spare
+    pool.get_new_blocks(len(ids) - 1)
     manager = _SlidingWindowManager(_SlidingWindowSpec(block_size, sliding_window), pool, 0)
     manager.req_to_blocks["r"] = [ids[b] for b in table]
     freed = manager.remove_skipped_blocks("r", num_computed_tokens)
@@ -59,12 +58,12 @@ def hybrid_hit(
         for layer, window in enumerate(windows)
     ]
     per_group = -(-num_tokens // block_size)
-    coordinator = _KVCacheCoordinator(groups, 2 + len(groups) * per_group, enable_prefix_caching=True)
+    coordinator = _get_kv_cache_coordinator(groups, 2 + len(groups) * per_group, enable_caching=True)
     tokens = list(range(num_tokens))
     taken = coordinator.allocate_slots("prompt", num_tokens, tokens)
     coordinator.free("prompt")  # every full block stays cached, on the free list
     for flags, block_ids in zip(cached, taken, strict=True):
         for is_cached, block_id in zip(flags, block_ids, strict=False):
             if not is_cached:
-                coordinator.pool.prefix_cache.evict(block_id)
+                coordinator.block_pool.evict(block_id)
     return coordinator.get_computed_blocks(tokens).num_tokens // block_size

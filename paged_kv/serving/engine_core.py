@@ -1,0 +1,128 @@
+"""The engine core: the scheduler, the model runner and the K/V storage of one engine, built from its
+config, and its step (lessons 09-11, 15).
+
+vLLM's ``EngineCore`` (``vllm/v1/engine/core.py``) is what ``LLMEngine`` drives: built from a
+``VllmConfig``, it plans the KV cache (``_initialize_kv_caches``), owns the scheduler and the
+executor of the model, and runs one step at a time (``EngineCore.step``: ``schedule``,
+``execute_model``, ``update_from_output``). :class:`EngineCore` is the same in one process:
+
+1. **planning**: the config's block count, or start-up sizing
+   (:func:`~paged_kv.serving.kv_cache_planning.get_kv_cache_config`, the cache's
+   :class:`~paged_kv.serving.kv_cache_planning.KVCacheConfig`);
+2. **the memory** the scheduler takes blocks from: the paged
+   :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager` for every model (its KV-cache groups
+   over one block pool), or the course's contiguous baseline;
+3. **the storage and the runner**: a :class:`~paged_kv.kv.storage.KVStorage` of the plan's tensors,
+   and a :class:`~paged_kv.serving.model_runner.ModelRunner` with its persistent block table;
+4. :meth:`EngineCore.step`: one step of the three calls, which returns what the scheduler saw.
+
+Nothing here checks a request: they come checked, from the input processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.kv.storage import KVStorage
+from paged_kv.model.causal_lm import CausalLM
+from paged_kv.serving.config import VllmConfig
+from paged_kv.serving.contiguous_memory import ContiguousMemory
+from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.serving.kv_cache_planning import KVCacheConfig, get_kv_cache_config, sized
+from paged_kv.serving.model_runner import ModelRunner
+from paged_kv.serving.outputs import SchedulerOutput
+from paged_kv.serving.protocols import KVMemory
+from paged_kv.serving.request import EngineCoreRequest
+from paged_kv.serving.scheduler import Scheduler, StepResult
+
+
+class EngineCore:
+    """The scheduler, memory, storage and runner of ``model`` under ``vllm_config`` (see the module).
+
+    ``kv_cache_config`` is a plan made already (the offline engine plans once and runs many times);
+    ``None`` plans now. :attr:`vllm_config` is the config with the block count settled.
+
+    Invariant between steps: the scheduler's memory holds blocks for exactly its running requests,
+    and the runner has a row of the block table for exactly them.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, model: CausalLM, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        self.model = model
+        self.kv_cache_config = get_kv_cache_config(vllm_config, model) if kv_cache_config is None else kv_cache_config
+        self.vllm_config = vllm_config = sized(vllm_config, self.kv_cache_config)
+        cache, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
+        plan = self.kv_cache_config
+        self.memory: KVMemory = self._make_memory()
+        config = model.config
+        self.storage = KVStorage(
+            config.num_layers,
+            self.memory.num_blocks,
+            cache.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            plan.kv_cache_dtype,
+            vllm_config.device_config.device,
+            layer_tensors=plan.layer_tensors(config.num_layers),
+            calculate_kv_scales=cache.calculate_kv_scales,
+        )
+        self.scheduler = Scheduler(
+            self.memory,
+            preemption=scheduler_config.preemption,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
+        )
+        self.model_runner = ModelRunner(
+            model,
+            self.storage,
+            # A running request holds a block at least: the rows the table starts with (it grows).
+            max_num_reqs=scheduler_config.max_num_seqs or self.memory.num_blocks,
+            max_blocks_per_req=blocks_for_tokens(vllm_config.model_config.max_model_len, cache.block_size),
+            attention_backend=vllm_config.attention_config.backend,
+            kv_cache_groups=plan.kv_cache_groups,
+        )
+        """The runner of the model (vLLM: each worker's ``model_runner``, behind the core's executor)."""
+
+    def _make_memory(self) -> KVMemory:
+        cache, scheduler_config = self.vllm_config.cache_config, self.vllm_config.scheduler_config
+        plan = self.kv_cache_config
+        if cache.mode == "contiguous":
+            max_model_len = self.vllm_config.model_config.max_model_len
+            return ContiguousMemory(
+                plan.num_blocks * cache.block_size,
+                lambda _: max_model_len,
+                seat_tokens=max_model_len,
+                block_size=cache.block_size,
+            )
+        return KVCacheManager(
+            plan.num_blocks,
+            kv_cache_groups=plan.kv_cache_groups,
+            enable_caching=cache.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a checked request in the scheduler (vLLM: ``EngineCore.add_request``)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
+        """Finish requests wherever they are; a running one's blocks go back at once (vLLM:
+        ``EngineCore.abort_requests``). Returns the ids it finished."""
+        return self.scheduler.finish_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> tuple[SchedulerOutput, StepResult]:
+        """One step: ``schedule``, ``execute_model``, ``update_from_output`` (vLLM: ``EngineCore.step``)."""
+        output = self.scheduler.schedule()
+        return output, self.scheduler.update_from_output(output, self.model_runner.execute_model(output))
+
+    def free_all(self) -> None:
+        """Free every running request's blocks and forget every request (after an error, or at the
+        end of an offline run)."""
+        self.scheduler.free_all()
