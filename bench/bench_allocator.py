@@ -38,7 +38,7 @@ from _nano_style import NanoStyleBlockManager, NanoStyleSequence
 from _timing import Row, flatness_rows, median_time, spread_of, text_table
 
 from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.request import EngineCoreRequest
 
 

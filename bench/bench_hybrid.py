@@ -11,7 +11,7 @@ whole length. The baseline is the same model with every layer treated as full at
    (``prompt_range`` tokens, seeded uniform) with ShareGPT-shaped outputs, all arriving at once,
    through the package's :class:`~paged_kv.serving.scheduler.Scheduler` under a token budget and
    :class:`~paged_kv.serving.model_runner.CountingRunner`. Two memories of the **same K/V bytes**:
-   a :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager` given the hybrid KV-cache groups
+   a :class:`~paged_kv.core.kv_cache_manager.KVCacheManager` given the hybrid KV-cache groups
    (a :class:`~paged_kv.core.kv_cache_coordinator.HybridKVCacheCoordinator` over one ``BlockPool``
    of ``N_h`` blocks, a block costing ``num_tensors(groups)`` layers' pages), against the same
    manager with one full-attention group (a ``UnitaryKVCacheCoordinator`` over ``N_f`` blocks, a
@@ -25,7 +25,7 @@ whole length. The baseline is the same model with every layer treated as full at
 2. **Gemma 3 27B's published shape**, computed: per-request K/V bytes at 32k and 128k tokens,
    decoding and, under vLLM's admission cap, prefilling in chunks of a token budget.
 3. **The arithmetic against the coordinator**: a request of Gemma 3 27B's grouping prefilled in
-   chunks and decoded on :func:`~paged_kv.core.kv_cache_coordinator.get_kv_cache_coordinator`'s; after
+   chunks and decoded on a :class:`~paged_kv.core.kv_cache_manager.KVCacheManager` of its groups; after
    every call each group holds exactly :func:`sliding_blocks_held` / ``ceil(L / block_size)`` real
    blocks (raises otherwise), and the row compares its final holding with :func:`request_blocks`.
 
@@ -52,10 +52,9 @@ from _timing import Row, text_table
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_pool import NULL_BLOCK
-from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec, kv_cache_groups, num_tensors
 from paged_kv.kv.sizing import KVCacheSpec
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
@@ -182,15 +181,16 @@ def check_coordinator(
     """
     size = groups[0].spec.block_size
     num_blocks = 1 + request_blocks(groups, num_prompt_tokens + num_decode, chunk)
-    coordinator = get_kv_cache_coordinator(groups, num_blocks, max_in_flight_tokens=chunk)
+    memory = KVCacheManager(num_blocks, kv_cache_groups=groups, max_in_flight_tokens=chunk)
+    request = EngineCoreRequest("r", num_prompt_tokens, num_decode + 1)
     steps = [min(chunk, num_prompt_tokens - start) for start in range(0, num_prompt_tokens, chunk)]
     held = 0
     for num_new in steps + [1] * num_decode:
         start = held
-        gained = coordinator.allocate_slots("r", num_new)
+        gained = memory.allocate_slots(request, num_new)
         assert gained is not None, f"the pool of {num_blocks} blocks refused {num_new} tokens at {start}"
         held += num_new
-        real = [sum(b != NULL_BLOCK for b in ids) for ids in coordinator.get_block_ids("r")]
+        real = [sum(b != NULL_BLOCK for b in ids) for ids in memory.get_block_ids("r")]
         for group, count in zip(groups, real, strict=True):
             if isinstance(group.spec, SlidingWindowSpec):
                 expected = sliding_blocks_held(group.spec, start, held)
@@ -199,7 +199,7 @@ def check_coordinator(
             assert count == expected, (
                 f"group {group.layers} holds {count} blocks at {held} tokens, not {expected}"
             )
-        assert sum(real) == blocks_held(groups, start, held) == num_blocks - 1 - coordinator.num_free_blocks
+        assert sum(real) == blocks_held(groups, start, held) == num_blocks - 1 - memory.num_free_blocks
         assert sum(real) <= request_blocks(groups, held, num_new)
     return sum(real), request_blocks(groups, held, 1)
 

@@ -10,7 +10,7 @@ alone, computed first, so that every prompt is known before the engine runs.
 The engine runs with prefix caching twice on the same requests: as the package does, where the
 scheduler passes a running request's token ids with every ``allocate_slots`` and every block that
 fills is cached when its tokens are scheduled (vLLM v1), and with a memory that drops those ids for
-running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`),
+running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`),
 so that only the blocks of prompts admitted whole are cached (the package before issue 15).
 Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against the ideal
 (every full block of the previous prompt and answer, computed from the chained hashes), on a pool
@@ -37,7 +37,7 @@ from paged_kv.core.kv_cache_coordinator import ComputedBlocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.workloads import chat_requests, ideal_hits
 from paged_kv.timing import compare_times, torch_threads
@@ -52,7 +52,7 @@ def prompt_blocks_only(memory: KVCacheManager) -> None:
     allocate = memory.allocate_slots
 
     def allocate_slots(request, num_new_tokens, token_ids=None, **kwargs):
-        if request.request_id in memory.coordinator:
+        if request.request_id in memory:
             token_ids = None
         return allocate(request, num_new_tokens, token_ids, **kwargs)
 

@@ -4,7 +4,7 @@ A step of the package's engine is ``output = scheduler.schedule(); result =
 runner.execute_model(output); scheduler.update_from_output(output, result)``: the scheduler
 decides every request's tokens and takes their blocks
 (:class:`~paged_kv.serving.scheduler.Scheduler` over a
-:class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`), the runner applies the
+:class:`~paged_kv.core.kv_cache_manager.KVCacheManager`), the runner applies the
 :class:`~paged_kv.serving.outputs.SchedulerOutput` to its persistent block table, prepares the
 step's inputs once (:func:`~paged_kv.model.step.prepare_attention`: positions, ``query_start_loc``,
 ``seq_lens``, the block-table rows, the slot mapping) and runs the model, and the scheduler appends
@@ -51,7 +51,7 @@ from _timing import Row, spread_of, text_table
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
@@ -129,7 +129,7 @@ class PackageEngine:
 
     def tables(self) -> dict[int, list[int]]:
         memory = self.scheduler.memory
-        return {r: list(memory.get_block_ids(r)[0]) for r in memory.coordinator.request_ids}
+        return {r: list(memory.get_block_ids(r)[0]) for r in memory.request_ids}
 
 
 class NanoEngine:

@@ -11,7 +11,7 @@
 # You build on the package's `PagedKVCacheAllocator` (lessons 02 to 04) for the decode step's slots,
 # on its `BlockManager` and `KVStorage`, the two halves that allocator joins (lesson 02), for the
 # cache, and on `paged_attention` (lesson 05). The finished versions are the admission check of
-# `paged_kv.serving.kv_cache_manager.KVCacheManager.allocate_slots` (its `num_tokens_to_fit`) and
+# `paged_kv.core.kv_cache_manager.KVCacheManager.allocate_slots` (its `num_tokens_to_fit`) and
 # `paged_kv.PagedKVCache`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the

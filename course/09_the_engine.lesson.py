@@ -283,7 +283,7 @@ plt.show()
 # %%
 from paged_kv.core.block_manager import BlockManager
 from paged_kv.kv.storage import KVStorage
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler

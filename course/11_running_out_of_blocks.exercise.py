@@ -9,7 +9,7 @@
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The package makes the same decisions inside its scheduler
-# (`paged_kv.serving.scheduler`, over `paged_kv.serving.kv_cache_manager.KVCacheManager`) and swaps with
+# (`paged_kv.serving.scheduler`, over `paged_kv.core.kv_cache_manager.KVCacheManager`) and swaps with
 # `paged_kv.kv.swap`; try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
@@ -53,7 +53,7 @@ device = paged_kv.default_device()
 # the blocks, not of the free ones); half of 16 blocks beside one running sequence and beside none
 # (then nothing is kept); a 10-block prompt alone in 10 free blocks of 16 under a 50 % watermark;
 # that the result is a `bool`; and agreement with the engine's own memory
-# (`paged_kv.serving.kv_cache_manager.KVCacheManager`) on a grid of cases one block either side of the rule.
+# (`paged_kv.core.kv_cache_manager.KVCacheManager`) on a grid of cases one block either side of the rule.
 
 
 # %%

@@ -38,7 +38,7 @@ from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
 from paged_kv.pictures.plots import PALETTE, plot_block_tables, plot_metrics
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, sweep_budgets
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.scheduler import Scheduler, EngineCoreRequest, run_steps
 

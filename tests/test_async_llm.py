@@ -114,12 +114,12 @@ def test_a_client_that_stops_iterating_aborts_its_request(cpu_model):
             async for out in stream:
                 seen.append(out)
                 if len(seen) == 3:
-                    assert "quits" in llm.llm_engine.engine_core.scheduler.memory.coordinator
+                    assert "quits" in llm.llm_engine.engine_core.scheduler.memory
                     break
         closed_at = len(steps)
         # The abort is applied before the loop's next step: the blocks come back.
         await until(lambda: "quits" not in llm.llm_engine.output_processor)
-        assert "quits" not in llm.llm_engine.engine_core.scheduler.memory.coordinator  # its blocks are back
+        assert "quits" not in llm.llm_engine.engine_core.scheduler.memory  # its blocks are back
         assert "quits" not in [r.request_id for r in llm.llm_engine.engine_core.scheduler.running]
         assert sum("quits" in ids for ids in steps[closed_at:]) <= 1  # at most the step then in flight
         rest = await other

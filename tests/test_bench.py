@@ -36,7 +36,7 @@ from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 from paged_kv.serving.engine import EngineRequest  # noqa: E402
-from paged_kv.serving.kv_cache_manager import KVCacheManager  # noqa: E402
+from paged_kv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from paged_kv.serving.request import EngineCoreRequest  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from bench_hybrid import (
 
 from paged_kv.core.kv_cache_coordinator import peak_blocks
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec, num_tensors
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.request import EngineCoreRequest
 
 SHAPES = {

@@ -20,7 +20,7 @@ from paged_kv.serving.engine import (
     min_num_blocks,
     sweep_budgets,
 )
-from paged_kv.serving.kv_cache_manager import watermark_blocks
+from paged_kv.core.kv_cache_manager import watermark_blocks
 
 from .helpers import alone, built, max_examples
 

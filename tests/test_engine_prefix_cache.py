@@ -67,7 +67,7 @@ class Spy:
                 return execute(output)
 
             def allocate_slots(request, num_new_tokens, token_ids=None, **kwargs):
-                if prompts_only and request.request_id in memory.coordinator:
+                if prompts_only and request.request_id in memory:
                     token_ids = None
                 return allocate(request, num_new_tokens, token_ids, **kwargs)
 
@@ -90,7 +90,7 @@ class Spy:
         return self.memory.enable_caching
 
     def all_free(self) -> bool:
-        return self.memory.num_free_blocks == self.num_blocks - 1 and not self.memory.coordinator.request_ids
+        return self.memory.num_free_blocks == self.num_blocks - 1 and not self.memory.request_ids
 
 
 def spied(spies: list, model, prompts_only: bool = False, **kwargs) -> Engine:

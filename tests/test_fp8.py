@@ -32,7 +32,7 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps

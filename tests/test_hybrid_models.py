@@ -163,16 +163,17 @@ def test_a_sliding_group_holds_the_window_while_a_full_one_holds_everything():
     engine = Engine(hybrid("gemma2"), num_blocks=64, block_size=4)
     core = engine.new_llm_engine().engine_core
     scheduler, runner = core.scheduler, core.model_runner
-    coordinator = scheduler.memory.coordinator
+    memory = scheduler.memory
+    coordinator = memory.coordinator
     sliding = [m for m in coordinator.single_type_managers if isinstance(m.spec, SlidingWindowSpec)]
     request = EngineRequest("r", prompts(1, seed=6, shortest=10, longest=10)[0], 60)
     held = []
     arrivals = [(0, scheduler_request(request))]
     for _ in run_steps(scheduler, runner, arrivals):
-        if "r" in coordinator:
-            sliding_ids, full_ids = (coordinator.get_block_ids("r")[m.group_id] for m in coordinator.single_type_managers)
+        if "r" in memory:
+            sliding_ids, full_ids = (memory.get_block_ids("r")[m.group_id] for m in coordinator.single_type_managers)
             held.append(sum(b != NULL_BLOCK for b in sliding_ids))
-            tokens = coordinator.num_tokens("r")
+            tokens = memory.num_tokens("r")
             assert len(full_ids) == blocks_for_tokens(tokens, 4) and NULL_BLOCK not in full_ids
     assert len(sliding) == 1 and max(held[1:]) <= blocks_for_tokens(WINDOW - 1 + 1, 4) + 1
     assert coordinator.num_free_blocks == 63  # all back, but the null block

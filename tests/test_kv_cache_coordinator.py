@@ -4,6 +4,8 @@ and a state machine against a plain model of what each group must hold."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,8 +16,6 @@ from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_coordinator import (
     ComputedBlocks,
     HybridKVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
-    get_kv_cache_coordinator,
 )
 from paged_kv.core.kv_cache_groups import (
     FullAttentionSpec,
@@ -25,10 +25,17 @@ from paged_kv.core.kv_cache_groups import (
     layer_tensors,
     num_tensors,
 )
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
 from paged_kv.core.single_type_kv_cache_manager import SlidingWindowManager, get_manager_for_kv_cache_spec
 
 pytestmark = pytest.mark.lesson13
+
+
+def req(request_id):
+    """A request as the manager reads it: its id."""
+    return SimpleNamespace(request_id=request_id)
+
 
 # ------------------------------------------------------------------------------ the grouping rule
 
@@ -168,7 +175,7 @@ def test_a_window_hit_never_shares_a_block_whose_prefix_differs():
     assert manager.find_longest_cache_hit(pieces, chain_hashes(pieces), 3)[1] == 0
 
 
-# -------------------------------------------------------------------------- the coordinator
+# ------------------------------------------------- the coordinator, through the KV-cache manager
 
 
 def gemma2(block_size=4, window=8):
@@ -176,127 +183,125 @@ def gemma2(block_size=4, window=8):
 
 
 def test_the_null_block_is_block_zero_never_handed_out_nor_freed():
-    coordinator = get_kv_cache_coordinator(gemma2(), 9)
-    assert isinstance(coordinator, HybridKVCacheCoordinator)
-    assert coordinator.num_free_blocks == 8 and coordinator.block_pool.get_usage() == 0.0
-    taken = coordinator.allocate_slots("a", 16)  # 4 blocks per group
+    memory = KVCacheManager(9, kv_cache_groups=gemma2())
+    assert isinstance(memory.coordinator, HybridKVCacheCoordinator)
+    assert memory.num_free_blocks == 8 and memory.block_pool.get_usage() == 0.0
+    taken = memory.allocate_slots(req("a"), 16)  # 4 blocks per group
     assert taken is not None and NULL_BLOCK not in taken[0] + taken[1]
-    assert coordinator.block_pool.get_usage() == 1.0 and coordinator.allocate_slots("b", 1) is None
-    coordinator.free("a")
-    assert coordinator.num_free_blocks == 8 and NULL_BLOCK not in coordinator.block_pool.free_block_ids
+    assert memory.block_pool.get_usage() == 1.0 and memory.allocate_slots(req("b"), 1) is None
+    memory.free("a")
+    assert memory.num_free_blocks == 8 and NULL_BLOCK not in memory.block_pool.free_block_ids
 
 
 def test_a_sliding_group_holds_the_window_however_long_the_request():
-    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64)
-    coordinator.allocate_slots("a", 5)
+    memory = KVCacheManager(64, kv_cache_groups=gemma2(block_size=4, window=8))
+    memory.allocate_slots(req("a"), 5)
     for _ in range(200):  # decode 200 tokens
-        assert coordinator.allocate_slots("a", 1) is not None
-        sliding, full = coordinator.get_block_ids("a")
+        assert memory.allocate_slots(req("a"), 1) is not None
+        sliding, full = memory.get_block_ids("a")
         held = sum(b != NULL_BLOCK for b in sliding)
         assert held <= blocks_for_tokens(8 - 1 + 1, 4) + 1  # ceil((W - 1 + scheduled) / bs) + 1
-        assert len(sliding) == len(full) == blocks_for_tokens(coordinator.num_tokens("a"), 4)
+        assert len(sliding) == len(full) == blocks_for_tokens(memory.num_tokens("a"), 4)
     assert sliding[: len(sliding) - 3] == (NULL_BLOCK,) * (len(sliding) - 3)
     assert NULL_BLOCK not in full
 
 
 def test_allocation_is_all_or_none_over_every_group():
-    coordinator = get_kv_cache_coordinator(gemma2(window=16), 8)  # 7 blocks to give
-    assert coordinator.allocate_slots("a", 12) is not None  # 3 + 3, nothing out of the window
-    before = (coordinator.num_free_blocks, coordinator.get_block_ids("a"))
-    assert coordinator.allocate_slots("b", 4) is None  # needs 1 + 1, 1 free
-    assert coordinator.allocate_slots("a", 4) is None  # a 4th block in each group
-    assert (coordinator.num_free_blocks, coordinator.get_block_ids("a")) == before
-    assert "b" not in coordinator
-    assert coordinator.allocate_slots("b", 4, reserved_blocks=1) is None
+    memory = KVCacheManager(8, kv_cache_groups=gemma2(window=16))  # 7 blocks to give
+    assert memory.allocate_slots(req("a"), 12) is not None  # 3 + 3, nothing out of the window
+    before = (memory.num_free_blocks, memory.get_block_ids("a"))
+    assert memory.allocate_slots(req("b"), 4) is None  # needs 1 + 1, 1 free
+    assert memory.allocate_slots(req("a"), 4) is None  # a 4th block in each group
+    assert (memory.num_free_blocks, memory.get_block_ids("a")) == before
+    assert "b" not in memory
 
 
 def test_a_refused_allocation_may_still_free_the_windows_old_blocks():
     # vLLM frees the blocks out of the window before it counts: a freeing that is never undone.
-    coordinator = get_kv_cache_coordinator(kv_cache_groups([4], 4), 4)  # one sliding group, 3 blocks
-    coordinator.allocate_slots("a", 12)
-    assert coordinator.allocate_slots("b", 1) is None
+    memory = KVCacheManager(4, kv_cache_groups=kv_cache_groups([4], 4))  # one sliding group, 3 blocks
+    memory.allocate_slots(req("a"), 12)
+    assert memory.allocate_slots(req("b"), 1) is None
     # a's next token (position 12) reads 9..12: block 0 goes, the null block in its place.
-    assert coordinator.allocate_slots("a", 1) is not None
-    assert coordinator.get_block_ids("a")[0][0] == NULL_BLOCK
+    assert memory.allocate_slots(req("a"), 1) is not None
+    assert memory.get_block_ids("a")[0][0] == NULL_BLOCK
 
 
 def test_the_hybrid_hit_is_the_longest_prefix_every_group_hits():
-    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64, enable_caching=True)
+    memory = KVCacheManager(64, kv_cache_groups=gemma2(block_size=4, window=8), enable_caching=True)
     prompt = list(range(40))
-    coordinator.allocate_slots("a", 40, prompt)
-    coordinator.free("a")
-    computed = coordinator.get_computed_blocks(prompt)
+    memory.allocate_slots(req("a"), 40, prompt)
+    memory.free("a")
+    computed = memory.get_computed_blocks(None, prompt)
     assert computed.num_tokens == 36  # at most len - 1 tokens: 9 whole blocks
     sliding, full = computed.block_ids
     assert sliding[:7] == (NULL_BLOCK,) * 7 and NULL_BLOCK not in sliding[7:] + full
     # Evict the full group's block 4: the full hit ends at 4 blocks, and the sliding group must hit
     # again at 4 blocks, with the window of token 16 (blocks 2 and 3).
-    coordinator.block_pool.evict(full[4])
-    computed = coordinator.get_computed_blocks(prompt)
+    memory.block_pool.evict(full[4])
+    computed = memory.get_computed_blocks(None, prompt)
     assert computed.num_tokens == 16
     assert computed.block_ids[0][:2] == (NULL_BLOCK,) * 2 and NULL_BLOCK not in computed.block_ids[0][2:]
     # Evict the sliding group's block 3 as well: its hit at 4 blocks fails, and at 3... down to a
     # run that starts at block 0: blocks 0, 1 and 2 are still cached.
-    coordinator.block_pool.evict(computed.block_ids[0][3])
-    assert coordinator.get_computed_blocks(prompt).num_tokens == 12
+    memory.block_pool.evict(computed.block_ids[0][3])
+    assert memory.get_computed_blocks(None, prompt).num_tokens == 12
 
 
 def test_a_new_request_starts_with_its_hits_and_freed_window_blocks_stay_cached():
-    coordinator = get_kv_cache_coordinator(gemma2(block_size=4, window=8), 64, enable_caching=True)
+    memory = KVCacheManager(64, kv_cache_groups=gemma2(block_size=4, window=8), enable_caching=True)
     prompt = list(range(33))
-    coordinator.allocate_slots("a", 33, prompt)
+    memory.allocate_slots(req("a"), 33, prompt)
     for token in range(33, 45):  # decode: the window slides and frees sliding blocks
-        assert coordinator.allocate_slots("a", 1, [*prompt, *range(33, token + 1)]) is not None
-    assert coordinator.get_block_ids("a")[0][:8] == (NULL_BLOCK,) * 8
-    free_before = coordinator.num_free_blocks
-    computed = coordinator.get_computed_blocks(prompt)
+        assert memory.allocate_slots(req("a"), 1, [*prompt, *range(33, token + 1)]) is not None
+    assert memory.get_block_ids("a")[0][:8] == (NULL_BLOCK,) * 8
+    free_before = memory.num_free_blocks
+    computed = memory.get_computed_blocks(None, prompt)
     assert computed.num_tokens == 32  # the freed window blocks are still cached
-    gained = coordinator.allocate_slots("b", 1, prompt, computed=computed)
+    gained = memory.allocate_slots(req("b"), 1, prompt, new_computed_blocks=computed)
     assert gained is not None and [len(ids) for ids in gained] == [9, 9]
     assert list(gained[0][:8]) == list(computed.block_ids[0]) and list(gained[1][:8]) == list(
         computed.block_ids[1]
     )
     # b revived the sliding group's two window blocks from the free list, shared a's full blocks,
     # and took one fresh block per group.
-    assert coordinator.num_free_blocks == free_before - 2 - 2
-    assert coordinator.prefix_cache_stats.hits == 32
+    assert memory.num_free_blocks == free_before - 2 - 2
+    assert memory.prefix_cache_stats.hits == 32
 
 
 def test_a_new_requests_fresh_blocks_never_evict_another_groups_hit():
     # Every group's hits are taken before any group's fresh blocks: a fresh block comes off the head
     # of the free list, where another group's hit may still sit, cached. Here the full group's fresh
     # block would be the sliding group's hit, which it would evict and then share with it.
-    coordinator = get_kv_cache_coordinator(kv_cache_groups([None, 2], 2), 5, enable_caching=True)
+    memory = KVCacheManager(5, kv_cache_groups=kv_cache_groups([None, 2], 2), enable_caching=True)
     tokens = [1, 1, 1, 1]
-    coordinator.allocate_slots("a", 2, tokens)
-    coordinator.allocate_slots("a", 1, tokens)
-    coordinator.allocate_slots("a", 1, tokens)
-    coordinator.free("a")
-    computed = coordinator.get_computed_blocks(tokens)
+    memory.allocate_slots(req("a"), 2, tokens)
+    memory.allocate_slots(req("a"), 1, tokens)
+    memory.allocate_slots(req("a"), 1, tokens)
+    memory.free("a")
+    computed = memory.get_computed_blocks(None, tokens)
     assert computed.num_tokens == 2
-    gained = coordinator.allocate_slots("b", 2, tokens, computed=computed)
+    gained = memory.allocate_slots(req("b"), 2, tokens, new_computed_blocks=computed)
     real = [b for ids in gained for b in ids if b != NULL_BLOCK]
     assert len(real) == len(set(real))  # no block in two groups
     assert [tuple(ids[:1]) for ids in gained] == list(computed.block_ids)
 
 
 def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
-    coordinator = get_kv_cache_coordinator(gemma2(), 16, enable_caching=True)
-    coordinator.allocate_slots("a", 8, list(range(8)))
-    before = (coordinator.num_free_blocks, coordinator.get_block_ids("a"))
+    memory = KVCacheManager(16, kv_cache_groups=gemma2(), enable_caching=True)
+    memory.allocate_slots(req("a"), 8, list(range(8)))
+    before = (memory.num_free_blocks, memory.get_block_ids("a"))
     cases = [
-        (lambda: coordinator.allocate_slots("a", -1), "num_new_tokens"),
-        (lambda: coordinator.allocate_slots("b", 1, reserved_blocks=-1), "reserved_blocks"),
-        (lambda: coordinator.allocate_slots(["x"], 1), "request_id"),
-        (lambda: coordinator.allocate_slots("a", 4, [1, 2]), "token_ids"),
-        (lambda: coordinator.allocate_slots("a", 1, computed=ComputedBlocks()), "computed"),
-        (lambda: coordinator.allocate_slots("b", 1, num_tokens_to_fit=-3), "num_tokens_to_fit"),
-        (lambda: coordinator.get_computed_blocks([1, -2]), "token_ids"),
+        (lambda: memory.allocate_slots(req("a"), -1), "num_new_tokens"),
+        (lambda: memory.allocate_slots(req(["x"]), 1), "request_id"),
+        (lambda: memory.allocate_slots(req("a"), 4, [1, 2]), "token_ids"),
+        (lambda: memory.allocate_slots(req("a"), 1, new_computed_blocks=ComputedBlocks()), "computed"),
+        (lambda: memory.allocate_slots(req("b"), 1, num_tokens_to_fit=-3), "num_tokens_to_fit"),
+        (lambda: memory.get_computed_blocks(None, [1, -2]), "token_ids"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
             call()
-        assert (coordinator.num_free_blocks, coordinator.get_block_ids("a")) == before
+        assert (memory.num_free_blocks, memory.get_block_ids("a")) == before
     for groups, num_blocks, match in [
         ((), 8, "kv_cache_groups"),
         (
@@ -316,24 +321,24 @@ def test_bad_input_is_refused_naming_the_argument_and_changes_nothing():
 
 
 def test_a_stale_hit_is_refused():
-    coordinator = get_kv_cache_coordinator(gemma2(), 16, enable_caching=True)
+    memory = KVCacheManager(16, kv_cache_groups=gemma2(), enable_caching=True)
     prompt = list(range(12))
-    coordinator.allocate_slots("a", 12, prompt)
-    coordinator.free("a")
-    computed = coordinator.get_computed_blocks(prompt)
-    assert coordinator.allocate_slots("filler", 28) is not None  # 14 of 15 free blocks: evicts hits
-    coordinator.free("filler")
+    memory.allocate_slots(req("a"), 12, prompt)
+    memory.free("a")
+    computed = memory.get_computed_blocks(None, prompt)
+    assert memory.allocate_slots(req("filler"), 28) is not None  # 14 of 15 free blocks: evicts hits
+    memory.free("filler")
     with pytest.raises(ValueError, match="no longer cached"):
-        coordinator.allocate_slots("b", 4, prompt, computed=computed)
+        memory.allocate_slots(req("b"), 4, prompt, new_computed_blocks=computed)
 
 
 def test_the_admission_check_caps_a_sliding_groups_share_of_a_long_prompt():
     # One sliding group of window 8, blocks of 4, 8 tokens in flight a step: a 200-token prompt
     # admitted for its first chunk needs at most ceil((8 - 1 + 8) / 4) + 1 = 5 blocks at once.
-    coordinator = get_kv_cache_coordinator(kv_cache_groups([8], 4), 7, max_in_flight_tokens=8)
-    assert coordinator.allocate_slots("a", 8, num_tokens_to_fit=200) is not None
-    uncapped = get_kv_cache_coordinator(kv_cache_groups([8], 4), 7)
-    assert uncapped.allocate_slots("a", 8, num_tokens_to_fit=200) is None
+    memory = KVCacheManager(7, kv_cache_groups=kv_cache_groups([8], 4), max_in_flight_tokens=8)
+    assert memory.allocate_slots(req("a"), 8, num_tokens_to_fit=200) is not None
+    uncapped = KVCacheManager(7, kv_cache_groups=kv_cache_groups([8], 4))
+    assert uncapped.allocate_slots(req("a"), 8, num_tokens_to_fit=200) is None
 
 
 # ------------------------------------------------------------------- the state machine
@@ -351,8 +356,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         caching=st.booleans(),
     )
     def build(self, windows, block_size, num_blocks, caching):
-        self.coordinator = get_kv_cache_coordinator(
-            kv_cache_groups(windows, block_size), num_blocks, enable_caching=caching
+        self.memory = KVCacheManager(
+            num_blocks, kv_cache_groups=kv_cache_groups(windows, block_size), enable_caching=caching
         )
         self.block_size = block_size
         self.tokens: dict[str, list[int]] = {}  # request -> its token ids so far
@@ -364,14 +369,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
         prompt = [data.draw(st.integers(0, vocab - 1)) for _ in range(length)]
         request = f"r{self.next_id}"
         self.next_id += 1
-        computed = self.coordinator.get_computed_blocks(prompt)
+        computed = self.memory.get_computed_blocks(None, prompt)
         assert computed.num_tokens % self.block_size == 0 and computed.num_tokens < length
-        free = self.coordinator.num_free_blocks
-        gained = self.coordinator.allocate_slots(
-            request, length - computed.num_tokens, prompt, computed=computed
+        free = self.memory.num_free_blocks
+        gained = self.memory.allocate_slots(
+            req(request), length - computed.num_tokens, prompt, new_computed_blocks=computed
         )
         if gained is None:
-            assert self.coordinator.num_free_blocks == free and request not in self.coordinator
+            assert self.memory.num_free_blocks == free and request not in self.memory
             return
         self.tokens[request] = prompt
         self.skipped_at[request] = computed.num_tokens
@@ -382,9 +387,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         request = data.draw(st.sampled_from(sorted(self.tokens)))
         held = self.tokens[request]
         more = [*held, *range(count)]
-        before = self.coordinator.get_block_ids(request)
-        gained = self.coordinator.allocate_slots(request, count, more)
-        after = self.coordinator.get_block_ids(request)
+        before = self.memory.get_block_ids(request)
+        gained = self.memory.allocate_slots(req(request), count, more)
+        after = self.memory.get_block_ids(request)
         if gained is None:
             assert [len(ids) for ids in after] == [len(ids) for ids in before]
         else:
@@ -396,18 +401,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data):
         request = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.coordinator.free(request)
+        self.memory.free(request)
         del self.tokens[request], self.skipped_at[request]
 
     @invariant()
     def each_group_holds_what_its_window_needs(self):
-        if not hasattr(self, "coordinator"):
+        if not hasattr(self, "memory"):
             return
         holders: dict[int, int] = {}
         owner: dict[int, int] = {}  # block -> the group holding it: one group at a time
         for request, tokens in self.tokens.items():
             for manager, ids in zip(
-                self.coordinator.single_type_managers, self.coordinator.get_block_ids(request), strict=True
+                self.memory.coordinator.single_type_managers, self.memory.get_block_ids(request), strict=True
             ):
                 for block_id in ids:
                     if block_id != NULL_BLOCK:
@@ -419,10 +424,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert NULL_BLOCK not in ids[nulls:]
                 for block_id in ids[nulls:]:
                     holders[block_id] = holders.get(block_id, 0) + 1
-        pool = self.coordinator.block_pool
+        pool = self.memory.block_pool
         for block_id, count in holders.items():
             assert pool.ref_count(block_id) == count
-        assert pool.num_free_blocks + len(holders) + 1 == self.coordinator.num_blocks
+        assert pool.num_free_blocks + len(holders) + 1 == self.memory.num_blocks
         assert NULL_BLOCK not in pool.free_block_ids
 
 

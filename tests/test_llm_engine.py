@@ -186,7 +186,7 @@ def test_aborting_a_running_request_frees_its_blocks_at_once(model):
     assert held > 0 and "a" in runner.block_tables.rows
     (out,) = llm.abort_request("a")
     assert memory.num_free_blocks == free + held and memory.usage < usage  # before any step
-    assert "a" not in memory.coordinator
+    assert "a" not in memory
     assert [r.request_id for r in llm.engine_core.scheduler.running] == ["b"]
     assert out.request_id == "a" and out.finished
     (completion,) = out.outputs
@@ -748,7 +748,7 @@ class OnlineEngineMachine(RuleBasedStateMachine):
     def the_memory_holds_the_running_requests_only(self) -> None:
         scheduler = self.llm.engine_core.scheduler
         running = {r.request_id for r in scheduler.running}
-        assert set(scheduler.memory.coordinator.request_ids) == running
+        assert set(scheduler.memory.request_ids) == running
         if not running:
             assert scheduler.memory.usage == 0.0
 

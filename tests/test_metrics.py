@@ -19,7 +19,7 @@ from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving import metrics
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.engine_result import EngineResult
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.metrics import (
     PREEMPTION_WARNING,
     CachingMetrics,

@@ -15,7 +15,7 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.step import PAD, AttentionMetadata, BlockTables, prepare_attention
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from paged_kv.serving.request import EngineCoreRequest

@@ -1,16 +1,18 @@
-"""Pictures of a hybrid model's pool (lesson 13): a coordinator's groups as one snapshot, the null block
+"""Pictures of a hybrid model's pool (lesson 13): a hybrid KV-cache manager's groups as one snapshot, the null block
 drawn as what it is (grey, labelled, never a block the tables share), and a trace the player plays."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import pytest
 
 from paged_kv import AllocatorSnapshot, BlockTable
 from paged_kv.core.block_pool import NULL_BLOCK
-from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator, group_names, table_name
+from paged_kv.core.kv_cache_coordinator import group_names, table_name
 from paged_kv.core.kv_cache_groups import kv_cache_groups
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.pictures.hybrid import HybridRecorder
 from paged_kv.pictures.pool import NULL_FILL, block_tokens, render_allocator, seq_colour, snapshot_usage
 from paged_kv.pictures.widgets import AllocationPlayer
@@ -18,6 +20,10 @@ from paged_kv.pictures.widgets import AllocationPlayer
 pytestmark = pytest.mark.lesson13
 
 SVG = "{http://www.w3.org/2000/svg}"
+
+
+def req(request_id):
+    return SimpleNamespace(request_id=request_id)
 
 
 def picture(snapshot: AllocatorSnapshot, **options) -> ET.Element:
@@ -41,13 +47,13 @@ def fills(element: ET.Element) -> list[str | None]:
     return [r.get("fill") for r in element.iter(f"{SVG}rect")]
 
 
-def decoded(window: int = 8, prompt: int = 6, steps: int = 14, num_blocks: int = 16) -> KVCacheCoordinator:
+def decoded(window: int = 8, prompt: int = 6, steps: int = 14, num_blocks: int = 16) -> KVCacheManager:
     """One request of Gemma 2's two groups (a window, full attention) in blocks of 4, past its window."""
-    coordinator = get_kv_cache_coordinator(kv_cache_groups([window, None], 4), num_blocks)
-    coordinator.allocate_slots("a", prompt)
+    memory = KVCacheManager(num_blocks, kv_cache_groups=kv_cache_groups([window, None], 4))
+    memory.allocate_slots(req("a"), prompt)
     for _ in range(steps):
-        coordinator.allocate_slots("a", 1)
-    return coordinator
+        memory.allocate_slots(req("a"), 1)
+    return memory
 
 
 # ------------------------------------------------------------------------------ the snapshot
@@ -60,20 +66,20 @@ def test_groups_are_named_by_kind_and_numbered_only_when_a_kind_repeats():
     assert table_name("sw", "a") == "sw\N{MIDDLE DOT}a"
 
 
-def test_a_coordinators_snapshot_has_a_table_per_request_and_group_and_names_the_null_block():
-    coordinator = decoded()  # 20 tokens: the window of the next token, 13..20, starts in block 3
-    coordinator.allocate_slots("b", 3)
-    snapshot = coordinator.snapshot()
+def test_a_hybrid_managers_snapshot_has_a_table_per_request_and_group_and_names_the_null_block():
+    memory = decoded()  # 20 tokens: the window of the next token, 13..20, starts in block 3
+    memory.allocate_slots(req("b"), 3)
+    snapshot = memory.snapshot()
     assert list(snapshot.tables) == ["sw·a", "full·a", "sw·b", "full·b"]
-    sliding, full = coordinator.get_block_ids("a")
+    sliding, full = memory.get_block_ids("a")
     assert snapshot.tables["sw·a"] == BlockTable(list(sliding), 20)
     assert snapshot.tables["full·a"] == BlockTable(list(full), 20)
     assert sliding[:3] == (NULL_BLOCK,) * 3 and NULL_BLOCK not in full
     assert snapshot.null_block == NULL_BLOCK
-    assert snapshot.free_block_ids == coordinator.block_pool.free_block_ids
+    assert snapshot.free_block_ids == memory.block_pool.free_block_ids
     assert NULL_BLOCK not in snapshot.free_block_ids and snapshot.ref_counts[NULL_BLOCK] == 1
-    # A copy: the coordinator going on changes nothing in it.
-    coordinator.allocate_slots("a", 4)
+    # A copy: the memory going on changes nothing in it.
+    memory.allocate_slots(req("a"), 4)
     assert snapshot.tables["sw·a"].block_ids == list(sliding)
 
 
@@ -125,14 +131,14 @@ def test_a_request_keeps_its_colour_in_every_group():
 
 
 def test_blocks_shared_through_the_prefix_cache_are_shared_and_the_null_block_still_is_not():
-    coordinator = get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 32, enable_caching=True)
+    memory = KVCacheManager(32, kv_cache_groups=kv_cache_groups([8, None], 4), enable_caching=True)
     prompt = list(range(20))
-    coordinator.allocate_slots("a", 20, prompt)
+    memory.allocate_slots(req("a"), 20, prompt)
     for token in range(20, 26):  # the window slides: sliding blocks leave, null in their place
-        coordinator.allocate_slots("a", 1, [*prompt, *range(20, token + 1)])
-    computed = coordinator.get_computed_blocks(prompt)
-    coordinator.allocate_slots("b", 4, prompt, computed=computed)
-    snapshot = coordinator.snapshot()
+        memory.allocate_slots(req("a"), 1, [*prompt, *range(20, token + 1)])
+    computed = memory.get_computed_blocks(None, prompt)
+    memory.allocate_slots(req("b"), 4, prompt, new_computed_blocks=computed)
+    snapshot = memory.snapshot()
     usage = snapshot_usage(snapshot)
     assert usage.shared_blocks > 0
     root = picture(snapshot)
@@ -144,7 +150,7 @@ def test_blocks_shared_through_the_prefix_cache_are_shared_and_the_null_block_st
 
 
 def test_the_recorder_keeps_a_frame_per_call_with_what_each_group_took_and_gave_back():
-    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 16))
+    recorder = HybridRecorder(KVCacheManager(16, kv_cache_groups=kv_cache_groups([8, None], 4)))
     recorder.allocate("a", 6)
     recorder.decode("a", 6)
     captions = [frame.caption for frame in recorder.frames]
@@ -163,13 +169,13 @@ def test_the_recorder_keeps_a_frame_per_call_with_what_each_group_took_and_gave_
         recorder.frames[-1].caption
         == f"a finished: blocks {freed} back to the free list, each group's last block first"
     )
-    assert NULL_BLOCK not in freed and recorder.coordinator.num_free_blocks == 15
+    assert NULL_BLOCK not in freed and recorder.memory.num_free_blocks == 15
 
 
 def test_a_block_freed_from_the_window_and_taken_again_at_once_is_still_reported():
     # 4 blocks: the null block and 3. One sliding group, window 4, blocks of 2: the pool is full when
     # token 7 needs a block, and the block the window just left is the one it gets.
-    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([4], 2), 4))
+    recorder = HybridRecorder(KVCacheManager(4, kv_cache_groups=kv_cache_groups([4], 2)))
     recorder.allocate("a", 6)
     recorder.decode("a", 1)
     assert (
@@ -180,7 +186,7 @@ def test_a_block_freed_from_the_window_and_taken_again_at_once_is_still_reported
 
 
 def test_a_refused_allocation_raises_and_records_nothing():
-    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 5))
+    recorder = HybridRecorder(KVCacheManager(5, kv_cache_groups=kv_cache_groups([8, None], 4)))
     recorder.allocate("a", 8)  # 2 + 2 blocks: the pool is full
     frames = len(recorder.frames)
     with pytest.raises(ValueError, match="refused: too few free blocks"):
@@ -189,19 +195,19 @@ def test_a_refused_allocation_raises_and_records_nothing():
         recorder.allocate("a", 1)
     with pytest.raises(ValueError, match="holds no blocks"):
         recorder.decode("nobody")
-    assert len(recorder.frames) == frames and "b" not in recorder.coordinator
+    assert len(recorder.frames) == frames and "b" not in recorder.memory
 
 
-def test_the_recorder_starts_from_an_empty_coordinator():
-    coordinator = decoded()
+def test_the_recorder_starts_from_an_empty_memory():
+    memory = decoded()
     with pytest.raises(ValueError, match="no request yet"):
-        HybridRecorder(coordinator)
-    with pytest.raises(ValueError, match="KVCacheCoordinator"):
+        HybridRecorder(memory)
+    with pytest.raises(ValueError, match="KVCacheManager"):
         HybridRecorder(object())
 
 
 def test_the_player_plays_a_hybrid_trace():
-    recorder = HybridRecorder(get_kv_cache_coordinator(kv_cache_groups([8, None], 4), 16))
+    recorder = HybridRecorder(KVCacheManager(16, kv_cache_groups=kv_cache_groups([8, None], 4)))
     recorder.allocate("a", 6)
     recorder.decode("a", 10)
     player = AllocationPlayer(recorder.frames)

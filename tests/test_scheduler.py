@@ -16,7 +16,7 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.contiguous_memory import ContiguousMemory
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, run_steps
@@ -275,7 +275,7 @@ def test_every_request_is_in_one_place_and_the_memory_ends_empty(
         if budget is not None:
             assert output.total_num_scheduled_tokens <= budget
         for request in scheduler.running:  # the memory holds exactly the computed tokens
-            assert memory.coordinator.num_tokens(request.request_id) == request.num_computed_tokens
+            assert memory.num_tokens(request.request_id) == request.num_computed_tokens
         finished.update(result.finished)
     assert {i: len(t) for i, t in finished.items()} == {r.request_id: r.max_tokens for _, r in arrivals}
     assert memory.num_free_blocks == num_blocks and not scheduler.requests

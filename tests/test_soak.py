@@ -101,7 +101,7 @@ def assert_nothing_left(llm: AsyncLLM) -> None:
     assert not core.scheduler.requests and not core.scheduler.has_unfinished_requests
     assert not engine.output_processor.request_ids() and not engine.has_unfinished_requests()
     assert not core.model_runner.block_tables.rows and not core.model_runner.sampling
-    assert not memory.coordinator.request_ids
+    assert not memory.request_ids
     assert llm.num_unfinished_requests == 0
 
 

@@ -238,7 +238,7 @@ class CountingBookkeeping(BlockBookkeeping):
         return blocks
 
     def free(self, request_id):
-        if request_id in self.coordinator:
+        if request_id in self:
             self.calls["free"] += 1
         return super().free(request_id)
 

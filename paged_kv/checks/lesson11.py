@@ -2,7 +2,7 @@
 
 The admission rule is vLLM's, the engine's: the prompt's blocks, and the watermark's blocks only while
 another request runs, with no headroom for the running requests' growth. It is checked on examples at
-the boundary, then against the engine's own memory, :class:`paged_kv.serving.kv_cache_manager.KVCacheManager`,
+the boundary, then against the engine's own memory, :class:`paged_kv.core.kv_cache_manager.KVCacheManager`,
 on a grid of cases one block on either side of the rule. The victims are checked on small cases that
 each isolate one mistake, then against the package's answer
 (:func:`paged_kv.reference.lesson11.choose_victims`, the scheduler's preemption on plain
@@ -28,7 +28,7 @@ from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.reference.lesson11 import choose_victims as package_victims
-from paged_kv.serving.kv_cache_manager import KVCacheManager, watermark_blocks
+from paged_kv.core.kv_cache_manager import KVCacheManager, watermark_blocks
 from paged_kv.serving.request import EngineCoreRequest
 
 # ------------------------------------------------------------------------------- Task 1

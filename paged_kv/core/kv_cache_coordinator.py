@@ -5,18 +5,16 @@ that holds one single-type manager per KV-cache group (:mod:`paged_kv.core.singl
 over one :class:`~paged_kv.core.block_pool.BlockPool`: a ``UnitaryKVCacheCoordinator`` for a model
 of one group (every layer attends fully, the common case), a ``HybridKVCacheCoordinator`` for
 several (sliding-window layers beside full-attention ones, lesson 13). The course has the same
-three classes, and the engine's memory (:class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`)
-runs every model on one of them: one ``allocate_slots``, one prefix-cache lookup, one pool.
+three classes, and the engine's memory (:class:`~paged_kv.core.kv_cache_manager.KVCacheManager`)
+runs every model on one of them: its ``allocate_slots`` asks the coordinator for each step, and the
+coordinator asks every group (vLLM's names: :meth:`~KVCacheCoordinator.remove_skipped_blocks`,
+:meth:`~KVCacheCoordinator.get_num_blocks_to_allocate`,
+:meth:`~KVCacheCoordinator.save_new_computed_blocks`,
+:meth:`~KVCacheCoordinator.allocate_new_blocks`, :meth:`~KVCacheCoordinator.cache_blocks`).
 
 **One pool.** Every group draws from one pool whose block 0 is the null block, taken once and never
 given back (vLLM's ``BlockPool`` does the same for every model): a pool of ``num_blocks`` blocks has
 ``num_blocks - 1`` to give out.
-
-**All or none.** :meth:`KVCacheCoordinator.allocate_slots` first gives back, in every
-sliding-window group, the blocks wholly before the window of the request's next token (as vLLM
-does before it counts: this frees blocks, never takes one, and stays done even when the allocation
-is refused), then counts the free blocks every group would take, and takes them only when all of
-them, plus ``reserved_blocks``, are free; else it returns ``None`` and takes nothing.
 
 **A hit every group agrees on.** With prefix caching, each group finds its longest hit in its own
 way (every block of the prefix for full attention, only the window's blocks for a sliding window).
@@ -24,10 +22,9 @@ One group's hit is the request's (:class:`UnitaryKVCacheCoordinator`); with seve
 hit is the longest prefix every group hits, a fixed point, the candidate length shrinking until no
 group shortens it (:class:`HybridKVCacheCoordinator`, vLLM's ``find_longest_cache_hit``).
 
-Invariants, after every call: each request has a list in every group, all of the same length
-``ceil(num_tokens / block_size)``, where ``num_tokens`` is the tokens it was given slots for; a
-block is held by at most one group; used + free blocks == ``num_blocks`` (the null block counts as
-used).
+Invariants, after every call: a request has a list in every group or in none, all of the same
+length; a block is held by at most one group; used + free blocks == ``num_blocks`` (the null block
+counts as used).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from paged_kv.core.block import BlockTable, blocks_for_tokens
+from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec
 from paged_kv.core.prefix_cache import (
@@ -47,8 +44,7 @@ from paged_kv.core.prefix_cache import (
     full_blocks,
 )
 from paged_kv.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
-from paged_kv.core.snapshot import AllocatorSnapshot
-from paged_kv.validate import check_count, check_hashable
+from paged_kv.validate import check_count
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids in vLLM's shape: one tuple per KV-cache group, in the groups' order (vLLM:
@@ -113,8 +109,6 @@ class KVCacheCoordinator:
         )
         self._sliding = tuple(m for m in self.single_type_managers if isinstance(m.spec, SlidingWindowSpec))
         self._lists = tuple(m.req_to_blocks for m in self.single_type_managers)
-        self._nothing: BlockIds = ((),) * len(self.single_type_managers)
-        self._held: dict[Hashable, _Held] = {}  # by request, in the order they came
 
     def __repr__(self) -> str:
         kinds = ", ".join(type(m).__name__ for m in self.single_type_managers)
@@ -135,53 +129,34 @@ class KVCacheCoordinator:
         """Requests, tokens looked up and tokens found, a resumed request's apart; all 0 without caching."""
         return self.block_pool.prefix_cache.stats
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some group slides, so that a request's old blocks leave its window."""
+        return bool(self._sliding)
+
     def __contains__(self, request_id: object) -> bool:
         try:
-            return request_id in self._held
+            return request_id in self._lists[0]
         except TypeError:
             return False
 
     @property
     def request_ids(self) -> tuple[Hashable, ...]:
         """The requests that hold blocks, in the order they came."""
-        return tuple(self._held)
+        return tuple(self._lists[0])
 
-    def num_tokens(self, request_id: Hashable) -> int:
-        """The tokens the request was given slots for."""
-        return self._held[request_id].num_tokens
+    def num_held_blocks(self, request_id: Hashable) -> int:
+        """The length of the request's list in each group (the null blocks counted)."""
+        return len(self._lists[0][request_id])
 
     def get_block_ids(self, request_id: Hashable) -> BlockIds:
-        """The request's block ids, one tuple per group (vLLM: ``KVCacheManager.get_block_ids``), with
+        """The request's block ids, one tuple per group (vLLM: ``KVCacheCoordinator.get_blocks``), with
         :data:`~paged_kv.core.block_pool.NULL_BLOCK` where a block left a window.
 
         Raises:
             KeyError: the request holds no blocks here.
         """
-        if request_id not in self._held:
-            raise KeyError(request_id)
         return tuple(tuple(blocks[request_id]) for blocks in self._lists)
-
-    def snapshot(self) -> AllocatorSnapshot:
-        """A frozen copy of the bookkeeping, for the pool picture, the player and the live page: one
-        table per request and group (named by the request alone when every layer attends fully, else
-        ``"sw·a"`` or ``"full·a"``: :func:`group_names`), the free list, ref counts and the null
-        block."""
-        names = group_names(self.kv_cache_groups)
-        plain = len(names) == 1 and not self._sliding  # every layer attends fully: one table a request
-        tables: dict[Hashable, BlockTable] = {}
-        for request_id, held in self._held.items():
-            for name, blocks in zip(names, self._lists, strict=True):
-                key = request_id if plain else table_name(name, request_id)
-                tables[key] = BlockTable(list(blocks[request_id]), held.num_tokens)
-        pool = self.block_pool
-        return AllocatorSnapshot(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            free_block_ids=pool.free_block_ids,
-            ref_counts=tuple(pool.ref_count(b) for b in range(self.num_blocks)),
-            tables=tables,
-            null_block=pool.null_block,
-        )
 
     # --------------------------------------------------------------------- the life of a request
 
@@ -210,194 +185,71 @@ class KVCacheCoordinator:
         and the hit's length in blocks, at most ``max_blocks``."""
         raise NotImplementedError
 
-    def allocate_slots(
-        self,
-        request_id: Hashable,
-        num_new_tokens: int,
-        token_ids: Sequence[int] | None = None,
-        *,
-        computed: ComputedBlocks | None = None,
-        num_tokens_to_fit: int | None = None,
-        reserved_blocks: int = 0,
-        preempted: bool = False,
-    ) -> BlockIds | None:
-        """Take the blocks, in every group, for ``num_new_tokens`` more tokens of a request, all or
-        none (vLLM: ``KVCacheManager.allocate_slots``; see the module): the one call for a decode
-        token, a prompt chunk and a new request alike.
-
-        A request the coordinator does not hold is new: it starts with the ``computed`` blocks
-        (:meth:`get_computed_blocks`) and grows by ``num_new_tokens`` after them. ``token_ids`` are
-        the request's tokens from its first on, at least through the new ones (``None``: unknown;
-        with prefix caching, each full block they fill is cached now, when they are scheduled: they
-        are computed in this step's forward, before any later step reads them). ``num_tokens_to_fit``
-        (vLLM's ``full_sequence_must_fit``) asks that the blocks of that many tokens be free as well,
-        a sliding-window group's capped at what it holds at once; ``reserved_blocks`` (the
-        watermark's) must stay free after either. A new request's lookup is counted in
-        :attr:`prefix_cache_stats` (with ``token_ids`` and caching), apart when ``preempted`` says it
-        resumes after a preemption, as vLLM counts it.
-
-        Returns:
-            The block ids each group gained, in table order (for a new request, all of them, hits and
-            null blocks first: vLLM's ``NewRequestData.block_ids``); ``None`` when too few blocks are
-            free, and then no block was taken.
-
-        Raises:
-            ValueError: a bad count; ``computed`` given for a held request, or no longer cached;
-                ``token_ids`` shorter than the tokens it must cover. Nothing changes.
-        """
-        if computed is None and num_tokens_to_fit is None:
-            try:
-                held = self._held.get(request_id)
-            except TypeError:  # not hashable: the message every call gives
-                check_hashable("request_id", request_id)
-                raise
-            if held is not None:  # a running request: the hot path, a few comparisons
-                if type(num_new_tokens) is not int or num_new_tokens < 0:
-                    num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-                start = held.num_tokens
-                end = start + num_new_tokens
-                if token_ids is not None and len(token_ids) < end:
-                    _short(token_ids, end)
-                if self._sliding:
-                    for manager in self._sliding:
-                        manager.remove_skipped_blocks(request_id, start)
-                gained = self._nothing
-                if end > held.capacity:  # blocks to take, as many in every group
-                    missing = -(-(end - held.capacity) // self.block_size)
-                    pool = self.block_pool
-                    if missing * len(self._lists) + reserved_blocks > pool.free_block_queue.num_free_blocks:
-                        return None
-                    if missing == 1 and len(self._lists) == 1:  # a decode's block, one group: inlined
-                        block_id = pool.allocate()
-                        self._lists[0][request_id].append(block_id)
-                        gained = ((block_id,),)
-                    else:
-                        gained = tuple([m.allocate_new_blocks(request_id, end) for m in self.single_type_managers])
-                    held.capacity += missing * self.block_size
-                held.num_tokens = end
-                if token_ids is not None and num_new_tokens:
-                    self._cache_blocks(request_id, token_ids, start, end)
-                return gained
-        return self._allocate_slots(
-            request_id, num_new_tokens, token_ids, computed, num_tokens_to_fit, reserved_blocks, preempted
-        )
-
-    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> list[int]:
-        """Give back, in every sliding-window group, the request's blocks wholly before the window of
-        its token at ``num_computed_tokens`` (the null block in their place); return the ids given
-        back. :meth:`allocate_slots` does it by itself."""
-        if request_id not in self._held:
-            return []
-        num_computed_tokens = min(
-            check_count("num_computed_tokens", num_computed_tokens), self._held[request_id].num_tokens
-        )
-        return [b for m in self._sliding for b in m.remove_skipped_blocks(request_id, num_computed_tokens)]
-
-    def free(self, request_id: Hashable) -> list[int]:
-        """Give back every block of the request in every group (an unknown id is a no-op); return
-        them, each group's last block first (so that a cached prefix loses its tail before its head)."""
-        if self._held.pop(check_hashable("request_id", request_id), None) is None:
-            return []
-        return [b for manager in self.single_type_managers for b in manager.free(request_id)]
-
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's reset: forget every cached hash, only when no request holds a block."""
-        return self.block_pool.reset_prefix_cache()
-
-    # ------------------------------------------------------------------------------- helpers
-
-    def _allocate_slots(
-        self,
-        request_id: Hashable,
-        num_new_tokens: int,
-        token_ids: Sequence[int] | None,
-        computed: ComputedBlocks | None,
-        num_tokens_to_fit: int | None,
-        reserved_blocks: int,
-        preempted: bool,
-    ) -> BlockIds | None:
-        """:meth:`allocate_slots` for a new request or a full-sequence check."""
-        num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        reserved_blocks = check_count("reserved_blocks", reserved_blocks)
-        place = self._held.get(check_hashable("request_id", request_id))
-        held = None if place is None else place.num_tokens
-        if held is not None and computed is not None:
-            raise ValueError(f"computed blocks are a new request's, but {request_id!r} holds blocks already")
-        computed = computed if computed is not None else ComputedBlocks()
-        start = computed.num_tokens if held is None else held
-        end = start + num_new_tokens
-        if token_ids is not None and len(token_ids) < end:
-            _short(token_ids, end)
-        hits = computed.block_ids or self._nothing
-        if held is None and computed.num_tokens:
-            self._check_still_cached(computed)
-        if num_tokens_to_fit is not None:
-            fit = max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
-            if self._blocks_to_allocate(request_id, hits, start, fit, cap=True) + reserved_blocks > (
-                self.block_pool.num_free_blocks
-            ):
-                return None
-        if held is not None:
-            for manager in self._sliding:
-                manager.remove_skipped_blocks(request_id, held)
-        if self._blocks_to_allocate(request_id, hits, start, end) + reserved_blocks > self.num_free_blocks:
-            return None
-        managers = self.single_type_managers
-        if held is None:  # every group's hits first: a fresh block must never evict another group's hit
-            for manager, group_hits in zip(managers, hits, strict=True):
-                manager.save_new_computed_blocks(request_id, group_hits)
-        gained = []
-        for manager, group_hits in zip(managers, hits, strict=True):
-            new = manager.allocate_new_blocks(request_id, end)
-            gained.append((*group_hits, *new) if held is None else new)
-        if held is None:
-            self._start_request(request_id, computed, token_ids, preempted)
-            place = self._held[request_id] = _Held()
-        place.num_tokens = end
-        place.capacity = len(self._lists[0][request_id]) * self.block_size
-        if token_ids is not None and end > start:
-            self._cache_blocks(request_id, token_ids, start, end)
-        return tuple(gained)
-
-    def _cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], start: int, end: int) -> None:
-        """Cache, in every group, the full blocks that the request's tokens ``start .. end - 1`` fill."""
-        new = token_ids[start:end]
-        for manager in self.single_type_managers:
-            manager.cache_blocks(request_id, new)
-
-    def _blocks_to_allocate(
-        self, request_id: Hashable, hits: BlockIds, start: int, num_tokens: int, cap: bool = False
-    ) -> int:
-        """Free blocks every group together takes to hold ``num_tokens`` (a sliding window's capped
-        at what it ever holds at once, with ``cap``)."""
-        total = 0
-        for manager, group_hits in zip(self.single_type_managers, hits, strict=True):
-            tokens = num_tokens
-            if cap and isinstance(manager.spec, SlidingWindowSpec):
-                in_flight = self.max_in_flight_tokens or num_tokens
-                most = manager.spec.max_admission_blocks_per_request(in_flight, num_tokens) * self.block_size
-                tokens = min(num_tokens, start + most)
-            total += manager.get_num_blocks_to_allocate(request_id, tokens, group_hits, start)
-        return total
-
-    def _check_still_cached(self, computed: ComputedBlocks) -> None:
+    def check_still_cached(self, computed: ComputedBlocks) -> None:
+        """Raise a ValueError unless every block of the hit ``computed`` is still cached as found."""
         cache = self.block_pool.prefix_cache
         for entries in computed.entries:
             if any(e is not None and cache.entry(e.block_id) is not e for e in entries):
                 raise ValueError("computed blocks are no longer cached: look them up again")
 
-    def _start_request(
-        self, request_id: Hashable, computed: ComputedBlocks, token_ids: Sequence[int] | None, preempted: bool
-    ) -> None:
-        """A new request's prefix-cache bookkeeping: the lookup counted (apart for a resumed
-        request's), a chain per group."""
-        if not self.block_pool.enable_caching or token_ids is None:
-            return
-        self.block_pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
+    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> list[int]:
+        """Give back, in every sliding-window group, the request's blocks wholly before the window of
+        its token at ``num_computed_tokens`` (the null block in their place); return the ids given
+        back (vLLM: ``remove_skipped_blocks``). It frees, never takes."""
+        return [b for m in self._sliding for b in m.remove_skipped_blocks(request_id, num_computed_tokens)]
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: Hashable,
+        num_tokens: int,
+        new_computed_blocks: BlockIds,
+        num_computed_tokens: int,
+        *,
+        cap: bool = False,
+    ) -> int:
+        """Free blocks every group together takes for the request to hold ``num_tokens`` (vLLM:
+        ``get_num_blocks_to_allocate``): its missing blocks, and for a new request the hits of
+        ``new_computed_blocks`` that sit on the free list. With ``cap``, a sliding window's share is
+        capped at what it ever holds at once (the blocks of its window and the tokens in flight)."""
+        total = 0
+        for manager, group_hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            tokens = num_tokens
+            if cap and isinstance(manager.spec, SlidingWindowSpec):
+                in_flight = self.max_in_flight_tokens or num_tokens
+                most = manager.spec.max_admission_blocks_per_request(in_flight, num_tokens) * self.block_size
+                tokens = min(num_tokens, num_computed_tokens + most)
+            total += manager.get_num_blocks_to_allocate(request_id, tokens, group_hits, num_computed_tokens)
+        return total
+
+    def save_new_computed_blocks(self, request_id: Hashable, new_computed_blocks: BlockIds) -> None:
+        """Start a new request's list in every group with its hit, one more holder on each block
+        (vLLM: ``save_new_computed_blocks``). Every group's hits come first: a fresh block taken
+        after must never evict another group's hit."""
+        for manager, group_hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            manager.save_new_computed_blocks(request_id, group_hits)
+
+    def allocate_new_blocks(self, request_id: Hashable, num_tokens: int) -> BlockIds:
+        """Take, in every group, the blocks the request is missing to hold ``num_tokens`` (the caller
+        counted them free: :meth:`get_num_blocks_to_allocate`); return them, one tuple per group."""
+        return tuple([m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers])
+
+    def start_chains(self, request_id: Hashable, computed: ComputedBlocks) -> None:
+        """With prefix caching, follow a new request's hash chain in every group from its hit on."""
         num_hit_blocks = computed.num_tokens // self.block_size
         for index, manager in enumerate(self.single_type_managers):
             entries = computed.entries[index] if computed.entries else ()
             manager.start_chain(request_id, entries[-1] if entries else None, num_hit_blocks)
+
+    def cache_blocks(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
+        """Cache, in every group, the full blocks the request's ``new_token_ids`` (the ones just
+        scheduled) fill (vLLM: ``cache_blocks``)."""
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request_id, new_token_ids)
+
+    def free(self, request_id: Hashable) -> list[int]:
+        """Give back every block of the request in every group (an unknown id is a no-op); return
+        them, each group's last block first (so that a cached prefix loses its tail before its head)."""
+        return [b for manager in self.single_type_managers for b in manager.free(request_id)]
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -431,20 +283,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for hits in found:
             del hits[length:]  # a full-attention hit found before the length shrank
         return found, length
-
-
-class _Held:
-    """A held request's place: the tokens it was given slots for, and the slots its blocks hold in
-    each group (every group's list is as long)."""
-
-    __slots__ = ("capacity", "num_tokens")
-
-    def __init__(self) -> None:
-        self.num_tokens = self.capacity = 0
-
-
-def _short(token_ids: Sequence[int], end: int) -> None:
-    raise ValueError(f"token_ids must cover the request's {end} tokens, through the new ones, got {len(token_ids)}")
 
 
 def get_kv_cache_coordinator(

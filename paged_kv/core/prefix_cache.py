@@ -134,7 +134,7 @@ class PrefixCacheStats:
     ``vllm:prefix_cache_hits``). Every lookup is one or the other: the tokens looked up in all are
     ``queries + preempted_queries``. Only successful allocations with ``token_ids`` count: a refused
     allocation counts nothing. The caller that allocates says whether a lookup is a resumption
-    (the engine's memory knows: :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`); the lessons'
+    (the engine's memory knows: :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`); the lessons'
     calls never are.
     """
 

@@ -4,8 +4,8 @@
 :class:`paged_kv.model.kv_cache.PagedKVCache`, the cache :func:`~paged_kv.model.generate` builds for
 ``cache="paged"`` (its ``__init__`` takes the exercise's arguments). ``can_admit`` is the engine's
 admission rule, vLLM's: the blocks a request needs to be admitted,
-:func:`paged_kv.serving.kv_cache_manager.blocks_alone` (its whole prompt's), fit in the free blocks (what
-:meth:`~paged_kv.serving.kv_cache_manager.KVCacheManager.allocate_slots` checks with ``num_tokens_to_fit``, with
+:func:`paged_kv.core.kv_cache_manager.blocks_alone` (its whole prompt's), fit in the free blocks (what
+:meth:`~paged_kv.core.kv_cache_manager.KVCacheManager.allocate_slots` checks with ``num_tokens_to_fit``, with
 the default watermark of 0); the running requests do not count.
 """
 
@@ -17,7 +17,7 @@ import torch as _torch
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.model.kv_cache import PagedKVCache as MyPagedCache
 from paged_kv.reference.lesson04 import decode_step as _decode_step
-from paged_kv.serving.kv_cache_manager import blocks_alone as _blocks_alone
+from paged_kv.core.kv_cache_manager import blocks_alone as _blocks_alone
 
 __all__ = ["MyPagedCache", "can_admit", "decode_slots"]
 

@@ -1,6 +1,6 @@
 """Exercise 11 graded on the package: ``admit_with_watermark`` is the engine's admission rule (vLLM's:
 the prompt's blocks, and the watermark's ``ceil(watermark * num_blocks)`` blocks while another request
-runs, :class:`paged_kv.serving.kv_cache_manager.KVCacheManager`); ``choose_victims`` is the scheduler's
+runs, :class:`paged_kv.core.kv_cache_manager.KVCacheManager`); ``choose_victims`` is the scheduler's
 preemption on plain numbers (it pops the newest running request until the others' next tokens fit:
 :meth:`paged_kv.serving.scheduler.Scheduler.schedule`), and ``requeue`` puts the victims back at the
 front of the queue the way the scheduler does (``appendleft``, newest first);
@@ -17,7 +17,7 @@ import torch as _torch
 from paged_kv.errors import OutOfBlocksError as _OutOfBlocksError
 from paged_kv.kv import swap as _swap
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.serving.kv_cache_manager import watermark_blocks
+from paged_kv.core.kv_cache_manager import watermark_blocks
 from paged_kv.validate import check_count as _check_count
 from paged_kv.validate import check_hashable as _check_hashable
 

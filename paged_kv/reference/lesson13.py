@@ -6,9 +6,10 @@ prefix caching, whose groups cached a prompt's blocks and then lost those the fl
 """
 
 from collections.abc import Sequence as _Sequence
+from types import SimpleNamespace as _SimpleNamespace
 
 from paged_kv.core.block_pool import BlockPool as _BlockPool
-from paged_kv.core.kv_cache_coordinator import get_kv_cache_coordinator as _get_kv_cache_coordinator
+from paged_kv.core.kv_cache_manager import KVCacheManager as _KVCacheManager
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec as _KVCacheGroupSpec
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec as _SlidingWindowSpec
 from paged_kv.core.kv_cache_groups import attention_spec as _attention_spec
@@ -52,18 +53,18 @@ def hybrid_hit(
     block_size: int,
     num_tokens: int,
 ) -> int:
-    """The prefix-cache hit, in blocks, that every group agrees on (the coordinator's answer)."""
+    """The prefix-cache hit, in blocks, that every group agrees on (the engine's memory's answer)."""
     groups = [
         _KVCacheGroupSpec((layer,), _attention_spec(window, block_size))
         for layer, window in enumerate(windows)
     ]
     per_group = -(-num_tokens // block_size)
-    coordinator = _get_kv_cache_coordinator(groups, 2 + len(groups) * per_group, enable_caching=True)
+    memory = _KVCacheManager(2 + len(groups) * per_group, kv_cache_groups=groups, enable_caching=True)
     tokens = list(range(num_tokens))
-    taken = coordinator.allocate_slots("prompt", num_tokens, tokens)
-    coordinator.free("prompt")  # every full block stays cached, on the free list
+    taken = memory.allocate_slots(_SimpleNamespace(request_id="prompt"), num_tokens, tokens)
+    memory.free("prompt")  # every full block stays cached, on the free list
     for flags, block_ids in zip(cached, taken, strict=True):
         for is_cached, block_id in zip(flags, block_ids, strict=False):
             if not is_cached:
-                coordinator.block_pool.evict(block_id)
-    return coordinator.get_computed_blocks(tokens).num_tokens // block_size
+                memory.block_pool.evict(block_id)
+    return memory.get_computed_blocks(None, tokens).num_tokens // block_size

@@ -13,7 +13,7 @@ The request's way, module by module:
   config and the cache's plan (:mod:`~paged_kv.serving.kv_cache_planning`);
 * :mod:`~paged_kv.serving.scheduler`: vLLM v1's scheduler, each step as a ``SchedulerOutput``
   (:mod:`~paged_kv.serving.outputs`), over a memory (:mod:`~paged_kv.serving.protocols`): the paged
-  ``KVCacheManager`` for every model (:mod:`~paged_kv.serving.kv_cache_manager`) or the contiguous
+  ``KVCacheManager`` for every model (:mod:`~paged_kv.core.kv_cache_manager`) or the contiguous
   baseline (:mod:`~paged_kv.serving.contiguous_memory`);
 * :mod:`~paged_kv.serving.model_runner`: the runner of a model, and one that only counts tokens;
   :mod:`~paged_kv.serving.sampler` and :mod:`~paged_kv.serving.sampling_params`, how it samples;

@@ -5,7 +5,7 @@ sized by a function of the request (the maximum model length, the next power of 
 length, the final length itself), as the systems before paging did. A request never outgrows its
 reservation, so nothing is ever preempted; it answers the same
 :class:`~paged_kv.serving.protocols.KVMemory` questions as the paged
-:class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`, so the same scheduler and runner serve
+:class:`~paged_kv.core.kv_cache_manager.KVCacheManager`, so the same scheduler and runner serve
 both. :class:`ReservationMemory` holds what every memory without blocks to share answers alike
 (no prefix cache, no pool to draw); lesson 07's first-fit address space
 (:class:`~paged_kv.simulation.contiguous.FirstFitMemory`) builds on it too.

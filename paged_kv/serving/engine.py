@@ -16,7 +16,7 @@ engine is vLLM v1's:
 
 1. ``scheduler.schedule()``: :class:`~paged_kv.serving.scheduler.Scheduler` gives each request its
    tokens for the step and takes their blocks now (``allocate_slots`` of the
-   :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`, one block stack for every model),
+   :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`, one block stack for every model),
    preempting the newest running request when they do not fit;
 2. ``model_runner.execute_model(output)``: :class:`~paged_kv.serving.model_runner.ModelRunner` applies
    the step to its persistent block table, prepares its inputs once and runs one forward of the
@@ -75,7 +75,7 @@ from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.progress import progress_bar
 from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.engine_result import EngineResult, StepRecorder
-from paged_kv.serving.kv_cache_manager import blocks_alone, watermark_blocks
+from paged_kv.core.kv_cache_manager import blocks_alone, watermark_blocks
 from paged_kv.serving.kv_cache_planning import get_kv_cache_config, sized
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.metrics import LoggingStatLogger, check_interval, kv_cache_device

@@ -28,7 +28,7 @@ from paged_kv.serving.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from paged_kv.serving.kv_cache_manager import check_watermark
+from paged_kv.core.kv_cache_manager import check_watermark
 from paged_kv.serving.scheduler import PREEMPTIONS, check_budget
 from paged_kv.validate import check_count
 

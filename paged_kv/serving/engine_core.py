@@ -10,7 +10,7 @@ executor of the model, and runs one step at a time (``EngineCore.step``: ``sched
    (:func:`~paged_kv.serving.kv_cache_planning.get_kv_cache_config`, the cache's
    :class:`~paged_kv.serving.kv_cache_planning.KVCacheConfig`);
 2. **the memory** the scheduler takes blocks from: the paged
-   :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager` for every model (its KV-cache groups
+   :class:`~paged_kv.core.kv_cache_manager.KVCacheManager` for every model (its KV-cache groups
    over one block pool), or the course's contiguous baseline;
 3. **the storage and the runner**: a :class:`~paged_kv.kv.storage.KVStorage` of the plan's tensors,
    and a :class:`~paged_kv.serving.model_runner.ModelRunner` with its persistent block table;
@@ -28,7 +28,7 @@ from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import VllmConfig
 from paged_kv.serving.contiguous_memory import ContiguousMemory
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.kv_cache_planning import KVCacheConfig, get_kv_cache_config, sized
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import SchedulerOutput

@@ -3,7 +3,7 @@
 A step has three parts (lessons 07, 09, 11), each behind one protocol here:
 
 * the **KV memory** the scheduler takes blocks from, :class:`KVMemory`: the paged
-  :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager` (vLLM's ``KVCacheManager``, one block
+  :class:`~paged_kv.core.kv_cache_manager.KVCacheManager` (vLLM's ``KVCacheManager``, one block
   stack for every model), the contiguous reservations of
   :class:`~paged_kv.serving.contiguous_memory.ContiguousMemory`, or the first-fit address space of
   lesson 07's simulator (:class:`~paged_kv.simulation.contiguous.FirstFitMemory`);

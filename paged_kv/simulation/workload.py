@@ -39,7 +39,7 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.core.trace import TraceFrame, allocate_caption, free_caption, start_caption, token_caption
 from paged_kv.progress import progress_bar
-from paged_kv.serving.kv_cache_manager import KVCacheManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.request import EngineCoreRequest
@@ -325,7 +325,7 @@ class BlockBookkeeping(KVCacheManager):
     """Paged blocks with no model and no tensor behind them: the memory the simulators' scheduler
     takes blocks from (lessons 07, 08).
 
-    It is the engine's :class:`~paged_kv.serving.kv_cache_manager.KVCacheManager`, ``num_blocks``
+    It is the engine's :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`, ``num_blocks``
     blocks (its null block among them) of one group, so the blocks are taken, shared, cached and
     freed exactly as in the engine. ``record=True`` keeps a frame of the pool after each allocation
     and release for an animation (:attr:`trace`): a request's admission, each step's tokens (a
@@ -353,14 +353,14 @@ class BlockBookkeeping(KVCacheManager):
         return list(self._frames)
 
     def allocate_slots(self, request: EngineCoreRequest, num_new_tokens: int, *args, **kwargs) -> BlockIds | None:
-        new = request.request_id not in self.coordinator
+        new = request.request_id not in self
         gained = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if self.record and gained is not None:
             self._record_allocation(request.request_id, new, gained[0])
         return gained
 
     def free(self, request_id: Hashable) -> None:
-        held = self.get_block_ids(request_id)[0] if self.record and request_id in self.coordinator else None
+        held = self.get_block_ids(request_id)[0] if self.record and request_id in self else None
         super().free(request_id)
         if held is not None:
             freed = [b for b in held if self.block_pool.is_free(b)]
@@ -369,12 +369,12 @@ class BlockBookkeeping(KVCacheManager):
 
     def sequences(self) -> dict[Hashable, tuple[int, int]]:
         """Each request's ``(tokens held, slots reserved)``: its length, and its blocks' slots."""
-        coordinator, size = self.coordinator, self.block_size
-        return {r: (coordinator.num_tokens(r), len(coordinator.get_block_ids(r)[0]) * size) for r in coordinator.request_ids}
+        size = self.block_size
+        return {r: (self.num_tokens(r), len(self.get_block_ids(r)[0]) * size) for r in self.request_ids}
 
     def _record_allocation(self, request_id: Hashable, new: bool, gained: tuple[int, ...]) -> None:
         snapshot = self.snapshot()
-        num_tokens = self.coordinator.num_tokens(request_id)
+        num_tokens = self.num_tokens(request_id)
         if new:
             caption, kind, highlight = allocate_caption(request_id, num_tokens, gained), "allocate", gained
         else:
