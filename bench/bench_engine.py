@@ -77,7 +77,7 @@ def shared_prefix_requests(
     rng = random.Random(seed + 1)  # not the user prompts' generator: the system prompt is new bytes
     system = [rng.randrange(256) for _ in range(system_tokens)]
     return [
-        EngineRequest(r.request_id, system + r.prompt, r.max_new_tokens)
+        EngineRequest(r.request_id, system + r.prompt, r.max_tokens)
         for r in scaled_requests(num_requests, scale, max_len - system_tokens, seed)
     ]
 
@@ -162,7 +162,7 @@ def run(
         shared = shared_prefix_requests(num_requests, system_tokens, scale, max_len)
         cached = prefix_caching(shared, config, num_blocks, block_size)
     (paged, paged_s), (contiguous, contiguous_s) = runs["paged"], runs["contiguous"]
-    generated = sum(r.max_new_tokens for r in requests)
+    generated = sum(r.max_tokens for r in requests)
     budget = num_blocks * block_size
     name = (
         f"engine, {num_requests} ShareGPT-shaped requests (lengths / {scale} to fit max_len {max_len}), "
@@ -188,7 +188,7 @@ def preemption_rows(
 ) -> list[Row]:
     """Swap against recompute on the burst: steps to serve it all, and generated tokens per second."""
     (recompute, recompute_s), (swap, swap_s) = runs["recompute"], runs["swap"]
-    outputs = [r.max_new_tokens for r in requests]
+    outputs = [r.max_tokens for r in requests]
     name = (
         f"engine, a burst of {len(requests)} long generations ({min(outputs)} to {max(outputs)} tokens), "
         f"paged on {budget:,} tokens, swap vs recompute ({swap.preemptions} vs {recompute.preemptions} "

@@ -166,7 +166,7 @@ def serve_continuous_batching(
     ):
         for request in requests:
             manager.add_request(
-                request.prompt, str(request.request_id), request.max_new_tokens, eos_token_id=NO_EOS
+                request.prompt, str(request.request_id), request.max_tokens, eos_token_id=NO_EOS
             )
         while len(results) < len(requests):
             result = manager.get_result(timeout=1)
@@ -208,9 +208,9 @@ def padded_slots(batch: Sequence[EngineRequest]) -> tuple[int, int]:
     ``p + min(s, o - 1)`` of its own tokens (its last token is never fed back; the tokens past its
     own ``o`` are not its own).
     """
-    longest, steps = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
+    longest, steps = max(len(r.prompt) for r in batch), max(r.max_tokens for r in batch)
     reserved = sum(len(batch) * (longest + s) for s in range(steps))
-    held = sum(len(r.prompt) + min(s, r.max_new_tokens - 1) for r in batch for s in range(steps))
+    held = sum(len(r.prompt) + min(s, r.max_tokens - 1) for r in batch for s in range(steps))
     return reserved, held
 
 
@@ -222,7 +222,7 @@ def serve_static(model: LlamaForCausalLM, requests: Sequence[EngineRequest], bat
     tokens, reserved, held = {}, 0, 0
     for batch in static_batches(requests, batch_size):
         input_ids, mask = padded_batch(batch)
-        longest = max(r.max_new_tokens for r in batch)
+        longest = max(r.max_tokens for r in batch)
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids,
@@ -233,7 +233,7 @@ def serve_static(model: LlamaForCausalLM, requests: Sequence[EngineRequest], bat
                 pad_token_id=0,
             )
         for request, row in zip(batch, out[:, input_ids.shape[1] :].tolist(), strict=True):
-            tokens[request.request_id] = row[: request.max_new_tokens]
+            tokens[request.request_id] = row[: request.max_tokens]
         batch_reserved, batch_held = padded_slots(batch)
         reserved, held = reserved + batch_reserved, held + batch_held
     return Served(tokens, 0, reserved, held)
@@ -458,9 +458,9 @@ def run(
     )  # fmt: skip
     ours, cb = served["engine"], served["generate_batch"]
     alone_tokens = {r.request_id: generate_alone(model, r) for r in requests[:alone]}
-    generated = sum(r.max_new_tokens for r in requests)
-    few_generated = sum(r.max_new_tokens for r in few)
-    budget_generated = sum(r.max_new_tokens for r in budgeted)
+    generated = sum(r.max_tokens for r in requests)
+    few_generated = sum(r.max_tokens for r in few)
+    budget_generated = sum(r.max_tokens for r in budgeted)
     speed = {system: generated / timings.median(system) for system in servers_of(timings)}
     speedup, spread = spread_of(1 / r for r in round_ratios(timings, "engine", "generate_batch"))
     fixed = {system: timings.median(f"{system}, one request") for system in ("engine", "generate_batch")}

@@ -126,7 +126,7 @@ def run(
     with torch_threads(threads):
         model = TinyGPT(config, seed=0).eval()
         requests, answers = chat_requests(model, num_chats, num_turns, system_tokens, message, answer)
-        longest = {r.request_id: len(r.prompt) + r.max_new_tokens for r in requests}
+        longest = {r.request_id: len(r.prompt) + r.max_tokens for r in requests}
         need = {request_id: blocks_for_tokens(n, block_size) for request_id, n in longest.items()}
         largest_turn = max(sum(need[(chat, turn)] for chat in range(num_chats)) for turn in range(num_turns))
         pools = {

@@ -266,9 +266,9 @@ contiguous = generate(model, prompts, 20, cache="contiguous")
 print("same tokens as the contiguous cache:", mine.tokens == contiguous.tokens)
 
 tiny = [
-    EngineRequest("a", encode("Once upon"), max_new_tokens=6),
-    EngineRequest("b", encode("KV"), max_new_tokens=3),
-    EngineRequest("c", encode("Hello"), max_new_tokens=5, arrival_step=1),
+    EngineRequest("a", encode("Once upon"), max_tokens=6),
+    EngineRequest("b", encode("KV"), max_tokens=3),
+    EngineRequest("c", encode("Hello"), max_tokens=5, arrival_step=1),
 ]
 run = Engine(model, num_blocks=6, block_size=4).run(tiny)
 free_at_step_1 = 6 - run.used_blocks[0]  # a and b took their prompts' blocks at step 0

@@ -378,9 +378,9 @@ plt.show()
 
 # %%
 tiny = [
-    EngineRequest("a", encode("Once upon"), max_new_tokens=6),
-    EngineRequest("b", encode("KV"), max_new_tokens=3),
-    EngineRequest("c", encode("Hello"), max_new_tokens=5, arrival_step=1),
+    EngineRequest("a", encode("Once upon"), max_tokens=6),
+    EngineRequest("b", encode("KV"), max_tokens=3),
+    EngineRequest("c", encode("Hello"), max_tokens=5, arrival_step=1),
 ]
 trace = Engine(model, num_blocks=6, block_size=4).run(tiny)
 print("step  used blocks  running  waiting  num_scheduled_tokens")
@@ -389,7 +389,7 @@ for s in range(trace.steps):
     print(f"{s:>4}{trace.used_blocks[s]:>13}{trace.running[s]:>9}{trace.waiting[s]:>9}  {scheduled}")
 print("preemptions:", trace.preemptions, "| tokens recomputed:", trace.recomputed_tokens)
 alone = {
-    r.request_id: generate(model, [r.prompt], r.max_new_tokens, cache="contiguous").tokens[0] for r in tiny
+    r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0] for r in tiny
 }
 print("every request got the tokens it gets alone:", trace.tokens == alone)
 
@@ -441,9 +441,9 @@ requests = scaled_sharegpt(96, arrival_rate=1.0)
 first, last = requests[0].arrival_step, requests[-1].arrival_step
 print(f"{len(requests)} requests arriving from step {first} to step {last}")
 mean_prompt = statistics.mean(len(r.prompt) for r in requests)
-mean_output = statistics.mean(r.max_new_tokens for r in requests)
+mean_output = statistics.mean(r.max_tokens for r in requests)
 print(f"mean prompt {mean_prompt:.1f} tokens, mean output {mean_output:.1f}")
-print("longest request:", max(len(r.prompt) + r.max_new_tokens for r in requests), "tokens")
+print("longest request:", max(len(r.prompt) + r.max_tokens for r in requests), "tokens")
 
 results = {}
 for mode in ("paged", "contiguous"):
@@ -523,7 +523,7 @@ plt.show()
 # What it does show, on any machine, is the work done per step, output tokens divided by steps:
 
 # %%
-output_tokens = sum(r.max_new_tokens for r in requests)
+output_tokens = sum(r.max_tokens for r in requests)
 for mode, r in results.items():
     per_step = output_tokens / r.steps
     print(f"{mode:<11}: {output_tokens:,} output tokens in {r.steps} steps = {per_step:.1f} tokens per step")

@@ -203,14 +203,14 @@ device = paged_kv.default_device()
 torch.set_num_threads(1)  # the tiny model's operations are too small to share between CPU threads
 model = TinyGPT(GPTConfig(), seed=0).to(device).eval()
 requests = [
-    EngineRequest("a", encode("a 19-token prompt.."), max_new_tokens=3),
-    EngineRequest("b", encode("short"), max_new_tokens=3, arrival_step=1),
+    EngineRequest("a", encode("a 19-token prompt.."), max_tokens=3),
+    EngineRequest("b", encode("short"), max_tokens=3, arrival_step=1),
 ]
 BUDGET = 8
 engine = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=BUDGET).run(requests)
 
 prompt_lens = {r.request_id: len(r.prompt) for r in requests}
-wanted = {r.request_id: r.max_new_tokens for r in requests}
+wanted = {r.request_id: r.max_tokens for r in requests}
 computed, generated, running, waiting, mine = {}, {}, [], [], []
 for step in range(engine.steps):
     waiting += [r.request_id for r in requests if r.arrival_step == step]

@@ -206,8 +206,8 @@ print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_runnin
 
 # %%
 budgeted = [
-    EngineRequest("a", encode("a 19-token prompt.."), max_new_tokens=3),
-    EngineRequest("b", encode("short"), max_new_tokens=3, arrival_step=1),
+    EngineRequest("a", encode("a 19-token prompt.."), max_tokens=3),
+    EngineRequest("b", encode("short"), max_tokens=3, arrival_step=1),
 ]
 chunked = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=8).run(budgeted)
 for step, scheduled in enumerate(chunked.scheduled_tokens):

@@ -148,7 +148,7 @@ plt.show()
 
 # %%
 memory = KVCacheManager(num_blocks=8, block_size=4)
-arrivals = [(0, EngineCoreRequest(seq_id, num_prompt_tokens=3, max_new_tokens=12)) for seq_id in "abcd"]
+arrivals = [(0, EngineCoreRequest(seq_id, num_prompt_tokens=3, max_tokens=12)) for seq_id in "abcd"]
 for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals, max_steps=9):
     if output.preemptions:
         victims = [(p.request_id, p.way, p.num_tokens) for p in output.preemptions]
@@ -254,11 +254,11 @@ requests = [
     for i in range(12)
 ]
 smallest = min_num_blocks(requests, BLOCK_SIZE)
-at_longest = sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens - 1, BLOCK_SIZE) for r in requests)
+at_longest = sum(blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, BLOCK_SIZE) for r in requests)
 print(
     f"{len(requests)} requests; prompts of {min(len(r.prompt) for r in requests)} to "
-    f"{max(len(r.prompt) for r in requests)} tokens, outputs of {min(r.max_new_tokens for r in requests)} to "
-    f"{max(r.max_new_tokens for r in requests)}"
+    f"{max(len(r.prompt) for r in requests)} tokens, outputs of {min(r.max_tokens for r in requests)} to "
+    f"{max(r.max_tokens for r in requests)}"
 )
 print(f"smallest pool that serves them: {smallest} blocks; all of them at their longest: {at_longest} blocks")
 NUM_BLOCKS = 2 * smallest
@@ -274,7 +274,7 @@ NUM_BLOCKS = 2 * smallest
 # %%
 BUDGET = 64  # max_num_batched_tokens: tokens a step may run
 alone = {
-    r.request_id: generate(model, [r.prompt], r.max_new_tokens, cache="contiguous").tokens[0]
+    r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0]
     for r in requests
 }
 settings = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE}

@@ -121,7 +121,7 @@ def burst(name, num_requests, at):
         EngineRequest(
             f"{name}{i}",
             system_prompt + [rng.randrange(256) for _ in range(rng.randint(8, 40))],
-            max_new_tokens=rng.randint(16, 48),
+            max_tokens=rng.randint(16, 48),
             arrival_step=at + i // 4,
         )
         for i in range(num_requests)

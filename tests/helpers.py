@@ -80,7 +80,7 @@ def make_cache(num_blocks: int = 8, block_size: int = 4, device: str | torch.dev
 def alone(model: TinyGPT, request: EngineRequest) -> list[int]:
     """The tokens ``generate`` gives the request's prompt on its own, with a contiguous cache: what
     the engine must produce for it, whatever the batch, the budget or the cache's settings."""
-    return _generated_alone(model, tuple(request.prompt), request.max_new_tokens)
+    return _generated_alone(model, tuple(request.prompt), request.max_tokens)
 
 
 @functools.cache  # the property tests ask for the same prompts many times

@@ -285,14 +285,14 @@ def test_attention_bench_check_catches_a_wrong_cache():
 def test_engine_bench_modes_generate_identical_tokens():
     config = GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64)
     requests = bench_engine.scaled_requests(8, scale=32, max_len=64, seed=1)
-    assert all(len(r.prompt) + r.max_new_tokens <= 64 for r in requests)
+    assert all(len(r.prompt) + r.max_tokens <= 64 for r in requests)
     runs = bench_engine.serve(requests, config, num_blocks=32, block_size=4)
     paged, contiguous = runs["paged"][0], runs["contiguous"][0]
     assert paged.tokens == contiguous.tokens
-    assert [len(tokens) for tokens in paged.tokens.values()] == [r.max_new_tokens for r in requests]
+    assert [len(tokens) for tokens in paged.tokens.values()] == [r.max_tokens for r in requests]
     model = TinyGPT(config, seed=0).eval()
     first = requests[0]
-    alone = generate(model, [first.prompt], first.max_new_tokens).tokens[0]
+    alone = generate(model, [first.prompt], first.max_tokens).tokens[0]
     assert paged.tokens[first.request_id] == alone
     assert contiguous.peak_running <= 32 * 4 // 64
 
@@ -340,7 +340,7 @@ def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
 def test_engine_bench_prefix_caching_computes_only_what_the_cache_lacks():
     requests = bench_engine.shared_prefix_requests(8, system_tokens=12, scale=32, max_len=64, seed=1)
     assert all(r.prompt[:12] == requests[0].prompt[:12] for r in requests)
-    assert all(len(r.prompt) > 12 and len(r.prompt) + r.max_new_tokens <= 64 for r in requests)
+    assert all(len(r.prompt) > 12 and len(r.prompt) + r.max_tokens <= 64 for r in requests)
     config = GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64)
     runs = bench_engine.prefix_caching(requests, config, num_blocks=64, block_size=4)
     on, off = runs["on"][0], runs["off"][0]
@@ -384,12 +384,12 @@ def test_hf_bench_systems_serve_the_same_greedy_tokens():
         "static": bench_hf.serve_static(model, requests, batch_size=2),
     }
     for result in served.values():
-        assert [len(result.tokens[r.request_id]) for r in requests] == [r.max_new_tokens for r in requests]
+        assert [len(result.tokens[r.request_id]) for r in requests] == [r.max_tokens for r in requests]
         assert result.tokens == served["engine"].tokens
     for request in requests[:2]:
         assert bench_hf.generate_alone(model, request) == served["engine"].tokens[request.request_id]
     first = requests[0]
-    plain = model.generate(torch.tensor([first.prompt]), max_new_tokens=first.max_new_tokens, do_sample=False)
+    plain = model.generate(torch.tensor([first.prompt]), max_new_tokens=first.max_tokens, do_sample=False)
     assert plain[0, len(first.prompt) :].tolist() == served["engine"].tokens[first.request_id]
     ours, theirs, static = served.values()
     assert ours.kv_bytes_allocated == 32 * engine.bytes_per_block <= theirs.kv_bytes_allocated

@@ -34,14 +34,14 @@ def test_each_turn_is_the_previous_prompt_its_answer_and_a_new_message(chats):
     _, requests, answers = chats
     by_id = {r.request_id: r for r in requests}
     for (chat, turn), request in by_id.items():
-        assert request.max_new_tokens == len(answers[(chat, turn)])
+        assert request.max_tokens == len(answers[(chat, turn)])
         if turn:
             previous = by_id[(chat, turn - 1)]
             assert request.prompt[: len(previous.prompt)] == previous.prompt
             assert (
-                request.prompt[len(previous.prompt) :][: previous.max_new_tokens] == answers[(chat, turn - 1)]
+                request.prompt[len(previous.prompt) :][: previous.max_tokens] == answers[(chat, turn - 1)]
             )
-            assert request.arrival_step > previous.arrival_step + previous.max_new_tokens - 1
+            assert request.arrival_step > previous.arrival_step + previous.max_tokens - 1
 
 
 def test_the_package_serves_the_ideal_and_the_baseline_caches_prompt_blocks_only(chats):

@@ -153,8 +153,8 @@ def test_a_finished_sequence_frees_its_blocks_and_the_next_request_is_admitted_a
 ) -> None:
     # 2 blocks of 4, and the pool's null block. A's prompt takes 1; at step 1 its 5th token takes the
     # other, so B (1 block, arriving at step 1) finds none free and waits until A has finished.
-    a = EngineRequest("a", [1, 2, 3, 4], max_new_tokens=3)  # ends holding 4 + 3 - 1 = 6 tokens: 2 blocks
-    b = EngineRequest("b", [5, 6], max_new_tokens=2, arrival_step=1)
+    a = EngineRequest("a", [1, 2, 3, 4], max_tokens=3)  # ends holding 4 + 3 - 1 = 6 tokens: 2 blocks
+    b = EngineRequest("b", [5, 6], max_tokens=2, arrival_step=1)
     engine = Engine(model, num_blocks=3, block_size=4)
     result = engine.run([a, b])
     # A prefills at step 0 (token 1) and decodes at steps 1 and 2, then frees; B comes in at step 3.
@@ -172,8 +172,8 @@ def test_a_request_is_admitted_into_a_full_pool_with_no_headroom(model: TinyGPT)
     # 3 blocks of 4 (and the null block): at step 1 A takes its second block and B its prompt's, the
     # last free block. vLLM keeps no block back for A's growth (the course's engine once kept one per
     # sequence).
-    a = EngineRequest("a", [1, 2, 3, 4], max_new_tokens=3)
-    b = EngineRequest("b", [5, 6], max_new_tokens=2, arrival_step=1)
+    a = EngineRequest("a", [1, 2, 3, 4], max_tokens=3)
+    b = EngineRequest("b", [5, 6], max_tokens=2, arrival_step=1)
     result = Engine(model, num_blocks=4, block_size=4).run([a, b])
     assert result.admitted_step == {"a": 0, "b": 1}
     assert result.used_blocks[1] == 3 and result.preemptions == 0
@@ -243,7 +243,7 @@ def test_bad_engine_arguments_raise_value_error_naming_them(model: TinyGPT, kwar
 def test_bad_requests_raise_value_error_naming_them(model: TinyGPT) -> None:
     with pytest.raises(ValueError, match="prompt"):
         EngineRequest("x", [], 3)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_tokens"):
         EngineRequest("x", [1], 0)
     with pytest.raises(ValueError, match="arrival_step"):
         EngineRequest("x", [1], 1, arrival_step=-1)

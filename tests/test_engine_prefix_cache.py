@@ -420,7 +420,7 @@ def test_any_shared_prefix_workload_gets_the_text_of_each_prompt_alone(
         # prompt and the generated tokens (at most max_new_tokens - 1) when a recomputed one resumes.
         first, *resumed = caches[0].cached[request.request_id]
         assert 0 <= first < len(request.prompt)
-        assert all(0 <= c < len(request.prompt) + request.max_new_tokens - 1 for c in resumed)
+        assert all(0 <= c < len(request.prompt) + request.max_tokens - 1 for c in resumed)
 
 
 # -------------------------------------------------------- blocks filled during decode, multi-turn
@@ -490,7 +490,7 @@ def test_multi_turn_chats_get_the_same_text_and_the_hits_the_chained_hashes_say(
             requests.append(request)
             prompts[chat] = prompts[chat] + alone(model, request)
     caches: list = []
-    num_blocks = sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens, block_size) for r in requests)
+    num_blocks = sum(blocks_for_tokens(len(r.prompt) + r.max_tokens, block_size) for r in requests)
     engine = spied(caches, model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
     result = engine.run(requests)
     assert_alone(model, result, requests)

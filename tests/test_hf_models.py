@@ -115,7 +115,7 @@ def test_the_engine_with_prefix_caching_gives_hf_tokens(arch, device):
     result = engine.run(requests)
     assert result.prefix_cache_hits > 0
     for r in requests:
-        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_tokens)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -128,7 +128,7 @@ def test_a_follow_up_turn_reuses_the_blocks_the_hf_models_answer_filled(arch, de
     # Turn 1 leaves its prompt and 7 of its 8 answer tokens in the cache, cached whole block by block.
     assert result.prefix_cache_hits == (len(prompt) + 8 - 1) // 4 * 4
     for r in turns:
-        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_tokens)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
@@ -143,7 +143,7 @@ def test_the_engine_under_preemption_gives_hf_tokens(arch, preemption, device):
     result = Engine(model, num_blocks=12, block_size=4, preemption=preemption).run(requests)
     assert result.preemptions_by_reason[preemption] > 0
     for r in requests:
-        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_tokens)
 
 
 @pytest.mark.parametrize("budget", [1, 4, 7], ids=["budget-1", "block-size", "odd"])
@@ -158,7 +158,7 @@ def test_the_engine_under_a_token_budget_gives_hf_tokens(budget, device):
     result = engine.run(requests)
     assert max(result.tokens_per_step) <= budget and result.prefix_cache_hits > 0
     for r in requests:
-        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_tokens)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
@@ -174,7 +174,7 @@ def test_the_engine_under_a_token_budget_and_preemption_gives_hf_tokens(preempti
     result = engine.run(requests)
     assert result.preemptions_by_reason[preemption] > 0 and max(result.tokens_per_step) <= 5
     for r in requests:
-        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == hf_tokens(model, tuple(r.prompt), r.max_tokens)
 
 
 def test_the_wrapped_model_is_left_as_it_was():

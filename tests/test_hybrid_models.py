@@ -183,7 +183,7 @@ def scheduler_request(request: EngineRequest):
     from paged_kv.serving.request import EngineCoreRequest
 
     return EngineCoreRequest(
-        request.request_id, len(request.prompt), request.max_new_tokens, tuple(request.prompt)
+        request.request_id, len(request.prompt), request.max_tokens, tuple(request.prompt)
     )
 
 
@@ -226,7 +226,7 @@ def test_the_tiny_gpt_with_windows_gives_each_prompts_tokens_alone(
     ]
     engine = Engine(tiny_hybrid(), num_blocks=64, block_size=2)
     need = max(
-        1 + sum(blocks_for_tokens(len(r.prompt) + r.max_new_tokens - 1, 2) for _ in engine.kv_cache_groups)
+        1 + sum(blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, 2) for _ in engine.kv_cache_groups)
         for r in requests
     )
     engine = Engine(
@@ -239,7 +239,7 @@ def test_the_tiny_gpt_with_windows_gives_each_prompts_tokens_alone(
     )
     result = engine.run(requests)
     for r in requests:
-        assert result.tokens[r.request_id] == alone(tuple(r.prompt), r.max_new_tokens)
+        assert result.tokens[r.request_id] == alone(tuple(r.prompt), r.max_tokens)
 
 
 def test_the_tiny_gpt_with_windows_gives_the_same_tokens_on_every_cache():

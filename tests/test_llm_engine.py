@@ -142,7 +142,7 @@ def test_the_offline_engine_runs_the_online_one_step_for_step(model):
     while pending or llm.has_unfinished_requests():
         while pending and pending[0].arrival_step <= llm.num_steps:
             r = pending.pop(0)
-            llm.add_request(r.request_id, r.prompt, greedy(r.max_new_tokens))
+            llm.add_request(r.request_id, r.prompt, greedy(r.max_tokens))
         for out in llm.step():
             tokens[out.request_id] = out.outputs[0].token_ids
         scheduled.append(tuple(llm.last_step[0].num_scheduled_tokens.items()))

@@ -495,7 +495,7 @@ def _replayed_states(requests: Sequence[EngineRequest], result: EngineResult) ->
     engine scheduled in the steps before it: running requests in admission order with the tokens
     they lack (1 for a decode), arrived requests in queue order with their prompt's tokens."""
     prompt = {r.request_id: len(r.prompt) for r in requests}
-    wanted = {r.request_id: r.max_new_tokens for r in requests}
+    wanted = {r.request_id: r.max_tokens for r in requests}
     pending = sorted(requests, key=lambda r: r.arrival_step)  # stable, as the engine adds them
     waiting: list[Hashable] = []
     running: dict[Hashable, list[int]] = {}  # computed tokens, generated tokens

@@ -85,9 +85,10 @@ from paged_kv.validate import check_count, check_hashable
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """A request: ``prompt`` token ids arriving at ``arrival_step``, to generate ``max_new_tokens``.
+    """A request: ``prompt`` token ids arriving at ``arrival_step``, to generate ``max_tokens`` (vLLM's
+    ``SamplingParams.max_tokens``).
 
-    Decoding is greedy. A request generates ``max_new_tokens`` tokens, or fewer: when the model names
+    Decoding is greedy. A request generates ``max_tokens`` tokens, or fewer: when the model names
     end-of-sequence tokens (a Hugging Face model's ``generation_config.eos_token_id``) and it
     generates one, which it keeps, unless the engine has ``ignore_eos=True`` (the tiny GPT has none);
     and when its prompt and output would pass ``max_model_len``, where it stops (its ``max_tokens``
@@ -96,14 +97,14 @@ class EngineRequest:
 
     request_id: Hashable
     prompt: list[int]
-    max_new_tokens: int
+    max_tokens: int
     arrival_step: int = 0
 
     def __post_init__(self) -> None:
         check_hashable("request_id", self.request_id)
         if isinstance(self.prompt, str) or not isinstance(self.prompt, Sequence) or not self.prompt:
             raise ValueError(f"prompt of request {self.request_id!r} must be a non-empty list of token ids")
-        check_count("max_new_tokens", self.max_new_tokens, minimum=1)
+        check_count("max_tokens", self.max_tokens, minimum=1)
         check_count("arrival_step", self.arrival_step)
 
 
@@ -116,7 +117,7 @@ class Engine:
     keyword is the engine's argument of that name (:class:`~paged_kv.serving.engine_args.EngineArgs`,
     kept as :attr:`engine_args`), but ``num_blocks``, vLLM's ``num_gpu_blocks_override``, and the two
     of the offline loop itself: ``ignore_eos`` (vLLM's sampling parameter: every request runs to
-    ``max_new_tokens``) and ``log_stats_interval``. The settings are gathered in :attr:`vllm_config`
+    ``max_tokens``) and ``log_stats_interval``. The settings are gathered in :attr:`vllm_config`
     and read there; the cache's plan, made once, is :attr:`kv_cache_config`.
 
     The memory is given one of three ways, exactly one of them: ``num_blocks`` (the pool's blocks,
@@ -298,15 +299,15 @@ class Engine:
         return result
 
     def _process(self, llm: LLMEngine, request: EngineRequest):
-        """An offline request through the one check: greedy, ``max_new_tokens``, the engine's ``ignore_eos``."""
-        params = SamplingParams(temperature=0.0, max_tokens=request.max_new_tokens, ignore_eos=self.ignore_eos)
+        """An offline request through the one check: greedy, ``max_tokens``, the engine's ``ignore_eos``."""
+        params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=self.ignore_eos)
         return llm.input_processor.process_inputs(request.request_id, request.prompt, params)
 
 
 def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16) -> int:
     """The smallest ``num_blocks`` on which the paged engine can serve every one of ``requests``.
 
-    Alone, a request needs the blocks of its longest: ``len(prompt) + max_new_tokens - 1`` tokens
+    Alone, a request needs the blocks of its longest: ``len(prompt) + max_tokens - 1`` tokens
     (its last token is never fed back), and the pool one block more, its null block. Neither
     headroom nor the watermark counts alone: vLLM's scheduler keeps its watermark only while
     another request is scheduled.
@@ -319,7 +320,7 @@ def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16) -> i
     requests = list(requests)
     if not requests or not all(isinstance(r, EngineRequest) for r in requests):
         raise ValueError("requests must be a non-empty list of EngineRequest objects")
-    return 1 + max(blocks_alone(len(r.prompt), r.max_new_tokens, block_size)[1] for r in requests)
+    return 1 + max(blocks_alone(len(r.prompt), r.max_tokens, block_size)[1] for r in requests)
 
 
 def sweep_budgets(

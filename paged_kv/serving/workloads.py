@@ -8,7 +8,7 @@ is what an unbounded cache of full blocks serves, the yardstick of a hit rate.
 
 Invariants: turn ``k`` of every conversation arrives at step ``k * gap``, with ``gap`` one more than
 the longest answer, so each turn has finished when the next arrives (on a pool that admits a whole
-turn at once); ``answers[request_id]`` holds exactly ``max_new_tokens`` tokens.
+turn at once); ``answers[request_id]`` holds exactly ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def chat_requests(
             history[chat] += [rng.randrange(256) for _ in range(rng.randint(*message))]
             request = EngineRequest((chat, turn), list(history[chat]), lengths[turn][chat], turn * gap)
             requests.append(request)
-            alone = generate(model, [request.prompt], request.max_new_tokens, cache="contiguous")
+            alone = generate(model, [request.prompt], request.max_tokens, cache="contiguous")
             answers[request.request_id] = alone.tokens[0]
             history[chat] += answers[request.request_id]
     return requests, answers
