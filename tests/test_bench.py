@@ -6,6 +6,7 @@ and their ratios live in bench/RESULTS.md.
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import bench_allocator  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_hf  # noqa: E402
+import bench_overhead  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_slot_mapping  # noqa: E402
 import bench_step  # noqa: E402
@@ -31,12 +33,12 @@ from paged_kv import BlockAllocator, BlockManager, PagedKVCacheAllocator  # noqa
 from paged_kv.attention.paged import gather_kv  # noqa: E402
 from paged_kv.attention.registry import default_backend  # noqa: E402
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted  # noqa: E402
+from paged_kv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from paged_kv.kv.slots import slot_mapping  # noqa: E402
 from paged_kv.model.config import GPTConfig  # noqa: E402
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 from paged_kv.serving.engine import EngineRequest  # noqa: E402
-from paged_kv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from paged_kv.serving.request import EngineCoreRequest  # noqa: E402
 
 
@@ -132,7 +134,11 @@ def test_rows_carry_ratios_and_targets():
     rows = bench_allocator.run(**bench_allocator.QUICK)
     targeted = [row for row in rows if row.met is not None]
     target, slots_target = bench_allocator.APPEND_TARGET, bench_allocator.SLOTS_TARGET
-    assert [row.target for row in targeted] == [f"<= {target}x", f"<= {slots_target}x", f"<= {FLAT_LIMIT}x (flat)"]
+    assert [row.target for row in targeted] == [
+        f"<= {target}x",
+        f"<= {slots_target}x",
+        f"<= {FLAT_LIMIT}x (flat)",
+    ]
     facade, slots, flat = targeted
     assert "PagedKVCacheAllocator.append_tokens" in facade.name and "may_append" in facade.name
     assert "KVCacheManager.allocate_slots" in slots.name
@@ -228,6 +234,20 @@ def test_step_bench_rows_compare_the_step_and_its_phases():
     assert [row.name.split(", phase ")[1].split(":")[0] for row in phases] == list(bench_step.PHASES)
     for row in rows:
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+
+
+def test_overhead_bench_engine_and_bare_forward_generate_the_same_tokens():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 17, 9)]
+    model = bench_overhead.TinyGPT(bench_overhead.CONFIG, seed=0)
+    bare, engine = bench_overhead.BareForward(model, prompts), bench_overhead.EngineStep(model, prompts, 6, 4)
+    for _ in range(4):
+        bare.step()
+        engine.step()
+    assert engine.tokens == bare.tokens and [len(t) for t in bare.tokens] == [5, 5, 5]
+    assert engine.tokens[1] == generate(model, [prompts[1]], 5, cache="contiguous").tokens[0]
+    (row,) = bench_overhead.run(**bench_overhead.QUICK)
+    assert row.target == f"<= {bench_overhead.TARGET:.1f}x" and row.ratio > 0 and row.spread is not None
 
 
 def test_a_row_shows_the_spread_of_its_rounds():
