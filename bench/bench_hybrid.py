@@ -19,9 +19,9 @@ whole length. The baseline is the same model with every layer treated as full at
    (rounded down: the hybrid pool never has more bytes; each pool's null block is one of its
    blocks). Measured: the requests running per step (peak and mean), the K/V bytes the memory
    holds per running request (real blocks in use, the null block excluded, times a block's bytes,
-   over the running requests; averaged over the steps) and the steps to serve everything. Beside them, the arithmetic for a
-   decoding request of the run's mean length. At every step the blocks in use must equal the sum,
-   over the running requests, of :func:`blocks_held` (raises otherwise).
+   over the running requests; averaged over the steps) and the steps to serve everything. Beside them,
+   the arithmetic for a decoding request of the run's mean length. At every step the blocks in use must
+   equal the sum, over the running requests, of :func:`blocks_held` (raises otherwise).
 2. **Gemma 3 27B's published shape**, computed: per-request K/V bytes at 32k and 128k tokens,
    decoding and, under vLLM's admission cap, prefilling in chunks of a token budget.
 3. **The arithmetic against the coordinator**: a request of Gemma 3 27B's grouping prefilled in
@@ -53,8 +53,8 @@ from _timing import Row, text_table
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_pool import NULL_BLOCK
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec, kv_cache_groups, num_tensors
-from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.core.kv_cache_manager import KVCacheManager
+from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
@@ -129,7 +129,8 @@ def sliding_bound(spec: SlidingWindowSpec, num_tokens: int, in_flight: int) -> i
     :func:`sliding_blocks_held`, is one block less where the window's first token starts a block,
     and never reaches it where ``(W - 2 + in_flight) % bs == 0`` (then the +1 is never needed)."""
     return min(
-        blocks_for_tokens(num_tokens, spec.block_size), spec.max_admission_blocks_per_request(in_flight, num_tokens)
+        blocks_for_tokens(num_tokens, spec.block_size),
+        spec.max_admission_blocks_per_request(in_flight, num_tokens),
     )
 
 

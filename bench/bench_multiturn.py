@@ -34,10 +34,10 @@ from _timing import Row, text_table
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.kv_cache_coordinator import ComputedBlocks
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.workloads import chat_requests, ideal_hits
 from paged_kv.timing import compare_times, torch_threads

@@ -6,11 +6,11 @@ token each per step, greedily. The baseline is what any inference loop must pay 
 model's own ``forward_step`` over the batch's last tokens, each layer writing the new K/V into one
 preallocated contiguous tensor and attending with one batched
 ``torch.nn.functional.scaled_dot_product_attention`` (a mask hides each row's tail), then the
-argmax; both sides must generate the same tokens before anything is reported. The engine's step is everything a served request pays on top:
-``LLMEngine.step()``, the scheduler (a block when a sequence crosses a boundary), the runner's
-inputs (block tables, slot mapping), the forward over the paged cache through the platform's
-attention backend (``CPU_ATTN`` on the CPU), the sampler, ``update_from_output`` and the output
-processor's streamed ``RequestOutput`` per request. The ratio is the engine's
+argmax; both sides must generate the same tokens before anything is reported. The engine's step is
+everything a served request pays on top: ``LLMEngine.step()``, the scheduler (a block when a sequence
+crosses a boundary), the runner's inputs (block tables, slot mapping), the forward over the paged cache
+through the platform's attention backend (``CPU_ATTN`` on the CPU), the sampler, ``update_from_output``
+and the output processor's streamed ``RequestOutput`` per request. The ratio is the engine's
 step time over the bare forward's, the rounds interleaved (one step of each in turn), so a busy
 machine moves both alike; the limit is :data:`TARGET`.
 
@@ -146,7 +146,8 @@ def run(
             f"one decode step at {num_seqs} sequences (prompts 16-{max_prompt}, block {block_size}) of a "
             f"{CONFIG.num_layers}-layer GPT of width {CONFIG.num_heads * CONFIG.head_dim}, CPU, 1 thread, "
             f"thread CPU time, median of {repeats} interleaved rounds: LLMEngine.step() (schedule, paged "
-            f"forward, sample, outputs) vs the model's bare forward_step with batched SDPA over contiguous K/V and an argmax "
+            f"forward, sample, outputs) vs the model's bare forward_step with batched SDPA over "
+            f"contiguous K/V and an argmax "
             f"(time ratio, the rounds' range in brackets)",
             statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6, ratio,
             f"<= {TARGET:.1f}x", ratio <= TARGET, spread=spread,

@@ -49,9 +49,9 @@ from _nano_style import NanoStyleRunner, NanoStyleScheduler, NanoStyleSequence
 from _timing import Row, spread_of, text_table
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler

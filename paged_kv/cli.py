@@ -23,9 +23,9 @@ from paged_kv.simulation.workload import WORKLOADS, compare_policies, format_tab
 
 USAGE_ERROR = 2
 DEFAULT_NUM_BLOCKS = 512
-"""The pool of ``paged-kv serve`` when neither ``--num-gpu-blocks-override`` nor ``--gpu-memory-utilization`` is
-given: 8,192 tokens in blocks of 16. (vLLM takes 90 % of the GPU by default; on a CPU that would be
-the machine's RAM, so the course serves a fixed pool unless asked.)"""
+"""The pool of ``paged-kv serve`` when neither ``--num-gpu-blocks-override`` nor
+``--gpu-memory-utilization`` is given: 8,192 tokens in blocks of 16. (vLLM takes 90 % of the GPU
+by default; on a CPU that would be the machine's RAM, so the course serves a fixed pool unless asked.)"""
 TINY_MODEL_NAME = "tiny-gpt"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -344,7 +344,8 @@ def build_serve_app(args: argparse.Namespace):
     lines = [
         note,
         f"{cache.num_gpu_blocks} blocks of {cache.block_size} tokens, max_model_len "
-        f"{config.model_config.max_model_len}, prefix caching {'on' if cache.enable_prefix_caching else 'off'}, "
+        f"{config.model_config.max_model_len}, "
+        f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}, "
         f"on {config.device_config.device}",
         f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
     ]

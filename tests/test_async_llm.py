@@ -278,7 +278,9 @@ def test_an_id_is_in_use_only_while_its_client_listens(cpu_model):
             await collect(llm, [1, 2], None, "taken")
         await first.aclose()  # the client leaves: its request is aborted, its id free
         again = await collect(llm, [5], greedy(2), request_id="taken")
-        assert again[-1].finished and again[-1].outputs[0].token_ids == alone(model, EngineRequest("x", [5], 2))
+        assert again[-1].finished and again[-1].outputs[0].token_ids == alone(
+            model, EngineRequest("x", [5], 2)
+        )
         await llm.shutdown()
 
     run_async(main())

@@ -38,9 +38,7 @@ def test_each_turn_is_the_previous_prompt_its_answer_and_a_new_message(chats):
         if turn:
             previous = by_id[(chat, turn - 1)]
             assert request.prompt[: len(previous.prompt)] == previous.prompt
-            assert (
-                request.prompt[len(previous.prompt) :][: previous.max_tokens] == answers[(chat, turn - 1)]
-            )
+            assert request.prompt[len(previous.prompt) :][: previous.max_tokens] == answers[(chat, turn - 1)]
             assert request.arrival_step > previous.arrival_step + previous.max_tokens - 1
 
 

@@ -45,7 +45,11 @@ def test_block_zero_is_the_null_block_held_for_ever_and_never_counted():
     assert pool.ref_count(NULL_BLOCK) == 1 and NULL_BLOCK not in pool.free_block_ids
     assert pool.touch([NULL_BLOCK]) is None and pool.ref_count(NULL_BLOCK) == 1
     lessons = BlockPool(4, null_block=False)  # the lessons' facade: block 0 is an ordinary block
-    assert lessons.null_block is None and lessons.free_block_ids == (0, 1, 2, 3) and lessons.num_usable_blocks == 4
+    assert (
+        lessons.null_block is None
+        and lessons.free_block_ids == (0, 1, 2, 3)
+        and lessons.num_usable_blocks == 4
+    )
 
 
 def test_the_pool_evicts_only_what_it_hands_out_and_tells_its_listeners():

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, run_steps

@@ -506,7 +506,15 @@ def test_serve_tiny_hands_the_app_to_uvicorn(monkeypatch, capsys):
             seen["async_llm"] = server.async_llm
 
     monkeypatch.setattr(launcher, "serve_http", serve_http)
-    argv = ["serve", "--tiny", "--num-gpu-blocks-override", "8", "--port", "8123", "--no-enable-prefix-caching"]
+    argv = [
+        "serve",
+        "--tiny",
+        "--num-gpu-blocks-override",
+        "8",
+        "--port",
+        "8123",
+        "--no-enable-prefix-caching",
+    ]
     assert main(argv) == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123 and seen["log_level"] == "info"
     (card,) = seen["models"]["data"]

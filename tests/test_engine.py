@@ -10,6 +10,7 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from paged_kv.attention.registry import ATTENTION_BACKENDS, BACKENDS
+from paged_kv.core.kv_cache_manager import watermark_blocks
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.pictures.plots import plot_metrics
@@ -20,7 +21,6 @@ from paged_kv.serving.engine import (
     min_num_blocks,
     sweep_budgets,
 )
-from paged_kv.core.kv_cache_manager import watermark_blocks
 
 from .helpers import alone, built, max_examples
 
@@ -567,7 +567,9 @@ def test_watermark_blocks_is_public_rounds_up_and_checks_its_arguments() -> None
 
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
-def test_every_attention_backend_serves_the_same_tokens_in_one_forward_per_step(model: TinyGPT, backend: str) -> None:
+def test_every_attention_backend_serves_the_same_tokens_in_one_forward_per_step(
+    model: TinyGPT, backend: str
+) -> None:
     # Steps that mix prefill chunks and decodes, in a pool that preempts: the same tokens whatever
     # reads the blocks (TRITON_ATTN runs in triton's interpreter on the CPU; FLEX_ATTENTION unfused).
     if backend == "TRITON_ATTN":

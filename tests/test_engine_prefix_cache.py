@@ -302,8 +302,8 @@ def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute(model: TinyGP
 def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first(
     model: TinyGPT, other_new_tokens: int, hits: int
 ) -> None:
-    # 4 blocks of 4 (and the null block). a (12 tokens, 3 blocks) finishes at step 0 and frees its blocks last to
-    # first, so SYSTEM's first block is the last to be evicted. c (12 other tokens) runs next,
+    # 4 blocks of 4 (and the null block). a (12 tokens, 3 blocks) finishes at step 0 and frees its
+    # blocks last to first, so SYSTEM's first block is the last to be evicted. c (12 other tokens) runs next,
     # then b, which shares SYSTEM with a, arrives after c has finished.
     a = EngineRequest("a", [*SYSTEM, 1, 2, 3], 1)
     c = EngineRequest("c", list(range(50, 62)), other_new_tokens, arrival_step=1)

@@ -25,6 +25,7 @@ from paged_kv.attention.paged import paged_attention, paged_attention_varlen, pa
 from paged_kv.attention.registry import ATTENTION_BACKENDS
 from paged_kv.attention.triton_decode import triton_available, triton_interpreted
 from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.kv import fp8, swap
 from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.kv.storage import KVStorage
@@ -32,7 +33,6 @@ from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, run_steps

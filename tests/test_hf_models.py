@@ -238,7 +238,10 @@ def test_a_prompt_past_the_model_positions_is_refused():
     with pytest.raises(ValueError, match="maximum model length of 128"):
         Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 128, 1)])
     # A prompt and output past it stop there, as vLLM caps max_tokens: 8 tokens, not 9.
-    assert len(Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 120, 9)]).tokens["r"]) == 8
+    assert (
+        len(Engine(model, num_blocks=64, block_size=4).run([EngineRequest("r", [1] * 120, 9)]).tokens["r"])
+        == 8
+    )
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():

@@ -171,7 +171,9 @@ def test_a_sliding_group_holds_the_window_while_a_full_one_holds_everything():
     arrivals = [(0, scheduler_request(request))]
     for _ in run_steps(scheduler, runner, arrivals):
         if "r" in memory:
-            sliding_ids, full_ids = (memory.get_block_ids("r")[m.group_id] for m in coordinator.single_type_managers)
+            sliding_ids, full_ids = (
+                memory.get_block_ids("r")[m.group_id] for m in coordinator.single_type_managers
+            )
             held.append(sum(b != NULL_BLOCK for b in sliding_ids))
             tokens = memory.num_tokens("r")
             assert len(full_ids) == blocks_for_tokens(tokens, 4) and NULL_BLOCK not in full_ids

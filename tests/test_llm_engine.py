@@ -65,7 +65,9 @@ def expected(model: TinyGPT, prompt: Sequence[int], max_tokens: int) -> list[int
 
 
 def online(model: TinyGPT, num_blocks: int = 48, block_size: int = 4, decode=letters, **kwargs) -> LLMEngine:
-    return LLMEngine.from_engine_args(model, engine_args(num_blocks, block_size=block_size, **kwargs), decode=decode)
+    return LLMEngine.from_engine_args(
+        model, engine_args(num_blocks, block_size=block_size, **kwargs), decode=decode
+    )
 
 
 def run(llm: LLMEngine, max_steps: int = 500) -> dict[Hashable, list[RequestOutput]]:
@@ -222,7 +224,9 @@ def test_aborting_a_swapped_out_request_drops_its_host_copy_at_the_next_step(mod
         if llm.engine_core.scheduler.swapped:
             break
         llm.step()
-    assert [r.request_id for r in llm.engine_core.scheduler.swapped] == ["b"] and "b" in llm.engine_core.model_runner.swapped
+    assert [r.request_id for r in llm.engine_core.scheduler.swapped] == [
+        "b"
+    ] and "b" in llm.engine_core.model_runner.swapped
     free = llm.engine_core.scheduler.memory.num_free_blocks
     (out,) = llm.abort_request("b")
     assert out.outputs[0].finish_reason == "abort"
@@ -346,13 +350,17 @@ def test_a_stop_string_cuts_the_text_and_frees_the_blocks_at_once(model):
     while not outputs or not outputs[-1].finished:
         (out,) = llm.step()
         outputs.append(out)
-    assert llm.engine_core.scheduler.memory.num_free_blocks == 47 and not llm.has_unfinished_requests()  # at once
+    assert (
+        llm.engine_core.scheduler.memory.num_free_blocks == 47 and not llm.has_unfinished_requests()
+    )  # at once
     (completion,) = outputs[-1].outputs
     assert completion.text == text[:at] and stop not in completion.text
     assert completion.token_ids == tokens[: at + 2]  # up to the token that completed it
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert len(outputs) == at + 2  # the step that completed it was the last one
-    assert "s" in llm.engine_core.model_runner.block_tables.rows  # the runner drops its row when it hears, next step
+    assert (
+        "s" in llm.engine_core.model_runner.block_tables.rows
+    )  # the runner drops its row when it hears, next step
     llm.add_request("t", [1], greedy(1))
     run(llm)
     assert "s" not in llm.engine_core.model_runner.block_tables.rows
@@ -462,7 +470,9 @@ def test_a_seeded_request_gets_its_tokens_whatever_runs_beside_it(model):
     llm.add_request("r2", PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.3))
     tokens = final_tokens(run(llm))
     assert tokens["s"] == by_itself
-    assert "s" in llm.engine_core.model_runner.sampling and "g" not in llm.engine_core.model_runner.sampling  # until the runner hears
+    assert (
+        "s" in llm.engine_core.model_runner.sampling and "g" not in llm.engine_core.model_runner.sampling
+    )  # until the runner hears
     llm.step()
     assert not llm.engine_core.model_runner.sampling
     assert tokens["g"] == expected(model, PROMPTS[0], 7)
@@ -500,7 +510,11 @@ def test_n_children_are_vllms_and_child_i_is_the_request_with_seed_plus_i(model)
     llm = online(model)
     params = SamplingParams(n=3, seed=40, max_tokens=6, temperature=1.2)
     llm.add_request("p", PROMPTS[1], params)
-    assert [r.request_id for r in llm.engine_core.scheduler.waiting] == ["0_p", "1_p", "2_p"] == child_request_ids("p", 3)
+    assert (
+        [r.request_id for r in llm.engine_core.scheduler.waiting]
+        == ["0_p", "1_p", "2_p"]
+        == child_request_ids("p", 3)
+    )
     assert llm.get_num_unfinished_requests() == 1
     outputs = run(llm)["p"]
     assert all(len(out.outputs) == 3 for out in outputs)  # cumulative: every child, every step
@@ -733,7 +747,9 @@ class OnlineEngineMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from([*live, "ghost", *list(self.final)[:1]]))
         free = self.llm.engine_core.scheduler.memory.num_free_blocks
         where = {
-            r.request_id: name for name in ("waiting", "running") for r in getattr(self.llm.engine_core.scheduler, name)
+            r.request_id: name
+            for name in ("waiting", "running")
+            for r in getattr(self.llm.engine_core.scheduler, name)
         }
         event(f"abort of a {where.get(request_id, 'missing')} request")
         event(f"abort of a {where.get(f'0_{request_id}', 'missing')} child")
@@ -766,7 +782,10 @@ class OnlineEngineMachine(RuleBasedStateMachine):
         # The runner keeps rows and generators for the requests still there, and for those that left
         # since the last step only: it hears of them (finished_req_ids) at the next one.
         leaving = scheduler._finished_ids
-        assert set(self.llm.engine_core.model_runner.block_tables.rows) <= {r.request_id for r in scheduler.running} | leaving
+        assert (
+            set(self.llm.engine_core.model_runner.block_tables.rows)
+            <= {r.request_id for r in scheduler.running} | leaving
+        )
         assert set(self.llm.engine_core.model_runner.sampling) <= set(held) | leaving
 
     def teardown(self) -> None:

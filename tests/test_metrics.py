@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from paged_kv.core.kv_cache_groups import kv_cache_groups
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 from paged_kv.serving import metrics
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.engine_result import EngineResult
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.metrics import (
     PREEMPTION_WARNING,
     CachingMetrics,
@@ -250,7 +250,11 @@ def test_the_usage_falls_to_0_after_a_burst_though_the_prefix_cache_keeps_its_bl
     finished_at = set(result.finished_step.values())
     for k, (stats, used) in enumerate(zip(result.scheduler_stats, result.used_blocks, strict=True)):
         usage = used / 31  # the null block counts in neither
-        assert stats.kv_cache_usage == pytest.approx(usage) if k not in finished_at else stats.kv_cache_usage < usage
+        assert (
+            stats.kv_cache_usage == pytest.approx(usage)
+            if k not in finished_at
+            else stats.kv_cache_usage < usage
+        )
     metrics_ = result.metrics()
     assert metrics_.kv_cache_usage_perc == 0.0
 
@@ -335,7 +339,9 @@ def test_the_scheduler_says_when_a_lookup_is_a_resumption() -> None:
     memory = KVCacheManager(16, 4, enable_caching=True)
     prompt = tuple(range(10))
     request = EngineCoreRequest("a", 10, 4, prompt)
-    memory.allocate_slots(request, 10, prompt, new_computed_blocks=memory.get_computed_blocks(request, prompt))
+    memory.allocate_slots(
+        request, 10, prompt, new_computed_blocks=memory.get_computed_blocks(request, prompt)
+    )
     assert memory.make_prefix_cache_stats() == PrefixCacheStats(requests=1, queries=10)
     memory.free("a")  # preempted by recompute: it comes back with a token it generated
     resumed = (*prompt, 7)

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.step import PAD, AttentionMetadata, BlockTables, prepare_attention
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from paged_kv.serving.request import EngineCoreRequest
@@ -165,7 +165,11 @@ def test_an_output_the_runner_cannot_apply_raises_and_changes_nothing(model):
         (NewRequestData("a", (1, 2, 3), ((5,),), 0),),
     )
     runner.execute_model(first)
-    state = (dict(runner.block_tables.rows), runner.num_computed_tokens("a"), runner.block_tables.block_ids("a"))
+    state = (
+        dict(runner.block_tables.rows),
+        runner.num_computed_tokens("a"),
+        runner.block_tables.block_ids("a"),
+    )
     bad = [
         (SchedulerOutput(1, {"zz": 1}, 1, (), CachedRequestData(("zz",), (((),),), (0,))), "no row"),
         (

@@ -1,5 +1,6 @@
-"""Pictures of a hybrid model's pool (lesson 13): a hybrid KV-cache manager's groups as one snapshot, the null block
-drawn as what it is (grey, labelled, never a block the tables share), and a trace the player plays."""
+"""Pictures of a hybrid model's pool (lesson 13): a hybrid KV-cache manager's groups as one snapshot,
+the null block drawn as what it is (grey, labelled, never a block the tables share), and a trace the
+player plays."""
 
 from __future__ import annotations
 

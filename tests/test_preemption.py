@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 
 from paged_kv import OutOfBlocksError
 from paged_kv.checks.lesson11 import _engine_admits, _grid
-from paged_kv.core.block_manager import BlockManager
-from paged_kv.reference.lesson11 import admit_with_watermark, choose_victims
 from paged_kv.core.kv_cache_manager import KVCacheManager
+from paged_kv.reference.lesson11 import admit_with_watermark, choose_victims
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, EngineCoreRequest, run_steps
+from paged_kv.serving.scheduler import EngineCoreRequest, Scheduler, run_steps
 
 from .helpers import max_examples
 

@@ -11,12 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from paged_kv.core.block import blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.contiguous_memory import ContiguousMemory
-from paged_kv.core.kv_cache_manager import KVCacheManager
+from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, run_steps
@@ -208,9 +207,7 @@ def test_swap_preemption_moves_the_blocks_and_brings_them_back():
 
 
 def test_contiguous_memory_reserves_at_admission_and_never_preempts():
-    memory = ContiguousMemory(
-        12, lambda r: r.num_prompt_tokens + r.max_tokens, seat_tokens=6, block_size=2
-    )
+    memory = ContiguousMemory(12, lambda r: r.num_prompt_tokens + r.max_tokens, seat_tokens=6, block_size=2)
     scheduler = Scheduler(memory)
     steps = serve(scheduler, [(0, EngineCoreRequest("a", 2, 4)), (0, EngineCoreRequest("b", 2, 4))])
     assert [result.reserved_tokens for _, result in steps] == [12, 12, 12, 12]
@@ -314,7 +311,9 @@ def test_the_simulator_counts_the_steps_and_tokens_the_engine_counts(
     num_blocks = 24 // block_size + extra  # the longest request holds 21 tokens at most
     simulated = simulate(requests, PagedPolicy(block_size), num_blocks * block_size)
     # The simulator's pool is the budget's blocks and its null block: the engine's num_blocks counts both.
-    served = Engine(model, num_blocks=num_blocks + 1, block_size=block_size).run(engine_requests(requests, seed))
+    served = Engine(model, num_blocks=num_blocks + 1, block_size=block_size).run(
+        engine_requests(requests, seed)
+    )
     assert simulated.steps == served.steps
     assert simulated.running == served.running and simulated.waiting == served.waiting
     assert simulated.held_tokens == served.held_tokens

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.core.kv_cache_manager import blocks_alone
+from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.simulation.sharing import (
     VOCAB_SIZE,
     ServeResult,

@@ -120,12 +120,14 @@ def test_20000_requests_through_async_llm_leave_the_heap_flat_and_every_block_fr
         async def one(i: int) -> None:
             prompt, params, hang_up = soak_request(i)
             try:
+                complete = False
                 async for output in llm.generate(prompt, params, request_id=i % 1_000):  # ids come again
                     if hang_up:
                         outcomes["hung up"] += 1
                         break
+                    complete = output.finished and len(output.outputs) == params.n
                 else:
-                    assert output.finished and len(output.outputs) == params.n
+                    assert complete
                     outcomes["finished"] += 1
             except ValueError:
                 outcomes["refused"] += 1

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_kv import BlockManager
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.simulation.shares import MemoryShares, SlotUse
 from paged_kv.simulation.workload import (

@@ -126,10 +126,10 @@ def _admission_hint(can_admit: Callable[..., object]) -> str:
 def _admitted_beside(model: TinyGPT, free: int, prompt_tokens: int, running: int, block_size: int) -> bool:
     """Whether the engine admits a request the step it arrives, beside ``running`` running requests.
 
-    The pool has ``free + running`` blocks, and its null block. The running requests arrive at step 0, each with a prompt
-    of ``block_size - 1`` tokens in one block, and are still decoding at step 1, their next token in
-    that block; the new request arrives at step 1, when ``free`` blocks are free, and is admitted
-    then or later.
+    The pool has ``free + running`` blocks, and its null block. The running requests arrive at step 0,
+    each with a prompt of ``block_size - 1`` tokens in one block, and are still decoding at step 1,
+    their next token in that block; the new request arrives at step 1, when ``free`` blocks are free,
+    and is admitted then or later.
     """
     requests = [EngineRequest(("running", i), [1] * (block_size - 1), 3) for i in range(running)]
     requests.append(EngineRequest("new", [2] * prompt_tokens, 1, arrival_step=1))

@@ -24,11 +24,11 @@ import torch
 
 from paged_kv.checks._core import Checker, answers, diagnose, task
 from paged_kv.checks.lesson03 import kv_mixup
+from paged_kv.core.kv_cache_manager import KVCacheManager, watermark_blocks
 from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.reference.lesson11 import choose_victims as package_victims
-from paged_kv.core.kv_cache_manager import KVCacheManager, watermark_blocks
 from paged_kv.serving.request import EngineCoreRequest
 
 # ------------------------------------------------------------------------------- Task 1

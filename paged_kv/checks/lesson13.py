@@ -4,10 +4,10 @@ Each task is checked on examples that isolate one rule (the token itself inside 
 count, only whole blocks before the window freed, the null block never freed, the groups asked again at a
 shorter length...), then against the package on many cases: ``num_skipped_tokens`` against
 :class:`~paged_kv.core.kv_cache_groups.SlidingWindowSpec`, ``remove_skipped_blocks`` against
-:class:`~paged_kv.core.single_type_kv_cache_manager.SlidingWindowManager` on a pool holding the table's blocks, and
-``hybrid_hit`` against a :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator` with prefix
-caching whose groups cached a prompt and then lost the blocks the flags say are gone (the package's
-reference, :mod:`paged_kv.reference.lesson13`). When an answer is wrong, the check runs the
+:class:`~paged_kv.core.single_type_kv_cache_manager.SlidingWindowManager` on a pool holding the table's
+blocks, and ``hybrid_hit`` against a :class:`~paged_kv.core.kv_cache_coordinator.KVCacheCoordinator`
+with prefix caching whose groups cached a prompt and then lost the blocks the flags say are gone (the
+package's reference, :mod:`paged_kv.reference.lesson13`). When an answer is wrong, the check runs the
 learner's code beside the classic mistakes, written as small wrong implementations, and names the one it
 behaves like (:func:`~paged_kv.checks._core.diagnose`).
 """

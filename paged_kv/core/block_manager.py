@@ -127,7 +127,8 @@ class BlockManager:
     # ----------------------------------------------------------------------------- observers
 
     def subscribe(self, observer: Observer) -> None:
-        """Call ``observer(change)`` after each successful change from now on (:mod:`paged_kv.core.changes`)."""
+        """Call ``observer(change)`` after each successful change from now on
+        (:mod:`paged_kv.core.changes`)."""
         if not callable(observer):
             raise ValueError(f"observer must be callable with a BlockChange, got {observer!r}")
         if not self._observers:  # the pool's evictions become "evict" changes
@@ -241,9 +242,7 @@ class BlockManager:
         if token_ids is not None:
             token_ids = check_token_ids(token_ids, n, "n", "appended token")
         size, end = self.block_size, table.num_tokens + n
-        shared = (
-            self._shared_blocks(table, table.num_tokens, end) if self.allocator.num_shared_blocks else ()
-        )
+        shared = self._shared_blocks(table, table.num_tokens, end) if self.allocator.num_shared_blocks else ()
         missing = max(0, -(-end // size) - len(table.block_ids))
         if len(shared) + missing > self.allocator.num_free_blocks:
             self._check_free(len(shared) + missing, f"appending {n} tokens to sequence {seq_id!r}")

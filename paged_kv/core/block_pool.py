@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from paged_kv.core.block_allocator import BlockAllocator
-from paged_kv.errors import OutOfBlocksError
 from paged_kv.core.prefix_cache import CachedBlock, HashChain, PrefixCache, TokenIds
+from paged_kv.errors import OutOfBlocksError
 
 NULL_BLOCK = 0
 """The null block of a pool that has one (vLLM: ``BlockPool.null_block``): the entry of a block that
@@ -111,7 +111,9 @@ class BlockPool(BlockAllocator):
     def add_listener(self, listener: BlockPoolListener) -> None:
         """Tell ``listener`` every store, eviction and reset from now on."""
         if not all(callable(getattr(listener, name, None)) for name in _LISTENER_METHODS):
-            raise ValueError(f"listener must have the methods {', '.join(_LISTENER_METHODS)}, got {listener!r}")
+            raise ValueError(
+                f"listener must have the methods {', '.join(_LISTENER_METHODS)}, got {listener!r}"
+            )
         self.listeners.append(listener)
 
     # ------------------------------------------------------------------ taking and releasing

@@ -94,7 +94,8 @@ class KVCacheCoordinator:
         layers = [layer for g in self.kv_cache_groups for layer in g.layers]
         if len(layers) != len(set(layers)):
             raise ValueError(
-                f"a layer belongs to one group only, got the groups {[g.layers for g in self.kv_cache_groups]}"
+                "a layer belongs to one group only, got the groups "
+                f"{[g.layers for g in self.kv_cache_groups]}"
             )
         self.max_in_flight_tokens = (
             None
@@ -105,7 +106,8 @@ class KVCacheCoordinator:
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.num_blocks = self.block_pool.num_blocks
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(g.spec, self.block_pool, i) for i, g in enumerate(self.kv_cache_groups)
+            get_manager_for_kv_cache_spec(g.spec, self.block_pool, i)
+            for i, g in enumerate(self.kv_cache_groups)
         )
         self._sliding = tuple(m for m in self.single_type_managers if isinstance(m.spec, SlidingWindowSpec))
         self._lists = tuple(m.req_to_blocks for m in self.single_type_managers)
@@ -333,7 +335,9 @@ def peak_blocks(
     for group in groups:
         blocks = blocks_for_tokens(num_tokens, group.spec.block_size)
         if isinstance(group.spec, SlidingWindowSpec) and max_in_flight_tokens is not None:
-            blocks = min(blocks, group.spec.max_admission_blocks_per_request(max_in_flight_tokens, num_tokens))
+            blocks = min(
+                blocks, group.spec.max_admission_blocks_per_request(max_in_flight_tokens, num_tokens)
+            )
         total += blocks
     return total
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Hashable, Sequence
-
 from typing import Protocol
 
 from paged_kv.core.block import BlockTable, blocks_for_tokens
@@ -125,11 +124,15 @@ class KVCacheManager:
             kv_cache_groups = full_attention_group(16 if block_size is None else block_size)
         elif block_size is not None and block_size != kv_cache_groups[0].spec.block_size:
             raise ValueError(
-                f"block_size {block_size} differs from the kv_cache_groups' {kv_cache_groups[0].spec.block_size}"
+                f"block_size {block_size} differs from the kv_cache_groups' "
+                f"{kv_cache_groups[0].spec.block_size}"
             )
         self.watermark = check_watermark(watermark)
         self.coordinator = coordinator = get_kv_cache_coordinator(
-            kv_cache_groups, num_blocks, enable_caching=enable_caching, max_in_flight_tokens=max_in_flight_tokens
+            kv_cache_groups,
+            num_blocks,
+            enable_caching=enable_caching,
+            max_in_flight_tokens=max_in_flight_tokens,
         )
         self.block_pool = coordinator.block_pool
         self.block_size, self.num_blocks = coordinator.block_size, coordinator.num_blocks
@@ -142,7 +145,9 @@ class KVCacheManager:
         self._num_groups = len(self.kv_cache_groups)
         self._sliding = coordinator.has_sliding_window
         self._free_block_queue = self.block_pool.free_block_queue
-        self._only_group = coordinator.single_type_managers[0].req_to_blocks if self._num_groups == 1 else None
+        self._only_group = (
+            coordinator.single_type_managers[0].req_to_blocks if self._num_groups == 1 else None
+        )
         self._nothing: BlockIds = ((),) * self._num_groups
 
     def __repr__(self) -> str:
@@ -181,10 +186,13 @@ class KVCacheManager:
         """The longest request the pool holds alone, its sliding-window groups capped at their window
         and the tokens in flight (:func:`~paged_kv.core.kv_cache_coordinator.max_tokens_alone`)."""
         coordinator = self.coordinator
-        return max_tokens_alone(coordinator.kv_cache_groups, self.num_blocks, coordinator.max_in_flight_tokens)
+        return max_tokens_alone(
+            coordinator.kv_cache_groups, self.num_blocks, coordinator.max_in_flight_tokens
+        )
 
     def add_listener(self, listener: BlockPoolListener) -> None:
-        """Tell ``listener`` every block the pool caches and evicts (:class:`~paged_kv.core.block_pool.BlockPoolListener`)."""
+        """Tell ``listener`` every block the pool caches and evicts
+        (:class:`~paged_kv.core.block_pool.BlockPoolListener`)."""
         self.block_pool.add_listener(listener)
 
     def reset_prefix_cache(self) -> bool:
@@ -422,4 +430,6 @@ class _Held:
 
 
 def _short(token_ids: Sequence[int], end: int) -> None:
-    raise ValueError(f"token_ids must cover the request's {end} tokens, through the new ones, got {len(token_ids)}")
+    raise ValueError(
+        f"token_ids must cover the request's {end} tokens, through the new ones, got {len(token_ids)}"
+    )

@@ -11,10 +11,10 @@ layer of the group.
 
 **The null block.** A sliding-window layer never reads a block that lies wholly before the window
 of the request's next token: :meth:`SingleTypeManager.remove_skipped_blocks` gives such blocks back
-to the pool and puts the **null block** (block 0 of the pool, :data:`~paged_kv.core.block_pool.NULL_BLOCK`, never
-allocated nor freed) in their place. The table keeps its length, so logical block ``j`` is
-still entry ``j`` and a position's slot is computed as before; the attention's window mask never
-reads the null entries. A full-attention manager skips nothing.
+to the pool and puts the **null block** (block 0 of the pool,
+:data:`~paged_kv.core.block_pool.NULL_BLOCK`, never allocated nor freed) in their place. The table keeps
+its length, so logical block ``j`` is still entry ``j`` and a position's slot is computed as before; the
+attention's window mask never reads the null entries. A full-attention manager skips nothing.
 
 Invariants, per request, after every call:
 
@@ -26,9 +26,9 @@ Invariants, per request, after every call:
 With prefix caching each full block is cached under the chained hash of its request's tokens,
 tagged with the group (:class:`~paged_kv.core.prefix_cache.PrefixCache`); a block freed from the
 window stays cached, evictable, on the pool's free list. The pool alone stores and evicts hashes
-(:meth:`~paged_kv.core.block_pool.BlockPool.cache_block`, its ``allocate``). :meth:`find_longest_cache_hit` is where the
-two kinds differ most: full attention needs every block of the prefix, a sliding window only the
-blocks its first uncomputed token reads.
+(:meth:`~paged_kv.core.block_pool.BlockPool.cache_block`, its ``allocate``).
+:meth:`find_longest_cache_hit` is where the two kinds differ most: full attention needs every block of
+the prefix, a sliding window only the blocks its first uncomputed token reads.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ class SingleTypeKVCacheManager:
             return
         sliding = isinstance(self.spec, SlidingWindowSpec)
         blocks = self.req_to_blocks[request_id]
-        if not self.block_pool.cache_full_blocks(chain, token_ids, blocks, self.block_size, self.group_id, sliding):
+        if not self.block_pool.cache_full_blocks(
+            chain, token_ids, blocks, self.block_size, self.group_id, sliding
+        ):
             del self._chains[request_id]
 
     def free(self, request_id: Hashable) -> list[int]:

@@ -63,9 +63,7 @@ class HybridRecorder:
             f"empty pool: {memory.num_blocks} blocks of {memory.block_size} slots, block "
             f"{NULL_BLOCK} the null block; {len(self.names)} groups ({', '.join(self.names)})"
         )
-        self.frames: list[TraceFrame] = [
-            TraceFrame(memory.snapshot(), caption, "start", None, ())
-        ]
+        self.frames: list[TraceFrame] = [TraceFrame(memory.snapshot(), caption, "start", None, ())]
 
     def allocate(self, request_id: Hashable, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """A new request's prompt of ``num_tokens`` tokens: its blocks in every group, all or none."""
@@ -145,6 +143,4 @@ class HybridRecorder:
         freed: Sequence[Sequence[int]],
     ) -> None:
         touched = tuple(b for ids in (*gained, *freed) for b in ids if b != NULL_BLOCK)
-        self.frames.append(
-            TraceFrame(self.memory.snapshot(), caption, event, request_id, touched)
-        )
+        self.frames.append(TraceFrame(self.memory.snapshot(), caption, event, request_id, touched))

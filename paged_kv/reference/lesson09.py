@@ -14,10 +14,10 @@ from collections.abc import Iterable as _Iterable
 
 import torch as _torch
 
+from paged_kv.core.kv_cache_manager import blocks_alone as _blocks_alone
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.model.kv_cache import PagedKVCache as MyPagedCache
 from paged_kv.reference.lesson04 import decode_step as _decode_step
-from paged_kv.core.kv_cache_manager import blocks_alone as _blocks_alone
 
 __all__ = ["MyPagedCache", "can_admit", "decode_slots"]
 

@@ -12,7 +12,8 @@ budget is spent (the scheduler's running pass and its admission, which build
 ``SchedulerOutput.num_scheduled_tokens``); the budget is checked as the scheduler checks it
 (:func:`~paged_kv.serving.scheduler.check_budget`). ``first_token_steps`` finds what
 :class:`~paged_kv.serving.engine.EngineResult` records as ``first_token_step``: the step whose chunk
-completes the prompt, the first step whose ``ModelRunnerOutput.sampled_token_ids`` holds a token for the request.
+completes the prompt, the first step whose ``ModelRunnerOutput.sampled_token_ids`` holds a token for the
+request.
 """
 
 from collections.abc import Hashable as _Hashable

@@ -14,10 +14,10 @@ from collections.abc import Sequence as _Sequence
 
 import torch as _torch
 
+from paged_kv.core.kv_cache_manager import watermark_blocks
 from paged_kv.errors import OutOfBlocksError as _OutOfBlocksError
 from paged_kv.kv import swap as _swap
 from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
-from paged_kv.core.kv_cache_manager import watermark_blocks
 from paged_kv.validate import check_count as _check_count
 from paged_kv.validate import check_hashable as _check_hashable
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence as _Sequence
 from types import SimpleNamespace as _SimpleNamespace
 
 from paged_kv.core.block_pool import BlockPool as _BlockPool
-from paged_kv.core.kv_cache_manager import KVCacheManager as _KVCacheManager
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec as _KVCacheGroupSpec
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec as _SlidingWindowSpec
 from paged_kv.core.kv_cache_groups import attention_spec as _attention_spec
+from paged_kv.core.kv_cache_manager import KVCacheManager as _KVCacheManager
 from paged_kv.core.single_type_kv_cache_manager import SlidingWindowManager as _SlidingWindowManager
 
 __all__ = ["hybrid_hit", "num_skipped_tokens", "remove_skipped_blocks"]

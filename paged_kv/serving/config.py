@@ -19,7 +19,7 @@ Every section is frozen: a config, once made, describes one engine for its whole
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,7 +89,7 @@ class ParallelConfig:
 class DeviceConfig:
     """Where the model, the K/V storage and the step's tensors live (vLLM: ``DeviceConfig``)."""
 
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 @dataclass(frozen=True)

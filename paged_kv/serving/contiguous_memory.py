@@ -35,7 +35,9 @@ class ReservationMemory:
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats()
 
-    def get_computed_blocks(self, request: EngineCoreRequest, token_ids: Sequence[int] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: EngineCoreRequest, token_ids: Sequence[int] | None
+    ) -> ComputedBlocks:
         return ComputedBlocks()
 
     def reset_prefix_cache(self) -> bool:

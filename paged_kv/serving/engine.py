@@ -69,13 +69,13 @@ from dataclasses import dataclass
 import torch
 
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec
+from paged_kv.core.kv_cache_manager import blocks_alone, watermark_blocks
 from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.kv.startup import KVCacheReport
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.progress import progress_bar
 from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.engine_result import EngineResult, StepRecorder
-from paged_kv.core.kv_cache_manager import blocks_alone, watermark_blocks
 from paged_kv.serving.kv_cache_planning import get_kv_cache_config, sized
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.metrics import LoggingStatLogger, check_interval, kv_cache_device
@@ -265,7 +265,9 @@ class Engine:
         result.arrival_step = {r.request_id: r.arrival_step for r in requests}
         stat_logger = None
         if self.log_stats_interval is not None:
-            stat_logger = LoggingStatLogger(self.log_stats_interval, kv_cache_device=kv_cache_device(self.device))
+            stat_logger = LoggingStatLogger(
+                self.log_stats_interval, kv_cache_device=kv_cache_device(self.device)
+            )
         recorder = StepRecorder(
             result,
             block_size=self.block_size,

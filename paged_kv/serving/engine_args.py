@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_kv.attention.registry import check_backend_name
+from paged_kv.core.kv_cache_manager import check_watermark
 from paged_kv.device import resolve_device
 from paged_kv.kv.fp8 import kv_cache_dtype_str_to_dtype
 from paged_kv.model.causal_lm import CausalLM
@@ -28,13 +29,11 @@ from paged_kv.serving.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from paged_kv.core.kv_cache_manager import check_watermark
 from paged_kv.serving.scheduler import PREEMPTIONS, check_budget
 from paged_kv.validate import check_count
 
 MODES = ("paged", "contiguous")
 """The course's two memories: paged blocks, or one contiguous reservation per request."""
-
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,9 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.kv_cache_dtype, str):
-            raise ValueError(f"kv_cache_dtype must be one of vLLM's names, a str, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of vLLM's names, a str, got {self.kv_cache_dtype!r}"
+            )
         kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, model.dtype)  # a name it does not know raises
         block_size = check_count("block_size", self.block_size, minimum=1)
         if self.mode not in MODES:
@@ -102,7 +103,9 @@ class EngineArgs:
             model_config=self._model_config(model),
             cache_config=self._cache_config(block_size),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=None if self.max_num_seqs is None else check_count("max_num_seqs", self.max_num_seqs, minimum=1),
+                max_num_seqs=None
+                if self.max_num_seqs is None
+                else check_count("max_num_seqs", self.max_num_seqs, minimum=1),
                 max_num_batched_tokens=check_budget(self.max_num_batched_tokens),
                 scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                 watermark=watermark,
@@ -155,5 +158,7 @@ class EngineArgs:
         model_device = resolve_device(model.device)
         device = model_device if self.device is None else resolve_device(self.device)
         if device != model_device:
-            raise ValueError(f"device {device} differs from the model's {model_device}; call model.to(device)")
+            raise ValueError(
+                f"device {device} differs from the model's {model_device}; call model.to(device)"
+            )
         return device

@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import VllmConfig
 from paged_kv.serving.contiguous_memory import ContiguousMemory
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.kv_cache_planning import KVCacheConfig, get_kv_cache_config, sized
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.outputs import SchedulerOutput
@@ -51,7 +51,9 @@ class EngineCore:
         self, vllm_config: VllmConfig, model: CausalLM, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         self.model = model
-        self.kv_cache_config = get_kv_cache_config(vllm_config, model) if kv_cache_config is None else kv_cache_config
+        self.kv_cache_config = (
+            get_kv_cache_config(vllm_config, model) if kv_cache_config is None else kv_cache_config
+        )
         self.vllm_config = vllm_config = sized(vllm_config, self.kv_cache_config)
         cache, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
         plan = self.kv_cache_config

@@ -94,7 +94,11 @@ class InputProcessor:
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list of ints, if the model can run it: vLLM's messages."""
-        if isinstance(prompt_token_ids, str) or not isinstance(prompt_token_ids, Sequence) or not prompt_token_ids:
+        if (
+            isinstance(prompt_token_ids, str)
+            or not isinstance(prompt_token_ids, Sequence)
+            or not prompt_token_ids
+        ):
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         if not all(is_token(t, vocab) for t in prompt_token_ids):

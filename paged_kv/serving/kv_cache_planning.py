@@ -104,7 +104,9 @@ def get_kv_cache_config(vllm_config: VllmConfig, model: CausalLM) -> KVCacheConf
         num_blocks = report.num_gpu_blocks
     max_model_len = vllm_config.model_config.max_model_len
     if cache.mode == "paged" and num_blocks < 2:
-        raise ValueError(f"num_blocks must be at least 2: block 0 of the pool is the null block, got {num_blocks}")
+        raise ValueError(
+            f"num_blocks must be at least 2: block 0 of the pool is the null block, got {num_blocks}"
+        )
     if cache.mode == "contiguous" and max_model_len > num_blocks * cache.block_size:
         raise ValueError(
             f"max_model_len {max_model_len} does not fit the budget of num_blocks * block_size "
@@ -116,7 +118,9 @@ def get_kv_cache_config(vllm_config: VllmConfig, model: CausalLM) -> KVCacheConf
 def sized(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmConfig:
     """``vllm_config`` with the block count planning settled (vLLM sets ``cache_config.num_gpu_blocks``
     after its profile run)."""
-    return replace(vllm_config, cache_config=replace(vllm_config.cache_config, num_gpu_blocks=kv_cache_config.num_blocks))
+    return replace(
+        vllm_config, cache_config=replace(vllm_config.cache_config, num_gpu_blocks=kv_cache_config.num_blocks)
+    )
 
 
 def _startup_sizing(vllm_config: VllmConfig, model: CausalLM, hybrid: bool) -> KVCacheReport:

@@ -146,14 +146,18 @@ class LLMEngine:
         if isinstance(prompt, EngineCoreRequest):
             request = prompt
             if request.request_id != request_id:
-                raise ValueError(f"request_id {request_id!r} differs from its request's {request.request_id!r}")
+                raise ValueError(
+                    f"request_id {request_id!r} differs from its request's {request.request_id!r}"
+                )
         else:
             arrived = self.clock() if arrival_time is None else arrival_time
             request = self.input_processor.process_inputs(request_id, prompt, sampling_params, arrived)
         params = request.sampling_params
         if self.output_processor.in_use(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is in use")
-        children = self.output_processor.add_request(request_id, request.prompt_token_ids, params, self.model.eos_token_ids)
+        children = self.output_processor.add_request(
+            request_id, request.prompt_token_ids, params, self.model.eos_token_ids
+        )
         arrived = self.clock() if request.arrival_time is None else request.arrival_time
         for i, child in enumerate(children):
             child_params = params if params.n == 1 else replace(params, n=1, seed=child_seed(params.seed, i))
@@ -285,4 +289,3 @@ class LLMEngine:
         for child in children:
             for record in (self._prompt_len, self._first_hits, self._arrival, self._last_token_at):
                 record.pop(child, None)
-

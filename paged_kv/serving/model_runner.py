@@ -32,13 +32,13 @@ from itertools import compress, repeat
 
 import torch
 
+from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.core.kv_cache_groups import FullAttentionSpec, KVCacheGroupSpec
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention_by_group
-from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.serving.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.sampler import new_generator, sample
 from paged_kv.serving.sampling_params import SamplingParams
@@ -133,7 +133,9 @@ class ModelRunner:
         for index, group in enumerate(self.kv_cache_groups):
             for layer in group.layers:
                 self.layer_group[layer] = index
-        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups))
+        self.block_tables = BlockTables(
+            max_num_reqs, max_blocks_per_req, self.device, len(self.kv_cache_groups)
+        )
         self.state = RequestState(self.block_tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
         self.sampling: dict[Hashable, tuple[SamplingParams, torch.Generator]] = {}
@@ -205,7 +207,11 @@ class ModelRunner:
         if not isinstance(output, SchedulerOutput):
             raise ValueError(f"output must be a SchedulerOutput, got {type(output).__name__}")
         leaving = output.finished_req_ids | output.preempted_req_ids
-        rows, num_blocks, scheduled = self.block_tables.rows, self.storage.num_blocks, output.num_scheduled_tokens
+        rows, num_blocks, scheduled = (
+            self.block_tables.rows,
+            self.storage.num_blocks,
+            output.num_scheduled_tokens,
+        )
         for new in output.scheduled_new_reqs:
             if new.req_id in rows and new.req_id not in leaving:
                 raise ValueError(f"new request {new.req_id!r} is running already")

@@ -65,7 +65,9 @@ class KVMemory(Protocol):
         """The most tokens ``request`` could ever hold here, alone: more, and it can never be served."""
         ...
 
-    def get_computed_blocks(self, request: EngineCoreRequest, token_ids: Sequence[int] | None) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: EngineCoreRequest, token_ids: Sequence[int] | None
+    ) -> ComputedBlocks:
         """The cached prefix of a new request's ``token_ids`` (prompt, and any tokens it resumes with)."""
         ...
 

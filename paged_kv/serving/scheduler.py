@@ -216,7 +216,7 @@ class Scheduler:
             missing = [r.request_id for r in sampling if r.request_id not in sampled]
             raise ValueError(f"the runner's result has no sampled token for {missing!r}") from None
         first, new_tokens, done = [], {}, []
-        for request, token in zip(sampling, tokens):  # only a request that sampled can finish
+        for request, token in zip(sampling, tokens, strict=True):  # only a request that sampled can finish
             output_ids, request_id = request.output_token_ids, request.request_id
             if not output_ids:
                 first.append(request_id)

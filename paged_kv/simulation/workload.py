@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.core.trace import TraceFrame, allocate_caption, free_caption, start_caption, token_caption
 from paged_kv.progress import progress_bar
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from paged_kv.serving.request import EngineCoreRequest
@@ -345,14 +345,18 @@ class BlockBookkeeping(KVCacheManager):
         self.record = record
         self._frames: list[TraceFrame] = []
         if record:
-            self._frames.append(TraceFrame(self.snapshot(), start_caption(num_blocks, block_size), "start", None, ()))
+            self._frames.append(
+                TraceFrame(self.snapshot(), start_caption(num_blocks, block_size), "start", None, ())
+            )
 
     @property
     def trace(self) -> list[TraceFrame]:
         """The recorded frames (empty unless built with ``record=True``)."""
         return list(self._frames)
 
-    def allocate_slots(self, request: EngineCoreRequest, num_new_tokens: int, *args, **kwargs) -> BlockIds | None:
+    def allocate_slots(
+        self, request: EngineCoreRequest, num_new_tokens: int, *args, **kwargs
+    ) -> BlockIds | None:
         new = request.request_id not in self
         gained = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if self.record and gained is not None:
@@ -364,7 +368,9 @@ class BlockBookkeeping(KVCacheManager):
         super().free(request_id)
         if held is not None:
             freed = [b for b in held if self.block_pool.is_free(b)]
-            frame = TraceFrame(self.snapshot(), free_caption(request_id, held, freed), "free", request_id, held)
+            frame = TraceFrame(
+                self.snapshot(), free_caption(request_id, held, freed), "free", request_id, held
+            )
             self._frames.append(frame)
 
     def sequences(self) -> dict[Hashable, tuple[int, int]]:

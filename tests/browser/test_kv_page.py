@@ -61,7 +61,9 @@ class Pacer:
 
     def __call__(self, _stats, _iteration) -> None:
         time.sleep(PACE_S)
-        running = {r.request_id: r.num_tokens for r in self.async_llm.llm_engine.engine_core.scheduler.running}
+        running = {
+            r.request_id: r.num_tokens for r in self.async_llm.llm_engine.engine_core.scheduler.running
+        }
         if (
             self.held_step is None
             and set(running) == set(PROMPTS)

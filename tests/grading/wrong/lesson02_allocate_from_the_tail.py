@@ -12,7 +12,9 @@ MESSAGE = "popping from the tail (LIFO)"
 class BlockAllocator(BlockAllocator):
     def __init__(self, num_blocks):
         super().__init__(num_blocks)
-        self.free_block_queue = deque(self.free_block_queue)  # the exercise's deque free list, where the mistake is made
+        self.free_block_queue = deque(
+            self.free_block_queue
+        )  # the exercise's deque free list, where the mistake is made
 
     def allocate(self):
         if not self.free_block_queue:

@@ -11,7 +11,9 @@ MESSAGE = "a double free"
 class BlockAllocator(BlockAllocator):
     def __init__(self, num_blocks):
         super().__init__(num_blocks)
-        self.free_block_queue = deque(self.free_block_queue)  # the exercise's deque free list, where the mistake is made
+        self.free_block_queue = deque(
+            self.free_block_queue
+        )  # the exercise's deque free list, where the mistake is made
 
     def free(self, block_id):
         block = self._block(block_id)  # the range check, but no check that the block is in use

@@ -11,7 +11,9 @@ MESSAGE = "block 0 still has a holder, so it must stay off the free list"
 class BlockAllocator(BlockAllocator):
     def __init__(self, num_blocks):
         super().__init__(num_blocks)
-        self.free_block_queue = deque(self.free_block_queue)  # the exercise's deque free list, where the mistake is made
+        self.free_block_queue = deque(
+            self.free_block_queue
+        )  # the exercise's deque free list, where the mistake is made
 
     def free(self, block_id):
         block = self._used_block(block_id)
