@@ -76,6 +76,13 @@ print("paged_kv", paged_kv.__version__)
 # the same scheduler). It counts steps as vLLM does: the prefill step samples the first output
 # token and each later step one more, so a request with `o` output tokens runs for `o` steps.
 #
+# The scheduler takes its blocks from the engine's memory, `KVCacheManager` as vLLM names it, and
+# its pool, unlike lesson 02's, sets one block aside: the **null block**. vLLM 0.33.0 takes block 0
+# off the free list when it builds the pool, for every model, and never hands it out; a table entry
+# that must name a block but holds nothing names it (lesson 13 needs that). So a pool of `N` blocks
+# gives out `N - 1`, numbered from 1. The simulator builds the budget's blocks plus the null block,
+# so that every slot of `budget_tokens` is usable, and its pictures draw block 0 grey.
+#
 # Older servers used **static batching**: they formed a batch, ran it until its *longest* member
 # was done, and only then took new requests, so a short request's memory sat idle until the long
 # one finished. **Continuous batching** (iteration-level scheduling, introduced by the Orca system)
@@ -132,8 +139,9 @@ print("static batching:     all done after", first_batch + second_batch, "steps"
 
 # %% [markdown]
 # The same run, animated. `simulate(..., record=True)` keeps the paged allocator's picture after
-# every allocation, token and release. Watch `late-2` wait while too few blocks are free, then
-# start in the blocks `short-0` gives back and the two no one took.
+# every allocation, token and release: 7 blocks, the null block and the 6 of the budget. Watch
+# `late-2` wait while too few blocks are free, then start in the blocks `short-0` gives back and the
+# two no one took.
 
 # %%
 from paged_kv.pictures.widgets import AllocationPlayer
