@@ -27,14 +27,16 @@
 
 # %%
 import random
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
 import transformers
 
 import paged_kv
-from paged_kv.core.kv_cache_coordinator import KVCacheCoordinator, peak_blocks
+from paged_kv.core.kv_cache_coordinator import peak_blocks
 from paged_kv.core.kv_cache_groups import SlidingWindowSpec, kv_cache_groups, layer_tensors, num_tensors
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.kv.sizing import format_bytes
 from paged_kv.pictures.hybrid import HybridRecorder
 from paged_kv.pictures.plots import PALETTE
@@ -118,30 +120,34 @@ for tokens in (32_768, 131_072):
 # (lesson 03: `block_ids[p // block_size] * block_size + p % block_size`) would need a per-request
 # offset, and the tables handed to the kernel would shift under it. vLLM instead keeps the table's
 # length and writes the **null block** into the entry: block 0 of the pool, taken once when the pool
-# is built and never allocated nor freed (vLLM: `BlockPool.null_block`). Every position keeps its
+# is built and never allocated nor freed (vLLM: `BlockPool.null_block`). Lesson 07 set it aside in
+# every engine's pool; here is what it is for. Every position keeps its
 # slot, and the attention never reads those entries, because it starts at the window's first block
 # (the package's kernel of lesson 12, given `SLIDING_WINDOW = W`, starts its loop at the block of
 # position `first query position - W + 1`). An operating
 # system does the same with a page it has taken back: the page-table entry stays, marked not present.
 #
-# The package keeps these rules in `paged_kv.core`: a `KVCacheCoordinator` holds one block table per
-# request in each KV-cache group, over one pool whose block 0 is the null block. Below, Gemma 2's two
-# kinds of layer, window 8 and full attention, in blocks of 4, and one request of a 6-token prompt.
-# Each decode step asks `allocate_slots` for one token; as in vLLM, it first gives back the sliding
-# blocks that left the window, then takes a block where the token starts one.
+# The package keeps these rules in the engine's memory, lesson 09's `KVCacheManager`, the same class
+# for every model: given the model's KV-cache groups, it holds one block table per request in each
+# group, over one pool whose block 0 is the null block. Below, Gemma 2's two kinds of layer, window
+# 8 and full attention, in blocks of 4, and one request of a 6-token prompt. The manager is given the
+# request itself, as vLLM's is, and reads only its `request_id`. Each decode step asks
+# `allocate_slots` for one token; as in vLLM, it first gives back the sliding blocks that left the
+# window, then takes a block where the token starts one.
 #
 # **Predict, then run.** After 14 decode steps the request holds 20 tokens and the next token sits at
 # position 20. How many null entries does the sliding table have, and how many real blocks?
 
 # %%
-coordinator = KVCacheCoordinator(kv_cache_groups([8, None], block_size=4), num_blocks=16)
-coordinator.allocate_slots("a", 6)
+memory = KVCacheManager(16, kv_cache_groups=kv_cache_groups([8, None], block_size=4))
+a = SimpleNamespace(request_id="a")  # what the manager reads of a request
+memory.allocate_slots(a, 6)
 for _ in range(14):  # 14 decode steps, one token each
-    coordinator.allocate_slots("a", 1)
-sliding_ids, full_ids = coordinator.get_block_ids("a")
-print("tokens:", coordinator.num_tokens("a"))
+    memory.allocate_slots(a, 1)
+sliding_ids, full_ids = memory.get_block_ids("a")
+print("tokens:", memory.num_tokens("a"))
 print("sliding table:", sliding_ids, " full table:", full_ids)
-print("free blocks:", coordinator.num_free_blocks, "of 15 (block 0 is the null block)")
+print("free blocks:", memory.num_free_blocks, "of 15 (block 0 is the null block)")
 
 # %% [markdown]
 # Three null entries and two blocks. The next token reads positions 13 to 20, so 13 tokens are
@@ -150,7 +156,7 @@ print("free blocks:", coordinator.num_free_blocks, "of 15 (block 0 is the null b
 # stays. The full table holds all five blocks. Both tables have five entries, so position 13's slot
 # is in entry 3 of either.
 #
-# **Watch it happen.** `HybridRecorder` drives a coordinator step by step and keeps a frame after
+# **Watch it happen.** `HybridRecorder` drives a manager step by step and keeps a frame after
 # each call, which the course's player plays (`paged_kv.pictures.hybrid`). The tables are named by
 # group and request, `sw·a` and `full·a`, so the colour is the request's in both. The null block is
 # grey and labelled `null`, in the pool and in the table; the gauge leaves it out, as vLLM's
@@ -158,7 +164,7 @@ print("free blocks:", coordinator.num_free_blocks, "of 15 (block 0 is the null b
 # on, one sliding block freed every four tokens.
 
 # %%
-recorder = HybridRecorder(KVCacheCoordinator(kv_cache_groups([8, None], block_size=4), num_blocks=16))
+recorder = HybridRecorder(KVCacheManager(16, kv_cache_groups=kv_cache_groups([8, None], block_size=4)))
 recorder.allocate("a", 6)
 recorder.decode("a", 22)
 recorder.free("a")
@@ -212,15 +218,17 @@ print("Gemma 2's groups:", [g.layers for g in gemma2], " tensor of each layer:",
 # padding is why, with no token budget (a whole 32k prompt in one step), the grouped cache would peak
 # at 17.5 GiB, above the 15.5 of every layer full: the windows pay off only once blocks leave them.
 #
-# One request, several groups, one pool: the coordinator asks every group how many free blocks it
-# would take before it takes any, and takes them all or none (vLLM's `allocate_slots`). A request
-# that fits in the sliding group but not in the full one takes nothing.
+# One request, several groups, one pool: `allocate_slots` asks every group how many free blocks it
+# would take before it takes any, and takes them all or none (vLLM's manager asks its
+# `KVCacheCoordinator`, which asks each group). A request that fits in the sliding group but not in
+# the full one takes nothing.
 
 # %%
-coordinator = KVCacheCoordinator(kv_cache_groups([16, None], block_size=4), num_blocks=8)  # 7 to give
-print("a, 12 tokens:", coordinator.allocate_slots("a", 12), "free:", coordinator.num_free_blocks)
-print("b, 4 tokens:", coordinator.allocate_slots("b", 4), "free:", coordinator.num_free_blocks)
-print("b holds blocks:", "b" in coordinator)
+memory = KVCacheManager(8, kv_cache_groups=kv_cache_groups([16, None], block_size=4))  # 7 to give
+a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+print("a, 12 tokens:", memory.allocate_slots(a, 12), "free:", memory.num_free_blocks)
+print("b, 4 tokens:", memory.allocate_slots(b, 4), "free:", memory.num_free_blocks)
+print("b holds blocks:", "b" in memory)
 
 # %% [markdown]
 # ## 4. Why hybrid models get large blocks
@@ -284,13 +292,14 @@ for alignment in (16, 128):
 
 # %%
 gemma2_shape = kv_cache_groups([8, None], block_size=4)
-coordinator = KVCacheCoordinator(gemma2_shape, num_blocks=64, enable_prefix_caching=True)
+memory = KVCacheManager(64, kv_cache_groups=gemma2_shape, enable_caching=True)
 prompt = [100 + t for t in range(33)]
-coordinator.allocate_slots("a", 33, prompt)
+a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+memory.allocate_slots(a, 33, prompt)
 for generated in range(1, 13):
-    coordinator.allocate_slots("a", 1, prompt + list(range(200, 200 + generated)))
-print("a's sliding table:", coordinator.get_block_ids("a")[0])
-hit = coordinator.get_computed_blocks(prompt)
+    memory.allocate_slots(a, 1, prompt + list(range(200, 200 + generated)))
+print("a's sliding table:", memory.get_block_ids("a")[0])
+hit = memory.get_computed_blocks(b, prompt)
 print(f"hit: {hit.num_tokens} tokens; sliding {list(hit.block_ids[0])}, full {list(hit.block_ids[1])}")
 
 # %% [markdown]
@@ -303,9 +312,9 @@ print(f"hit: {hit.num_tokens} tokens; sliding {list(hit.block_ids[0])}, full {li
 # evicted. How long is the hit now, and which sliding blocks does it need?
 
 # %%
-coordinator.free("a")
-coordinator.block_pool.prefix_cache.evict(hit.block_ids[1][4])  # the full group's block of positions 16..19
-again = coordinator.get_computed_blocks(prompt)
+memory.free("a")
+memory.block_pool.evict(hit.block_ids[1][4])  # the full group's block of positions 16..19
+again = memory.get_computed_blocks(b, prompt)
 print(f"hit: {again.num_tokens} tokens; sliding {list(again.block_ids[0])}, full {list(again.block_ids[1])}")
 
 # %% [markdown]
@@ -319,8 +328,10 @@ print(f"hit: {again.num_tokens} tokens; sliding {list(again.block_ids[0])}, full
 #
 # The engine of lessons 09 to 11 serves a hybrid model the same way: `Engine` reads each layer's
 # window from the model (Hugging Face's `layer_types` and `sliding_window`; Mistral, Qwen2, Gemma 2
-# and Gemma 3 are supported), builds the KV-cache groups, and its memory is a coordinator over one
-# pool. The model's attention reads the table of its layer's group and sees the window (lesson 12's
+# and Gemma 3 are supported), builds the KV-cache groups, and gives them to its `KVCacheManager`,
+# the same class as for the tiny GPT, whose coordinator is now the hybrid one (vLLM's
+# `HybridKVCacheCoordinator`, where a one-group model gets the `UnitaryKVCacheCoordinator`, and
+# vLLM a model without prefix caching its `KVCacheCoordinatorNoPrefixCache`). The model's attention reads the table of its layer's group and sees the window (lesson 12's
 # kernel takes it as `SLIDING_WINDOW`).
 #
 # The model is a tiny Gemma 3 built from `transformers.Gemma3TextConfig` with random weights, nothing
@@ -402,8 +413,9 @@ plt.show()
 # %% [markdown]
 # ## In vLLM
 #
-# Checked against vLLM 0.33.0. vLLM's hybrid KV-cache manager is the coordinator of one pool with one
-# single-type manager per KV-cache group:
+# Checked against vLLM 0.33.0. vLLM has one `KVCacheManager` for every model, over a coordinator (unitary
+# for one KV-cache group, hybrid for several, one that never hits without prefix caching) of one pool
+# with one single-type manager per group:
 #
 # * `vllm/v1/kv_cache_interface.py`: `FullAttentionSpec` and `SlidingWindowSpec` describe a layer;
 #   `SlidingWindowSpec.max_admission_blocks_per_request` is section 1's bound,

@@ -4,8 +4,10 @@ vLLM 0.33.0's ``KVCacheManager`` talks to a coordinator (``vllm/v1/core/kv_cache
 that holds one single-type manager per KV-cache group (:mod:`paged_kv.core.single_type_kv_cache_manager`)
 over one :class:`~paged_kv.core.block_pool.BlockPool`: a ``UnitaryKVCacheCoordinator`` for a model
 of one group (every layer attends fully, the common case), a ``HybridKVCacheCoordinator`` for
-several (sliding-window layers beside full-attention ones, lesson 13). The course has the same
-three classes, and the engine's memory (:class:`~paged_kv.core.kv_cache_manager.KVCacheManager`)
+several (sliding-window layers beside full-attention ones, lesson 13), and, when prefix caching is
+off, a ``KVCacheCoordinatorNoPrefixCache`` whose lookup finds nothing whatever the groups. The
+course has the first three classes (with caching off, its manager looks nothing up, which is all the
+fourth does differently), and the engine's memory (:class:`~paged_kv.core.kv_cache_manager.KVCacheManager`)
 runs every model on one of them: its ``allocate_slots`` asks the coordinator for each step, and the
 coordinator asks every group (vLLM's names: :meth:`~KVCacheCoordinator.remove_skipped_blocks`,
 :meth:`~KVCacheCoordinator.get_num_blocks_to_allocate`,
@@ -295,7 +297,8 @@ def get_kv_cache_coordinator(
     max_in_flight_tokens: int | None = None,
 ) -> KVCacheCoordinator:
     """The coordinator for ``kv_cache_groups`` (vLLM: ``get_kv_cache_coordinator``): unitary for one
-    group, hybrid for several."""
+    group, hybrid for several, with prefix caching on or off (vLLM gives a model without it its
+    ``KVCacheCoordinatorNoPrefixCache``)."""
     kind = UnitaryKVCacheCoordinator if len(kv_cache_groups) == 1 else HybridKVCacheCoordinator
     return kind(
         kv_cache_groups, num_blocks, enable_caching=enable_caching, max_in_flight_tokens=max_in_flight_tokens
