@@ -76,7 +76,7 @@ print("paged_kv", paged_kv.__version__)
 #
 # ```
 # Engine 000: Avg prompt throughput: 8447.0 tokens/s, Avg generation throughput: 4815.9 tokens/s,
-# Running: 14 reqs, Waiting: 8 reqs, Preemptions: 7, GPU KV cache usage: 100.0%, Prefix cache hit rate: 70.0%
+# Running: 13 reqs, Waiting: 9 reqs, Preemptions: 7, GPU KV cache usage: 97.9%, Prefix cache hit rate: 70.0%
 # ```
 #
 # and its `/metrics` endpoint serves the same figures to Prometheus, under names that start with
@@ -193,7 +193,7 @@ print(f"hit rate of first lookups: {stats.hit_rate:.1%}; readmissions apart: {st
 
 # %% [markdown]
 # Counters end in `_total`, as Prometheus names them. The 4,245 prompt tokens are each prompt
-# counted once; the 19 readmissions looked up 1,766 tokens more, of which the cache had 1,296, and
+# counted once; the 19 readmissions looked up 1,738 tokens more, of which the cache had 1,280, and
 # they stay out of the rate a dashboard shows. `run.metrics().summary()` prints the latencies in the
 # layout of `vllm bench serve`.
 
@@ -206,7 +206,7 @@ print(f"hit rate of first lookups: {stats.hit_rate:.1%}; readmissions apart: {st
 #
 # The workload is lesson 09's ShareGPT-shaped stream with lengths divided by 4: 48 requests arriving
 # at about 2 a step, prompts of 45 tokens on average and answers of 75, on a pool of 96 blocks of 16
-# (1,536 tokens). Six engines serve it: at most 8 or 64 requests at once, and a budget of 32 tokens,
+# (95 past the null block: 1,520 tokens). Six engines serve it: at most 8 or 64 requests at once, and a budget of 32 tokens,
 # 128 tokens, or none. For each, the most requests that ran at once, the preemptions, and the time to
 # first token in steps (from arrival to the step that samples it, median and worst).
 #
@@ -244,12 +244,12 @@ for (max_num_seqs, budget), r in sweep.items():
 
 # %% [markdown]
 # With at most 8 requests at once nothing is preempted: 8 requests of this stream always fit in
-# 96 blocks. But the others wait in the queue, and the median request gets its first token 135 to
+# 95 blocks. But the others wait in the queue, and the median request gets its first token 135 to
 # 144 steps after it arrived, whatever the budget. With 64 allowed, the pool is the only limit: 28
 # run at once, the median first token comes 1 or 2 steps after arrival, and the price is paid in
-# preemptions, 41 to 43 of them, each a request whose K/V is thrown away and recomputed. A budget of
-# 32 tokens throttles admission instead (a step holds a few decodes and one prompt chunk): half the
-# preemptions, at the cost of a median first token 37 steps late. Every engine produced the same
+# preemptions, 40 to 43 of them, each a request whose K/V is thrown away and recomputed. A budget of
+# 32 tokens throttles admission instead (a step holds a few decodes and one prompt chunk): fewer than
+# half the preemptions, at the cost of a median first token 37 steps late. Every engine produced the same
 # tokens: the settings move when tokens come, never which.
 #
 # Steps are not seconds: a step of 300 prompt tokens costs more than a step of 20 decodes. The same
@@ -270,11 +270,11 @@ for (max_num_seqs, budget), r in sweep.items():
     )
 
 # %% [markdown]
-# In seconds, over six runs: the cap of 8 costs 270 to 370 ms of median time to first token,
-# against 5 to 9 ms with 64 and no budget, and 110 to 140 ms with 64 and a budget of 32. The budget's
+# In seconds, over five runs: the cap of 8 costs 160 to 290 ms of median time to first token,
+# against 3 to 5 ms with 64 and no budget, and 55 to 110 ms with 64 and a budget of 32. The budget's
 # benefit shows in the inter-token latency: without one, a step that prefills long prompts makes
-# every decoding request wait for it, and the 99th percentile is 11 to 13.5 ms; a budget of 128
-# brings it to 8 to 9.5 ms, one of 32 to 3.5 to 7.5 ms (the tail of a few thousand waits of a few
+# every decoding request wait for it, and the 99th percentile is 4.5 to 8 ms; a budget of 128
+# brings it to 4 to 7 ms, one of 32 to 2 to 4 ms (the tail of a few thousand waits of a few
 # milliseconds is noisy). That is the trade vLLM's defaults make: the API server, where a user
 # watches tokens arrive, gets a smaller `max_num_batched_tokens` than the `LLM` class, which runs
 # offline batches for throughput.
@@ -427,8 +427,8 @@ for tp in (1, 2, 4, 8):
 # * "GPU KV cache usage" is the blocks requests hold over the pool. Cached blocks on the free list
 #   count as free, so an idle server shows 0 % with its cache intact; the hit rate counts first
 #   lookups in tokens, readmissions apart.
-# * At most 8 requests at once: no preemption, a median first token 135 steps late. At most 64: 41
-#   preemptions, the first token 1 step after arrival. A budget of 32 halves the preemptions and
+# * At most 8 requests at once: no preemption, a median first token 135 steps late. At most 64: 40
+#   preemptions, the first token 1 step after arrival. A budget of 32 more than halves them and
 #   bounds the inter-token latency, at the cost of time to first token.
 # * The attention backend picks the block size: 16 for FlashAttention, 64 or 128 for MLA kernels,
 #   128 on the CPU. On a multi-turn chat, 16-token blocks serve 80.4 % of prompt tokens from the
