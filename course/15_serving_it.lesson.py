@@ -32,12 +32,13 @@ import torch
 from IPython.display import HTML, display
 
 import paged_kv
-from paged_kv import Engine, GPTConfig, TinyGPT
+from paged_kv import GPTConfig, TinyGPT
 from paged_kv.entrypoints.openai.api_server import ServerThread, build_app
 from paged_kv.model.tiny_gpt import decode, encode
 from paged_kv.pictures.plots import PALETTE
 from paged_kv.pictures.pool import render_allocator
 from paged_kv.serving.async_llm import AsyncLLM
+from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.sampling_params import SamplingParams
 
@@ -72,21 +73,29 @@ model = TinyGPT(GPTConfig(max_len=512), seed=0).to(device).eval()
 # * `abort_request(request_ids)` finishes requests wherever they are. A running request's blocks
 #   go back to the free queue at once; a waiting or preempted one just leaves the queue.
 #
-# `Engine.run` itself is now a short loop over this class: it adds each request at its arrival step
-# and calls `step()` until nothing is left.
+# vLLM builds its `LLMEngine` from the engine's settings, `EngineArgs` (the keywords of `LLM(...)`
+# and the flags of `vllm serve`, by the same names), with `LLMEngine.from_engine_args`; the offline
+# `LLM` sits on top. So does the course's: `Engine(model, **settings)` fills the same `EngineArgs`,
+# and `Engine.run` is a short loop over the `LLMEngine` they make, adding each request at its arrival
+# step and calling `step()` until nothing is left.
 #
-# Build a pool of 64 blocks of 16 tokens with prefix caching on (vLLM v1's default), add two
-# requests, step three times, and add a third while the first two decode:
+# Build one with a pool of 64 blocks of 16 tokens (`num_gpu_blocks_override`, vLLM's setting that
+# skips the sizing of lesson 14; block 0 is the null block, so 63 hold tokens) and prefix caching on
+# (vLLM v1's default), add two requests, step three times, and add a third while the first two
+# decode:
 
 # %%
-engine = Engine(model, num_blocks=64, block_size=16, enable_prefix_caching=True, max_model_len=512)
-llm = LLMEngine(engine, decode=decode)
-pool = llm.engine_core.scheduler.memory  # the KV-cache manager the scheduler takes blocks from
+settings = EngineArgs(
+    num_gpu_blocks_override=64, block_size=16, enable_prefix_caching=True, max_model_len=512
+)
+llm = LLMEngine.from_engine_args(model, settings, decode=decode)
+pool = llm.engine_core.scheduler.memory  # the KVCacheManager the scheduler takes blocks from
 
 
 def used_blocks() -> int:
-    """Blocks held by running requests (a free block that still caches a prefix counts as free)."""
-    return round(pool.usage * pool.num_blocks)
+    """Blocks held by running requests: the usage (vLLM's) times the blocks the pool gives out, all
+    but the null block (a free block that still caches a prefix counts as free)."""
+    return round(pool.usage * (pool.num_blocks - 1))
 
 
 greedy = SamplingParams(temperature=0.0, max_tokens=40)
@@ -140,7 +149,7 @@ plt.show()
 # stay findable longest (lesson 08).
 
 # %%
-display(HTML(render_allocator(pool.manager.snapshot(), caption="after A and C finished and B was aborted")))
+display(HTML(render_allocator(pool.snapshot(), caption="after A and C finished and B was aborted")))
 
 # %% [markdown]
 # vLLM splits this loop across two processes. The *front end* (`AsyncLLM`, with an
@@ -237,9 +246,8 @@ print("same tokens alone and in a crowd:", alone == crowd["crowd"])
 # as the steps produce them.
 
 # %%
-server_engine = Engine(model, num_blocks=64, block_size=16, enable_prefix_caching=True, max_model_len=512)
-async_llm = AsyncLLM(LLMEngine(server_engine, decode=decode))
-app = build_app(async_llm, model_name="tiny-gpt", encode=encode, decode=decode, max_model_len=512)
+async_llm = AsyncLLM.from_engine_args(model, settings, decode=decode)  # a new engine, the same settings
+app = build_app(async_llm, model_name="tiny-gpt", encode=encode)  # max_model_len: the engine's
 server = ServerThread(app)  # binds 127.0.0.1 on a free port; returns once /health answers
 client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed")
 print([m.id for m in client.models.list().data])
@@ -396,7 +404,7 @@ display(HTML(render_allocator(view.snapshot, caption=f"the server's pool at step
 
 # %%
 server.stop()  # the engine loop stops; every block is free
-print("stopped; blocks in use:", round(server_engine.num_blocks * async_llm.kv_view.kv_cache_usage))
+print("stopped; KV cache usage:", async_llm.kv_view.kv_cache_usage)
 
 # %% [markdown]
 # ## In vLLM
