@@ -72,20 +72,17 @@ print("paged_kv", paged_kv.__version__)
 #    the free pool.
 #
 # The simulator of this lesson, `paged_kv.simulation.workload.simulate`, runs the package's
-# scheduler with a stand-in for the model that only counts tokens (lesson 09 puts a model behind
-# the same scheduler). It counts steps as vLLM does: the prefill step samples the first output
+# scheduler with a stand-in for the model that only counts tokens (lesson 09 puts a model there).
+# It counts steps as vLLM does: the prefill step samples the first output
 # token and each later step one more, so a request with `o` output tokens runs for `o` steps.
 #
-# The scheduler takes its blocks from the engine's memory, `KVCacheManager` as vLLM names it, and
-# its pool, unlike lesson 02's, sets one block aside: the **null block**. vLLM 0.33.0 takes block 0
-# off the free list when it builds the pool, for every model, and never hands it out; a table entry
-# that must name a block but holds nothing names it (lesson 13 needs that). So a pool of `N` blocks
-# gives out `N - 1`, numbered from 1. The simulator builds the budget's blocks plus the null block,
-# so that every slot of `budget_tokens` is usable, and its pictures draw block 0 grey.
+# Its blocks come from the engine's memory, vLLM's `KVCacheManager`, whose pool, unlike lesson 02's,
+# keeps block 0 aside as the **null block**: vLLM takes it off the free list for every model and
+# never hands it out (lesson 13 shows what it stands for). A pool of `N` blocks gives out `N - 1`;
+# the simulator adds the null block to the budget's blocks and draws it grey.
 #
-# Older servers used **static batching**: they formed a batch, ran it until its *longest* member
-# was done, and only then took new requests, so a short request's memory sat idle until the long
-# one finished. **Continuous batching** (iteration-level scheduling, introduced by the Orca system)
+# Older servers used **static batching**: a batch ran until its *longest* member was done, and
+# only then took new requests, so a short request's memory sat idle. **Continuous batching** (iteration-level scheduling, introduced by the Orca system)
 # rebuilds the batch every step: a finished request releases its memory at once, and a waiting
 # request can start in the very next step.
 #
@@ -557,22 +554,19 @@ for result in (figure2[2], compacted):
 #   in admission order, then, if nobody was preempted in the step, admits from `self.waiting` while
 #   fewer than `max_num_active_reqs` (the `max_num_active_seqs` setting, `max_num_seqs` by default)
 #   run and the cache can take the blocks of the whole prompt (`scheduler_reserve_full_isl`, on by
-#   default); the first request that does not fit stops the admissions, first come first served. A
-#   running request that cannot get its blocks makes it preempt `self.running[-1]`, the newest, with
-#   `Scheduler._preempt_request` (section 6).
-# * `vllm/v1/core/sched/request_queue.py`: `FCFSRequestQueue`, a `deque` of requests served first
-#   come first served, and `PriorityRequestQueue`; `create_request_queue` picks one for the
-#   scheduler's `SchedulingPolicy` (`FCFS` by default).
+#   default); the first request that does not fit stops the admissions. A running request that
+#   cannot get its blocks preempts `self.running[-1]`, the newest (section 6).
+# * `vllm/v1/core/sched/request_queue.py`: `FCFSRequestQueue`, a `deque`, the default of
+#   `create_request_queue`.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` takes the blocks for a
 #   request's new tokens or returns None when too few are free; `KVCacheManager.free` gives them
 #   back.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.update_from_output` frees a request's blocks the
 #   step it stops (`Scheduler._free_request`): continuous batching's release.
 #
-# What the course leaves out or does differently: vLLM bounds each step by a budget of tokens
-# shared by prefills and decodes (lesson 10), where this lesson's simulator sets none and prefills
-# a whole prompt on admission. And vLLM has no contiguous policy: Orca (Max), (Pow2) and (Oracle) exist only in the
-# paper's evaluation, rebuilt by its authors.
+# What the course does differently: vLLM bounds each step by a token budget (lesson 10), where this
+# simulator prefills a whole prompt on admission; and vLLM has no contiguous policy: the Orca
+# baselines exist only in the paper's evaluation.
 
 # %% [markdown]
 # ## Recap
