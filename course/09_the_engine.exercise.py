@@ -270,7 +270,7 @@ tiny = [
     EngineRequest("b", encode("KV"), max_tokens=3),
     EngineRequest("c", encode("Hello"), max_tokens=5, arrival_step=1),
 ]
-run = Engine(model, num_blocks=6, block_size=4).run(tiny)
+run = Engine(model, num_blocks=7, block_size=4).run(tiny)  # the null block and 6 to give out
 free_at_step_1 = 6 - run.used_blocks[0]  # a and b took their prompts' blocks at step 0
 yours = can_admit(free_at_step_1, len(tiny[2].prompt), 2, 4)
 engine = "c" in dict(run.scheduled_tokens[1])

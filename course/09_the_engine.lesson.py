@@ -256,7 +256,7 @@ plt.show()
 # `total_num_scheduled_tokens`, `scheduled_new_reqs` (each new request's token ids and `block_ids`),
 # `scheduled_cached_reqs` (the `new_block_ids` each running request gained), the preempted and the
 # finished request ids. Block ids come as vLLM sends them, one tuple per *KV-cache group*: a model
-# whose layers all attend fully has one group, so `((0, 1, 2),)` is one table's blocks 0, 1 and 2
+# whose layers all attend fully has one group, so `((1, 2, 3),)` is one table's blocks 1, 2 and 3
 # (lesson 13 meets models with several).
 #
 # **The model runner prepares the step once and runs one forward.** It keeps a persistent block
@@ -276,27 +276,29 @@ plt.show()
 # decodes alike. Each request whose tokens reached its end samples a token; `update_from_output`
 # appends it, and a request that has all its tokens finishes and frees its blocks at once.
 #
-# Here are those pieces built by hand, on a pool of 6 blocks of 4, for `a`, the 9-token prompt
-# `"Once upon"` asking for 6 tokens, and `b`, `"KV"` (2 tokens), for 3. `KVCacheManager` is the
-# scheduler's view of the one `BlockManager` (lesson 02); `KVStorage` holds every layer's K/V pool.
+# Here are those pieces built by hand, for `a`, the 9-token prompt `"Once upon"` asking for 6
+# tokens, and `b`, `"KV"` (2 tokens), for 3, on a pool of 7 blocks of 4: block 0 is the null block
+# (lesson 07), so 6 are given out. `KVCacheManager` is the scheduler's memory, as vLLM names it: the
+# requests' block tables over one `BlockPool` (lesson 02's free list and ref counts with lesson 08's
+# prefix cache), no tensor; `KVStorage` holds every layer's K/V pool, which the same block ids
+# index. `EngineCoreRequest` is a request as the engine core receives it.
 
 # %%
-from paged_kv.core.block_manager import BlockManager
-from paged_kv.kv.storage import KVStorage
 from paged_kv.core.kv_cache_manager import KVCacheManager
+from paged_kv.kv.storage import KVStorage
 from paged_kv.serving.model_runner import ModelRunner
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler
 
-memory = KVCacheManager(num_blocks=6, block_size=4)
+memory = KVCacheManager(num_blocks=7, block_size=4)  # block 0, the null block, and 6 to give out
 scheduler = Scheduler(memory)
-storage = KVStorage(config.num_layers, 6, 4, config.num_kv_heads, config.head_dim, torch.float32, device)
+storage = KVStorage(config.num_layers, 7, 4, config.num_kv_heads, config.head_dim, torch.float32, device)
 runner = ModelRunner(model, storage, max_num_reqs=3, max_blocks_per_req=4)
 
 
-def request(request_id: str, text: str, max_new_tokens: int) -> EngineCoreRequest:
+def request(request_id: str, text: str, max_tokens: int) -> EngineCoreRequest:
     prompt = encode(text)
-    return EngineCoreRequest(request_id, len(prompt), max_new_tokens, tuple(prompt))
+    return EngineCoreRequest(request_id, len(prompt), max_tokens, tuple(prompt))
 
 
 def step():
@@ -317,7 +319,8 @@ print(f"  sampled {result.sampled_token_ids}; free blocks: {memory.num_free_bloc
 
 # %% [markdown]
 # Step 0 admitted both requests and prefilled both prompts in one forward of 11 tokens: `a`'s 9
-# tokens need 3 blocks, `b`'s 2 one block. Each prefill sampled its request's first token.
+# tokens need 3 blocks, `b`'s 2 one block, the first four after the null block. Each prefill sampled
+# its request's first token.
 #
 # **Predict, then run.** Now `c`, the 5-token prompt `"Hello"` (5 new tokens), arrives. `a` and `b`
 # hold 4 of the 6 blocks and both decode in the next step; `c`'s prompt needs 2 blocks. Is `c`
@@ -364,9 +367,9 @@ plot_step_batch(
 plt.show()
 
 # %% [markdown]
-# Token 0 of the batch is `a`'s position 9: column `9 // 4 = 2` of `a`'s row holds block 2, offset
-# 1, so slot `2 * 4 + 1 = 9`. `c`'s five tokens are batch rows 2 to 6 (`query_start_loc` 2 and 7)
-# and go to slots 16 to 20, in its blocks 4 and 5. Every layer writes its K and V at these 7 slots;
+# Token 0 of the batch is `a`'s position 9: column `9 // 4 = 2` of `a`'s row holds block 3, offset
+# 1, so slot `3 * 4 + 1 = 13`. `c`'s five tokens are batch rows 2 to 6 (`query_start_loc` 2 and 7)
+# and go to slots 20 to 24, in its blocks 5 and 6. Every layer writes its K and V at these 7 slots;
 # then `c`'s position 3 attends over `c`'s positions 0 to 3 only, and `a`'s one query over all 10 of
 # `a`'s tokens (`seq_lens`): one attention call, any number of queries per request.
 #
@@ -382,15 +385,13 @@ tiny = [
     EngineRequest("b", encode("KV"), max_tokens=3),
     EngineRequest("c", encode("Hello"), max_tokens=5, arrival_step=1),
 ]
-trace = Engine(model, num_blocks=6, block_size=4).run(tiny)
+trace = Engine(model, num_blocks=7, block_size=4).run(tiny)  # the same pool: the null block and 6
 print("step  used blocks  running  waiting  num_scheduled_tokens")
 for s in range(trace.steps):
     scheduled = ", ".join(f"{r} {n}" for r, n in trace.scheduled_tokens[s])
     print(f"{s:>4}{trace.used_blocks[s]:>13}{trace.running[s]:>9}{trace.waiting[s]:>9}  {scheduled}")
 print("preemptions:", trace.preemptions, "| tokens recomputed:", trace.recomputed_tokens)
-alone = {
-    r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0] for r in tiny
-}
+alone = {r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0] for r in tiny}
 print("every request got the tokens it gets alone:", trace.tokens == alone)
 
 # %% [markdown]
@@ -419,7 +420,8 @@ print("every request got the tokens it gets alone:", trace.tokens == alone)
 # token slots, in one of two modes: `"paged"`, the blocks of section 3, or `"contiguous"`, one slot
 # of `max_model_len` tokens reserved per request at admission, as the systems before paging did (the
 # runner reads a reservation through the same block table, as a row of consecutive blocks). The
-# budget is 2,048 token slots, 2 MiB of this model's cache: 8 slots of 256, or 128 blocks of 16.
+# budget is 2,048 token slots, 2 MiB of this model's cache: 8 slots of 256, or 128 blocks of 16, of
+# which the paged engine gives out 127 (its block 0 is the null block).
 
 
 # %%
@@ -479,8 +481,8 @@ plt.show()
 
 # %% [markdown]
 # Until step 93 every request is admitted the step it arrives. Then the running sequences' growth
-# fills all 128 blocks: for a dozen steps a queue of up to 8 requests waits, and the four
-# preemptions throw away 151 tokens of K/V, computed again when their requests resume. Utilization
+# fills all 127 blocks: for a dozen steps a queue of up to 9 requests waits, and the four
+# preemptions throw away 149 tokens of K/V, computed again when their requests resume. Utilization
 # climbs from 0.8 to nearly 1: the only reserved slots that hold nothing are the unused tails of the
 # sequences' last blocks. Now the contiguous engine, on the same axes:
 
@@ -504,8 +506,8 @@ plt.show()
 #
 # **The saving is concurrency.** `bench/bench_engine.py` serves 160 ShareGPT-shaped requests (the
 # lengths divided by 8), all arriving at once, in 3,072 token slots: the paged engine runs 31.6
-# sequences on average against 10.5, **3.0 times** as many (108 against 12 at the peak), with
-# identical tokens, at the price of 70 preemptions, since a burst that large outgrows any pool it is
+# sequences on average against 10.5, **3.0 times** as many (107 against 12 at the peak), with
+# identical tokens, at the price of 74 preemptions, since a burst that large outgrows any pool it is
 # admitted into. The stream above gave 2.6 times.
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
