@@ -153,7 +153,8 @@ plt.show()
 # The engine serves the model as it served the tiny GPT. This time give it memory the way vLLM is
 # given memory: not a number of blocks but a number of bytes (vLLM's `kv_cache_memory_bytes`; or
 # `gpu_memory_utilization`, a share of the device's memory from which the weights are subtracted).
-# The engine divides the budget by the bytes of one block over all 30 layers:
+# The engine divides the budget by the bytes of one block over all 30 layers, and gives out every
+# block but block 0, the null block (lesson 07):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
