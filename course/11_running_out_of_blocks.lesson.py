@@ -31,16 +31,15 @@ import torch
 
 import paged_kv
 from paged_kv import PagedKVCacheAllocator, blocks_for_tokens
-from paged_kv.core.block_manager import BlockManager
+from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.generation import generate
 from paged_kv.model.kv_cache import PagedKVCache
 from paged_kv.model.tiny_gpt import TinyGPT, encode
 from paged_kv.pictures.plots import PALETTE, plot_block_tables, plot_metrics
 from paged_kv.serving.engine import Engine, EngineRequest, min_num_blocks, sweep_budgets
-from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.serving.model_runner import CountingRunner
-from paged_kv.serving.scheduler import Scheduler, EngineCoreRequest, run_steps
+from paged_kv.serving.scheduler import EngineCoreRequest, Scheduler, run_steps
 
 device = paged_kv.default_device()  # CUDA when a GPU is visible, else the CPU
 torch.manual_seed(0)
@@ -142,9 +141,9 @@ plt.show()
 # that rule on plain numbers.
 #
 # The package's scheduler runs the same loop (`paged_kv.serving.scheduler.Scheduler`, over
-# `KVCacheManager`, the engine's view of a block manager). With a runner that runs no model,
-# `CountingRunner`, it serves the same four requests; step 0 is their prefill, step `k` decode step
-# `k`:
+# `KVCacheManager`, the engine's memory of lesson 09). With a runner that runs no model,
+# `CountingRunner`, it serves the same four requests in a pool of 8 blocks; step 0 is their
+# prefill, step `k` decode step `k`:
 
 # %%
 memory = KVCacheManager(num_blocks=8, block_size=4)
@@ -155,12 +154,16 @@ for output, _ in run_steps(Scheduler(memory), CountingRunner(), arrivals, max_st
         print(f"step {output.step}: preempted {victims}; scheduled {dict(output.num_scheduled_tokens)}")
 
 # %% [markdown]
-# The same victims in the same order, each by recompute with the 8 tokens it had computed. The
-# oldest request is never a victim: `a` is served first, so every other request is preempted before
-# it, and it needs at most the blocks it can hold alone. That is safe because the engine refuses,
-# up front, any request that could not run alone at its longest in the whole pool.
-# `paged_kv.serving.engine.min_num_blocks(requests, block_size)` is that smallest pool, and section
-# 4 starts from it.
+# The same victims in the same order, but `d` goes four steps earlier: the engine's pool sets
+# block 0 aside as the null block (lesson 07), so its 8 blocks give out 7, and 3 are free after the
+# prefill, not 4. At step 2 the 5th tokens need four blocks: `a`, `b` and `c` take the three, and
+# `d`, the newest, finds none and preempts itself, by recompute, with the 4 tokens it had computed.
+# At step 6 `a` takes the block `d` gave back; `b` finds none and preempts `c`, with 8 tokens
+# computed, and takes one of its 2 blocks. The oldest request is never a victim: `a` is served
+# first, so every other request is preempted before it, and it needs at most the blocks it can hold
+# alone. That is safe because the engine refuses, up front, any request that could not run alone at
+# its longest in the whole pool. `paged_kv.serving.engine.min_num_blocks(requests, block_size)` is
+# that smallest pool, and section 4 starts from it.
 
 # %% [markdown]
 # ## 2. Recompute or swap
@@ -255,18 +258,22 @@ requests = [
 ]
 smallest = min_num_blocks(requests, BLOCK_SIZE)
 at_longest = sum(blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, BLOCK_SIZE) for r in requests)
+at_longest += 1  # and the null block
 print(
     f"{len(requests)} requests; prompts of {min(len(r.prompt) for r in requests)} to "
     f"{max(len(r.prompt) for r in requests)} tokens, outputs of {min(r.max_tokens for r in requests)} to "
     f"{max(r.max_tokens for r in requests)}"
 )
-print(f"smallest pool that serves them: {smallest} blocks; all of them at their longest: {at_longest} blocks")
+print(
+    f"smallest pool that serves them: {smallest} blocks; a pool for all at their longest: {at_longest} blocks"
+)
 NUM_BLOCKS = 2 * smallest
 
 # %% [markdown]
-# Eleven blocks is what the longest request needs on its own: 6 prompt tokens and 37 new ones, of
-# which the last is never fed back, so 42 tokens held, 11 blocks of 4. Holding all twelve at their
-# longest would take 99 blocks. With 22, the engine must bet.
+# The longest request needs 11 blocks on its own: 6 prompt tokens and 37 new ones, of which the
+# last is never fed back, so 42 tokens held, 11 blocks of 4; the pool needs one more, its null
+# block. Holding all twelve at their longest would take 99 blocks, a pool of 100. With 24, 23 to
+# give out, the engine must bet.
 #
 # **Predict, then run.** Recompute throws work away and redoes it; swap keeps it. Which of the two
 # finishes the burst in fewer steps, and does either change a single generated token?
@@ -274,8 +281,7 @@ NUM_BLOCKS = 2 * smallest
 # %%
 BUDGET = 64  # max_num_batched_tokens: tokens a step may run
 alone = {
-    r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0]
-    for r in requests
+    r.request_id: generate(model, [r.prompt], r.max_tokens, cache="contiguous").tokens[0] for r in requests
 }
 settings = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE}
 runs = {
@@ -296,12 +302,12 @@ print(
 )
 
 # %% [markdown]
-# Both finish in 85 steps, and the text is the same every way, token for token the text each
-# request gets alone. Recompute preempted 17 times and threw away the K/V of 234 tokens, all of
-# which were computed again by prefill: 345 tokens prefilled in all, the 94 of the prompts, the
-# 234, and the 17 last tokens the victims had sampled and not yet fed back. Swap preempted 17
-# times too, prefilled only the prompts, and moved 62 blocks out and the same 62 back in, 253,952
-# bytes each way. Both ran 3.5 sequences at once on average. The two take the same steps because
+# Both finish in 83 steps, and the text is the same every way, token for token the text each
+# request gets alone. Recompute preempted 14 times and threw away the K/V of 204 tokens, all of
+# which were computed again by prefill: 312 tokens prefilled in all, the 94 of the prompts, the
+# 204, and the 14 last tokens the victims had sampled and not yet fed back. Swap preempted 14
+# times too, prefilled only the prompts, and moved 56 blocks out and the same 56 back in, 229,376
+# bytes each way. Both ran 3.6 sequences at once on average. The two take the same steps because
 # a resumed request comes back in one step either way: its prefill fits the budget of 64 tokens,
 # as a swap-in takes one step to copy the K/V back and decode.
 #
@@ -327,7 +333,7 @@ print(
 )
 
 # %% [markdown]
-# The cache served 92 tokens of the recomputed prefills, 253 prefilled instead of 345. Only full
+# The cache served 68 tokens of the recomputed prefills, 244 prefilled instead of 312. Only full
 # blocks are cached, the blocks of a prompt and, as in vLLM, the blocks that decoding fills, so a
 # resumed request finds every full block it held that was not evicted meanwhile; the tokens of
 # its last, partly filled block, and those of blocks handed to other requests, are computed again.
@@ -372,9 +378,10 @@ plt.show()
 # `watermark_blocks`, added to the blocks a waiting or preempted request needs only when some
 # request is running. vLLM rounds down (`int(watermark * num_blocks)`), so a pool of fewer than 100
 # blocks keeps nothing at 1 %; the course rounds up, so that any watermark above zero keeps a
-# block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 22) = 3` of our 22 blocks free.
+# block. `Engine(..., watermark=0.1)` keeps `ceil(0.1 × 24) = 3` of our 24 blocks free (the null
+# block counts in `num_blocks`).
 #
-# **Predict, then run.** With 22 blocks and no watermark, recompute preempted 17 times. How many
+# **Predict, then run.** With 24 blocks and no watermark, recompute preempted 14 times. How many
 # preemptions are left with a 20 % watermark (5 blocks kept free), and what does that cost?
 
 # %%
@@ -387,14 +394,14 @@ for w, r in marked.items():
     print(f"{w:>9.0%}{engines[w].watermark_blocks:>11}{r.preemptions:>13}{r.mean_running:>14.2f}{r.steps:>7}")
 
 # %% [markdown]
-# A 20 % watermark cuts the preemptions from 17 to 7, and the price is concurrency: 3.11
-# sequences running on average instead of 3.47, since 5 of the 22 blocks are off limits to
-# admission while others run. The steps grow, 95 against 85: a recomputed request prefills what it
-# lost in one step, so the preemptions the watermark avoids cost few steps, and the sequences it
-# keeps waiting cost more. From 30 % on, the preemptions dwindle (6, 2, 3) while the concurrency
-# keeps falling (2.84, 2.76, 2.66). On a GPU a decode step reads all the weights whatever the
-# batch, so fewer running sequences means fewer tokens per second. A watermark is worth what the
-# preemptions it avoids cost; a small one catches the worst of them.
+# A 20 % watermark cuts the preemptions from 14 to 7, and the price is concurrency: 3.28
+# sequences running on average instead of 3.55, since 5 of the 23 blocks given out are off limits
+# to admission while others run. The steps grow, 90 against 83: a recomputed request prefills what
+# it lost in one step, so the preemptions the watermark avoids cost few steps, and the sequences
+# it keeps waiting cost more. From 30 % on, the preemptions dwindle (4, 2, 2) while the
+# concurrency keeps falling (3.07, then 2.63 at 40 % as at 50 %). On a GPU a decode step reads all
+# the weights whatever the batch, so fewer running sequences means fewer tokens per second. A
+# watermark is worth what the preemptions it avoids cost: here 20 % halves them.
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -421,7 +428,7 @@ plt.show()
 # The watermark moves the bet; memory changes the odds. `sweep_budgets(model, requests,
 # num_blocks_list, block_size, preemption, max_num_batched_tokens=64)` serves the same requests once
 # per budget and returns a row per budget: steps, preemptions, recomputed tokens, blocks swapped
-# out, running sequences. The sweep runs from `min_num_blocks`, 11, to 99, where every request fits
+# out, running sequences. The sweep runs from `min_num_blocks`, 12, to 100, where every request fits
 # at its longest and nothing can be preempted, both ways.
 
 # %%
@@ -462,14 +469,13 @@ plt.show()
 
 # %% [markdown]
 # At the smallest budget the engine mostly thrashes: 20 preemptions and 177 steps, with 1.67
-# sequences running on average. Each added block helps, fast at first: at 22 blocks (twice the
-# minimum) the steps are down to 85, at 44 to 53. The preemptions fall more slowly (17 at 16 blocks
-# as at 22, 14 at 33): one preemption more or less depends on which sequences happen to cross a
-# block boundary together. At 99 blocks nothing is preempted, the run takes 37 steps (the longest
-# output) and runs 7.97 sequences on average. Swap gives the very same row at every budget: a
-# victim comes back in one step either way, in the same order, so in steps the two are even (the
-# swap line lies on the recompute one). What separates them is the rest of the bill, the tokens
-# recompute computes again against the blocks swap copies twice over the bus.
+# sequences running on average. Each added block helps, fast at first: at 24 blocks (twice the
+# minimum) the steps are down to 83, at 44 to 54. The preemptions fall more slowly (19 at 16
+# blocks, 14 at 24, 11 at 33, 8 at 44). At 100 blocks nothing is preempted, the run takes 37 steps
+# (the longest output) and runs 7.97 sequences on average. Swap gives the very same row at every
+# budget: a victim comes back in one step either way, in the same order, so in steps the two are
+# even (the swap line lies on the recompute one). What separates them is the rest of the bill, the
+# tokens recompute computes again against the blocks swap copies twice over the bus.
 #
 # The two vertical lines, dashed and dotted, bound the range where preemption matters. Below
 # `min_num_blocks` some request cannot run at all; above "all at their longest" the bet cannot fail.
@@ -516,17 +522,19 @@ plt.show()
 #   running sequences' growth. Four 3-token sequences in 8 blocks of 4 run out at decode step 6.
 # * Refusing loses work and waiting can deadlock, so vLLM **preempts** whole sequences: going
 #   through the running requests oldest first, one that finds no block preempts the newest
-#   (`self.running.pop()`), itself when it is the newest: in step 6, `d`, then `c`. The oldest is
-#   never preempted; `min_num_blocks` makes sure it always fits.
+#   (`self.running.pop()`), itself when it is the newest: in step 6, `d`, then `c`. The engine's
+#   8 blocks give out 7 (block 0 is the null block), so it preempts `d` at step 2 and `c` at step
+#   6. The oldest is never preempted; `min_num_blocks` makes sure it always fits.
 # * **Recompute** (vLLM v1's way) drops the victim's K/V and requeues it at the front, to prefill
 #   its prompt and generated tokens when it resumes; **swap** (the paper's and V0's) copies it to
-#   host memory and back into other blocks. Neither changes the text. On 12 requests in 22 blocks
-#   of 4, both preempted 17 times in 85 steps: recompute prefilled 234 lost tokens again, swap
-#   moved 62 blocks (253,952 bytes) each way. Prefix caching served 92 of the recomputed tokens.
+#   host memory and back into other blocks. Neither changes the text. On 12 requests in 24 blocks
+#   of 4 (23 to give out), both preempted 14 times in 83 steps: recompute prefilled 204 lost tokens
+#   again, swap moved 56 blocks (229,376 bytes) each way. Prefix caching served 68 of the
+#   recomputed tokens.
 # * A **watermark** keeps `ceil(watermark * num_blocks)` blocks free at admission while others
-#   run, none for a request alone: 20 % cut the preemptions from 17 to 7, for 3.11 sequences
-#   running on average instead of 3.47 and 95 steps instead of 85.
-# * Against the budget: from 20 preemptions and 177 steps at 11 blocks to none and 37 steps at 99;
+#   run, none for a request alone: 20 % cut the preemptions from 14 to 7, for 3.28 sequences
+#   running on average instead of 3.55 and 90 steps instead of 83.
+# * Against the budget: from 20 preemptions and 177 steps at 12 blocks to none and 37 steps at 100;
 #   swap takes the same steps as recompute at every budget.
 #
 # **Next, lesson 12:** writing the kernel. Every decode step above ends in attention over the
