@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -284,6 +285,29 @@ def test_an_id_is_in_use_only_while_its_client_listens(cpu_model):
         await llm.shutdown()
 
     run_async(main())
+
+
+def test_a_request_the_input_processor_made_is_served_as_it_is(cpu_model):
+    model = cpu_model.to("cpu")
+
+    async def main():
+        llm = serving(model, num_blocks=12)
+        request = llm.check("made", [3, 4], greedy(4))
+        with pytest.raises(ValueError, match="carries its own sampling_params and request_id"):
+            await anext(llm.generate(request, greedy(4)))
+        outputs = [out async for out in llm.generate(request)]
+        first = llm.generate([5], greedy(20, output_kind=RequestOutputKind.DELTA), request_id="taken")
+        await anext(first)
+        with pytest.raises(ValueError, match="request_id 'taken' is in use"):
+            await anext(llm.generate(replace(llm.check("other", [1], greedy(2)), request_id="taken")))
+        await first.aclose()
+        await llm.shutdown()
+        assert free_blocks(llm) == 11
+        return outputs
+
+    outputs = run_async(main())
+    assert outputs[-1].request_id == "made" and outputs[-1].finished
+    assert outputs[-1].outputs[0].token_ids == alone(model, EngineRequest("x", [3, 4], 4))
 
 
 def test_stop_strings_without_a_decode_fail_before_anything_is_queued(cpu_model):

@@ -32,6 +32,7 @@ from paged_kv.entrypoints.openai.serving_chat import apply_chat_template  # noqa
 from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode  # noqa: E402
 from paged_kv.serving.async_llm import AsyncLLM  # noqa: E402
+from paged_kv.serving.input_processor import InputProcessor  # noqa: E402
 from paged_kv.serving.metrics import FINISH_REASONS, METRICS, REQUEST_SUCCESS, REQUEST_SUCCESS_METRIC  # noqa: E402
 
 from . import helpers  # noqa: E402
@@ -212,6 +213,25 @@ def test_a_streamed_completion_sends_the_same_text_in_chunks(server):
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
     assert usage_chunk.usage.prompt_tokens == len(prompt)
+    server.assert_pool_free()
+
+
+def test_a_request_is_checked_once_on_its_way_to_the_engine(server, monkeypatch):
+    """One HTTP request, one run of the input processor: the server's check makes the request the
+    engine core takes, streamed or not (vLLM checks in ``InputProcessor.process_inputs`` once)."""
+    calls = []
+    check = InputProcessor.process_inputs
+
+    def counted(self, request_id, *args, **kwargs):
+        calls.append(request_id)
+        return check(self, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(InputProcessor, "process_inputs", counted)
+    server.client.completions.create(model=MODEL, prompt="once", max_tokens=3, temperature=0.0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "once"}], "max_tokens": 3}
+    with server.http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as response:
+        assert response.status_code == 200 and response.read().decode().endswith("data: [DONE]\n\n")
+    assert len(calls) == 2 and calls[0].startswith("cmpl-") and calls[1].startswith("chatcmpl-")
     server.assert_pool_free()
 
 

@@ -122,21 +122,34 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt: Sequence[int] | EngineCoreRequest,
         sampling_params: SamplingParams | None = None,
         request_id: Hashable | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Serve one request; yield its outputs as the steps produce them, the last one finished.
 
+        ``prompt`` is the prompt's token ids, checked here by the engine's input processor with
+        ``sampling_params`` and ``request_id`` (``None``: a fresh one); or a request :meth:`check`
+        made already, taken as it is (vLLM's ``AsyncLLM.add_request`` takes an
+        ``EngineCoreRequest`` the same way), so that a server checks a request once.
+
         Raises:
             ValueError: the request is bad (see :meth:`LLMEngine.add_request
-                <paged_kv.serving.llm_engine.LLMEngine.add_request>`), raised before anything is queued.
+                <paged_kv.serving.llm_engine.LLMEngine.add_request>`), or a processed request comes
+                with parameters or an id of its own; raised before anything is queued.
             EngineDeadError: the engine loop failed.
         """
         if self.errored is not None:
             raise EngineDeadError("the engine loop failed") from self.errored
-        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        request = self.check(request_id, prompt_token_ids, sampling_params)
+        if isinstance(prompt, EngineCoreRequest):
+            if sampling_params is not None or request_id is not None:
+                raise ValueError("a processed request carries its own sampling_params and request_id")
+            request, request_id = prompt, prompt.request_id
+            if request_id in self._queues:
+                raise ValueError(f"request_id {request_id!r} is in use")
+        else:
+            request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+            request = self.check(request_id, prompt, sampling_params)
         queue: _Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._submit(request, queue)

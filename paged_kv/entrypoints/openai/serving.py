@@ -45,6 +45,7 @@ from paged_kv.entrypoints.openai.protocol import (
 )
 from paged_kv.serving.async_llm import AsyncLLM, EngineDeadError
 from paged_kv.serving.output_processor import RequestOutput
+from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("paged_kv.entrypoints.openai")
@@ -173,42 +174,38 @@ class OpenAIServing:
 
     def prepare(
         self, request: SamplingFields, prompt_token_ids: list[int], max_tokens: int | None
-    ) -> tuple[str, SamplingParams]:
-        """Steps 2 and 3 of the module (the model was checked first); a fresh request id and the
-        request's parameters.
+    ) -> EngineCoreRequest:
+        """Steps 2 and 3 of the module (the model was checked first): the request under a fresh id,
+        checked once by the engine's input processor, as the engine core will take it.
 
         Raises:
             RequestError, ValueError: the request is refused; nothing changed.
         """
         params = self.sampling_params(request, max_tokens)
         request_id = f"{self.request_id_prefix}-{random_uuid()}"
-        self.async_llm.check(request_id, prompt_token_ids, params)
-        return request_id, params
+        return self.async_llm.check(request_id, prompt_token_ids, params)
 
     # ------------------------------------------------------------------------------ serving
 
-    async def respond(self, request, request_id: str, prompt: list[int], params: SamplingParams):
+    async def respond(self, request, core_request: EngineCoreRequest):
         """The answer to a checked request: a stream of server-sent events (``stream_chunks``) or the
         whole response (``response``), each endpoint's own."""
         created = int(time.time())
         if request.stream:
             return ClosingStreamingResponse(
-                self.stream_chunks(request, request_id, created, prompt, params),
-                media_type="text/event-stream",
+                self.stream_chunks(request, core_request, created), media_type="text/event-stream"
             )
         try:
-            final = await self.final_output(prompt, params, request_id)
+            final = await self.final_output(core_request)
         except (ValueError, EngineDeadError) as error:
             return error_json(error)
-        return JSONResponse(self.response(request, request_id, created, final).model_dump())
+        return JSONResponse(self.response(request, core_request.request_id, created, final).model_dump())
 
-    async def final_output(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> RequestOutput:
+    async def final_output(self, core_request: EngineCoreRequest) -> RequestOutput:
         """Serve a ``FINAL_ONLY`` request to its end; its one output. Cancelled (the client hung
         up), the generator is closed and the request aborted."""
         final = None
-        generator = self.async_llm.generate(prompt_token_ids, params, request_id)
+        generator = self.async_llm.generate(core_request)
         try:
             async for output in generator:
                 final = output

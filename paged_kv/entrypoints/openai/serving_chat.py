@@ -41,6 +41,7 @@ from paged_kv.entrypoints.openai.serving import (
     usage_info,
 )
 from paged_kv.serving.output_processor import RequestOutput
+from paged_kv.serving.request import EngineCoreRequest
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 """How one message is written into the prompt (the course's template; vLLM uses the model's)."""
@@ -99,10 +100,10 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_completion_tokens
             if max_tokens is None:
                 max_tokens = request.max_tokens
-            request_id, params = self.prepare(request, prompt, max_tokens)
+            core_request = self.prepare(request, prompt, max_tokens)
         except ValueError as error:
             return error_json(error)
-        return await self.respond(request, request_id, prompt, params)
+        return await self.respond(request, core_request)
 
     def response(
         self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
@@ -130,10 +131,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def stream_chunks(
-        self, request: ChatCompletionRequest, request_id: str, created: int, prompt: list[int], params
+        self, request: ChatCompletionRequest, core_request: EngineCoreRequest, created: int
     ) -> AsyncIterator[str]:
         """The events of a streamed answer (see the module). Closed early (the client hung up), it
         closes the engine's generator, which aborts the request."""
+        request_id, prompt = core_request.request_id, core_request.prompt_token_ids
+        params = core_request.sampling_params
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)
@@ -149,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices=[choice],
             )
 
-        generator = self.async_llm.generate(prompt, params, request_id)
+        generator = self.async_llm.generate(core_request)
         try:
             for index in range(params.n):  # the role first, before any step (vLLM sends it first too)
                 role = DeltaMessage(role=ASSISTANT, content="")

@@ -39,6 +39,7 @@ from paged_kv.entrypoints.openai.serving import (
     usage_info,
 )
 from paged_kv.serving.output_processor import RequestOutput
+from paged_kv.serving.request import EngineCoreRequest
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -67,10 +68,10 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             self.check_model(request.model)
             prompt = self.prompt_token_ids(request.prompt)
-            request_id, params = self.prepare(request, prompt, request.max_tokens)
+            core_request = self.prepare(request, prompt, request.max_tokens)
         except ValueError as error:
             return error_json(error)
-        return await self.respond(request, request_id, prompt, params)
+        return await self.respond(request, core_request)
 
     def response(
         self, request: CompletionRequest, request_id: str, created: int, final: RequestOutput
@@ -99,17 +100,19 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def stream_chunks(
-        self, request: CompletionRequest, request_id: str, created: int, prompt: list[int], params
+        self, request: CompletionRequest, core_request: EngineCoreRequest, created: int
     ) -> AsyncIterator[str]:
         """The events of a streamed completion (see the module). Closed early (the client hung up),
         it closes the engine's generator, which aborts the request."""
+        request_id, prompt = core_request.request_id, core_request.prompt_token_ids
+        params = core_request.sampling_params
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)
         with_ids = bool(request.return_token_ids)
         generated = [0] * params.n
         prompt_sent = [False] * params.n
-        generator = self.async_llm.generate(prompt, params, request_id)
+        generator = self.async_llm.generate(core_request)
         try:
             async for res in generator:
                 for out in res.outputs:
