@@ -398,7 +398,7 @@ def coordinator_row(
         else "no window starts a block"
     )
     return Row(
-        f"check, {shape.name}'s groups on a KVCacheCoordinator: a {num_prompt_tokens:,}-token prompt "
+        f"check, {shape.name}'s groups on a KVCacheManager: a {num_prompt_tokens:,}-token prompt "
         f"prefilled in chunks of {chunk:,}, then {num_decode} tokens decoded (every call matched the "
         f"exact count): real blocks held vs the formula at L = {length:,} ({where}), decoding, "
         "ratio formula / held",

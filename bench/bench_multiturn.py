@@ -10,7 +10,8 @@ alone, computed first, so that every prompt is known before the engine runs.
 The engine runs with prefix caching twice on the same requests: as the package does, where the
 scheduler passes a running request's token ids with every ``allocate_slots`` and every block that
 fills is cached when its tokens are scheduled (vLLM v1), and with a memory that drops those ids for
-running requests (:class:`PromptBlocksOnly`, a :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`),
+running requests (:func:`prompt_blocks_only` on the :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`,
+:class:`PromptBlocksOnlyEngine`),
 so that only the blocks of prompts admitted whole are cached (the package before issue 15).
 Reported: prefill tokens computed, the hit rate in prompt tokens, the hit rate against the ideal
 (every full block of the previous prompt and answer, computed from the chained hashes), on a pool

@@ -3,13 +3,13 @@
 The companion package of the paged_kv course. What a learner imports is here, at the top level;
 each name's home module is in the layer its lesson builds (see ``docs/architecture.md``):
 
-* :mod:`paged_kv.core`: bookkeeping with no tensors (blocks, tables, the free list, the block
-  manager, prefix caching);
+* :mod:`paged_kv.core`: bookkeeping with no tensors (blocks, tables, the free list, prefix caching,
+  the block pool, the engine's KV-cache manager and the lessons' block manager);
 * :mod:`paged_kv.kv`: the K/V tensors (storage, mapping, the one-layer cache, swapping, sizing);
 * :mod:`paged_kv.attention`: attention over the paged cache;
 * :mod:`paged_kv.model`: the tiny GPT, Hugging Face models on the paged cache, the caches and
   ``generate``;
-* :mod:`paged_kv.serving`: the scheduler and the engine;
+* :mod:`paged_kv.serving`: the engine from its settings to its step, online and offline;
 * :mod:`paged_kv.simulation`: workloads and simulations that need no model;
 * :mod:`paged_kv.pictures`: drawings, plots and widgets (imported on demand, not here);
 * :mod:`paged_kv.checks` and :mod:`paged_kv.grading`: the exercises' checks and the grader.

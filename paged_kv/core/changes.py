@@ -5,7 +5,7 @@ Not vLLM's KV-cache events: those (``BlockStored``, ``BlockRemoved``) say which 
 cached and evicted, and hang at :class:`~paged_kv.core.block_pool.BlockPool`'s listeners. A change
 here is any step of a sequence's table that a picture shows.
 
-:class:`~paged_kv.core.block_manager.BlockManager` emits an event after each successful change, to
+:class:`~paged_kv.core.block_manager.BlockManager` announces a change after each successful call, to
 every observer given to :meth:`~paged_kv.core.block_manager.BlockManager.subscribe`, in the order
 the changes happen. An observer sees the manager already changed, so it can take a snapshot.
 Recording a trace for the widgets (:class:`~paged_kv.core.trace.Recorder`) is one such observer; a

@@ -10,7 +10,7 @@ logical block: logical block ``j`` holds positions ``j * block_size ..`` of the 
 layer of the group.
 
 **The null block.** A sliding-window layer never reads a block that lies wholly before the window
-of the request's next token: :meth:`SingleTypeManager.remove_skipped_blocks` gives such blocks back
+of the request's next token: :meth:`SingleTypeKVCacheManager.remove_skipped_blocks` gives such blocks back
 to the pool and puts the **null block** (block 0 of the pool,
 :data:`~paged_kv.core.block_pool.NULL_BLOCK`, never allocated nor freed) in their place. The table keeps
 its length, so logical block ``j`` is still entry ``j`` and a position's slot is computed as before; the

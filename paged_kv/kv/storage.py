@@ -1,7 +1,8 @@
 """The K/V storage: every layer's ``k_cache`` and ``v_cache``, allocated once, indexed by block id.
 
 Lessons 02 and 03 build one layer of it; a model keeps one per layer, all indexed by the block ids of
-one :class:`~paged_kv.core.block_manager.BlockManager` (vLLM's worker holds a ``kv_caches`` list of
+one manager (the engine's :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`, or the lessons'
+:class:`~paged_kv.core.block_manager.BlockManager`) (vLLM's worker holds a ``kv_caches`` list of
 per-layer tensors in the same way, and the scheduler's block ids address all of them). The storage
 knows nothing about sequences: it writes and reads through block ids it is given and copies the
 blocks a copy-on-write names.

@@ -1,8 +1,8 @@
 """Greedy generation for a batch of prompts, on a contiguous or a paged cache (lesson 09).
 
-The model is the tiny GPT or a Hugging Face Llama, Qwen2 or Mistral model, run through the same
-:class:`~paged_kv.model.causal_lm.CausalLM` interface; either way every layer's K/V goes into the one
-cache. A paged cache may hold its K/V in fp8 (``kv_cache_dtype="fp8"``, lesson 10).
+The model is the tiny GPT or a Hugging Face Llama, Qwen2, Mistral, Gemma 2 or Gemma 3 model, run
+through the same :class:`~paged_kv.model.causal_lm.CausalLM` interface; either way every layer's
+K/V goes into the one cache. A paged cache may hold its K/V in fp8 (``kv_cache_dtype="fp8"``, lesson 10).
 """
 
 from __future__ import annotations

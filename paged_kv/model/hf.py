@@ -1,6 +1,6 @@
-"""Hugging Face causal LMs of the Llama family, served from the paged cache (lesson 09).
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral, Gemma 2 and 3) on the paged cache (lessons 10, 13).
 
-:class:`HFCausalLM` wraps a ``transformers`` model (Llama, Qwen2, Mistral: see
+:class:`HFCausalLM` wraps a ``transformers`` model (Llama, Qwen2, Mistral, Gemma 2, Gemma 3: see
 :data:`~paged_kv.model.causal_lm.SUPPORTED_ARCHITECTURES`) so that :func:`~paged_kv.model.generate` and the
 :class:`~paged_kv.serving.engine.Engine` run it exactly as they run the tiny GPT: a prefill per
 prompt, then one batched decode step per token, every layer's K/V in the one paged cache.

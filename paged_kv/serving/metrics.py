@@ -24,10 +24,11 @@ run's end (lesson 14), and the server's live ``/metrics``
 is in the course's extra, not a core dependency: it is imported when a metric is made or a text
 rendered, never when this module is imported.
 
-The engine (:class:`~paged_kv.serving.engine.Engine`) makes one :class:`SchedulerStats` per step
-(``EngineResult.scheduler_stats``), times each step on the wall clock, logs the line every
-``log_stats_interval`` steps or seconds when asked (logger ``paged_kv.engine``, INFO; off by
-default), logs a WARNING when it preempts (vLLM V0's text and rule, :data:`PREEMPTION_WARNING`),
+The online engine (:meth:`LLMEngine.step <paged_kv.serving.llm_engine.LLMEngine.step>`) makes one
+:class:`SchedulerStats` per step (``EngineResult.scheduler_stats``), times each step on the wall
+clock, logs the line every ``log_stats_interval`` steps or seconds when asked (logger
+``paged_kv.engine``, INFO; off by default), logs a WARNING when it preempts (vLLM V0's text and
+rule, :data:`PREEMPTION_WARNING`),
 and gathers a run's metrics in a :class:`RunMetrics` (``EngineResult.metrics()``).
 :func:`enable_engine_log` shows the engine's log lines in a notebook.
 """
