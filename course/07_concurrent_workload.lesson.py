@@ -507,7 +507,7 @@ plt.show()
 # * **Orca (Max): the paper's bar within a point** (21.0, 13.8, 56.3 and 8.9 % against 20.4, 13.3,
 #   57.3 and 8.9 %). Seven ranges of 2,048 fit in 15,728 slots and the other 1,392, 8.9 %, can
 #   never hold an eighth: all of Max's "external fragmentation and others", in the paper too. The
-#   gap of a point comes from the lengths, log-normal here, real conversations there.
+#   gap of a point comes from the lengths.
 # * **Tokens against reservation: the same split in every Orca bar**, about 1.5 to 1, measured and
 #   in the paper: how a contiguous range divides between tokens computed and tokens to come depends
 #   on the requests' lengths, not on the policy.
@@ -564,9 +564,9 @@ for result in (figure2[2], compacted):
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.update_from_output` frees a request's blocks the
 #   step it stops (`Scheduler._free_request`): continuous batching's release.
 #
-# What the course does differently: vLLM bounds each step by a token budget (lesson 10), where this
-# simulator prefills a whole prompt on admission; and vLLM has no contiguous policy: the Orca
-# baselines exist only in the paper's evaluation.
+# What the course leaves out or does differently: vLLM bounds each step by a token budget (lesson
+# 10), where this simulator prefills a whole prompt on admission; and vLLM has no contiguous
+# policy: the Orca baselines exist only in the paper's evaluation.
 
 # %% [markdown]
 # ## Recap
