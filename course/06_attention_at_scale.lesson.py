@@ -194,15 +194,16 @@ for name in timed:
 # %% [markdown]
 # On the 2-core CPU this course was written on, this cell ran 9 times (`bench/lesson_ratios.py`):
 # 5 on a quiet machine and 4 with two more processes computing on both cores. **GATHER** came out
-# 15 to 18 times slower than SDPA (16 to 17 with the two processes), unfused **FLEX_ATTENTION** 35
-# to 37 times slower (38), **IN_PLACE** 1.2 to 1.4 times slower, quiet or busy, and **CPU_ATTN** 1.8
-# to 2.2 times slower (2 to 2.1). Both read K and V once, as SDPA does, but not alike: `IN_PLACE`
-# streams the whole pool in its own order, where `CPU_ATTN` reads one block of one head, 4 KiB
-# here, from wherever it lies, then the next. A profile of the kernel finds it waiting on memory,
-# not computing, and on `bench/bench_attention.py`'s batch, blocks of 128 tokens (32 KiB runs)
-# bring it within 1.3 to 1.4 times of SDPA. An earlier machine of the same size gave `CPU_ATTN` 1.1 times faster to 1.4 times slower:
-# your numbers will differ with the machine and with what else it is doing, but the gather and
-# unfused FlexAttention stay far behind.
+# 16 to 17 times slower than SDPA (15 to 18 with the two processes), unfused **FLEX_ATTENTION** 35
+# to 39 times slower (34 to 38), **IN_PLACE** 1.3 times slower (1.2 to 1.4), and **CPU_ATTN** 1.4 to
+# 1.5 times slower, quiet or busy. Both read K and V once, as SDPA does, but not alike: `IN_PLACE`
+# streams the whole pool in its own order, where `CPU_ATTN` reads one block of one head, 4 KiB here,
+# from wherever it lies, and asks for the next one while it computes. That request matters: made
+# into the smallest cache, the L1, it stalled the very loads it was meant to help, and the kernel
+# came out twice as slow as SDPA; made into the L2, as now, it gives the figures above (one
+# thread), and 0.9 to 1.2 times SDPA with two threads on `bench/bench_attention.py`'s batch. Your
+# numbers will differ with the machine and with what else it is doing, but the gather and unfused
+# FlexAttention stay far behind.
 #
 # The copy is the gap between the gather and the others: it moves the batch's whole K and V twice
 # more than attention needs, and on a CPU moving memory is what decode attention spends its time
@@ -238,11 +239,11 @@ print(f"the default, {DEFAULT}, is {how_fast(few.ratio(DEFAULT, 'GATHER'))} gath
 
 # %% [markdown]
 # Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
-# blocks: in the same 9 runs, in place came out 3.2 to 3.4 times slower than the gather for the two
-# sequences (3.2 to 4.8 with the two processes); when this lesson was first written, the two cost
+# blocks: in the same 9 runs, in place came out 3.3 to 3.5 times slower than the gather for the two
+# sequences, quiet or busy; when this lesson was first written, the two cost
 # about the same for 4 of the 32 sequences, an eighth of the pool. A kernel has no such trade-off:
-# it follows each row's block table and reads only those blocks, in place. `CPU_ATTN` came out 2.1
-# to 2.5 times faster than the gather for the two sequences (2.1 to 2.8 with the two processes), the
+# it follows each row's block table and reads only those blocks, in place. `CPU_ATTN` came out 2.4
+# to 2.6 times faster than the gather for the two sequences (2.3 to 2.9 with the two processes), the
 # copy saved and nothing else read.
 
 # %% [markdown]
@@ -508,8 +509,8 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   but pays for the whole pool, `"FLEX_ATTENTION"` is FlexAttention with a block mask, fast only
 #   compiled on a GPU, and `"CPU_ATTN"` is lesson 05's online softmax compiled in C, reading only
 #   the blocks the batch reads, in place. All of them equal SDPA. On a 2-core CPU, 32 sequences of
-#   512 tokens: gather 15 to 18 times slower than SDPA on contiguous K/V, quiet or busy, in place
-#   1.2 to 1.4 times, `CPU_ATTN` 1.8 to 2.2 times (its short runs of memory). Without `backend=`
+#   512 tokens, one thread: gather 15 to 18 times slower than SDPA on contiguous K/V, quiet or
+#   busy, in place 1.2 to 1.4 times, `CPU_ATTN` 1.4 to 1.5 times. Without `backend=`
 #   a CPU gets `CPU_ATTN` where a C compiler is found, `GATHER` elsewhere.
 # * Grouped-query attention shares each K/V head among a group of query heads (Llama-3-8B: 32 over
 #   8), multi-query attention shares one among all; the cache holds only the K/V heads, 128 KiB per

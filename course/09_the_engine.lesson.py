@@ -513,7 +513,7 @@ plt.show()
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
 # step of attention (32 sequences, 8 heads of 64, contexts of 1,024 tokens in scattered blocks of
 # 16) against SDPA on the same tokens held contiguously: `paged_attention`, in its C backend
-# `CPU_ATTN`, took **1.0 to 1.2 times** as long in four runs on a shared 2-core CPU. On GPUs
+# `CPU_ATTN`, took **0.9 to 1.2 times** as long in four runs on a quiet 2-core CPU. On GPUs
 # the vLLM paper measures its PagedAttention kernel at **20 to 26 %** more latency than
 # FasterTransformer's contiguous kernel. Around the attention, every step schedules in Python and
 # builds its inputs with a few tensor operations, once per step whatever the layers.
