@@ -23,10 +23,27 @@ from paged_kv.validate import check_count
 
 
 class ReservationMemory:
-    """What a memory of whole reservations answers: it caches no prefix (every lookup finds nothing,
-    a reset has nothing to forget) and has no block pool to draw (:meth:`snapshot` is ``None``)."""
+    """What a memory of whole reservations answers: a request's tokens are at most what it reserves,
+    while the reservation fits the budget; it caches no prefix (every lookup finds nothing, a reset
+    has nothing to forget) and has no block pool to draw (:meth:`snapshot` is ``None``). A subclass
+    sets ``budget_tokens`` and ``reserve`` (through :meth:`_set_reserve`).
+
+    Raises:
+        ValueError: ``reserve`` is not callable.
+    """
 
     enable_caching = False
+    budget_tokens: int
+    reserve: Callable[[EngineCoreRequest], int]
+
+    def _set_reserve(self, reserve: Callable[[EngineCoreRequest], int]) -> None:
+        if not callable(reserve):
+            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
+        self.reserve = reserve
+
+    def max_tokens(self, request: EngineCoreRequest) -> int:
+        size = self.reserve(request)
+        return size if size <= self.budget_tokens else 0
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -72,9 +89,7 @@ class ContiguousMemory(ReservationMemory):
         block_size: int = 1,
     ) -> None:
         self.budget_tokens = check_count("budget_tokens", budget_tokens, minimum=1)
-        if not callable(reserve):
-            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
-        self.reserve = reserve
+        self._set_reserve(reserve)
         self.block_size = check_count("block_size", block_size, minimum=1)
         seat = check_count("seat_tokens", seat_tokens, minimum=1)
         self.blocks_per_seat = blocks_for_tokens(seat, self.block_size)
@@ -96,10 +111,6 @@ class ContiguousMemory(ReservationMemory):
     def usage(self) -> float:
         """The share of the seats reserved (what a paged memory's usage is in blocks)."""
         return 1.0 - len(self._free_seats) / self.num_seats
-
-    def max_tokens(self, request: EngineCoreRequest) -> int:
-        size = self.reserve(request)
-        return size if size <= self.budget_tokens else 0
 
     def allocate_slots(
         self,

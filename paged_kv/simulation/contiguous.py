@@ -183,9 +183,7 @@ class FirstFitMemory(ReservationMemory):
         self, budget_tokens: int, reserve: Callable[[EngineCoreRequest], int], *, compact: bool = False
     ) -> None:
         self.allocator = ContiguousAllocator(check_count("budget_tokens", budget_tokens, minimum=1))
-        if not callable(reserve):
-            raise ValueError(f"reserve must be a function of a request, got {reserve!r}")
-        self.reserve = reserve
+        self._set_reserve(reserve)
         self.compact = bool(compact)
         self.blocked_by_holes = 0
         """Refused admissions that the free slots in all would have held: no single hole did."""
@@ -214,10 +212,6 @@ class FirstFitMemory(ReservationMemory):
     def usage(self) -> float:
         """The share of the slots reserved."""
         return self.allocator.used_slots / self.allocator.capacity
-
-    def max_tokens(self, request: EngineCoreRequest) -> int:
-        size = self.reserve(request)
-        return size if size <= self.budget_tokens else 0
 
     def allocate_slots(
         self,
