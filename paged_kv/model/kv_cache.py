@@ -197,7 +197,7 @@ class PagedKVCache(KVCache):
         self._unwritten: dict[Hashable, int] = {}
         self.block_size, self.device = block_size, self.storage.device
         # The sequences' block-table rows on the device, as the engine's runner keeps them.
-        self.tables = BlockTables(
+        self.block_tables = BlockTables(
             16, blocks_for_tokens(max(config.max_len, block_size), block_size), self.device
         )
         self._step: tuple[tuple[Hashable, ...], AttentionMetadata] | None = None  # the last append's
@@ -237,7 +237,7 @@ class PagedKVCache(KVCache):
         if self.manager.enable_prefix_caching:  # the prefill writes the uncached tail
             self.manager.prepare_write(seq_id, cached, num_tokens)
         self._unwritten[seq_id] = cached
-        self.tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
+        self.block_tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """How many leading prompt tokens of the sequence the prefix cache served: prefill from there.
@@ -353,7 +353,7 @@ class PagedKVCache(KVCache):
         self._prefill = (
             seq_ids,
             prepare_attention(
-                self.tables,
+                self.block_tables,
                 seq_ids,
                 starts,
                 [e - a for a, e in zip(starts, ends, strict=True)],
@@ -401,9 +401,11 @@ class PagedKVCache(KVCache):
         self.storage.copy_blocks(copies)
         held = [self.manager.table(seq_id) for seq_id in seq_ids]
         for seq_id, table in zip(seq_ids, held, strict=True):
-            self.tables.sync(seq_id, (table.block_ids,))
+            self.block_tables.sync(seq_id, (table.block_ids,))
         computed = [table.num_tokens - 1 for table in held]
-        metadata = prepare_attention(self.tables, seq_ids, computed, [1] * len(seq_ids), self.block_size)
+        metadata = prepare_attention(
+            self.block_tables, seq_ids, computed, [1] * len(seq_ids), self.block_size
+        )
         self._step = (seq_ids, metadata)
         return metadata.positions
 
@@ -442,7 +444,7 @@ class PagedKVCache(KVCache):
             # writes no copy: it only forgets the hashes of the blocks from ``unwritten`` on.
             self.manager.prepare_write(seq_id, unwritten, self.manager.sequence_length(seq_id))
         self.manager.free(seq_id)
-        self.tables.remove(seq_id)
+        self.block_tables.remove(seq_id)
 
     def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of the sequence, gathered into contiguous ``(num_tokens, heads, dim)``,
@@ -453,13 +455,13 @@ class PagedKVCache(KVCache):
     def swap_out(self, seq_id: Hashable) -> swap.SwappedKV:
         """Copy the sequence's K/V, every layer, to host memory and free its blocks (lesson 11)."""
         saved = swap.swap_out(self.manager, self.storage, seq_id)
-        self.tables.remove(seq_id)
+        self.block_tables.remove(seq_id)
         return saved
 
     def swap_in(self, seq_id: Hashable, saved: swap.SwappedKV) -> None:
         """Give the sequence fresh blocks and copy back what :meth:`swap_out` saved (lesson 11)."""
         swap.swap_in(self.manager, self.storage, seq_id, saved)
-        self.tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
+        self.block_tables.add_row(seq_id, (self.manager.table(seq_id).block_ids,))
 
     def _block_ids(self, seq_id: Hashable) -> torch.Tensor:
         return self.storage.block_index(self.manager.table(seq_id).block_ids)

@@ -35,6 +35,7 @@ from tests.browser import harness
 pytestmark = [pytest.mark.browser]
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
+GIVEN_OUT = NUM_BLOCKS - 1  # the pool's block 0 is the null block: the page counts the others
 SHARED = [ord(c) for c in "You are a"]  # 9 tokens: the first two blocks are full, and shared
 PROMPTS = {f"req-{i}": [*SHARED, *(ord(c) for c in tail)] for i, tail in enumerate((" cat", " dog", " owl"))}
 MAX_TOKENS = 40
@@ -101,14 +102,15 @@ def kv_server(browser) -> Iterator[Served]:
     from paged_kv.model.config import GPTConfig
     from paged_kv.model.tiny_gpt import TinyGPT, decode
     from paged_kv.serving.async_llm import AsyncLLM
-    from paged_kv.serving.engine import Engine
-    from paged_kv.serving.llm_engine import LLMEngine
+    from paged_kv.serving.engine_args import EngineArgs
     from paged_kv.serving.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig()).eval()
-    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=True)
-    async_llm = AsyncLLM(LLMEngine(engine, decode=decode))
+    settings = EngineArgs(
+        num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=True
+    )
+    async_llm = AsyncLLM.from_engine_args(model, settings, decode=decode)
     pacer = Pacer(async_llm)
     async_llm.stat_loggers.append(pacer)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -190,7 +192,7 @@ def test_the_kv_page_follows_streaming_requests_step_by_step(browser, kv_server,
         harness.wait_until(page, lambda: "live" in frame_facts(page)["status"], "the event stream", WAIT_MS)
         idle = frame_facts(page)
         assert idle["step"] == 0 and idle["requests"] == []
-        assert idle["pool"].startswith(f"KV cache pool: 0 of {NUM_BLOCKS} blocks used")
+        assert idle["pool"].startswith(f"KV cache pool: 0 of {GIVEN_OUT} blocks used")
 
         assert httpx.post(f"{kv_server.url}/test/start", timeout=10).status_code == 202
         seen: list[dict] = []
@@ -225,7 +227,7 @@ def test_the_kv_page_follows_streaming_requests_step_by_step(browser, kv_server,
             page, lambda: frame_facts(page)["requests"] == [], "the requests to finish on the page", WAIT_MS
         )
         done = frame_facts(page)
-        assert done["pool"].startswith(f"KV cache pool: 0 of {NUM_BLOCKS} blocks used"), done["pool"]
+        assert done["pool"].startswith(f"KV cache pool: 0 of {GIVEN_OUT} blocks used"), done["pool"]
         assert done["usage"] == "0.0%" and done["step"] > held["step"]
         errors = [line for line in page.console_lines if line.startswith(("error", "pageerror"))]
     kv_server.wait_for_streams(0, "after the page closed")
