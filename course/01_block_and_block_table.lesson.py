@@ -326,11 +326,15 @@ print("the cache: ", cache.get_block_mapping("E"))
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheBlocks` is what the manager hands the scheduler, a
 #   request's `blocks` per KV cache group; `get_block_ids` turns them into lists of block ids, which
 #   travel to the worker.
-# * `vllm/v1/worker/block_table.py`: `BlockTable` is the worker's tables for the whole batch, one row
-#   per request in a `block_table` buffer of `max_num_blocks_per_req` columns of 32-bit integers;
-#   `append_row` adds a request's new block ids to its row and `num_blocks_per_row` counts them.
-# * `vllm/v1/worker/block_table.py`: `MultiGroupBlockTable` holds one `BlockTable` per KV cache group:
-#   a model that mixes full and sliding-window attention layers keeps a table for each kind.
+# * `vllm/v1/worker/gpu/block_table.py`: `BlockTables`, in Model Runner V2 (the worker's default
+#   runner in 0.33.0), is the worker's tables for the whole batch: for each KV cache group a buffer of
+#   32-bit integers, one row per request (`block_tables`); `append_block_ids` adds a request's new
+#   block ids to its rows and `num_blocks` counts them; each step `gather_block_tables` copies the
+#   batch's rows into the tables the attention kernels read. A model that mixes full and
+#   sliding-window attention layers has a group, and so a table, for each kind.
+# * `vllm/v1/worker/block_table.py`: the V1 runner, still in the tree as the fallback, keeps the same
+#   rows in a `BlockTable` per group (`append_row`, `num_blocks_per_row`) under a
+#   `MultiGroupBlockTable`.
 # * `vllm/v1/core/block_pool.py`: `null_block` is block 0, taken off the free list when the pool is
 #   built and never handed out: a placeholder for table entries that hold nothing.
 #
