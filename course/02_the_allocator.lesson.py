@@ -165,8 +165,8 @@ print("free_block_ids:  ", list(cache.snapshot().free_block_ids))
 # tensors: the manager decides once per block, and the storage simply holds one `k_cache` and
 # `v_cache` per layer. vLLM is built this way: the scheduler's `KVCacheManager`
 # (`vllm/v1/core/kv_cache_manager.py`, over a `BlockPool` in `vllm/v1/core/block_pool.py`) hands out
-# block ids and never touches a tensor, and the model runner (`vllm/v1/worker/gpu_model_runner.py`)
-# holds the per-layer `kv_caches`.
+# block ids and never touches a tensor, and the worker's model runner (Model Runner V2's
+# `vllm/v1/worker/gpu/model_runner.py`, the default in 0.33.0) holds the per-layer `kv_caches`.
 
 # %%
 manager, storage = cache.manager, cache.storage
@@ -382,8 +382,10 @@ AllocatorPlayground(num_blocks=16, block_size=4)
 #   blocks back in one splice, and `num_free_blocks` counts the queue.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager` is this course's `BlockManager`, one for the
 #   model: `allocate_slots` (lesson 04) and `free` work on block ids and never touch a tensor.
-# * `vllm/v1/worker/gpu_model_runner.py`: the model runner's `kv_caches`, one tensor per layer, is the
-#   storage, this course's `KVStorage`.
+# * `vllm/v1/worker/gpu/model_runner.py`: Model Runner V2's `GPUModelRunner.initialize_kv_cache`
+#   keeps `kv_caches`, one tensor per layer: the storage, this course's `KVStorage`. They are views
+#   of one backing buffer (`allocate_kv_cache`, in `vllm/v1/worker/utils.py`). The V1 runner,
+#   `vllm/v1/worker/gpu_model_runner.py`, still in the tree as the fallback, keeps its own.
 #
 # What the course leaves out or does differently: with prefix caching off, vLLM 0.33.0 puts every
 # freed block at the front of the free queue, so the next request reuses it first, where this course
