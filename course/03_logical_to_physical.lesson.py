@@ -282,15 +282,17 @@ for n in (4096, LONG_TOKENS):
     print(f"{n:>6} tokens: the tensor expression is {how_fast(timings.ratio('tensor', 'loop'))} the loop")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, over twelve runs of this cell, six on a quiet
-# machine and six with two other processes computing on both cores (`bench/lesson_ratios.py --busy
-# 2`), the expression came out 13 to 20 times faster than the loop at 4,096 tokens (15 to 17 times on
-# the busy machine) and 28 to 29 times faster at 65,536 (24 to 32 busy); earlier runs on the same
-# kind of machine gave up to 49 times at 4,096 and 36 at 65,536. Your factors will differ with the
-# machine and its load; the direction will not. At 4,096 tokens the expression takes a few tens of microseconds, much of it a
-# fixed price per operation, which other programs easily disturb: hence the wide range. At 65,536
-# both sides work in proportion to the tokens, about 200 ns of Python per token for the loop against
-# under 10 ns for the expression's five operations, and the factor settles. On a GPU the loop would
+# The cell printed two factors for this run of it. On the 2-core CPU this course was written on, six
+# runs on a quiet machine gave 13 to 20 times at 4,096 tokens and 28 to 29 times at 65,536; six with
+# two other processes computing on both cores (`bench/lesson_ratios.py --busy 2`) gave 15 to 17 and
+# 24 to 32; other runs on the same kind of machine printed up to 49 at 4,096 and 36 at 65,536 (39 at
+# 4,096 with other work beside it). So read your factors as one sample: with other work beside it a
+# factor can land above or below these ranges, and on another machine anywhere; what every run
+# showed is the expression many times faster than the loop. At 4,096 tokens the expression takes a
+# few tens of microseconds on the quiet machine, much of it a fixed price per operation, which other
+# programs easily disturb: hence the wide range. At 65,536 both sides work in proportion to the
+# tokens (quiet, about 200 ns of Python per token for the loop against under 10 ns for the
+# expression's five operations), and the factor varies less. On a GPU the loop would
 # also wait for the copies of the table and the positions from the device, and its result would have
 # to be copied back before a kernel could use it.
 
@@ -349,13 +351,16 @@ print("same as one slot_mapping per sequence:", torch.equal(batch_slots, per_seq
 # Checked against vLLM 0.33.0. The translation runs in the worker, once per step for every token the
 # step computes: positions become slots, and the new K/V are written at those slots.
 #
-# * `vllm/v1/worker/gpu_model_runner.py`: the model runner sets each scheduled token's position,
-#   `positions`, to its request's `num_computed_tokens` plus its index among the step's new tokens,
-#   and each request's `seq_lens`, then has the batch's block table turn the positions into slots.
-# * `vllm/v1/worker/block_table.py`: `BlockTable.compute_slot_mapping` launches
-#   `ComputeSlotMappingKernel`, a Triton kernel that loads `block_numbers` from the request's row at
-#   `pos // virtual_block_size` and stores `slot_ids`, the block number times `KV_CACHE_BLOCK_SIZE`
-#   plus the offset, into `slot_mapping`: section 5's vectorised slot mapping, for the whole step.
+# * `vllm/v1/worker/gpu/input_batch.py`: in Model Runner V2, the worker's default runner in 0.33.0,
+#   `prepare_pos_seq_lens` launches a Triton kernel that sets each scheduled token's position, `pos`,
+#   to its request's `num_computed_tokens` plus its index among the step's new tokens, and each
+#   request's `seq_lens`.
+# * `vllm/v1/worker/gpu/block_table.py`: `BlockTables.compute_slot_mappings` launches
+#   `_compute_slot_mappings_kernel`, which loads `block_numbers` from the request's row at the
+#   position's block index and stores `slot_ids`, the block number times `kv_block_size` plus the
+#   offset, one row per KV cache group: section 5's vectorised slot mapping, for the whole step. The
+#   V1 runner, still in the tree, does the same in `vllm/v1/worker/block_table.py`
+#   (`BlockTable.compute_slot_mapping`).
 # * `vllm/v1/attention/backends/utils.py`: `PAD_SLOT_ID`, -1, is the slot of a padding token, one the
 #   step computes for a fixed-size batch but that holds no token.
 # * `vllm/v1/attention/backends/flash_attn.py`: `FlashAttentionImpl.do_kv_cache_update` writes each
