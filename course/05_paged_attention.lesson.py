@@ -497,8 +497,9 @@ print("and the gathered version:              ", torch.allclose(out_online, out_
 #
 # The package has this loop as a kernel: its `CPU_ATTN` backend is about 250 lines of C
 # (`paged_kv/attention/csrc/cpu_attn.c`), compiled once with your machine's C compiler the first
-# time it runs (about a second) and kept on disk. One task per sequence and K/V head follows the
-# block table, reads each block where it lies, only the slots the query sees, and keeps the same
+# time it runs (about a second on this course's quiet 2-core machine) and kept on disk. One task
+# per sequence and K/V head follows the block table, reads each block where it lies, only the
+# slots the query sees, and keeps the same
 # three running quantities in float32; the tasks are spread over the CPU's cores. It is what
 # `paged_kv.paged_attention` runs by default on a CPU with a C compiler (`default_backend` in
 # `paged_kv.attention` says which backend your machine gets); lesson 06 measures it against SDPA.
