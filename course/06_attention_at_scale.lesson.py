@@ -21,7 +21,8 @@
 #    sequence;
 # 4. pack decodes and prompt chunks of different lengths into one call, as an engine's step does.
 #
-# Run the cells in order; two of them time the backends, in 5 s each on a quiet 2-core CPU (8 s busy).
+# Run the cells in order; two of them time the backends (about 5 s each on this course's quiet 2-core
+# CPU, 8 s with two busy processes beside it, longer on a busier machine).
 
 # %%
 import warnings
@@ -112,8 +113,8 @@ print("context lengths:", seq_lens.tolist())
 #   and K/V head walks its block table, reads each block where it lies (only the slots its query
 #   sees, the next block fetched ahead while the current one is computed), and keeps the running
 #   maximum, sum and accumulator in float32. It reads what the batch reads, once, as SDPA over
-#   contiguous K/V does. It is built once with your machine's C compiler (about a second) and kept;
-#   vLLM's CPU backend has the same name and the same loop, in C++.
+#   contiguous K/V does. It is built once with your machine's C compiler (a second or so, quiet)
+#   and kept; vLLM's CPU backend has the same name and the same loop, in C++.
 #
 # (`"TRITON_ATTN"`, the same loop as a Triton kernel, is lesson 12's.) Without `backend=`, the
 # platform picks, as vLLM's platforms do: on a CPU, `CPU_ATTN` when its kernel can be built here
@@ -192,18 +193,18 @@ for name in timed:
     print(f"{name:>14}: {how_fast(timings.ratio(name, 'SDPA'))} SDPA on contiguous K/V")
 
 # %% [markdown]
-# On the 2-core CPU this course was written on, this cell ran 9 times (`bench/lesson_ratios.py`):
-# 5 on a quiet machine and 4 with two more processes computing on both cores. **GATHER** came out
-# 16 to 17 times slower than SDPA (15 to 18 with the two processes), unfused **FLEX_ATTENTION** 35
-# to 39 times slower (34 to 38), **IN_PLACE** 1.3 times slower (1.2 to 1.4), and **CPU_ATTN** 1.4 to
-# 1.5 times slower, quiet or busy. Both read K and V once, as SDPA does, but not alike: `IN_PLACE`
-# streams the whole pool in its own order, where `CPU_ATTN` reads one block of one head, 4 KiB here,
+# The cell printed one factor per backend for this run of it. On the 2-core CPU this course was
+# written on, it ran 9 times (`bench/lesson_ratios.py`): 5 on a quiet machine and 4 with two more
+# processes computing on both cores. **GATHER** came out 16 to 17 times slower than SDPA (15 to 18
+# with the two processes), unfused **FLEX_ATTENTION** 35 to 39 times slower (34 to 38), **IN_PLACE**
+# 1.3 times slower (1.2 to 1.4), and **CPU_ATTN** 1.4 to 1.5 times slower, quiet or busy. With other
+# work beside it your factors can fall outside these ranges, either way; what held in every run is
+# the gather and unfused FlexAttention far behind the other two. `IN_PLACE` and `CPU_ATTN` both read
+# K and V once, as SDPA does, but not alike: `IN_PLACE` streams the whole pool in its own order, where `CPU_ATTN` reads one block of one head, 4 KiB here,
 # from wherever it lies, and asks for the next one while it computes. That request matters: made
 # into the smallest cache, the L1, it stalled the very loads it was meant to help, and the kernel
 # came out twice as slow as SDPA; made into the L2, as now, it gives the figures above (one
-# thread), and 0.9 to 1.2 times SDPA with two threads on `bench/bench_attention.py`'s batch. Your
-# numbers will differ with the machine and with what else it is doing, but the gather and unfused
-# FlexAttention stay far behind.
+# thread), and 0.9 to 1.2 times SDPA with two threads on `bench/bench_attention.py`'s batch (quiet).
 #
 # The copy is the gap between the gather and the others: it moves the batch's whole K and V twice
 # more than attention needs, and on a CPU moving memory is what decode attention spends its time
@@ -239,12 +240,13 @@ print(f"the default, {DEFAULT}, is {how_fast(few.ratio(DEFAULT, 'GATHER'))} gath
 
 # %% [markdown]
 # Here the copy is small (two sequences' blocks) while the in-place products still cover all 1,024
-# blocks: in the same 9 runs, in place came out 3.3 to 3.5 times slower than the gather for the two
-# sequences, quiet or busy; when this lesson was first written, the two cost
-# about the same for 4 of the 32 sequences, an eighth of the pool. A kernel has no such trade-off:
-# it follows each row's block table and reads only those blocks, in place. `CPU_ATTN` came out 2.4
-# to 2.6 times faster than the gather for the two sequences (2.3 to 2.9 with the two processes), the
-# copy saved and nothing else read.
+# blocks. The cell printed this run's factors; in the same 9 runs, in place came out 3.3 to 3.5
+# times slower than the gather for the two sequences, quiet or busy, and `CPU_ATTN` 2.4 to 2.6
+# times faster than the gather (2.3 to 2.9 with the two processes), the copy saved and nothing else
+# read. Beside other work a run can print factors outside these ranges; in place behind the gather
+# and `CPU_ATTN` ahead of it held in all 9. When this lesson was first written, in place and the
+# gather cost about the same for 4 of the 32 sequences, an eighth of the pool. A kernel has no such
+# trade-off: it follows each row's block table and reads only those blocks, in place.
 
 # %% [markdown]
 # ## 2. Grouped-query and multi-query attention
@@ -490,9 +492,10 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   takes the packed step to `cpu_attention_with_kv_cache`, its C++ kernel, with the step's
 #   `query_start_loc`, `seq_lens`, `block_table` and the layer's `sliding_window` and
 #   `logits_soft_cap`: the course's `CPU_ATTN` in C++, with a variant per instruction set.
-# * `vllm/platforms/cpu.py`: `CpuPlatform.get_attn_backend_cls` gives `CPU_ATTN` on every CPU, as
-#   the course's platform default does where a compiler is found; `vllm/platforms/cuda.py` tries
-#   `FLASH_ATTN`, `FLASHINFER`, `TRITON_ATTN` and `FLEX_ATTENTION` in turn (`_get_backend_priorities`).
+# * `vllm/platforms/cpu.py`: `CpuPlatform.get_attn_backend_cls` gives `CPU_ATTN` on every CPU (MLA
+#   models aside), as the course's platform default does where a compiler is found;
+#   `vllm/platforms/cuda.py` tries `FLASH_ATTN`, `FLASHINFER`, `TRITON_ATTN` and `FLEX_ATTENTION` in
+#   turn, `FLASHINFER` first on compute capability 10 (B200) (`_get_backend_priorities`).
 # * `vllm/v1/attention/backends/triton_attn.py`: `TritonAttentionImpl.forward` splits the cache's
 #   view into K and V and calls `unified_attention`, the Triton kernel lesson 12 reads.
 #
@@ -508,9 +511,10 @@ print("rows 1 to 5, p's chunk, equal its own call above:", torch.allclose(mixed[
 #   copies every block (three passes over K and V), `"IN_PLACE"` reads each block once where it lies
 #   but pays for the whole pool, `"FLEX_ATTENTION"` is FlexAttention with a block mask, fast only
 #   compiled on a GPU, and `"CPU_ATTN"` is lesson 05's online softmax compiled in C, reading only
-#   the blocks the batch reads, in place. All of them equal SDPA. On a 2-core CPU, 32 sequences of
-#   512 tokens, one thread: gather 15 to 18 times slower than SDPA on contiguous K/V, quiet or
-#   busy, in place 1.2 to 1.4 times, `CPU_ATTN` 1.4 to 1.5 times. Without `backend=`
+#   the blocks the batch reads, in place. All of them equal SDPA. On this course's 2-core CPU, 32
+#   sequences of 512 tokens, one thread, 9 runs quiet and busy: gather 15 to 18 times slower than
+#   SDPA on contiguous K/V, in place 1.2 to 1.4 times, `CPU_ATTN` 1.4 to 1.5 times (a run beside
+#   other work can fall outside). Without `backend=`
 #   a CPU gets `CPU_ATTN` where a C compiler is found, `GATHER` elsewhere.
 # * Grouped-query attention shares each K/V head among a group of query heads (Llama-3-8B: 32 over
 #   8), multi-query attention shares one among all; the cache holds only the K/V heads, 128 KiB per
