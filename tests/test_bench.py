@@ -1,13 +1,18 @@
 """The benchmarks' baselines compute what the package computes, and run_all writes its table.
 
 Correctness only: nothing here asserts a time (the machines are shared and noisy); the timings
-and their ratios live in bench/RESULTS.md.
+and their ratios live in bench/RESULTS.md. ``run_all.py --quick`` runs once for the module (the
+``quick_run`` fixture, every bench at its tiny sizes); the tests of one bench's rows read that
+run's rows rather than running the bench again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,6 +45,41 @@ from paged_kv.model.generation import generate  # noqa: E402
 from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 from paged_kv.serving.engine import EngineRequest  # noqa: E402
 from paged_kv.serving.request import EngineCoreRequest  # noqa: E402
+
+# The tests that read the one quick run go to one pytest-xdist worker under --dist loadgroup.
+QUICK_RUN = pytest.mark.xdist_group("bench_quick_run")
+
+
+@dataclass
+class QuickRun:
+    """What ``run_all.main(["--quick", ...])`` computed, wrote and printed."""
+
+    results: list[tuple[str, list[Row], float]]  # as run_all.run_benchmarks returns them
+    markdown: str
+    printed: str
+
+    def rows(self, module) -> list[Row]:
+        (rows,) = [rows for name, rows, _ in self.results if name == module.__name__]
+        return rows
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> QuickRun:
+    """``bench/run_all.py --quick --output FILE`` once, every bench at its tiny sizes."""
+    output = tmp_path_factory.mktemp("bench") / "RESULTS.md"
+    seen: list[tuple[str, list[Row], float]] = []
+    run_benchmarks = run_all.run_benchmarks
+
+    def recorded(names, quick=False):
+        results = run_benchmarks(names, quick=quick)
+        seen.extend(results)
+        return results
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(run_all, "run_benchmarks", recorded)
+        assert run_all.main(["--quick", "--output", str(output)]) == 0
+    return QuickRun(seen, output.read_text(encoding="utf-8"), printed.getvalue())
 
 
 @pytest.mark.lesson02
@@ -104,9 +144,9 @@ def test_loop_slot_mapping_equals_the_vectorised_one(num_tokens, block_size):
 
 @pytest.mark.lesson02
 @pytest.mark.lesson03
-def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
-    output = tmp_path / "RESULTS.md"
-    assert run_all.main(["--quick", "--output", str(output)]) == 0
+@QUICK_RUN
+def test_run_all_quick_writes_a_table_with_every_row(quick_run):
+    assert [name for name, _, _ in quick_run.results] == run_all.bench_modules()  # every bench, once
     modules = (
         bench_allocator,
         bench_attention,
@@ -117,10 +157,9 @@ def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
         bench_triton,
     )
     assert {module.__name__ for module in modules} <= set(run_all.bench_modules())
-    expected_rows = [row.name for module in modules for row in module.run(**module.QUICK)]
+    expected_rows = [row.name for module in modules for row in quick_run.rows(module)]
     assert len(expected_rows) >= 11
-    text = output.read_text(encoding="utf-8")
-    printed = capsys.readouterr().out
+    text, printed = quick_run.markdown, quick_run.printed
     for name in expected_rows:
         assert f"| {name} |" in text
         assert name in printed
@@ -130,8 +169,9 @@ def test_run_all_quick_writes_a_table_with_every_row(tmp_path, capsys):
 
 
 @pytest.mark.lesson02
-def test_rows_carry_ratios_and_targets():
-    rows = bench_allocator.run(**bench_allocator.QUICK)
+@QUICK_RUN
+def test_rows_carry_ratios_and_targets(quick_run):
+    rows = quick_run.rows(bench_allocator)
     targeted = [row for row in rows if row.met is not None]
     target, slots_target = bench_allocator.APPEND_TARGET, bench_allocator.SLOTS_TARGET
     assert [row.target for row in targeted] == [
@@ -224,8 +264,9 @@ def test_step_bench_engines_hold_the_same_tables_and_decode_alike():
     assert bench_step.start_decoding(budgeted) > 1  # prefilled in chunks of the budget
 
 
-def test_step_bench_rows_compare_the_step_and_its_phases():
-    rows = bench_step.run(**bench_step.QUICK)
+@QUICK_RUN
+def test_step_bench_rows_compare_the_step_and_its_phases(quick_run):
+    rows = quick_run.rows(bench_step)
     whole, budgeted, *phases = rows
     for row in (whole, budgeted):
         assert row.target == "<= 1.0x" and row.met == (row.ratio <= 1.0)
@@ -236,7 +277,8 @@ def test_step_bench_rows_compare_the_step_and_its_phases():
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
 
 
-def test_overhead_bench_engine_and_bare_forward_generate_the_same_tokens():
+@QUICK_RUN
+def test_overhead_bench_engine_and_bare_forward_generate_the_same_tokens(quick_run):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 17, 9)]
     model = bench_overhead.TinyGPT(bench_overhead.CONFIG, seed=0)
@@ -246,7 +288,7 @@ def test_overhead_bench_engine_and_bare_forward_generate_the_same_tokens():
         engine.step()
     assert engine.tokens == bare.tokens and [len(t) for t in bare.tokens] == [5, 5, 5]
     assert engine.tokens[1] == generate(model, [prompts[1]], 5, cache="contiguous").tokens[0]
-    (row,) = bench_overhead.run(**bench_overhead.QUICK)
+    (row,) = quick_run.rows(bench_overhead)
     assert row.target == f"<= {bench_overhead.TARGET:.1f}x" and row.ratio > 0 and row.spread is not None
 
 
@@ -276,8 +318,9 @@ def test_attention_bench_holds_the_same_kv_paged_and_contiguous(context, block_s
 
 
 @pytest.mark.lesson05
-def test_attention_bench_gives_the_defaults_ratio_to_sdpa_with_its_target_spread_and_build_time():
-    rows = bench_attention.run(**bench_attention.QUICK)
+@QUICK_RUN
+def test_attention_bench_gives_the_defaults_ratio_to_sdpa_with_its_target_spread_and_build_time(quick_run):
+    rows = quick_run.rows(bench_attention)
     (targeted,) = [row for row in rows if row.met is not None]
     default = default_backend("cpu", torch.float32)
     assert f"{default} (the default)" in targeted.name and "vs contiguous SDPA" in targeted.name
@@ -318,8 +361,9 @@ def test_engine_bench_modes_generate_identical_tokens():
 
 
 @pytest.mark.lesson09
-def test_engine_bench_rows_report_concurrency_against_the_target():
-    rows = bench_engine.run(**bench_engine.QUICK)
+@QUICK_RUN
+def test_engine_bench_rows_report_concurrency_against_the_target(quick_run):
+    rows = quick_run.rows(bench_engine)
     mean = rows[0]
     assert "mean concurrent" in mean.name and "ShareGPT-shaped" in mean.name
     assert mean.ratio == pytest.approx(mean.measured / mean.baseline)
@@ -346,8 +390,9 @@ def test_deque_free_list_takes_and_frees_like_block_allocator():
 
 
 @pytest.mark.lesson08
-def test_prefix_cache_bench_rows_report_flatness_and_hit_rate():
-    rows = bench_prefix_cache.run(**bench_prefix_cache.QUICK)
+@QUICK_RUN
+def test_prefix_cache_bench_rows_report_flatness_and_hit_rate(quick_run):
+    rows = quick_run.rows(bench_prefix_cache)
     flat = [row for row in rows if "(flat)" in row.target]
     assert len(flat) == 1 and flat[0].met == (flat[0].ratio <= FLAT_LIMIT)
     hit = next(row for row in rows if "hit rate" in row.name)
@@ -420,8 +465,9 @@ def test_hf_bench_systems_serve_the_same_greedy_tokens():
 
 
 @pytest.mark.lesson09
-def test_hf_bench_quick_run_reports_speed_equality_and_bytes(tmp_path):
-    results = run_all.run_benchmarks(["bench_hf"], quick=True)
+@QUICK_RUN
+def test_hf_bench_quick_run_reports_speed_equality_and_bytes(quick_run):
+    results = [result for result in quick_run.results if result[0] == "bench_hf"]
     [(name, rows, _)] = results
     assert name == "bench_hf" and "bench_hf" in run_all.bench_modules()
     speed, net, fixed, forwards, static_speed, alone, batched, same_forwards, padded, allocated, held = rows
@@ -496,9 +542,9 @@ def test_triton_bench_check_catches_a_wrong_backend():
 
 @pytest.mark.lesson12
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (it publishes Linux wheels only)")
-def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(capsys):
-    rows = bench_triton.run(**bench_triton.QUICK)
-    printed = capsys.readouterr().out
+@QUICK_RUN
+def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(quick_run):
+    rows, printed = quick_run.rows(bench_triton), quick_run.printed
     if triton_interpreted():
         (row,) = rows
         assert "Triton's interpreter" in row.name and "backend='GATHER'" in row.name
