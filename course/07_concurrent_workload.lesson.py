@@ -2,11 +2,10 @@
 # # Lesson 07 · A concurrent workload
 #
 # Lesson 00 measured the waste of one frozen set of requests. A real server never stands still:
-# requests arrive at any time, grow by one token per step, and leave when they are done, while the
-# next ones wait for memory. What matters is how many requests the cache can serve *at once, over
-# time*, because that decides how fast the server works through its queue. This lesson runs a small
-# serving simulator, the same requests and the same memory budget for four memory policies, and
-# watches where the memory goes step by step.
+# requests arrive, grow by one token per step and leave, while the next ones wait for memory. What
+# matters is how many requests the cache serves *at once, over time*, since that decides how fast
+# the server works through its queue. This lesson runs a small serving simulator, the same requests
+# and memory for four memory policies, and watches where the memory goes.
 #
 # **By the end of this lesson you can**
 #
@@ -23,7 +22,7 @@
 #    fragmentation, as the vLLM paper's Figure 2 does, and explain each difference from the paper's
 #    bars.
 #
-# Nothing here needs a GPU, and every simulation takes a fraction of a second.
+# Nothing here needs a GPU: the simulator only counts tokens.
 
 # %%
 import statistics
@@ -71,27 +70,23 @@ print("paged_kv", paged_kv.__version__)
 # 5. **finish and release**: after its last token, the request leaves and its memory goes back to
 #    the free pool.
 #
-# The simulator of this lesson, `paged_kv.simulation.workload.simulate`, runs the package's
-# scheduler with a stand-in for the model that only counts tokens (lesson 09 puts a model there).
-# It counts steps as vLLM does: the prefill step samples the first output
-# token and each later step one more, so a request with `o` output tokens runs for `o` steps.
+# The simulator, `paged_kv.simulation.workload.simulate`, runs the package's scheduler with a
+# stand-in for the model that only counts tokens (lesson 09 puts a model there). It counts steps as
+# vLLM does: the prefill step samples the first output token and each later step one more, so a
+# request with `o` output tokens runs for `o` steps. Its pool, like vLLM's and unlike lesson 02's,
+# keeps block 0 aside as the **null block**, never handed out (lesson 13 shows what it stands for):
+# a pool of `N` blocks gives out `N - 1`. The simulator adds it to the budget and draws it grey.
 #
-# Its blocks come from the engine's memory, vLLM's `KVCacheManager`, whose pool, unlike lesson 02's,
-# keeps block 0 aside as the **null block**: vLLM takes it off the free list for every model and
-# never hands it out (lesson 13 shows what it stands for). A pool of `N` blocks gives out `N - 1`;
-# the simulator adds the null block to the budget's blocks and draws it grey.
-#
-# Older servers used **static batching**: a batch ran until its *longest* member was done, and
-# only then took new requests, so a short request's memory sat idle. **Continuous batching** (iteration-level scheduling, introduced by the Orca system)
-# rebuilds the batch every step: a finished request releases its memory at once, and a waiting
-# request can start in the very next step.
+# Older servers used **static batching**: a batch ran until its *longest* member was done, and only
+# then took new requests, so a short request's memory sat idle. **Continuous batching**
+# (iteration-level scheduling, introduced by the Orca system) rebuilds the batch every step: a
+# finished request releases its memory at once, and a waiting request can start in the next step.
 #
 # Each step the scheduler first gives every running sequence a slot for its next token, taking a
-# block when its blocks are full (lesson 04). Then it admits requests from the front of the queue
-# while the blocks of each one's whole prompt are free. As in vLLM, nothing is kept back for the
-# running sequences' growth: the pool can fill to its last block, and a decode that then finds no
-# free block preempts the newest running sequence (section 6). Here are three requests in a tiny
-# paged cache of 6 blocks of 4 slots (24 slots in all):
+# block when its blocks are full (lesson 04), then admits requests from the front of the queue while
+# the blocks of each one's whole prompt are free. As in vLLM, nothing is kept back for growth: the
+# pool can fill to its last block, and a decode that then finds no free block preempts the newest
+# running sequence (section 6). Three requests in a paged cache of 6 blocks of 4 slots (24 in all):
 #
 # | request | arrives at step | prompt | output | final length |
 # |---|---:|---:|---:|---:|
@@ -113,13 +108,12 @@ for step in range(trace.steps):
     )
 
 # %% [markdown]
-# At step 0 both first requests prefill their 4-token prompts into one block each, and each prefill
-# samples a first token. At step 1 each feeds that token in, its fifth, and takes a second block: 16
-# of the 24 slots are in use, and `late-2` needs its prompt's 3 blocks with only 2 free, so it waits
-# (an 8-token prompt would have started then, in the last 2 blocks). `short-0` samples its last token
-# at step 1 and its 2 blocks go back at once; at step 2 `late-2` is admitted. (`held` counts tokens
-# stored, `reserved` the slots of the blocks in use; a token sampled at a step is stored by the next
-# one.)
+# At step 0 both first requests prefill their 4-token prompts into one block each and sample a
+# first token. At step 1 each feeds that token in, its fifth, and takes a second block: 16 of the 24
+# slots are in use, and `late-2` needs its prompt's 3 blocks with only 2 free, so it waits (an
+# 8-token prompt would have started). `short-0` samples its last token at step 1 and its 2 blocks go
+# back at once; at step 2 `late-2` is admitted. (`held` counts tokens stored, `reserved` the slots of
+# the blocks in use; a token sampled at a step is stored by the next one.)
 #
 # With static batching, `late-2` would wait for the whole first batch, `long-1` included. The same
 # simulator, run on the first batch alone and then on `late-2` alone, shows what that costs:
@@ -149,8 +143,8 @@ AllocationPlayer(recorded.trace)
 # %% [markdown]
 # ## 2. Four memory policies
 #
-# Before it admits a request, the scheduler must know where that request's keys and values will
-# go. The simulator compares four answers, named as in the vLLM paper (Kwon et al., *Efficient
+# Before it admits a request, the scheduler must know where its keys and values will go. The
+# simulator compares four answers, named as in the vLLM paper (Kwon et al., *Efficient
 # Memory Management for Large Language Model Serving with PagedAttention*, SOSP 2023). Its
 # baseline is Orca, the serving system that introduced continuous batching; Orca's code is not
 # public, so the paper's authors rebuilt it with three ways of reserving a contiguous range:
@@ -167,13 +161,12 @@ AllocationPlayer(recorded.trace)
 # token, and the user's `max_tokens` is only an upper bound: no engine knows the final length at
 # admission. The oracle is a bound to compare with, not a design.
 #
-# **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*:
-# a **buddy allocator**, the one Linux uses for physical pages, splits a free region of $2^k$ slots
-# into two "buddies" of $2^{k-1}$ and merges two free buddies back into one, which keeps allocation
-# fast and freed space easy to reuse, at the price of up to half the rounded size. The paper's Orca
-# (Pow2) rounds only the part the engine does not know, the output: it stands for an engine whose
-# guess of the output length is never short and at most twice too long, so it measures what a good
-# but imperfect length prediction costs.
+# **Powers of two are a common compromise.** Memory allocators often keep a few *size classes*: a
+# **buddy allocator** (Linux's, for physical pages) splits a free region of $2^k$ slots into two
+# "buddies" of $2^{k-1}$ and merges two free buddies back into one: fast, and freed space is easy
+# to reuse, at the price of up to half the rounded size. Orca (Pow2) rounds only what the engine
+# does not know, the output: an engine whose guess of the output length is never short and at most
+# twice too long, so it measures what a good but imperfect prediction costs.
 #
 # **Predict, then run.** The ShareGPT-shaped workload below allows prompts and outputs of up to
 # 1,024 tokens each, so `max_model_len` is 2,048. A request has a 100-token prompt and will generate
@@ -192,12 +185,11 @@ print(
 )
 
 # %% [markdown]
-# The contiguous slots are fixed at admission: 2,048; 356, the 100-token prompt plus 256 (the power
-# of two above the 200-token output); and 300. The paged request starts with the 7 blocks its
-# 100-token prompt needs, 112 slots, and grows one block every 16 tokens up to 19 blocks, 304 slots
-# (it stores at most 299 tokens: its last one is sampled, never fed back). The picture follows the
-# request through its life (the right panel zooms in): the black line is what it holds, the
-# coloured lines what each policy reserves.
+# The contiguous slots are fixed at admission: 2,048; 356, the prompt plus 256 (the power of two
+# above the 200-token output); and 300. The paged request starts with the 7 blocks of its prompt,
+# 112 slots, and grows a block every 16 tokens up to 19 blocks, 304 slots (it stores at most 299
+# tokens: its last one is sampled, never fed back). In the picture (the right panel zooms in) the
+# black line is what the request holds, the coloured lines what each policy reserves.
 
 # %%
 life = range(request.output_tokens)  # step 0 is the prefill, then one token per step
@@ -233,11 +225,11 @@ plt.show()
 # ### Where the ranges go: first fit, with holes
 #
 # A contiguous range must be one unbroken run of slots. The simulator lays the ranges out in one
-# linear address space of `budget_tokens` slots, as a memory allocator would
-# (`paged_kv.simulation.contiguous.ContiguousAllocator`): a new range starts at the lowest address
-# of the first **hole** (run of free slots) large enough (**first fit**), and a freed range merges
-# with the holes on either side. Ranges of different sizes come and go, so the free slots split into
-# holes: that is **external fragmentation**, the third waste of lesson 00.
+# address space of `budget_tokens` slots (`paged_kv.simulation.contiguous.ContiguousAllocator`): a
+# new range starts at the lowest address of the first **hole** (run of free slots) large enough
+# (**first fit**), and a freed range merges with the holes on either side. As ranges of different
+# sizes come and go, the free slots split into holes: **external fragmentation**, lesson 00's third
+# waste.
 #
 # **Predict, then run.** Ten slots hold three ranges of 3, 3 and 4 slots. The first and the last
 # finish, so 7 of the 10 slots are free. Can a request that needs 5 slots start?
@@ -256,10 +248,10 @@ space.free("b")
 print("after b finishes:", [tuple(hole) for hole in space.holes], " 5 fit:", space.fits(5))
 
 # %% [markdown]
-# No: 7 slots are free, but in holes of 3 and 4 on either side of `b`, so the request waits until
-# `b` finishes and the three ranges merge back into one hole of 10. A paged cache never meets this:
-# any free block fits any request. The simulator counts each step at which the request at the front
-# of the queue waits although the free slots in all would hold it (`blocked_by_holes`, section 7).
+# No: the 7 free slots are holes of 3 and 4 on either side of `b`, so the request waits until `b`
+# finishes and all merge into one hole of 10. A paged cache never meets this: any free block fits
+# any request. The simulator counts each step at which the request at the front of the queue waits
+# although the free slots in all would hold it (`blocked_by_holes`, section 7).
 
 # %% [markdown]
 # ## 3. Two workloads
@@ -272,11 +264,11 @@ print("after b finishes:", [tuple(hole) for hole in space.holes], " 5 fit:", spa
 # * **Alpaca**, a set of short instructions and their answers: 19 and 58 tokens on average.
 #
 # `sample_requests(workload, num_requests, seed)` draws synthetic lengths with those means from a
-# log-normal distribution, a common model of text lengths: most requests short, a few very long.
-# Lengths are clipped at 1,024 tokens per prompt and per output for ShareGPT, and at 256 for Alpaca.
-# The same seed always gives the same requests. Both are skewed: most requests are a fraction of the
-# maximum and a few reach it, the worst case for reserving the maximum. (Means of 200 draws from a
-# long-tailed distribution land a few percent from their targets: ShareGPT's output mean is 354 here.)
+# log-normal distribution, a common model of text lengths: most requests a fraction of the maximum,
+# a few reaching it, the worst case for reserving the maximum. Lengths are clipped at 1,024 tokens
+# per prompt and per output for ShareGPT, 256 for Alpaca; the same seed gives the same requests.
+# (Means of 200 long-tailed draws land a few percent from their targets: ShareGPT's output mean is
+# 354 here.)
 
 # %%
 sharegpt_requests = sample_requests(SHAREGPT, num_requests=200, seed=0)
@@ -296,9 +288,8 @@ for dist, requests in ((SHAREGPT, sharegpt_requests), (ALPACA, alpaca_requests))
 #
 # Give each workload a fixed KV budget: 32,768 token slots for ShareGPT (16 GiB for the 7B model of
 # lesson 00, at 0.5 MiB a token) and 4,096 for Alpaca: room for 16 and 8 sequences of the maximum
-# length. `sequences_that_fit(requests, policy, budget)` answers a simple question: taking the
-# requests in order, how many fit at once if each is at its final length? Under the paged policy a
-# sequence takes its final length rounded up to whole blocks.
+# length. `sequences_that_fit(requests, policy, budget)` answers: taking the requests in order, how
+# many fit at once if each is at its final length (rounded up to whole blocks when paged)?
 
 # %%
 BUDGETS = {"sharegpt": 32768, "alpaca": 4096}
@@ -321,18 +312,17 @@ for name, (on_sharegpt, on_alpaca) in fits.items():
 # %% [markdown]
 # Reserving the maximum fits 16 and 8 sequences, by construction; powers of two fit 60 and 45; the
 # oracle and the paged policy 4 to 7 times as many as the maximum. Paged fits slightly fewer than the
-# oracle (67 against 68, 52 against 59): counted at their final lengths, paged sequences lose the
-# unused tail of their last block. But this is a snapshot of everyone at their final length; over
-# time a paged sequence holds only the tokens it has so far, which the next section shows.
+# oracle (67 against 68, 52 against 59): at their final lengths, paged sequences lose the unused tail
+# of their last block. But over time a paged sequence holds only the tokens it has so far, which the
+# next section shows.
 
 # %% [markdown]
 # ## 5. Serving a stream of requests
 #
 # Now the requests arrive over time. `sample_requests(..., arrival_rate=λ)` spaces them as a
 # Poisson process, the usual model of independent users: on average λ requests per step, at random
-# moments. The lengths stay the same for the same seed. `compare_policies` samples the requests
-# once and serves them with each of the four policies in the same budget; `format_table` prints one
-# row per policy:
+# moments, with the same lengths for the same seed. `compare_policies` serves the same requests with
+# each policy in the same budget; `format_table` prints one row per policy:
 #
 # | column | meaning |
 # |---|---|
@@ -343,9 +333,8 @@ for name, (on_sharegpt, on_alpaca) in fits.items():
 # | tokens/step | output tokens / steps: the server's throughput |
 # | preemptions | sequences thrown out of the cache to make room (section 6) |
 #
-# For ShareGPT, one request every five steps (λ = 0.2) keeps every contiguous policy busy.
-# Each run takes a fraction of a second; for larger ones, `simulate(..., progress=True)` shows a
-# progress bar.
+# For ShareGPT, one request every five steps (λ = 0.2) keeps every contiguous policy busy. (For a
+# larger run, `simulate(..., progress=True)` shows a progress bar.)
 
 # %%
 sharegpt = compare_policies("sharegpt", num_requests=200, budget_tokens=32768, seed=0, arrival_rate=0.2)
@@ -359,14 +348,14 @@ for result in sharegpt:
     print(f"{result.policy:<21}{max(result.waiting):>14}{sum(result.running):>32}")
 
 # %% [markdown]
-# The same 200 requests, arriving at the same moments, in the same memory. The paged cache
-# finishes them in 2,083 steps, reserving the maximum takes 4,895. It produces 34.0 tokens per step
-# against 14.5: 2.3 times the throughput. It never makes a request wait: every request is admitted
-# the step it arrives, while the contiguous policies build queues of up to 128, 80 and 67 requests.
-# It even beats the oracle, which reserves each sequence's full length from its first step.
+# The same 200 requests, at the same moments, in the same memory: the paged cache finishes them in
+# 2,083 steps, reserving the maximum in 4,895; 34.0 tokens per step against 14.5, 2.3 times the
+# throughput. It never makes a request wait, while the contiguous policies build queues of up to
+# 128, 80 and 67 requests. It even beats the oracle, which reserves each sequence's full length from
+# its first step.
 #
-# The picture plots the sequences running (top) and waiting (bottom) at each step. The running
-# counts are noisy, so each line shows the average over a window of 50 steps.
+# The picture plots the sequences running (top, averaged over windows of 50 steps, since the counts
+# are noisy) and waiting (bottom) at each step.
 
 
 # %%
@@ -394,12 +383,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Orca (Max) is stuck at 16 running sequences (32,768 / 2,048) while its queue climbs; the
-# paged cache runs every request that has arrived and not finished. Summed over the steps, the
-# running counts are the same for every policy (70,797, the last column above, the output tokens
-# of the 200 requests), because each request runs one step per output token whatever the policy. So a policy that runs more at once
-# must finish sooner. Mean running (that sum divided by the steps) and tokens per step measure the
-# work done per step over the whole run, which makes them the fair comparison.
+# Orca (Max) is stuck at 16 running sequences (32,768 / 2,048) while its queue climbs; the paged
+# cache runs every request that has arrived and not finished. Summed over the steps, the running
+# counts are the same for every policy (70,797, the last column above, the 200 requests' output
+# tokens), since each request runs one step per output token. So a policy that runs more at once
+# finishes sooner, and mean running (that sum over the steps) and tokens per step, the work done
+# per step over the whole run, are the fair comparison.
 #
 # **Predict, then run.** Alpaca's requests are about 6 times shorter than its `max_model_len` on
 # average (81 of 512 tokens), ShareGPT's about 4 times (516 of 2,048). On which workload does the
@@ -415,17 +404,15 @@ for workload, results in (("sharegpt", sharegpt), ("alpaca", alpaca)):
 
 # %% [markdown]
 # On Alpaca the gain is larger, 3.3 times the throughput against 2.3: the shorter the requests
-# compared with the maximum length, the more a maximum-length slot wastes. The paged utilization
-# is lower on Alpaca (91 % against 98 %), because the half-empty last block of a short sequence is
-# a larger share of it.
+# against the maximum length, the more a maximum-length slot wastes. The paged utilization is lower
+# (91 % against 98 %): a short sequence's half-empty last block is a larger share of it.
 
 # %% [markdown]
 # ## 6. A burst: preemption, and why the peak misleads
 #
-# The paged scheduler admits a request as soon as the blocks of its prompt are free, and keeps
-# nothing back for the sequences already running. That is a bet: it hands out memory the running
-# sequences will need as they grow, counting on some of them to finish first. When all 200 ShareGPT
-# requests arrive together at step 0, the bet fails.
+# The paged scheduler admits a request as soon as the blocks of its prompt are free, keeping
+# nothing back for the running sequences' growth: a bet that some of them finish first. When all
+# 200 ShareGPT requests arrive together at step 0, the bet fails.
 
 # %%
 burst = compare_policies("sharegpt", num_requests=200, budget_tokens=32768, seed=0)
@@ -440,19 +427,18 @@ print(format_table(burst))
 # (swapping to host memory) and a *watermark* that makes it rarer.
 #
 # So the peak of 195 running sequences says little: it is the count at step 0, before the cache
-# filled up. The mean of 48.5 running and the 48.5 tokens per step measure what the server
-# sustained (every step of a running sequence samples a token, its prefill included), and even with
-# its preemptions the paged cache finishes the burst first, in 1,460 steps against 2,416 for the
-# oracle. The steps flatter it: the simulator counts a step, not its work, while a real engine
-# computes each victim's prompt and tokens again.
+# filled up. The mean of 48.5 running and 48.5 tokens per step measure what the server sustained,
+# and even with its preemptions the paged cache finishes the burst first, in 1,460 steps against
+# 2,416 for the oracle. The steps flatter it: the simulator counts a step, not its work, while a
+# real engine computes each victim's prompt and tokens again.
 
 # %% [markdown]
 # ## 7. Where the memory goes: the paper's Figure 2, measured
 #
 # Lesson 00 quoted the vLLM paper: in Orca, only 20.4 % to 38.2 % of the KV cache memory held
-# token states, in vLLM 96.3 %. Those figures are the paper's Figure 2, one stacked bar per
-# system that splits the memory into four parts. The simulator measures the same four at every step,
-# in **slot-steps** (one slot of the memory during one step). A running sequence that holds `h`
+# token states, in vLLM 96.3 %: the paper's Figure 2, one stacked bar per system split into four
+# parts. The simulator measures the same four at every step, in **slot-steps** (one slot of the
+# memory during one step). A running sequence that holds `h`
 # tokens in `r` reserved slots, and will end at `f` tokens (prompt plus output), counts
 #
 # | part | slots | what they are |
@@ -462,16 +448,14 @@ print(format_table(burst))
 # | internal fragmentation | `max(r - f, 0)` | slots reserved beyond its final length, never used |
 #
 # and the free slots are **external fragmentation and others**. `SimulationResult.memory_shares`
-# sums the four over the steps at which a request is still waiting once the step's admissions are
-# done, the steps at which memory limits the server (at a step with nobody waiting, free slots are
-# idle, not wasted). Then every free slot is one the request at the front could not use: no hole
-# held its range, or the free slots in all were too few.
-# The four sum to 100 % (`paged_kv.simulation.shares` has the definitions).
+# sums the four over the steps at which a request still waits after the step's admissions, when
+# memory limits the server (with nobody waiting, free slots are idle, not wasted); then every free
+# slot is one the request at the front could not use. The four sum to 100 %
+# (`paged_kv.simulation.shares` has the definitions).
 #
 # The paper measured OPT-13B on one 40 GB A100: 12 GB of KV cache, 15,728 slots at 800 KiB a token.
-# The simulator takes that memory and the 200 ShareGPT-shaped requests of section 3, arriving
-# together as in section 6. `python -m paged_kv simulate --json --budget-tokens 15728` prints the
-# same figures as JSON.
+# The simulator takes that memory and section 3's 200 ShareGPT-shaped requests, arriving together
+# (`python -m paged_kv simulate --json --budget-tokens 15728` prints the figures as JSON).
 #
 # **Predict, then run.** Orca (Oracle) reserves exactly what each request will need. Which of the
 # four parts is zero for it, and which is not, although its reservations are exact?
@@ -506,16 +490,13 @@ plt.show()
 #
 # * **Orca (Max): the paper's bar within a point** (21.0, 13.8, 56.3 and 8.9 % against 20.4, 13.3,
 #   57.3 and 8.9 %). Seven ranges of 2,048 fit in 15,728 slots and the other 1,392, 8.9 %, can
-#   never hold an eighth: all of Max's "external fragmentation and others", in the paper too. The
-#   gap of a point comes from the lengths.
+#   never hold an eighth: all of Max's "external fragmentation and others", in the paper too.
 # * **Tokens against reservation: the same split in every Orca bar**, about 1.5 to 1, measured and
-#   in the paper: how a contiguous range divides between tokens computed and tokens to come depends
-#   on the requests' lengths, not on the policy.
+#   in the paper: it depends on the requests' lengths, not on the policy.
 # * **Orca (Pow2) and (Oracle): far fewer holes, so more tokens** (44.8 % token states against the
 #   paper's 26.8 %, and 50.2 % against 38.2 %; external fragmentation 13.9 % against 41.6 %, and
-#   16.0 % against 36.6 %). The paper assumes Orca places its ranges with a buddy allocator, where a
-#   freed block merges only with its own buddy; first fit merges any neighbouring holes, so it keeps
-#   fewer and larger ones. Pow2's internal fragmentation only looks close (11.4 against 13.6 %): 20
+#   16.0 % against 36.6 %). The paper assumes a buddy allocator, where a freed block merges only
+#   with its own buddy; first fit merges any neighbouring holes, so it keeps fewer, larger ones. Pow2's internal fragmentation only looks close (11.4 against 13.6 %): 20
 #   of the 200 synthetic outputs are cut at the 1,024-token limit, itself a power of two, and waste
 #   nothing past their final length.
 # * **vLLM: 97.4 % against the paper's 96.3 %.** The reservation is the rest of each sequence's last
@@ -523,10 +504,10 @@ plt.show()
 #   few, since nothing is kept back for the running sequences. The price is in compute, not memory:
 #   302 preemptions (the last column).
 #
-# The holes cost the oracle even so: at 3,478 of the measured steps the request at the front of the
-# queue waited although the free slots in all would have held it (`blocked_by_holes`). The next cell
-# serves the same requests with compaction, every range moved down to close the holes whenever that
-# admits a request (a real server would pay for it by copying the keys and values it moves).
+# The holes cost the oracle even so: at 3,478 of the measured steps the request at the front waited
+# although the free slots in all would have held it (`blocked_by_holes`). The next cell serves the
+# same requests with compaction, every range moved down to close the holes whenever that admits a
+# request (a real server would pay by copying the K/V it moves).
 
 # %%
 compacted = simulate(
@@ -548,7 +529,7 @@ for result in (figure2[2], compacted):
 # ## In vLLM
 #
 # Checked against vLLM 0.33.0. Continuous batching lives in the v1 scheduler, which builds each step
-# from a queue of waiting requests and a list of running ones.
+# from a queue of waiting requests and a list of running ones:
 #
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` first schedules `self.running`, a list
 #   in admission order, then, if nobody was preempted in the step, admits from `self.waiting` while
@@ -571,20 +552,19 @@ for result in (figure2[2], compacted):
 # %% [markdown]
 # ## Recap
 #
-# * A request arrives, waits, is admitted and prefilled, decodes one token per step, and finishes;
-#   with continuous batching its memory goes back the step it finishes: 6 steps against 9 with
-#   static batching on the three-request example. A request with `o` output tokens runs `o` steps.
+# * A request arrives, waits, is admitted and prefilled, decodes one token per step (`o` steps for
+#   `o` output tokens) and finishes; with continuous batching its memory goes back that step: 6
+#   steps against 9 with static batching on the three-request example.
 # * The paper's Orca baselines reserve one contiguous range at admission: `max_model_len` (Max),
 #   the prompt plus the next power of two of the output (Pow2), or the exact final length (Oracle,
-#   which no engine knows). The ranges lie first fit in one address space, so the free slots split
-#   into holes. vLLM takes one block of 16 at a time.
+#   which no engine knows), placed first fit, so the free slots split into holes. vLLM takes one
+#   block of 16 at a time.
 # * In 32,768 slots, 16 ShareGPT-shaped sequences fit at the maximum length, 60 at powers of two,
 #   68 with the oracle and 67 with blocks.
-# * Serving 200 ShareGPT requests arriving at λ = 0.2 per step: the paged cache runs 34.0 sequences
-#   on average and produces 34.0 tokens per step, against 27.6 (oracle), 24.8 (powers of two) and
-#   14.5 (maximum). Alpaca gains more: 3.3 times the throughput of the maximum.
-# * Peak running misleads: in a burst of 200 the paged policy peaks at 195 but preempts 157 times;
-#   compare mean running and tokens per step.
+# * 200 ShareGPT requests at λ = 0.2 per step: the paged cache produces 34.0 tokens per step (34.0
+#   running on average), against 27.6 (oracle), 24.8 (powers of two) and 14.5 (maximum). Alpaca
+#   gains more: 3.3 times the throughput of the maximum.
+# * Peak running misleads: in a burst of 200 the paged policy peaks at 195 but preempts 157 times.
 # * The paper's Figure 2, measured in its 15,728 slots while requests wait: token states 21.0 %
 #   (Max), 44.8 % (Pow2), 50.2 % (Oracle) and 97.4 % (vLLM), against the paper's 20.4, 26.8, 38.2
 #   and 96.3 %. Max matches; Pow2 and Oracle keep fewer holes here (first fit, not a buddy
