@@ -27,6 +27,7 @@ from paged_kv.attention.paged import paged_prefill_attention
 from paged_kv.attention.triton_decode import triton_attention, triton_interpreted
 from paged_kv.attention.triton_language import MISSING, tl  # sets Triton's mode, then imports it
 from paged_kv.checks import check
+from paged_kv.checks.lesson12 import compare_with_gather, fill_stale
 
 print(MISSING or f"Triton {'interprets' if triton_interpreted() else 'compiles'} kernels here")
 
@@ -72,7 +73,8 @@ print(MISSING or f"Triton {'interprets' if triton_interpreted() else 'compiles'}
 # block, several blocks, a batch of decodes, grouped-query attention (2 KV heads, 2 query heads
 # each), vLLM v1's cache layout read through its strides, a fresh prompt, a chunk after 7 cached
 # tokens, a prompt longer than one tile, a packed step of decodes, a prompt, a chunk and a sequence
-# with no query token, and a decode, a chunk and a prompt in vLLM's layout. In each last block the slots
+# with no query token, a prompt with 3 query heads per KV head (a tile of 5 tokens is 15 rows, padded
+# to 16), and a decode, a chunk and a prompt in vLLM's layout. In each last block the slots
 # past its sequence's end hold NaN from the second on (in the last case from the first), so a kernel
 # that loads them fails. A wrong output is compared with the classic mistakes: the live mask off by
 # one or written `<= seq_len`, the tail not masked, the block loop one block short (`tl.cdiv(kv_len,
@@ -82,7 +84,11 @@ print(MISSING or f"Triton {'interprets' if triton_interpreted() else 'compiles'}
 # position counted from 0, a query read from the wrong row of the packed batch, a row's token and
 # head swapped, every tile computing the first tile's tokens. In Triton's interpreter the check also
 # records the table entries your kernel reads: only those of each sequence's own blocks, which a
-# block loop one block too long oversteps (its output is right).
+# block loop one block too long oversteps (its output is right). It records the rows each program
+# stores, too: only its own, the tile's real rows (`r < QUERY_TILE * GROUP`, `token < query_len`). A
+# program that writes a row of another tile or sequence (a mask written `<=`) leaves a right output in
+# the interpreter, which runs the programs one after another, so the owner overwrites it; on a GPU
+# they run at once and race. On any device the check sees a row stored past the batch's first or last.
 
 
 # %%
@@ -205,7 +211,11 @@ check("12.paged_decode_kernel", paged_attention_kernel)
 #
 # Your kernel, launched by the package's launcher on one engine step: a decode, a fresh prompt of 6
 # tokens and a chunk of 4 tokens after 9 cached ones, packed into 11 query rows, with 4 query heads
-# reading 2 KV heads, against the `GATHER` backend. Try other lengths, block sizes and head counts.
+# reading 2 KV heads, against the `GATHER` backend. The gather runs first, on the clean pool; then
+# `fill_stale` writes NaN into every slot that holds no token (the tail of each last block, the blocks
+# no sequence holds), as a pool's stale memory may hold anything. Random stale data would not do: the
+# causal mask gives those slots a weight of 0, which cancels any finite value but not NaN. So a kernel
+# that loads them prints `False` and the rows they spoil. Try other lengths, block sizes and head counts.
 
 # %%
 if MISSING:
@@ -219,10 +229,11 @@ else:
     query_lens = torch.tensor([1, 6, 4], device=device)
     query = torch.randn(int(query_lens.sum()), 4, 16, device=device)
     query_start_loc = torch.tensor([0, 1, 7, 11], device=device)
-    mine = triton_attention(
-        query, k_cache, v_cache, tables, seq_lens, query_start_loc, 6, None, kernel=paged_attention_kernel
-    )
     gathered = paged_prefill_attention(
         query, k_cache, v_cache, tables, seq_lens, query_lens, backend="GATHER"
     )
-    print("your kernel equals the gather:", torch.allclose(mine, gathered, atol=1e-5, rtol=1e-5))
+    fill_stale(k_cache, v_cache, tables, seq_lens)  # NaN in every slot that holds no token
+    mine = triton_attention(
+        query, k_cache, v_cache, tables, seq_lens, query_start_loc, 6, None, kernel=paged_attention_kernel
+    )
+    print(compare_with_gather(mine, gathered, query_start_loc))

@@ -41,6 +41,15 @@ interpreter the check records the addresses the learner's kernel loads (:func:`t
 expects, on every case, reads of entries ``j < ceil(seq_lens[b] / BLOCK_SIZE)`` of row ``b``
 only. Compiled (CUDA), a kernel's loads cannot be seen from Python, nor interpreted on CUDA
 tensors (their host copies are read): there that expectation is skipped (:func:`loads_seen`).
+
+A program that stores a row outside its own tile (its real rows: ``r < QUERY_TILE * GROUP`` and
+``token < query_len``, a mask written ``<=`` breaks either) may leave the output right too: Triton's
+interpreter runs the programs one after another, grid order, so the program that owns the row runs
+later and overwrites it (on a GPU they run at once and race). In the interpreter the check records
+the rows and heads each program stores (:func:`stored_addresses`) and expects its own only; one case
+has 3 query heads per KV head, so that a tile's rows (15) are padded (to 16) and ``rows <=`` shows.
+On any device it expects the stale rows around the output unchanged (:func:`output_for`): a row
+stored past the batch's first or last lands there.
 """
 
 from __future__ import annotations
@@ -141,6 +150,14 @@ FIRST_TILE_ONLY = (
     "tile * QUERY_TILE + r // GROUP (not r // GROUP), so that every token of a prompt longer than one "
     "tile is computed"
 )
+ROWS_OUTSIDE_TILE = (
+    "a program writes rows outside its own tile: program (seq, kv_head, tile) owns only its real rows, "
+    "r < QUERY_TILE * GROUP and token < query_len (both <, not <=), each stored at row query_start + token "
+    "and query head kv_head * GROUP + r % GROUP; mask the store like the queries. Triton's interpreter runs "
+    "the programs one after another, so the program that owns such a row may overwrite the damage and the "
+    "output looks right; on a GPU the programs run at once and race, and a row holds whichever program "
+    "wrote last"
+)
 DEFAULT_HINT = (
     "follow the package's order: program ids, the sequence's first query row and query length, each "
     "row's token, head and position, the queries, then for each logical block j its block id, the live "
@@ -224,13 +241,22 @@ def mistaken(*edits: tuple[str, str]) -> Callable:
 
 
 def launch(
-    kernel: Callable, query, k_cache, v_cache, block_tables, seq_lens, query_lens, query_start_loc=None
+    kernel: Callable,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_lens,
+    query_start_loc=None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``kernel`` launched by the package's launcher on a packed batch, into an output filled with
     NaN (a row the kernel never stores stays NaN); an error in it is raised as itself (the
     interpreter wraps it in an ``InterpreterError``), so a stub's ``NotImplementedError`` stays one.
     Compiled, a kernel cannot raise: a stub is recognised by its ``raise NotImplementedError``.
-    ``query_start_loc`` defaults to ``0`` then the running sum of ``query_lens``."""
+    ``query_start_loc`` defaults to ``0`` then the running sum of ``query_lens``; ``out`` to
+    :func:`output_for` the query."""
     from triton.runtime.errors import InterpreterError
 
     from paged_kv.attention.triton_decode import triton_attention, triton_interpreted
@@ -240,7 +266,7 @@ def launch(
     if query_start_loc is None:
         query_start_loc = torch.nn.functional.pad(torch.cumsum(query_lens, 0), (1, 0))
     max_query_len = int(query_lens.max())
-    out = _between_rows(torch.full_like(query, float("nan")), seed=0)
+    out = output_for(query) if out is None else out
     try:
         return triton_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, None, kernel, out
@@ -277,6 +303,13 @@ def _between_rows(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     buffer = buffer.to(device=tensor.device, dtype=tensor.dtype)
     buffer[MARGIN:-MARGIN] = tensor
     return buffer[MARGIN:-MARGIN]
+
+
+def output_for(query: torch.Tensor) -> torch.Tensor:
+    """The output tensor a kernel writes: the query's shape and dtype, filled with NaN (a row the
+    kernel never stores stays NaN), between :data:`MARGIN` rows of stale data (:func:`_between_rows`):
+    a row stored past the batch's first or last lands there, in bounds."""
+    return _between_rows(torch.full_like(query, float("nan")), seed=0)
 
 
 def _case(seq_lens, query_lens, block_size, num_kv_heads, group, seed, layout, first_unwritten_nan=False):
@@ -383,6 +416,108 @@ def table_reads(block_tables: torch.Tensor) -> Iterator[set[tuple[int, int]]]:
         read.update(divmod((address - start) // size, row) for address in addresses)
 
 
+@contextlib.contextmanager
+def stored_addresses(start: int = 0, end: int = 2**64) -> Iterator[list[tuple[tuple[int, int, int], int]]]:
+    """The addresses in ``[start, end)`` that kernels launched in the block store to, each with the
+    program that stored it (its grid index ``(x, y, z)``), recorded in Triton's interpreter (where
+    :func:`loads_seen`): it runs the programs one at a time and every ``tl.store`` as
+    ``interpreter_builder.create_masked_store(ptrs, value, mask, ...)``, the builder's ``grid_idx``
+    the program running. The list is filled when the block ends."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    own = vars(builder).get("create_masked_store")
+    store = builder.create_masked_store
+    batches: list = []
+
+    def recording_store(ptrs, value, mask, *args, **kwargs):
+        stored = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
+        batches.append((tuple(builder.grid_idx), stored[(stored >= start) & (stored < end)]))
+        return store(ptrs, value, mask, *args, **kwargs)
+
+    stores: list[tuple[tuple[int, int, int], int]] = []
+    builder.create_masked_store = recording_store
+    try:
+        yield stores
+    finally:
+        if own is None:
+            del builder.create_masked_store
+        else:
+            builder.create_masked_store = own
+        stores.extend((program, int(address)) for program, batch in batches for address in batch)
+
+
+def _row_owner(row: int, query_lens: list[int], query_tile: int) -> str:
+    """Whose row of the packed batch ``row`` is: a sequence's query token and its tile, or the
+    stale rows before or after the batch."""
+    starts = [sum(query_lens[:b]) for b in range(len(query_lens) + 1)]
+    if row < 0:
+        return "before the batch's first row"
+    if row >= starts[-1]:
+        return f"past the batch's last row, {starts[-1] - 1}"
+    seq = max(b for b in range(len(query_lens)) if starts[b] <= row)
+    token = row - starts[seq]
+    return f"sequence {seq}'s query token {token}, tile {token // query_tile}"
+
+
+def _stray_writes(
+    out: torch.Tensor, stores: list[tuple[tuple[int, int, int], int]], query_lens: list[int], group: int
+) -> str | None:
+    """What ``stores`` (:func:`stored_addresses` into ``out`` and the :data:`MARGIN` rows around it)
+    wrote outside the storing program's own rows, the first such program's writes described, or
+    ``None``: program ``(seq, kv_head, tile)`` owns rows ``query_start + token`` of its tile's tokens
+    ``token < query_len``, query heads ``kv_head * group ..``."""
+    from paged_kv.attention.triton_decode import query_tile_for
+
+    query_tile = query_tile_for(max(query_lens), group)
+    size, row_stride, head_stride = out.element_size(), out.stride(0), out.stride(1)
+    starts = [sum(query_lens[:b]) for b in range(len(query_lens))]
+    stray: dict[tuple[int, int, int], dict[int, set[int]]] = {}
+    for (seq, kv_head, tile), address in stores:
+        row, within = divmod((address - out.data_ptr()) // size, row_stride)
+        head = within // head_stride
+        token = row - starts[seq]
+        own_token = tile * query_tile <= token < min((tile + 1) * query_tile, query_lens[seq])
+        if not (own_token and kv_head * group <= head < (kv_head + 1) * group):
+            stray.setdefault((seq, kv_head, tile), {}).setdefault(row, set()).add(head)
+    if not stray:
+        return None
+    (seq, kv_head, tile), rows = min(stray.items())
+    first, last = starts[seq] + tile * query_tile, starts[seq] + min((tile + 1) * query_tile, query_lens[seq])
+    heads = f"{kv_head * group}" if group == 1 else f"{kv_head * group}:{(kv_head + 1) * group}"
+    written = "; ".join(
+        f"row {row}, head {', '.join(map(str, sorted(heads_of)))} ({_row_owner(row, query_lens, query_tile)})"
+        for row, heads_of in sorted(rows.items())[:4]
+    )
+    others = f", and {len(stray) - 1} other program(s) likewise" if len(stray) > 1 else ""
+    return (
+        f"program (seq={seq}, kv_head={kv_head}, tile={tile}), whose rows are out[{first}:{last}, {heads}], "
+        f"also wrote {written}{others}"
+    )
+
+
+def _margins(out: torch.Tensor) -> torch.Tensor:
+    """A copy of the :data:`MARGIN` rows of stale data before and after ``out`` (:func:`output_for`)."""
+    buffer = out._base
+    return torch.cat([buffer[:MARGIN], buffer[-MARGIN:]]).clone()
+
+
+def _margin_writes(out: torch.Tensor, before: torch.Tensor, query_lens: list[int]) -> str | None:
+    """The stale rows around ``out`` that a launch changed (``before``: :func:`_margins` before it),
+    described, or ``None``: seen on any device, where a kernel's stores cannot be."""
+    changed = (_margins(out) != before).flatten(1).any(dim=1).tolist()
+    rows = [
+        index - MARGIN if index < MARGIN else len(out) + index - MARGIN
+        for index, c in enumerate(changed)
+        if c
+    ]
+    if not rows:
+        return None
+    where = ", ".join(f"row {row} ({_row_owner(row, query_lens, 1)})" for row in rows[:4])
+    return f"some program wrote {where}, outside every program's rows"
+
+
 CASES = (  # what the case adds, seq_lens, query_lens, block_size, num_kv_heads, group, layout
     ("one decode: one sequence, one query token, one full block, one head", [4], [1], 4, 1, 1, "course"),
     ("a last block only partly full", [6], [1], 4, 1, 1, "course"),
@@ -416,6 +551,15 @@ CASES = (  # what the case adds, seq_lens, query_lens, block_size, num_kv_heads,
         4,
         1,
         2,
+        "course",
+    ),
+    (
+        "3 query heads per KV head: a tile of 5 query tokens is 15 rows, padded to 16",
+        [12],
+        [12],
+        4,
+        1,
+        3,
         "course",
     ),
     ("the slot right after each sequence's last token holds NaN too", [7, 5, 3], [1, 2, 3], 4, 1, 2, "vllm"),
@@ -502,8 +646,17 @@ def _paged_attention_kernel(c: Checker, paged_attention_kernel) -> None:
             f"block_size {block_size}, {query.shape[1]} query heads"
         )
         seen = loads_seen(tables.device)
-        with table_reads(tables) if seen else contextlib.nullcontext(set()) as read:
-            got = c.run(call, lambda inputs=inputs: launch(paged_attention_kernel, *inputs), DEFAULT_HINT)
+        out = output_for(query)
+        margins, row_bytes = _margins(out), out.stride(0) * out.element_size()
+        start, end = out.data_ptr() - MARGIN * row_bytes, out.data_ptr() + (len(out) + MARGIN) * row_bytes
+        with contextlib.ExitStack() as recording:
+            read = recording.enter_context(table_reads(tables)) if seen else set()
+            stores = recording.enter_context(stored_addresses(start, end)) if seen else []
+            got = c.run(
+                call,
+                lambda inputs=inputs, out=out: launch(paged_attention_kernel, *inputs, out=out),
+                DEFAULT_HINT,
+            )
         problem = _problem(got, expected, exact=False)
         c.holds(
             call,
@@ -524,3 +677,71 @@ def _paged_attention_kernel(c: Checker, paged_attention_kernel) -> None:
                 ", ".join(f"block_tables[{row}, {entry}] read too" for row, entry in past),
                 LOOP_ONE_LONG,
             )
+        stray = (
+            _stray_writes(out, stores, query_lens, group)
+            if seen
+            else _margin_writes(out, margins, query_lens)
+        )
+        c.holds(
+            call,
+            stray is None,
+            "each program stores only its own rows: out[query_start + token, kv_head * GROUP + i] for its "
+            "tile's tokens token < query_len and i < GROUP",
+            stray,
+            ROWS_OUTSIDE_TILE,
+        )
+
+
+# ------------------------------------------------------------------ the exercise's kernel at work
+
+
+def fill_stale(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+):
+    """Write NaN into every slot of ``k_cache`` and ``v_cache`` (``(num_blocks, num_kv_heads,
+    block_size, head_dim)``) that holds no token of a sequence: the tail of each last block, past
+    ``seq_lens[b]``, and the blocks no row of ``block_tables`` holds. A pool's memory there is stale,
+    and may hold anything: a kernel that loads it gives NaN (``0 * NaN`` is NaN), where finite stale
+    data is cancelled by the causal mask and hides a missing tail mask."""
+    num_blocks, _, block_size, _ = k_cache.shape
+    held = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for row, length in zip(block_tables.tolist(), seq_lens.tolist(), strict=True):
+        for position in range(length):
+            held[row[position // block_size], position % block_size] = True
+    stale = ~held[:, None, :, None].to(k_cache.device)
+    for cache in (k_cache, v_cache):
+        cache.masked_fill_(stale, float("nan"))
+
+
+def compare_with_gather(mine: torch.Tensor, gathered: torch.Tensor, query_start_loc: torch.Tensor) -> str:
+    """Whether a kernel's output ``mine`` equals the GATHER backend's, within ``atol=rtol=1e-5``, and
+    when not, which query tokens of which sequence are wrong and where NaN comes from (the slots
+    :func:`fill_stale` filled)."""
+    same = torch.allclose(mine, gathered, **TOL)
+    lines = [f"your kernel equals the gather: {same}"]
+    if same:
+        return lines[0]
+    starts = query_start_loc.tolist()
+    wrong = (~torch.isclose(mine, gathered, **TOL)).flatten(1).any(dim=1).tolist()
+    nan = mine.isnan().flatten(1).any(dim=1).tolist()
+
+    def tokens(rows: list[bool]) -> str:
+        parts = []
+        for seq in range(len(starts) - 1):
+            picked = [row - starts[seq] for row in range(starts[seq], starts[seq + 1]) if rows[row]]
+            if picked:
+                parts.append(f"sequence {seq}'s token{'s' * (len(picked) > 1)} {', '.join(map(str, picked))}")
+        return "; ".join(parts)
+
+    lines.append(f"  wrong{', all NaN' if nan == wrong else ''}: {tokens(wrong)}")
+    if any(nan):
+        if nan != wrong:
+            lines.append(f"  NaN: {tokens(nan)}")
+        lines.append(
+            "  the slots that hold no token here (past each sequence's last token, and the blocks no "
+            "sequence holds) hold NaN, as a pool's stale memory may: a kernel that loads them gives NaN, "
+            "since a zero weight does not cancel it (0 * NaN is NaN). Load only the live slots, (slots < "
+            "BLOCK_SIZE) & (kv_pos < seq_len), of the blocks the sequence holds"
+        )
+    lines.append("  run the check above: it names the mistake")
+    return "\n".join(lines)

@@ -51,3 +51,11 @@ rows_swapped = mistaken(
 )
 # Every tile takes the first QUERY_TILE tokens of its sequence: a prompt's later tokens are never computed.
 first_tile_only = mistaken(("token = tile * QUERY_TILE + rows // GROUP", "token = rows // GROUP"))
+# The real rows masked with token <= query_len: a sequence's last tile also stores the row after its last
+# query token, the next sequence's first row (which that sequence's program, run after it by Triton's
+# interpreter, overwrites: only the store seen per program shows it) or a row past the batch.
+rows_past_query_len = mistaken(("& (token < query_len))", "& (token <= query_len))"))
+# The rows masked with rows <= QUERY_TILE * GROUP: where that is not a power of two, the padding's first
+# row is real too, the next tile's first token (head kv_head * GROUP), stored from a kernel state that
+# never saw that token's own position. Triton's interpreter runs the next tile after, which overwrites it.
+rows_le_tile = mistaken(("(rows < QUERY_TILE * GROUP)", "(rows <= QUERY_TILE * GROUP)"))
