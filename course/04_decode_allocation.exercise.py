@@ -27,6 +27,7 @@ from collections.abc import Hashable
 import paged_kv
 from paged_kv import Block, BlockTable, OutOfBlocksError, PagedKVCacheAllocator, blocks_for_tokens
 from paged_kv.checks import check
+from paged_kv.checks.lesson04 import watched_step
 
 device = paged_kv.default_device()
 
@@ -231,6 +232,12 @@ check("04.finish_and_admit", finish_and_admit)
 # lesson's. Then try `max_running=4`: at step 4, two sequences need a block and none is free, and
 # your `decode_step` refuses the step without changing anything. What an engine does then is the
 # subject of lesson 11.
+#
+# `watched_step` runs your `decode_step` and looks at what it did. A rule that is off by one would
+# not stop the loop: the cache's `append_tokens` takes a missing block itself, and the log would show
+# no new block while the usage climbs. So when a sequence takes a block it did not need, or none
+# where its blocks were full, the run stops at that step, naming the sequence, its token, and what
+# your `needs_new_block` returned.
 
 # %%
 requests = {"A": (6, 9), "B": (3, 4), "C": (9, 6), "D": (5, 7), "E": (2, 5)}  # prompt, tokens to generate
@@ -242,7 +249,7 @@ print("step 0: joined", finish_and_admit(cache, [], waiting, max_running=3))
 step = 0
 while cache.seq_ids:
     step += 1
-    taken = decode_step(cache, list(cache.seq_ids))
+    taken = watched_step(step, decode_step, cache, list(cache.seq_ids), needs_new_block)
     for seq_id in taken:
         left_to_generate[seq_id] -= 1
     done = [seq_id for seq_id in cache.seq_ids if left_to_generate[seq_id] == 0]

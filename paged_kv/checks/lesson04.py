@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from paged_kv.checks._core import Checker, answers, diagnose, task
+from paged_kv.checks._core import FAIL, Checker, CheckFailed, answers, diagnose, task
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
@@ -238,20 +238,36 @@ def _reference_step(cache: PagedKVCacheAllocator, seq_ids: list[Hashable]) -> di
     return taken
 
 
-def _step_hint(before: PagedKVCacheAllocator, got: object, expected: dict) -> str:
-    """Name the mistake behind a wrong decode step, from the state ``before`` it."""
+def _taken_anyway(seq_id: Hashable, blocks_before: list[int], after: PagedKVCacheAllocator) -> str:
+    """``""``, or the clause saying that ``after``'s ``append_tokens`` took the block a decode step
+    did not: the pool's usage climbs while the step reports no new block."""
+    added = after.get_block_mapping(seq_id)[len(blocks_before) :] if seq_id in after else []
+    if not added:
+        return ""
+    return (
+        f": cache.append_tokens took block {added[0]} for it itself, so the pool's usage climbs while your "
+        "step reports no new block"
+    )
+
+
+def _step_hint(
+    before: PagedKVCacheAllocator, got: object, expected: dict, after: PagedKVCacheAllocator | None = None
+) -> str:
+    """Name the mistake behind a wrong decode step, from the state ``before`` it (and ``after`` it)."""
     if isinstance(got, dict) and set(got) == set(expected):
         for seq_id in expected:
             tokens, blocks = before.sequence_length(seq_id), len(before.get_block_mapping(seq_id))
             held = f"{seq_id!r} holds {tokens} tokens in {blocks} block(s) of {before.block_size}"
             if expected[seq_id] is not None and got[seq_id] is None:
+                anyway = _taken_anyway(seq_id, before.get_block_mapping(seq_id), after) if after else ""
                 if blocks == 0:
                     return (
                         f"{held}: its first token needs a block (the (n + 1) % block_size check never "
-                        "fires at n = 0). Take it with cache.append_block_to_sequence and return its id"
+                        f"fires at n = 0){anyway}. Take it with cache.append_block_to_sequence and return "
+                        "its id"
                     )
                 return (
-                    f"{held}: they are full, so its token needs a new block. Take it with "
+                    f"{held}: they are full, so its token needs a new block{anyway}. Take it with "
                     "cache.append_block_to_sequence before append_tokens, and return its id"
                 )
             if expected[seq_id] is None and got[seq_id] is not None:
@@ -281,7 +297,7 @@ def _decode_step(c: Checker, decode_step) -> None:
         call = f"decode_step(cache, {batch}) with block_size {size} and {before} ({what})"
         got = c.run(call, lambda cache=cache, batch=batch: decode_step(cache, batch))
         expected = _reference_step(expected_cache, batch)
-        hint = _step_hint(_cache(num_blocks, size, sequences), got, expected)
+        hint = _step_hint(_cache(num_blocks, size, sequences), got, expected, cache)
         c.equal(call, lambda got=got: got, expected, hint)
         c.holds(
             f"the cache after {call}",
@@ -526,3 +542,101 @@ def _finish_and_admit(c: Checker, finish_and_admit) -> None:
             f"deque({list(waiting)})",
             "pop each admitted request from the left of the queue, and only those",
         )
+
+
+# ------------------------------------------------------------------------------- the closing run
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def _rule_says(needs_new_block, tokens: int, blocks: int, block_size: int, full: bool) -> str:
+    """``""``, or the clause naming what the learner's ``needs_new_block`` returned where it is wrong."""
+    if needs_new_block is None:
+        return ""
+    try:
+        said = needs_new_block(tokens, blocks, block_size)
+    except Exception as error:  # the learner's bug: name it, the check of 04.needs_new_block shows where
+        return (
+            f"; your needs_new_block({tokens}, {blocks}, {block_size}) raised {type(error).__name__}: {error}"
+        )
+    if said == full:
+        return ""
+    return (
+        f"; your needs_new_block({tokens}, {blocks}, {block_size}) returned {said!r}, it should return "
+        f"{full}: a new block is needed exactly when num_tokens == num_blocks_held * block_size, and "
+        f"{tokens} {'==' if full else '!='} {blocks} * {block_size}"
+    )
+
+
+def step_mistake(
+    before: dict[Hashable, tuple[int, list[int]]],
+    after: PagedKVCacheAllocator,
+    taken: object,
+    needs_new_block: Callable[[int, int, int], bool] | None = None,
+) -> str | None:
+    """What a decode step did wrong, or ``None``: ``before`` is each sequence of the batch's tokens and
+    block ids before the step, ``after`` the cache after it, ``taken`` what the step returned; with
+    the learner's ``needs_new_block``, what it returned where it is wrong is named too.
+
+    A sequence must gain one token, and a block exactly when the blocks it held were full (the
+    block it returned), none otherwise."""
+    if not isinstance(taken, dict) or set(taken) != set(before):
+        return (
+            f"decode_step returned {taken!r}: return {{seq_id: the block id taken, or None}} for every "
+            f"sequence of the batch, {list(before)}"
+        )
+    size = after.block_size
+    for seq_id, (tokens, blocks) in before.items():
+        full = tokens == len(blocks) * size
+        held = f"{seq_id!r} held {_count(tokens, 'token')} in {_count(len(blocks), 'block')} of {size}"
+        rule = _rule_says(needs_new_block, tokens, len(blocks), size, full)
+        got = taken[seq_id]
+        if full and got is None:
+            return (
+                f"{held}, all full, so its token {tokens + 1} needed a new block, and your decode_step took "
+                f"none{_taken_anyway(seq_id, blocks, after)}{rule}"
+            )
+        if not full and got is not None:
+            free = _count(len(blocks) * size - tokens, "slot")
+            return (
+                f"{held}, {free} still free, so its token {tokens + 1} needed no block, and your "
+                f"decode_step took block {got}{rule}"
+            )
+        added = after.get_block_mapping(seq_id)[len(blocks) :] if seq_id in after else []
+        if (added[:1] or [None]) != [got] or len(added) > 1:
+            return f"decode_step returned {got!r} for {seq_id!r}, but its block table gained {added}"
+        length = after.sequence_length(seq_id) if seq_id in after else None
+        if length != tokens + 1:
+            return (
+                f"{seq_id!r} holds {length} token(s) after the step, not {tokens + 1}: record its one token "
+                "with cache.append_tokens(seq_id, 1)"
+            )
+    return None
+
+
+def watched_step(
+    step: int,
+    decode_step: Callable,
+    cache: PagedKVCacheAllocator,
+    seq_ids: list[Hashable],
+    needs_new_block: Callable[[int, int, int], bool] | None = None,
+) -> dict[Hashable, int | None]:
+    """``decode_step(cache, seq_ids)``, the learner's, as step ``step`` of exercise 04's closing run,
+    watched: when a sequence took a block it did not need, or none where its blocks were full (the
+    cache's ``append_tokens`` then takes it silently, and the log shows no new block while the usage
+    climbs), the run stops with :class:`CheckFailed` naming the sequence, its token, and what the
+    learner's ``needs_new_block`` returned (:func:`step_mistake`)."""
+    __tracebackhide__ = True
+    before = {
+        seq_id: (cache.sequence_length(seq_id), list(cache.get_block_mapping(seq_id))) for seq_id in seq_ids
+    }
+    taken = decode_step(cache, seq_ids)
+    problem = step_mistake(before, cache, taken, needs_new_block)
+    if problem:
+        raise CheckFailed(
+            f"{FAIL} step {step} went wrong: {problem}.\n  The run stops here; run the checks of the tasks "
+            "above: they name the mistake"
+        )
+    return taken
