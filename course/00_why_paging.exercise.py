@@ -2,15 +2,13 @@
 # # Exercise 00 · Why paging?
 #
 # In this exercise you write the arithmetic of lesson 00 yourself: how many blocks a request needs,
-# what a paged cache reserves and wastes, what one contiguous slot per request reserves and wastes,
-# and then vLLM's start-up sizing: the bytes of one block on one GPU, and the pool and the line vLLM
-# logs. Each task says what to build and how it is checked; the cell after it runs the check and
+# what a paged cache reserves and wastes, and what one contiguous slot per request reserves and
+# wastes. Each task says what to build and how it is checked; the cell after it runs the check and
 # prints a tick, or tells you which call gave which wrong answer.
 #
 # Work top to bottom. Replace each `raise NotImplementedError(...)` with your code, run the task's
 # cell, then its check cell. The finished package has its own versions of these functions
-# (`paged_kv.blocks_for_tokens`, `paged_kv.fragmentation_report`, `paged_kv.kv_cache_report`); try
-# without looking first.
+# (`paged_kv.blocks_for_tokens`, `paged_kv.fragmentation_report`); try without looking first.
 #
 # When every task passes, save the notebook and grade the whole exercise from a terminal in the
 # repository, with the path of the notebook you work on (`make lab` opens your copy in `my_course/`):
@@ -108,96 +106,10 @@ def contiguous_usage(request_tokens: list[int], slot_tokens: int | None = None) 
 check("00.contiguous_usage", contiguous_usage)
 
 # %% [markdown]
-# ## Task 4 · The bytes of one block on one GPU
-#
-# Write `block_bytes(config, block_size=16, kv_cache_dtype="auto", tensor_parallel_size=1)`: the bytes
-# one block of `block_size` tokens takes on one GPU, K and V of every layer. `config` is a model's
-# `config.json` as a dict, with `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
-# `hidden_size`, `torch_dtype` and, in some models, `head_dim` (without it, the head size is
-# `hidden_size // num_attention_heads`). `kv_cache_dtype` is `"auto"` (the config's `torch_dtype`) or
-# one of the keys of `DTYPE_BYTES`. With `tensor_parallel_size` GPUs, each keeps
-# `num_key_value_heads // tensor_parallel_size` K/V heads of every block, and one at least: with more
-# GPUs than K/V heads, vLLM replicates them.
-#
-# **Checked:** Llama-3-8B (2 MiB), SmolLM2-135M, Qwen3-0.6B (whose `head_dim` is 128, not 1024 // 16),
-# blocks of 32, fp8 against bfloat16 (half), and Llama-3-8B at tensor parallel sizes 2, 8 and 16.
-
-# %%
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def block_bytes(
-    config: dict, block_size: int = 16, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1
-) -> int:
-    """The bytes of one block of block_size tokens on one GPU: K and V of its K/V heads in every layer."""
-    ### BEGIN SOLUTION: 2 (K and V) * layers * K/V heads on this GPU * head_dim * block_size * bytes a number
-    dtype = config["torch_dtype"] if kv_cache_dtype == "auto" else kv_cache_dtype
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = max(1, config["num_key_value_heads"] // tensor_parallel_size)
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * DTYPE_BYTES[dtype]
-    ### END SOLUTION
-
-
-# %%
-check("00.block_bytes", block_bytes)
-
-# %% [markdown]
-# ## Task 5 · The pool and vLLM's start-up line
-#
-# Write `startup_line(available_memory, bytes_per_block, block_size, max_model_len)` for a model whose
-# layers all attend fully. Return a dict with
-#
-# * `num_gpu_blocks`: the whole blocks that fit in `available_memory`;
-# * `max_concurrency`: how many requests of `max_model_len` tokens the pool holds at once, the blocks
-#   over the blocks one such request needs (a float);
-# * `kv_cache_tokens`: `int(max_concurrency * max_model_len)`;
-# * `line`: vLLM 0.33.0's line, `GPU KV cache size: 51,808 tokens, Maximum concurrency for 8,192
-#   tokens per request: 6.32x`, with thousands separators and two decimals.
-#
-# Raise `ValueError` when one request of `max_model_len` does not fit: the pool keeps its null block
-# back, so the request's blocks must fit besides it. The line counts the null block among the pool's,
-# as vLLM 0.33.0's does.
-#
-# **Checked:** Llama-3-8B on a 24 GB GPU (6,791,251,559 bytes available, blocks of 2 MiB, 8,192
-# tokens), a pool of 6.5 requests, a `max_model_len` of 1,000, pools of 513 and 512 blocks, and pools
-# of one block, none and less than none.
-
-# %%
-MiB = 2**20
-
-
-def startup_line(available_memory: int, bytes_per_block: int, block_size: int, max_model_len: int) -> dict:
-    """vLLM's pool and its start-up line; ValueError when one request does not fit besides the null block."""
-    ### BEGIN SOLUTION: blocks = available // bytes_per_block; one request needs ceil(max_model_len / block_size)
-    per_request = -(-max_model_len // block_size)
-    if (per_request + 1) * bytes_per_block > available_memory:
-        raise ValueError(f"one request of {max_model_len} tokens does not fit besides the null block")
-    num_gpu_blocks = available_memory // bytes_per_block
-    max_concurrency = num_gpu_blocks / per_request
-    kv_cache_tokens = int(max_concurrency * max_model_len)
-    line = (
-        f"GPU KV cache size: {kv_cache_tokens:,} tokens, "
-        f"Maximum concurrency for {max_model_len:,} tokens per request: {max_concurrency:.2f}x"
-    )
-    return {
-        "num_gpu_blocks": num_gpu_blocks,
-        "kv_cache_tokens": kv_cache_tokens,
-        "max_concurrency": max_concurrency,
-        "line": line,
-    }
-    ### END SOLUTION
-
-
-# %%
-check("00.startup_line", startup_line)
-
-# %% [markdown]
 # ## Putting it together
 #
-# With the first three tasks done, this compares the two layouts on the lesson's requests. Try other
-# requests and block sizes: when does paging waste *more* than the contiguous baseline? The last lines
-# size Llama-3-8B's cache on a 24 GB GPU with your tasks 4 and 5: try fp8, or `tensor_parallel_size=2`
-# (each GPU then also holds half the weights, so it has more memory available than this).
+# With the three tasks done, this compares the two layouts on the lesson's requests. Try other
+# requests and block sizes: when does paging waste *more* than the contiguous baseline?
 
 # %%
 requests = [9, 17, 33, 5, 41, 12]
@@ -207,13 +119,3 @@ print(f"paged:      {paged['reserved_tokens']} slots, {paged['internal_fragmenta
 print(
     f"contiguous: {contiguous['reserved_tokens']} slots, {contiguous['internal_fragmentation_tokens']} wasted"
 )
-
-llama_3_8b = {
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "hidden_size": 4096,
-    "torch_dtype": "bfloat16",
-}
-block = block_bytes(llama_3_8b)
-print(startup_line(6_791_251_559, block, 16, 8192)["line"])

@@ -15,9 +15,8 @@
 # 3. compute what a paged cache wastes instead: less than one block per request;
 # 4. reproduce the fragmentation benchmark of six requests (117 tokens held, 176 slots reserved
 #    with blocks against 246 with contiguous slots) and read its metrics;
-# 5. tell reservation, internal and external fragmentation apart;
-# 6. size a KV cache from a GPU's memory the way vLLM does at start-up, read the two lines it logs
-#    and its errors, and compute what `max_num_batched_tokens`, fp8 and tensor parallelism change.
+# 5. tell reservation, internal and external fragmentation apart, and say what a block's size
+#    trades.
 #
 # Nothing here needs a GPU. Run the cells in order; the ones marked **Predict, then run** ask you to
 # guess the answer before you look.
@@ -302,207 +301,23 @@ plt.show()
 # why it is vLLM's default.
 
 # %% [markdown]
-# ## 6. How many blocks fit on a GPU
-#
-# A serving engine does not ask you for a number of blocks: it works it out when it starts, from
-# the GPU's memory, and logs the result in two lines every vLLM user has seen. vLLM 0.33.0 does it in
-# five steps.
-#
-# 1. **The memory it may use**: the GPU's total memory times `gpu_memory_utilization`, rounded up
-#    (0.92 by default; the examples here take 0.9). The rest of the card is left to everything else.
-# 2. **Less what a profiling run measured.** With the weights loaded, vLLM runs one forward pass over
-#    a dummy batch as large as any it will schedule, `max_num_batched_tokens` tokens (2,048 unless
-#    the engine picks another), then the sampler. Torch's memory statistics give the **activation
-#    peak**, the most that pass held at once beyond the weights; vLLM also counts the memory that
-#    appeared outside torch (the attention backend's workspaces).
-# 3. **Less the CUDA graphs** the decode steps are recorded as, estimated by capturing the first two.
-# 4. **Divided by the bytes of one block**, rounded down: `block_size` times the bytes per token of
-#    section 1, all layers at once, because every layer keeps its K and V of a block at the same
-#    block id. That is the pool.
-# 5. **A check, then a line**: one request of `max_model_len` tokens must fit besides the **null
-#    block**, which the pool keeps back for good (lesson 13 uses it). The line gives the pool in
-#    tokens and as a *maximum concurrency*: how many requests of `max_model_len` it holds at once.
-#
-# $$\text{blocks} = \left\lfloor \frac{\lceil\text{total} \times \text{utilization}\rceil - \text{weights} - \text{activation peak} - \text{non-torch} - \text{CUDA graphs}}{\text{block size} \times \text{bytes per token}} \right\rfloor$$
-#
-# `kv_cache_report(config, gpu_memory_bytes=..., max_model_len=...)` does the five steps in integers
-# and returns every number on the way. It reads the layers, heads and head size from a model config,
-# here the published `config.json` of each model as a dict (a `transformers` config works too). A GPU
-# measures the activation peak (the package's `measure_activation_peak` does it as vLLM does); here
-# the report estimates it from the model's shape, and counts the weights from the shapes: 8,030,261,248
-# parameters of 2 bytes for Llama-3-8B. The memory outside torch and the CUDA graphs are 0 unless
-# given (`non_torch_bytes`, `cudagraph_bytes`, from a vLLM log). The GPUs are taken as 24, 80 and 141
-# GiB; `device_memory(device)` reads what a real one reports, a little under its label.
-#
-# **Predict, then run.** Llama-3-8B's weights take 15 GiB. On the 24 GB card, how many tokens of KV
-# cache fit: thousands, tens of thousands, or millions?
-
-# %%
-from paged_kv import kv_cache_report
-from paged_kv.kv.sizing import KVCacheSpec
-
-GiB = 2**30
-llama_3_8b = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336)
-llama_3_8b |= dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, torch_dtype="bfloat16")
-llama = kv_cache_report(llama_3_8b, gpu_memory_bytes=24 * GiB, max_model_len=8192)
-print(llama.summary())
-spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-print("a block is KVCacheSpec's too:", llama.bytes_per_block == spec.bytes_per_block(16))
-
-# %% [markdown]
-# Of the 21.6 GiB requested, the weights take 15 GiB and the activation peak a third of a GiB,
-# which leaves 6.32 GiB: 3,238 blocks of 2 MiB. One request of 8,192 tokens needs 512 of them, so the
-# pool holds 6.32 such requests at once, which vLLM also writes as 51,808 tokens (6.32 × 8,192, rounded
-# down). The two 6.32 agree only because such a request takes exactly 1 GiB of Llama-3-8B's cache. The
-# null block is among the 3,238: vLLM 0.33.0 reserves it when it checks that one request fits, and
-# counts it in the line. `KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype)` is the block's
-# arithmetic alone.
-#
-# The same for three models on three GPUs: SmolLM2-135M, Llama-3-8B, and Gemma 3 27B, a hybrid model
-# whose 62 layers attend through a sliding window of 1,024 tokens but for every sixth (lesson 13).
-# Each is given its own context length.
-
-# %%
-smollm2 = llama_3_8b | dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, vocab_size=49152)
-smollm2 |= dict(num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-gemma_3_27b = dict(model_type="gemma3_text", num_hidden_layers=62, hidden_size=5376, intermediate_size=21504)
-gemma_3_27b |= dict(num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208)
-gemma_3_27b |= dict(sliding_window=1024, sliding_window_pattern=6, torch_dtype="bfloat16")
-configs = {"SmolLM2-135M": smollm2, "Llama-3-8B": llama_3_8b, "Gemma 3 27B": gemma_3_27b}
-lengths = {"SmolLM2-135M": 8192, "Llama-3-8B": 8192, "Gemma 3 27B": 131072}
-for name, config in configs.items():
-    for gpu in (24, 80, 141):
-        try:
-            line = kv_cache_report(config, gpu_memory_bytes=gpu * GiB, max_model_len=lengths[name]).lines[1]
-        except ValueError as error:
-            line = str(error).split(".")[0]
-        print(f"{name:<13}{gpu:>4} GB  {line.removeprefix('GPU KV cache size: ')}")
-
-# %% [markdown]
-# SmolLM2-135M is so small that nearly all the budget is cache: a million tokens on the 24 GB card,
-# 121 requests of its whole context. Llama-3-8B pays its 15 GiB of weights on every card, so the 80 GB
-# one holds 9 times the tokens of the 24 GB one for 3.3 times the memory. Gemma 3 27B's 50 GiB of
-# weights do not fit in 21.6 GiB: vLLM stops with its first error. On the 80 GB card a block of its
-# pool holds 10 layers (its KV-cache groups of ten, lesson 13), and one request of 131,072 tokens
-# needs 8,192 blocks in the full-attention group but only 321 in each sliding group: the window, the
-# tokens in flight (two steps of 2,048 under vLLM's default async scheduling) and one block because a
-# window seldom starts at a block's edge.
-#
-# **Predict, then run.** On an H100, vLLM's `LLM` class takes a `max_num_batched_tokens` of 16,384,
-# eight times the 2,048 above. What happens to Llama-3-8B's tokens on the 24 GB card as the budget
-# grows from 512 to 32,768? And to Gemma 3 27B's on the 80 GB card as `max_model_len` grows?
-
-# %%
-print(f"{'budget':>7}{'peak':>11}{'blocks':>8}{'tokens':>8}")
-for b in (512, 2048, 8192, 16384, 32768):
-    r = kv_cache_report(llama_3_8b, gpu_memory_bytes=24 * GiB, max_model_len=8192, max_num_batched_tokens=b)
-    print(f"{b:>7,}{format_bytes(r.activation_peak_bytes):>11}{r.num_gpu_blocks:>8,}{r.kv_cache_tokens:>8,}")
-for length in (8192, 32768, 131072):
-    r = kv_cache_report(gemma_3_27b, gpu_memory_bytes=80 * GiB, max_model_len=length)
-    print(f"Gemma 3 27B, max_model_len {length:>7,}: {r.blocks_per_request:>6,} blocks a request, ", end="")
-    print(f"{r.num_gpu_blocks:,} in the pool, {r.kv_cache_tokens:,} tokens")
-
-# %% [markdown]
-# The profiling run holds more the more tokens it pushes through at once, and every byte of its peak
-# is a byte the cache does not get: at 32,768 tokens the estimate passes 3 GiB and Llama-3-8B keeps
-# about half its tokens. A large budget makes long prompts prefill in fewer steps (lesson 10), so it
-# is a trade: faster prefill against fewer requests at once.
-#
-# `max_model_len` leaves Gemma 3 27B's pool alone, 17,329 blocks, but changes what one request needs,
-# and the line counts the pool in requests of that length. A longer request pays for every token only
-# in the full-attention group, while its sliding groups stop at the window, so the tokens the line
-# reports grow with `max_model_len`. For a model that attends fully everywhere they stay near
-# blocks × 16 whatever the length.
-#
-# ### When one request does not fit
-#
-# Llama-3.1-8B is Llama-3-8B's shape with a context of 131,072 tokens, and vLLM's `max_model_len`
-# defaults to the model's context. On the 24 GB card:
-
-# %%
-import textwrap
-
-try:
-    kv_cache_report(llama_3_8b, gpu_memory_bytes=24 * GiB, max_model_len=131072)
-except ValueError as error:
-    for paragraph in str(error).split("\n"):
-        print(textwrap.fill(paragraph, 100))
-
-# %% [markdown]
-# The first paragraph is vLLM 0.33.0's, word for word: 16 GiB for one request of 131,072 tokens,
-# 6.32 GiB available once the null block is set aside, and the longest `max_model_len` that would
-# fit, 51,792 tokens (3,237 blocks of 16), which vLLM finds by binary search. The fixes after it are
-# this course's, in the order to try them: a shorter `max_model_len` costs nothing when your requests
-# are shorter anyway; a higher `gpu_memory_utilization` only takes what nothing else on the card
-# needs; an fp8 cache halves every block for a small loss of accuracy (the exercise computes it);
-# tensor parallelism takes more GPUs; a smaller `max_num_batched_tokens` shrinks only the activation
-# peak, and slows prefill.
-#
-# Users still paste the older wording, from vLLM's V0 engine: "The model's max seq len (131072) is
-# larger than the maximum number of tokens that can be stored in KV cache (93936). Try increasing
-# `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine." It is the
-# same check, counted in tokens. When the weights and the activations take everything, vLLM stops
-# before it, with "No available memory for the cache blocks" (Gemma 3 27B on 24 GB above): then
-# neither a shorter `max_model_len` nor fp8 can help.
-#
-# ### Tensor parallelism in numbers
-#
-# With `tensor_parallel_size` GPUs, vLLM splits every layer's heads between them: each GPU keeps
-# `num_kv_heads / tp` of the K/V heads of every block, so a block costs it `1/tp` of the bytes, and
-# about `1/tp` of the weights. Both leave its cache more room, so the tokens grow faster than the
-# GPUs. Past one K/V head a GPU (Llama-3-8B's 8 heads at tp 16) vLLM replicates the heads, and a size
-# that splits them unevenly is refused.
-
-# %%
-print(f"{'tp':>3}{'K/V heads':>11}{'block':>9}{'weights':>10}{'tokens':>14}")
-for tp in (1, 2, 4, 8):
-    r = kv_cache_report(llama_3_8b, gpu_memory_bytes=24 * GiB, max_model_len=8192, tensor_parallel_size=tp)
-    sizes = [format_bytes(r.bytes_per_block), format_bytes(r.weight_bytes)]
-    print(f"{tp:>3}{r.num_kv_heads_per_gpu:>11}{sizes[0]:>9}{sizes[1]:>10}{r.kv_cache_tokens:>14,}")
-
-# %% [markdown]
-# Every GPU holds the same tokens, a slice of each one's heads, so the tokens in the line are the
-# whole cluster's. Eight 24 GB cards hold 1,281,600 tokens of Llama-3-8B, 25 times one card's: eight
-# times from the smaller blocks, and three more from the 13 GiB of weights each card no longer holds.
-
-# %% [markdown]
 # ## In vLLM
 #
-# Checked against vLLM 0.33.0. vLLM sizes its pool of blocks once, when the engine starts, from a
-# profiling run of the model on the GPU; the package's `kv_cache_report` follows it step by step.
+# Checked against vLLM 0.33.0.
 #
-# * `vllm/v1/worker/gpu_worker.py`: `Worker.init_device` takes `requested_memory` from
-#   `request_memory` (`vllm/v1/worker/utils.py`, rounded up) once the CUDA context, NCCL and cuBLAS
-#   are up; `Worker.determine_available_memory` runs `profile_run` (`vllm/v1/worker/gpu_model_runner.py`:
-#   the dummy forward, then `_dummy_sampler_run`) and `profile_cudagraph_memory`, subtracts both and
-#   logs "Available KV cache memory".
-# * `vllm/utils/mem_utils.py`: `memory_profiling` measures `non_kv_cache_memory = total_consumed +
-#   transient_peak_headroom`, the weights and the memory outside torch plus the activation peak
-#   (`torch_peak - torch_allocated`); `format_gib` writes the GiB of every message.
-# * `vllm/config/scheduler.py`: `SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS` (2,048) and
-#   `DEFAULT_MAX_NUM_SEQS`; `EngineArgs.get_batch_defaults` in `vllm/engine/arg_utils.py` picks
-#   larger ones by GPU (16,384 for vLLM's LLM class on an H100).
-# * `vllm/config/cache.py`: `CacheConfig.gpu_memory_utilization` (0.92 by default),
-#   `CacheDType` (the strings `cache_dtype` takes; "fp8" is "fp8_e4m3"), `kv_cache_memory_bytes` (the
-#   budget in bytes, skipping the profiling) and `num_gpu_blocks_override`.
-# * `vllm/config/model.py`: `ModelConfig.get_num_kv_heads`, `max(1, total_num_kv_heads //
-#   tensor_parallel_size)`, and `verify_with_parallel_config`, which refuses a size that does not
-#   divide the attention heads.
-# * `vllm/v1/core/kv_cache_planning.py`: `get_kv_cache_configs` reserves the null block's bytes,
-#   runs `_check_enough_kv_cache_memory` (both errors of section 6, with
-#   `_estimate_max_model_len_from_groups`' binary search) and divides the memory by
-#   `_get_kv_cache_bytes_per_block`, the largest group's layers' pages.
-# * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes`, one layer's block (this
-#   course's `KVCacheSpec.bytes_per_block` over the layers); `FullAttentionSpec.max_memory_usage_bytes`
-#   and `SlidingWindowSpec.max_admission_blocks_per_request`, a request's need in each group.
-# * `vllm/v1/core/kv_cache_utils.py`: `get_max_concurrency_for_kv_cache_config` (the pool's blocks,
-#   null block included, over one request's), `get_kv_cache_capacity` (the tokens) and
-#   `update_kv_cache_capacity`, which logs the line; `EngineCore._initialize_kv_caches`
-#   (`vllm/v1/engine/core.py`) calls them in that order.
+# * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes` is section 1's formula for one
+#   layer's block of `block_size` tokens: the K/V heads times the tokens times `head_size +
+#   head_size_v` (a key and a value, which may differ in size) times the bytes of `dtype`;
+#   `FullAttentionSpec` is the spec of a layer that attends to every token.
+# * `vllm/config/cache.py`: `CacheConfig.block_size`, with `DEFAULT_BLOCK_SIZE` (16) when neither you
+#   nor the attention backend picks another (lesson 14).
+# * `vllm/v1/core/kv_cache_utils.py`: `KVCacheBlock`, one block of the pool (lesson 01).
 #
-# What the course leaves out or does differently: on the CPU the activation peak is an estimate from
-# the model's shape, the memory outside torch and the CUDA graphs are 0 unless given, and the weights
-# are counted from the config's shapes, without vLLM's padding of the vocabulary to a multiple of 64.
+# What the course leaves out or does differently: the paper's numbers (20.4 % to 38.2 % of the
+# cache holding tokens in earlier systems, 96.3 % with vLLM) are quoted, not measured; lesson 07
+# measures the same split on a simulated workload. How a real engine decides how many blocks fit on
+# a GPU waits for lesson 14, once KV-cache groups (lesson 13) and the token budget (lesson 10) are
+# known.
 
 # %% [markdown]
 # ## Recap
@@ -517,12 +332,10 @@ for tp in (1, 2, 4, 8):
 #   slots, in its last block, and any free block fits anyone.
 # * On the six-request benchmark: 117 tokens held, 176 slots reserved with 16-token blocks (59 wasted,
 #   66.5 % used) against 246 with 41-token contiguous slots (129 wasted, 47.6 % used).
-# * An engine sizes its cache when it starts: (⌈total × `gpu_memory_utilization`⌉ − weights −
-#   activation peak − CUDA graphs) // bytes per block, one request of `max_model_len` checked besides
-#   the null block. At 0.9, Llama-3-8B gets 3,238 blocks of 2 MiB on a 24 GB GPU: "GPU KV cache size:
-#   51,808 tokens, Maximum concurrency for 8,192 tokens per request: 6.32x". A larger
-#   `max_num_batched_tokens` shrinks it, fp8 doubles it, and eight such GPUs hold 25 times the tokens.
+# * A block's size trades waste (at most `block_size - 1` slots a request) against bookkeeping;
+#   with blocks as large as the requests, paging wastes more than the contiguous baseline.
 #
 # **Next, lesson 01:** the two data structures that make paging work, `Block` and `BlockTable`, and
 # how a block table works like a page table. The exercise for this lesson, `exercises/00_why_paging.ipynb`,
-# has you write the waste arithmetic yourself, then vLLM's block bytes and start-up line.
+# has you write the waste arithmetic yourself. How many blocks a real GPU holds, and how vLLM works
+# it out when it starts, is lesson 14's.

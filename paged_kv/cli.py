@@ -1,6 +1,6 @@
 """The command line: ``python -m paged_kv fragmentation | simulate | check-env | serve`` (lessons 00, 07, 15).
 
-``paged-kv serve`` (lesson 15) starts an OpenAI-compatible server over the course's engine, as
+``paged-kv serve`` (lesson 16) starts an OpenAI-compatible server over the course's engine, as
 ``vllm serve`` does: see :func:`build_serve_app` and :mod:`paged_kv.entrypoints.openai`.
 
 Bad arguments print one line on stderr and exit with status 2, never a traceback.
@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_parser(commands) -> None:
-    """``serve``: vLLM's ``vllm serve`` flags, by vLLM's names, for the course's engine (lesson 15)."""
+    """``serve``: vLLM's ``vllm serve`` flags, by vLLM's names, for the course's engine (lesson 16)."""
     serve = commands.add_parser(
         "serve",
-        help="an OpenAI-compatible HTTP server over the engine, as `vllm serve` (lesson 15)",
+        help="an OpenAI-compatible HTTP server over the engine, as `vllm serve` (lesson 16)",
         description="Serve a model with the course's engine behind OpenAI's API (/v1/models, "
         "/v1/completions, /v1/chat/completions), with /health, vLLM's /metrics and the live page /kv. "
         "The model is load_model(NAME)'s: the Hugging Face Hub's when it answers, else a random-weight "

@@ -25,7 +25,7 @@ from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
 from .helpers import alone, engine_args, run_async
 
-pytestmark = pytest.mark.lesson15
+pytestmark = pytest.mark.lesson16
 
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
 NUM_BLOCKS = 24

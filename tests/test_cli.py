@@ -402,7 +402,7 @@ def test_simulate_bad_arguments_give_one_line_and_exit_2(args, message, capsys):
     assert message in lines[0]
 
 
-# ------------------------------------------------------------------------------ serve (lesson 15)
+# ------------------------------------------------------------------------------ serve (lesson 16)
 
 
 def test_serve_defaults_are_vllms_where_they_can_be():

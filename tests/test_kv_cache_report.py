@@ -27,7 +27,7 @@ from paged_kv.kv.startup import (
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
 
-pytestmark = pytest.mark.lesson00
+pytestmark = pytest.mark.lesson14
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 GPUS = {"24 GB": 24 * GiB, "80 GB": 80 * GiB, "141 GB": 141 * GiB}  # the labels, taken as GiB

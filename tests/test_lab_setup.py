@@ -218,7 +218,7 @@ def test_a_first_map_copy_is_brought_to_this_map_and_nothing_is_lost(tmp_path):
     work = first_map_copy(tmp_path / "work")
     before = {p.read_bytes() for p in work.rglob("*") if p.is_file()}
 
-    moves = lab_setup.migrate_first_map(work)
+    moves = lab_setup.migrate_to_this_map(work)
 
     moved = {m.source.relative_to(work).as_posix(): m.target.relative_to(work).as_posix() for m in moves}
     assert moved == {
@@ -232,14 +232,14 @@ def test_a_first_map_copy_is_brought_to_this_map_and_nothing_is_lost(tmp_path):
     assert {p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
     assert (work / "exercises" / "mine.ipynb").exists()
     assert (work / "exercises" / "05_paged_attention.ipynb").exists()
-    assert lab_setup.migrate_first_map(work) == []  # a second run moves nothing
+    assert lab_setup.migrate_to_this_map(work) == []  # a second run moves nothing
 
 
 def test_a_move_whose_target_exists_is_not_made(tmp_path):
     work = first_map_copy(tmp_path / "work")
     notebook(work / "exercises" / "07_concurrent_workload.ipynb", {"lesson": "07", "course_map": 2}, "new")
 
-    moves = lab_setup.migrate_first_map(work)
+    moves = lab_setup.migrate_to_this_map(work)
 
     assert "exercises/06_concurrent_workload.ipynb" not in {
         m.source.relative_to(work).as_posix() for m in moves
@@ -251,7 +251,7 @@ def test_a_move_whose_target_exists_is_not_made(tmp_path):
 def test_a_copy_of_this_map_moves_nothing(tmp_path):
     work = tmp_path / "work"
     lab_setup.sync_working_copy(ROOT, work)
-    assert lab_setup.migrate_first_map(work) == []
+    assert lab_setup.migrate_to_this_map(work) == []
 
 
 def test_make_lab_says_what_moved_in_a_first_map_copy(tmp_path, capsys):
@@ -265,3 +265,43 @@ def test_make_lab_says_what_moved_in_a_first_map_copy(tmp_path, capsys):
     assert (work / "lessons" / "07_concurrent_workload.ipynb").read_bytes() == (
         ROOT / "lessons" / "07_concurrent_workload.ipynb"
     ).read_bytes()
+
+
+def second_map_copy(work: Path) -> Path:
+    """A working copy of map 2 (lessons 00-15): every notebook records its lesson and map 2."""
+    notebook(work / "lessons" / "00_why_paging.ipynb", {"lesson": "00", "course_map": 2})
+    notebook(work / "lessons" / "14_settings_and_metrics.ipynb", {"lesson": "14", "course_map": 2})
+    notebook(work / "exercises" / "00_why_paging.ipynb", {"lesson": "00", "course_map": 2}, "my waste")
+    notebook(
+        work / "exercises" / "14_settings_and_metrics.ipynb", {"lesson": "14", "course_map": 2}, "my line"
+    )
+    notebook(work / "exercises" / "15_serving_it.ipynb", {"lesson": "15", "course_map": 2}, "my server")
+    notebook(work / "solutions" / "15_serving_it.ipynb", {"lesson": "15", "course_map": 2})
+    (work / "lessons" / "README.md").write_text("map 2's plan")
+    return work
+
+
+def test_a_second_map_copy_is_brought_to_this_map_and_its_exercises_keep_their_work(tmp_path, capsys):
+    work, settings = second_map_copy(tmp_path / "work"), tmp_path / "settings"
+    before = {p.read_bytes() for p in work.rglob("*") if p.is_file()}
+
+    moves = lab_setup.migrate_to_this_map(work)
+
+    moved = {m.source.relative_to(work).as_posix(): m.target.relative_to(work).as_posix() for m in moves}
+    assert moved == {
+        "exercises/14_settings_and_metrics.ipynb": "exercises/15_settings_and_metrics.ipynb",
+        "exercises/15_serving_it.ipynb": "exercises/16_serving_it.ipynb",
+        "lessons/00_why_paging.ipynb": "second_map/lessons/00_why_paging.ipynb",
+        "lessons/14_settings_and_metrics.ipynb": "second_map/lessons/14_settings_and_metrics.ipynb",
+        "solutions/15_serving_it.ipynb": "second_map/solutions/15_serving_it.ipynb",
+        "lessons/README.md": "second_map/lessons/README.md",
+    }
+    assert {p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+    assert json.loads((work / "exercises" / "00_why_paging.ipynb").read_text())["b"] == "my waste"
+    assert lab_setup.migrate_to_this_map(work) == []
+
+    work = second_map_copy(tmp_path / "fresh")
+    assert lab_setup.main(["--work", str(work), "--settings", str(settings)]) == 0
+    out = capsys.readouterr().out
+    assert "(block_bytes, startup_line) and the old exercise 14's task 1 (common_block_size)" in out
+    assert (work / "lessons" / "14_sizing_the_cache.ipynb").exists()

@@ -30,7 +30,7 @@ from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
 from .helpers import alone, engine_args, max_examples
 
-pytestmark = pytest.mark.lesson15
+pytestmark = pytest.mark.lesson16
 
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=64)
 DELTA = RequestOutputKind.DELTA

@@ -1,5 +1,5 @@
 """vLLM's metrics by vLLM's names: the names themselves, the log line, the usage, preemptions, the
-prefix cache's split, the Prometheus text and the hybrid pool's null block (lessons 07, 14)."""
+prefix cache's split, the Prometheus text and the hybrid pool's null block (lessons 07, 15)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from paged_kv.serving.metrics import (
 from paged_kv.serving.request import EngineCoreRequest
 from tests.helpers import built
 
-pytestmark = pytest.mark.lesson07
+pytestmark = [pytest.mark.lesson07, pytest.mark.lesson15]
 
 CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=128)
 SYSTEM = list(range(100, 116))  # a 16-token shared prefix: 4 blocks of 4

@@ -1,4 +1,4 @@
-"""Sampling (lesson 15): vLLM's ``SamplingParams`` (names, defaults, messages) and the per-row sampler.
+"""Sampling (lesson 16): vLLM's ``SamplingParams`` (names, defaults, messages) and the per-row sampler.
 
 The sampler is checked against its definition: a greedy row (or ``top_k=1``, or a tiny ``top_p``)
 is the argmax; a random row never draws a token that top-k or top-p leave out; a seeded
@@ -26,7 +26,7 @@ from paged_kv.serving.sampling_params import (
     SamplingParams,
 )
 
-pytestmark = pytest.mark.lesson15
+pytestmark = pytest.mark.lesson16
 
 # ------------------------------------------------------------------------------ SamplingParams
 

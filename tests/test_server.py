@@ -37,7 +37,7 @@ from paged_kv.serving.metrics import FINISH_REASONS, METRICS, REQUEST_SUCCESS, R
 
 from . import helpers  # noqa: E402
 
-pytestmark = pytest.mark.lesson15
+pytestmark = pytest.mark.lesson16
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -692,8 +692,9 @@ def test_a_client_that_hangs_up_aborts_its_request(small, stream):
     assert request_id.startswith("cmpl-")
     after = small.metrics()  # the abort is recorded at once: the gauges show the blocks back
     assert after["vllm:num_requests_running{}"] == 0 and after["vllm:kv_cache_usage_perc{}"] == 0
-    aborts = "vllm:request_success_total{finished_reason=abort}"
-    assert after[aborts] - before[aborts] == 1
+    # as vLLM's front end, an abort records no finished request: no reason of vllm:request_success moved
+    success = [name for name in after if name.startswith("vllm:request_success_total")]
+    assert success and all(after[name] == before.get(name, 0) for name in success)
     after = small.client.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
     assert after.usage.completion_tokens == 3
 

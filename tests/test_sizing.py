@@ -14,7 +14,7 @@ from paged_kv.kv import sizing
 from paged_kv.kv.sizing import KVCacheSpec, device_memory, format_bytes, kv_cache_budget
 from paged_kv.kv.storage import KVStorage
 
-pytestmark = [pytest.mark.lesson00, pytest.mark.lesson09]
+pytestmark = [pytest.mark.lesson09, pytest.mark.lesson14]
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 LLAMA_3_8B = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -31,7 +31,7 @@ from paged_kv.serving.sampling_params import SamplingParams
 
 from .helpers import engine_args, run_async
 
-pytestmark = pytest.mark.lesson15
+pytestmark = pytest.mark.lesson16
 
 CONFIG = GPTConfig(num_layers=1, num_heads=1, head_dim=8, max_len=32)
 NUM_BLOCKS, BLOCK_SIZE = 48, 4  # 47 blocks of 4 tokens for up to 96 clients at once: preemptions

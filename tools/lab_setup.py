@@ -8,9 +8,9 @@ Two things:
   copy of the course, ``my_course/`` (``lessons/``, ``exercises/``, ``solutions/``). A file is
   copied only when the copy lacks it: the learner's work is never overwritten, and a notebook that
   a later ``git pull`` brings is added. Deleting a file of the copy and running ``make lab`` again
-  starts that lesson over. A copy made before the course was renumbered (December 2026,
-  :mod:`paged_kv.course_map`) is brought to the new map first, and the learner is told what moved
-  (:func:`migrate_first_map`).
+  starts that lesson over. A copy made before the course was renumbered (twice, December 2026,
+  :mod:`paged_kv.course_map`) is brought to this map first, and the learner is told what moved
+  (:func:`migrate_to_this_map`).
 * **JupyterLab's settings.** The news pop-up ("Would you like to receive official Jupyter news?")
   and the update check are switched off in the environment's ``overrides.json`` (the defaults of
   every user of this ``.venv``; a user's own settings still win).
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_kv.course_map import FIRST_MAP, FIRST_MAP_NOTES, LESSONS, METADATA_KEY, current_lesson, lesson
+from paged_kv.course_map import COURSE_MAP, EARLIER_MAPS, LESSONS, METADATA_KEY, NOTES, current_lesson, lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORK = ROOT / "my_course"
@@ -37,13 +37,13 @@ COPIED = ("*.ipynb", "*.md")  # the notebooks, and the lesson plan lessons/READM
 # JupyterLab's notification plugin: no news pop-up, no update check.
 NOTIFICATION_PLUGIN = "@jupyterlab/apputils-extension:notification"
 LAB_OVERRIDES = {NOTIFICATION_PLUGIN: {"fetchNews": "false", "checkForUpdates": False}}
-# Where a working copy's notebooks of the first map go, as they were, when it is brought to this one.
-FIRST_MAP_FOLDER = "first_map"
+# Where a working copy's notebooks of an earlier map go, as they were, when it is brought to this one.
+MAP_FOLDERS = {1: "first_map", 2: "second_map"}
 
 
 @dataclass(frozen=True)
 class Move:
-    """One file of the working copy moved by :func:`migrate_first_map`, and why."""
+    """One file of the working copy moved by :func:`migrate_to_this_map`, and why."""
 
     source: Path
     target: Path
@@ -92,10 +92,10 @@ def sync_working_copy(source: Path, work: Path) -> list[Path]:
     return copied
 
 
-def _first_map_lesson(path: Path) -> str | None:
-    """The first-map lesson of a working copy's notebook, or ``None`` when it is not of the first map.
+def _earlier_map_lesson(path: Path) -> tuple[str, int] | None:
+    """``(lesson, map)`` of a working copy's notebook of an earlier map, or ``None`` when it is of this one.
 
-    Every notebook the course builds now records ``{"lesson": ..., "course_map": 2}``. The first map's
+    Every notebook the course builds records ``{"lesson": ..., "course_map": N}``. The first map's
     exercises and solutions recorded a lesson without a map, and its lessons recorded nothing, so a
     lesson notebook is of the first map when it records nothing and bears a first-map name.
     """
@@ -104,64 +104,73 @@ def _first_map_lesson(path: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     entry = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
-    first_map_names = {stem: number for number, (stem, _) in FIRST_MAP.items()}
     if isinstance(entry, dict):
-        if "course_map" in entry or entry.get("lesson") not in FIRST_MAP:
+        course_map = entry.get("course_map", 1)
+        if course_map == COURSE_MAP or entry.get("lesson") not in EARLIER_MAPS.get(course_map, {}):
             return None
-        return entry["lesson"]
-    if entry is None and path.parent.name == "lessons":
-        return first_map_names.get(path.stem)
+        return entry["lesson"], course_map
+    first_map_names = {stem: number for number, (stem, _) in EARLIER_MAPS[1].items()}
+    if entry is None and path.parent.name == "lessons" and path.stem in first_map_names:
+        return first_map_names[path.stem], 1
     return None
 
 
-def migrate_first_map(work: Path) -> list[Move]:
+def migrate_to_this_map(work: Path) -> list[Move]:
     """Bring a working copy made before the course was renumbered to this map; return what moved.
 
-    * An exercise of the first map is the learner's work: when it bears its lesson's first-map name
-      and its lesson's name now differs (``06_concurrent_workload`` is ``07_concurrent_workload``), it
-      is renamed to the new name, unchanged; the grader reads its first-map metadata and grades it
-      as the lesson its tasks belong to now. Under any other name it stays where it is.
-    * A lesson or a solution of the first map is course material: it moves, unchanged, to
-      ``work/first_map/<folder>/``, and :func:`sync_working_copy` then copies the new notebooks in.
-      When any notebook was of the first map, so is ``lessons/README.md``, the plan it follows.
+    * An exercise of an earlier map is the learner's work: when it bears its lesson's name in that
+      map and its lesson's name now differs (``06_concurrent_workload`` is ``07_concurrent_workload``,
+      ``14_settings_and_metrics`` is ``15_settings_and_metrics``), it is renamed to the new name,
+      unchanged; the grader reads its metadata and grades it as the lesson its tasks belong to now.
+      Under any other name it stays where it is.
+    * A lesson or a solution of an earlier map is course material: it moves, unchanged, to
+      ``work/first_map/<folder>/`` (or ``second_map``), and :func:`sync_working_copy` then copies the
+      new notebooks in. When any notebook was of an earlier map, so is ``lessons/README.md``, the
+      plan it follows.
 
     Invariants: nothing is deleted or overwritten (a move whose target exists is not made), and a
     copy already on this map moves nothing.
     """
     work = Path(work)
     moves: list[Move] = []
+    maps_seen: set[int] = set()
     for folder in COURSE_FOLDERS:
         for path in sorted((work / folder).glob("*.ipynb")):
-            old = _first_map_lesson(path)
-            if old is None:
+            found = _earlier_map_lesson(path)
+            if found is None:
                 continue
-            now = lesson(current_lesson(old, None))
+            old, course_map = found
+            maps_seen.add(course_map)
+            now = lesson(current_lesson(old, course_map))
             if folder == "exercises":
-                if path.stem != FIRST_MAP[old][0] or path.stem == now.stem:
+                if path.stem != EARLIER_MAPS[course_map][old][0] or path.stem == now.stem:
                     continue
                 target = path.with_name(f"{now.stem}.ipynb")
                 why = f"your work on lesson {now.number}, {now.title.lower()}, as you left it"
             else:
-                target = work / FIRST_MAP_FOLDER / folder / path.name
-                why = f"first-map lesson {old}, kept as it was; lesson {now.number} replaces it"
+                target = work / MAP_FOLDERS[course_map] / folder / path.name
+                why = f"lesson {old} of the {MAP_FOLDERS[course_map].replace('_', ' ')}, kept as it was"
+                why += f"; lesson {now.number} replaces it"
             if not target.exists():
                 moves.append(Move(path, target, why))
     plan = work / "lessons" / "README.md"
-    kept = work / FIRST_MAP_FOLDER / "lessons" / "README.md"
-    if moves and plan.exists() and not kept.exists():
-        moves.append(Move(plan, kept, "the first map's plan"))
+    if maps_seen and plan.exists():
+        newest = max(maps_seen)
+        kept = work / MAP_FOLDERS[newest] / "lessons" / "README.md"
+        if not kept.exists():
+            moves.append(Move(plan, kept, f"the {MAP_FOLDERS[newest].replace('_', ' ')}'s plan"))
     for move in moves:
         move.target.parent.mkdir(parents=True, exist_ok=True)
         move.source.rename(move.target)
     return moves
 
 
-def first_map_report(moves: list[Move], work: Path) -> list[str]:
-    """What :func:`migrate_first_map` did, in words, for the learner."""
-    lines = [
-        f"lab_setup: your copy predates the course's map of {len(LESSONS)} lessons; it now follows it:",
-        *(f"  {note}" for note in FIRST_MAP_NOTES),
-    ]
+def migration_report(moves: list[Move], work: Path) -> list[str]:
+    """What :func:`migrate_to_this_map` did, in words, for the learner."""
+    maps = sorted({n for n, folder in MAP_FOLDERS.items() if any(folder in str(m.target) for m in moves)})
+    lines = [f"lab_setup: your copy predates the course's map of {len(LESSONS)} lessons; it now follows it:"]
+    for course_map in maps or sorted(NOTES):
+        lines += [f"  {note}" for note in NOTES[course_map]]
     for move in moves:
         lines.append(f"  {move.source.relative_to(work)} -> {move.target.relative_to(work)} ({move.why})")
     lines.append("  the notebooks of the new map are copied in beside your work; nothing was deleted")
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_working_copy(ROOT, args.work)
-        moved = migrate_first_map(args.work)
+        moved = migrate_to_this_map(args.work)
         copied = sync_working_copy(ROOT, args.work)
         overrides = write_lab_overrides(args.settings or lab_settings_dir())
     except (ValueError, OSError) as error:
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     where = args.work.resolve()
     if moved:
-        print("\n".join(first_map_report(moved, where)))
+        print("\n".join(migration_report(moved, where)))
     if copied:
         print(f"lab_setup: copied {len(copied)} course files into {where} (your work lives there)")
     else:

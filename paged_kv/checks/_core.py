@@ -213,6 +213,17 @@ def answers(cases: Sequence[tuple], convert: Callable[[object], object] = bool) 
     return probe
 
 
+def outcome(thunk: Callable[[], object]) -> object:
+    """What a call returned, or the name of the exception it raised, for comparing behaviours in a
+    :func:`diagnose` probe; ``NotImplementedError`` (a task not done yet) still propagates."""
+    try:
+        return thunk()
+    except NotImplementedError:
+        raise
+    except Exception as error:  # a mistake's (or the learner's) error is part of its behaviour
+        return type(error).__name__
+
+
 # ----------------------------------------------------------------- exceptions in the learner's code
 
 

@@ -1,17 +1,12 @@
-"""Checks of exercise 14: the block size every backend accepts, vLLM's periodic log line, and the prefix
-cache's hit rate over the most recent requests.
+"""Checks of exercise 14: vLLM's start-up sizing, and the block size every backend accepts.
 
-Each task is checked on examples that isolate one rule (the default kept when every backend accepts it,
-a least common multiple rather than a maximum, an exact size accepting its multiples, the usage as a
-percentage, the preemptions shown only when there were some, a hit rate of 0.0 still shown, preempted
-lookups and empty steps left out, whole steps dropped oldest first...), then against the package on many
-cases: ``common_block_size`` against :func:`paged_kv.kv.block_size.common_block_size` (vLLM 0.33.0's real
-backend lists among them, :data:`~paged_kv.kv.block_size.BACKEND_BLOCK_SIZES`), ``log_line`` against
-:func:`paged_kv.serving.metrics.format_log_line` and ``CachingMetrics`` against
-:class:`paged_kv.serving.metrics.CachingMetrics` (through the package's reference,
-:mod:`paged_kv.reference.lesson14`). When an answer is wrong, the check runs the learner's code
-beside the classic mistakes, written as small wrong implementations, and names the one it behaves like
-(:func:`~paged_kv.checks._core.diagnose`).
+The first two tasks are the arithmetic of :mod:`paged_kv.kv.startup` (vLLM 0.33.0's ``get_kv_cache_configs``
+and ``update_kv_cache_capacity``): the bytes of one block on one GPU, and the pool and the line vLLM logs.
+The third is vLLM's choice of a block size every attention backend accepts, checked against
+:func:`paged_kv.kv.block_size.common_block_size` with vLLM 0.33.0's real backend lists among the cases
+(:data:`~paged_kv.kv.block_size.BACKEND_BLOCK_SIZES`), through :mod:`paged_kv.reference.lesson14`. When an
+answer is wrong, the check runs the learner's code beside the classic mistakes, written as small wrong
+implementations, and names the one it behaves like (:func:`~paged_kv.checks._core.diagnose`).
 """
 
 from __future__ import annotations
@@ -19,28 +14,364 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections import deque
 from collections.abc import Callable
 
-from paged_kv.checks._core import Checker, diagnose, task
-from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.checks._core import Checker, answers, diagnose, outcome, task
 from paged_kv.kv.block_size import BACKEND_BLOCK_SIZES, EXACT_SIZES_ONLY, MultipleOf
-from paged_kv.reference.lesson14 import CachingMetrics as PackageCachingMetrics
 from paged_kv.reference.lesson14 import common_block_size as package_common
-from paged_kv.reference.lesson14 import log_line as package_line
+
+# ------------------------------------------------------------------------------ Task 1
+
+LLAMA_3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "num_hidden_layers": 30,
+    "vocab_size": 49152,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_0_6B = {  # its head_dim, 128, is not hidden_size // num_attention_heads (64)
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 28,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+}
+CONFIGS = {"LLAMA_3_8B": LLAMA_3_8B, "SMOLLM2_135M": SMOLLM2_135M, "QWEN3_0_6B": QWEN3_0_6B}
+_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+BLOCK_RULE = (
+    "one block on one GPU is 2 * num_hidden_layers * kv_heads * head_dim * block_size * bytes, with "
+    "kv_heads = max(1, num_key_value_heads // tensor_parallel_size) and the bytes of kv_cache_dtype "
+    "('auto': the config's torch_dtype)"
+)
 
 
-def _outcome(thunk: Callable[[], object]) -> object:
-    """What a call returned, or the name of the exception it raised (for comparing behaviours)."""
-    try:
-        return thunk()
-    except NotImplementedError:
-        raise
-    except Exception as error:  # a mistake's (or the learner's) error is part of its behaviour
-        return type(error).__name__
+def _block(
+    k_and_v=2, heads_key="num_key_value_heads", tp_twice=False, head_dim=True, cache_dtype=True, floor=1
+):
+    def block_bytes(config, block_size=16, kv_cache_dtype="auto", tensor_parallel_size=1):
+        dtype = config["torch_dtype"] if kv_cache_dtype == "auto" or not cache_dtype else kv_cache_dtype
+        size = (config.get("head_dim") if head_dim else None) or config["hidden_size"] // config[
+            "num_attention_heads"
+        ]
+        heads = max(floor, config[heads_key] // tensor_parallel_size)
+        total = k_and_v * config["num_hidden_layers"] * heads * size * block_size * _BYTES[dtype]
+        return total // tensor_parallel_size if tp_twice else total
+
+    return block_bytes
 
 
-# ------------------------------------------------------------------------------- Task 1
+BLOCK_MISTAKES = [
+    (
+        _block(k_and_v=1),
+        "a block holds K and V, two vectors a token, a K/V head and a layer: you forgot the factor 2 of "
+        f"K and V; {BLOCK_RULE}",
+    ),
+    (
+        _block(heads_key="num_attention_heads"),
+        "count the K/V heads, num_key_value_heads, not the query heads num_attention_heads: with "
+        "grouped-query attention several query heads read one K/V head, and only K/V is cached "
+        f"(Llama-3-8B: 32 query heads, 8 K/V heads); {BLOCK_RULE}",
+    ),
+    (
+        _block(tp_twice=True),
+        "you divided by tensor_parallel_size twice: each GPU keeps num_key_value_heads // tp heads of "
+        "every block, and that already is its share, so the bytes are not divided by tp again "
+        f"(Llama-3-8B at tp 2: 1 MiB, not 512 KiB); {BLOCK_RULE}",
+    ),
+    (
+        _block(head_dim=False),
+        "use the config's head_dim when it gives one: Qwen3-0.6B's is 128, twice hidden_size // "
+        f"num_attention_heads = 64; only a config without head_dim falls back on that; {BLOCK_RULE}",
+    ),
+    (
+        _block(cache_dtype=False),
+        "kv_cache_dtype decides the bytes of a cached number: 'fp8' (and 'fp8_e4m3', 'fp8_e5m2') is one "
+        "byte whatever the model's dtype; only 'auto' means the config's torch_dtype. An fp8 block is half "
+        f"a bfloat16 one; {BLOCK_RULE}",
+    ),
+    (
+        _block(floor=0),
+        "with more GPUs than K/V heads vLLM replicates them: each GPU keeps one head, "
+        "max(1, num_key_value_heads // tensor_parallel_size) (ModelConfig.get_num_kv_heads), never 0 "
+        f"(Llama-3-8B at tp 16: as at tp 8); {BLOCK_RULE}",
+    ),
+]
+BLOCK_PROBES = [
+    (config, block_size, cache_dtype, tp)
+    for config in (LLAMA_3_8B, SMOLLM2_135M, QWEN3_0_6B)
+    for block_size in (16, 32)
+    for cache_dtype in ("auto", "fp8")
+    for tp in ((1, 2, 8, 16) if config is LLAMA_3_8B else (1, 3) if config is SMOLLM2_135M else (1, 2))
+]
+
+
+@task("14.block_bytes", "the bytes of one block on one GPU")
+def _block_bytes(c: Checker, block_bytes) -> None:
+    def hint(default: str) -> Callable[[], str]:
+        return lambda: diagnose(
+            block_bytes, BLOCK_MISTAKES, answers(BLOCK_PROBES, int), f"{default}; {BLOCK_RULE}"
+        )
+
+    result = c.run("block_bytes(LLAMA_3_8B)", lambda: block_bytes(LLAMA_3_8B), BLOCK_RULE)
+    c.holds(
+        "type(block_bytes(LLAMA_3_8B))",
+        type(result) is int,
+        "int",
+        type(result).__name__,
+        "a count of bytes is an int: multiply integers, and divide with // if you divide",
+    )
+    for call, thunk, expected, why in [
+        (
+            "block_bytes(LLAMA_3_8B)",
+            lambda: block_bytes(LLAMA_3_8B),
+            2 * 2**20,
+            "Llama-3-8B's block is 2 MiB",
+        ),
+        (
+            "block_bytes(SMOLLM2_135M)",
+            lambda: block_bytes(SMOLLM2_135M),
+            368640,
+            "30 layers, 3 K/V heads of 64",
+        ),
+        (
+            "block_bytes(QWEN3_0_6B)",
+            lambda: block_bytes(QWEN3_0_6B),
+            1835008,
+            "28 layers, 8 K/V heads of 128",
+        ),
+        ("block_bytes(LLAMA_3_8B, 32)", lambda: block_bytes(LLAMA_3_8B, 32), 4 * 2**20, "twice the tokens"),
+        (
+            "block_bytes(LLAMA_3_8B, kv_cache_dtype='fp8')",
+            lambda: block_bytes(LLAMA_3_8B, kv_cache_dtype="fp8"),
+            2**20,
+            "fp8 is one byte a number",
+        ),
+        (
+            "block_bytes(LLAMA_3_8B, kv_cache_dtype='fp8_e5m2')",
+            lambda: block_bytes(LLAMA_3_8B, kv_cache_dtype="fp8_e5m2"),
+            2**20,
+            "fp8_e5m2 is one byte a number too",
+        ),
+        (
+            "block_bytes(LLAMA_3_8B, tensor_parallel_size=2)",
+            lambda: block_bytes(LLAMA_3_8B, tensor_parallel_size=2),
+            2**20,
+            "at tp 2 each GPU keeps 4 of the 8 K/V heads",
+        ),
+        (
+            "block_bytes(LLAMA_3_8B, tensor_parallel_size=8)",
+            lambda: block_bytes(LLAMA_3_8B, tensor_parallel_size=8),
+            2**18,
+            "at tp 8 each GPU keeps 1 of the 8 K/V heads",
+        ),
+        (
+            "block_bytes(LLAMA_3_8B, tensor_parallel_size=16)",
+            lambda: block_bytes(LLAMA_3_8B, tensor_parallel_size=16),
+            2**18,
+            "at tp 16 each K/V head is on two GPUs: each keeps one",
+        ),
+    ]:
+        c.equal(call, thunk, expected, hint(why))
+    fp8 = block_bytes(LLAMA_3_8B, kv_cache_dtype="fp8")  # checked above
+    bf16 = c.run(
+        "block_bytes(LLAMA_3_8B, kv_cache_dtype='bfloat16')",
+        lambda: block_bytes(LLAMA_3_8B, kv_cache_dtype="bfloat16"),
+        hint("'bfloat16' is two bytes a number"),
+    )
+    c.holds(
+        "block_bytes(LLAMA_3_8B, kv_cache_dtype='bfloat16') // block_bytes(LLAMA_3_8B, kv_cache_dtype='fp8')",
+        bf16 == 2 * fp8,
+        "2: an fp8 block is half a bfloat16 one",
+        f"{bf16} // {fp8}",
+        hint("'bfloat16' is two bytes a number, like the config's own dtype"),
+    )
+
+
+# ------------------------------------------------------------------------------ Task 2
+
+MiB = 2**20
+LINE_RULE = (
+    "num_gpu_blocks = available_memory // bytes_per_block; max_concurrency = num_gpu_blocks / "
+    "ceil(max_model_len / block_size); kv_cache_tokens = int(max_concurrency * max_model_len); the line is "
+    "f'GPU KV cache size: {kv_cache_tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per "
+    "request: {max_concurrency:.2f}x'"
+)
+
+
+def _line(
+    decimals=True, floor=False, commas=True, tokens_from_blocks=False, subtract_null=False, reserve=True
+):
+    def startup_line(available_memory, bytes_per_block, block_size, max_model_len):
+        per_request = -(-max_model_len // block_size)
+        if (per_request + reserve) * bytes_per_block > available_memory or available_memory < bytes_per_block:
+            raise ValueError("one request does not fit")
+        blocks = available_memory // bytes_per_block
+        usable = blocks - 1 if subtract_null else blocks
+        concurrency = usable // per_request if floor else usable / per_request
+        tokens = usable * block_size if tokens_from_blocks else int(concurrency * max_model_len)
+        shown = f"{concurrency:.2f}" if decimals else f"{round(concurrency, 2)}"
+        counts = (f"{tokens:,}", f"{max_model_len:,}") if commas else (f"{tokens}", f"{max_model_len}")
+        line = _expected_line(*counts, shown)
+        return {
+            "num_gpu_blocks": blocks,
+            "kv_cache_tokens": tokens,
+            "max_concurrency": concurrency,
+            "line": line,
+        }
+
+    return startup_line
+
+
+TWO_DECIMALS = (
+    "write the concurrency with two decimals, f'{max_concurrency:.2f}x' as vLLM's '%.2fx' does (6.50x), "
+    "and keep max_concurrency itself the exact num_gpu_blocks / blocks_per_request: "
+)
+LINE_MISTAKES = [
+    (_line(decimals=False), TWO_DECIMALS + f"round(max_concurrency, 2) shows 6.5x, not 6.50x; {LINE_RULE}"),
+    (
+        _line(floor=True),
+        TWO_DECIMALS + f"// gives a whole number of requests (6.00x where vLLM shows 6.32x); {LINE_RULE}",
+    ),
+    (
+        _line(commas=False),
+        "vLLM writes both counts with thousands separators, f'{kv_cache_tokens:,}' and f'{max_model_len:,}' "
+        f"(51,808 tokens, 8,192 tokens per request); {LINE_RULE}",
+    ),
+    (
+        _line(tokens_from_blocks=True),
+        "the line's tokens are int(max_concurrency * max_model_len) (vLLM's get_kv_cache_capacity), not "
+        "num_gpu_blocks * block_size: they differ when max_model_len is not a multiple of block_size "
+        f"(1,000 tokens take 63 blocks of 16, 1,008 slots); {LINE_RULE}",
+    ),
+    (
+        _line(subtract_null=True),
+        "vLLM 0.33.0's line counts every block of the pool, the null block too: max_concurrency = "
+        "num_gpu_blocks / blocks_per_request, not (num_gpu_blocks - 1) / ...; the null block is reserved "
+        f"only by the check that one request fits; {LINE_RULE}",
+    ),
+    (
+        _line(reserve=False),
+        "reserve the null block before the check: the pool keeps it back for good, so one request fits "
+        "only when (blocks_per_request + 1) * bytes_per_block <= available_memory (512 blocks of 2 MiB "
+        f"cannot hold a request of 8,192 tokens); {LINE_RULE}",
+    ),
+]
+LLAMA_24GB = 6_791_251_559  # kv_cache_report's available memory for Llama-3-8B on a 24 GB GPU at 0.9
+LINE_PROBES = [
+    (LLAMA_24GB, 2 * MiB, 16, 8192),
+    (LLAMA_24GB, 2 * MiB, 16, 1000),
+    (3328 * 2 * MiB, 2 * MiB, 16, 8192),
+    (513 * 2 * MiB, 2 * MiB, 16, 8192),
+    (512 * 2 * MiB, 2 * MiB, 16, 8192),
+    (2 * MiB, 2 * MiB, 16, 16),
+    (368640 * 1000, 368640, 16, 512),
+]
+
+
+def _outcomes(fn) -> list:
+    """What ``fn`` does on every probe: its dict, or the name of the error it raised."""
+    seen = []
+    for case in LINE_PROBES:
+        try:
+            seen.append(fn(*case))
+        except ValueError:
+            seen.append("ValueError")
+    return seen
+
+
+def _expected_line(tokens: str, length: str, concurrency: str) -> str:
+    """vLLM's line with its three numbers already written out."""
+    line = f"GPU KV cache size: {tokens} tokens, Maximum concurrency for {length} tokens per request: "
+    return f"{line}{concurrency}x"
+
+
+@task("14.startup_line", "vLLM's pool and its start-up line")
+def _startup_line(c: Checker, startup_line) -> None:
+    def hint(default: str) -> Callable[[], str]:
+        return lambda: diagnose(startup_line, LINE_MISTAKES, _outcomes, f"{default}; {LINE_RULE}")
+
+    for call, args, expected, why in [
+        (
+            "startup_line(6_791_251_559, 2 * MiB, 16, 8192)",
+            (LLAMA_24GB, 2 * MiB, 16, 8192),
+            {
+                "num_gpu_blocks": 3238,
+                "kv_cache_tokens": 51808,
+                "max_concurrency": 3238 / 512,
+                "line": _expected_line("51,808", "8,192", "6.32"),
+            },
+            "Llama-3-8B on a 24 GB GPU: 3,238 blocks of 2 MiB, 512 for one request of 8,192 tokens",
+        ),
+        (
+            "startup_line(3328 * 2 * MiB, 2 * MiB, 16, 8192)",
+            (3328 * 2 * MiB, 2 * MiB, 16, 8192),
+            {
+                "num_gpu_blocks": 3328,
+                "kv_cache_tokens": 53248,
+                "max_concurrency": 6.5,
+                "line": _expected_line("53,248", "8,192", "6.50"),
+            },
+            "3,328 blocks hold 6.5 requests of 512 blocks",
+        ),
+        (
+            "startup_line(6_791_251_559, 2 * MiB, 16, 1000)",
+            (LLAMA_24GB, 2 * MiB, 16, 1000),
+            {
+                "num_gpu_blocks": 3238,
+                "kv_cache_tokens": 51396,
+                "max_concurrency": 3238 / 63,
+                "line": _expected_line("51,396", "1,000", "51.40"),
+            },
+            "a request of 1,000 tokens takes 63 blocks of 16",
+        ),
+        (
+            "startup_line(513 * 2 * MiB, 2 * MiB, 16, 8192)",
+            (513 * 2 * MiB, 2 * MiB, 16, 8192),
+            {
+                "num_gpu_blocks": 513,
+                "kv_cache_tokens": 8208,
+                "max_concurrency": 513 / 512,
+                "line": _expected_line("8,208", "8,192", "1.00"),
+            },
+            "513 blocks: the null block and one request of 512; the line counts all 513",
+        ),
+    ]:
+        c.equal(call, lambda args=args: startup_line(*args), expected, hint(why))
+    for call, args, why in [
+        (
+            "startup_line(512 * 2 * MiB, 2 * MiB, 16, 8192)",
+            (512 * 2 * MiB, 2 * MiB, 16, 8192),
+            "512 blocks: one is the null block, so a request of 512 blocks does not fit",
+        ),
+        ("startup_line(2 * MiB, 2 * MiB, 16, 16)", (2 * MiB, 2 * MiB, 16, 16), "one block, the null block"),
+        ("startup_line(0, 2 * MiB, 16, 16)", (0, 2 * MiB, 16, 16), "no memory at all"),
+        (
+            "startup_line(-2**30, 2 * MiB, 16, 16)",
+            (-(2**30), 2 * MiB, 16, 16),
+            "less than nothing: the weights",
+        ),
+    ]:
+        c.raises(call, lambda args=args: startup_line(*args), ValueError, hint(why))
+
+
+# ------------------------------------------------------------------------------- Task 3
 
 COMMON_RULE = (
     "one backend: the default if it accepts it, else its smallest size's base; several: the default if "
@@ -179,7 +510,7 @@ def _common_hint(common: Callable[..., object]) -> str:
     cases = [(backends, default) for backends, default, _ in COMMON_EXAMPLES] + _random_backends(200, 140)
 
     def probe(fn: Callable[..., object]) -> list:
-        return [_outcome(lambda b=b, d=d: fn([list(x) for x in b], d)) for b, d in cases]
+        return [outcome(lambda b=b, d=d: fn([list(x) for x in b], d)) for b, d in cases]
 
     return diagnose(common, COMMON_MISTAKES, probe, COMMON_RULE)
 
@@ -224,446 +555,3 @@ def _common_block_size(c: Checker, common) -> None:
     if wrong is not None:
         expect(*wrong, "a random model")
     c.holds(call, wrong is None, "the package's block size for every model", wrong, hint)
-
-
-# ------------------------------------------------------------------------------- Task 2
-
-LINE_RULE = (
-    "each throughput is tokens / seconds (0.0 when seconds <= 0); the line is 'Engine 000: Avg prompt "
-    "throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d "
-    "reqs, ' then 'Preemptions: %d, ' only when num_preemptions > 0, then 'GPU KV cache usage: %.1f%%' of "
-    "kv_cache_usage * 100, then ', Prefix cache hit rate: %.1f%%' of the rate * 100 only when it is not "
-    "None; the parts joined by ', '"
-)
-USAGE_NOT_PERCENT = (
-    "kv_cache_usage is a fraction (0.425 for 42.5 % of the blocks): print kv_cache_usage * 100 with %.1f "
-    "and a % sign, 'GPU KV cache usage: 42.5%'"
-)
-HIT_NOT_PERCENT = (
-    "the hit rate is a fraction too: print prefix_cache_hit_rate * 100 with %.1f and a % sign, "
-    "'Prefix cache hit rate: 50.0%'"
-)
-PREEMPTIONS_ALWAYS = (
-    "vLLM shows 'Preemptions: N' only when the window preempted (num_preemptions > 0); with none, the "
-    "part is left out"
-)
-ZERO_HIT_DROPPED = (
-    "a hit rate of 0.0 is still a hit rate: the part is left out only when prefix_cache_hit_rate is None "
-    "(no lookup yet). `if prefix_cache_hit_rate:` drops 0.0 too; test `is not None`"
-)
-DIVIDES_BY_ZERO = (
-    "a window of 0 seconds has no throughput to divide by: vLLM's _get_throughput returns 0.0 when the "
-    "time is not above 0, else tokens / seconds"
-)
-NOT_PER_SECOND = "a throughput is tokens per second: divide the window's tokens by its seconds"
-SINGULAR = "vLLM writes 'reqs' whatever the count: 'Running: 1 reqs', no singular"
-ENGINE_UNPADDED = "the engine index has three digits, 'Engine 000: ' ('{:03d}'.format(0)), not 'Engine 0: '"
-PREEMPTIONS_LATE = (
-    "the parts come in vLLM's order: the counts of requests, then 'Preemptions: N', then the KV cache "
-    "usage, then the hit rate"
-)
-
-
-def _line(
-    prompt_tokens: int,
-    generation_tokens: int,
-    seconds: float,
-    running: int,
-    waiting: int,
-    usage: float,
-    num_preemptions: int = 0,
-    prefix_cache_hit_rate: float | None = None,
-    *,
-    usage_percent: bool = True,
-    hit_percent: bool = True,
-    preemptions_always: bool = False,
-    zero_hit_dropped: bool = False,
-    guard_zero: bool = True,
-    per_second: bool = True,
-    singular: bool = False,
-    padded: bool = True,
-    preemptions_late: bool = False,
-) -> str:
-    """The line, or a classic mistake (a keyword changed)."""
-
-    def throughput(tokens: int) -> float:
-        if not per_second:
-            return float(tokens)
-        if guard_zero and seconds <= 0:
-            return 0.0
-        return tokens / seconds
-
-    def reqs(count: int) -> str:
-        return "req" if singular and count == 1 else "reqs"
-
-    parts = [
-        f"Avg prompt throughput: {throughput(prompt_tokens):.1f} tokens/s",
-        f"Avg generation throughput: {throughput(generation_tokens):.1f} tokens/s",
-        f"Running: {running} {reqs(running)}",
-        f"Waiting: {waiting} {reqs(waiting)}",
-    ]
-    preempted = [f"Preemptions: {num_preemptions}"] if num_preemptions > 0 or preemptions_always else []
-    usage_part = [f"GPU KV cache usage: {usage * 100 if usage_percent else usage:.1f}%"]
-    parts += usage_part + preempted if preemptions_late else preempted + usage_part
-    shown = bool(prefix_cache_hit_rate) if zero_hit_dropped else prefix_cache_hit_rate is not None
-    if shown:
-        rate = prefix_cache_hit_rate * 100 if hit_percent else prefix_cache_hit_rate
-        parts.append(f"Prefix cache hit rate: {rate:.1f}%")
-    return ("Engine 000: " if padded else "Engine 0: ") + ", ".join(parts)
-
-
-LINE_MISTAKES: list[tuple[Callable[..., str], str]] = [
-    (lambda *a, **k: _line(*a, **k, usage_percent=False), USAGE_NOT_PERCENT),
-    (lambda *a, **k: _line(*a, **k, hit_percent=False), HIT_NOT_PERCENT),
-    (lambda *a, **k: _line(*a, **k, preemptions_always=True), PREEMPTIONS_ALWAYS),
-    (lambda *a, **k: _line(*a, **k, zero_hit_dropped=True), ZERO_HIT_DROPPED),
-    (lambda *a, **k: _line(*a, **k, guard_zero=False), DIVIDES_BY_ZERO),
-    (lambda *a, **k: _line(*a, **k, per_second=False), NOT_PER_SECOND),
-    (lambda *a, **k: _line(*a, **k, singular=True), SINGULAR),
-    (lambda *a, **k: _line(*a, **k, padded=False), ENGINE_UNPADDED),
-    (lambda *a, **k: _line(*a, **k, preemptions_late=True), PREEMPTIONS_LATE),
-]
-
-# (positional arguments, num_preemptions, prefix_cache_hit_rate, why)
-LINE_EXAMPLES: list[tuple[tuple, int | None, float | None, str]] = [
-    ((1250, 300, 10.0, 2, 1, 0.425), None, None, "a window of 10 s: 125 and 30 tokens a second"),
-    ((0, 48, 10.0, 3, 0, 0.9), 2, None, "two preemptions in the window, before the usage"),
-    ((1250, 300, 10.0, 2, 1, 0.425), None, 0.5, "the prefix cache was looked up: its hit rate last"),
-    ((1250, 300, 10.0, 2, 1, 0.425), None, 0.0, "a hit rate of 0.0 is shown: the cache was looked up"),
-    ((1250, 300, 10.0, 2, 1, 0.425), 0, None, "no preemption: no 'Preemptions' part"),
-    ((500, 20, 0.0, 1, 0, 0.25), None, None, "no time passed: vLLM writes 0.0 tokens/s"),
-    ((1, 2, 3.0, 0, 4, 0.1234), None, 1 / 3, "one decimal everywhere"),
-    ((0, 0, 10.0, 1, 1, 0.0), None, None, "an idle engine; one request is still '1 reqs'"),
-    ((4096, 512, 2.5, 32, 7, 1.0), 5, 0.875, "a full pool: every part"),
-]
-
-
-def _line_args(case: tuple) -> tuple[tuple, dict]:
-    args, preemptions, rate, _ = case
-    keywords: dict = {}
-    if preemptions is not None:
-        keywords["num_preemptions"] = preemptions
-    if rate is not None:
-        keywords["prefix_cache_hit_rate"] = rate
-    return args, keywords
-
-
-def _line_call(args: tuple, keywords: dict) -> str:
-    shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in keywords.items()]
-    return f"log_line({', '.join(shown)})"
-
-
-def _random_windows(count: int, seed: int) -> list[tuple]:
-    rng = random.Random(seed)
-    cases = []
-    for _ in range(count):
-        args = (
-            rng.randint(0, 20000),
-            rng.randint(0, 5000),
-            rng.choice((0.0, 0.5, 1.0, 3.0, 5.0, 10.0, 10.25)),
-            rng.randint(0, 64),
-            rng.randint(0, 64),
-            rng.randint(0, 1000) / 1000,
-        )
-        preemptions = rng.choice((None, 0, 0, 1, 3, 12))
-        rate = rng.choice((None, None, 0.0, 1.0, rng.randint(0, 1000) / 1000))
-        cases.append((args, preemptions, rate, "a random window"))
-    return cases
-
-
-def _line_hint(line: Callable[..., object]) -> str:
-    cases = [_line_args(case) for case in LINE_EXAMPLES + _random_windows(100, 41)]
-
-    def probe(fn: Callable[..., object]) -> list:
-        return [_outcome(lambda a=a, k=k: fn(*a, **k)) for a, k in cases]
-
-    return diagnose(line, LINE_MISTAKES, probe, LINE_RULE)
-
-
-@task("14.log_line", "vLLM's periodic log line", needs=("log_line",))
-def _log_line(c: Checker, line) -> None:
-    def hint() -> str:  # derived only when an expectation fails
-        return _line_hint(line)
-
-    def expect(case: tuple) -> None:
-        args, keywords = _line_args(case)
-        c.equal(
-            f"{_line_call(args, keywords)}  # {case[3]}",
-            lambda: line(*args, **keywords),
-            package_line(*args, **keywords),
-            hint,
-        )
-
-    for case in LINE_EXAMPLES:
-        expect(case)
-    cases = _random_windows(200, 14)
-    call = f"log_line(...) on {len(cases)} random windows against the package's format_log_line"
-
-    def first_wrong() -> tuple | None:
-        for case in cases:
-            args, keywords = _line_args(case)
-            if line(*args, **keywords) != package_line(*args, **keywords):
-                return case
-        return None
-
-    wrong = c.run(call, first_wrong, hint)
-    if wrong is not None:
-        expect(wrong)
-    c.holds(call, wrong is None, "vLLM's line for every window", wrong, hint)
-
-
-# ------------------------------------------------------------------------------- Task 3
-
-CACHING_RULE = (
-    "observe: a step whose stats.requests is 0 changes nothing; else append (requests, queries, hits) to "
-    "query_queue and add them to the three sums, then, while the queue holds more than one step and "
-    "aggregated_requests > max_recent_requests, pop the oldest step and subtract it. empty: "
-    "aggregated_requests == 0; hit_rate: aggregated_query_hit / aggregated_query_total, 0.0 when no query"
-)
-COUNTS_PREEMPTED = (
-    "a resumed request's lookup does not count: use stats.requests, stats.queries and stats.hits only, "
-    "never the preempted_ fields (vLLM's hit rate is that of first lookups; a resumed request finds its "
-    "own blocks again and would inflate it)"
-)
-EMPTY_STEPS_QUEUED = (
-    "a step without lookups (stats.requests == 0) must change nothing: return before appending it. A "
-    "queued empty step counts as a step, so the step before it (which the window keeps whole, however "
-    "many requests it has) is dropped"
-)
-WINDOW_OF_STEPS = (
-    "the window holds the most recent max_recent_requests requests, not steps: compare "
-    "aggregated_requests with max_recent_requests, not len(query_queue)"
-)
-DROPS_THE_LATEST = (
-    "the newest step is always kept, even with more requests than the window: drop old steps only while "
-    "the queue holds more than one (len(query_queue) > 1 and aggregated_requests > max_recent_requests)"
-)
-DROPS_ONE = (
-    "one new step may push out several old ones: drop in a while loop, until aggregated_requests is at "
-    "most max_recent_requests (or one step is left), not once with an if"
-)
-DROPS_AT_THE_LIMIT = (
-    "a window of max_recent_requests holds exactly that many: drop while aggregated_requests > "
-    "max_recent_requests, not >="
-)
-MEAN_OF_RATES = (
-    "the hit rate is the window's hits over its queries, in tokens (aggregated_query_hit / "
-    "aggregated_query_total), not the mean of each step's rate: a long prompt weighs more than a short one"
-)
-NO_ZERO_GUARD = (
-    "before any query there is no rate to divide: hit_rate is 0.0 when aggregated_query_total is 0"
-)
-
-
-def _metrics_class(
-    *,
-    count_preempted: bool = False,
-    queue_empty_steps: bool = False,
-    window_of_steps: bool = False,
-    keep_latest: bool = True,
-    loop: bool = True,
-    strict: bool = True,
-    mean_of_rates: bool = False,
-    guard_zero: bool = True,
-) -> type:
-    """The rule as a class, or a classic mistake (a keyword changed)."""
-
-    class Metrics:
-        def __init__(self, max_recent_requests: int = 1000) -> None:
-            self.max_recent_requests = max_recent_requests
-            self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
-            self.query_queue: deque = deque()
-
-        def _over(self) -> bool:
-            size = len(self.query_queue) if window_of_steps else self.aggregated_requests
-            over = size > self.max_recent_requests if strict else size >= self.max_recent_requests
-            return over and (len(self.query_queue) > 1 or not keep_latest) and bool(self.query_queue)
-
-        def observe(self, stats: PrefixCacheStats) -> None:
-            requests, queries, hits = stats.requests, stats.queries, stats.hits
-            if count_preempted:
-                requests += stats.preempted_requests
-                queries += stats.preempted_queries
-                hits += stats.preempted_hits
-            if requests == 0 and not queue_empty_steps:
-                return
-            self.query_queue.append((requests, queries, hits))
-            self.aggregated_requests += requests
-            self.aggregated_query_total += queries
-            self.aggregated_query_hit += hits
-            while self._over():
-                old = self.query_queue.popleft()
-                self.aggregated_requests -= old[0]
-                self.aggregated_query_total -= old[1]
-                self.aggregated_query_hit -= old[2]
-                if not loop:
-                    break
-
-        @property
-        def empty(self) -> bool:
-            return self.aggregated_requests == 0
-
-        @property
-        def hit_rate(self) -> float:
-            if mean_of_rates:
-                rates = [h / q for _, q, h in self.query_queue if q]
-                return sum(rates) / len(rates) if rates else 0.0
-            if guard_zero and self.aggregated_query_total == 0:
-                return 0.0
-            return self.aggregated_query_hit / self.aggregated_query_total
-
-    return Metrics
-
-
-CACHING_MISTAKES: list[tuple[type, str]] = [
-    (_metrics_class(guard_zero=False), NO_ZERO_GUARD),
-    (_metrics_class(count_preempted=True), COUNTS_PREEMPTED),
-    (_metrics_class(queue_empty_steps=True), EMPTY_STEPS_QUEUED),
-    (_metrics_class(window_of_steps=True), WINDOW_OF_STEPS),
-    (_metrics_class(keep_latest=False), DROPS_THE_LATEST),
-    (_metrics_class(loop=False), DROPS_ONE),
-    (_metrics_class(strict=False), DROPS_AT_THE_LIMIT),
-    (_metrics_class(mean_of_rates=True), MEAN_OF_RATES),
-]
-
-
-def S(requests: int = 0, queries: int = 0, hits: int = 0, **preempted: int) -> PrefixCacheStats:
-    """One step's lookups: ``S(1, 10, 5)`` is one request that looked up 10 tokens and found 5."""
-    return PrefixCacheStats(requests=requests, queries=queries, hits=hits, **preempted)
-
-
-def _show(stats: PrefixCacheStats) -> str:
-    fields = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
-    shown = [f"{name}={getattr(stats, name)}" for name in fields if getattr(stats, name)]
-    return f"PrefixCacheStats({', '.join(shown)})"
-
-
-# (max_recent_requests or None for the default, the steps, why): each isolates one rule
-CACHING_SCENARIOS: list[tuple[int | None, list[PrefixCacheStats], str]] = [
-    (None, [], "nothing observed yet: empty, and a hit rate of 0.0"),
-    (None, [S(1, 32, 16)], "one request found 16 of its 32 tokens"),
-    (None, [S(1, 32, 16), S(), S(preempted_requests=1, preempted_queries=40, preempted_hits=40)],
-     "a step without lookups, then a resumed request's lookup: neither counts"),
-    (None, [S(1, 10, 5, preempted_requests=2, preempted_queries=50, preempted_hits=50)],
-     "a step with first and resumed lookups: only the first count"),
-    (None, [S(1, 30, 0), S(1, 10, 5)], "hits over queries, in tokens: 5 of 40"),
-    (2, [S(1, 10, 10), S(1, 10, 0), S(1, 10, 5)], "a window of 2 requests: the oldest step goes"),
-    (3, [S(2, 20, 20), S(2, 20, 0)], "4 requests in a window of 3: the oldest step goes whole"),
-    (2, [S(5, 100, 40), S(), S(1, 10, 10)],
-     "the newest step stays, even with more requests than the window; an empty step changes nothing"),
-    (4, [S(1, 10, 10), S(1, 10, 10), S(1, 10, 10), S(3, 10, 0)], "one step pushes out two"),
-    (None, [S(1, 10, 0)] + [S(1, 10, 10)] * 999 + [S(1, 20, 20)],
-     "the default window holds 1,000 requests: the 1,001st pushes out the first"),
-]  # fmt: skip
-
-
-def _random_scenarios(count: int, seed: int) -> list[tuple[int | None, list[PrefixCacheStats], str]]:
-    rng = random.Random(seed)
-    scenarios = []
-    for _ in range(count):
-        steps = []
-        for _ in range(rng.randint(1, 12)):
-            requests = rng.choice((0, 0, 1, 1, 2, 3, 5))
-            queries = sum(rng.randint(1, 64) for _ in range(requests))
-            preempted = rng.choice((0, 0, 1))
-            preempted_queries = rng.randint(1, 64) * preempted
-            steps.append(
-                S(
-                    requests,
-                    queries,
-                    rng.randint(0, queries),
-                    preempted_requests=preempted,
-                    preempted_queries=preempted_queries,
-                    preempted_hits=rng.randint(0, preempted_queries),
-                )
-            )
-        scenarios.append((rng.choice((1, 2, 3, 4, 6, 10)), steps, "random steps"))
-    return scenarios
-
-
-def _new(cls: type, window: int | None) -> object:
-    return cls() if window is None else cls(max_recent_requests=window)
-
-
-def _trace(cls: type, window: int | None, steps: list[PrefixCacheStats]) -> list:
-    """``(empty, hit_rate)`` before the first step and after each, or the error's name."""
-    metrics = _new(cls, window)
-    seen = [(_outcome(lambda: metrics.empty), _outcome(lambda: metrics.hit_rate))]
-    for stats in steps:
-        try:
-            metrics.observe(stats)  # type: ignore[attr-defined]
-        except NotImplementedError:
-            raise
-        except Exception as error:  # part of the behaviour: the run stops there
-            seen.append(type(error).__name__)
-            break
-        seen.append((_outcome(lambda: metrics.empty), _outcome(lambda: metrics.hit_rate)))
-    return seen
-
-
-def _caching_hint(cls: type) -> str:
-    scenarios = CACHING_SCENARIOS + _random_scenarios(100, 41)
-
-    def probe(candidate: Callable[..., object]) -> list:
-        return [_trace(candidate, window, steps) for window, steps, _ in scenarios]  # type: ignore[arg-type]
-
-    return diagnose(cls, CACHING_MISTAKES, probe, CACHING_RULE)
-
-
-def _constructor(window: int | None) -> str:
-    return "CachingMetrics()" if window is None else f"CachingMetrics(max_recent_requests={window})"
-
-
-def _scenario(
-    c: Checker, cls: type, window: int | None, steps: list[PrefixCacheStats], why: str, hint
-) -> None:
-    """Run one scenario step by step, checking ``empty`` and ``hit_rate`` before the first step and after
-    each (after a run of equal steps, once, at its end)."""
-    start = f"m = {_constructor(window)}"
-    metrics = c.run(f"{start}  # {why}", lambda: _new(cls, window), hint)
-    expected = _new(PackageCachingMetrics, window)
-    for number in range(len(steps) + 1):
-        if number:
-            stats = steps[number - 1]
-            c.run(f"m.observe({_show(stats)})  # {why}", lambda stats=stats: metrics.observe(stats), hint)
-            expected.observe(stats)
-            if number < len(steps) and steps[number] == stats:
-                continue
-        where = "; ".join(part for part in (start, _steps_text(steps[:number])) if part)
-        c.equal(f"{where}; m.empty  # {why}", lambda: metrics.empty, expected.empty, hint)
-        c.equal(f"{where}; m.hit_rate  # {why}", lambda: metrics.hit_rate, expected.hit_rate, hint)
-
-
-def _steps_text(steps: list[PrefixCacheStats]) -> str:
-    """The observe calls so far, a run of equal steps written once with its count."""
-    runs: list[tuple[PrefixCacheStats, int]] = []
-    for stats in steps:
-        if runs and runs[-1][0] == stats:
-            runs[-1] = (stats, runs[-1][1] + 1)
-        else:
-            runs.append((stats, 1))
-    return "; ".join(
-        f"m.observe({_show(stats)})" + (f" ({count} times)" if count > 1 else "") for stats, count in runs
-    )
-
-
-@task("14.CachingMetrics", "the prefix cache's hit rate over the recent requests", needs=("CachingMetrics",))
-def _caching_metrics(c: Checker, cls) -> None:
-    def hint() -> str:  # derived only when an expectation fails
-        return _caching_hint(cls)
-
-    for window, steps, why in CACHING_SCENARIOS:
-        _scenario(c, cls, window, steps, why, hint)
-    scenarios = _random_scenarios(200, 14)
-    call = f"CachingMetrics on {len(scenarios)} random runs of steps against the package's CachingMetrics"
-
-    def first_wrong() -> tuple | None:
-        for window, steps, why in scenarios:
-            if _trace(cls, window, steps) != _trace(PackageCachingMetrics, window, steps):
-                return window, steps, why
-        return None
-
-    wrong = c.run(call, first_wrong, hint)
-    if wrong is not None:
-        _scenario(c, cls, *wrong, hint)
-    c.holds(call, wrong is None, "the package's empty and hit_rate after every step", wrong, hint)

@@ -1,870 +1,464 @@
-"""Checks of exercise 15: stop strings and what a stream may send, the children of a request with ``n``
-completions, and an abort that frees a running request's blocks at once.
+"""Checks of exercise 15: vLLM's periodic log line, and the prefix cache's hit rate over the most recent
+requests.
 
-Each task is checked on examples that isolate one rule (the stop string listed first wins and is left
-out, a hold of the longest stop less one and none once finished, a trailing ``\\ufffd`` not sent, a
-text shorter than the hold sending nothing, a single completion keeping its id, ``seed + i`` and a seed
-of 0, a shared block freed by its last holder only, the last block first, a waiting request just
-leaving...), then against the package on many cases: ``cut_at_stop`` and ``sendable`` against
-:class:`paged_kv.serving.output_processor.OutputProcessor` (each on random texts, then both together on
-random token streams, some ending in half a UTF-8 character, whose every output they must reproduce),
-``child_requests`` against the processor's child ids and the engine's child seeds, and ``abort`` against
-:class:`~paged_kv.core.single_type_kv_cache_manager.FullAttentionManager` freeing tables over a
-:class:`~paged_kv.core.block_allocator.BlockAllocator` (through the package's reference,
+Each task is checked on examples that isolate one rule (the usage as a percentage, the preemptions shown
+only when there were some, a hit rate of 0.0 still shown, preempted lookups and empty steps left out,
+whole steps dropped oldest first...), then against the package on many cases: ``log_line`` against
+:func:`paged_kv.serving.metrics.format_log_line` and ``CachingMetrics`` against
+:class:`paged_kv.serving.metrics.CachingMetrics` (through the package's reference,
 :mod:`paged_kv.reference.lesson15`). When an answer is wrong, the check runs the learner's code
 beside the classic mistakes, written as small wrong implementations, and names the one it behaves like
-(:func:`~paged_kv.checks._core.diagnose`).
-"""
+(:func:`~paged_kv.checks._core.diagnose`)."""
 
 from __future__ import annotations
 
-import copy
 import random
-from collections import Counter
+from collections import deque
 from collections.abc import Callable
 
-from paged_kv.checks._core import Checker, diagnose, task
-from paged_kv.reference.lesson15 import abort as package_abort
-from paged_kv.reference.lesson15 import child_requests as package_children
-from paged_kv.reference.lesson15 import cut_at_stop as package_cut
-from paged_kv.reference.lesson15 import sendable as package_sendable
-from paged_kv.serving.output_processor import OutputProcessor
-from paged_kv.serving.sampling_params import SamplingParams
-
-
-def _outcome(thunk: Callable[[], object]) -> object:
-    """What a call returned, or the name of the exception it raised (for comparing behaviours)."""
-    try:
-        return thunk()
-    except NotImplementedError:
-        raise
-    except Exception as error:  # a mistake's (or the learner's) error is part of its behaviour
-        return type(error).__name__
-
+from paged_kv.checks._core import Checker, diagnose, outcome, task
+from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.reference.lesson15 import CachingMetrics as PackageCachingMetrics
+from paged_kv.reference.lesson15 import log_line as package_line
 
 # ------------------------------------------------------------------------------- Task 1
 
-CUT_RULE = (
-    "try the stop strings in the order listed: the first one found anywhere in the text (text.find(s) != "
-    "-1) ends it, and the text is cut just before it: return (text[:at], s); when none is found, return "
-    "(text, None)"
+LINE_RULE = (
+    "each throughput is tokens / seconds (0.0 when seconds <= 0); the line is 'Engine 000: Avg prompt "
+    "throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d "
+    "reqs, ' then 'Preemptions: %d, ' only when num_preemptions > 0, then 'GPU KV cache usage: %.1f%%' of "
+    "kv_cache_usage * 100, then ', Prefix cache hit rate: %.1f%%' of the rate * 100 only when it is not "
+    "None; the parts joined by ', '"
 )
-EARLIEST_NOT_LISTED = (
-    "vLLM tries the stop strings in the order they are listed, and the first one found ends the text, "
-    "even when another, listed later, starts earlier (check_stop_strings: `for stop_str in stop: ... "
-    "return`). Streaming checks after every token, so two stop strings are in the text at once only when "
-    "one step completed both; then the list decides, not the position"
+USAGE_NOT_PERCENT = (
+    "kv_cache_usage is a fraction (0.425 for 42.5 % of the blocks): print kv_cache_usage * 100 with %.1f "
+    "and a % sign, 'GPU KV cache usage: 42.5%'"
 )
-STOP_KEPT = (
-    "the stop string is left out of the text (vLLM's default, include_stop_str_in_output=False): cut at "
-    "its start, text[:at], not after it"
+HIT_NOT_PERCENT = (
+    "the hit rate is a fraction too: print prefix_cache_hit_rate * 100 with %.1f and a % sign, "
+    "'Prefix cache hit rate: 50.0%'"
 )
-LAST_OCCURRENCE = (
-    "the first occurrence of the stop string ends the text: the text stops there, whatever follows. Use "
-    "text.find(s), not text.rfind(s)"
+PREEMPTIONS_ALWAYS = (
+    "vLLM shows 'Preemptions: N' only when the window preempted (num_preemptions > 0); with none, the "
+    "part is left out"
 )
-ONLY_AT_THE_END = (
-    "a stop string anywhere in the text ends it, not only at its end: a token may bring the stop string "
-    "and more characters after it (find it with text.find(s), not text.endswith(s))"
+ZERO_HIT_DROPPED = (
+    "a hit rate of 0.0 is still a hit rate: the part is left out only when prefix_cache_hit_rate is None "
+    "(no lookup yet). `if prefix_cache_hit_rate:` drops 0.0 too; test `is not None`"
 )
-FINISH_REASON_RETURNED = (
-    "the second item is the stop_reason, the stop string that matched ('\\n', '.'...); 'stop' is the "
-    "finish_reason, which the engine sets beside it"
+DIVIDES_BY_ZERO = (
+    "a window of 0 seconds has no throughput to divide by: vLLM's _get_throughput returns 0.0 when the "
+    "time is not above 0, else tokens / seconds"
 )
-SENDABLE_RULE = (
-    "finished: the whole text; else drop the trailing '\\ufffd' characters first (text.rstrip('\\ufffd')), "
-    "then hold back hold = max(len(s) for s in stop) - 1 characters (0 without stop strings): "
-    "text[:max(len(text) - hold, 0)]"
-)
-HOLD_FULL = (
-    "hold back the longest stop string's length less one: a text that ends with its first len - 1 "
-    "characters might still become it, but if all len characters were there the stop string would have "
-    "been found already (vLLM: stop_buffer_length = max(len(s) for s in stop) - 1)"
-)
-HOLD_FIRST = (
-    "the hold comes from the longest stop string, not the first one listed: any of them may be starting "
-    "at the end of the text (max(len(s) for s in stop) - 1)"
-)
-HOLD_SHORTEST = (
-    "the hold comes from the longest stop string, not the shortest: a longer one may be starting earlier "
-    "in the tail (max(len(s) for s in stop) - 1)"
-)
-HOLD_WHEN_FINISHED = (
-    "a finished text is sent whole: no stop string can come any more, so nothing is held back "
-    "(vLLM: buffer_length = 0 if finished else stop_buffer_length)"
-)
-STRIP_WHEN_FINISHED = (
-    "a finished text is sent as it is, a trailing '\\ufffd' included: no more bytes will come to complete "
-    "that character, so it stays"
-)
-NO_STRIP = (
-    "a trailing '\\ufffd' is a character whose bytes have not all arrived (the tokenizer decoded half a "
-    "UTF-8 character): leave it out while the stream runs, text.rstrip('\\ufffd'), so the client never "
-    "reads a replacement character the next token will fix"
-)
-STRIP_ONE = (
-    "drop every trailing '\\ufffd', not only the last one: a character of 3 or 4 bytes whose first bytes "
-    "came in separate tokens decodes as several (text.rstrip('\\ufffd'))"
-)
-STRIP_ALL = (
-    "only a trailing '\\ufffd' may still be completed; one inside the text is followed by other "
-    "characters, so it is final: text.rstrip('\\ufffd'), not text.replace('\\ufffd', '')"
-)
-HOLD_THEN_STRIP = (
-    "drop the trailing '\\ufffd' first, then hold back: the characters held back are real ones that may "
-    "start a stop string, and a '\\ufffd' is not a character yet"
-)
-MINUS_ZERO = (
-    "text[:-hold] is '' when hold is 0 (-0 is 0): with no stop strings, or only one-character ones, "
-    "nothing is held back. Slice with text[:len(text) - hold], or test `if hold`"
-)
-WRAPS_AROUND = (
-    "a text shorter than the hold sends nothing: len(text) - hold is negative then, and text[:-1] keeps "
-    "all but one character (Python counts a negative index from the end). Take max(len(text) - hold, 0)"
-)
-NO_STOPS_RAISES = (
-    "with no stop strings nothing is held back: max() of an empty sequence raises ValueError; use "
-    "max((len(s) for s in stop), default=1) - 1, or test `if stop` first"
+NOT_PER_SECOND = "a throughput is tokens per second: divide the window's tokens by its seconds"
+SINGULAR = "vLLM writes 'reqs' whatever the count: 'Running: 1 reqs', no singular"
+ENGINE_UNPADDED = "the engine index has three digits, 'Engine 000: ' ('{:03d}'.format(0)), not 'Engine 0: '"
+PREEMPTIONS_LATE = (
+    "the parts come in vLLM's order: the counts of requests, then 'Preemptions: N', then the KV cache "
+    "usage, then the hit rate"
 )
 
 
-def _cut(
-    text: str,
-    stop: list[str],
+def _line(
+    prompt_tokens: int,
+    generation_tokens: int,
+    seconds: float,
+    running: int,
+    waiting: int,
+    usage: float,
+    num_preemptions: int = 0,
+    prefix_cache_hit_rate: float | None = None,
     *,
-    earliest: bool = False,
-    keep: bool = False,
-    last: bool = False,
-    at_end: bool = False,
-    finish_reason: bool = False,
-) -> tuple[str, str | None]:
-    """The rule, or a classic mistake (a keyword changed)."""
-    found = []
-    for order, s in enumerate(stop):
-        if at_end:
-            at = len(text) - len(s) if text.endswith(s) else -1
-        else:
-            at = text.rfind(s) if last else text.find(s)
-        if at != -1:
-            found.append((at, order, s))
-    if not found:
-        return text, None
-    at, _, s = min(found) if earliest else found[0]
-    return text[: at + len(s) if keep else at], "stop" if finish_reason else s
-
-
-CUT_MISTAKES: list[tuple[Callable[..., object], str]] = [
-    (lambda t, s: _cut(t, s, earliest=True), EARLIEST_NOT_LISTED),
-    (lambda t, s: _cut(t, s, keep=True), STOP_KEPT),
-    (lambda t, s: _cut(t, s, last=True), LAST_OCCURRENCE),
-    (lambda t, s: _cut(t, s, at_end=True), ONLY_AT_THE_END),
-    (lambda t, s: _cut(t, s, finish_reason=True), FINISH_REASON_RETURNED),
-]
-
-
-def _sendable(
-    text: str,
-    stop: list[str],
-    finished: bool,
-    *,
-    hold_of: Callable[[list[str]], int] = lambda stop: max((len(s) for s in stop), default=1) - 1,
-    hold_finished: bool = False,
-    strip_finished: bool = False,
-    strip: str = "trailing",
-    strip_first: bool = True,
-    slicing: str = "guarded",
+    usage_percent: bool = True,
+    hit_percent: bool = True,
+    preemptions_always: bool = False,
+    zero_hit_dropped: bool = False,
+    guard_zero: bool = True,
+    per_second: bool = True,
+    singular: bool = False,
+    padded: bool = True,
+    preemptions_late: bool = False,
 ) -> str:
-    """The rule, or a classic mistake (a keyword changed)."""
-    if finished and not hold_finished:
-        return text.rstrip("\ufffd") if strip_finished else text
+    """The line, or a classic mistake (a keyword changed)."""
 
-    def stripped(value: str) -> str:
-        if strip == "trailing":
-            return value.rstrip("\ufffd")
-        if strip == "one":
-            return value[:-1] if value.endswith("\ufffd") else value
-        if strip == "all":
-            return value.replace("\ufffd", "")
-        return value
+    def throughput(tokens: int) -> float:
+        if not per_second:
+            return float(tokens)
+        if guard_zero and seconds <= 0:
+            return 0.0
+        return tokens / seconds
 
-    hold = hold_of(stop)
-    if strip_first:
-        text = stripped(text)
-    if slicing == "minus":
-        text = text[:-hold]
-    elif slicing == "wraps":
-        text = text[: len(text) - hold]
-    else:
-        text = text[: max(len(text) - hold, 0)]
-    return text if strip_first else stripped(text)
+    def reqs(count: int) -> str:
+        return "req" if singular and count == 1 else "reqs"
+
+    parts = [
+        f"Avg prompt throughput: {throughput(prompt_tokens):.1f} tokens/s",
+        f"Avg generation throughput: {throughput(generation_tokens):.1f} tokens/s",
+        f"Running: {running} {reqs(running)}",
+        f"Waiting: {waiting} {reqs(waiting)}",
+    ]
+    preempted = [f"Preemptions: {num_preemptions}"] if num_preemptions > 0 or preemptions_always else []
+    usage_part = [f"GPU KV cache usage: {usage * 100 if usage_percent else usage:.1f}%"]
+    parts += usage_part + preempted if preemptions_late else preempted + usage_part
+    shown = bool(prefix_cache_hit_rate) if zero_hit_dropped else prefix_cache_hit_rate is not None
+    if shown:
+        rate = prefix_cache_hit_rate * 100 if hit_percent else prefix_cache_hit_rate
+        parts.append(f"Prefix cache hit rate: {rate:.1f}%")
+    return ("Engine 000: " if padded else "Engine 0: ") + ", ".join(parts)
 
 
-SENDABLE_MISTAKES: list[tuple[Callable[..., object], str]] = [
-    (
-        lambda t, s, f: _sendable(t, s, f, hold_of=lambda stop: max((len(x) for x in stop), default=0)),
-        HOLD_FULL,
-    ),
-    (lambda t, s, f: _sendable(t, s, f, hold_of=lambda stop: len(stop[0]) - 1 if stop else 0), HOLD_FIRST),
-    (
-        lambda t, s, f: _sendable(t, s, f, hold_of=lambda stop: min((len(x) for x in stop), default=1) - 1),
-        HOLD_SHORTEST,
-    ),
-    (lambda t, s, f: _sendable(t, s, f, hold_finished=True), HOLD_WHEN_FINISHED),
-    (lambda t, s, f: _sendable(t, s, f, strip_finished=True), STRIP_WHEN_FINISHED),
-    (lambda t, s, f: _sendable(t, s, f, strip="none"), NO_STRIP),
-    (lambda t, s, f: _sendable(t, s, f, strip="one"), STRIP_ONE),
-    (lambda t, s, f: _sendable(t, s, f, strip="all"), STRIP_ALL),
-    (lambda t, s, f: _sendable(t, s, f, strip_first=False), HOLD_THEN_STRIP),
-    (lambda t, s, f: _sendable(t, s, f, slicing="minus"), MINUS_ZERO),
-    (lambda t, s, f: _sendable(t, s, f, slicing="wraps"), WRAPS_AROUND),
-    (lambda t, s, f: _sendable(t, s, f, hold_of=lambda stop: max(len(x) for x in stop) - 1), NO_STOPS_RAISES),
+LINE_MISTAKES: list[tuple[Callable[..., str], str]] = [
+    (lambda *a, **k: _line(*a, **k, usage_percent=False), USAGE_NOT_PERCENT),
+    (lambda *a, **k: _line(*a, **k, hit_percent=False), HIT_NOT_PERCENT),
+    (lambda *a, **k: _line(*a, **k, preemptions_always=True), PREEMPTIONS_ALWAYS),
+    (lambda *a, **k: _line(*a, **k, zero_hit_dropped=True), ZERO_HIT_DROPPED),
+    (lambda *a, **k: _line(*a, **k, guard_zero=False), DIVIDES_BY_ZERO),
+    (lambda *a, **k: _line(*a, **k, per_second=False), NOT_PER_SECOND),
+    (lambda *a, **k: _line(*a, **k, singular=True), SINGULAR),
+    (lambda *a, **k: _line(*a, **k, padded=False), ENGINE_UNPADDED),
+    (lambda *a, **k: _line(*a, **k, preemptions_late=True), PREEMPTIONS_LATE),
 ]
 
-# (text, stop, why): each isolates one rule
-CUT_EXAMPLES: list[tuple[str, list[str], str]] = [
-    ("Hello world", [], "no stop strings: the whole text, and no stop_reason"),
-    ("Hello world", ["\n"], "no stop string in the text"),
-    ("Hello.\nBye", ["\n"], "the text before the stop string, which is left out"),
-    ("ending", ["ing"], "a stop string at the very end of the text"),
-    ("User: hi", ["User:"], "a stop string at the start: nothing is left"),
-    ("a. b. c.", ["."], "its first occurrence ends the text"),
-    ("Yes!\nNo.", ["\n", "."], "both are in the text: '\\n' is listed first"),
-    ("Yes!\nNo.", [".", "\n"], "'.' is listed first: it wins, although '\\n' comes earlier"),
-    ("x</s>y", ["s", "</s>"], "one stop string inside another: the one listed first"),
-    ("abc", ["abcd"], "a stop string longer than the text is not in it"),
-]  # fmt: skip
-
-# (text, stop, finished, why)
-SENDABLE_EXAMPLES: list[tuple[str, list[str], bool, str]] = [
-    ("Hello", [], False, "no stop strings: nothing held back"),
-    ("Hello", [], True, "finished: everything"),
-    ("Hello", ["\n"], False, "a one-character stop string: 1 - 1 = 0 held back"),
-    ("Hello wor", ["world"], False, "the last 4 characters may be the start of 'world'"),
-    ("Hello wor", ["world"], True, "finished: nothing held back"),
-    ("Hello", ["\n", "STOP"], False, "the longest stop string sets the hold: 4 - 1 = 3"),
-    ("Hello", ["STOP", "\n"], False, "the longest, wherever it is listed"),
-    ("Hello", ["ab", "STOP"], False, "the longest, not the shortest"),
-    ("caf\ufffd", [], False, "half a character at the end is not sent yet"),
-    ("\u20ac\ufffd\ufffd", [], False, "two bytes of a 3-byte character: both '\\ufffd' go"),
-    ("a\ufffdb", [], False, "a '\\ufffd' inside the text is final: it is sent"),
-    ("Hello wo\ufffd", ["world"], False, "the '\\ufffd' goes first, then 4 characters are held back"),
-    ("caf\ufffd", ["\n"], True, "finished: everything, a trailing '\\ufffd' too"),
-    ("ab", ["abcd"], False, "a text shorter than the hold: nothing yet, 'ab' may start 'abcd'"),
-    ("", ["abc"], False, "no text yet"),
-]  # fmt: skip
-
-_ALPHABET = "ab.\n c\ufffd"
-_STOP_CHOICES = ("\n", ".", "ab", "a", "b.", "c\n", "abc", "\n\n", "ba b", " ", "\ufffd")
+# (positional arguments, num_preemptions, prefix_cache_hit_rate, why)
+LINE_EXAMPLES: list[tuple[tuple, int | None, float | None, str]] = [
+    ((1250, 300, 10.0, 2, 1, 0.425), None, None, "a window of 10 s: 125 and 30 tokens a second"),
+    ((0, 48, 10.0, 3, 0, 0.9), 2, None, "two preemptions in the window, before the usage"),
+    ((1250, 300, 10.0, 2, 1, 0.425), None, 0.5, "the prefix cache was looked up: its hit rate last"),
+    ((1250, 300, 10.0, 2, 1, 0.425), None, 0.0, "a hit rate of 0.0 is shown: the cache was looked up"),
+    ((1250, 300, 10.0, 2, 1, 0.425), 0, None, "no preemption: no 'Preemptions' part"),
+    ((500, 20, 0.0, 1, 0, 0.25), None, None, "no time passed: vLLM writes 0.0 tokens/s"),
+    ((1, 2, 3.0, 0, 4, 0.1234), None, 1 / 3, "one decimal everywhere"),
+    ((0, 0, 10.0, 1, 1, 0.0), None, None, "an idle engine; one request is still '1 reqs'"),
+    ((4096, 512, 2.5, 32, 7, 1.0), 5, 0.875, "a full pool: every part"),
+]
 
 
-def _random_stops(rng: random.Random) -> list[str]:
-    return rng.sample(_STOP_CHOICES, rng.choice((0, 1, 1, 2, 2, 3)))
+def _line_args(case: tuple) -> tuple[tuple, dict]:
+    args, preemptions, rate, _ = case
+    keywords: dict = {}
+    if preemptions is not None:
+        keywords["num_preemptions"] = preemptions
+    if rate is not None:
+        keywords["prefix_cache_hit_rate"] = rate
+    return args, keywords
 
 
-def _random_texts(count: int, seed: int) -> list[tuple[str, list[str], bool]]:
+def _line_call(args: tuple, keywords: dict) -> str:
+    shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in keywords.items()]
+    return f"log_line({', '.join(shown)})"
+
+
+def _random_windows(count: int, seed: int) -> list[tuple]:
     rng = random.Random(seed)
     cases = []
     for _ in range(count):
-        text = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(0, 12)))
-        cases.append((text, _random_stops(rng), rng.random() < 0.25))
+        args = (
+            rng.randint(0, 20000),
+            rng.randint(0, 5000),
+            rng.choice((0.0, 0.5, 1.0, 3.0, 5.0, 10.0, 10.25)),
+            rng.randint(0, 64),
+            rng.randint(0, 64),
+            rng.randint(0, 1000) / 1000,
+        )
+        preemptions = rng.choice((None, 0, 0, 1, 3, 12))
+        rate = rng.choice((None, None, 0.0, 1.0, rng.randint(0, 1000) / 1000))
+        cases.append((args, preemptions, rate, "a random window"))
     return cases
 
 
-def _cut_call(text: str, stop: list[str]) -> str:
-    return f"cut_at_stop({text!r}, {stop!r})"
-
-
-def _sendable_call(text: str, stop: list[str], finished: bool) -> str:
-    return f"sendable({text!r}, {stop!r}, finished={finished})"
-
-
-def _cut_hint(cut: Callable[..., object]) -> str:
-    cases = [(text, stop) for text, stop, _ in CUT_EXAMPLES]
-    cases += [(text, stop) for text, stop, _ in _random_texts(150, 151)]
+def _line_hint(line: Callable[..., object]) -> str:
+    cases = [_line_args(case) for case in LINE_EXAMPLES + _random_windows(100, 41)]
 
     def probe(fn: Callable[..., object]) -> list:
-        return [_outcome(lambda t=t, s=s: fn(t, list(s))) for t, s in cases]
+        return [outcome(lambda a=a, k=k: fn(*a, **k)) for a, k in cases]
 
-    return diagnose(cut, CUT_MISTAKES, probe, CUT_RULE)
-
-
-def _sendable_hint(send: Callable[..., object]) -> str:
-    cases = [(text, stop, finished) for text, stop, finished, _ in SENDABLE_EXAMPLES] + _random_texts(
-        150, 152
-    )
-
-    def probe(fn: Callable[..., object]) -> list:
-        return [_outcome(lambda t=t, s=s, f=f: fn(t, list(s), f)) for t, s, f in cases]
-
-    return diagnose(send, SENDABLE_MISTAKES, probe, SENDABLE_RULE)
+    return diagnose(line, LINE_MISTAKES, probe, LINE_RULE)
 
 
-# A token stream: token ids index TOKENS, and the text is their bytes decoded as UTF-8, a character
-# whose bytes have not all come decoding as '\ufffd' ('é' is b"\xc3\xa9", '€' b"\xe2\x82\xac").
-TOKENS = (
-    b"a",
-    b"b",
-    b"c",
-    b"ab",
-    b".",
-    b"\n",
-    b" ",
-    b"c.",
-    b"\xc3",
-    b"\xa9",
-    b"\xe2",
-    b"\x82",
-    b"\xac",
-    b"User",
-)
-FIRST_TOKENS = (b"Hello", b"Hi ab", b"Well.")
-STREAM_STOPS = ("\n", ".", "ab", "c.", "b a", "\n\n", "\u00e9", "\u20ac", "User", "ser:")
-
-
-def _decode(tokens: tuple[bytes, ...]) -> str:
-    return b"".join(tokens).decode("utf-8", errors="replace")
-
-
-def _random_streams(count: int, seed: int) -> list[tuple[tuple[bytes, ...], list[str]]]:
-    """Random streams of 2 to 12 tokens with 0 to 3 stop strings of up to 4 characters. The first token
-    has 5 characters, more than any hold: the package's processor lets a shorter text through (see the
-    WRAPS_AROUND rule), so that case is checked on texts only."""
-    rng = random.Random(seed)
-    streams = []
-    for _ in range(count):
-        tokens = (rng.choice(FIRST_TOKENS), *(rng.choice(TOKENS) for _ in range(rng.randint(1, 11))))
-        streams.append((tokens, rng.sample(STREAM_STOPS, rng.choice((0, 1, 2, 2, 3)))))
-    return streams
-
-
-def _processor_stream(tokens: tuple[bytes, ...], stop: list[str]) -> list[tuple]:
-    """``(text, finish_reason, stop_reason)`` of each output of the package's OutputProcessor, fed one token
-    a step (the last step finishes the request by length unless a stop string ends it first)."""
-    processor = OutputProcessor(decode=lambda ids: _decode(tuple(tokens[i] for i in ids)))
-    processor.add_request("request", [0], SamplingParams(stop=tuple(stop)))
-    seen = []
-    for step in range(len(tokens)):
-        last = step == len(tokens) - 1
-        by_length = last and package_cut(_decode(tokens[: step + 1]), stop)[1] is None
-        outputs, _ = processor.process_outputs({"request": step}, ["request"] if by_length else [])
-        completion = outputs[0].outputs[0]
-        seen.append((completion.text, completion.finish_reason, completion.stop_reason))
-        if completion.finished:
-            break
-    return seen
-
-
-def _learner_stream(cut: Callable, send: Callable, tokens: tuple[bytes, ...], stop: list[str]) -> list[tuple]:
-    """The same outputs from ``cut_at_stop`` and ``sendable``: each step's text cut at a stop string (which
-    finishes it), else what a running stream may send, and the whole text at the last step."""
-    seen = []
-    for step in range(len(tokens)):
-        text = _decode(tokens[: step + 1])
-        kept, reason = cut(text, list(stop))
-        if reason is not None:
-            seen.append((send(kept, list(stop), True), "stop", reason))
-            break
-        if step == len(tokens) - 1:
-            seen.append((send(text, list(stop), True), "length", None))
-        else:
-            seen.append((send(text, list(stop), False), None, None))
-    return seen
-
-
-def _stream_text(tokens: tuple[bytes, ...], stop: list[str]) -> str:
-    return f"tokens {[t.decode('latin-1') if t.isascii() else t for t in tokens]} with stop={stop!r}"
-
-
-@task(
-    "15.stop_strings",
-    "stop strings: where a completion ends and what a stream may send",
-    needs=("cut_at_stop", "sendable"),
-)
-def _stop_strings(c: Checker, cut_at_stop, sendable) -> None:
-    def cut_hint() -> str:  # derived only when an expectation fails
-        return _cut_hint(cut_at_stop)
-
-    def sendable_hint() -> str:
-        return _sendable_hint(sendable)
-
-    def expect_cut(text: str, stop: list[str], why: str) -> None:
-        c.equal(
-            f"{_cut_call(text, stop)}  # {why}",
-            lambda: cut_at_stop(text, list(stop)),
-            package_cut(text, stop),
-            cut_hint,
-        )
-
-    def expect_sendable(text: str, stop: list[str], finished: bool, why: str) -> None:
-        c.equal(
-            f"{_sendable_call(text, stop, finished)}  # {why}",
-            lambda: sendable(text, list(stop), finished),
-            package_sendable(text, stop, finished),
-            sendable_hint,
-        )
-
-    for text, stop, why in CUT_EXAMPLES:
-        expect_cut(text, stop, why)
-    cases = _random_texts(300, 15)
-    call = f"cut_at_stop(...) on {len(cases)} random texts against the package's OutputProcessor"
-    wrong = c.run(
-        call,
-        lambda: next(
-            (case for case in cases if cut_at_stop(case[0], list(case[1])) != package_cut(*case[:2])), None
-        ),
-        cut_hint,
-    )
-    if wrong is not None:
-        expect_cut(*wrong[:2], "a random text")
-    c.holds(call, wrong is None, "the package's text and stop_reason for every text", wrong, cut_hint)
-
-    for text, stop, finished, why in SENDABLE_EXAMPLES:
-        expect_sendable(text, stop, finished, why)
-    call = f"sendable(...) on {len(cases)} random texts against the package's streams"
-    wrong = c.run(
-        call,
-        lambda: next(
-            (case for case in cases if sendable(case[0], list(case[1]), case[2]) != package_sendable(*case)),
-            None,
-        ),
-        sendable_hint,
-    )
-    if wrong is not None:
-        expect_sendable(*wrong, "a random text")
-    c.holds(call, wrong is None, "the package's sendable text for every text", wrong, sendable_hint)
-
-    def stream_hint() -> str:
-        rule = cut_hint()
-        return rule if rule != CUT_RULE else sendable_hint()
-
-    streams = _random_streams(150, 15)
-    call = (
-        f"cut_at_stop and sendable on {len(streams)} random token streams against the package's "
-        "OutputProcessor"
-    )
-
-    def first_wrong_stream() -> tuple | None:
-        for tokens, stop in streams:
-            if _learner_stream(cut_at_stop, sendable, tokens, stop) != _processor_stream(tokens, stop):
-                return tokens, stop
-        return None
-
-    wrong = c.run(call, first_wrong_stream, stream_hint)
-    if wrong is not None:
-        tokens, stop = wrong
-        expected = _processor_stream(tokens, stop)
-        got = _learner_stream(cut_at_stop, sendable, tokens, stop)
-        for step, (want, have) in enumerate(zip(expected, got, strict=False)):
-            c.holds(
-                f"step {step + 1} of {_stream_text(tokens, stop)}: (text, finish_reason, stop_reason)",
-                want == have,
-                f"{want!r}, as the package's OutputProcessor outputs it",
-                repr(have),
-                stream_hint,
-            )
-        c.holds(
-            f"the outputs of {_stream_text(tokens, stop)}",
-            len(expected) == len(got),
-            f"{len(expected)} outputs, the last one finished",
-            f"{len(got)} outputs",
-            stream_hint,
-        )
-    c.holds(call, wrong is None, "the package's outputs at every step of every stream", wrong, stream_hint)
-
-
-# ------------------------------------------------------------------------------- Task 2
-
-CHILD_RULE = (
-    "n == 1: [(request_id, seed)], the request itself; else child i (0 .. n - 1) is (f'{i}_{request_id}', "
-    "seed + i), or None for its seed when seed is None"
-)
-SAME_SEED = (
-    "each child gets its own seed, seed + i: with one seed for all, the n completions would draw the same "
-    "random numbers and come out identical"
-)
-ID_SUFFIX = (
-    "vLLM puts the index first: child i is f'{i}_{request_id}' (ParentRequest.get_child_info), not "
-    "f'{request_id}_{i}'"
-)
-SINGLE_RENAMED = (
-    "a request with n == 1 keeps its own id and seed: vLLM makes no ParentRequest for it, and "
-    "[(request_id, seed)] is what the core sees"
-)
-FROM_ONE = "children count from 0: child 0 is f'0_{request_id}' with seed + 0, the parent's seed itself"
-SEED_FROM_ONE = (
-    "child i's seed is seed + i, from i = 0: the first child keeps the request's seed (seed + 0), not "
-    "seed + 1"
-)
-NONE_SEED_NUMBERED = (
-    "a request without a seed (None) gives its children no seed either: None stays None, not 0 + i "
-    "((seed or 0) + i turns None into seeds)"
-)
-ZERO_SEED_DROPPED = (
-    "a seed of 0 is a seed: test `seed is None`, not `if seed`, or seed 0 becomes None and its children "
-    "lose their reproducible draws"
-)
-NOT_TUPLES = "each child is a tuple (child_id, child_seed), and the result a list of them"
-NONE_SEED_RAISES = (
-    "a request without a seed (None) gives its children no seed either: None + i raises TypeError; give "
-    "None when seed is None"
-)
-
-
-def _children(
-    request_id: object,
-    n: int,
-    seed: int | None,
-    *,
-    same_seed: bool = False,
-    suffix: bool = False,
-    rename_single: bool = False,
-    from_one: bool = False,
-    seed_from_one: bool = False,
-    none_numbered: bool = False,
-    zero_dropped: bool = False,
-    as_lists: bool = False,
-    none_raises: bool = False,
-) -> list:
-    """The rule, or a classic mistake (a keyword changed)."""
-    if n == 1 and not rename_single:
-        pairs = [(request_id, seed)]
-    else:
-        pairs = []
-        for i in range(n):
-            index = i + 1 if from_one else i
-            child = f"{request_id}_{index}" if suffix else f"{index}_{request_id}"
-            offset = index + 1 if seed_from_one else index
-            if same_seed:
-                child_seed = seed
-            elif none_numbered:
-                child_seed = (seed or 0) + offset
-            elif zero_dropped:
-                child_seed = seed + offset if seed else None
-            elif none_raises:
-                child_seed = seed + offset  # type: ignore[operator]
-            else:
-                child_seed = None if seed is None else seed + offset
-            pairs.append((child, child_seed))
-    return [list(pair) for pair in pairs] if as_lists else pairs
-
-
-CHILD_MISTAKES: list[tuple[Callable[..., object], str]] = [
-    (lambda r, n, s: _children(r, n, s, same_seed=True), SAME_SEED),
-    (lambda r, n, s: _children(r, n, s, suffix=True), ID_SUFFIX),
-    (lambda r, n, s: _children(r, n, s, rename_single=True), SINGLE_RENAMED),
-    (lambda r, n, s: _children(r, n, s, from_one=True), FROM_ONE),
-    (lambda r, n, s: _children(r, n, s, seed_from_one=True), SEED_FROM_ONE),
-    (lambda r, n, s: _children(r, n, s, none_numbered=True), NONE_SEED_NUMBERED),
-    (lambda r, n, s: _children(r, n, s, zero_dropped=True), ZERO_SEED_DROPPED),
-    (lambda r, n, s: _children(r, n, s, as_lists=True), NOT_TUPLES),
-    (lambda r, n, s: _children(r, n, s, none_raises=True), NONE_SEED_RAISES),
-]
-
-# (request_id, n, seed, why)
-CHILD_EXAMPLES: list[tuple[object, int, int | None, str]] = [
-    ("cmpl-7", 1, None, "one completion: the request itself"),
-    ("cmpl-7", 1, 42, "one completion keeps its id and its seed"),
-    ("cmpl-7", 3, 42, "three children, seeds 42, 43, 44"),
-    ("cmpl-7", 2, None, "no seed: the children have none either"),
-    ("cmpl-8", 4, 0, "a seed of 0 is a seed"),
-    (17, 2, 5, "an int request id: the children's ids are strings"),
-    ("chat", 16, 1000, "n = 16, the most the package's engine takes"),
-]
-
-
-def _random_parents(count: int, seed: int) -> list[tuple[object, int, int | None]]:
-    rng = random.Random(seed)
-    cases = []
-    for _ in range(count):
-        request_id = rng.choice((f"cmpl-{rng.randint(0, 999)}", rng.randint(0, 99), "r"))
-        n = rng.choice((1, 1, 2, 3, 4, 8, 16))
-        cases.append((request_id, n, rng.choice((None, 0, 1, rng.randint(0, 10**6)))))
-    return cases
-
-
-def _child_call(request_id: object, n: int, seed: int | None) -> str:
-    return f"child_requests({request_id!r}, {n}, {seed})"
-
-
-def _child_hint(children: Callable[..., object]) -> str:
-    cases = [case[:3] for case in CHILD_EXAMPLES] + _random_parents(100, 151)
-
-    def probe(fn: Callable[..., object]) -> list:
-        return [_outcome(lambda case=case: fn(*case)) for case in cases]
-
-    return diagnose(children, CHILD_MISTAKES, probe, CHILD_RULE)
-
-
-@task("15.child_requests", "the children of a request with n completions", needs=("child_requests",))
-def _child_requests(c: Checker, child_requests) -> None:
+@task("15.log_line", "vLLM's periodic log line", needs=("log_line",))
+def _log_line(c: Checker, line) -> None:
     def hint() -> str:  # derived only when an expectation fails
-        return _child_hint(child_requests)
+        return _line_hint(line)
 
-    def expect(request_id: object, n: int, seed: int | None, why: str) -> None:
+    def expect(case: tuple) -> None:
+        args, keywords = _line_args(case)
         c.equal(
-            f"{_child_call(request_id, n, seed)}  # {why}",
-            lambda: child_requests(request_id, n, seed),
-            package_children(request_id, n, seed),
+            f"{_line_call(args, keywords)}  # {case[3]}",
+            lambda: line(*args, **keywords),
+            package_line(*args, **keywords),
             hint,
         )
 
-    for case in CHILD_EXAMPLES:
-        expect(*case)
-    cases = _random_parents(200, 15)
-    call = f"child_requests(...) on {len(cases)} random requests against the package's engine"
-    wrong = c.run(
-        call,
-        lambda: next((case for case in cases if child_requests(*case) != package_children(*case)), None),
-        hint,
-    )
-    if wrong is not None:
-        expect(*wrong, "a random request")
-    c.holds(call, wrong is None, "the package's children for every request", wrong, hint)
-
-
-# ------------------------------------------------------------------------------- Task 3
-
-ABORT_RULE = (
-    "for each id of request_ids in order, skipping ids seen already: a running one gives back its table's "
-    "blocks, the last first (reversed(table)), each block appended to free_blocks only when no other table "
-    "still holds it (count each block's holders over block_tables), then its table is deleted and it "
-    "leaves running; a waiting one just leaves waiting; an unknown one is skipped. Change the lists and the "
-    "dict in place and return the ids finished, in the order given"
-)
-NO_REF_COUNTS = (
-    "a block another table still holds (a prefix both requests share) must stay in use: count each block's "
-    "holders over block_tables (collections.Counter) and free a block only when its count drops to 0"
-)
-TABLE_ORDER = (
-    "a request gives its blocks back the last first, for table in reversed(...): the free list is the "
-    "cache's eviction order, and a cached prefix must lose its last block before its first (lesson 08; "
-    "vLLM's SingleTypeKVCacheManager.free)"
-)
-COUNTS_NOT_UPDATED = (
-    "when two holders of a block are aborted in the same call, the block is freed when the second one "
-    "leaves: decrease the block's count as each table goes, and free it when the count reaches 0 (counts "
-    "taken before the call say the block is shared for ever)"
-)
-WAITING_TABLE = (
-    "a waiting request holds no blocks: it has no entry in block_tables, so it just leaves waiting. Look a "
-    "table up only for a running request"
-)
-UNKNOWN_RAISES = (
-    "an id that is neither running nor waiting (unknown, or finished already) is skipped: an abort may come "
-    "after the request finished. Test `in running` / `in waiting` before list.remove"
-)
-STAYS_RUNNING = "an aborted running request leaves running: running.remove(request_id)"
-TABLE_KEPT = "an aborted request's table goes: del block_tables[request_id], once its blocks are given back"
-DUPLICATES = (
-    "an id given twice is finished once and returned once: skip an id already finished (a request found "
-    "at the start is not found again after it left)"
-)
-RUNNING_FIRST = (
-    "finish the requests in the order of request_ids, and return them in that order, a running one and "
-    "a waiting one alike, not the running ones first"
-)
-FREED_AT_HEAD = (
-    "a freed block goes to the tail of the free list (free_blocks.append): the head is the next block "
-    "allocated, so the block freed longest ago is reused (and its cached prefix evicted) first"
-)
-NOT_IN_PLACE = (
-    "change running, waiting, free_blocks and block_tables themselves, in place: `running = [...]` inside "
-    "the function makes a new list the scheduler never sees. Use running.remove(...), "
-    "free_blocks.append(...), del block_tables[...]"
-)
-
-
-def _abort(
-    running: list,
-    waiting: list,
-    free_blocks: list,
-    block_tables: dict,
-    request_ids: list,
-    *,
-    ref_counts: bool = True,
-    reverse: bool = True,
-    recount: bool = True,
-    waiting_table: bool = False,
-    skip_unknown: bool = True,
-    leave_running: bool = True,
-    drop_table: bool = True,
-    dedupe: bool = True,
-    given_order: bool = True,
-    at_tail: bool = True,
-    in_place: bool = True,
-) -> list:
-    """The rule, or a classic mistake (a keyword changed)."""
-    holders = Counter(b for table in block_tables.values() for b in table)
-    before = dict(holders)
-    now_running, now_waiting = list(running), list(waiting)
-    order = list(request_ids)
-    if not given_order:
-        asked = set(order)
-        order = [r for r in running if r in asked] + [r for r in waiting if r in asked]
-    finished: list = []
-    for request_id in order:
-        if request_id in finished:
-            if not dedupe:
-                finished.append(request_id)
-            continue
-        if request_id in now_running:
-            table = block_tables[request_id]
-            for block_id in reversed(table) if reverse else list(table):
-                holders[block_id] -= 1
-                if not ref_counts:
-                    freed = True
-                elif recount:
-                    freed = holders[block_id] == 0
-                else:
-                    freed = before[block_id] == 1
-                if freed:
-                    if at_tail:
-                        free_blocks.append(block_id)
-                    else:
-                        free_blocks.insert(0, block_id)
-            if drop_table:
-                del block_tables[request_id]
-            if leave_running:
-                now_running.remove(request_id)
-        elif request_id in now_waiting:
-            if waiting_table:
-                _ = block_tables[request_id]  # the mistake: a waiting request has no table
-            now_waiting.remove(request_id)
-        elif not skip_unknown:
-            raise ValueError(f"list.remove(x): {request_id!r} not in list")
-        else:
-            continue
-        finished.append(request_id)
-    if in_place:
-        running[:] = now_running
-        waiting[:] = now_waiting
-    return finished
-
-
-ABORT_MISTAKES: list[tuple[Callable[..., object], str]] = [
-    (lambda *a: _abort(*a, ref_counts=False), NO_REF_COUNTS),
-    (lambda *a: _abort(*a, reverse=False), TABLE_ORDER),
-    (lambda *a: _abort(*a, recount=False), COUNTS_NOT_UPDATED),
-    (lambda *a: _abort(*a, waiting_table=True), WAITING_TABLE),
-    (lambda *a: _abort(*a, skip_unknown=False), UNKNOWN_RAISES),
-    (lambda *a: _abort(*a, leave_running=False), STAYS_RUNNING),
-    (lambda *a: _abort(*a, drop_table=False), TABLE_KEPT),
-    (lambda *a: _abort(*a, dedupe=False), DUPLICATES),
-    (lambda *a: _abort(*a, given_order=False), RUNNING_FIRST),
-    (lambda *a: _abort(*a, at_tail=False), FREED_AT_HEAD),
-    (lambda *a: _abort(*a, in_place=False), NOT_IN_PLACE),
-]
-
-State = tuple[list, list, list, dict]
-"""``(running, waiting, free_blocks, block_tables)`` before an abort."""
-
-# (state, request_ids, why): each isolates one rule
-ABORT_EXAMPLES: list[tuple[State, list, str]] = [
-    ((["a"], [], [5], {"a": [0, 1, 2]}), ["a"],
-     "a running request: its blocks go to the tail, the last first"),
-    ((["a"], ["b", "c"], [5], {"a": [0]}), ["b"], "a waiting request holds no blocks: it just leaves"),
-    ((["a"], ["b"], [5], {"a": [0]}), ["x"], "an unknown id is skipped: nothing changes"),
-    ((["a", "b"], [], [5], {"a": [0, 1, 2], "b": [0, 1, 3]}), ["a"],
-     "blocks 0 and 1 are b's too: only a's own block 2 is freed"),
-    ((["a", "b"], [], [5], {"a": [0, 1, 2], "b": [0, 1, 3]}), ["a", "b"],
-     "both holders of 0 and 1 leave: b frees them, after its own 3"),
-    ((["a", "b"], [], [], {"a": [0, 1], "b": [2, 3]}), ["b", "a"], "in the order of request_ids"),
-    ((["a"], ["w"], [], {"a": [4, 7]}), ["w", "a"],
-     "a waiting one, then a running one: returned in that order"),
-    ((["a", "b"], ["w"], [9], {"a": [0, 1], "b": [2]}), ["a", "a", "w", "w"],
-     "an id given twice is finished once"),
-    ((["a", "b", "c"], [], [8], {"a": [0, 1, 2], "b": [0, 1], "c": [0, 3]}), ["b", "c", "a"],
-     "a block held by three tables goes with the last of them"),
-    ((["a", "b"], ["w"], [6], {"a": [3, 5], "b": [1]}), [], "nothing to abort: nothing changes"),
-    ((["a", "b"], ["w"], [6], {"a": [3, 5], "b": [1]}), ["w", "x", "b", "a", "b"],
-     "waiting, unknown, running and repeated ids together"),
-]  # fmt: skip
-
-
-def _random_states(count: int, seed: int) -> list[tuple[State, list]]:
-    """Random schedulers: up to 4 running requests, some sharing a cached prefix of up to 2 blocks, up to
-    3 waiting ones, block ids in a random order; and ids to abort, known, unknown and repeated."""
-    rng = random.Random(seed)
-    cases = []
-    for _ in range(count):
-        ids = list(range(rng.randint(3, 14)))
-        rng.shuffle(ids)
-        prefix = ids[: rng.randint(0, 2)]
-        rest = ids[len(prefix) :]
-        running = [f"r{i}" for i in range(rng.randint(0, 4))]
-        waiting = [f"w{i}" for i in range(rng.randint(0, 3))]
-        tables = {}
-        for request_id in running:
-            shared = prefix[: rng.randint(0, len(prefix))]
-            tables[request_id] = shared + [rest.pop() for _ in range(min(len(rest), rng.randint(0, 3)))]
-        held = {b for table in tables.values() for b in table}
-        free = [b for b in ids if b not in held]
-        rng.shuffle(free)
-        known = [*running, *waiting, "x", "y"]
-        request_ids = [rng.choice(known) for _ in range(rng.randint(0, 5))]
-        cases.append(((running, waiting, free, tables), request_ids))
-    return cases
-
-
-def _copy(state: State) -> State:
-    return copy.deepcopy(state)
-
-
-def _observe(fn: Callable[..., object], state: State, request_ids: list) -> object:
-    """``(returned, running, waiting, free_blocks, block_tables)`` after ``fn`` on a copy of ``state``, or the
-    name of the error it raised."""
-    running, waiting, free, tables = _copy(state)
-
-    def call() -> tuple:
-        returned = fn(running, waiting, free, tables, list(request_ids))
-        return returned, running, waiting, free, tables
-
-    return _outcome(call)
-
-
-def _abort_call(state: State, request_ids: list) -> str:
-    running, waiting, free, tables = state
-    return f"abort({running!r}, {waiting!r}, {free!r}, {tables!r}, {request_ids!r})"
-
-
-def _abort_hint(abort: Callable[..., object]) -> str:
-    cases = [(state, ids) for state, ids, _ in ABORT_EXAMPLES] + _random_states(100, 151)
-
-    def probe(fn: Callable[..., object]) -> list:
-        return [_observe(fn, state, ids) for state, ids in cases]
-
-    return diagnose(abort, ABORT_MISTAKES, probe, ABORT_RULE)
-
-
-@task("15.abort", "an abort that frees a running request's blocks at once", needs=("abort",))
-def _abort_task(c: Checker, abort) -> None:
-    def hint() -> str:  # derived only when an expectation fails
-        return _abort_hint(abort)
-
-    def expect(state: State, request_ids: list, why: str) -> None:
-        call = _abort_call(state, request_ids)
-        expected = _observe(package_abort, state, request_ids)
-        running, waiting, free, tables = _copy(state)
-        returned = c.run(
-            f"{call}  # {why}", lambda: abort(running, waiting, free, tables, list(request_ids)), hint
-        )
-        names = ("returned", "running", "waiting", "free_blocks", "block_tables")
-        for name, got, want in zip(names, (returned, running, waiting, free, tables), expected, strict=True):
-            where = f"{call}  # {why}" if name == "returned" else f"{call}; {name}  # {why}"
-            c.equal(where, lambda got=got: got, want, hint)
-
-    for state, request_ids, why in ABORT_EXAMPLES:
-        expect(state, request_ids, why)
-    cases = _random_states(300, 15)
-    call = f"abort(...) on {len(cases)} random schedulers against the package's KV-cache manager"
+    for case in LINE_EXAMPLES:
+        expect(case)
+    cases = _random_windows(200, 14)
+    call = f"log_line(...) on {len(cases)} random windows against the package's format_log_line"
 
     def first_wrong() -> tuple | None:
-        for state, request_ids in cases:
-            if _observe(abort, state, request_ids) != _observe(package_abort, state, request_ids):
-                return state, request_ids
+        for case in cases:
+            args, keywords = _line_args(case)
+            if line(*args, **keywords) != package_line(*args, **keywords):
+                return case
         return None
 
     wrong = c.run(call, first_wrong, hint)
     if wrong is not None:
-        expect(*wrong, "a random scheduler")
-    c.holds(call, wrong is None, "the package's lists, tables and free blocks after every abort", wrong, hint)
+        expect(wrong)
+    c.holds(call, wrong is None, "vLLM's line for every window", wrong, hint)
+
+
+# ------------------------------------------------------------------------------- Task 2
+
+CACHING_RULE = (
+    "observe: a step whose stats.requests is 0 changes nothing; else append (requests, queries, hits) to "
+    "query_queue and add them to the three sums, then, while the queue holds more than one step and "
+    "aggregated_requests > max_recent_requests, pop the oldest step and subtract it. empty: "
+    "aggregated_requests == 0; hit_rate: aggregated_query_hit / aggregated_query_total, 0.0 when no query"
+)
+COUNTS_PREEMPTED = (
+    "a resumed request's lookup does not count: use stats.requests, stats.queries and stats.hits only, "
+    "never the preempted_ fields (vLLM's hit rate is that of first lookups; a resumed request finds its "
+    "own blocks again and would inflate it)"
+)
+EMPTY_STEPS_QUEUED = (
+    "a step without lookups (stats.requests == 0) must change nothing: return before appending it. A "
+    "queued empty step counts as a step, so the step before it (which the window keeps whole, however "
+    "many requests it has) is dropped"
+)
+WINDOW_OF_STEPS = (
+    "the window holds the most recent max_recent_requests requests, not steps: compare "
+    "aggregated_requests with max_recent_requests, not len(query_queue)"
+)
+DROPS_THE_LATEST = (
+    "the newest step is always kept, even with more requests than the window: drop old steps only while "
+    "the queue holds more than one (len(query_queue) > 1 and aggregated_requests > max_recent_requests)"
+)
+DROPS_ONE = (
+    "one new step may push out several old ones: drop in a while loop, until aggregated_requests is at "
+    "most max_recent_requests (or one step is left), not once with an if"
+)
+DROPS_AT_THE_LIMIT = (
+    "a window of max_recent_requests holds exactly that many: drop while aggregated_requests > "
+    "max_recent_requests, not >="
+)
+MEAN_OF_RATES = (
+    "the hit rate is the window's hits over its queries, in tokens (aggregated_query_hit / "
+    "aggregated_query_total), not the mean of each step's rate: a long prompt weighs more than a short one"
+)
+NO_ZERO_GUARD = (
+    "before any query there is no rate to divide: hit_rate is 0.0 when aggregated_query_total is 0"
+)
+
+
+def _metrics_class(
+    *,
+    count_preempted: bool = False,
+    queue_empty_steps: bool = False,
+    window_of_steps: bool = False,
+    keep_latest: bool = True,
+    loop: bool = True,
+    strict: bool = True,
+    mean_of_rates: bool = False,
+    guard_zero: bool = True,
+) -> type:
+    """The rule as a class, or a classic mistake (a keyword changed)."""
+
+    class Metrics:
+        def __init__(self, max_recent_requests: int = 1000) -> None:
+            self.max_recent_requests = max_recent_requests
+            self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
+            self.query_queue: deque = deque()
+
+        def _over(self) -> bool:
+            size = len(self.query_queue) if window_of_steps else self.aggregated_requests
+            over = size > self.max_recent_requests if strict else size >= self.max_recent_requests
+            return over and (len(self.query_queue) > 1 or not keep_latest) and bool(self.query_queue)
+
+        def observe(self, stats: PrefixCacheStats) -> None:
+            requests, queries, hits = stats.requests, stats.queries, stats.hits
+            if count_preempted:
+                requests += stats.preempted_requests
+                queries += stats.preempted_queries
+                hits += stats.preempted_hits
+            if requests == 0 and not queue_empty_steps:
+                return
+            self.query_queue.append((requests, queries, hits))
+            self.aggregated_requests += requests
+            self.aggregated_query_total += queries
+            self.aggregated_query_hit += hits
+            while self._over():
+                old = self.query_queue.popleft()
+                self.aggregated_requests -= old[0]
+                self.aggregated_query_total -= old[1]
+                self.aggregated_query_hit -= old[2]
+                if not loop:
+                    break
+
+        @property
+        def empty(self) -> bool:
+            return self.aggregated_requests == 0
+
+        @property
+        def hit_rate(self) -> float:
+            if mean_of_rates:
+                rates = [h / q for _, q, h in self.query_queue if q]
+                return sum(rates) / len(rates) if rates else 0.0
+            if guard_zero and self.aggregated_query_total == 0:
+                return 0.0
+            return self.aggregated_query_hit / self.aggregated_query_total
+
+    return Metrics
+
+
+CACHING_MISTAKES: list[tuple[type, str]] = [
+    (_metrics_class(guard_zero=False), NO_ZERO_GUARD),
+    (_metrics_class(count_preempted=True), COUNTS_PREEMPTED),
+    (_metrics_class(queue_empty_steps=True), EMPTY_STEPS_QUEUED),
+    (_metrics_class(window_of_steps=True), WINDOW_OF_STEPS),
+    (_metrics_class(keep_latest=False), DROPS_THE_LATEST),
+    (_metrics_class(loop=False), DROPS_ONE),
+    (_metrics_class(strict=False), DROPS_AT_THE_LIMIT),
+    (_metrics_class(mean_of_rates=True), MEAN_OF_RATES),
+]
+
+
+def S(requests: int = 0, queries: int = 0, hits: int = 0, **preempted: int) -> PrefixCacheStats:
+    """One step's lookups: ``S(1, 10, 5)`` is one request that looked up 10 tokens and found 5."""
+    return PrefixCacheStats(requests=requests, queries=queries, hits=hits, **preempted)
+
+
+def _show(stats: PrefixCacheStats) -> str:
+    fields = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+    shown = [f"{name}={getattr(stats, name)}" for name in fields if getattr(stats, name)]
+    return f"PrefixCacheStats({', '.join(shown)})"
+
+
+# (max_recent_requests or None for the default, the steps, why): each isolates one rule
+CACHING_SCENARIOS: list[tuple[int | None, list[PrefixCacheStats], str]] = [
+    (None, [], "nothing observed yet: empty, and a hit rate of 0.0"),
+    (None, [S(1, 32, 16)], "one request found 16 of its 32 tokens"),
+    (None, [S(1, 32, 16), S(), S(preempted_requests=1, preempted_queries=40, preempted_hits=40)],
+     "a step without lookups, then a resumed request's lookup: neither counts"),
+    (None, [S(1, 10, 5, preempted_requests=2, preempted_queries=50, preempted_hits=50)],
+     "a step with first and resumed lookups: only the first count"),
+    (None, [S(1, 30, 0), S(1, 10, 5)], "hits over queries, in tokens: 5 of 40"),
+    (2, [S(1, 10, 10), S(1, 10, 0), S(1, 10, 5)], "a window of 2 requests: the oldest step goes"),
+    (3, [S(2, 20, 20), S(2, 20, 0)], "4 requests in a window of 3: the oldest step goes whole"),
+    (2, [S(5, 100, 40), S(), S(1, 10, 10)],
+     "the newest step stays, even with more requests than the window; an empty step changes nothing"),
+    (4, [S(1, 10, 10), S(1, 10, 10), S(1, 10, 10), S(3, 10, 0)], "one step pushes out two"),
+    (None, [S(1, 10, 0)] + [S(1, 10, 10)] * 999 + [S(1, 20, 20)],
+     "the default window holds 1,000 requests: the 1,001st pushes out the first"),
+]  # fmt: skip
+
+
+def _random_scenarios(count: int, seed: int) -> list[tuple[int | None, list[PrefixCacheStats], str]]:
+    rng = random.Random(seed)
+    scenarios = []
+    for _ in range(count):
+        steps = []
+        for _ in range(rng.randint(1, 12)):
+            requests = rng.choice((0, 0, 1, 1, 2, 3, 5))
+            queries = sum(rng.randint(1, 64) for _ in range(requests))
+            preempted = rng.choice((0, 0, 1))
+            preempted_queries = rng.randint(1, 64) * preempted
+            steps.append(
+                S(
+                    requests,
+                    queries,
+                    rng.randint(0, queries),
+                    preempted_requests=preempted,
+                    preempted_queries=preempted_queries,
+                    preempted_hits=rng.randint(0, preempted_queries),
+                )
+            )
+        scenarios.append((rng.choice((1, 2, 3, 4, 6, 10)), steps, "random steps"))
+    return scenarios
+
+
+def _new(cls: type, window: int | None) -> object:
+    return cls() if window is None else cls(max_recent_requests=window)
+
+
+def _trace(cls: type, window: int | None, steps: list[PrefixCacheStats]) -> list:
+    """``(empty, hit_rate)`` before the first step and after each, or the error's name."""
+    metrics = _new(cls, window)
+    seen = [(outcome(lambda: metrics.empty), outcome(lambda: metrics.hit_rate))]
+    for stats in steps:
+        try:
+            metrics.observe(stats)  # type: ignore[attr-defined]
+        except NotImplementedError:
+            raise
+        except Exception as error:  # part of the behaviour: the run stops there
+            seen.append(type(error).__name__)
+            break
+        seen.append((outcome(lambda: metrics.empty), outcome(lambda: metrics.hit_rate)))
+    return seen
+
+
+def _caching_hint(cls: type) -> str:
+    scenarios = CACHING_SCENARIOS + _random_scenarios(100, 41)
+
+    def probe(candidate: Callable[..., object]) -> list:
+        return [_trace(candidate, window, steps) for window, steps, _ in scenarios]  # type: ignore[arg-type]
+
+    return diagnose(cls, CACHING_MISTAKES, probe, CACHING_RULE)
+
+
+def _constructor(window: int | None) -> str:
+    return "CachingMetrics()" if window is None else f"CachingMetrics(max_recent_requests={window})"
+
+
+def _scenario(
+    c: Checker, cls: type, window: int | None, steps: list[PrefixCacheStats], why: str, hint
+) -> None:
+    """Run one scenario step by step, checking ``empty`` and ``hit_rate`` before the first step and after
+    each (after a run of equal steps, once, at its end)."""
+    start = f"m = {_constructor(window)}"
+    metrics = c.run(f"{start}  # {why}", lambda: _new(cls, window), hint)
+    expected = _new(PackageCachingMetrics, window)
+    for number in range(len(steps) + 1):
+        if number:
+            stats = steps[number - 1]
+            c.run(f"m.observe({_show(stats)})  # {why}", lambda stats=stats: metrics.observe(stats), hint)
+            expected.observe(stats)
+            if number < len(steps) and steps[number] == stats:
+                continue
+        where = "; ".join(part for part in (start, _steps_text(steps[:number])) if part)
+        c.equal(f"{where}; m.empty  # {why}", lambda: metrics.empty, expected.empty, hint)
+        c.equal(f"{where}; m.hit_rate  # {why}", lambda: metrics.hit_rate, expected.hit_rate, hint)
+
+
+def _steps_text(steps: list[PrefixCacheStats]) -> str:
+    """The observe calls so far, a run of equal steps written once with its count."""
+    runs: list[tuple[PrefixCacheStats, int]] = []
+    for stats in steps:
+        if runs and runs[-1][0] == stats:
+            runs[-1] = (stats, runs[-1][1] + 1)
+        else:
+            runs.append((stats, 1))
+    return "; ".join(
+        f"m.observe({_show(stats)})" + (f" ({count} times)" if count > 1 else "") for stats, count in runs
+    )
+
+
+@task("15.CachingMetrics", "the prefix cache's hit rate over the recent requests", needs=("CachingMetrics",))
+def _caching_metrics(c: Checker, cls) -> None:
+    def hint() -> str:  # derived only when an expectation fails
+        return _caching_hint(cls)
+
+    for window, steps, why in CACHING_SCENARIOS:
+        _scenario(c, cls, window, steps, why, hint)
+    scenarios = _random_scenarios(200, 14)
+    call = f"CachingMetrics on {len(scenarios)} random runs of steps against the package's CachingMetrics"
+
+    def first_wrong() -> tuple | None:
+        for window, steps, why in scenarios:
+            if _trace(cls, window, steps) != _trace(PackageCachingMetrics, window, steps):
+                return window, steps, why
+        return None
+
+    wrong = c.run(call, first_wrong, hint)
+    if wrong is not None:
+        _scenario(c, cls, *wrong, hint)
+    c.holds(call, wrong is None, "the package's empty and hit_rate after every step", wrong, hint)

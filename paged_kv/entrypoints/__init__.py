@@ -1,4 +1,4 @@
-"""Entry points: the engine served over HTTP, as vLLM serves it (lesson 15).
+"""Entry points: the engine served over HTTP, as vLLM serves it (lesson 16).
 
 * :mod:`~paged_kv.entrypoints.openai`: ``paged-kv serve``, an OpenAI-compatible API (vLLM:
   ``vllm/entrypoints/openai/``) with ``/metrics`` by vLLM's names;

@@ -1,4 +1,4 @@
-"""The KV cache, live: a page the server serves at ``/kv`` (lesson 15).
+"""The KV cache, live: a page the server serves at ``/kv`` (lesson 16).
 
 While the server streams completions, ``/kv`` shows what the engine's block pool holds, step by
 step: the physical pool (each block coloured by the request that holds it, a cached prefix shared
@@ -299,7 +299,7 @@ def kv_page(view: KVCacheView, *, width: int = PICTURE_WIDTH) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f'<title>{_text(PAGE_TITLE)}</title><link rel="icon" href="{_ICON}">'
         f"<style>{_CSS}</style></head><body><main>"
-        '<header><h1>The KV cache, live</h1><span class="kv-sub">paged_kv · lesson 15</span>'
+        '<header><h1>The KV cache, live</h1><span class="kv-sub">paged_kv · lesson 16</span>'
         '<span id="kv-status">connecting…</span></header>'
         f'<div id="kv-frame" aria-live="off">{kv_frame(view, width=width)}</div>'
         f'<p class="kv-legend">{_text(LEGEND)}</p>'

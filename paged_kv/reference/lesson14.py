@@ -1,40 +1,42 @@
-"""Exercise 14 graded on the package: ``common_block_size`` is
+"""Exercise 14 graded on the package: ``block_bytes`` and ``startup_line`` are the arithmetic of
+:func:`paged_kv.kv.startup.kv_cache_report`, vLLM 0.33.0's at start-up (its
+:func:`~paged_kv.kv.startup.model_shape`, :func:`~paged_kv.kv.startup.kv_heads_per_gpu` and
+:func:`~paged_kv.kv.startup.startup_lines`); ``common_block_size`` is
 :func:`paged_kv.kv.block_size.common_block_size` (vLLM's ``Platform._preferred_block_size_for_backends``),
-which also takes backends by name;
-``log_line`` turns a window's counts into throughputs as vLLM's ``LoggingStatLogger`` does (tokens over
-seconds, 0.0 for no time) and writes the line with :func:`paged_kv.serving.metrics.format_log_line`;
-``CachingMetrics`` is :class:`paged_kv.serving.metrics.CachingMetrics`, fed
-:class:`~paged_kv.core.prefix_cache.PrefixCacheStats`.
+which also takes backends by name.
 """
 
+from paged_kv.core.block import blocks_for_tokens
+from paged_kv.kv import startup as _startup
 from paged_kv.kv.block_size import MultipleOf, common_block_size
-from paged_kv.serving.metrics import CachingMetrics
-from paged_kv.serving.metrics import format_log_line as _format_log_line
 
-__all__ = ["CachingMetrics", "MultipleOf", "common_block_size", "log_line"]
+__all__ = ["DTYPE_BYTES", "MultipleOf", "block_bytes", "common_block_size", "startup_line"]
+
+DTYPE_BYTES = {name: size for name, size in _startup.KV_CACHE_DTYPE_BYTES.items() if size is not None}
+"""The bytes of one number in each ``kv_cache_dtype`` but ``"auto"``, as the exercise gives them."""
 
 
-def log_line(
-    prompt_tokens: int,
-    generation_tokens: int,
-    seconds: float,
-    num_running_reqs: int,
-    num_waiting_reqs: int,
-    kv_cache_usage: float,
-    num_preemptions: int = 0,
-    prefix_cache_hit_rate: float | None = None,
-) -> str:
-    """vLLM's periodic line for one window: the tokens over its seconds, the last step's gauges."""
+def block_bytes(
+    config: dict, block_size: int = 16, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1
+) -> int:
+    """The bytes one block of ``block_size`` tokens takes on one GPU: K and V of its heads in every layer."""
+    shape = _startup.model_shape(config)
+    heads = _startup.kv_heads_per_gpu(shape.num_heads, shape.num_kv_heads, tensor_parallel_size)
+    size = _startup.KV_CACHE_DTYPE_BYTES[kv_cache_dtype] or shape.dtype.itemsize
+    return 2 * shape.num_layers * heads * shape.head_dim * block_size * size
 
-    def throughput(tokens: int) -> float:
-        return float(tokens / seconds) if seconds > 0 else 0.0
 
-    return _format_log_line(
-        throughput(prompt_tokens),
-        throughput(generation_tokens),
-        num_running_reqs,
-        num_waiting_reqs,
-        kv_cache_usage,
-        num_preemptions=num_preemptions,
-        prefix_cache_hit_rate=prefix_cache_hit_rate,
-    )
+def startup_line(available_memory: int, bytes_per_block: int, block_size: int, max_model_len: int) -> dict:
+    """vLLM's pool and its line for a model whose layers all attend fully; ``ValueError`` when one
+    request of ``max_model_len`` does not fit besides the null block."""
+    per_request = blocks_for_tokens(max_model_len, block_size)
+    if (per_request + 1) * bytes_per_block > available_memory:
+        raise ValueError(
+            f"one request of {max_model_len} tokens needs {per_request} blocks besides the null block, "
+            f"and {available_memory} bytes hold {max(available_memory, 0) // bytes_per_block} blocks in all"
+        )
+    blocks = available_memory // bytes_per_block
+    concurrency = blocks / per_request
+    tokens = int(concurrency * max_model_len)
+    line = _startup.startup_lines(available_memory, tokens, max_model_len, concurrency)[1]
+    return {"num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "max_concurrency": concurrency, "line": line}

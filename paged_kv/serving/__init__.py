@@ -18,6 +18,6 @@ The request's way, module by module:
 * :mod:`~paged_kv.serving.model_runner`: the runner of a model, and one that only counts tokens;
   :mod:`~paged_kv.serving.sampler` and :mod:`~paged_kv.serving.sampling_params`, how it samples;
 * :mod:`~paged_kv.serving.output_processor`: tokens back to text, stop strings, ``n`` children;
-* :mod:`~paged_kv.serving.metrics`: what a run measured, by vLLM's metric names (lesson 14);
+* :mod:`~paged_kv.serving.metrics`: what a run measured, by vLLM's metric names (lesson 15);
   :mod:`~paged_kv.serving.workloads`, multi-turn chat with the model's own answers.
 """

@@ -1,4 +1,4 @@
-"""The engine behind a server: asyncio in front, one background loop stepping (lesson 15; vLLM: ``AsyncLLM``).
+"""The engine behind a server: asyncio in front, one background loop stepping (lesson 16; vLLM: ``AsyncLLM``).
 
 A server handles many clients at once on one event loop, and a model step takes tens of
 milliseconds of CPU or GPU: stepping on the event loop would stall every client. vLLM's

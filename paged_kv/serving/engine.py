@@ -52,7 +52,7 @@ The memory budget is ``num_blocks * block_size`` token slots, spent one of two w
 The course's engine gives every request exactly the tokens :func:`~paged_kv.model.generate` gives
 its prompt alone, whatever the mode, the batch, the preemptions or the token budget (vLLM promises
 that only with ``VLLM_BATCH_INVARIANT``; it is off by default). **Metrics, by vLLM's names**
-(:mod:`paged_kv.serving.metrics`, lesson 14): every step is timed on the wall clock and leaves a
+(:mod:`paged_kv.serving.metrics`, lesson 15): every step is timed on the wall clock and leaves a
 :class:`~paged_kv.serving.metrics.SchedulerStats`; :meth:`EngineResult.metrics
 <paged_kv.serving.engine_result.EngineResult.metrics>` gathers a run's as vLLM's ``/metrics`` would
 show them. With ``log_stats_interval`` the engine logs vLLM's periodic line (logger

@@ -147,7 +147,7 @@ class EngineResult:
         busy = [u for u, r in zip(self.utilization, self.reserved_tokens, strict=True) if r]
         return sum(busy) / len(busy) if busy else 0.0
 
-    # ---------------------------------------------------------------- vLLM's metrics (lesson 14)
+    # ---------------------------------------------------------------- vLLM's metrics (lesson 15)
 
     @property
     def step_seconds(self) -> list[float]:

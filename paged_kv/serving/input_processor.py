@@ -1,4 +1,4 @@
-"""The one check of a request, before the engine takes it (lesson 15; vLLM: ``InputProcessor``).
+"""The one check of a request, before the engine takes it (lesson 16; vLLM: ``InputProcessor``).
 
 vLLM's ``InputProcessor.process_inputs`` (``vllm/v1/engine/input_processor.py``) turns a client's
 prompt and sampling parameters into the ``EngineCoreRequest`` the engine core runs, and refuses what

@@ -1,4 +1,4 @@
-"""The online engine: requests come and go while it steps (lesson 15; vLLM: ``LLMEngine``).
+"""The online engine: requests come and go while it steps (lesson 16; vLLM: ``LLMEngine``).
 
 An :class:`~paged_kv.serving.engine.Engine` serves a list of requests known in advance. A server
 does not know its requests in advance: they arrive at any moment, and a client may hang up. vLLM's
@@ -170,9 +170,10 @@ class LLMEngine:
         or finished ids are skipped. Returns the requests' last outputs, ``finish_reason`` ``"abort"``.
 
         An abort is recorded as a step is: :attr:`last_stats` is the pool as the abort left it (no
-        tokens, no lookups) and :attr:`last_iteration` holds the aborted requests as finished ones,
-        so a stat logger called now sees the blocks come back and counts the aborts (vLLM counts
-        them under ``finished_reason="abort"``).
+        tokens, no lookups), so a stat logger called now sees the blocks come back. It finishes no
+        request in :attr:`last_iteration`: as vLLM's ``OutputProcessor.abort_requests``, which drops a
+        request's state without recording finished stats, an abort from the front end (a client
+        that hung up) is not counted in ``vllm:request_success``.
         """
         ids = [request_ids] if isinstance(request_ids, (str, int)) else list(request_ids)
         children = [child for request_id in ids for child in self.output_processor.children(request_id)]
@@ -180,9 +181,8 @@ class LLMEngine:
             return []
         self.engine_core.abort_requests(children)
         outputs, _ = self.output_processor.process_outputs({}, aborted=children)
-        now = self.clock()
         self.last_stats = self._pool_stats()
-        self.last_iteration = IterationStats(finished_requests=self._finished_stats(now))
+        self.last_iteration = IterationStats()
         self._forget(children)
         return outputs
 

@@ -19,8 +19,8 @@ A serving engine is watched through a few numbers, and vLLM names them (vLLM 0.3
 Every Prometheus family is declared once, here (:data:`METRICS` and :data:`REQUEST_SUCCESS_METRIC`,
 each a :class:`MetricSpec`: vLLM 0.33.0's name, type, help text, labels and buckets), and both
 texts are ``prometheus_client``'s, made from those specs: :meth:`RunMetrics.prometheus_text`, a
-run's end (lesson 14), and the server's live ``/metrics``
-(:class:`~paged_kv.entrypoints.openai.metrics.PrometheusStatLogger`, lesson 15). ``prometheus_client``
+run's end (lesson 15), and the server's live ``/metrics``
+(:class:`~paged_kv.entrypoints.openai.metrics.PrometheusStatLogger`, lesson 16). ``prometheus_client``
 is in the course's extra, not a core dependency: it is imported when a metric is made or a text
 rendered, never when this module is imported.
 
@@ -296,7 +296,7 @@ class FinishedRequestStats:
 @dataclass(frozen=True, slots=True)
 class IterationStats:
     """The latencies one step of the online engine completed, in wall-clock seconds (vLLM:
-    ``IterationStats``, lesson 15): each first token's time since its request arrived, each later
+    ``IterationStats``, lesson 16): each first token's time since its request arrived, each later
     token's time since its request's previous one, and the requests that finished."""
 
     num_generation_tokens: int = 0

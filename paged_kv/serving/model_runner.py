@@ -17,7 +17,7 @@
      (:func:`~paged_kv.model.attend.step_attend`);
   4. samples at each request's last token, for the requests whose tokens reached their end (a
      partial prefill chunk samples nothing): greedily, or by the request's sampling parameters
-     with its own generator (:mod:`~paged_kv.serving.sampler`, lesson 15), which the runner keeps
+     with its own generator (:mod:`~paged_kv.serving.sampler`, lesson 16), which the runner keeps
      from the request's first step to its last, through preemptions.
 
   It never allocates nor frees a block: the scheduler has done both.

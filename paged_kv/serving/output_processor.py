@@ -1,4 +1,4 @@
-"""From sampled tokens to what a client reads: text, stop strings, finish reasons, ``n`` children (lesson 15).
+"""From sampled tokens to what a client reads: text, stop strings, finish reasons, ``n`` children (lesson 16).
 
 vLLM splits its engine in two: the engine core schedules and runs steps on token ids, and the
 front end's ``OutputProcessor`` (``vllm/v1/engine/output_processor.py``) turns each step's new

@@ -30,7 +30,7 @@ class EngineCoreRequest:
     simulator); prefix caching and a model need them. A request finishes after ``max_tokens``
     tokens, or as soon as it generates one of ``stop_token_ids`` (a model's end-of-sequence tokens
     and the request's own; none by default), which it keeps. ``sampling_params`` says how the runner
-    picks its tokens (lesson 15); ``None`` is greedy. ``arrival_time`` is when it arrived, in the
+    picks its tokens (lesson 16); ``None`` is greedy. ``arrival_time`` is when it arrived, in the
     engine's clock's seconds (``None``: not measured).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Choosing each request's next token from its logits (lesson 15; vLLM: ``vllm/v1/sample/sampler.py``).
+"""Choosing each request's next token from its logits (lesson 16; vLLM: ``vllm/v1/sample/sampler.py``).
 
 A batch's rows are sampled each by its own :class:`~paged_kv.serving.sampling_params.SamplingParams`:
 

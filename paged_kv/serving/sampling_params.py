@@ -1,4 +1,4 @@
-"""How a request's tokens are chosen and when it stops, as vLLM's ``SamplingParams`` says it (lesson 15).
+"""How a request's tokens are chosen and when it stops, as vLLM's ``SamplingParams`` says it (lesson 16).
 
 vLLM 0.33.0 keeps these in ``vllm/sampling_params.py``; the names, the defaults and the error
 messages here are its own, for the parameters the course serves:

@@ -103,9 +103,7 @@ def test_a_wrong_implementation_loses_points_on_its_task_with_the_named_mistake(
 
 # ------------------------------------------------------------------- robust against learner code
 
-REFERENCE = (
-    "from paged_kv.reference.lesson00 import paged_usage, contiguous_usage, block_bytes, startup_line\n"
-)
+REFERENCE = "from paged_kv.reference.lesson00 import paged_usage, contiguous_usage\n"
 
 
 def write_notebook(path: Path, *cells: str) -> Path:
@@ -127,8 +125,6 @@ def test_code_that_raises_fails_its_task_only(tmp_path):
         "00.blocks_for_tokens": "failed",
         "00.paged_usage": "passed",
         "00.contiguous_usage": "passed",
-        "00.block_bytes": "passed",
-        "00.startup_line": "passed",
     }
     message = report.result("00.blocks_for_tokens").message.splitlines()
     assert "  got:      ZeroDivisionError: integer division or modulo by zero" in message
@@ -143,7 +139,6 @@ def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(
     source = tmp_path / "mine.py"
     source.write_text(
         "from paged_kv.reference.lesson00 import blocks_for_tokens, contiguous_usage\n"
-        "from paged_kv.reference.lesson00 import block_bytes, startup_line\n"
         "def paged_usage(request_tokens, block_size):\n    while True:\n        pass\n"
     )
     report = grade(str(source), "00", time_limit=3)
@@ -151,8 +146,6 @@ def test_code_that_never_returns_times_out_and_the_other_tasks_are_still_graded(
         "00.blocks_for_tokens": "passed",
         "00.paged_usage": "timeout",
         "00.contiguous_usage": "passed",
-        "00.block_bytes": "passed",
-        "00.startup_line": "passed",
     }
     assert "did not finish within 3 s" in report.result("00.paged_usage").message
 
@@ -174,8 +167,6 @@ def test_code_that_runs_out_of_memory_fails_its_task_only(tmp_path, runaway):
         "00.blocks_for_tokens": "failed",
         "00.paged_usage": "passed",
         "00.contiguous_usage": "passed",
-        "00.block_bytes": "passed",
-        "00.startup_line": "passed",
     }
     message = report.result("00.blocks_for_tokens").message
     assert "where:    mine.py, line" in message
@@ -215,8 +206,6 @@ def test_a_syntax_error_costs_only_the_names_of_its_cell(tmp_path):
         "00.blocks_for_tokens": "missing",
         "00.paged_usage": "passed",
         "00.contiguous_usage": "passed",
-        "00.block_bytes": "passed",
-        "00.startup_line": "passed",
     }
     assert "cell 2 has a syntax error" in report.result("00.blocks_for_tokens").message
 

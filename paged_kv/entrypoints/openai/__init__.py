@@ -1,4 +1,4 @@
-"""An OpenAI-compatible server over :class:`~paged_kv.serving.async_llm.AsyncLLM` (lesson 15; vLLM:
+"""An OpenAI-compatible server over :class:`~paged_kv.serving.async_llm.AsyncLLM` (lesson 16; vLLM:
 ``vllm/entrypoints/openai/``).
 
 ``paged-kv serve`` (or ``make serve``) runs it from a terminal; in Python::

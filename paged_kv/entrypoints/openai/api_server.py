@@ -1,4 +1,4 @@
-"""The OpenAI-compatible app: its routes and its error format, over one ``AsyncLLM`` (lesson 15).
+"""The OpenAI-compatible app: its routes and its error format, over one ``AsyncLLM`` (lesson 16).
 
 vLLM builds its FastAPI app in ``vllm/entrypoints/launchers/app.py`` (``build_app``) from the routers
 of ``vllm/entrypoints/openai/`` (``completion/``, ``chat_completion/``, ``models/``) and
@@ -102,7 +102,7 @@ def build_app(
         finally:
             await async_llm.shutdown()
 
-    app = FastAPI(title="paged_kv", summary="An OpenAI-compatible server (lesson 15)", lifespan=lifespan)
+    app = FastAPI(title="paged_kv", summary="An OpenAI-compatible server (lesson 16)", lifespan=lifespan)
     app.state.async_llm = async_llm
     app.state.model_name = model_name
     app.state.max_model_len = max_model_len

@@ -1,4 +1,4 @@
-"""Running the app: uvicorn in the foreground (``paged-kv serve``) or in a background thread (lesson 15).
+"""Running the app: uvicorn in the foreground (``paged-kv serve``) or in a background thread (lesson 16).
 
 vLLM starts its server in ``vllm/entrypoints/launchers/launcher.py`` (``serve_http``): uvicorn on a
 socket it binds first. :func:`serve_http` does the same in the foreground, until Ctrl-C.

@@ -1,10 +1,10 @@
-"""``GET /metrics``: the engine's steps as live Prometheus metrics, by vLLM's names (lesson 15).
+"""``GET /metrics``: the engine's steps as live Prometheus metrics, by vLLM's names (lesson 16).
 
 vLLM's ``PrometheusStatLogger`` (``vllm/v1/metrics/loggers.py``) turns each step's
 ``SchedulerStats`` and ``IterationStats`` into ``prometheus_client`` gauges, counters and
 histograms; :class:`PrometheusStatLogger` does the same for the families declared in
 :mod:`paged_kv.serving.metrics` (:data:`~paged_kv.serving.metrics.METRICS`, whose names, help
-texts, types and buckets lesson 14's run text has too, and
+texts, types and buckets lesson 15's run text has too, and
 :data:`~paged_kv.serving.metrics.REQUEST_SUCCESS_METRIC`), each made and fed by its
 :class:`~paged_kv.serving.metrics.MetricSpec`:
 

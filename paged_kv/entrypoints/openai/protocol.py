@@ -1,4 +1,4 @@
-"""The shapes of OpenAI's API as vLLM serves them: requests, responses, stream chunks, errors (lesson 15).
+"""The shapes of OpenAI's API as vLLM serves them: requests, responses, stream chunks, errors (lesson 16).
 
 Pydantic models with vLLM 0.33.0's names and fields, the subset the course serves (vLLM:
 ``vllm/entrypoints/openai/completion/protocol.py``, ``chat_completion/protocol.py``,

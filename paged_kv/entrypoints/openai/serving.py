@@ -1,4 +1,4 @@
-"""What the completion and chat endpoints share: checking a request, then serving it (lesson 15).
+"""What the completion and chat endpoints share: checking a request, then serving it (lesson 16).
 
 vLLM's ``OpenAIServing`` (``vllm/entrypoints/serve/engine/serving.py``) is the base of every
 endpoint; :class:`OpenAIServing` keeps its order of work, and its rule that **a bad request changes

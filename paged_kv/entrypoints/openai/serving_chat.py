@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: messages in, the assistant's answer out, whole or streamed (lesson 15).
+"""``POST /v1/chat/completions``: messages in, the assistant's answer out, whole or streamed (lesson 16).
 
 vLLM: ``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingChat``). A chat request
 is a completion of one prompt made from its messages. vLLM makes that prompt with the

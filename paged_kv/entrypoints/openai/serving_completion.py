@@ -1,4 +1,4 @@
-"""``POST /v1/completions``: a prompt in, its completions out, whole or streamed (lesson 15).
+"""``POST /v1/completions``: a prompt in, its completions out, whole or streamed (lesson 16).
 
 vLLM: ``vllm/entrypoints/openai/completion/serving.py`` (``OpenAIServingCompletion``). The prompt is
 text (tokenized with the served tokenizer's ``encode``) or token ids; vLLM takes a list of prompts

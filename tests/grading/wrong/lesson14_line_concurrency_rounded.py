@@ -1,0 +1,20 @@
+"""Rounding the concurrency to two decimals with round() instead of formatting it: 6.5x, not 6.50x."""
+
+from paged_kv.reference.lesson14 import *  # every other task stays right
+
+BREAKS = "14.startup_line"
+MESSAGE = "round(max_concurrency, 2) shows 6.5x"
+
+
+def startup_line(available_memory, bytes_per_block, block_size, max_model_len):
+    per_request = -(-max_model_len // block_size)
+    if (per_request + 1) * bytes_per_block > available_memory:
+        raise ValueError("one request does not fit besides the null block")
+    blocks = available_memory // bytes_per_block
+    concurrency = blocks / per_request
+    tokens = int(concurrency * max_model_len)
+    line = (
+        f"GPU KV cache size: {tokens:,} tokens, "
+        f"Maximum concurrency for {max_model_len:,} tokens per request: {round(concurrency, 2)}x"
+    )
+    return {"num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "max_concurrency": concurrency, "line": line}
