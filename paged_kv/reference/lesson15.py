@@ -1,7 +1,7 @@
-"""Exercise 15 graded on the package: ``log_line`` turns a window's counts into throughputs as vLLM's ``LoggingStatLogger`` does (tokens over
-seconds, 0.0 for no time) and writes the line with :func:`paged_kv.serving.metrics.format_log_line`;
-``CachingMetrics`` is :class:`paged_kv.serving.metrics.CachingMetrics`, fed
-:class:`~paged_kv.core.prefix_cache.PrefixCacheStats`.
+"""Exercise 15 graded on the package: ``log_line`` turns a window's counts into throughputs as vLLM's
+``LoggingStatLogger`` does (tokens over seconds, 0.0 for no time) and writes the line with
+:func:`paged_kv.serving.metrics.format_log_line`; ``CachingMetrics`` is
+:class:`paged_kv.serving.metrics.CachingMetrics`, fed :class:`~paged_kv.core.prefix_cache.PrefixCacheStats`.
 """
 
 from paged_kv.serving.metrics import CachingMetrics
