@@ -1,12 +1,11 @@
 # %% [markdown]
 # # Lesson 08 · Sharing
 #
-# So far every block had exactly one owner. Yet requests often hold the same tokens: parallel
-# sampling asks for several answers to one prompt, beam search follows several continuations of one
-# prefix, and a chat application puts the same *system prompt* in front of every user's message.
-# Identical prefixes have identical K/V, so storing them once is pure gain. An operating system does
-# the same after `fork()`: parent and child share their pages and copy one only when either writes
-# to it. A paged KV cache can do it with its blocks, and lesson 02's ref counts make it safe.
+# So far every block had one owner. Yet requests often hold the same tokens: parallel sampling asks
+# for several answers to one prompt, beam search follows several continuations of one prefix, and a
+# chat application puts the same *system prompt* before every user's message. Identical prefixes
+# have identical K/V, so storing them once is pure gain, as an operating system's `fork()` shares
+# pages and copies one only when either side writes to it. Lesson 02's ref counts make it safe.
 #
 # **By the end of this lesson you can**
 #
@@ -46,14 +45,14 @@ print("paged_kv", paged_kv.__version__)
 #
 # With **parallel sampling** a client asks for `n` different answers to one prompt (the `n` of the
 # OpenAI API, or of vLLM's `SamplingParams`). The prompt's K/V are computed once, and `n` sequences
-# decode side by side from it: there is no reason to store the prompt `n` times.
+# decode side by side from it: why store the prompt `n` times?
 #
 # `fork(parent_id, child_id)` starts a new sequence whose block table is a copy of the parent's,
-# pointing at the **same physical blocks**, each of which gains a reference. No K/V moves: Unix
-# `fork()` too gives the child a copy of the parent's page table, not of its pages.
+# pointing at the **same physical blocks**, each of which gains a reference. No K/V moves, as Unix
+# `fork()` copies the page table, not the pages.
 #
-# Here is the running example of this lesson, in blocks of 4: sequence `A` holds a 10-token prompt
-# in blocks 0, 1 and 2 (the last one half full), and `B` forks from it.
+# The running example, in blocks of 4: `A` holds a 10-token prompt in blocks 0, 1 and 2 (the last
+# half full), and `B` forks from it.
 
 # %%
 BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 4, 2, 4
@@ -81,10 +80,9 @@ usage = cache.usage()
 print("used blocks:", usage.used_blocks, "| shared blocks:", usage.shared_blocks)
 
 # %% [markdown]
-# `B` holds the same three blocks as `A`, each with a ref count of 2, and the free list did not
-# move. `usage()` counts a shared block once: 3 blocks are used, and all 3 are shared. In the picture
-# a shared block has a dashed frame, its ref count (`×2`) under it, and the label of its first holder
-# followed by how many more (`A+1`).
+# `B` holds `A`'s three blocks, each with a ref count of 2, and the free list did not move. `usage()`
+# counts a shared block once: 3 used, all 3 shared. In the picture a shared block has a dashed
+# frame, its ref count (`×2`) under it, and its first holder's label with how many more (`A+1`).
 
 # %%
 HTML(render_allocator(cache.snapshot(), caption="after fork('A', 'B'): blocks 0, 1 and 2 have two holders"))
@@ -119,26 +117,25 @@ print(f"saved: {saved} blocks, {saved / copies.used_blocks:.0%}")
 
 # %% [markdown]
 # Without sharing, each sample ends with 1,200 tokens in 75 blocks: 300 blocks. Forked, the samples
-# hold 114: the prompt's 62 full blocks once, shared by all four, and 13 blocks of their own each,
-# from logical block 62, the prompt's half-full last block, where they start to differ (section 2
-# shows how). That saves 186 blocks, 62 % of the memory, and the longer the prompt compared with
-# the answers, the more it saves: each extra sample costs 75 blocks when it stores the prompt, only
-# 13 when it shares it. **Beam search** shares even more: its candidates are forks of forks, sharing
-# a common prefix that grows as decoding goes on, and a pruned candidate simply frees its sequence.
+# hold 114: the prompt's 62 full blocks once, and 13 blocks of their own each, from logical block 62,
+# the prompt's half-full last block, where they start to differ (section 2 shows how). That saves
+# 186 blocks, 62 %: each extra sample costs 75 blocks when it stores the prompt, 13 when it shares
+# it. **Beam search** shares even more: its candidates are forks of forks, and a pruned candidate
+# simply frees its sequence.
 
 # %% [markdown]
 # ## 2. Copy-on-write
 #
-# Sharing is only safe while nobody writes into a shared block. Full blocks are never written again,
-# but `A`'s last block, block 2, holds 2 tokens and has 2 free slots. `A`'s 11th token goes to slot 2
-# of block 2, and so does `B`'s 11th token: the two sequences would overwrite each other's K/V.
+# Sharing is safe only while nobody writes into a shared block. Full blocks are never written again,
+# but `A`'s last block, block 2, holds 2 tokens: `A`'s 11th token goes to its slot 2, and so does
+# `B`'s, each overwriting the other's K/V.
 #
 # The fix is the operating system's **copy-on-write**. The first time a sequence is about to write
-# into a block that another sequence also holds, it gets a fresh block holding a copy of the shared
-# block's K and V, in that block's place in its table; the shared block loses one reference and stays
-# with the other holders. The copy is lazy, on the next `append_tokens` (or `write_kv`) into the
-# shared block, since many forks never write there. `last_copies` lists the `(shared block, copy)`
-# pairs of the last append or write.
+# into a block that another sequence also holds, it gets a fresh block with a copy of the shared
+# block's K and V in its table; the shared block loses one reference and stays with the others. The
+# copy is lazy, on the next `append_tokens` (or `write_kv`) into the shared block, since many forks
+# never write there. `last_copies` lists the `(shared block, copy)` pairs of the last append or
+# write.
 #
 # **Predict, then run.** `B` generates its 11th token. Which blocks does `B` hold afterwards, and
 # which of them are still shared with `A`?
@@ -159,20 +156,16 @@ print("A still holds 10 tokens, unchanged:", k_a.shape[0], torch.equal(k_a, prom
 
 # %% [markdown]
 # Only block 2 was copied: `B` took block 3, the head of the free list, with block 2's two tokens,
-# and wrote its 11th token into it. Blocks 0 and 1 are full, no token will ever be written there
-# again, so they stay shared (ref count 2), while block 2 now has one holder, `A`. The copy is one
-# indexing operation per tensor on the cache's device, `k_cache[[3]] = k_cache[[2]]`, whatever the
-# number of blocks copied.
+# and wrote its 11th token into it. Blocks 0 and 1 are full, never written again, so they stay
+# shared, while block 2 now has one holder, `A`. The copy is one indexing operation per tensor,
+# `k_cache[[3]] = k_cache[[2]]`, whatever the number of blocks copied.
 
 # %%
-HTML(
-    render_allocator(
-        cache.snapshot(), caption="B's 11th token: block 2 copied to block 3 for B", highlight=[2, 3]
-    )
-)
+caption = "B's 11th token: block 2 copied to block 3 for B"
+HTML(render_allocator(cache.snapshot(), caption=caption, highlight=[2, 3]))
 
 # %% [markdown]
-# `A`'s 11th token is now no problem: block 2 is `A`'s alone, and the token goes in place.
+# `A`'s 11th token now goes in place: block 2 is `A`'s alone.
 
 # %%
 print("append_tokens('A', 1) ->", cache.append_tokens("A", 1), "| last_copies:", cache.last_copies)
@@ -180,11 +173,11 @@ print("A:", cache.get_block_mapping("A"), "| ref counts:", ref_counts(cache))
 
 # %% [markdown]
 # A block is copied only when a token lands in a block that is shared *and* not yet full: after a
-# fork, only ever the parent's last block. (Had `A` held two full blocks, `B`'s next token would
-# have taken a fresh block by lesson 04's boundary rule, with no copy.)
+# fork, only the parent's last block. (Had `A` held two full blocks, `B`'s next token would have
+# taken a fresh block by lesson 04's boundary rule, with no copy.)
 #
-# Freeing is just as simple: `free_sequence` drops one reference from each block of the sequence,
-# and a block goes back to the free list only when its last holder lets go. `A` finishes first:
+# Freeing is as simple: `free_sequence` drops one reference from each of the sequence's blocks, and
+# a block goes back to the free list when its last holder lets go. `A` finishes first:
 
 # %%
 print("free_sequence('A') ->", cache.free_sequence("A"))
@@ -194,14 +187,13 @@ k_b, v_b = cache.read_kv("B")
 print("B still reads its 11 tokens:", torch.equal(k_b, torch.cat([prompt_k, new_k])))
 
 # %% [markdown]
-# Only block 2 came back; blocks 0 and 1 lost a holder but `B` still reads them. Freeing `B` first
-# would have been just as safe. Nothing in the allocator needs to know who forked from whom: the
-# ref counts carry it all.
+# Only block 2 came back; blocks 0 and 1 lost a holder, and `B` still reads them. Freeing `B` first
+# is as safe: the ref counts carry it all.
 #
-# The animation replays a fork with divergent appends, as in a beam search with two candidates:
-# `A` has a 6-token prompt, `B` and `C` fork from it, and the three take turns generating 4 tokens
-# each; then `A` finishes. Watch the copies: `B`'s first token copies block 1, so does `C`'s, and
-# by the time `A` writes, block 1 is its own.
+# The animation replays a fork with divergent appends, as in a beam search: `A` has a 6-token
+# prompt, `B` and `C` fork from it, the three take turns generating 4 tokens each, then `A`
+# finishes. `B`'s first token copies block 1, so does `C`'s, and by the time `A` writes, block 1 is
+# its own.
 
 # %%
 recorded = PagedKVCacheAllocator(num_blocks=10, block_size=BLOCK_SIZE, num_heads=1, head_dim=1, record=True)
@@ -219,18 +211,17 @@ for frame in recorded.trace:
 AllocationPlayer(recorded.trace)
 
 # %% [markdown]
-# vLLM v1 turns a request for `n` samples into `n` child requests instead, which share the prompt's
-# full blocks through prefix caching, the next section; each computes its own partly full last block.
+# vLLM v1 instead turns a request for `n` samples into `n` child requests, which share the prompt's
+# full blocks through prefix caching (next section); each computes its own partly full last block.
 
 # %% [markdown]
 # ## 3. Prefix caching
 #
-# Forking shares a prefix that one request computed for its own samples. **Prefix caching** shares
-# prefixes *between requests*: a new prompt that starts with tokens an earlier prompt computed reuses
-# those blocks. Every request of a chat application starts with the same system prompt, every turn
-# of a conversation resends the turns before it: the prefill of the shared part is skipped, which
-# saves compute, shortens the wait for the first token and keeps one copy in memory. But to reuse a
-# block, the allocator must recognise it. What identifies the K/V of a block?
+# Forking shares a prefix within one request. **Prefix caching** shares prefixes *between
+# requests*: a new prompt that starts with tokens an earlier prompt computed reuses those blocks.
+# Chat requests start with the same system prompt, and each turn resends the turns before it: the
+# prefill of the shared part is skipped, which saves compute, shortens the wait for the first token
+# and keeps one copy in memory. But what identifies the K/V of a block?
 #
 # ### A chained hash
 #
@@ -243,6 +234,8 @@ AllocationPlayer(recorded.trace)
 # $$h_0 = \text{hash}(\text{root}, \text{tokens}_0), \qquad h_i = \text{hash}(h_{i-1}, \text{tokens}_i).$$
 #
 # Only **full** blocks are hashed and cached; a partly full block is hashed once decode fills it.
+# So a hit is whole blocks: a prompt that shares 30 tokens with a cached one, in blocks of 16, finds
+# 16 (vLLM likewise, below).
 #
 # `full_blocks(token_ids, block_size)` cuts a prompt into its full blocks and `chain_hashes` chains
 # them. Two prompts whose second blocks hold the same tokens, `9 9 9 9`, after different first
@@ -260,19 +253,19 @@ print("block 1: same chained hash:", h_first[1] == h_second[1])
 print("block 1: same hash of its tokens alone:", hash(tokens_first) == hash(tokens_second))
 
 # %% [markdown]
-# A hash of the tokens alone would find the second prompt's block 1 in the cache and hand it the
-# K/V computed after `1 2 3 4`: wrong data, silently. The chained hash tells the two blocks apart.
+# A hash of the tokens alone would hand the second prompt's block 1 the K/V computed after
+# `1 2 3 4`: wrong data, silently. The chained hash tells the two blocks apart.
 #
 # ### A hit is verified
 #
 # A hash is a hint, not a proof: two different blocks can hash alike. vLLM hashes blocks with
-# SHA-256 by default (its `prefix_caching_hash_algo` setting also offers `sha256_cbor`, `xxhash` and
-# `xxhash_cbor`), for which a collision is practically impossible, and trusts the hash. Its hash
-# also covers *extra keys* beside the tokens: the LoRA adapter, multimodal inputs, prompt embeddings
-# and a per-request `cache_salt`, so that two adapters or two tenants never share a block. This
-# package hashes tokens only, with Python's 64-bit `hash`, easy to collide on purpose; so it checks:
-# each cached block keeps its token ids and the cached block it follows, and a hit must match both.
-# Here is a cache whose hash function is as bad as it gets: every block hashes to 0.
+# SHA-256 by default (`prefix_caching_hash_algo` also offers `sha256_cbor`, `xxhash` and
+# `xxhash_cbor`), for which a collision is practically impossible, and trusts the hash, which also
+# covers *extra keys* beside the tokens: the LoRA adapter, multimodal inputs, prompt embeddings and
+# a per-request `cache_salt` (below), so that two adapters or two tenants never share a block. This
+# package hashes tokens only, with Python's 64-bit `hash`, easy to collide on purpose; so each cached
+# block keeps its token ids and the cached block it follows, and a hit must match both. Here is a
+# cache whose hash function is as bad as it gets: every block hashes to 0.
 
 # %%
 with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, token_ids: 0):
@@ -294,22 +287,21 @@ with mock.patch("paged_kv.core.prefix_cache.block_hash", lambda parent_hash, tok
 #
 # ### The last prompt token is always computed
 #
-# The prefill's output at the last prompt token is what the first new token is sampled from, so at
-# least that token must run through the model: at most `n - 1` tokens of an `n`-token prompt come
-# from the cache (vLLM has the same rule), and a prompt of exactly `k` full blocks reuses `k - 1`.
+# The first new token is sampled from the prefill's output at the last prompt token, so that one
+# runs through the model: at most `n - 1` tokens of an `n`-token prompt come from the cache (as
+# in vLLM), and a prompt of exactly `k` full blocks reuses `k - 1`.
 #
 # ### Step by step
 #
-# Here is the whole mechanism on a pool of 10 blocks of 4, in the style of vLLM's design document on
-# prefix caching. After each step the cell prints every block table, how many prompt tokens came
-# from the cache, and the free list from head to tail (`*`: a block that still holds a cached
-# prefix). Three rules to watch:
+# The whole mechanism on a pool of 10 blocks of 4, in the style of vLLM's design document on prefix
+# caching. After each step the cell prints every block table, its tokens from the cache, and the
+# free list from head to tail (`*`: a block that still holds a cached prefix). Three rules:
 #
 # * a finished sequence's blocks go back to the free list **with their K/V and hash**, cached until
-#   `allocate` hands them out for new data (only then is the hash forgotten, evicted); `allocate`
-#   takes the head, the block freed longest ago, so eviction is least recently used first;
-# * a freed block with **no** cached prefix (a partly full last block) goes to the *head* instead,
-#   to be reused before any cached block is evicted, as in vLLM v1's free queue;
+#   `allocate` hands them out for new data (evicted); it takes the head, the block freed longest
+#   ago, so eviction is least recently used first;
+# * a freed block with **no** cached prefix (a partly full last block) goes to the *head*, reused
+#   before any cached block is evicted, as in vLLM v1;
 # * a sequence frees its blocks in **reverse** order, so a prefix is evicted from its end.
 
 # %%
@@ -351,17 +343,16 @@ print(pool.prefix_cache_stats)
 # What happened:
 #
 # 1. `r0` takes blocks 0 to 3 and caches its 3 full blocks; block 3, partly full, is private.
-# 2. `r1`'s first two blocks hash like `r0`'s: 8 tokens come from the cache, and blocks 0 and 1 gain
-#    a second holder. Its third block matches `r0`'s in only 2 of 4 tokens: a miss.
-# 3. `r0` finishes and frees its blocks in reverse order: block 3, with no hash, goes to the head;
-#    block 2, cached, to the tail. `r1` still holds blocks 0 and 1.
+# 2. `r1`'s first two blocks hash like `r0`'s: 8 tokens from the cache, blocks 0 and 1 gain a
+#    second holder. Its third block matches `r0`'s in only 2 of 4 tokens: a miss.
+# 3. `r0` frees its blocks in reverse order: block 3, with no hash, to the head; block 2, cached, to
+#    the tail. `r1` still holds blocks 0 and 1.
 # 4. `r1` finishes: its partly full block 5 goes to the head, blocks 4, 1 and 0 to the tail.
-# 5. `r2` finds `r0`'s 3 cached blocks, taken *out of the free list* from its middle and its end.
-# 6. `r3` shares nothing: it takes the head, 8 and 9 (no hash), then 4, whose cached prefix is
-#    evicted.
+# 5. `r2` finds `r0`'s 3 cached blocks, taken *out of the free list*, from its middle and end.
+# 6. `r3` shares nothing: it takes the head, 8 and 9 (no hash), then 4, evicting its prefix.
 #
-# The counters are in tokens, as vLLM's metrics are: 4 prompts, 63 prompt tokens looked up
-# (`queries`), 20 of them found (`hits`, 8 for `r1` and 12 for `r2`).
+# The counters are in tokens, as vLLM's are: 4 prompts, 63 prompt tokens looked up (`queries`), 20
+# found (`hits`, 8 for `r1` and 12 for `r2`).
 #
 # **Predict, then run.** `r2` still holds blocks 0, 1 and 2. A new prompt arrives that is exactly
 # `r0`'s first 12 tokens, three full blocks that are all in the cache. How many of its tokens come
@@ -374,19 +365,18 @@ show("7. r3 finishes; r4 arrives with r0's first 12 tokens")
 
 # %% [markdown]
 # 8, not 12: the last-token rule keeps the third block out of reach, so `r4` computes tokens 8 to 11
-# into a fresh block of its own, which stays private (a block table only grows: neither this package
-# nor vLLM swaps block 2 into `r4`'s table).
+# into a fresh block of its own (a block table only grows: neither this package nor vLLM swaps block
+# 2 into `r4`'s table).
 #
 # ### Taking a block out of the middle of the free list
 #
-# Step 5 took blocks from the middle and the end of the free list. With the `deque` of lesson 02
-# that is `free_list.remove(block_id)`, O(n) in the free blocks: a GPU with 100,000 of them would
-# pay that on every cache hit. `BlockAllocator` therefore keeps its free list as a **doubly linked
-# list** threaded through two arrays indexed by block id, `next` and `prev`, in a ring through one
-# sentinel: a block id *is* its own node, and taking it out relinks its two neighbours,
-# `next[prev[b]] = next[b]` and `prev[next[b]] = prev[b]`, O(1) wherever it sits. vLLM's
-# `FreeKVCacheBlockQueue` is the same list built from block objects (`prev_free_block`,
-# `next_free_block`) between a fake head and a fake tail.
+# Step 5 took blocks from the middle and the end of the free list. With lesson 02's `deque` that is
+# `free_list.remove(block_id)`, O(n) in the free blocks: a GPU with 100,000 of them would pay that
+# on every cache hit. So `BlockAllocator` keeps its free list as a **doubly linked list** threaded
+# through two arrays indexed by block id, `next` and `prev`, in a ring through one sentinel: a block
+# id *is* its node, and taking it out relinks its two neighbours, `next[prev[b]] = next[b]` and
+# `prev[next[b]] = prev[b]`, O(1) wherever it sits (vLLM's `FreeKVCacheBlockQueue` links block
+# objects instead).
 
 # %%
 queue = FreeKVCacheBlockQueue(8)
@@ -400,27 +390,26 @@ print("append 5:          ", list(queue))
 print("backwards:         ", list(reversed(queue)))
 
 # %% [markdown]
-# The order of the other blocks never changes, so the least recently freed block is still at the
-# head. `bench/bench_prefix_cache.py` times a take from the middle plus a free: 1.0 to 1.6 µs on a
-# pool of 1,000 free blocks and the same on 100,000 on a quiet 2-core machine (1.5 to 1.9 µs with two
-# busy processes beside it), while `deque.remove` grows 124 to 143 times from one pool to the other.
+# The other blocks keep their order, so the least recently freed block is still at the head. `bench/bench_prefix_cache.py` times a take from the middle plus a free; on this course's
+# 2-core machine it measured 1.0 to 1.6 µs quiet (1.5 to 1.9 µs with two busy processes) on 1,000
+# free blocks and the same on 100,000, while `deque.remove` grew 124 to 143 times from one to the
+# other.
 
 # %% [markdown]
 # ### Blocks filled during decode are cached too
 #
-# A chat resends the whole conversation at every turn: the next prompt is the previous prompt, the
-# model's answer and the user's new message. If only prompt blocks were cached, the next turn would
-# compute the whole answer again. vLLM v1 caches the answer too: a block that fills during decode
-# gets its chained hash, exactly as a prompt block would, and joins the cache.
+# A chat resends the whole conversation at every turn: the previous prompt, the model's answer and
+# the user's new message. Were only prompt blocks cached, the next turn would recompute the answer. vLLM v1 caches the answer too: a block that fills during decode gets its chained hash and
+# joins the cache.
 #
 # For that the cache must know the tokens it holds. `append_tokens(seq_id, n, token_ids=...)` takes
-# the ids of the new tokens (an engine passes them: a decode step's input tokens are the tokens it
-# appends). Each sequence keeps its place in the chain; when its filling block fills, it is hashed
-# after its parent and cached, and an append without ids ends the chain. Invariant: a cached block's
-# hash is the chained hash of exactly the tokens it holds, from the sequence's first block on.
+# the new tokens' ids (an engine has them: a decode step's input tokens). Each sequence keeps its
+# place in the chain; a block that fills is hashed after its parent and cached, and an append
+# without ids ends the chain. Invariant: a cached block's hash is the chained hash of exactly the
+# tokens it holds, from the sequence's first block on.
 #
-# Turn 1 of a chat: a 10-token prompt (an 8-token system prompt and a question), and an 8-token
-# answer, of which the cache holds the first 7 (the last sampled token is never fed).
+# Turn 1 of a chat: a 10-token prompt (an 8-token system prompt and a question) and an 8-token
+# answer, of which the cache holds 7 (the last sampled token is never fed).
 
 # %%
 chat = PagedKVCacheAllocator(num_blocks=16, block_size=4, num_heads=1, head_dim=1, enable_prefix_caching=True)
@@ -438,9 +427,8 @@ print("the hashes a prompt of the same 17 tokens gets:", hashes == set(chain_has
 chat.free_sequence("turn 1")
 
 # %% [markdown]
-# Blocks 2 and 3 filled during decode, block 2 with the question's last two tokens and the first two
-# of the answer. Their hashes are those a prompt of the same tokens would get, so a prompt that
-# starts with these 17 tokens finds them.
+# Blocks 2 and 3 filled during decode, block 2 with the question's last two tokens and the answer's
+# first two. Their hashes are those a prompt of the same tokens would get.
 #
 # **Predict, then run.** Turn 2 resends the conversation and asks something new: 10 + 8 + 3 = 21
 # tokens. How many come from the cache? And how many would, had the decode steps not passed their
@@ -459,30 +447,29 @@ prompts_only.allocate_for_sequence("turn 2", len(prompt_2), prompt_2)
 print("with prompt blocks only:", prompts_only.num_cached_tokens("turn 2"), "from the cache")
 
 # %% [markdown]
-# 16 against 8: with decode blocks cached, turn 2 computes only its last 5 tokens; without, it
-# computes the question's end and the whole answer again. `bench/bench_multiturn.py` serves 16
-# conversations of 4 turns each through the package's engine: caching the blocks filled during
-# decode computes 1.78 times fewer prefill tokens, with the same generated tokens.
+# 16 against 8: with decode blocks cached, turn 2 computes only its last 5 tokens; without, the
+# question's end and the whole answer again. `bench/bench_multiturn.py` serves 16 conversations of 4
+# turns through the package's engine: caching decode blocks computes 1.78 times fewer prefill tokens
+# (a count of tokens, not a time).
 
 # %% [markdown]
 # ## 4. How much a prefix cache saves, and how much memory it needs
 #
 # A cached prefix survives on the free list only until new data needs its blocks, so the memory
-# budget decides how long a prefix nobody is using stays cached. `paged_kv.simulation.sharing.serve`
-# runs the package's scheduler with a stand-in for the model that only counts tokens, on 200
-# requests queued at step 0, each a system prompt, a user prompt and an answer of ShareGPT-shaped
-# lengths (random tokens, so user prompts share nothing), at most 32 at once. Each prompt is looked
-# up in the cache when it is admitted; the blocks its prompt and answer fill are cached and stay so
-# when it finishes; when a decode finds no free block, the newest request is preempted and queued
-# again (lessons 07 and 11), to be looked up anew with the tokens it had generated.
-# One system prompt stands for one application, 16 for several sharing a server. The lengths are
-# ShareGPT's divided by 8 (a 32-token system prompt, blocks of 4) so that the sweep takes a few
-# seconds; at full size (256 tokens, blocks of 16, nine budgets, four series) it takes about 35 s of
-# processor time on a 2-core machine, over a minute with busy processes beside it, and draws the
-# same picture.
+# budget decides how long an unused prefix stays cached. `paged_kv.simulation.sharing.serve` runs the
+# package's scheduler with a stand-in for the model that only counts tokens, on 200 requests queued
+# at step 0, each a system prompt, a user prompt and an answer of ShareGPT-shaped lengths (random
+# tokens, so user prompts share nothing), at most 32 at once. Prompts are looked up on admission,
+# and the blocks a request fills stay cached when it finishes; a decode that finds no free block
+# preempts the newest request (lessons 07 and 11), queued again and looked up anew with the tokens
+# it had generated. One system prompt stands for one application,
+# 16 for several sharing a server. The lengths are ShareGPT's divided by 8 (a 32-token system prompt,
+# blocks of 4) to keep the sweep small; at full size (256 tokens, blocks of 16, nine budgets, four
+# series) it draws the same picture, and took about 35 s of processor time on this course's quiet
+# 2-core machine, over a minute with busy processes beside it.
 #
-# The ideal, `ideal_cached_tokens`, is a cache that never forgets, in a run that never preempts:
-# every request but the first with each system prompt finds that system prompt's 8 full blocks.
+# The ideal, `ideal_cached_tokens`, is a cache that never forgets in a run that never preempts:
+# every request but the first with each system prompt finds its 8 full blocks.
 
 # %%
 BUDGETS = [64, 128, 256, 512, 1024]  # blocks of 4
@@ -513,17 +500,10 @@ for count in SYSTEM_PROMPTS:
     label = f"{count} system prompt{'s' if count > 1 else ''}"
     left.plot(BUDGETS, [100 * r.hit_rate for r in sweep[count]], "o-", color=COLOURS[count], label=label)
     left.axhline(100 * ideal[count] / prompt_tokens, color=COLOURS[count], ls=":", lw=1)
-    right.plot(
-        BUDGETS, [r.computed_tokens / 1000 for r in sweep[count]], "o-", color=COLOURS[count], label=label
-    )
-right.plot(
-    BUDGETS,
-    [r.computed_tokens / 1000 for r in uncached],
-    "--",
-    color="#444444",
-    lw=1,
-    label="without prefix caching",
-)
+    computed_k = [r.computed_tokens / 1000 for r in sweep[count]]
+    right.plot(BUDGETS, computed_k, "o-", color=COLOURS[count], label=label)
+uncached_k = [r.computed_tokens / 1000 for r in uncached]
+right.plot(BUDGETS, uncached_k, "--", color="#444444", lw=1, label="without prefix caching")
 left.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
 left.set_title("hits (dotted: the ideal)", loc="left", fontsize=11)
 right.set_ylabel("prefill tokens computed (thousands)")
@@ -544,17 +524,16 @@ plt.show()
 # %% [markdown]
 # At 1,024 blocks nothing is preempted. One system prompt hits its ideal, 61.5 % (the model computes
 # 3,986 of the 10,354 prompt tokens, 2.6 times fewer than without caching); 16 stop a point short,
-# 55.9 %: the answers' blocks are cached too and, once freed, queue on the free list with the system
-# prompts, so an idle system prompt can reach the head and be evicted. Smaller pools evict sooner and
-# preempt far more (256 times at 64 blocks, one system prompt), as the scheduler keeps no block back
-# for running requests (lesson 07). A readmitted request is looked up again, prompt and generated
-# tokens, and finds much of both: its freed blocks kept their hashes. In small pools these second
-# lookups are most of the tokens looked up (17,230 of 27,584 at 64 blocks) and lift one system
-# prompt *above* its ideal, to 65.8 %, though its first lookups alone find exactly the ideal in every
-# pool. So compare the prefill work, on the right: without caching, 19,433 tokens at 64 blocks
-# (preemption recomputes) against 10,354 when nothing is preempted; with it, 9,424 (one system
-# prompt) and 13,735 (16). A prefix cache lives in the memory the running requests do not need
-# *right now*.
+# 55.9 %: the answers' freed blocks queue on the free list with the system prompts, so an idle
+# system prompt can reach the head and be evicted. Smaller pools evict sooner and preempt far more
+# (256 times at 64 blocks, one system prompt), as no block is kept back for running requests
+# (lesson 07). A readmitted request is looked up again and finds much of its prompt and generated
+# tokens: its freed blocks kept their hashes. In small pools these second lookups are most of the
+# tokens looked up (17,230 of 27,584 at 64 blocks) and lift one system prompt *above* its ideal, to
+# 65.8 %, though its first lookups alone find exactly the ideal. So compare the prefill work, on the
+# right: without caching, 19,433 tokens at 64 blocks (preemption recomputes) against 10,354 with no
+# preemption; with it, 9,424 (one system prompt) and 13,735 (16). A prefix cache lives in the memory
+# the running requests do not need *right now*.
 #
 # `serve` also returns the allocator's counters, in tokens. For 16 system prompts at 512 blocks:
 
@@ -567,9 +546,8 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 
 # %% [markdown]
 # `requests`, `queries` and `hits` count the first lookup of each of the 200 requests, in tokens;
-# `hit_rate` is `hits / queries`. The 89 requests readmitted after a preemption were looked up again,
-# prompt and generated tokens, and those lookups count apart, in the `preempted_` fields, as vLLM
-# counts them: the hit rate a real server logs and exports is that of first lookups (lesson 14).
+# `hit_rate` is `hits / queries`. The 89 readmitted requests' lookups count apart, in the
+# `preempted_` fields, as in vLLM, which logs and exports the first lookups' hit rate (lesson 15).
 # The prefill work saved counts both.
 
 # %% [markdown]
@@ -581,51 +559,59 @@ print(f"prefill tokens computed: {result.computed_tokens:,}, {result.cached_toke
 # * `vllm/v1/core/block_pool.py`: `BlockPool` holds every `KVCacheBlock`, the free queue and the
 #   map from hash to cached block (`BlockHashToBlockMap`): this lesson's `CachingBlockAllocator`.
 #   `BlockPool.get_cached_block` looks a hash up and compares no tokens; `BlockPool.cache_full_blocks`
-#   caches a request's blocks that became full, in prefill or in decode (`PrefixCache.extend`
-#   here); `BlockPool.free_blocks` puts blocks without a hash at the head of the free queue and
-#   cached ones at the tail.
+#   caches a request's newly full blocks, in prefill or decode (`PrefixCache.extend` here);
+#   `BlockPool.free_blocks` puts blocks without a hash at the head of the free queue, cached ones at
+#   the tail.
 # * `vllm/v1/core/kv_cache_utils.py`: `hash_block_tokens` hashes a block from its parent's hash, its
 #   token ids and its extra keys (`block_hash` here), with `NONE_HASH` as the first block's parent
-#   (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt embedding
-#   and `cache_salt` keys; `get_request_block_hasher` chains a request's block hashes as its tokens
-#   grow (the package's `chain_hashes`, and the package's `HashChain`). `FreeKVCacheBlockQueue` is the doubly linked free
-#   list of block objects between `fake_free_list_head` and `fake_free_list_tail`.
-# * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` whenever
-#   output tokens arrive, so a block that fills during decode gets its hash, and the KV cache
-#   manager's `allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) then caches it: the package's
-#   `append_tokens(seq_id, n, token_ids=...)`.
+#   (`ROOT_HASH` here); `generate_block_hash_extra_keys` adds the LoRA, multimodal, prompt-embedding
+#   and `cache_salt` keys; `get_request_block_hasher` chains a request's hashes as its tokens grow
+#   (the package's `chain_hashes`).
+# * `vllm/v1/request.py`: `Request.append_output_token_ids` calls `update_block_hashes` as output
+#   tokens arrive, so a block that fills during decode gets its hash, and `allocate_slots`
+#   (`vllm/v1/core/kv_cache_manager.py`) caches it: the package's `append_tokens(seq_id, n, token_ids=...)`.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.get_computed_blocks` finds a new request's
 #   longest cached prefix, at most `request.num_tokens - 1` tokens (`allocate_prompt` here), and
 #   `KVCacheManager.free` frees a request's blocks in reverse order.
-# * `vllm/v1/metrics/stats.py`: `PrefixCacheStats` counts `requests`, `queries` and `hits`, and a
-#   preempted request's lookup apart, in `preempted_queries` and `preempted_hits`.
-# * `vllm/config/cache.py`: `CacheConfig.prefix_caching_hash_algo`, `"sha256"` by default;
-#   `CacheConfig.enable_prefix_caching` is `True` by default.
+# * `vllm/v1/metrics/stats.py`: `PrefixCacheStats` counts `requests`, `queries` and `hits`, and
+#   preempted requests' lookups apart (`preempted_queries`, `preempted_hits`).
+# * `vllm/config/cache.py`: `CacheConfig.enable_prefix_caching` is `True` by default,
+#   `CacheConfig.prefix_caching_hash_algo` `"sha256"`. Hits finer than a block: with one KV cache
+#   group, as here, hits are whole blocks, and `prefix_match_unit` may only equal `block_size`
+#   (`resolve_kv_cache_block_sizes`, `vllm/v1/core/kv_cache_utils.py`); only a hybrid model (lesson
+#   13) whose Mamba layers keep aligned states hits inside a block, every `prefix_match_unit` tokens
+#   (`partial_hash_hits_enabled`).
+# * `vllm/entrypoints/openai/chat_completion/protocol.py`: a client sends `cache_salt` as an extra
+#   body field of its OpenAI request (`ChatCompletionRequest.cache_salt`, and `CompletionRequest` in
+#   `vllm/entrypoints/openai/completion/protocol.py`); it reaches the engine as
+#   `EngineCoreRequest.cache_salt` (`vllm/v1/engine/__init__.py`), and
+#   `generate_block_hash_extra_keys` (`vllm/v1/core/kv_cache_utils.py`) puts it in the first block's
+#   extra keys only: every later hash chains from that one, so no block matches across salts. That
+#   closes a timing side channel, a tenant sending a guessed prompt and telling from a fast first
+#   token (a hit) that someone else sent that prefix.
 #
 # What the course leaves out or does differently: it hashes tokens only, with Python's `hash`, and
-# so compares each hit's tokens and parent, where vLLM trusts SHA-256 and adds extra keys; it keeps
-# one block per hash, where vLLM also caches a second equal block.
+# so compares each hit's tokens and parent, where vLLM trusts SHA-256 and adds extra keys (so no
+# salt); it keeps one block per hash, where vLLM also caches a second equal block.
 
 # %% [markdown]
 # ## Recap
 #
 # * `fork` shares every block of a sequence through ref counts, with no copy: 4 samples of a
-#   1,000-token prompt (blocks of 16, 200 tokens each) hold 114 blocks instead of 300, and `usage()`
-#   counts each shared block once.
-# * Copy-on-write: the first token written into a shared, partly full block copies that block for
-#   the writer (block 2 to block 3 for `B`); full shared blocks are never copied, and freeing either
-#   sequence only drops references.
+#   1,000-token prompt (blocks of 16, 200 tokens each) hold 114 blocks instead of 300.
+# * Copy-on-write: the first token written into a shared, partly full block copies it for the
+#   writer (block 2 to 3 for `B`); full shared blocks are never copied, and freeing only drops
+#   references.
 # * Prefix caching names a full block by a chained hash of its parent's hash and its tokens, since a
-#   block's K/V depend on its whole prefix; a hit compares tokens and parent, so a collision can
-#   cost a hit but never share wrong K/V; at most `n - 1` prompt tokens come from the cache.
+#   block's K/V depend on its whole prefix; a hit is whole blocks and compares tokens and parent, so
+#   a collision can cost a hit but never share wrong K/V; at most `n - 1` prompt tokens are cached.
 # * Freed cached blocks stay on the free list, evicted least recently freed first, taken from its
-#   middle in O(1) on a hit; blocks filled during decode are cached too (a chat's next turn found 16
-#   of its 21 tokens cached instead of 8).
+#   middle in O(1) on a hit; blocks filled during decode are cached too (a chat's next turn: 16 of
+#   21 tokens cached instead of 8).
 # * With one system prompt, 200 ShareGPT-shaped requests find the ideal 61.5 % of their prompt tokens
-#   cached when nothing is preempted; with 16, 55.9 % (cached answers evict a few system prompts),
-#   and 32.4 % in the smallest pool. Readmitted requests are looked up again and lift the hit rate:
-#   compare prefill work.
+#   cached when nothing is preempted; with 16, 55.9 %, and 32.4 % in the smallest pool. Readmitted
+#   requests' second lookups lift the hit rate: compare prefill work.
 #
 # **Next, lesson 09:** the engine: a tiny GPT served with continuous batching on the paged cache,
-# and the step an engine runs. The exercise for this lesson, `exercises/08_sharing.ipynb`, has you write fork, copy-on-write and the lookup of a cached
-# prefix yourself.
+# and the step an engine runs. The exercise for this lesson, `exercises/08_sharing.ipynb`, has you
+# write fork, copy-on-write and the lookup of a cached prefix yourself.
