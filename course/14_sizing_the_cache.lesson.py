@@ -211,9 +211,12 @@ for name, config in configs.items():
 # pool holds 10 layers (its KV-cache groups of ten, lesson 13), and one request of 131,072 tokens
 # needs 8,192 blocks in the full-attention group but only 321 in each sliding group: the window, the
 # tokens in flight (two steps of 2,048 under vLLM's default async scheduling) and one block because a
-# window seldom starts at a block's edge. vLLM pays the whole length in sliding layers too when the
-# hybrid manager is off (`--disable-hybrid-kv-cache-manager`, or a KV connector that needs one group):
-# then every layer is sized as a full-attention one, and the pool holds far fewer requests.
+# window seldom starts at a block's edge. vLLM pays the whole length in sliding layers too when its
+# hybrid KV-cache manager is off: asked for (`--disable-hybrid-kv-cache-manager`), or turned off by a
+# KV connector that does not support it ("Turning off hybrid kv cache manager because
+# `--kv-transfer-config` selects a KV connector that does not support it"), or on a platform
+# without it. Then `unify_hybrid_kv_cache_specs` makes every sliding layer's spec a full-attention
+# one, and the pool holds far fewer requests of that length.
 #
 # **Predict, then run.** On an H100, vLLM's `LLM` class takes a `max_num_batched_tokens` of 16,384,
 # eight times the 2,048 above. What happens to Llama-3-8B's tokens on the 24 GB card as the budget
@@ -433,8 +436,10 @@ for dtype, tp in (("auto", 1), ("fp8", 1), ("auto", 2), ("auto", 4), ("auto", 8)
 #   `EngineArgs.get_batch_defaults` in `vllm/engine/arg_utils.py` picks larger ones by GPU.
 # * `vllm/config/model.py`: `ModelConfig.get_num_kv_heads`, `max(1, total_num_kv_heads //
 #   tensor_parallel_size)`, and `verify_with_parallel_config`; `enforce_eager`.
-# * `vllm/v1/core/kv_cache_planning.py`: `get_kv_cache_configs` reserves the null block's bytes,
-#   runs `_check_enough_kv_cache_memory` (both errors of section 4, with
+# * `vllm/config/vllm.py`: `VllmConfig` turns the hybrid manager off (`disable_hybrid_kv_cache_manager`)
+#   and logs why.
+# * `vllm/v1/core/kv_cache_planning.py`: `unify_hybrid_kv_cache_specs`; `get_kv_cache_configs`
+#   reserves the null block's bytes, runs `_check_enough_kv_cache_memory` (both errors of section 4, with
 #   `_estimate_max_model_len_from_groups`' binary search) and divides the memory by
 #   `_get_kv_cache_bytes_per_block`, the largest group's layers' pages.
 # * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes`, one layer's block;

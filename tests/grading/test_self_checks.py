@@ -337,7 +337,7 @@ def test_the_command_prints_a_table_and_exits_1_until_every_task_passes():
     lines = result.stdout.splitlines()
     assert lines[0] == "grading exercises/00_why_paging.ipynb (lesson 00)"
     assert "00.blocks_for_tokens    0 / 10 \N{BALLOT X} not implemented yet" in lines
-    assert "total                   0 / 50" in lines
+    assert "total                   0 / 30" in lines
 
 
 def test_the_command_exits_0_on_full_marks_and_speaks_json():
