@@ -434,12 +434,11 @@ for dtype, tp in (("auto", 1), ("fp8", 1), ("auto", 2), ("auto", 4), ("auto", 8)
 #   ("fp8" is "fp8_e4m3"), `kv_cache_memory_bytes`, `num_gpu_blocks_override`, `block_size` with
 #   `DEFAULT_BLOCK_SIZE`. `vllm/config/scheduler.py`: `DEFAULT_MAX_NUM_BATCHED_TOKENS` (2,048);
 #   `EngineArgs.get_batch_defaults` in `vllm/engine/arg_utils.py` picks larger ones by GPU.
-# * `vllm/config/model.py`: `ModelConfig.get_num_kv_heads`, `max(1, total_num_kv_heads //
-#   tensor_parallel_size)`, and `verify_with_parallel_config`; `enforce_eager`.
-# * `vllm/config/vllm.py`: `VllmConfig` turns the hybrid manager off (`disable_hybrid_kv_cache_manager`)
-#   and logs why.
-# * `vllm/v1/core/kv_cache_planning.py`: `unify_hybrid_kv_cache_specs`; `get_kv_cache_configs`
-#   reserves the null block's bytes, runs `_check_enough_kv_cache_memory` (both errors of section 4, with
+#   `vllm/config/model.py`: `ModelConfig.get_num_kv_heads` (the K/V heads a GPU keeps, one at
+#   least), `verify_with_parallel_config` and `enforce_eager`.
+# * `vllm/v1/core/kv_cache_planning.py`: `unify_hybrid_kv_cache_specs`, for a model whose
+#   `disable_hybrid_kv_cache_manager` `VllmConfig` set (`vllm/config/vllm.py`, which logs why);
+#   `get_kv_cache_configs` reserves the null block's bytes, runs `_check_enough_kv_cache_memory` (both errors of section 4, with
 #   `_estimate_max_model_len_from_groups`' binary search) and divides the memory by
 #   `_get_kv_cache_bytes_per_block`, the largest group's layers' pages.
 # * `vllm/v1/kv_cache_interface.py`: `AttentionSpec.page_size_bytes`, one layer's block;
