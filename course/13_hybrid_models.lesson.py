@@ -22,8 +22,7 @@
 # 5. serve a tiny Gemma 3 with the engine, with Hugging Face's tokens, and count the blocks it holds
 #    against treating every layer as full attention.
 #
-# The cells take 4 to 5 s on a 2-core CPU (up to 6.5 s while other jobs kept both cores busy);
-# nothing needs a GPU.
+# Nothing here needs a GPU.
 
 # %%
 import random
@@ -98,7 +97,11 @@ for tokens in (32_768, 131_072):
 # layers keep their window: four times less, and 3.0 GiB once the request decodes. At 128k tokens,
 # 62 GiB against 11.4 GiB: the full layers' share grows with the request, the sliding layers' does
 # not. That factor multiplies the requests a GPU can hold at once at long context. The rest of the
-# lesson is how a paged cache collects it.
+# lesson is how a paged cache collects it. vLLM collects it only while its hybrid KV-cache manager
+# is on; with it off (`--disable-hybrid-kv-cache-manager`, or vLLM's own choice when
+# `--kv-transfer-config` names a KV connector that does not support it), every layer caches every
+# token, the left column, and vLLM warns that the "Hybrid KV cache manager is disabled for this
+# hybrid model" (In vLLM, below).
 
 # %% [markdown]
 # ## 2. The skipped tokens and the null block
@@ -119,9 +122,9 @@ for tokens in (32_768, 131_072):
 # Why not drop the entry? Then logical block `j` would no longer be entry `j`: every slot computation
 # (lesson 03: `block_ids[p // block_size] * block_size + p % block_size`) would need a per-request
 # offset, and the tables handed to the kernel would shift under it. vLLM instead keeps the table's
-# length and writes the **null block** into the entry: block 0 of the pool, taken once when the pool
-# is built and never allocated nor freed (vLLM: `BlockPool.null_block`). Lesson 07 set it aside in
-# every engine's pool; here is what it is for. Every position keeps its
+# length and writes the **null block** into the entry: block 0, which vLLM takes out of every pool
+# when the pool is built, hybrid model or not, and never allocates nor frees (`BlockPool.null_block`).
+# Lesson 07 set it aside in every engine's pool; here is what it is for. Every position keeps its
 # slot, and the attention never reads those entries, because it starts at the window's first block
 # (the package's kernel of lesson 12, given `SLIDING_WINDOW = W`, starts its loop at the block of
 # position `first query position - W + 1`). An operating
@@ -184,9 +187,9 @@ AllocationPlayer(recorder.frames)
 # **KV-cache group** (`KVCacheGroupSpec`) and gives each group its own table per request.
 #
 # All groups draw from one pool, and any free block may go to any group, so a block must be the same
-# number of bytes in every group. vLLM makes every group hold the same number of layers: the pool is
-# then `group_size` K/V tensors, and tensor `t` holds, for block `b`, layer `t` of whichever group
-# owns block `b`. The rule (`_get_kv_cache_groups_uniform_page_size`): put the layers in buckets by
+# number of bytes in every group. vLLM makes every group hold the same number of layers: a block is
+# then `group_size` layers' pages, and in block `b` the pages of layer slot `t` hold layer `t` of
+# whichever group owns block `b`. The rule (`_get_kv_cache_groups_uniform_page_size`): put the layers in buckets by
 # spec; the group size is the smallest bucket's count (or the largest's, when it is under 1.5 times
 # the smallest, to pad less); split each bucket into `ceil(count / group_size)` groups, group `i`
 # taking layers `i, i + n, i + 2n, ...`; a group short of layers is padded, its padding counting in
@@ -336,8 +339,7 @@ print(f"hit: {again.num_tokens} tokens; sliding {list(again.block_ids[0])}, full
 #
 # The model is a tiny Gemma 3 built from `transformers.Gemma3TextConfig` with random weights, nothing
 # downloaded: 6 layers (`layer_types` makes every sixth one full, so five slide over 8 tokens), 2 K/V
-# heads of 16. Six requests of 10 to 24 prompt tokens each generate 32 tokens, under a token budget
-# of 32, in blocks of 4.
+# heads of 16.
 
 # %%
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=128)
@@ -362,8 +364,14 @@ def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-gemma = tiny_gemma3()
+gemma = tiny_gemma3()  # the first Gemma 3 built imports transformers' Gemma 3 code
 print("layer types:", gemma.config.layer_types)
+
+# %% [markdown]
+# Six requests of 10 to 24 prompt tokens each generate 32 tokens, under a token budget of 32, in
+# blocks of 4; then Hugging Face's `generate` runs each one alone, with its own cache.
+
+# %%
 rng = random.Random(0)
 requests = [EngineRequest(i, [rng.randrange(256) for _ in range(rng.randint(10, 24))], 32) for i in range(6)]
 engine = Engine(gemma, num_blocks=256, block_size=4, max_num_batched_tokens=32)
@@ -433,14 +441,26 @@ plt.show()
 #   iterative fixed-point algorithm": full attention, sorted first, is looked up once and only trimmed
 #   afterwards (`is_simple_hybrid`: one full and one other spec need a single pass).
 # * `vllm/v1/core/block_pool.py`: `BlockPool.null_block` is the first block popped from
-#   `free_block_queue`, never freed; `get_usage` subtracts 1 for it.
+#   `free_block_queue`, in every pool whatever the model, never freed; `get_usage` subtracts 1 for
+#   it.
 # * `vllm/v1/core/kv_cache_manager.py`: `KVCacheManager.allocate_slots` calls `remove_skipped_blocks`
 #   before `get_num_blocks_to_allocate`, "even if we cannot schedule this request".
 # * `vllm/v1/core/kv_cache_planning.py`: `_get_kv_cache_groups_uniform_page_size` makes section 3's
 #   groups (`group_size`, the 1.5 rule, `layers[i::num_groups]`, padding layers);
 #   `unify_kv_cache_spec_page_size` scales block sizes to one page; `get_kv_cache_config_from_groups`
-#   divides the memory by `_get_kv_cache_bytes_per_block` (the largest group's) and gives every group
-#   tensors over the same bytes.
+#   divides the memory by `_get_kv_cache_bytes_per_block` (the largest group's) into `num_blocks` and
+#   lists in `kv_cache_tensors` one `KVCacheTensor` per group, each of the whole pool's `size`,
+#   `bytes_per_block * num_blocks`: the groups alias one buffer from byte 0, since a block belongs to
+#   one group at a time. The runner allocates that buffer once (`allocate_kv_cache` in
+#   `vllm/v1/worker/utils.py`, lesson 09).
+# * `vllm/config/vllm.py`: `VllmConfig` turns the hybrid manager off when `kv_transfer_config` names
+#   a connector that does not support it, logging "Turning off hybrid kv cache manager", as
+#   `SchedulerConfig.disable_hybrid_kv_cache_manager` (`vllm/config/scheduler.py`) does by hand. Then
+#   `get_kv_cache_groups` (`vllm/v1/core/kv_cache_planning.py`) first calls
+#   `unify_hybrid_kv_cache_specs`, which logs "Hybrid KV cache manager is disabled for this hybrid
+#   model" and makes every sliding-window layer a `FullAttentionSpec`
+#   (`vllm/v1/kv_cache_interface.py`) that records its `sliding_window` for the attention only: one
+#   group, every token held.
 # * `vllm/platforms/interface.py`: `Platform.update_block_size_for_backend` calls
 #   `_align_hybrid_block_size`, which sets `attn_block_size` from `mamba_page_size` and
 #   `kernel_block_alignment_size` and pads `mamba_page_size_padded`; the model side,
@@ -460,7 +480,7 @@ plt.show()
 # * A sliding-window layer of window `W` never reads a token again once `max(0, n - W + 1)` of
 #   `n` computed tokens are behind the next one; only blocks wholly before the window are freed,
 #   `skipped // block_size` of them.
-# * A freed block's entry becomes the null block, block 0 of the pool, never allocated nor freed: the
+# * A freed block's entry becomes the null block, block 0 of every pool, never allocated nor freed: the
 #   table keeps its length, positions keep their slots, and the attention starts at the window's
 #   first block. A sliding group holds at most `ceil((W - 1 + tokens in flight) / block_size) + 1`
 #   blocks per request.
@@ -477,7 +497,7 @@ plt.show()
 # * The engine serves a tiny Gemma 3 with Hugging Face's tokens, at 2.7 times less KV cache at its
 #   peak than with every layer full.
 #
-# **Next, lesson 14:** the settings a vLLM user turns and the metrics vLLM reports, by their vLLM
-# names, on the engine you built. The exercise, `exercises/13_hybrid_models.ipynb`, has you write the
+# **Next, lesson 14:** how vLLM sizes the pool when it starts, for models like these and for one that
+# attends fully everywhere, to the last block. The exercise, `exercises/13_hybrid_models.ipynb`, has you write the
 # skipped tokens, the blocks a window frees (the null block in their place, in vLLM's order) and the
 # prefix-cache hit every group agrees on.
