@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 
 # "dev" keeps the edit-test loop quick; CI (HYPOTHESIS_PROFILE=ci) tries more examples.
@@ -67,3 +72,35 @@ DEVICES = [
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Each tensor test runs on the CPU, and again on CUDA when a GPU is present."""
     return torch.device(request.param)
+
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], T]], T]:
+    """``once_per_run(name, make)``: ``make(folder)`` run once for the whole test run, not once per
+    pytest-xdist worker. The first worker that asks runs it, under a lock, with ``folder`` a
+    directory every worker of this run shares, and pickles the result there; the others wait for
+    it and read it back. Without xdist it is ``make`` with a fresh temporary folder.
+
+    For what several test files or workers need and costs seconds to make (the quick run of every
+    bench, the offline site): under ``-n 2`` a module fixture runs in each worker that gets one of
+    its tests, and the machine is two cores.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return lambda name, make: make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's folder, above each worker's own
+
+    def once(name: str, make: Callable[[Path], T]) -> T:
+        with FileLock(shared / f"{name}.lock"):
+            cached = shared / f"{name}.pickle"
+            if cached.exists():
+                return pickle.loads(cached.read_bytes())
+            folder = shared / name
+            folder.mkdir()
+            value = make(folder)
+            cached.write_bytes(pickle.dumps(value))
+            return value
+
+    return once

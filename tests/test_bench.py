@@ -1,7 +1,7 @@
 """The benchmarks' baselines compute what the package computes, and run_all writes its table.
 
 Correctness only: nothing here asserts a time (the machines are shared and noisy); the timings
-and their ratios live in bench/RESULTS.md. ``run_all.py --quick`` runs once for the module (the
+and their ratios live in bench/RESULTS.md. ``run_all.py --quick`` runs once for the test run (the
 ``quick_run`` fixture, every bench at its tiny sizes); the tests of one bench's rows read that
 run's rows rather than running the bench again.
 """
@@ -46,9 +46,6 @@ from paged_kv.model.tiny_gpt import TinyGPT  # noqa: E402
 from paged_kv.serving.engine import EngineRequest  # noqa: E402
 from paged_kv.serving.request import EngineCoreRequest  # noqa: E402
 
-# The tests that read the one quick run go to one pytest-xdist worker under --dist loadgroup.
-QUICK_RUN = pytest.mark.xdist_group("bench_quick_run")
-
 
 @dataclass
 class QuickRun:
@@ -64,9 +61,13 @@ class QuickRun:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory) -> QuickRun:
-    """``bench/run_all.py --quick --output FILE`` once, every bench at its tiny sizes."""
-    output = tmp_path_factory.mktemp("bench") / "RESULTS.md"
+def quick_run(once_per_run) -> QuickRun:
+    """``bench/run_all.py --quick --output FILE`` once for the test run, every bench at its tiny sizes."""
+    return once_per_run("bench_quick_run", run_all_quick)
+
+
+def run_all_quick(folder: Path) -> QuickRun:
+    output = folder / "RESULTS.md"
     seen: list[tuple[str, list[Row], float]] = []
     run_benchmarks = run_all.run_benchmarks
 
@@ -144,7 +145,6 @@ def test_loop_slot_mapping_equals_the_vectorised_one(num_tokens, block_size):
 
 @pytest.mark.lesson02
 @pytest.mark.lesson03
-@QUICK_RUN
 def test_run_all_quick_writes_a_table_with_every_row(quick_run):
     assert [name for name, _, _ in quick_run.results] == run_all.bench_modules()  # every bench, once
     modules = (
@@ -169,7 +169,6 @@ def test_run_all_quick_writes_a_table_with_every_row(quick_run):
 
 
 @pytest.mark.lesson02
-@QUICK_RUN
 def test_rows_carry_ratios_and_targets(quick_run):
     rows = quick_run.rows(bench_allocator)
     targeted = [row for row in rows if row.met is not None]
@@ -264,7 +263,6 @@ def test_step_bench_engines_hold_the_same_tables_and_decode_alike():
     assert bench_step.start_decoding(budgeted) > 1  # prefilled in chunks of the budget
 
 
-@QUICK_RUN
 def test_step_bench_rows_compare_the_step_and_its_phases(quick_run):
     rows = quick_run.rows(bench_step)
     whole, budgeted, *phases = rows
@@ -277,7 +275,6 @@ def test_step_bench_rows_compare_the_step_and_its_phases(quick_run):
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
 
 
-@QUICK_RUN
 def test_overhead_bench_engine_and_bare_forward_generate_the_same_tokens(quick_run):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 17, 9)]
@@ -318,7 +315,6 @@ def test_attention_bench_holds_the_same_kv_paged_and_contiguous(context, block_s
 
 
 @pytest.mark.lesson05
-@QUICK_RUN
 def test_attention_bench_gives_the_defaults_ratio_to_sdpa_with_its_target_spread_and_build_time(quick_run):
     rows = quick_run.rows(bench_attention)
     (targeted,) = [row for row in rows if row.met is not None]
@@ -361,7 +357,6 @@ def test_engine_bench_modes_generate_identical_tokens():
 
 
 @pytest.mark.lesson09
-@QUICK_RUN
 def test_engine_bench_rows_report_concurrency_against_the_target(quick_run):
     rows = quick_run.rows(bench_engine)
     mean = rows[0]
@@ -390,7 +385,6 @@ def test_deque_free_list_takes_and_frees_like_block_allocator():
 
 
 @pytest.mark.lesson08
-@QUICK_RUN
 def test_prefix_cache_bench_rows_report_flatness_and_hit_rate(quick_run):
     rows = quick_run.rows(bench_prefix_cache)
     flat = [row for row in rows if "(flat)" in row.target]
@@ -465,7 +459,6 @@ def test_hf_bench_systems_serve_the_same_greedy_tokens():
 
 
 @pytest.mark.lesson09
-@QUICK_RUN
 def test_hf_bench_quick_run_reports_speed_equality_and_bytes(quick_run):
     results = [result for result in quick_run.results if result[0] == "bench_hf"]
     [(name, rows, _)] = results
@@ -542,7 +535,6 @@ def test_triton_bench_check_catches_a_wrong_backend():
 
 @pytest.mark.lesson12
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (it publishes Linux wheels only)")
-@QUICK_RUN
 def test_triton_bench_quick_times_the_interpreter_or_the_compiled_kernel(quick_run):
     rows, printed = quick_run.rows(bench_triton), quick_run.printed
     if triton_interpreted():

@@ -48,14 +48,18 @@ def maths_count(page_name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def site(browser, widget_js, tmp_path_factory) -> Path:
-    """The whole site, built into a temporary folder (``browser`` first: skipped without Chromium)."""
+def site(browser, widget_js, once_per_run) -> Path:
+    """The whole site, built into a temporary folder once for the test run, not once per xdist
+    worker (``browser`` first: skipped without Chromium)."""
     try:
         mathjax = vendor_widget_js.vendor_mathjax()
     except vendor_widget_js.NpmMissingError as error:
         pytest.skip(str(error))
-    out = tmp_path_factory.mktemp("site") / "site"
-    return build_site.build_site(out, LESSONS, widget_js, mathjax).parent
+
+    def build(folder: Path) -> Path:
+        return build_site.build_site(folder / "site", LESSONS, widget_js, mathjax).parent
+
+    return once_per_run("offline_site", build)
 
 
 def open_offline(page, url: str) -> list[str]:
