@@ -19,8 +19,7 @@
 # 4. read the preemptions, steps and running sequences of a workload against the memory budget,
 #    from the smallest budget that can serve it to one where nothing is ever preempted.
 #
-# The cells take about 16 s of one core of a 2-core CPU (26 to 30 s measured while other jobs kept
-# both cores busy); a GPU is used when there is one.
+# A GPU is used when there is one; nothing needs it.
 
 # %%
 import random
@@ -432,7 +431,7 @@ plt.show()
 # at its longest and nothing can be preempted, both ways.
 
 # %%
-budgets = [smallest, 16, NUM_BLOCKS, 33, 44, 66, at_longest]
+budgets = [smallest, 16, NUM_BLOCKS, 44, 66, at_longest]
 sweeps = {
     way: sweep_budgets(model, requests, budgets, BLOCK_SIZE, preemption=way, max_num_batched_tokens=BUDGET)
     for way in ("recompute", "swap")
@@ -471,7 +470,7 @@ plt.show()
 # At the smallest budget the engine mostly thrashes: 20 preemptions and 177 steps, with 1.67
 # sequences running on average. Each added block helps, fast at first: at 24 blocks (twice the
 # minimum) the steps are down to 83, at 44 to 54. The preemptions fall more slowly (19 at 16
-# blocks, 14 at 24, 11 at 33, 8 at 44). At 100 blocks nothing is preempted, the run takes 37 steps
+# blocks, 14 at 24, 8 at 44). At 100 blocks nothing is preempted, the run takes 37 steps
 # (the longest output) and runs 7.97 sequences on average. Swap gives the very same row at every
 # budget: a victim comes back in one step either way, in the same order, so in steps the two are
 # even (the swap line lies on the recompute one). What separates them is the rest of the bill, the
@@ -511,7 +510,15 @@ plt.show()
 #
 # What the course leaves out or does differently: vLLM v1 has no swap (a preempted request's K/V
 # is recomputed, or reloaded by a KV connector); the course's swap, its swapped queue that comes
-# back before any admission, follows the paper and vLLM V0. The course's watermark rounds up where
+# back before any admission, follows the paper and vLLM V0. V0 swapped into a CPU pool of
+# `swap_space` GiB per GPU (4 by default), which v1 never used. The `CacheConfig` of vLLM 0.33.0
+# (`vllm/config/cache.py`) has no such field: host memory holds K/V through KV offloading instead,
+# `kv_offloading_size` (`--kv-offloading-size`, in GiB) with its `kv_offloading_backend`, a
+# connector that copies blocks to the CPU and loads them back on a later hit, a resumed request's
+# too. The course's engine gives a request the same tokens however often it is preempted and
+# whatever runs beside it; vLLM does not promise that, since a recomputed prefill and the decodes
+# it replaces run other batch shapes, whose reductions may round differently, unless
+# `VLLM_BATCH_INVARIANT` (`vllm/envs.py`, off by default) selects batch-invariant kernels. The course's watermark rounds up where
 # vLLM's rounds down, and the course has only the first-come-first-served policy: vLLM's priority
 # policy preempts the running request of lowest priority instead of the newest.
 
