@@ -24,9 +24,8 @@
 # 5. read what a budget does to the largest step and to the time to first token of a stream with
 #    long prompts.
 #
-# The cells run in under 20 s on a quiet 2-core CPU, most of it the real model's; without a
-# network, the model is a stand-in of
-# the same architecture with random weights.
+# Most of the cells' time is the real model's; without a network, the model is a stand-in of the
+# same architecture with random weights.
 
 # %%
 import random
@@ -378,15 +377,24 @@ for kv_cache_dtype in ("fp8", "fp8_e5m2"):
 #   vLLM replaces, the place `paged_kv/model/hf.py` plugs in.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` spends `token_budget` (its
 #   `max_num_scheduled_tokens`, which defaults to `max_num_batched_tokens`) in one pass over
-#   `self.running`, then over the waiting queue, giving each request the tokens it lacks
-#   (`num_tokens_with_spec`, or `num_tokens` for a waiting one, minus `num_computed_tokens`),
-#   capped by what is left (and by `long_prefill_token_threshold` when it is set): our
-#   `Scheduler.schedule` (decodes come first only because that pass is in list order and the one
-#   partly prefilled request is the newest);
-# * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, which must be at least
-#   `max_num_seqs` (its default is set by `EngineArgs` in `vllm/engine/arg_utils.py`, per device),
-#   and `long_prefill_token_threshold`, a cap per prompt chunk (0, none, by default) with which
-#   several prompts can be partly prefilled at once, which the course leaves out;
+#   `self.running`, then over the waiting queue: our `Scheduler.schedule` (decodes come first only
+#   because that pass is in list order and the one partly prefilled request is the newest). A
+#   running request asks for `num_tokens_with_spec` plus its `num_output_placeholders` (with
+#   asynchronous scheduling, the tokens of a step whose output has not come back) minus
+#   `num_computed_tokens`, and is skipped once those placeholders reach its `max_tokens`; a waiting
+#   one asks for `num_tokens` minus its prefix-cache hit. Each ask is cut to
+#   `long_prefill_token_threshold` when that is positive, then to the budget left; a running one
+#   also to the positions left before `max_model_len`. Without chunked prefill
+#   (`enable_chunked_prefill` off), a waiting prompt larger than the budget left ends admission for
+#   the step;
+# * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, at least `max_num_seqs`,
+#   and without chunked prefill at least `max_model_len` (`verify_max_model_len` refuses less: a
+#   prompt must then fit one step); `long_prefill_token_threshold`, 0 (no cap) unless
+#   `max_num_partial_prefills` is above 1, when it becomes 4 % of `max_model_len` and several
+#   prompts can be partly prefilled at once, which the course leaves out. The default budget comes
+#   from `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` in `vllm/engine/arg_utils.py`:
+#   by device and usage (`get_batch_defaults`), raised to `max_model_len` when chunked prefill is
+#   off, and at most `max_num_seqs` times `max_model_len`;
 # * `vllm/v1/request.py`: `Request.num_computed_tokens` and `num_tokens`, the counts our
 #   scheduler keeps per request, and `is_prefill_chunk`, our request still prefilling;
 # * `vllm/v1/core/sched/output.py`: `SchedulerOutput.num_scheduled_tokens`, a dict of tokens per
@@ -420,7 +428,10 @@ for kv_cache_dtype in ("fp8", "fp8_e5m2"):
 # What the course leaves out or does differently: `long_prefill_token_threshold`, speculative
 # decoding (the `_spec` in `num_tokens_with_spec`), asynchronous scheduling, and of fp8 the queries
 # quantized too (vLLM's `query_quant`), scales per token and head, and the other formats of
-# `CacheDType`.
+# `CacheDType`. The course's tokens never depend on the budget or on the batch (the table's "same
+# tokens"); vLLM does not promise that, since a chunk or a batch of another shape may round its sums
+# differently, unless `VLLM_BATCH_INVARIANT` (`vllm/envs.py`, off by default) selects
+# batch-invariant kernels.
 
 # %% [markdown]
 # ## Recap
