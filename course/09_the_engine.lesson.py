@@ -1,10 +1,8 @@
 # %% [markdown]
 # # Lesson 09 · The engine
 #
-# Lessons 00 to 08 built the parts one at a time: blocks and block tables, an allocator with a free
-# list, the translation from a token's position to a slot, on-demand blocks during decode, attention
-# that reads through block tables, a scheduler, blocks shared between sequences. None of them ran a
-# model. This lesson puts them behind a tiny GPT and serves a stream of requests with it, the way
+# Lessons 00 to 08 built the parts one at a time: block tables, an allocator, the translation from
+# position to slot, on-demand blocks, paged attention, a scheduler, shared blocks. None ran a model. This lesson puts them behind a tiny GPT and serves a stream of requests with it, the way
 # vLLM does: first checking that the paged cache changes nothing in what the model computes, then
 # following one step of the engine from the scheduler's decision to the model's forward, then
 # measuring how many requests the same memory serves at once.
@@ -14,18 +12,16 @@
 # 1. explain prefill and decode, and the calls through which a model's attention uses its KV cache;
 # 2. show that greedy generation with the paged cache gives exactly the contiguous cache's tokens,
 #    even in a fragmented pool;
-# 3. trace one engine step in vLLM v1's order: the scheduler gives each request its
-#    `num_scheduled_tokens` and takes their blocks with `allocate_slots` (all or nothing, preempting
-#    the newest request when they do not fit), the `SchedulerOutput` carries both to the model runner,
-#    which prepares `positions`, `query_start_loc`, `seq_lens` and the `slot_mapping` once and runs
-#    **one** forward, and `update_from_output` takes the sampled tokens back;
+# 3. trace one engine step in vLLM v1's order: `schedule()` gives each request its
+#    `num_scheduled_tokens` and takes their blocks with `allocate_slots` (all or nothing), the
+#    `SchedulerOutput` carries both to the model runner, which prepares `positions`,
+#    `query_start_loc`, `seq_lens` and the `slot_mapping` once and runs **one** forward, and
+#    `update_from_output` takes the sampled tokens back;
 # 4. serve a ShareGPT-shaped workload in the same memory with paged blocks and with contiguous
 #    slots, and compare running sequences, steps and utilization;
 # 5. weigh what paging costs against what it saves.
 #
-# The cells run in 7 to 8.5 s on a quiet 2-core CPU (8 to 12 s with two busy processes beside it);
-# a GPU is used when there is one. Lesson 10 runs a Hugging Face model on the same engine and gives its
-# steps a token budget.
+# A GPU is used when there is one; nothing needs it.
 
 # %%
 import random
@@ -59,16 +55,14 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 #
 # `TinyGPT` is a decoder-only transformer, the shape of GPT-2 in miniature: token and position
 # embeddings, 2 blocks of causal self-attention and an MLP, and a head that turns the last hidden
-# state into one score (a *logit*) per token of the vocabulary. Its tokens are bytes (`encode` gives
-# the UTF-8 bytes of a text, `decode` turns them back). Its weights are seeded random numbers, so it
-# writes noise, but deterministic noise: the question here is not whether the text is good but
-# whether two caches produce *the same* text.
+# state into one score (a *logit*) per token of the vocabulary. Its tokens are bytes (`encode` and
+# `decode`). Its weights are seeded random numbers, so it writes deterministic noise: the question
+# is not whether the text is good but whether two caches produce *the same* text.
 #
-# Generation runs in two phases. **Prefill**: the whole prompt goes through the model at once, with
-# causal attention over its own tokens; each attention layer stores the prompt's K and V in the
-# cache, and the logits of the last position give the first new token. **Decode**: then one token
-# per sequence per step, for the whole batch at once; the new token's query attends to every earlier
-# token of its sequence, whose keys and values come from the cache instead of being recomputed.
+# Generation runs in two phases. **Prefill**: the whole prompt goes through the model at once; each
+# attention layer stores the prompt's K and V in the cache, and the last position's logits give the
+# first new token. **Decode**: then one token per sequence per step, for the whole batch at once; the
+# new token's query attends to every earlier token of its sequence, whose K and V come from the cache.
 #
 # In `generate`, the course's batch generation, the attention layers see the cache only through five
 # calls, `paged_kv.model.kv_cache.KVCache` (the engine of section 3 prepares each step's inputs
@@ -84,13 +78,13 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 #
 # `ContiguousKVCache`, the baseline, keeps per layer and per sequence one K and one V tensor that grow
 # by concatenation, and runs PyTorch's `scaled_dot_product_attention` (SDPA) over them.
-# `PagedKVCache` keeps, as vLLM does, **one block manager** for all the layers (lessons 02, 04 and
-# 08: block tables, ref counts, the free list, no tensors) and per layer a pool of K/V blocks that
+# `PagedKVCache` keeps, as vLLM does, **one block manager** for all the layers (block tables, ref
+# counts, the free list, no tensors) and per layer a pool of K/V blocks that
 # the same block ids index, so one block table per sequence serves every layer; `attend` calls
 # lesson 05's `paged_attention`.
 #
-# How large is this model's cache? Each token stores one key and one value vector of `num_heads *
-# head_dim` numbers in every layer.
+# How large is this model's cache? Each token stores a key and a value of `num_heads * head_dim`
+# numbers in every layer.
 
 # %%
 bytes_per_token = 2 * config.num_layers * config.num_heads * config.head_dim * 4  # K and V, float32
@@ -99,9 +93,8 @@ print(f"KV cache per token: {numbers} x 4 bytes = {bytes_per_token:,} bytes")
 print(f"a sequence of max_len {config.max_len} tokens: {bytes_per_token * config.max_len // 1024} KiB")
 
 # %% [markdown]
-# A kibibyte a token, where the 7B model of lesson 00 needs half a mebibyte: the arithmetic is the
-# same, only the numbers shrink. Here is one prompt going through the paged cache by hand, in blocks
-# of 4 tokens. `prefill` stores the prompt in every layer; each `decode_step` feeds back the token
+# A kibibyte a token, where the 7B model of lesson 00 needs half a mebibyte. Here is one prompt
+# going through the paged cache by hand, in blocks of 4 tokens. `prefill` stores the prompt in every layer; each `decode_step` feeds back the token
 # just chosen (greedy: the largest logit) and grows the sequence by one.
 #
 # **Predict, then run.** The prompt `"Paging!"` is 7 bytes, so after the prefill it holds 7 tokens
@@ -171,13 +164,12 @@ print(
 )
 
 # %% [markdown]
-# The continuations are noise, as promised (`repr` escapes control bytes, and the `�` are bytes that
-# are not valid UTF-8 alone), but identical noise: the 60 tokens agree one for one, the logits within
-# `1e-4`.
+# Noise (the `�` are bytes that are not valid UTF-8 alone), but identical noise: the 60 tokens agree
+# one for one, the logits within `1e-4`.
 #
-# That pool was fresh: each sequence's blocks happened to be neighbours. A server's pool is never
-# like that: the free list gets shuffled, and every free block still holds the keys and values of
-# whoever used it last. The next cell builds such a pool, 24 blocks of 8, each first filled by an old
+# That pool was fresh: each sequence's blocks happened to be neighbours. A server's free list is
+# shuffled, and every free block still holds the K and V of whoever used it last. The next cell
+# builds such a pool, 24 blocks of 8, each first filled by an old
 # sequence with random K and V, then freed in a random order; `record=True` keeps a trace of the
 # bookkeeping, for a picture afterwards.
 #
@@ -206,10 +198,9 @@ print(
 print("free blocks after generate:", pool.num_free_blocks)
 
 # %% [markdown]
-# The text does not change. The picture below comes from the trace, just before `generate` freed
-# the first sequence, when the three block tables were at their longest: each sequence's logical
-# blocks (bottom) point up into the pool (top) wherever the shuffled free list sent them; the
-# hatched part of a block is its unused tail.
+# The text does not change. The picture, from the trace just before `generate` freed the first
+# sequence, shows each sequence's logical blocks (bottom) pointing into the pool (top) wherever the
+# shuffled free list sent them; a block's hatched part is its unused tail.
 
 # %%
 frames = pool.trace
@@ -229,8 +220,7 @@ plt.show()
 # %% [markdown]
 # ## 3. One step of the engine, vLLM's way
 #
-# `generate` serves one batch that starts together; a server has requests arriving all the time.
-# `paged_kv.serving.engine.Engine` runs the tiny GPT behind the package's one `Scheduler`, the one
+# A server has requests arriving all the time. `paged_kv.serving.engine.Engine` runs the tiny GPT behind the package's one `Scheduler`, the one
 # lesson 07's simulator runs with a stand-in for the model. Each step is three calls, as in vLLM
 # v1's engine core: `output = scheduler.schedule()` decides what runs and takes its memory, `result
 # = runner.execute_model(output)` computes it, `scheduler.update_from_output(output, result)` takes
@@ -238,7 +228,7 @@ plt.show()
 #
 # **The scheduler decides tokens and blocks, before anything runs.** A request holds `num_tokens`
 # tokens (its prompt, then what it generated), `num_computed_tokens` of them with their K/V in the
-# cache. A step walks the running requests **in list order**, the order they were admitted, and
+# cache. A step walks the running requests **in list order** (the order they were admitted) and
 # gives each `num_scheduled_tokens = num_tokens - num_computed_tokens`: 1 for a request that decodes
 # (its last sampled token), the rest of its prompt for one being prefilled. For each it calls
 # `allocate_slots(request, num_new_tokens)` at once, which takes the blocks those tokens need (a
@@ -246,9 +236,8 @@ plt.show()
 # when too few blocks are free. On `None` the scheduler *preempts* the newest running request
 # (`running.pop()`: its blocks freed, back to the front of the queue, lesson 11) and asks again; if
 # the newest is the request itself, it is the one preempted. Then, if nobody was preempted, it admits
-# waiting requests, oldest first, each when the blocks of its **whole prompt** are free. Nothing is
-# kept back for the running requests' growth: vLLM admits into a full pool and counts on preemption
-# (a *watermark* can keep a few blocks free: lesson 11). Last, every scheduled request's
+# waiting requests, oldest first, each when the blocks of its **whole prompt** are free, keeping
+# nothing back for the running requests' growth (lesson 11). Last, every scheduled request's
 # `num_computed_tokens` advances by its scheduled tokens.
 #
 # **The `SchedulerOutput` carries the decision**, a frozen value with vLLM's names:
@@ -279,8 +268,7 @@ plt.show()
 # Here are those pieces built by hand, for `a`, the 9-token prompt `"Once upon"` asking for 6
 # tokens, and `b`, `"KV"` (2 tokens), for 3, on a pool of 7 blocks of 4: block 0 is the null block
 # (lesson 07), so 6 are given out. `KVCacheManager` is the scheduler's memory, as vLLM names it: the
-# requests' block tables over one `BlockPool` (lesson 02's free list and ref counts with lesson 08's
-# prefix cache), no tensor; `KVStorage` holds every layer's K/V pool, which the same block ids
+# requests' block tables over one `BlockPool`, no tensor; `KVStorage` holds every layer's K/V pool, which the same block ids
 # index. `EngineCoreRequest` is a request as the engine core receives it.
 
 # %%
@@ -373,8 +361,8 @@ plt.show()
 # then `c`'s position 3 attends over `c`'s positions 0 to 3 only, and `a`'s one query over all 10 of
 # `a`'s tokens (`seq_lens`): one attention call, any number of queries per request.
 #
-# The pool is full. `Engine.run` runs the same loop, with the same scheduler and runner inside, to
-# the end; `EngineResult.scheduled_tokens` keeps each step's `num_scheduled_tokens`.
+# The pool is full. `Engine.run` runs the same loop, scheduler and runner to the end;
+# `EngineResult.scheduled_tokens` keeps each step's `num_scheduled_tokens`.
 #
 # **Predict, then run.** `b` finishes at step 2 and frees its block. `a` reaches 13 tokens at
 # step 4 and `c` 9 tokens at step 5: both need a new block then. What happens at step 5?
@@ -403,11 +391,10 @@ print("every request got the tokens it gets alone:", trace.tokens == alone)
 # table is measured after each step's scheduling: a request that finishes at a step counts as
 # running in it.)
 #
-# A cautious engine would keep one free block per running request at admission, so that the next
-# decode always fits; `c` would then have waited until step 6. vLLM keeps none: admitting early
-# costs a recompute now and then, and keeps the pool full. Either way each request gets exactly the
-# tokens it would get alone: batching, paging and preemption change when a token is computed, never
-# which.
+# Had admission kept a free block per running request, `c` would have waited until step 6; vLLM
+# keeps none, and pays a recompute now and then for a full pool. Each request still gets the tokens
+# it gets alone: in the course's engine, batching, paging and preemption change when a token is
+# computed, never which (vLLM does not promise that: In vLLM, below).
 
 # %% [markdown]
 # ## 4. A ShareGPT-shaped stream, in the same memory
@@ -418,8 +405,7 @@ print("every request got the tokens it gets alone:", trace.tokens == alone)
 #
 # `Engine(model, num_blocks=..., block_size=..., mode=...)` serves them in `num_blocks * block_size`
 # token slots, in one of two modes: `"paged"`, the blocks of section 3, or `"contiguous"`, one slot
-# of `max_model_len` tokens reserved per request at admission, as the systems before paging did (the
-# runner reads a reservation through the same block table, as a row of consecutive blocks). The
+# of `max_model_len` tokens reserved per request at admission, as the systems before paging did. The
 # budget is 2,048 token slots, 2 MiB of this model's cache: 8 slots of 256, or 128 blocks of 16, of
 # which the paged engine gives out 127 (its block 0 is the null block).
 
@@ -470,8 +456,8 @@ print(f"mean running, paged / contiguous: {paged_run.mean_running / contiguous_r
 # steps instead of 544. Its blocks are 89 % full on average, against 24 % for the contiguous slots.
 # It preempted 4 times: admitting into a full pool has that price.
 #
-# The engine's metrics, step by step. `plot_metrics` draws the running and the waiting sequences,
-# and the utilization on a second axis (tokens held / slots reserved). First the paged engine:
+# Step by step, `plot_metrics` draws the running and the waiting sequences, and the utilization
+# (tokens held / slots reserved) on a second axis. First the paged engine:
 
 # %%
 ax = plot_metrics(paged_run)
@@ -481,10 +467,9 @@ plt.show()
 
 # %% [markdown]
 # Until step 93 every request is admitted the step it arrives. Then the running sequences' growth
-# fills all 127 blocks: for a dozen steps a queue of up to 9 requests waits, and the four
-# preemptions throw away 149 tokens of K/V, computed again when their requests resume. Utilization
-# climbs from 0.8 to nearly 1: the only reserved slots that hold nothing are the unused tails of the
-# sequences' last blocks. Now the contiguous engine, on the same axes:
+# fills all 127 blocks: for a dozen steps up to 9 requests wait, and the four preemptions throw away
+# 149 tokens of K/V, computed again on resuming. Utilization climbs from 0.8 to nearly 1: only the
+# unused tails of the sequences' last blocks hold nothing. Now the contiguous engine, on the same axes:
 
 # %%
 ax = plot_metrics(contiguous_run)
@@ -493,9 +478,8 @@ ax.set_xlim(0, contiguous_run.steps)
 plt.show()
 
 # %% [markdown]
-# Eight running sequences, a flat line, while the queue climbs to 68 requests, most of the stream.
-# Utilization stays between 0.1 and 0.4: each sequence reserves 256 slots, and the average request
-# ends at 62 tokens (21.5 + 40.7).
+# Eight running sequences, a flat line, while the queue climbs to 68 requests. Utilization stays
+# between 0.1 and 0.4: each sequence reserves 256 slots, and the average request ends at 62 tokens.
 
 # %% [markdown]
 # ## 5. What paging costs, and what it saves
@@ -507,8 +491,7 @@ plt.show()
 # **The saving is concurrency.** `bench/bench_engine.py` serves 160 ShareGPT-shaped requests (the
 # lengths divided by 8), all arriving at once, in 3,072 token slots: the paged engine runs 31.6
 # sequences on average against 10.5, **3.0 times** as many (107 against 12 at the peak), with
-# identical tokens, at the price of 74 preemptions, since a burst that large outgrows any pool it is
-# admitted into. The stream above gave 2.6 times.
+# identical tokens, at the price of 74 preemptions. The stream above gave 2.6 times.
 #
 # **The cost is in the attention and the bookkeeping.** `bench/bench_attention.py` times one decode
 # step of attention (32 sequences, 8 heads of 64, contexts of 1,024 tokens in scattered blocks of
@@ -516,24 +499,15 @@ plt.show()
 # `CPU_ATTN`, took **0.9 to 1.2 times** as long in four runs on a quiet 2-core CPU. On GPUs
 # the vLLM paper measures its PagedAttention kernel at **20 to 26 %** more latency than
 # FasterTransformer's contiguous kernel. Around the attention, every step schedules in Python and
-# builds its inputs with a few tensor operations, once per step whatever the layers.
+# builds its inputs once, whatever the layers.
 #
 # **Which wins depends on what limits a step.** On a GPU, a decode step of a real model reads all
 # the weights whatever the batch, so a step of 25 sequences costs little more than a step of 10:
 # that is how the vLLM paper gets 2 to 4 times the throughput of earlier systems at the same
 # latency. The tiny model on a CPU is a poor stand-in, each step's cost growing with its tokens.
-# What it does show, on any machine, is the work done per step, output tokens divided by steps:
-
-# %%
-output_tokens = sum(r.max_tokens for r in requests)
-for mode, r in results.items():
-    per_step = output_tokens / r.steps
-    print(f"{mode:<11}: {output_tokens:,} output tokens in {r.steps} steps = {per_step:.1f} tokens per step")
-
-# %% [markdown]
-# These are the mean running sequences again, since every running sequence produces one token per
-# step. The paged engine does 2.6 times the work per step; where a step costs about the same for 7
-# or for 19 sequences, that is 2.6 times the throughput.
+# Every running sequence yields one token a step, so 2.6 times the mean running sequences is 2.6
+# times the work per step, and the throughput too wherever a step of 19 costs about what one of 7
+# does.
 
 # %% [markdown]
 # ## In vLLM
@@ -546,10 +520,9 @@ for mode, r in results.items():
 #   `scheduler.update_from_output` with what was sampled: our `Engine`'s schedule, execute, update.
 # * `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule` walks `self.running` in list order,
 #   gives each request `num_new_tokens` (its `num_tokens_with_spec` less its `num_computed_tokens`,
-#   capped by the `token_budget`) and calls `allocate_slots` for them at once; on `None` it pops the
-#   newest request off `self.running` (`_preempt_request`) and tries again. Decodes come first only
-#   because a partly prefilled prompt is the newest running request. Only when nobody was preempted
-#   does it admit from `self.waiting`, with `full_sequence_must_fit` set from
+#   capped by the `token_budget` and the other limits of lesson 10) and calls `allocate_slots` for
+#   them at once; on `None` it pops the newest request off `self.running` (`_preempt_request`) and
+#   tries again. Only when nobody was preempted does it admit from `self.waiting`, with `full_sequence_must_fit` set from
 #   `scheduler_reserve_full_isl` (on by default). `_update_after_schedule` advances
 #   `num_computed_tokens`; `update_from_output` appends the sampled tokens and frees a finished
 #   request at once (`_free_request`).
@@ -580,7 +553,9 @@ for mode, r in results.items():
 #
 # What the course leaves out or does differently: sampling beyond greedy, stop strings and
 # detokenisation; asynchronous scheduling and CUDA graphs; a swap path for preemption (vLLM v1
-# recomputes; lesson 11 has both).
+# recomputes; lesson 11 has both). The course's engine gives a request the same tokens whatever runs
+# beside it; vLLM does not promise that, since its kernels may sum in another order for another batch
+# shape, unless `VLLM_BATCH_INVARIANT` (`vllm/envs.py`, off by default) selects batch-invariant ones.
 
 # %% [markdown]
 # ## Recap
@@ -592,17 +567,14 @@ for mode, r in results.items():
 #   shuffled pool of stale blocks, the logits within `1e-4`.
 # * One engine step, vLLM's way: `schedule()` gives each running request, in list order, its
 #   `num_scheduled_tokens` and takes their blocks with `allocate_slots`, all or nothing, preempting
-#   the newest when they do not fit, then admits waiting requests whose whole prompt fits, keeping
-#   nothing back. The `SchedulerOutput` carries tokens and new block ids; the runner extends its
-#   persistent block table, prepares `positions`, `query_start_loc`, `seq_lens` and the
-#   `slot_mapping` once, and runs **one** forward over prefill chunks and decodes together;
-#   `update_from_output` appends the sampled tokens and frees finished requests at once.
-# * In the three-request example `c` is admitted into a pool it fills, preempted at step 5 when its
-#   9th token finds no block, and resumed at step 6 by prefilling 9 tokens, with the tokens it gets
-#   alone.
+#   the newest when they do not fit, then admits waiting requests whose whole prompt fits. The
+#   `SchedulerOutput` carries tokens and new block ids; the runner prepares `positions`,
+#   `query_start_loc`, `seq_lens` and the `slot_mapping` once and runs **one** forward;
+#   `update_from_output` appends the sampled tokens. In the three-request example `c` is preempted
+#   at step 5 and resumed at step 6 by prefilling 9 tokens, with the tokens it gets alone.
 # * On 96 ShareGPT-shaped requests in 2,048 slots: 18.7 sequences running on average against 7.2
 #   (2.6 times), 209 steps against 544, utilization 89 % against 24 %, 4 preemptions, the same
-#   tokens; the benchmark's burst gives 3.0 times. The price: `paged_attention` at 1.0 to 1.2 times
+#   tokens; the benchmark's burst gives 3.0 times. The price: `paged_attention` at 0.9 to 1.2 times
 #   SDPA on a CPU (20 to 26 % on GPUs in the vLLM paper) and each step's bookkeeping.
 #
 # **Next, lesson 10:** a Hugging Face Llama on the same cache and engine, with exactly Hugging
