@@ -82,6 +82,7 @@ def test_the_names_are_vllm_0_33_0s() -> None:
         "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
         "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
         "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
+        "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
         "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
         "vllm:time_to_first_token_seconds": ("histogram", "Histogram of time to first token in seconds."),
         "vllm:inter_token_latency_seconds": ("histogram", "Histogram of inter-token latency in seconds."),
@@ -331,6 +332,12 @@ def test_a_resumed_requests_lookup_counts_apart(model) -> None:
     assert stats.hit_rate == stats.hits / stats.queries != result.hit_rate
     metrics_ = result.metrics()
     assert (metrics_.prefix_cache_queries, metrics_.prefix_cache_hits) == (stats.queries, stats.hits)
+    # vllm:prompt_tokens counts every prompt token once, vllm:prompt_tokens_cached those the cache
+    # served at each first admission (the first lookups' hits), and the log line the rest.
+    cached = metrics_.prompt_tokens - metrics_.num_computed_prompt_tokens
+    assert cached == stats.hits > 0 and metrics_.prompt_tokens == stats.queries
+    text = metrics_.prometheus_text()
+    assert f'vllm:prompt_tokens_cached_total{{engine="0",model_name="paged_kv"}} {cached}.0' in text
     # Per step, the lookups add up to the run's.
     assert sum((s.prefix_cache_stats for s in result.scheduler_stats), PrefixCacheStats()) == stats
 
@@ -461,6 +468,7 @@ RUN = RunMetrics(
     time_to_first_token_seconds=(0.0005, 0.3, 3000.0),
     inter_token_latency_seconds=tuple((7 * i % 13) / 97 + 0.003 for i in range(40)),  # unsorted
     e2e_request_latency_seconds=(0.25, 9.0),
+    num_computed_prompt_tokens=1_234_551,  # 16 served by the prefix cache
 )
 """A run with a value in every family, an exponent (1.234567e+06) and samples past the last bucket."""
 
@@ -482,6 +490,7 @@ def test_the_prometheus_text_is_prometheus_clients() -> None:
     made["vllm:prefix_cache_hits"].inc(16)
     made["vllm:num_preemptions"].inc(4)
     made["vllm:prompt_tokens"].inc(1_234_567)
+    made["vllm:prompt_tokens_cached"].inc(16)
     made["vllm:generation_tokens"].inc(89)
     for name, values in (
         ("vllm:time_to_first_token_seconds", RUN.time_to_first_token_seconds),
@@ -513,6 +522,8 @@ def test_a_runs_text_is_the_servers_after_one_step_of_the_same_values() -> None:
             kv_cache_usage=RUN.kv_cache_usage_perc,
             prefix_cache_stats=RUN.prefix_cache_stats,
             num_preempted_reqs=RUN.num_preemptions,
+            num_prompt_tokens=RUN.prompt_tokens,
+            num_cached_prompt_tokens=RUN.prompt_tokens - RUN.num_computed_prompt_tokens,
         ),
         IterationStats(
             num_generation_tokens=RUN.generation_tokens,
@@ -543,7 +554,7 @@ def test_the_metrics_import_without_prometheus_client() -> None:
         "print(len(METRICS))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert (done.returncode, done.stdout.strip()) == (0, "11"), done.stderr
+    assert (done.returncode, done.stdout.strip()) == (0, "12"), done.stderr
 
 
 def test_a_text_without_prometheus_client_says_what_to_install(monkeypatch) -> None:

@@ -62,6 +62,7 @@ PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 """A counter: exposed as ``vllm:num_preemptions_total``, as every counter gains ``_total``."""
 PROMPT_TOKENS = "vllm:prompt_tokens"
+PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
 GENERATION_TOKENS = "vllm:generation_tokens"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
@@ -158,6 +159,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX_CACHE_HITS, "counter", "Prefix cache hits, in terms of number of cached tokens."),
     MetricSpec(NUM_PREEMPTIONS, "counter", "Cumulative number of preemption from the engine."),
     MetricSpec(PROMPT_TOKENS, "counter", "Number of prefill tokens processed."),
+    MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Number of cached prompt tokens (local + external)."),
     MetricSpec(GENERATION_TOKENS, "counter", "Number of generation tokens processed."),
     MetricSpec(
         TIME_TO_FIRST_TOKEN_SECONDS,
@@ -630,6 +632,7 @@ class RunMetrics:
             PREFIX_CACHE_HITS: self.prefix_cache_stats.hits,
             NUM_PREEMPTIONS: self.num_preemptions,
             PROMPT_TOKENS: self.prompt_tokens,
+            PROMPT_TOKENS_CACHED: self.prompt_tokens - self.num_computed_prompt_tokens,
             GENERATION_TOKENS: self.generation_tokens,
             TIME_TO_FIRST_TOKEN_SECONDS: self.time_to_first_token_seconds,
             INTER_TOKEN_LATENCY_SECONDS: self.inter_token_latency_seconds,

@@ -13,7 +13,8 @@ texts, types and buckets lesson 15's run text has too, and
   fraction, 0 to 1);
 * counters (exposed with ``_total``): ``vllm:num_preemptions``, ``vllm:prefix_cache_queries`` and
   ``vllm:prefix_cache_hits`` (tokens of first lookups), ``vllm:prompt_tokens`` (a prompt once,
-  when its first token comes), ``vllm:generation_tokens``, and ``vllm:request_success``, one per
+  when its first token comes), ``vllm:prompt_tokens_cached`` (those the prefix cache served at
+  the request's first admission), ``vllm:generation_tokens``, and ``vllm:request_success``, one per
   finished completion by its ``finished_reason`` label (``stop``, ``length``, ``abort``...);
 * histograms, in seconds: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
   and ``vllm:e2e_request_latency_seconds`` (one per finished completion).
@@ -42,6 +43,7 @@ from paged_kv.serving.metrics import (
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
     REQUEST_SUCCESS_METRIC,
     TIME_TO_FIRST_TOKEN_SECONDS,
     IterationStats,
@@ -76,6 +78,7 @@ class PrometheusStatLogger:
             PREFIX_CACHE_HITS: stats.prefix_cache_stats.hits,
             NUM_PREEMPTIONS: stats.num_preempted_reqs,
             PROMPT_TOKENS: iteration.num_prompt_tokens,
+            PROMPT_TOKENS_CACHED: stats.num_cached_prompt_tokens,
             GENERATION_TOKENS: iteration.num_generation_tokens,
             TIME_TO_FIRST_TOKEN_SECONDS: iteration.time_to_first_tokens_iter,
             INTER_TOKEN_LATENCY_SECONDS: iteration.inter_token_latencies_iter,
