@@ -192,7 +192,8 @@ print(f"hit rate of first lookups: {stats.hit_rate:.1%}; readmissions apart: {st
 
 # %% [markdown]
 # Counters end in `_total`, as Prometheus names them. The 4,245 prompt tokens are each prompt
-# counted once; the 19 readmissions looked up 1,738 tokens more, of which the cache had 1,280, and
+# counted once, and 3,008 of them came from the cache (`vllm:prompt_tokens_cached`), so the log
+# line's prompt throughput counted the other 1,237; the 19 readmissions looked up 1,738 tokens more, of which the cache had 1,280, and
 # they stay out of the rate a dashboard shows. `run.metrics().summary()` prints the latencies in the
 # layout of `vllm bench serve`.
 
