@@ -194,8 +194,9 @@ print(f"{len(stream)} requests in {served.steps} steps, peak {served.peak_runnin
 # then admits waiting requests while the budget lasts, each with `min(prompt tokens, budget left)`.
 # Admission stops when the budget is spent, so at most one prompt is ever partly prefilled, the
 # newest running request, which is why the decodes come first: they are older, not favoured. (vLLM
-# can also cap every chunk at `long_prefill_token_threshold` tokens; then a long prompt leaves budget
-# to the requests behind it, and several prompts can be partly prefilled at once.) Each chunk's
+# can also cap every chunk at `long_prefill_token_threshold` tokens while more than one request runs
+# or waits; then a long prompt leaves budget to the requests behind it, and several prompts can be
+# partly prefilled at once.) Each chunk's
 # blocks are taken by `allocate_slots` when the chunk is scheduled, after admission checked that the
 # whole prompt fits. `Engine(..., max_num_batched_tokens=8)` on a 19-token prompt, with a 5-token
 # prompt arriving a step later, shows the schedule step by step: `EngineResult.scheduled_tokens`
@@ -383,15 +384,16 @@ for kv_cache_dtype in ("fp8", "fp8_e5m2"):
 #   asynchronous scheduling, the tokens of a step whose output has not come back) minus
 #   `num_computed_tokens`, and is skipped once those placeholders reach its `max_tokens`; a waiting
 #   one asks for `num_tokens` minus its prefix-cache hit. Each ask is cut to
-#   `long_prefill_token_threshold` when that is positive, then to the budget left; a running one
+#   `long_prefill_token_threshold` when that is positive and more than one request runs or waits (a
+#   lone request has nobody to starve), then to the budget left; a running one
 #   also to the positions left before `max_model_len`. Without chunked prefill
 #   (`enable_chunked_prefill` off), a waiting prompt larger than the budget left ends admission for
 #   the step;
 # * `vllm/config/scheduler.py`: `SchedulerConfig.max_num_batched_tokens`, at least `max_num_seqs`,
 #   and without chunked prefill at least `max_model_len` (`verify_max_model_len` refuses less: a
-#   prompt must then fit one step); `long_prefill_token_threshold`, 0 (no cap) unless
-#   `max_num_partial_prefills` is above 1, when it becomes 4 % of `max_model_len` and several
-#   prompts can be partly prefilled at once, which the course leaves out. The default budget comes
+#   prompt must then fit one step); `long_prefill_token_threshold`, 0 (no cap) by default, and
+#   `long_prefill_token_threshold_adaptive`, which floors it at a fair share of the budget. The
+#   course leaves both out. The default budget comes
 #   from `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` in `vllm/engine/arg_utils.py`:
 #   by device and usage (`get_batch_defaults`), raised to `max_model_len` when chunked prefill is
 #   off, and at most `max_num_seqs` times `max_model_len`;
