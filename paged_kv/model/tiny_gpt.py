@@ -82,8 +82,13 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.config = config = config or GPTConfig()
         d = config.d_model
-        self.token_embedding = nn.Embedding(config.vocab_size, d, device="meta")
-        self.position_embedding = nn.Embedding(config.max_len, d, device="meta")
+        # a given _weight skips nn.Embedding's default init, whose normal_ on "meta" imports torch._dynamo
+        self.token_embedding = nn.Embedding(
+            config.vocab_size, d, _weight=torch.empty(config.vocab_size, d, device="meta")
+        )
+        self.position_embedding = nn.Embedding(
+            config.max_len, d, _weight=torch.empty(config.max_len, d, device="meta")
+        )
         self.blocks = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
         self.norm = nn.LayerNorm(d, device="meta")
         self.head = nn.Linear(d, config.vocab_size, bias=False, device="meta")
