@@ -66,11 +66,32 @@ def widget_notebook() -> tuple[nbformat.NotebookNode, str]:
     return notebook, name
 
 
+@pytest.fixture(scope="session")
+def lab_server(browser: Browser, tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.LabServer]:
+    """One JupyterLab server for the session (per xdist worker) on a free loopback port, serving a
+    temporary folder (autosave never reaches the repo). Each test works in a folder of its own
+    (``lab_folder``), picks its theme and ends its kernels; starting a server took 4 to 7 s here.
+
+    It depends on ``browser`` so that it is not started on a machine where the tests are skipped.
+    """
+    with harness.lab_server(tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
 @pytest.fixture
-def lab_root(tmp_path: Path, widget_notebook: tuple[nbformat.NotebookNode, str]) -> Path:
-    """A root directory for JupyterLab holding a copy of the notebook (autosave never reaches the repo)."""
-    root = tmp_path / "lab"
-    root.mkdir()
+def lab_folder(request: pytest.FixtureRequest, lab_server: harness.LabServer) -> Iterator[str]:
+    """A fresh folder in the shared server's root, named after the test (its path under the root);
+    the sessions the test's pages opened are ended after it."""
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in request.node.name)
+    (lab_server.root / name).mkdir()
+    yield name
+    lab_server.shut_down_kernels()
+
+
+@pytest.fixture
+def lab_root(lab_server: harness.LabServer, lab_folder: str, widget_notebook) -> Path:
+    """The test's folder in the server's root, holding a copy of the notebook as widgets.ipynb."""
+    root = lab_server.root / lab_folder
     notebook, _name = widget_notebook
     (root / "widgets.ipynb").write_text(nbformat.writes(notebook))
     return root
@@ -83,13 +104,11 @@ def theme() -> str:
 
 
 @pytest.fixture
-def jupyterlab(browser: Browser, lab_root: Path, theme: str) -> Iterator[str]:
-    """A JupyterLab server on a free loopback port serving ``lab_root`` in ``theme``; stopped after the test.
-
-    It depends on ``browser`` so that it is not started on a machine where the test is skipped.
-    """
-    with harness.jupyterlab(lab_root, theme) as url:
-        yield url
+def jupyterlab(lab_server: harness.LabServer, lab_root: Path, theme: str) -> str:
+    """The URL of ``lab_root`` in the shared JupyterLab, in ``theme``: ``f"{jupyterlab}/widgets.ipynb"``
+    opens the notebook, in a workspace of its own (``?reset`` clears what another test left open)."""
+    lab_server.select_theme(theme)
+    return f"{lab_server.url}/lab/tree/{lab_root.relative_to(lab_server.root).as_posix()}"
 
 
 @pytest.fixture

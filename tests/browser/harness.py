@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,11 +220,11 @@ def _isolated_jupyter_env(home: Path, theme: str = LIGHT_THEME) -> dict[str, str
     for plugin, values in (
         ("apputils-extension/notification", {"fetchNews": "false", "checkForUpdates": False}),
         ("notebook-extension/tracker", {"autoStartDefaultKernel": True, "windowingMode": "none"}),
-        ("apputils-extension/themes", {"theme": theme}),
     ):
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
+    select_theme(home, theme)
     return {
         **os.environ,
         "JUPYTER_PATH": str(home / "path"),
@@ -235,14 +236,53 @@ def _isolated_jupyter_env(home: Path, theme: str = LIGHT_THEME) -> dict[str, str
     }
 
 
+def select_theme(home: Path, theme: str) -> None:
+    """Make ``theme`` the theme of the server whose home is ``home``, from the next page it serves on
+    (JupyterLab reads the user settings from disk at each page load)."""
+    path = home / "settings" / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"theme": theme}))
+
+
+@dataclass
+class LabServer:
+    """A running JupyterLab server: its base URL, the folder it serves and its home (settings)."""
+
+    url: str
+    root: Path
+    home: Path
+
+    def select_theme(self, theme: str) -> None:
+        select_theme(self.home, theme)
+
+    def shut_down_kernels(self) -> None:
+        """End every session the pages opened (and its kernel), so that the next test starts clean."""
+        with urllib.request.urlopen(f"{self.url}/api/sessions", timeout=10) as reply:
+            sessions = json.loads(reply.read())
+        for session in sessions:
+            request = urllib.request.Request(f"{self.url}/api/sessions/{session['id']}", method="DELETE")
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=20):
+                pass
+
+
 @contextlib.contextmanager
-def jupyterlab(root_dir: Path, theme: str = LIGHT_THEME) -> Iterator[str]:
+def lab_server(root_dir: Path, theme: str = LIGHT_THEME) -> Iterator[LabServer]:
+    """:func:`jupyterlab`, yielding a :class:`LabServer` whose theme can be changed between pages."""
+    homes: list[Path] = []
+    with jupyterlab(root_dir, theme, homes) as url:
+        yield LabServer(url, root_dir, homes[0])
+
+
+@contextlib.contextmanager
+def jupyterlab(root_dir: Path, theme: str = LIGHT_THEME, homes: list[Path] | None = None) -> Iterator[str]:
     """A JupyterLab server on a free loopback port serving ``root_dir``; yields its base URL.
 
     ``theme`` is the theme it shows (``LIGHT_THEME`` or ``DARK_THEME``). The server runs in its own
     process group, which is terminated (then killed, if need be) on exit, kernels included.
     """
     home = Path(tempfile.mkdtemp(prefix="paged-kv-jupyter-"))
+    if homes is not None:
+        homes.append(home)
     log_path = home / "server.log"
     env = _isolated_jupyter_env(home, theme)
     server = None

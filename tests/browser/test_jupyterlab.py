@@ -1,7 +1,8 @@
 """In a live JupyterLab, the lesson's widgets render, read well, and the playground answers its buttons.
 
-JupyterLab serves a copy of the notebook from a temporary root directory on a free loopback port
-(its autosave never touches the repository), in its light theme and in its dark one. The test
+JupyterLab (one server for the session, tests/browser/conftest.py) serves a copy of the notebook
+from a temporary root directory on a free loopback port (its autosave never touches the
+repository), in its light theme and in its dark one. The test
 opens it, waits for the kernel, runs all cells through the Run menu, waits for the player and the
 playground, then clicks "add sequence": the click goes to the kernel, and the playground's picture
 must change. It goes on clicking until the pool runs out: the refusal's own caption and the
@@ -121,7 +122,7 @@ def test_the_widgets_render_and_the_playground_answers_in_jupyterlab(
     page, jupyterlab, widget_notebook, screenshot, theme
 ):
     _notebook, name = widget_notebook
-    page.goto(f"{jupyterlab}/lab/tree/widgets.ipynb")
+    page.goto(f"{jupyterlab}/widgets.ipynb?reset")
     try:
         page.wait_for_function(KERNEL_READY, timeout=60_000, polling=200)
     except Exception as error:

@@ -52,16 +52,19 @@ def committed_pictures(path) -> list[str]:
 
 
 @pytest.mark.parametrize("theme", THEMES)
-def test_a_lesson_opened_before_it_runs_shows_every_picture(browser, tmp_path, theme, screenshot):
-    root = tmp_path / "lab"
-    root.mkdir()
+def test_a_lesson_opened_before_it_runs_shows_every_picture(
+    browser, lab_server, lab_folder, theme, screenshot
+):
+    root = lab_server.root / lab_folder
     for name in FRESH:
         shutil.copy(harness.ROOT / "lessons" / name, root / name)
-    with harness.jupyterlab(root, THEMES[theme]) as url, harness.new_page(browser) as page:
+    lab_server.select_theme(THEMES[theme])
+    with harness.new_page(browser) as page:
         for name in FRESH:
             expected = committed_pictures(root / name)
             assert expected.count("svg") + expected.count("widget still") >= 2, f"{name} has no SVG picture"
-            page.goto(f"{url}/lab/tree/{name}?reset")  # ?reset: the workspace holds this notebook alone
+            # ?reset: the workspace holds this notebook alone
+            page.goto(f"{lab_server.url}/lab/tree/{lab_folder}/{name}?reset")
             outputs = page.locator(f".jp-NotebookPanel:not(.lm-mod-hidden) {harness.OUTPUT}")
             pictures = outputs.filter(has=page.locator("img"))
             harness.wait_until(
