@@ -246,7 +246,8 @@ if [ -z "$WORKERS" ]; then
 fi
 PARALLEL=()
 if [ "$(field xdist "$INFO")" = 1 ] && [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS"); fi
-PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -q -rfE --continue-on-collection-errors "${PARALLEL[@]}")
+# -p no:nbval: the stages run no notebook, and a broken nbval (or its nbformat missing) stops pytest
+PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -p no:nbval -q -rfE --continue-on-collection-errors "${PARALLEL[@]}")
 STAGE1=("${PYTEST[@]}" tests --ignore=tests/browser --ignore=tests/test_triton.py -k cuda)
 STAGE2=("${PYTEST[@]}" tests/test_triton.py)
 mapfile -t ALL_BENCHES < <(cd bench && ls bench_*.py | sed 's/^bench_//; s/\.py$//')
@@ -316,12 +317,14 @@ run_pytest_stage() {  # run_pytest_stage NUMBER TITLE LIMIT CMD...
         echo "\`${*}\`, $seconds s: $passed passed, $failed failed, $skipped skipped, $real_errors errors, $missing_count files not collected."
         if [ -n "$missing" ]; then
             echo; echo "Not collected (a package this Python lacks):"; echo
-            sed -E 's/^ERROR (.*) - .*No module named (.*)$/- \1: no module named \2/' <<<"$missing"
+            awk '/ERROR collecting / { match($0, /ERROR collecting [^ ]+/); file = substr($0, RSTART + 17, RLENGTH - 17) }
+                 /^E .*No module named / && file != "" { match($0, /No module named [^ ]+/); print "- " file ": " substr($0, RSTART, RLENGTH); file = "" }' \
+                "$log" | sort -u
         fi
         local problems
         problems="$(grep -E '^(FAILED|ERROR) ' "$log" | grep -vE ' - (ModuleNotFoundError|ImportError)' | head -40)"
         if [ -n "$problems" ]; then echo; echo '```text'; echo "$problems"; echo '```'; fi
-        if [ "$result" != pass ]; then echo; echo "The log's last lines:"; echo; echo '```text'; tail -25 "$log"; echo '```'; fi
+        if [ "$result" != pass ]; then echo; echo "The log's last lines:"; echo; echo '```text'; tail -25 "$log"; echo; echo '```'; fi
     } >>"$SECTIONS"
     say "stage $number: $result, $passed passed, $failed failed, $skipped skipped, $real_errors errors ($seconds s)"
 }
@@ -390,7 +393,7 @@ RESULT="all stages passed"; [ "$FAILED" = 0 ] || RESULT="FAIL: a stage failed or
     echo "## 3. Benchmarks on CUDA"
     echo
     echo "Each ratio compares the package with a baseline timed in the same run (bench/README.md)."
-    echo "Per module:" $(for name in "${BENCHES[@]}"; do printf '%s: %s;' "$name" "${BENCH_RESULT[$name]}"; done)
+    echo "Per module: $(for name in "${BENCHES[@]}"; do printf 'bench_%s %s; ' "$name" "${BENCH_RESULT[$name]}"; done)"
     echo
     cat "$BENCH_TABLES"
 } >"$REPORT"
