@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import paged_kv
+from paged_kv.course_map import LESSONS
 
 PACKAGE = Path(paged_kv.__file__).parent
 
@@ -63,9 +64,10 @@ def test_a_layer_imports_only_the_layers_below_it(path: Path) -> None:
 def test_every_module_names_the_lessons_it_belongs_to(path: Path) -> None:
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
     assert re.search(r"[Ll]essons? \d\d", docstring), f"{module_id(path)}'s docstring names no lesson"
-    if layer_of(path) == "entrypoints":  # the server is lesson 15's
-        lesson_15 = re.search(r"[Ll]essons? [\d, and]*\b15\b", docstring)
-        assert lesson_15, f"{module_id(path)}'s docstring does not name lesson 15"
+    if layer_of(path) == "entrypoints":  # the server is the lesson "serving it"'s
+        serving = next(lesson.number for lesson in LESSONS if lesson.slug == "serving_it")
+        named = re.search(rf"[Ll]essons? [\d, and]*\b{serving}\b", docstring)
+        assert named, f"{module_id(path)}'s docstring does not name lesson {serving}"
 
 
 def test_the_server_layer_is_the_top_of_the_stack() -> None:
