@@ -129,7 +129,8 @@ FIRST_MAP_NOTES = (
 SECOND_MAP_NOTES = (
     "vLLM's start-up sizing left lesson 00 for a lesson of its own, 14, sizing the cache at start-up, "
     "with the block size and tensor parallelism of the old lesson 14; exercise 00's tasks 4 and 5 "
-    "(block_bytes, startup_line) and the old exercise 14's task 1 (common_block_size) are exercise 14's now",
+    "(block_bytes, startup_line) and the old exercise 14's task 1 (common_block_size) are exercise 14's now "
+    "(python -m paged_kv.grade your old exercise --lesson 14 grades them there)",
     "settings and metrics is lesson 15 (was 14), serving it lesson 16 (was 15)",
 )
 NOTES = {1: FIRST_MAP_NOTES, 2: SECOND_MAP_NOTES}
