@@ -401,7 +401,10 @@ with (
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-    view = async_llm.kv_view  # the pool as the last step left it
+    deadline = time.monotonic() + 10  # the view is the pool after the engine's last step: wait for one
+    while len(async_llm.kv_view.snapshot.tables) < 2 and time.monotonic() < deadline:  # with both in it
+        time.sleep(0.01)
+    view = async_llm.kv_view
 tables = [set(table.block_ids) for table in view.snapshot.tables.values()]
 print(f"{len(tables)} requests running; {len(set.intersection(*tables))} blocks held by both")
 
