@@ -387,24 +387,23 @@ for line in metrics.splitlines():
 # while requests stream and watch blocks taken on demand, shared by prefix caching, freed on finish
 # and on abort (the repository's `docs/images/kv_page.png` is a screenshot of it, taken while three
 # requests streamed). The same picture, drawn here from the server's state while two clients stream
-# the same prompt: each reads three chunks, the pool is drawn, and both hang up.
+# the same prompt: the pool is drawn as soon as a step has both running, then both hang up.
 
 # %%
 shared_prompt = "Two clients send the same long system prompt first. " * 2
-body = {"model": "tiny-gpt", "prompt": shared_prompt, "max_tokens": 64, "temperature": 0.0, "stream": True}
+body = {"model": "tiny-gpt", "prompt": shared_prompt, "max_tokens": 200, "temperature": 0.0, "stream": True}
 with (
     httpx.Client(base_url=server.url, timeout=30) as http,
     http.stream("POST", "/v1/completions", json=body) as one,
     http.stream("POST", "/v1/completions", json=body) as two,
 ):
-    for response in (one, two):
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    deadline = time.monotonic() + 10  # the view is the pool after the engine's last step: wait for one
-    while len(async_llm.kv_view.snapshot.tables) < 2 and time.monotonic() < deadline:  # with both in it
-        time.sleep(0.01)
-    view = async_llm.kv_view
+    deadline = time.monotonic() + 10  # the view is the pool after the engine's last step: watch it
+    view = async_llm.kv_view  # until a step has both requests running (10 s at most)
+    while len(view.snapshot.tables) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+        view = async_llm.kv_view
+    for response in (one, two):  # each client reads a chunk, then hangs up
+        next(response.iter_lines())
 tables = [set(table.block_ids) for table in view.snapshot.tables.values()]
 print(f"{len(tables)} requests running; {len(set.intersection(*tables))} blocks held by both")
 
