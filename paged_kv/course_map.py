@@ -158,16 +158,13 @@ def current_lesson(recorded: str, course_map: int | None) -> str | None:
     >>> current_lesson("06", None), current_lesson("06", 2), current_lesson("14", 2), current_lesson("14", 3)
     ('07', '06', '15', '14')
     """
-    course_map = 1 if course_map is None else course_map
-    if course_map == COURSE_MAP:
-        return recorded if recorded in BY_NUMBER else None
-    if course_map not in EARLIER_MAPS or recorded not in EARLIER_MAPS[course_map]:
-        return None
-    return current_lesson(EARLIER_MAPS[course_map][recorded][1][0], course_map + 1)
+    now = _successors(recorded, 1 if course_map is None else course_map)
+    return now[0] if now else None
 
 
 def _successors(number: str, course_map: int) -> list[str]:
-    """Every lesson of this map that lesson ``number`` of ``course_map`` went to, the first first."""
+    """Every lesson of this map that lesson ``number`` of ``course_map`` went to, the one that holds
+    most of its exercise's tasks first; empty when ``number`` is no lesson of that map."""
     if course_map == COURSE_MAP:
         return [number] if number in BY_NUMBER else []
     now = EARLIER_MAPS.get(course_map, {}).get(number, (None, ()))[1]

@@ -48,6 +48,7 @@ class Move:
     source: Path
     target: Path
     why: str
+    course_map: int  # the earlier map the file was of
 
 
 def check_working_copy(source: Path, work: Path) -> list[Path]:
@@ -152,13 +153,13 @@ def migrate_to_this_map(work: Path) -> list[Move]:
                 why = f"lesson {old} of the {MAP_FOLDERS[course_map].replace('_', ' ')}, kept as it was"
                 why += f"; lesson {now.number} replaces it"
             if not target.exists():
-                moves.append(Move(path, target, why))
+                moves.append(Move(path, target, why, course_map))
     plan = work / "lessons" / "README.md"
     if maps_seen and plan.exists():
         newest = max(maps_seen)
         kept = work / MAP_FOLDERS[newest] / "lessons" / "README.md"
         if not kept.exists():
-            moves.append(Move(plan, kept, f"the {MAP_FOLDERS[newest].replace('_', ' ')}'s plan"))
+            moves.append(Move(plan, kept, f"the {MAP_FOLDERS[newest].replace('_', ' ')}'s plan", newest))
     for move in moves:
         move.target.parent.mkdir(parents=True, exist_ok=True)
         move.source.rename(move.target)
@@ -167,9 +168,8 @@ def migrate_to_this_map(work: Path) -> list[Move]:
 
 def migration_report(moves: list[Move], work: Path) -> list[str]:
     """What :func:`migrate_to_this_map` did, in words, for the learner."""
-    maps = sorted({n for n, folder in MAP_FOLDERS.items() if any(folder in str(m.target) for m in moves)})
     lines = [f"lab_setup: your copy predates the course's map of {len(LESSONS)} lessons; it now follows it:"]
-    for course_map in maps or sorted(NOTES):
+    for course_map in range(min(move.course_map for move in moves), COURSE_MAP):  # every change since
         lines += [f"  {note}" for note in NOTES[course_map]]
     for move in moves:
         lines.append(f"  {move.source.relative_to(work)} -> {move.target.relative_to(work)} ({move.why})")
