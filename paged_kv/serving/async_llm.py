@@ -125,13 +125,15 @@ class AsyncLLM:
         prompt: Sequence[int] | EngineCoreRequest,
         sampling_params: SamplingParams | None = None,
         request_id: Hashable | None = None,
+        **options: object,
     ) -> AsyncIterator[RequestOutput]:
         """Serve one request; yield its outputs as the steps produce them, the last one finished.
 
         ``prompt`` is the prompt's token ids, checked here by the engine's input processor with
         ``sampling_params`` and ``request_id`` (``None``: a fresh one); or a request :meth:`check`
         made already, taken as it is (vLLM's ``AsyncLLM.add_request`` takes an
-        ``EngineCoreRequest`` the same way), so that a server checks a request once.
+        ``EngineCoreRequest`` the same way), so that a server checks a request once. ``options``
+        are :meth:`check`'s: ``priority``, ``cache_salt``, ``lora_name``.
 
         Raises:
             ValueError: the request is bad (see :meth:`LLMEngine.add_request
@@ -142,14 +144,14 @@ class AsyncLLM:
         if self.errored is not None:
             raise EngineDeadError("the engine loop failed") from self.errored
         if isinstance(prompt, EngineCoreRequest):
-            if sampling_params is not None or request_id is not None:
+            if sampling_params is not None or request_id is not None or options:
                 raise ValueError("a processed request carries its own sampling_params and request_id")
             request, request_id = prompt, prompt.request_id
             if request_id in self._queues:
                 raise ValueError(f"request_id {request_id!r} is in use")
         else:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-            request = self.check(request_id, prompt, sampling_params)
+            request = self.check(request_id, prompt, sampling_params, **options)
         queue: _Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._submit(request, queue)
@@ -169,7 +171,14 @@ class AsyncLLM:
             del self._queues[request_id]
 
     def check(
-        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> EngineCoreRequest:
         """What :meth:`generate` checks before queueing, without touching the engine's state: the
         engine's input processor, and that no client is waiting on ``request_id``; the request as the
@@ -180,7 +189,15 @@ class AsyncLLM:
                 <paged_kv.serving.input_processor.InputProcessor.process_inputs>`, or the id is in use.
         """
         engine = self.llm_engine
-        request = engine.input_processor.process_inputs(request_id, prompt_token_ids, params, engine.clock())
+        request = engine.input_processor.process_inputs(
+            request_id,
+            prompt_token_ids,
+            params,
+            engine.clock(),
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+        )
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is in use")
         return request

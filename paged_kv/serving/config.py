@@ -32,6 +32,9 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     dtype: torch.dtype = torch.float32
+    max_logprobs: int = 20
+    """The most log-probabilities a request may ask for per token (vLLM's ``--max-logprobs``, 20;
+    -1: the whole vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     preemption: str = "recompute"
+    policy: str = "fcfs"
+    """``"fcfs"``, first come first served, or ``"priority"``: waiting requests by (priority,
+    arrival time), the victim the running one with the largest (vLLM's ``--scheduling-policy``)."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from paged_kv.serving.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from paged_kv.serving.scheduler import PREEMPTIONS, check_budget
+from paged_kv.serving.scheduler import PREEMPTIONS, SCHEDULING_POLICIES, check_budget
 from paged_kv.validate import check_count
 
 MODES = ("paged", "contiguous")
@@ -60,6 +60,8 @@ class EngineArgs:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     preemption: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
     mode: str = "paged"
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
@@ -84,6 +86,11 @@ class EngineArgs:
         block_size = check_count("block_size", self.block_size, minimum=1)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        check_count("max_logprobs", self.max_logprobs, minimum=-1)
         if self.preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {self.preemption!r}")
         watermark = check_watermark(self.watermark)
@@ -110,6 +117,7 @@ class EngineArgs:
                 scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                 watermark=watermark,
                 preemption=self.preemption,
+                policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size),
             device_config=DeviceConfig(self._device(model)),
@@ -119,11 +127,11 @@ class EngineArgs:
     def _model_config(self, model: CausalLM) -> ModelConfig:
         limit = model.config.max_len
         if self.max_model_len is None:
-            return ModelConfig(limit, model.config.vocab_size, model.dtype)
+            return ModelConfig(limit, model.config.vocab_size, model.dtype, self.max_logprobs)
         max_model_len = check_count("max_model_len", self.max_model_len, minimum=1)
         if max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_len {limit}")
-        return ModelConfig(max_model_len, model.config.vocab_size, model.dtype)
+        return ModelConfig(max_model_len, model.config.vocab_size, model.dtype, self.max_logprobs)
 
     def _cache_config(self, block_size: int) -> CacheConfig:
         given = {

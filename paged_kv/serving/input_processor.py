@@ -15,7 +15,13 @@ OpenAI server all go through it, and the scheduler trusts what it made. It check
 4. ``max_tokens`` is settled here and nowhere else: ``None`` is as many as the context leaves
    (vLLM: ``max_model_len`` less the prompt), a larger number is capped there;
 5. the memory could hold the request alone at its longest, ``len(prompt) + max_tokens - 1``
-   tokens (else it would wait for ever).
+   tokens (else it would wait for ever);
+6. what the sampler and the prefix cache will read, as vLLM's ``SamplingParams.verify`` and its
+   protocol check it: ``logprobs`` and ``prompt_logprobs`` at most ``max_logprobs`` (-1: the
+   vocabulary), ``logit_bias`` keys in the vocabulary, ``bad_words`` tokenized
+   (:meth:`SamplingParams.update_from_tokenizer`), a ``priority`` other than 0 only under the
+   ``"priority"`` policy, a ``cache_salt`` that is a non-empty string of at most 128 characters
+   without ``@``, ``/``, ``\\`` or NUL.
 
 Whether an id is in use is the engine's state, not the request's: the engine that holds the live
 requests checks it (:class:`~paged_kv.serving.output_processor.OutputProcessor`).
@@ -30,6 +36,10 @@ from paged_kv.serving.config import ModelConfig
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.validate import check_hashable
+
+MAX_CACHE_SALT_LENGTH = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+"""vLLM's limits on a ``cache_salt`` (``validate_cache_salt``)."""
 
 
 class InputProcessor:
@@ -49,8 +59,10 @@ class InputProcessor:
         num_blocks: int,
         eos_token_ids: Sequence[int] = (),
         can_detokenize: bool = False,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model_config = model_config
+        self.scheduling_policy = scheduling_policy
         self.max_tokens_alone = max_tokens_alone
         self.num_blocks = num_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -62,6 +74,10 @@ class InputProcessor:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> EngineCoreRequest:
         """The :class:`~paged_kv.serving.request.EngineCoreRequest` of a client's request, checked
         (vLLM: ``InputProcessor.process_inputs``); ``params`` default to ``SamplingParams()``
@@ -78,11 +94,22 @@ class InputProcessor:
         prompt = self._check_prompt(prompt_token_ids)
         if params.stop and not self.can_detokenize:
             raise ValueError("stop strings need a tokenizer: give the engine a decode function")
+        self._check_sampling(params)
+        self._check_scheduling(priority, cache_salt, lora_name)
         room = self.model_config.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = EngineCoreRequest(
-            request_id, len(prompt), max_tokens, tuple(prompt), stop, params, arrival_time
+            request_id,
+            len(prompt),
+            max_tokens,
+            tuple(prompt),
+            stop,
+            params,
+            arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         longest, most = len(prompt) + max_tokens - 1, self.max_tokens_alone(request)
         if longest > most:
@@ -91,6 +118,55 @@ class InputProcessor:
                 f"{longest} tokens and at most {most} fit (block 0 is the null block); see min_num_blocks"
             )
         return request
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """Step 6's sampling checks, in vLLM's words (``SamplingParams._validate_logprobs``,
+        ``_validate_logit_bias``)."""
+        vocab = self.model_config.vocab_size
+        most = vocab if self.model_config.max_logprobs == -1 else self.model_config.max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(params, name)
+            asked = vocab if asked == -1 else asked
+            if asked and asked > most:
+                raise ValueError(
+                    f"Requested {what} logprobs of {asked}, which is greater than max allowed: {most}"
+                )
+        if params.logit_bias:
+            outside = [t for t in params.logit_bias if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(
+                    f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}"
+                )
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words need a tokenizer: call SamplingParams.update_from_tokenizer(encode)")
+        bad = [t for ids in params.bad_words_token_ids or () for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"The model vocabulary size is {vocab}, but the following tokens were specified as "
+                f"bad: {bad}. All token id values should be integers satisfying: "
+                f"0 <= token_id <= {vocab - 1}."
+            )
+
+    def _check_scheduling(self, priority: object, cache_salt: object, lora_name: object) -> None:
+        """Step 6's checks of what the scheduler and the prefix cache read."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but Priority scheduling is not enabled: start the engine "
+                "with scheduling_policy='priority' (--scheduling-policy priority)"
+            )
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+            if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
+                raise ValueError(
+                    "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                    "'@', '/', '\\\\', or NUL."
+                )
+        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+            raise ValueError(f"lora_name must be a non-empty string or None, got {lora_name!r}")
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list of ints, if the model can run it: vLLM's messages."""

@@ -91,6 +91,7 @@ class LLMEngine:
             num_blocks=memory.num_blocks,
             eos_token_ids=model.eos_token_ids,
             can_detokenize=decode is not None,
+            scheduling_policy=self.vllm_config.scheduler_config.policy,
         )
         self.output_processor = OutputProcessor(decode)
         self.clock = clock
@@ -131,12 +132,17 @@ class LLMEngine:
         prompt: Sequence[int] | EngineCoreRequest,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request (its ``n`` children) to be served from the next step.
 
         ``prompt`` is the prompt's token ids, checked here by the input processor with
-        ``sampling_params`` (default ``SamplingParams()``) and ``arrival_time`` (default: now, on
-        :attr:`clock`), or an :class:`~paged_kv.serving.request.EngineCoreRequest` the input
+        ``sampling_params`` (default ``SamplingParams()``), ``arrival_time`` (default: now, on
+        :attr:`clock`), ``priority``, ``cache_salt`` and ``lora_name`` (see
+        :class:`~paged_kv.serving.request.EngineCoreRequest`), or an ``EngineCoreRequest`` the input
         processor made already (vLLM's ``add_request`` takes either), then queued as it is.
 
         Raises:
@@ -151,7 +157,15 @@ class LLMEngine:
                 )
         else:
             arrived = self.clock() if arrival_time is None else arrival_time
-            request = self.input_processor.process_inputs(request_id, prompt, sampling_params, arrived)
+            request = self.input_processor.process_inputs(
+                request_id,
+                prompt,
+                sampling_params,
+                arrived,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
         params = request.sampling_params
         if self.output_processor.in_use(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is in use")

@@ -24,18 +24,23 @@ from paged_kv.validate import check_count, check_hashable
 @dataclass(frozen=True)
 class EngineCoreRequest:
     """A request as the engine core receives it: ``num_prompt_tokens`` of prompt, up to ``max_tokens``
-    to generate.
+        to generate.
 
-    ``prompt_token_ids`` are the prompt's token ids, or ``None`` where nobody needs them (the
-    simulator); prefix caching and a model need them. A request finishes after ``max_tokens``
-    tokens, or as soon as it generates one of ``stop_token_ids`` (a model's end-of-sequence tokens
-    and the request's own; none by default), which it keeps. ``sampling_params`` says how the runner
-    picks its tokens (lesson 16); ``None`` is greedy. ``arrival_time`` is when it arrived, in the
-    engine's clock's seconds (``None``: not measured).
+        ``prompt_token_ids`` are the prompt's token ids, or ``None`` where nobody needs them (the
+        simulator); prefix caching and a model need them. A request finishes after ``max_tokens``
+        tokens, or as soon as it generates one of ``stop_token_ids`` (a model's end-of-sequence tokens
+        and the request's own; none by default), which it keeps. ``sampling_params`` says how the runner
+        picks its tokens (lesson 16); ``None`` is greedy. ``arrival_time`` is when it arrived, in the
+        engine's clock's seconds (``None``: not measured). ``priority`` orders it under the scheduler's
+    ``"priority"`` policy (lower first, vLLM's rule; 0 by default). ``cache_salt`` (vLLM's extra body
+    field) and ``lora_name`` enter its blocks' hashes as vLLM's extra keys do
+    (``generate_block_hash_extra_keys``): the salt the first block's, so that requests of two salts never
+    share a cached block; the LoRA name every block's (the course serves no adapter: the name is the
+    stand-in that shows the other extra keys' shape).
 
-    Raises:
-        ValueError: an id that cannot be a dict key, counts below 1, or prompt ids that are not
-            ``num_prompt_tokens`` long, named.
+        Raises:
+            ValueError: an id that cannot be a dict key, counts below 1, or prompt ids that are not
+                ``num_prompt_tokens`` long, named.
     """
 
     request_id: Hashable
@@ -45,6 +50,9 @@ class EngineCoreRequest:
     stop_token_ids: frozenset[int] = frozenset()
     sampling_params: SamplingParams | None = None
     arrival_time: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         check_hashable("request_id", self.request_id)

@@ -17,6 +17,21 @@ messages here are its own, for the parameters the course serves:
   ``f"{i}_{request_id}"`` with seed ``seed + i``); with prefix caching the children share the
   prompt's full blocks. ``n > 1`` needs random sampling, as in vLLM.
 
+How the logits become a distribution, in vLLM's order (Model Runner V2's sampler,
+``vllm/v1/worker/gpu/sample/``): ``logit_bias`` (a bias per token id, clamped to [-100, 100]) and
+``min_tokens`` (the stop tokens masked until that many were generated), then the penalties over the
+tokens so far, ``repetition_penalty`` (> 0, 1 off: a seen token's positive logit divided by it, a
+negative one multiplied; prompt and output tokens), ``frequency_penalty`` and ``presence_penalty``
+(in [-2, 2], 0 off: subtracted once per occurrence, or once, of each output token), then
+``bad_words`` (their last token banned where the tokens before it were just generated); then the
+temperature, ``min_p`` (in [0, 1]: tokens below ``min_p`` times the likeliest one's probability
+dropped), ``top_k`` and ``top_p``. A greedy request takes the argmax of the processed logits.
+
+``logprobs`` (k) returns, for each generated token, its log-probability and rank and the ``k``
+likeliest tokens' (vLLM's ``raw_logprobs`` mode: a log-softmax of the model's logits, before any
+of the processing above); ``prompt_logprobs`` (k) the same for each prompt token after the first.
+-1 asks for the whole vocabulary; the input processor caps both at the engine's ``max_logprobs``.
+
 ``output_kind`` says what each output of a request carries (vLLM's ``RequestOutputKind``): all the
 tokens and text so far (``CUMULATIVE``), only the new ones (``DELTA``, for streaming), or nothing
 until the request finishes (``FINAL_ONLY``).
@@ -26,7 +41,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 MAX_N_SEQUENCES = 16
@@ -63,6 +79,18 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    bad_words: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    """The token ids of ``bad_words``, each word as it starts the text and as it follows a space
+    (vLLM's ``_bad_words_token_ids``): set by :meth:`update_from_tokenizer`, which a server calls."""
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: normalise the sequences once, here
@@ -109,8 +137,78 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self._check_processing(set_field)
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _check_processing(self, set_field: Callable[[object, str, object], None]) -> None:
+        """The checks of the logits processing and of the log-probabilities (see the module)."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and _is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or (value < 0 and value != -1)):
+                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+        if self.logit_bias is not None:
+            set_field(self, "logit_bias", _logit_bias(self.logit_bias))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if not all(words):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+        set_field(self, "bad_words", tuple(words))
+
+    def update_from_tokenizer(self, encode: Callable[[str], Sequence[int]]) -> SamplingParams:
+        """These parameters with :attr:`bad_words_token_ids` from a tokenizer's ``encode``, as vLLM's
+        ``update_from_tokenizer`` makes them: each word as the text's start, and after a space when
+        that tokenizes to another first token of the same length.
+
+        Raises:
+            ValueError: a bad word that tokenizes to nothing.
+        """
+        if not self.bad_words:
+            return self
+        ids: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            alone = tuple(encode(word.lstrip()))
+            if not alone:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            ids.append(alone)
+            spaced = tuple(encode(" " + word.lstrip()))
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                ids.append(spaced)
+        return replace(self, bad_words_token_ids=tuple(ids))
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether anything changes the model's logits before the temperature: a bias, a penalty,
+        ``min_tokens`` or bad words (a greedy request then takes the argmax of the processed ones)."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words_token_ids
+        )
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +219,28 @@ class SamplingParams:
     def stop_buffer_length(self) -> int:
         """How many characters of a stream are held back, so a stop string is never half sent."""
         return max(map(len, self.stop), default=1) - 1
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """``logit_bias`` with int keys (OpenAI's JSON sends them as strings) and each bias clamped to
+    [-100, 100], as vLLM's ``from_optional`` converts it."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+    converted, invalid = {}, []
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            invalid.append(token)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {value!r} for {token!r}")
+        converted[token_id] = min(100.0, max(-100.0, float(value)))
+    if invalid:
+        raise ValueError(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}"
+        )
+    return converted
 
 
 def _is_int(value: object) -> bool:

@@ -68,6 +68,8 @@ from paged_kv.serving.request import EngineCoreRequest, Request
 from paged_kv.validate import check_count
 
 PREEMPTIONS = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's ``SchedulerPolicy``: first come first served, or by each request's ``priority``."""
 
 
 @dataclass(frozen=True)
