@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.serving.logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
     from paged_kv.serving.sampling_params import SamplingParams
@@ -95,6 +96,13 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What a runner computed for a :class:`SchedulerOutput` (vLLM: ``ModelRunnerOutput``):
     ``sampled_token_ids`` maps each request whose scheduled tokens reached its end (a decode, or the
-    last chunk of a prefill) to the token it sampled; a partial chunk samples nothing."""
+    last chunk of a prefill) to the token it sampled; a partial chunk samples nothing.
+
+    ``logprobs`` holds the sampled token's :class:`~paged_kv.serving.logprobs.TokenLogprobs` for
+    each request that asked for them; ``prompt_logprobs`` the prompt positions this step computed
+    (the tokens after the chunk's first up to its end, and the chunk's first predicted by the last
+    chunk's last logits) for each request that asked for them, in order."""
 
     sampled_token_ids: Mapping[Hashable, int]
+    logprobs: Mapping[Hashable, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: Mapping[Hashable, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

@@ -75,6 +75,7 @@ class Request:
     __slots__ = (
         "all_token_ids",
         "max_tokens",
+        "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -90,6 +91,9 @@ class Request:
         self.request = request
         self.request_id: Hashable = request.request_id
         self.max_tokens, self.stop_token_ids = request.max_tokens, request.stop_token_ids
+        params = request.sampling_params
+        self.min_tokens = 0 if params is None else params.min_tokens
+        """A stop token ends the request only once it has this many output tokens (vLLM's ``check_stop``)."""
         prompt = request.prompt_token_ids
         self.all_token_ids: list[int] | None = None if prompt is None else list(prompt)
         """Prompt then output token ids (``None`` when the prompt's are unknown, as in a simulator)."""

@@ -56,6 +56,7 @@ from operator import attrgetter
 from types import MappingProxyType
 
 from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.serving.logprobs import TokenLogprobs
 from paged_kv.serving.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -84,6 +85,7 @@ class StepResult:
     that sampled to its token; ``first_tokens`` the requests whose first output token it was;
     ``finished`` lists the requests done in this step with their generated tokens, in running order.
     ``num_prefill_tokens`` counts the step's tokens that prefilled (the others decoded).
+    ``logprobs`` and ``prompt_logprobs`` are the runner's (:class:`ModelRunnerOutput`), passed on.
     """
 
     step: int
@@ -96,6 +98,8 @@ class StepResult:
     first_tokens: tuple[Hashable, ...] = ()
     finished: tuple[tuple[Hashable, tuple[int, ...]], ...] = ()
     num_prefill_tokens: int = 0
+    logprobs: Mapping[Hashable, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: Mapping[Hashable, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -226,8 +230,10 @@ class Scheduler:
             request.num_tokens += 1
             if request.all_token_ids is not None:
                 request.all_token_ids.append(token)
-            if len(output_ids) == request.max_tokens or token in request.stop_token_ids:
-                done.append(request)  # all its max_tokens generated, or a stop token
+            if len(output_ids) == request.max_tokens or (
+                token in request.stop_token_ids and len(output_ids) >= request.min_tokens
+            ):
+                done.append(request)  # all its max_tokens generated, or a stop token past min_tokens
             new_tokens[request_id] = token
         step = StepResult(
             self._step,
@@ -240,6 +246,8 @@ class Scheduler:
             first_tokens=tuple(first),
             finished=self._finish(done),
             num_prefill_tokens=self._scheduled.num_prefill_tokens,
+            logprobs=result.logprobs,
+            prompt_logprobs=result.prompt_logprobs,
         )
         self._step += 1
         self._output = self._scheduled = None
