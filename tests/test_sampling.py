@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_kv.serving.sampler import new_generator, sample
+from paged_kv.serving.sampler import SamplingState, new_generator, sample
 from paged_kv.serving.sampling_params import (
     MAX_N_SEQUENCES,
     MIN_TEMPERATURE,
@@ -106,8 +106,15 @@ def test_vllms_quiet_conventions_are_kept():
 # ------------------------------------------------------------------------------ the sampler
 
 
-def generator(params: SamplingParams, source_seed: int = 0) -> torch.Generator:
+def generator(params: SamplingParams, source_seed: int = 0) -> torch.Generator | None:
     return new_generator(params, torch.Generator().manual_seed(source_seed))
+
+
+def sample_rows(logits: torch.Tensor, params: list, gens: list) -> torch.Tensor:
+    """The sampler's tokens for rows of ``params`` (None: plain greedy) drawing with ``gens``."""
+    pairs = zip(params, gens, strict=True)
+    states = [None if p is None else SamplingState(p, g, (), frozenset()) for p, g in pairs]
+    return sample(logits, states)[0]
 
 
 def test_greedy_rows_take_the_argmax_and_random_rows_their_own_draw(device):
@@ -115,11 +122,11 @@ def test_greedy_rows_take_the_argmax_and_random_rows_their_own_draw(device):
     random_params = SamplingParams(seed=1)
     params = [None, SamplingParams(temperature=0), random_params, None, SamplingParams(temperature=0, seed=4)]
     gens = [None, None, generator(random_params), None, None]
-    tokens = sample(logits, params, gens)
+    tokens = sample_rows(logits, params, gens)
     assert tokens.device.type == "cpu" and tokens.dtype == torch.long and tokens.shape == (5,)
     argmax = logits.argmax(dim=-1).cpu()
     assert tokens[[0, 1, 3, 4]].tolist() == argmax[[0, 1, 3, 4]].tolist()
-    again = sample(logits[2:3], [random_params], [generator(random_params)])
+    again = sample_rows(logits[2:3], [random_params], [generator(random_params)])
     assert again.tolist() == tokens[2:3].tolist()  # the random row drew with its own generator
 
 
@@ -136,7 +143,7 @@ def test_top_k_one_and_a_tiny_top_p_are_the_argmax(seed, temperature, vocab):
         SamplingParams(temperature=temperature, top_p=1e-6, seed=seed),
         SamplingParams(temperature=temperature, top_k=vocab + 5, top_p=1e-6, seed=seed),
     ]
-    tokens = sample(logits, params, [generator(p) for p in params])
+    tokens = sample_rows(logits, params, [generator(p) for p in params])
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -171,7 +178,7 @@ def test_a_random_row_never_draws_a_token_top_k_or_top_p_leave_out(values, tempe
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     _, maybe = kept_tokens(logits, params)
     gen = generator(params)
-    drawn = {int(sample(logits[None], [params], [gen])[0]) for _ in range(30)}
+    drawn = {int(sample_rows(logits[None], [params], [gen])[0]) for _ in range(30)}
     assert drawn <= maybe
 
 
@@ -181,7 +188,7 @@ def test_top_k_minus_one_keeps_every_token_as_zero_does():
     for top_k in (0, -1):
         params = SamplingParams(top_k=top_k, seed=9)
         gen = generator(params)
-        draws[top_k] = [int(sample(logits, [params], [gen])[0]) for _ in range(60)]
+        draws[top_k] = [int(sample_rows(logits, [params], [gen])[0]) for _ in range(60)]
     assert draws[-1] == draws[0] and set(draws[0]) == {0, 1, 2, 3}
 
 
@@ -190,7 +197,7 @@ def test_a_seeded_request_draws_the_same_tokens_and_an_unseeded_one_follows_its_
     seeded = SamplingParams(seed=123, temperature=1.5)
 
     def draws(gen: torch.Generator, params: SamplingParams = seeded) -> list[int]:
-        return [int(sample(logits[i % 4 : i % 4 + 1], [params], [gen])[0]) for i in range(40)]
+        return [int(sample_rows(logits[i % 4 : i % 4 + 1], [params], [gen])[0]) for i in range(40)]
 
     first = draws(generator(seeded, source_seed=1))
     assert first == draws(generator(seeded, source_seed=2))  # the seed alone decides
@@ -220,7 +227,7 @@ def test_the_draws_follow_the_softmax_over_the_temperature_over_what_is_kept(tem
     expected_p = (kept / kept.sum()).tolist()
     gen, draws = generator(params), 2500
     counts = [0] * len(logits)
-    for token in sample(logits.expand(draws, -1), [params] * draws, [gen] * draws).tolist():
+    for token in sample_rows(logits.expand(draws, -1), [params] * draws, [gen] * draws).tolist():
         counts[token] += 1
     assert all(counts[t] == 0 for t in range(len(logits)) if t not in certain)
     # Degrees of freedom: kept - 1 <= 7; 24.3 is chi-square's 0.999 quantile at 7 (the seed fixes the draws).
@@ -234,4 +241,4 @@ def test_a_tiny_temperature_is_raised_and_samples_without_overflow(device):
     logits = torch.tensor([[3.0, 1.0, -2.0, 2.0]], device=device)
     params = SamplingParams(temperature=1e-40, seed=0)
     gen = generator(params)
-    assert [int(sample(logits, [params], [gen])[0]) for _ in range(20)] == [0] * 20
+    assert [int(sample_rows(logits, [params], [gen])[0]) for _ in range(20)] == [0] * 20

@@ -222,7 +222,9 @@ class LLMEngine:
         self.last_step = (output, step)
         finished = [request_id for request_id, _ in step.finished]
         self._note_admissions(output)  # before the outputs, which carry the prefix-cache hits
-        outputs, stopped = self.output_processor.process_outputs(step.new_tokens, finished)
+        outputs, stopped = self.output_processor.process_outputs(
+            step.new_tokens, finished, logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs
+        )
         if stopped:  # a stop string ended them: their blocks go now
             self.engine_core.abort_requests(stopped)
         self.last_stats = self._scheduler_stats(output, step)

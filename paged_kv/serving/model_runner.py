@@ -17,8 +17,12 @@
      (:func:`~paged_kv.model.attend.step_attend`);
   4. samples at each request's last token, for the requests whose tokens reached their end (a
      partial prefill chunk samples nothing): greedily, or by the request's sampling parameters
-     with its own generator (:mod:`~paged_kv.serving.sampler`, lesson 16), which the runner keeps
-     from the request's first step to its last, through preemptions.
+     with its own generator (:mod:`~paged_kv.serving.sampler`, lesson 16), whose
+     :class:`~paged_kv.serving.sampler.SamplingState` the runner keeps from the request's first
+     step to its last, through preemptions; with the log-probabilities the request asked for, of
+     the sampled token and, for ``prompt_logprobs``, of every prompt token a chunk predicts (the
+     logits at every position of that request's chunk, computed in the same forward; each prompt
+     token scored once, even when a preemption makes the request prefill again).
 
   It never allocates nor frees a block: the scheduler has done both.
 * :class:`CountingRunner` runs no model and "samples" token 0, so a simulator counts steps and
@@ -39,9 +43,9 @@ from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.model.step import AttentionMetadata, BlockTables, long_tensor, prepare_attention_by_group
+from paged_kv.serving.logprobs import TokenLogprobs
 from paged_kv.serving.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
-from paged_kv.serving.sampler import new_generator, sample
-from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.serving.sampler import SamplingState, needs_state, new_generator, sample, token_logprobs
 
 
 class RequestState:
@@ -138,8 +142,9 @@ class ModelRunner:
         )
         self.state = RequestState(self.block_tables.max_num_reqs)
         self.swapped: dict[Hashable, swap.SwappedKV] = {}
-        self.sampling: dict[Hashable, tuple[SamplingParams, torch.Generator]] = {}
-        """The random requests' parameters and generators, from their first step until they finish."""
+        self.sampling: dict[Hashable, SamplingState] = {}
+        """The sampling state of every request that is not plain greedy, from its first step until it
+        finishes."""
         self._seeds = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         self.last_metadata: AttentionMetadata | None = None
 
@@ -164,11 +169,12 @@ class ModelRunner:
         self._check(output)
         self._update_states(output)
         scheduled = output.num_scheduled_tokens
-        return ModelRunnerOutput(self._run(list(scheduled), list(scheduled.values())) if scheduled else {})
+        return self._run(list(scheduled), list(scheduled.values())) if scheduled else ModelRunnerOutput({})
 
-    def _run(self, req_ids: list[Hashable], query_lens: list[int]) -> dict[Hashable, int]:
+    def _run(self, req_ids: list[Hashable], query_lens: list[int]) -> ModelRunnerOutput:
         """One forward over ``query_lens[b]`` tokens of each request ``req_ids[b]``, in that order;
-        the token sampled for each request whose tokens reached their end (a partial chunk samples none)."""
+        the token sampled for each request whose tokens reached their end (a partial chunk samples
+        none), with the log-probabilities asked for."""
         state = self.state
         rows = long_tensor(self.block_tables.rows_of(req_ids))
         computed = state.num_computed_tokens[rows]
@@ -184,20 +190,74 @@ class ModelRunner:
             self.layer_group,
             self.model.config.layer_attention,
         )
-        logits = self.model.forward_step(input_ids, metadata.positions, attend, metadata.logits_indices)
+        scored = self._prompt_positions(req_ids, computed.tolist(), query_lens, metadata)
+        indices = metadata.logits_indices
+        if scored:
+            extra = [index for _, _, _, positions in scored for index in positions]
+            indices = torch.cat([indices, long_tensor(extra).to(indices.device)])
+        logits = self.model.forward_step(input_ids, metadata.positions, attend, indices)
+        prompt_logprobs = self._prompt_logprobs(scored, logits[len(req_ids) :]) if scored else {}
+        logits = logits[: len(req_ids)]
         after = computed + long_tensor(query_lens)
         state.num_computed_tokens[rows] = after
         samples = after == state.num_tokens[rows]
         sampled_ids = list(compress(req_ids, samples.tolist()))
+        logprobs: dict[Hashable, TokenLogprobs] = {}
         if self.sampling and not self.sampling.keys().isdisjoint(sampled_ids):
-            chosen = [self.sampling.get(req_id, (None, None)) for req_id in sampled_ids]
-            tokens = sample(logits[samples.to(logits.device)], [c[0] for c in chosen], [c[1] for c in chosen])
-        else:  # every request greedy: one argmax
+            states = [self.sampling.get(req_id) for req_id in sampled_ids]
+            tokens, by_row = sample(logits[samples.to(logits.device)], states)
+            logprobs = {sampled_ids[row]: lp for row, lp in by_row.items()}
+            for st, token in zip(states, tokens.tolist(), strict=True):
+                if st is not None:
+                    st.output_token_ids.append(token)
+        else:  # every request plain greedy: one argmax
             tokens = logits.argmax(dim=-1).cpu()[samples]
         sampling = rows[samples]
         state.num_tokens[sampling] += 1
         state.last_token[sampling] = tokens
-        return dict(zip(sampled_ids, tokens.tolist(), strict=True))
+        sampled = dict(zip(sampled_ids, tokens.tolist(), strict=True))
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_positions(
+        self, req_ids: list[Hashable], computed: list[int], query_lens: list[int], metadata: AttentionMetadata
+    ) -> list[tuple[Hashable, SamplingState, int, list[int]]]:
+        """For each request that wants prompt log-probabilities still unscored in its chunk: its
+        state, the first prompt token its chunk scores, and the batch indices of the logits that
+        score them (the logits at position ``p`` predict prompt token ``p + 1``)."""
+        if not self.sampling:
+            return []
+        starts = None
+        scored = []
+        for b, req_id in enumerate(req_ids):
+            st = self.sampling.get(req_id)
+            if st is None or st.params.prompt_logprobs is None:
+                continue
+            first = max(st.next_prompt_logprob, computed[b] + 1)
+            last = min(len(st.prompt_token_ids) - 1, computed[b] + query_lens[b])  # the last token scored
+            if first > last:
+                continue
+            if starts is None:
+                starts = metadata.query_start_loc_cpu.tolist()
+            offset = starts[b] - computed[b]  # the batch index of position p is offset + p
+            scored.append((req_id, st, first, [offset + p - 1 for p in range(first, last + 1)]))
+        return scored
+
+    @staticmethod
+    def _prompt_logprobs(
+        scored: list[tuple[Hashable, SamplingState, int, list[int]]], logits: torch.Tensor
+    ) -> dict[Hashable, tuple[TokenLogprobs, ...]]:
+        """The log-probabilities of the prompt tokens :meth:`_prompt_positions` named, from their
+        logits (in that order); each request's ``next_prompt_logprob`` moves past them."""
+        out: dict[Hashable, tuple[TokenLogprobs, ...]] = {}
+        at = 0
+        for req_id, st, first, positions in scored:
+            rows = logits[at : at + len(positions)].float().log_softmax(dim=-1).cpu()
+            at += len(positions)
+            k = st.params.prompt_logprobs
+            tokens = st.prompt_token_ids[first : first + len(positions)]
+            out[req_id] = tuple(token_logprobs(row, t, k) for row, t in zip(rows, tokens, strict=True))
+            st.next_prompt_logprob = first + len(positions)
+        return out
 
     # ------------------------------------------------------------------------------ the state
 
@@ -318,8 +378,14 @@ class ModelRunner:
             swap.copy_in(self.storage, self.swapped.pop(req_id), block_ids, self.layer_group)
         for new in output.scheduled_new_reqs:
             params = new.sampling_params
-            if params is not None and not params.greedy and new.req_id not in self.sampling:
-                self.sampling[new.req_id] = (params, new_generator(params, self._seeds))
+            if needs_state(params) and new.req_id not in self.sampling:  # its first admission
+                eos = () if params.ignore_eos else self.model.eos_token_ids
+                self.sampling[new.req_id] = SamplingState(
+                    params,
+                    new_generator(params, self._seeds),
+                    tuple(new.token_ids),
+                    frozenset(params.stop_token_ids).union(eos),
+                )
             row = block_tables.add_row(new.req_id, new.block_ids)
             self.state.add(row, list(new.token_ids), new.num_computed_tokens)
         cached = output.scheduled_cached_reqs

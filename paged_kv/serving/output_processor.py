@@ -16,6 +16,11 @@ tokens into :class:`RequestOutput` objects. This module is that front end's half
   wins over the others when the same token brings it), ``"length"`` (``max_tokens`` reached) or
   ``"abort"``; the text of the token that stops a request is left out, as vLLM leaves it out (its id
   stays in ``token_ids``);
+* it keeps the **log-probabilities** the runner computed
+  (:mod:`~paged_kv.serving.logprobs`): each generated token's, with its text, beside the token, and
+  the prompt's, whole, in the first output (vLLM's ``LogprobsProcessor``); with ``min_tokens``,
+  stop strings are looked for only in the text after the first ``min_tokens`` tokens' (vLLM's
+  detokenizer);
 * it gathers the **children** of a request with ``n > 1`` (vLLM's ``ParentRequest``: child ``i`` is
   ``f"{i}_{request_id}"``) into one output per step, each child a :class:`CompletionOutput` with
   its ``index``; a ``FINAL_ONLY`` request is output once, when its last child finishes.
@@ -26,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from paged_kv.serving.logprobs import Logprob, PositionLogprobs, PromptLogprobs, SampleLogprobs, TokenLogprobs
 from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
 
 Decode = Callable[[Sequence[int]], str]
@@ -37,7 +43,9 @@ class CompletionOutput:
     """One completion of a request (vLLM: ``CompletionOutput`` in ``vllm/outputs.py``).
 
     ``token_ids`` and ``text`` are all of it so far, or only what is new since the last output
-    (``RequestOutputKind.DELTA``); ``finish_reason`` is None while it runs.
+    (``RequestOutputKind.DELTA``), and ``logprobs`` likewise, one dict per token, when the request
+    asked for them (else ``None``); ``cumulative_logprob`` is the sum of all its tokens' so far.
+    ``finish_reason`` is None while it runs.
     """
 
     index: int
@@ -45,6 +53,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,13 +65,16 @@ class CompletionOutput:
 class RequestOutput:
     """What a request produced in a step (vLLM: ``RequestOutput``): its prompt, the completions that
     changed (all of them for ``CUMULATIVE`` and ``FINAL_ONLY``), whether every completion has finished,
-    and ``num_cached_tokens``, the prompt tokens the prefix cache served at its first admission."""
+    and ``num_cached_tokens``, the prompt tokens the prefix cache served at its first admission.
+    ``prompt_logprobs`` (when asked for) are the prompt's, ``None`` first: in every output, or in
+    a ``DELTA`` request's first only."""
 
     request_id: Hashable
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -77,6 +90,8 @@ class _Completion:
     stop_reason: int | str | None = None
     reported: bool = False
     """Whether an output carried its finish reason."""
+    logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
 
 @dataclass
@@ -89,6 +104,8 @@ class _Parent:
     eos_token_ids: frozenset[int]
     children: dict[Hashable, _Completion]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -142,6 +159,7 @@ class OutputProcessor:
             params,
             frozenset(() if params.ignore_eos else eos_token_ids),
             {child: _Completion(i) for i, child in enumerate(ids)},
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._parents[request_id] = parent
         for child in ids:
@@ -176,14 +194,22 @@ class OutputProcessor:
         new_tokens: Mapping[Hashable, int],
         finished: Iterable[Hashable] = (),
         aborted: Iterable[Hashable] = (),
+        logprobs: Mapping[Hashable, TokenLogprobs] | None = None,
+        prompt_logprobs: Mapping[Hashable, Iterable[TokenLogprobs]] | None = None,
     ) -> tuple[list[RequestOutput], list[Hashable]]:
         """Apply one step: ``new_tokens`` (core id -> token), the core ids that ``finished`` in it
-        (length or a stop token) and those ``aborted``. Return the outputs, and the core ids that
-        a stop string finished: the engine must finish them in the core."""
+        (length or a stop token) and those ``aborted``, and the runner's ``logprobs`` and
+        ``prompt_logprobs`` (core id -> its tokens'). Return the outputs, and the core ids that a
+        stop string finished: the engine must finish them in the core."""
         done = set(finished)
         touched: dict[Hashable, _Parent] = {}
         stopped: list[Hashable] = []
         self.last_finished = ended = []
+        for child_id, scored in (prompt_logprobs or {}).items():
+            parent = self._parent_of.get(child_id)
+            if parent is not None and parent.children[child_id].index == 0 and parent.prompt_logprobs:
+                parent.prompt_logprobs += [self._position(t) for t in scored]
+        logprobs = logprobs or {}
         for child_id, token in new_tokens.items():
             parent = self._parent_of.get(child_id)
             if parent is None:
@@ -192,6 +218,10 @@ class OutputProcessor:
             if c.finish_reason is not None:
                 continue
             c.token_ids.append(token)
+            if child_id in logprobs:
+                position = self._position(logprobs[child_id])
+                c.logprobs.append(position)
+                c.cumulative_logprob += position[token].logprob
             by_token = child_id in done
             stop_token = by_token and (token in parent.eos_token_ids or token in parent.params.stop_token_ids)
             self._detokenize(parent, c, stop_token)
@@ -214,14 +244,30 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------------------ the helpers
 
+    def _position(self, scored: TokenLogprobs) -> PositionLogprobs:
+        """One position's dict, token id to :class:`Logprob` with its text, the chosen token first
+        (its rank its own; the others' their place in the top k)."""
+        decode = self.decode
+        ranks = (scored.rank, *range(1, len(scored.token_ids)))
+        position: PositionLogprobs = {}
+        for token, logprob, rank in zip(scored.token_ids, scored.logprobs, ranks, strict=True):
+            if token not in position:
+                position[token] = Logprob(logprob, rank, None if decode is None else decode([token]))
+        return position
+
     def _detokenize(self, parent: _Parent, c: _Completion, stop_token: bool = False) -> None:
         """The completion's text, without the stop token that ended it (as vLLM's detokenizer), and
-        cut before the first stop string found (which then ends it)."""
+        cut before the first stop string found after the first ``min_tokens`` tokens' text (which
+        then ends it)."""
         if self.decode is None:
             return
         c.text = self.decode(c.token_ids[:-1] if stop_token else c.token_ids)
+        min_tokens = parent.params.min_tokens
+        if min_tokens and len(c.token_ids) <= min_tokens:
+            return
+        start = len(self.decode(c.token_ids[:min_tokens])) if min_tokens else 0
         for stop in parent.params.stop:
-            at = c.text.find(stop)
+            at = c.text.find(stop, start)
             if at != -1:
                 c.text = c.text[:at]
                 c.finish_reason, c.stop_reason = "stop", stop
@@ -253,14 +299,34 @@ class OutputProcessor:
             if kind is RequestOutputKind.DELTA:
                 if not new and (c.reported or c.finish_reason is None):
                     continue  # nothing this child has not sent
-                text, ids = shown[c.sent_chars :], c.token_ids[c.sent_tokens :]
+                text, ids, scored = shown[c.sent_chars :], c.token_ids[c.sent_tokens :], c.sent_tokens
             else:
-                text, ids = shown, list(c.token_ids)
+                text, ids, scored = shown, list(c.token_ids), 0
+            wants = parent.params.logprobs is not None
             c.sent_tokens, c.sent_chars = len(c.token_ids), max(c.sent_chars, len(shown))
             c.reported = c.finish_reason is not None
-            completions.append(CompletionOutput(c.index, text, ids, c.finish_reason, c.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    c.index,
+                    text,
+                    ids,
+                    c.finish_reason,
+                    c.stop_reason,
+                    c.logprobs[scored:] if wants else None,
+                    c.cumulative_logprob if wants else None,
+                )
+            )
+        prompt_logprobs = parent.prompt_logprobs
+        if kind is RequestOutputKind.DELTA and parent.prompt_sent:
+            prompt_logprobs = None
+        parent.prompt_sent = True
         return RequestOutput(
-            parent.request_id, parent.prompt_token_ids, completions, finished, parent.num_cached_tokens
+            parent.request_id,
+            parent.prompt_token_ids,
+            completions,
+            finished,
+            parent.num_cached_tokens,
+            None if prompt_logprobs is None else list(prompt_logprobs),
         )
 
 

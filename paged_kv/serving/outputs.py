@@ -99,9 +99,10 @@ class ModelRunnerOutput:
     last chunk of a prefill) to the token it sampled; a partial chunk samples nothing.
 
     ``logprobs`` holds the sampled token's :class:`~paged_kv.serving.logprobs.TokenLogprobs` for
-    each request that asked for them; ``prompt_logprobs`` the prompt positions this step computed
-    (the tokens after the chunk's first up to its end, and the chunk's first predicted by the last
-    chunk's last logits) for each request that asked for them, in order."""
+    each request that asked for them; ``prompt_logprobs`` those of the prompt tokens this step
+    scored, in order, for each request that asked for them (a chunk of positions ``c .. e - 1``
+    scores prompt tokens ``c + 1 .. e``: token 0 is never scored, and the logits at the prompt's
+    last position predict the first output token instead)."""
 
     sampled_token_ids: Mapping[Hashable, int]
     logprobs: Mapping[Hashable, TokenLogprobs] = field(default_factory=dict)
