@@ -275,11 +275,14 @@ class TwoForwardRunner(ModelRunner):
         decodes = [r for r, p in zip(scheduled, prefilling, strict=True) if not p]
         self.steps += 1
         self.mixed_steps += bool(prefills and decodes)
-        sampled: dict = {}
+        sampled, logprobs, prompt_logprobs = {}, {}, {}
         for req_ids in (prefills, decodes):
             if req_ids:
-                sampled.update(self._run(req_ids, [scheduled[r] for r in req_ids]))
-        return ModelRunnerOutput(sampled)
+                out = self._run(req_ids, [scheduled[r] for r in req_ids])
+                sampled.update(out.sampled_token_ids)
+                logprobs.update(out.logprobs)
+                prompt_logprobs.update(out.prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
 
 class TwoForwardEngine(Engine):
