@@ -17,7 +17,8 @@ engine is vLLM v1's:
 1. ``scheduler.schedule()``: :class:`~paged_kv.serving.scheduler.Scheduler` gives each request its
    tokens for the step and takes their blocks now (``allocate_slots`` of the
    :class:`~paged_kv.core.kv_cache_manager.KVCacheManager`, one block stack for every model),
-   preempting the newest running request when they do not fit;
+   preempting the newest running request when they do not fit (under
+   ``scheduling_policy="priority"``, the lowest ranked: the largest ``(priority, arrival)``);
 2. ``model_runner.execute_model(output)``: :class:`~paged_kv.serving.model_runner.ModelRunner` applies
    the step to its persistent block table, prepares its inputs once and runs one forward of the
    model over the flattened batch, prefill chunks and decodes together;
@@ -86,7 +87,8 @@ from paged_kv.validate import check_count, check_hashable
 @dataclass(frozen=True)
 class EngineRequest:
     """A request: ``prompt`` token ids arriving at ``arrival_step``, to generate ``max_tokens`` (vLLM's
-    ``SamplingParams.max_tokens``).
+    ``SamplingParams.max_tokens``), of ``priority`` (vLLM's request field: lower first, under an
+    engine of ``scheduling_policy="priority"``; an ``"fcfs"`` engine takes only 0, the default).
 
     Decoding is greedy. A request generates ``max_tokens`` tokens, or fewer: when the model names
     end-of-sequence tokens (a Hugging Face model's ``generation_config.eos_token_id``) and it
@@ -99,6 +101,7 @@ class EngineRequest:
     prompt: list[int]
     max_tokens: int
     arrival_step: int = 0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         check_hashable("request_id", self.request_id)
@@ -158,6 +161,7 @@ class Engine:
         log_stats_interval: int | float | None = None,
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model = as_causal_lm(model)
         self.log_stats_interval = check_interval(log_stats_interval)
@@ -180,6 +184,7 @@ class Engine:
             mode=mode,
             attention_backend=attention_backend,
             device=device,
+            scheduling_policy=scheduling_policy,
         )
         vllm_config = self.engine_args.create_engine_config(self.model)
         self.kv_cache_config = get_kv_cache_config(vllm_config, self.model)
@@ -194,6 +199,7 @@ class Engine:
     max_model_len = property(lambda self: self.vllm_config.model_config.max_model_len)
     max_num_batched_tokens = property(lambda self: self.vllm_config.scheduler_config.max_num_batched_tokens)
     preemption = property(lambda self: self.vllm_config.scheduler_config.preemption)
+    scheduling_policy = property(lambda self: self.vllm_config.scheduler_config.policy)
     watermark = property(lambda self: self.vllm_config.scheduler_config.watermark)
     device = property(lambda self: self.vllm_config.device_config.device)
 
@@ -301,9 +307,12 @@ class Engine:
         return result
 
     def _process(self, llm: LLMEngine, request: EngineRequest):
-        """An offline request through the one check: greedy, ``max_tokens``, the engine's ``ignore_eos``."""
+        """An offline request through the one check: greedy, ``max_tokens``, the engine's ``ignore_eos``,
+        its ``priority``."""
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=self.ignore_eos)
-        return llm.input_processor.process_inputs(request.request_id, request.prompt, params)
+        return llm.input_processor.process_inputs(
+            request.request_id, request.prompt, params, priority=request.priority
+        )
 
 
 def min_num_blocks(requests: Sequence[EngineRequest], block_size: int = 16) -> int:

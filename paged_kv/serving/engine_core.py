@@ -76,6 +76,7 @@ class EngineCore:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
+            policy=scheduler_config.policy,
         )
         self.model_runner = ModelRunner(
             model,

@@ -82,13 +82,19 @@ class Request:
         "num_prefill_tokens",
         "num_tokens",
         "output_token_ids",
+        "priority_key",
         "request",
         "request_id",
         "stop_token_ids",
     )
 
-    def __init__(self, request: EngineCoreRequest) -> None:
+    def __init__(self, request: EngineCoreRequest, order: int = 0) -> None:
         self.request = request
+        arrival = 0.0 if request.arrival_time is None else request.arrival_time
+        self.priority_key = (request.priority, arrival, order)
+        """Its rank under the ``"priority"`` policy, lower first: ``(priority, arrival_time, order)``,
+        ``order`` the scheduler's count of requests added before it, a request with no arrival time
+        counted as arrived at 0.0 (vLLM: ``Request.__lt__``, whose last key is the request id)."""
         self.request_id: Hashable = request.request_id
         self.max_tokens, self.stop_token_ids = request.max_tokens, request.stop_token_ids
         params = request.sampling_params

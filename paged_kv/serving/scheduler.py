@@ -4,7 +4,7 @@ One scheduler serves the engine (:class:`~paged_kv.serving.engine.Engine`, a rea
 lesson 07's simulator (:func:`~paged_kv.simulation.workload.simulate`) and lesson 08's shared-prompt
 workload (:func:`~paged_kv.simulation.sharing.serve`), the last two with a runner that only counts
 tokens. It is vLLM v1's scheduler (``Scheduler.schedule`` and ``Scheduler.update_from_output`` in
-``vllm/v1/core/sched/scheduler.py``, vLLM 0.33.0), first come first served:
+``vllm/v1/core/sched/scheduler.py``, vLLM 0.33.0), first come first served by default:
 
 1. **the running requests, in list order** (admission order): each is given
    ``num_scheduled_tokens = min(tokens not yet computed, budget left)`` (one for a decode, the rest
@@ -36,6 +36,18 @@ prefilled: the last chunk of its prefill samples the first token, ``o - 1`` deco
 Between steps a running request has ``num_computed_tokens == num_tokens - 1`` once it decodes:
 its last sampled token is the next step's input.
 
+**Priority** (``policy="priority"``, vLLM's ``--scheduling-policy priority``): each request has
+a ``priority``, lower first. The waiting queue (and the swapped one) is kept sorted by
+``(priority, arrival_time)`` instead of arrival order (vLLM's ``PriorityRequestQueue``, a heap), so
+admission takes the best ranked first and a preempted request waits in its rank, not at the
+front; and the victim of step 1 is the running request with the largest ``(priority,
+arrival_time)``, wherever it stands in the list: one scheduled earlier in this step gives back its
+tokens to the budget and its blocks to the pool, and a request that preempts itself lets the
+requests after it, all better ranked, try. Admission still never preempts: a better-ranked
+arrival waits for blocks that running requests free. Ties (equal priority and arrival time, which
+vLLM's wall-clock times make rare) go to the later added. The policy decides who waits; greedy
+tokens are the same under either.
+
 **The token budget** (``max_num_batched_tokens=N``, vLLM's setting of that name; lesson 10) caps
 the tokens a step schedules; each admitted request takes at least one of them, so the running
 requests never outnumber the budget and every decode gets its token. Without a budget (``None``,
@@ -49,6 +61,7 @@ prefix caching its blocks are mostly still cached: freed blocks keep their hashe
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,7 +122,8 @@ class Scheduler:
     running requests and ``max_num_batched_tokens`` (None: no budget) the tokens a step schedules,
     as vLLM's settings of those names; ``reserve_full_prompt`` is vLLM's
     ``scheduler_reserve_full_isl`` (on by default: a request is admitted only when its whole prompt
-    fits). Requests are added with :meth:`add_request` and wait, oldest first.
+    fits); ``policy`` is ``"fcfs"`` or ``"priority"`` (vLLM's ``SchedulerConfig.policy``). Requests are
+    added with :meth:`add_request` and wait, oldest first (best ranked first under ``"priority"``).
 
     Invariant between steps: every request in :attr:`requests` (the live ones, by id, as vLLM's
     ``Scheduler.requests``) is in exactly one of waiting, running or swapped, and leaves
@@ -118,7 +132,7 @@ class Scheduler:
     computed tokens; under a budget every step schedules at most ``max_num_batched_tokens`` tokens.
 
     Raises:
-        ValueError: a bad ``preemption``, ``max_num_seqs`` or ``max_num_batched_tokens`` (a
+        ValueError: a bad ``preemption``, ``policy``, ``max_num_seqs`` or ``max_num_batched_tokens`` (a
             positive integer), named.
     """
 
@@ -130,9 +144,12 @@ class Scheduler:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         reserve_full_prompt: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.max_num_seqs = (
             None if max_num_seqs is None else check_count("max_num_seqs", max_num_seqs, minimum=1)
         )
@@ -140,12 +157,15 @@ class Scheduler:
         self.memory = memory
         self.preemption = preemption
         self.reserve_full_prompt = bool(reserve_full_prompt)
+        self.policy = policy
+        # Under "priority" both queues are kept sorted by Request.priority_key, lower first.
         self.waiting: deque[Request] = deque()  # arrived or preempted by recompute, oldest first
         self.swapped: deque[Request] = deque()  # swapped out, in admission order
         self.running: list[Request] = []  # in admission order, the newest last
         self.requests: dict[Hashable, Request] = {}
         """The live requests by id: waiting, running or swapped out."""
         self._finished_ids: set[Hashable] = set()  # since the last schedule
+        self._num_added = 0  # requests added so far: the last key of Request.priority_key
         self._step = 0
         self._output: SchedulerOutput | None = None  # the step scheduled and not yet updated
         self._scheduled: _Step | None = None  # what schedule() gathered for it
@@ -166,8 +186,9 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is live: it waits, runs or is swapped out")
-        live = self.requests[request.request_id] = Request(request)
-        self.waiting.append(live)
+        live = self.requests[request.request_id] = Request(request, self._num_added)
+        self._num_added += 1
+        self._enqueue(self.waiting, live, front=False)
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step (see the module): the running requests' tokens and blocks, preemptions,
@@ -331,11 +352,13 @@ class Scheduler:
         The hot loop of a step: one pass, one call to the memory per request, the budget counted
         in a local (written back to ``step`` at the end) and everything it touches bound once. A
         scheduled request's computed tokens advance here, at once (vLLM's ``_update_after_schedule``
-        for it): nothing later in the step reads them, and a victim is never a request scheduled
-        before it (victims are popped from the end, where the loop has not been)."""
+        for it): nothing later in the step reads them. Under ``"fcfs"`` a victim is never a request
+        scheduled before it (victims are popped from the end, where the loop has not been); under
+        ``"priority"`` it may be, and :meth:`_unschedule` takes its step back."""
         running, allocate = self.running, self.memory.allocate_slots
         cached, cached_blocks, cached_computed = step.cached, step.cached_blocks, step.cached_computed
         num_scheduled, sampling = step.num_scheduled, step.sampling
+        by_priority = self.policy == "priority"
         budget = step.budget_left
         prefilled = index = 0
         while index < len(running) and budget != 0:
@@ -345,12 +368,25 @@ class Scheduler:
             if budget is not None and num_new > budget:
                 num_new = budget
             while (block_ids := allocate(request.request, num_new, request.all_token_ids)) is None:
-                victim = running.pop()
+                if by_priority:  # the lowest ranked, wherever it is (vLLM: max by (priority, arrival_time))
+                    victim = max(running, key=_priority_key)
+                    where = running.index(victim)
+                    del running[where]
+                    if where < index:  # scheduled earlier in this step: its tokens go back to the budget
+                        index -= 1
+                        tokens, prefill = self._unschedule(victim, step)
+                        prefilled -= prefill
+                        if budget is not None:
+                            budget += tokens
+                else:
+                    victim = running.pop()
                 self._preempt(victim, step)
                 if victim is request:
-                    step.budget_left = budget
-                    step.num_prefill_tokens += prefilled
-                    return
+                    break
+            if block_ids is None:  # it preempted itself
+                if by_priority:
+                    continue  # the requests after it rank above it and may fit: vLLM goes on
+                break
             request_id = request.request_id
             cached.append(request_id)
             cached_blocks.append(block_ids)
@@ -368,7 +404,7 @@ class Scheduler:
         step.num_prefill_tokens += prefilled
 
     def _admit(self, step: _Step) -> None:
-        """Admit waiting requests, first come first served, while they fit and the budget lasts."""
+        """Admit waiting requests in the queue's order, while they fit and the budget lasts."""
         while self.waiting and self._has_room() and step.budget_left != 0:
             request = self.waiting[0]
             token_ids = request.token_ids
@@ -401,6 +437,20 @@ class Scheduler:
             step.schedule(request, num_new)
 
     @staticmethod
+    def _unschedule(request: Request, step: _Step) -> tuple[int, int]:
+        """Take back a running request scheduled earlier in this step, a victim under ``"priority"``
+        (vLLM pops its scheduled tokens and new blocks): its computed tokens go back to what they
+        were; return its tokens and those of them that prefilled. Its blocks, the new ones
+        included, are the preemption's to free."""
+        at = step.cached.index(request.request_id)
+        del step.cached[at], step.cached_blocks[at]
+        computed = request.num_computed_tokens = step.cached_computed.pop(at)
+        num_new = step.num_scheduled.pop(request.request_id)
+        if request in step.sampling:
+            step.sampling.remove(request)
+        return num_new, max(0, min(num_new, request.num_prefill_tokens - computed))
+
+    @staticmethod
     def _update_after_schedule(step: _Step) -> None:
         """Advance the computed tokens of each request admitted or swapped in (vLLM:
         ``_update_after_schedule``; the running ones advanced as they were scheduled); note those
@@ -423,13 +473,24 @@ class Scheduler:
         if self.preemption == "swap" and not prefilling:
             step.swap_out[request_id] = self.memory.get_block_ids(request_id)
             self.memory.free(request_id)
-            self.swapped.appendleft(victim)  # older victims come first
+            self._enqueue(self.swapped, victim, front=True)  # older victims come first
             step.preemptions.append(Preemption(request_id, "swap", victim.num_computed_tokens))
             return
         self.memory.free(request_id)
         step.preemptions.append(Preemption(request_id, "recompute", victim.num_computed_tokens))
         victim.num_computed_tokens = 0
-        self.waiting.appendleft(victim)
+        self._enqueue(self.waiting, victim, front=True)
+
+    def _enqueue(self, queue: deque[Request], request: Request, *, front: bool) -> None:
+        """Put ``request`` in ``queue``: under ``"fcfs"`` at its front (a victim) or back (an arrival),
+        under ``"priority"`` in its place by :attr:`~paged_kv.serving.request.Request.priority_key`
+        (vLLM's ``PriorityRequestQueue``, a heap, has no front either)."""
+        if self.policy == "priority":
+            insort(queue, request, key=_priority_key)
+        elif front:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
 
     def _finish(self, done: list[Request]) -> tuple[tuple[Hashable, tuple[int, ...]], ...]:
         """Free the requests in ``done`` and drop them from the running ones."""
@@ -482,6 +543,7 @@ class _Step:
 
 
 _computed_tokens = attrgetter("num_computed_tokens")
+_priority_key = attrgetter("priority_key")
 
 
 def check_budget(max_num_batched_tokens: object) -> int | None:
