@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from paged_kv.core.block_allocator import BlockAllocator
-from paged_kv.core.prefix_cache import CachedBlock, HashChain, PrefixCache, TokenIds
+from paged_kv.core.prefix_cache import CachedBlock, ExtraKeys, HashChain, PrefixCache, TokenIds
 from paged_kv.errors import OutOfBlocksError
 
 NULL_BLOCK = 0
@@ -182,12 +182,16 @@ class BlockPool(BlockAllocator):
         block_hash: int | None = None,
         group: int = 0,
         evicted_parent: bool = False,
+        extra_keys: ExtraKeys = None,
     ) -> CachedBlock | None:
-        """Cache the full block ``block_id`` after ``parent``, by :meth:`PrefixCache.extend
-        <paged_kv.core.prefix_cache.PrefixCache.extend>`'s rule, and tell the listeners when it
-        stored a new entry. Returns the entry the request's next full block follows, ``None`` when
-        its chain ends. The caller must write the block's K/V before any other request reads it."""
-        entry = self.prefix_cache.extend(parent, tokens, block_id, block_hash, group, evicted_parent)
+        """Cache the full block ``block_id`` after ``parent``, its hash taking its ``extra_keys``, by
+        :meth:`PrefixCache.extend <paged_kv.core.prefix_cache.PrefixCache.extend>`'s rule, and tell
+        the listeners when it stored a new entry. Returns the entry the request's next full block
+        follows, ``None`` when its chain ends. The caller must write the block's K/V before any
+        other request reads it."""
+        entry = self.prefix_cache.extend(
+            parent, tokens, block_id, block_hash, group, evicted_parent, extra_keys
+        )
         if entry is not None and entry.block_id == block_id and self.listeners:
             for listener in self.listeners:
                 listener.block_stored(entry)
@@ -204,8 +208,10 @@ class BlockPool(BlockAllocator):
     ) -> bool:
         """A request grew by ``token_ids``: cache each of its blocks they fill (vLLM:
         ``cache_full_blocks``). ``block_ids`` is its table after the growth; the block that fills is
-        hashed after ``chain.last`` with the tokens ``chain.tail`` and ``token_ids`` put in it, and
-        cached by :meth:`cache_block`; ``chain`` moves past it. ``evicted_parent`` lets a sliding
+        hashed after ``chain.last`` with the tokens ``chain.tail`` and ``token_ids`` put in it and
+        the extra keys of its place (``chain.extra_keys``: a salt on block 0, a LoRA name on every
+        block, as a prompt block of that place), and cached by :meth:`cache_block`; ``chain``
+        moves past it. ``evicted_parent`` lets a sliding
         window's chain go on after its earlier blocks left the pool. Nothing is taken or freed.
 
         Returns:
@@ -217,7 +223,12 @@ class BlockPool(BlockAllocator):
             tokens = tuple(tail[:block_size])
             del tail[:block_size]
             chain.last = self.cache_block(
-                chain.last, tokens, block_ids[chain.num_blocks], group=group, evicted_parent=evicted_parent
+                chain.last,
+                tokens,
+                block_ids[chain.num_blocks],
+                group=group,
+                evicted_parent=evicted_parent,
+                extra_keys=chain.extra_keys.for_block(chain.num_blocks),
             )
             chain.num_blocks += 1
             if chain.last is None:

@@ -22,7 +22,10 @@ given back (vLLM's ``BlockPool`` does the same for every model): a pool of ``num
 way (every block of the prefix for full attention, only the window's blocks for a sliding window).
 One group's hit is the request's (:class:`UnitaryKVCacheCoordinator`); with several, the request's
 hit is the longest prefix every group hits, a fixed point, the candidate length shrinking until no
-group shortens it (:class:`HybridKVCacheCoordinator`, vLLM's ``find_longest_cache_hit``).
+group shortens it (:class:`HybridKVCacheCoordinator`, vLLM's ``find_longest_cache_hit``). Every
+group hashes and matches a request's blocks with the same extra keys (its salt on block 0, its
+LoRA name on every block: :class:`~paged_kv.core.prefix_cache.RequestExtraKeys`), so a salt
+isolates a request in every group alike.
 
 Invariants, after every call: a request has a list in every group or in none, all of the same
 length; a block is held by at most one group; used + free blocks == ``num_blocks`` (the null block
@@ -38,8 +41,10 @@ from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, SlidingWindowSpec
 from paged_kv.core.prefix_cache import (
+    NO_EXTRA_KEYS,
     CachedBlock,
     PrefixCacheStats,
+    RequestExtraKeys,
     TokenIds,
     chain_hashes,
     check_token_ids,
@@ -164,10 +169,13 @@ class KVCacheCoordinator:
 
     # --------------------------------------------------------------------- the life of a request
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
+    ) -> ComputedBlocks:
         """The longest cached prefix of ``token_ids`` the groups hit, whole blocks, at most
-        ``len(token_ids) - 1`` tokens (the last one is always computed). Nothing changes; without
-        prefix caching it finds nothing.
+        ``len(token_ids) - 1`` tokens (the last one is always computed), its blocks hashed and
+        matched with the request's ``extra_keys``. Nothing changes; without prefix caching it finds
+        nothing.
 
         Raises:
             ValueError: ``token_ids`` is not a list of non-negative integers.
@@ -177,16 +185,20 @@ class KVCacheCoordinator:
             return ComputedBlocks()
         blocks = full_blocks(token_ids, self.block_size)
         found, length = self.find_longest_cache_hit(
-            blocks, chain_hashes(blocks), (len(token_ids) - 1) // self.block_size
+            blocks, chain_hashes(blocks, extra_keys), (len(token_ids) - 1) // self.block_size, extra_keys
         )
         block_ids = tuple(tuple(NULL_BLOCK if e is None else e.block_id for e in hits) for hits in found)
         return ComputedBlocks(block_ids, length * self.block_size, tuple(map(tuple, found)))
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[list[CachedBlock | None]], int]:
         """Each group's entries of the request's hit (``None`` where a group does not need a block)
-        and the hit's length in blocks, at most ``max_blocks``."""
+        and the hit's length in blocks, at most ``max_blocks``, under the request's ``extra_keys``."""
         raise NotImplementedError
 
     def check_still_cached(self, computed: ComputedBlocks) -> None:
@@ -237,12 +249,15 @@ class KVCacheCoordinator:
         counted them free: :meth:`get_num_blocks_to_allocate`); return them, one tuple per group."""
         return tuple([m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers])
 
-    def start_chains(self, request_id: Hashable, computed: ComputedBlocks) -> None:
-        """With prefix caching, follow a new request's hash chain in every group from its hit on."""
+    def start_chains(
+        self, request_id: Hashable, computed: ComputedBlocks, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
+    ) -> None:
+        """With prefix caching, follow a new request's hash chain in every group from its hit on, its
+        blocks hashed with its ``extra_keys``."""
         num_hit_blocks = computed.num_tokens // self.block_size
         for index, manager in enumerate(self.single_type_managers):
             entries = computed.entries[index] if computed.entries else ()
-            manager.start_chain(request_id, entries[-1] if entries else None, num_hit_blocks)
+            manager.start_chain(request_id, entries[-1] if entries else None, num_hit_blocks, extra_keys)
 
     def cache_blocks(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Cache, in every group, the full blocks the request's ``new_token_ids`` (the ones just
@@ -261,9 +276,14 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     group's own hit is the request's."""
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[list[CachedBlock | None]], int]:
-        hits, length = self.single_type_managers[0].find_longest_cache_hit(blocks, hashes, max_blocks)
+        manager = self.single_type_managers[0]
+        hits, length = manager.find_longest_cache_hit(blocks, hashes, max_blocks, extra_keys)
         return [hits], length
 
 
@@ -274,14 +294,18 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     again at each new length, since a shorter prefix needs other blocks."""
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[list[CachedBlock | None]], int]:
         length = max_blocks
         found: list[list[CachedBlock | None]] = [[] for _ in self.single_type_managers]
         while True:
             candidate = length
             for index, manager in enumerate(self.single_type_managers):
-                found[index], length = manager.find_longest_cache_hit(blocks, hashes, length)
+                found[index], length = manager.find_longest_cache_hit(blocks, hashes, length, extra_keys)
             if length == candidate:
                 break
         for hits in found:

@@ -25,6 +25,15 @@ watermark's blocks when some request is already running; then only its first chu
 taken. No block is kept back for the running requests' growth: when a running request's next token
 finds no free block, the newest running request is preempted.
 
+**Extra keys and who reads the cache.** A request's blocks are hashed with its extra keys (vLLM's
+``generate_block_hash_extra_keys``): its ``cache_salt`` in its first block's hash, its
+``lora_name`` in every block's (:mod:`paged_kv.core.prefix_cache`), in every group, prefill and
+decode alike; so requests of different salts never share a block, and a request with neither
+hashes as before. A request that asks for ``prompt_logprobs`` is never given a hit (vLLM's
+``skip_reading_prefix_cache``, set by ``SamplingParams`` for it: a cached token's logits are not
+computed again, so its log-probability could not be given), and its lookup is not counted; its
+blocks are cached for the others all the same.
+
 **What the metrics read** (:mod:`paged_kv.serving.metrics`): :attr:`KVCacheManager.usage`, the share
 of the blocks in use, where a free block that still holds a cached prefix counts as free and the
 null block counts in neither (vLLM's ``BlockPool.get_usage``); and the prefix cache's counters, where
@@ -50,7 +59,7 @@ from paged_kv.core.kv_cache_coordinator import (
     table_name,
 )
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec, full_attention_group
-from paged_kv.core.prefix_cache import PrefixCacheStats
+from paged_kv.core.prefix_cache import PrefixCacheStats, request_extra_keys
 from paged_kv.core.snapshot import AllocatorSnapshot
 from paged_kv.validate import check_count, check_hashable
 
@@ -82,10 +91,22 @@ def blocks_alone(num_prompt_tokens: int, max_tokens: int, block_size: int) -> tu
 
 class KVCacheRequest(Protocol):
     """What the manager reads of a request: its id (vLLM's ``KVCacheManager`` is given the whole
-    ``Request``; the engine passes its :class:`~paged_kv.serving.request.EngineCoreRequest`)."""
+    ``Request``; the engine passes its :class:`~paged_kv.serving.request.EngineCoreRequest`), and,
+    where it has them, ``cache_salt`` and ``lora_name`` (its blocks' extra keys) and
+    ``sampling_params.prompt_logprobs`` (:func:`skip_reading_prefix_cache`); a request without
+    them has no extra keys and reads the cache."""
 
     @property
     def request_id(self) -> Hashable: ...
+
+
+def skip_reading_prefix_cache(request: object) -> bool:
+    """Whether ``request`` must not be given prefix-cache hits: it asks for ``prompt_logprobs``
+    (vLLM: ``Request.skip_reading_prefix_cache``, which ``SamplingParams`` sets when
+    ``prompt_logprobs is not None``), whose every prompt token's logits the forward must compute.
+    Its blocks are still cached, for other requests."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "prompt_logprobs", None) is not None
 
 
 class KVCacheManager:
@@ -260,15 +281,18 @@ class KVCacheManager:
     # --------------------------------------------------------------------- the life of a request
 
     def get_computed_blocks(self, request: KVCacheRequest, token_ids: Sequence[int] | None) -> ComputedBlocks:
-        """The cached prefix of ``token_ids`` every group hits, whole blocks, at most
-        ``len(token_ids) - 1`` tokens (none without caching or token ids). Nothing changes.
+        """The cached prefix of ``token_ids`` every group hits under ``request``'s extra keys (its
+        salt and LoRA name), whole blocks, at most ``len(token_ids) - 1`` tokens; none without
+        caching or token ids, or for a request that asks for ``prompt_logprobs``
+        (:func:`skip_reading_prefix_cache`, vLLM's). Nothing changes.
 
         Raises:
-            ValueError: ``token_ids`` is not a list of non-negative integers.
+            ValueError: ``token_ids`` is not a list of non-negative integers; ``cache_salt`` or
+                ``lora_name`` is not a string.
         """
-        if token_ids is None or not self.enable_caching:
+        if token_ids is None or not self.enable_caching or skip_reading_prefix_cache(request):
             return ComputedBlocks()
-        return self.coordinator.get_computed_blocks(token_ids)
+        return self.coordinator.get_computed_blocks(token_ids, request_extra_keys(request, self.block_size))
 
     def allocate_slots(
         self,
@@ -293,8 +317,10 @@ class KVCacheManager:
         later step reads them. ``num_tokens_to_fit`` (vLLM's ``full_sequence_must_fit``) asks that
         the blocks of that many tokens be free as well, a sliding-window group's capped at what it
         holds at once. A new request's lookup is counted in :attr:`prefix_cache_stats` (with
-        ``token_ids`` and caching), apart when ``preempted`` says it resumes after a preemption, as
-        vLLM counts it.
+        ``token_ids`` and caching, and unless it skips the cache for ``prompt_logprobs``), apart
+        when ``preempted`` says it resumes after a preemption, as vLLM counts it. A new request's
+        blocks are hashed with its extra keys (``cache_salt``, ``lora_name``) from now on, decode
+        included.
 
         Returns:
             The block ids each group gained, in table order (for a new request, all of them, hits and
@@ -303,7 +329,8 @@ class KVCacheManager:
 
         Raises:
             ValueError: a bad count; ``new_computed_blocks`` given for a held request, or no longer
-                cached; ``token_ids`` shorter than the tokens it must cover. Nothing changes.
+                cached; ``token_ids`` shorter than the tokens it must cover; a ``cache_salt`` or
+                ``lora_name`` that is not a string. Nothing changes.
         """
         if not self.enable_caching:
             token_ids = None
@@ -340,7 +367,7 @@ class KVCacheManager:
                     self.coordinator.cache_blocks(request_id, token_ids[start:end])
                 return gained
         return self._allocate_slots(
-            request_id,
+            request,
             num_new_tokens,
             token_ids,
             new_computed_blocks,
@@ -370,7 +397,7 @@ class KVCacheManager:
 
     def _allocate_slots(
         self,
-        request_id: Hashable,
+        request: KVCacheRequest,
         num_new_tokens: int,
         token_ids: Sequence[int] | None,
         computed: ComputedBlocks | None,
@@ -380,6 +407,7 @@ class KVCacheManager:
     ) -> BlockIds | None:
         """:meth:`allocate_slots` for a new request or a full-sequence check: vLLM's steps in order."""
         coordinator = self.coordinator
+        request_id = request.request_id
         num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         held = self._held.get(check_hashable("request_id", request_id))
         if held is not None and computed is not None:
@@ -392,6 +420,8 @@ class KVCacheManager:
         hits = computed.block_ids or self._nothing
         if held is None and computed.num_tokens:
             coordinator.check_still_cached(computed)
+        if held is None and token_ids is not None:  # checked before anything is taken
+            extra_keys = request_extra_keys(request, self.block_size)
         reserved = self.watermark_blocks if held is None and has_scheduled_reqs else 0
         if num_tokens_to_fit is not None:
             fit = max(end, check_count("num_tokens_to_fit", num_tokens_to_fit))
@@ -409,8 +439,9 @@ class KVCacheManager:
         if held is None:
             gained = tuple((*group_hits, *new) for group_hits, new in zip(hits, gained, strict=True))
             if token_ids is not None:  # with caching only (see the top)
-                self.block_pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
-                coordinator.start_chains(request_id, computed)
+                if not skip_reading_prefix_cache(request):
+                    self.block_pool.prefix_cache.record(len(token_ids), computed.num_tokens, preempted)
+                coordinator.start_chains(request_id, computed, extra_keys)
             held = self._held[request_id] = _Held()
         held.num_tokens = end
         held.capacity = coordinator.num_held_blocks(request_id) * self.block_size

@@ -15,6 +15,25 @@ turn whose prompt is the previous prompt, the answer and a new message reuses th
 Invariant: a cached block's hash is the chained hash of exactly the tokens it holds, from the
 sequence's first block on, whether it filled in prefill or in decode.
 
+**Extra keys.** The K/V of the same tokens differ when something other than the tokens differs, and
+a tenant may want its blocks never shared with another's. vLLM adds a block's *extra keys* to its
+hash (``vllm/v1/core/kv_cache_utils.py``: ``generate_block_hash_extra_keys`` and
+``hash_block_tokens(hash_fn, parent_hash, tokens, extra_keys)``), and so does the course
+(:func:`generate_block_hash_extra_keys`, :func:`block_hash`): a request's LoRA adapter name (the
+course serves none: the name is a stand-in with the shape of vLLM's key) enters the hash of *every*
+block, its ``cache_salt`` the hash of its *first* block only::
+
+    hash_0 = block_hash(ROOT_HASH, tokens of block 0, (("lora", name), ("cache_salt", salt)))
+    hash_i = block_hash(hash_{i-1}, tokens of block i, (("lora", name),))
+
+Since every later hash chains on the first, the salt reaches the whole chain: two requests of
+different salts share no block, not even the first, and requests of one salt share as unsalted
+requests do among themselves. Invariants: a request without extra keys (no salt, no LoRA name)
+hashes exactly as before, ``block_hash(parent, tokens)``; a cached entry keeps its extra keys, and a
+hit compares them with the request's as it compares the tokens, so even a hash collision never
+gives one salt's block to another; a block filled in decode gets the same keys as a prompt block
+of its place (the :class:`HashChain` carries them).
+
 A hash is only a hint: two different prefixes can hash alike. :class:`PrefixCache` therefore keeps,
 for each cached block, its token ids and the cached block it follows (its parent), and a hit must
 match both: the block's tokens equal the prompt's, and its parent is the very cached block the
@@ -33,11 +52,17 @@ requests hold adds a reference.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 TokenIds = tuple[int, ...]
+
+ExtraKeys = tuple[tuple[str, ...], ...] | None
+"""One block's extra keys, as vLLM's ``generate_block_hash_extra_keys`` gives them: tagged tuples,
+``("lora", name)`` then ``("cache_salt", salt)``, or ``None`` when the block has none."""
 
 ROOT_HASH = 0
 """The parent hash of a prompt's first block.
@@ -46,13 +71,94 @@ An int, not ``None``: Python 3.11 hashes ``None`` by its address, which changes 
 """
 
 
-def block_hash(parent_hash: int, token_ids: TokenIds) -> int:
-    """The hash of one full block: its parent's hash (:data:`ROOT_HASH` for the first block) and its tokens.
+def block_hash(parent_hash: int, token_ids: TokenIds, extra_keys: ExtraKeys = None) -> int:
+    """The hash of one full block: its parent's hash (:data:`ROOT_HASH` for the first block), its
+    tokens and its ``extra_keys`` (vLLM: ``hash_block_tokens``, which hashes the same triple).
 
+    Without extra keys the hash is ``hash((parent_hash, token_ids))``, as it has always been.
     Python hashes ints and tuples of ints the same way in every process (hash randomisation only
-    applies to strings and bytes), so the chain is reproducible run to run.
+    applies to strings and bytes), so the chain is reproducible run to run; the extra keys, which
+    hold strings, enter as a SHA-256 digest of their text, reproducible too.
     """
-    return hash((parent_hash, token_ids))
+    if extra_keys is None:
+        return hash((parent_hash, token_ids))
+    return hash((parent_hash, token_ids, _digest(extra_keys)))
+
+
+def _chained(parent_hash: int, token_ids: TokenIds, extra_keys: ExtraKeys) -> int:
+    """:func:`block_hash`, called with two arguments where there are no extra keys: the module's
+    ``block_hash`` is looked up at each call, so a test may put a two-argument hash in its place."""
+    if extra_keys is None:
+        return block_hash(parent_hash, token_ids)
+    return block_hash(parent_hash, token_ids, extra_keys)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(extra_keys: tuple[tuple[str, ...], ...]) -> int:
+    """A process-independent int for ``extra_keys`` (a request's few keys are hashed once)."""
+    return int.from_bytes(hashlib.sha256(repr(extra_keys).encode()).digest()[:8], "little")
+
+
+def generate_block_hash_extra_keys(request: object, start_token_idx: int) -> ExtraKeys:
+    """The extra keys of ``request``'s block that starts at token ``start_token_idx`` (vLLM's
+    ``generate_block_hash_extra_keys``, less its multimodal and prompt-embedding keys, which the
+    course has no use for): ``("lora", lora_name)`` for every block of a request with a LoRA name,
+    then ``("cache_salt", cache_salt)`` for its first block (``start_token_idx == 0``) when it has
+    a salt; ``None`` when there is neither.
+
+    ``request`` is read for ``cache_salt`` and ``lora_name`` only, either absent or ``None`` for a
+    request without them (an empty string counts as none, as in vLLM's ``if request.cache_salt``).
+
+    Raises:
+        ValueError: ``cache_salt`` or ``lora_name`` is neither a string nor ``None``, named.
+    """
+    cache_salt = _key_text(request, "cache_salt")
+    lora_name = _key_text(request, "lora_name")
+    keys = [("lora", lora_name)] if lora_name else []
+    if start_token_idx == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) or None
+
+
+def _key_text(request: object, name: str) -> str | None:
+    value = getattr(request, name, None)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string or None, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RequestExtraKeys:
+    """A request's extra keys for every block of its hash chain: ``first`` for block 0 (the salt and
+    the LoRA name), ``rest`` for every later block (the LoRA name): :func:`request_extra_keys`.
+
+    The block a key belongs to is known by its index alone, so a chain that goes on in decode keeps
+    this pair and gives each block that fills the keys a prompt block of its place would get.
+    """
+
+    first: ExtraKeys = None
+    rest: ExtraKeys = None
+
+    def for_block(self, index: int) -> ExtraKeys:
+        """The extra keys of logical block ``index``."""
+        return self.first if index == 0 else self.rest
+
+
+NO_EXTRA_KEYS = RequestExtraKeys()
+"""The keys of a request with neither salt nor LoRA name: every block hashes as ``block_hash(parent,
+tokens)``."""
+
+
+def request_extra_keys(request: object, block_size: int) -> RequestExtraKeys:
+    """``request``'s extra keys for each block of ``block_size`` tokens
+    (:func:`generate_block_hash_extra_keys` of block 0 and of block 1, which every later block shares).
+
+    Raises:
+        ValueError: ``cache_salt`` or ``lora_name`` is neither a string nor ``None``, named.
+    """
+    first = generate_block_hash_extra_keys(request, 0)
+    rest = generate_block_hash_extra_keys(request, block_size)
+    return NO_EXTRA_KEYS if first is None and rest is None else RequestExtraKeys(first, rest)
 
 
 def full_blocks(token_ids: Sequence[int], block_size: int) -> list[TokenIds]:
@@ -65,15 +171,16 @@ def full_blocks(token_ids: Sequence[int], block_size: int) -> list[TokenIds]:
     return [tuple(token_ids[start : start + block_size]) for start in starts]
 
 
-def chain_hashes(blocks: Sequence[TokenIds]) -> list[int]:
-    """The chained hash of each block: ``hash_i = block_hash(hash_{i-1}, blocks[i])``.
+def chain_hashes(blocks: Sequence[TokenIds], extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> list[int]:
+    """The chained hash of each block: ``hash_i = block_hash(hash_{i-1}, blocks[i], keys of block i)``.
 
-    The first block's parent hash is :data:`ROOT_HASH`.
+    The first block's parent hash is :data:`ROOT_HASH`; ``extra_keys`` are the request's
+    (:func:`request_extra_keys`; by default none, and every hash is ``block_hash(parent, tokens)``).
     """
     hashes: list[int] = []
     parent = ROOT_HASH
-    for tokens in blocks:
-        parent = block_hash(parent, tokens)
+    for index, tokens in enumerate(blocks):
+        parent = _chained(parent, tokens, extra_keys.for_block(index))
         hashes.append(parent)
     return hashes
 
@@ -183,7 +290,8 @@ def _counts(stats: PrefixCacheStats) -> tuple[int, ...]:
 @dataclass(frozen=True, eq=False)
 class CachedBlock:
     """One block in the prefix cache: which physical block, its chained hash, tokens and parent,
-    and the KV-cache group whose layers' K/V it holds (0 but in a hybrid model's pool, lesson 13).
+    the KV-cache group whose layers' K/V it holds (0 but in a hybrid model's pool, lesson 13), and
+    the extra keys its hash took (``None`` for a request without salt or LoRA name).
 
     ``eq=False``: two entries are the same only when they are the same object, so a block that is
     evicted and cached again gets a new identity, and the children cached under its old contents
@@ -196,6 +304,7 @@ class CachedBlock:
     token_ids: TokenIds
     parent: CachedBlock | None = field(repr=False)
     group: int = 0
+    extra_keys: ExtraKeys = None
 
 
 @dataclass(eq=False)
@@ -205,17 +314,19 @@ class HashChain:
     ``last`` is the entry its last full block is found under (its own block's, or an equal
     block's), ``None`` before its first full block; ``num_blocks`` counts its full blocks, so the
     block that fills next is logical block ``num_blocks``; ``tail`` holds the token ids already in
-    that block (fewer than a block). A sequence whose tokens the cache does not know (allocated or
-    grown without token ids) has no chain.
+    that block (fewer than a block); ``extra_keys`` are the sequence's (its salt and LoRA name),
+    which every block that fills takes for its place. A sequence whose tokens the cache does not
+    know (allocated or grown without token ids) has no chain.
     """
 
     last: CachedBlock | None
     num_blocks: int
     tail: list[int] = field(default_factory=list)
+    extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
 
     def copy(self) -> HashChain:
         """The same place in the chain, with a tail of its own (for a fork)."""
-        return HashChain(self.last, self.num_blocks, list(self.tail))
+        return HashChain(self.last, self.num_blocks, list(self.tail), self.extra_keys)
 
 
 class PrefixCache:
@@ -227,8 +338,11 @@ class PrefixCache:
       most one hash, and a hash names at most one block of each KV-cache group (vLLM keys its map
       by ``BlockHashWithGroupId`` alike: the same tokens are different K/V in different layers);
     * every entry's parent is ``None`` (the first block of a sequence) or was cached before it,
-      and its hash is ``block_hash(parent's hash, its tokens)``: the chained hash of exactly the
-      tokens from its sequence's first block to its own, whether it filled in prefill or decode.
+      and its hash is ``block_hash(parent's hash, its tokens, its extra keys)``: the chained hash
+      of exactly the tokens from its sequence's first block to its own, and of its sequence's salt
+      and LoRA name, whether it filled in prefill or decode;
+    * a hit matches hash, tokens, extra keys and parent, so it holds the K/V of exactly the
+      request's prefix under the request's salt and LoRA name.
     """
 
     def __init__(self) -> None:
@@ -253,26 +367,43 @@ class PrefixCache:
         return self._by_block.get(block_id)
 
     def match(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int, group: int = 0
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        group: int = 0,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> list[CachedBlock]:
         """The longest run of leading blocks found in the cache for ``group``, at most ``max_blocks``.
 
-        Block ``i`` is a hit when an entry of the group has its hash, its tokens, and as parent the
-        entry that matched block ``i - 1``; the first miss ends the run (a block is only useful
-        after its whole prefix): what a full-attention layer needs.
+        Block ``i`` is a hit when an entry of the group has its hash, its tokens, its extra keys
+        (``extra_keys``, the request's: :func:`request_extra_keys`) and as parent the entry that
+        matched block ``i - 1``; the first miss ends the run (a block is only useful after its
+        whole prefix): what a full-attention layer needs.
         """
         hits: list[CachedBlock] = []
         parent = None
-        for tokens, block_hash_ in zip(blocks[:max_blocks], hashes, strict=False):
+        for index, (tokens, block_hash_) in enumerate(zip(blocks[:max_blocks], hashes, strict=False)):
             entry = self._by_hash.get((block_hash_, group))
-            if entry is None or entry.parent is not parent or entry.token_ids != tokens:
+            if (
+                entry is None
+                or entry.parent is not parent
+                or entry.token_ids != tokens
+                or entry.extra_keys != extra_keys.for_block(index)
+            ):
                 break
             hits.append(entry)
             parent = entry
         return hits
 
     def match_window(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int, need: int, group: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        need: int,
+        group: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[CachedBlock | None], int]:
         """The longest prefix, at most ``max_blocks`` blocks, whose last ``need`` blocks are all
         cached for ``group``: what a sliding-window layer needs (vLLM: ``SlidingWindowManager.
@@ -282,10 +413,11 @@ class PrefixCache:
         blocks: the blocks before it may be gone, since the window of token ``n * block_size``
         reads only those ``need`` blocks. So is a run of fewer than ``need`` blocks that starts at
         block 0 (the window reaches back to the first token). Each entry of a run must have the
-        block's hash and tokens and, as parent, the run's entry before it; the run's first entry
-        must descend, through ``parent`` links that outlive eviction, from entries holding exactly
-        the tokens of every block before it: so a hash collision can cost a hit here too, but
-        never share a block whose prefix differs.
+        block's hash, tokens and extra keys (the request's ``extra_keys``) and, as parent, the
+        run's entry before it; the run's first entry must descend, through ``parent`` links that
+        outlive eviction, from entries holding exactly the tokens and extra keys of every block
+        before it (the first block's salt among them): so a hash collision can cost a hit here too,
+        but never share a block whose prefix or salt differs.
 
         Returns:
             The entry of each block of the hit (``None`` for the blocks before the run, which the
@@ -295,16 +427,16 @@ class PrefixCache:
         run = 0  # the length of the run of linked entries from block i on
         for i in range(max_blocks - 1, -1, -1):
             entry = self._by_hash.get((hashes[i], group))
-            if entry is None or entry.token_ids != blocks[i]:
+            if entry is None or entry.token_ids != blocks[i] or entry.extra_keys != extra_keys.for_block(i):
                 run = 0
                 continue
             if run and found[i + 1].parent is not entry:  # type: ignore[union-attr]
                 run = 0  # not the same chain: a new run starts here
             found[i] = entry
             run += 1
-            if run >= need and _descends(entry, blocks, i):
+            if run >= need and _descends(entry, blocks, i, extra_keys):
                 return [None] * i + found[i : i + run], i + run
-        if run and not _descends(found[0], blocks, 0):  # type: ignore[arg-type]
+        if run and not _descends(found[0], blocks, 0, extra_keys):  # type: ignore[arg-type]
             run = 0
         return found[:run], run
 
@@ -316,17 +448,20 @@ class PrefixCache:
         block_hash_: int | None = None,
         group: int = 0,
         evicted_parent: bool = False,
+        extra_keys: ExtraKeys = None,
     ) -> CachedBlock | None:
         """Cache a full block that follows ``parent`` (``None``: a sequence's first block) in ``block_id``.
 
         The one rule for every full block after a sequence's hits, whether it filled in prefill or
-        in decode. Its hash is ``block_hash(parent's hash, tokens)`` (``block_hash_``, when the
-        caller computed it already). Then:
+        in decode. Its hash is ``block_hash(parent's hash, tokens, extra_keys)`` (``block_hash_``,
+        when the caller computed it already), ``extra_keys`` being the block's own
+        (:meth:`RequestExtraKeys.for_block`). Then:
 
         * the hash is free: ``block_id`` is cached under it, with ``parent`` as its parent;
-        * an equal block holds it (the same tokens after the same parent, such as a block the hit
-          limit left out, or two sequences that decoded the same tokens): ``block_id`` stays
-          private, and the chain goes on through the equal block, whose K/V are the same;
+        * an equal block holds it (the same tokens and extra keys after the same parent, such as a
+          block the hit limit left out, or two sequences that decoded the same tokens):
+          ``block_id`` stays private, and the chain goes on through the equal block, whose K/V are
+          the same;
         * another block holds it (a collision), or ``parent`` is no longer cached (evicted, or a
           reset): nothing is cached and the chain ends, since no later block could be found after
           this one.
@@ -343,11 +478,12 @@ class PrefixCache:
         if parent is not None and not evicted_parent and self._by_block.get(parent.block_id) is not parent:
             return None
         if block_hash_ is None:
-            block_hash_ = block_hash(ROOT_HASH if parent is None else parent.block_hash, tokens)
+            block_hash_ = _chained(ROOT_HASH if parent is None else parent.block_hash, tokens, extra_keys)
         entry = self._by_hash.get((block_hash_, group))
         if entry is not None:
-            return entry if entry.parent is parent and entry.token_ids == tokens else None
-        entry = CachedBlock(block_id, block_hash_, tokens, parent, group)
+            same = entry.parent is parent and entry.token_ids == tokens and entry.extra_keys == extra_keys
+            return entry if same else None
+        entry = CachedBlock(block_id, block_hash_, tokens, parent, group, extra_keys)
         self._by_hash[block_hash_, group] = entry
         self._by_block[block_id] = entry
         return entry
@@ -388,12 +524,20 @@ class PrefixCache:
         return dropped
 
 
-def _descends(entry: CachedBlock, blocks: Sequence[TokenIds], index: int) -> bool:
+def _descends(
+    entry: CachedBlock, blocks: Sequence[TokenIds], index: int, extra_keys: RequestExtraKeys
+) -> bool:
     """Whether ``entry``, found for block ``index``, follows entries holding exactly ``blocks[:index]``
-    of its own group, through its ``parent`` links (which outlive eviction), back to a first block."""
+    under ``extra_keys``, of its own group, through its ``parent`` links (which outlive eviction),
+    back to a first block."""
     parent = entry.parent
     for i in range(index - 1, -1, -1):
-        if parent is None or parent.token_ids != blocks[i] or parent.group != entry.group:
+        if (
+            parent is None
+            or parent.token_ids != blocks[i]
+            or parent.group != entry.group
+            or parent.extra_keys != extra_keys.for_block(i)
+        ):
             return False
         parent = parent.parent
     return parent is None

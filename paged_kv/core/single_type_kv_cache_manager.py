@@ -23,7 +23,9 @@ Invariants, per request, after every call:
   entries of blocks wholly before the window of the request's computed tokens;
 * every real block in the list holds one reference of the pool for this list.
 
-With prefix caching each full block is cached under the chained hash of its request's tokens,
+With prefix caching each full block is cached under the chained hash of its request's tokens and
+extra keys (its salt on its first block, its LoRA name on every block: the request's
+:class:`~paged_kv.core.prefix_cache.RequestExtraKeys`, which its chain carries into decode),
 tagged with the group (:class:`~paged_kv.core.prefix_cache.PrefixCache`); a block freed from the
 window stays cached, evictable, on the pool's free list. The pool alone stores and evicts hashes
 (:meth:`~paged_kv.core.block_pool.BlockPool.cache_block`, its ``allocate``).
@@ -38,7 +40,7 @@ from collections.abc import Hashable, Sequence
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.block_pool import NULL_BLOCK, BlockPool
 from paged_kv.core.kv_cache_groups import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from paged_kv.core.prefix_cache import CachedBlock, HashChain, TokenIds
+from paged_kv.core.prefix_cache import NO_EXTRA_KEYS, CachedBlock, HashChain, RequestExtraKeys, TokenIds
 
 
 class SingleTypeKVCacheManager:
@@ -98,13 +100,19 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(freed)
         return freed
 
-    def start_chain(self, request_id: Hashable, last_hit: CachedBlock | None, num_hit_blocks: int) -> None:
-        """Follow the request's full blocks in the chain of hashes from its hit on (prefix caching).
-        A hit whose last block the group did not need (a window of one token) gives no chain: the
-        next block's parent is unknown, so it is not cached."""
+    def start_chain(
+        self,
+        request_id: Hashable,
+        last_hit: CachedBlock | None,
+        num_hit_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
+    ) -> None:
+        """Follow the request's full blocks in the chain of hashes from its hit on (prefix caching),
+        each hashed with its ``extra_keys``. A hit whose last block the group did not need (a window
+        of one token) gives no chain: the next block's parent is unknown, so it is not cached."""
         if num_hit_blocks and last_hit is None:
             return
-        self._chains[request_id] = HashChain(last_hit, num_hit_blocks)
+        self._chains[request_id] = HashChain(last_hit, num_hit_blocks, extra_keys=extra_keys)
 
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Cache each full block the request's ``token_ids`` (its new ones) filled, under its
@@ -130,10 +138,15 @@ class SingleTypeKVCacheManager:
         return freed
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[CachedBlock | None], int]:
         """The group's longest prefix-cache hit of at most ``max_blocks`` blocks: the entry of each
-        of its blocks (``None`` where the group does not need the block) and its length in blocks."""
+        of its blocks (``None`` where the group does not need the block) and its length in blocks;
+        an entry matches a block only under the request's ``extra_keys``."""
         raise NotImplementedError
 
 
@@ -141,9 +154,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """A group of full-attention layers (vLLM: ``FullAttentionManager``): every block of the prefix."""
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[CachedBlock | None], int]:
-        hits = self.block_pool.prefix_cache.match(blocks, hashes, max_blocks, self.group_id)
+        hits = self.block_pool.prefix_cache.match(blocks, hashes, max_blocks, self.group_id, extra_keys)
         return list(hits), len(hits)
 
 
@@ -153,12 +170,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     spec: SlidingWindowSpec
 
     def find_longest_cache_hit(
-        self, blocks: Sequence[TokenIds], hashes: Sequence[int], max_blocks: int
+        self,
+        blocks: Sequence[TokenIds],
+        hashes: Sequence[int],
+        max_blocks: int,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[list[CachedBlock | None], int]:
         need = self.spec.blocks_for_hit
         if not need:  # a window of one token: no earlier K/V is ever read
             return [None] * max_blocks, max_blocks
-        return self.block_pool.prefix_cache.match_window(blocks, hashes, max_blocks, need, self.group_id)
+        return self.block_pool.prefix_cache.match_window(
+            blocks, hashes, max_blocks, need, self.group_id, extra_keys
+        )
 
 
 def get_manager_for_kv_cache_spec(
