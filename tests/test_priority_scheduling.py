@@ -53,20 +53,36 @@ def test_the_fcfs_scheduler_ignores_nothing_but_keeps_arrival_order():
     assert admitted == ["x", "y", "z"]
 
 
-def test_the_victim_is_the_lowest_ranked_running_request_not_the_newest():
-    # 6 blocks of 2: a, b, c hold 1 block each after their 2-token prompts, then each decode needs
-    # a new block at token 3: a and b find the 3 free, c none: the victim is b (priority 5), not c.
-    scheduler = priority_scheduler(4, 2)
-    for r in (request("a", 2, 4, 0), request("b", 2, 4, 5), request("c", 2, 4, 1)):
-        scheduler.add_request(r)
-    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 1, "b": 1, "c": 1}))
-    output = scheduler.schedule()
+def step_to_preemption(scheduler: Scheduler, arrivals: dict[int, list[EngineCoreRequest]], step: int):
+    """Run ``step`` steps, adding ``arrivals[i]`` before step ``i``; schedule the next and return it."""
+    runner = CountingRunner()
+    for i in range(step + 1):
+        for r in arrivals.get(i, ()):
+            scheduler.add_request(r)
+        output = scheduler.schedule()
+        if i == step:
+            return output
+        scheduler.update_from_output(output, runner.execute_model(output))
+
+
+def test_the_victim_is_the_lowest_ranked_running_request_even_one_scheduled_before():
+    # 6 blocks of 2. b (priority 5) runs first, a (0) and c (1) join; at step 3 b's decode takes
+    # the last free block, a's finds none: the victim is b, first in the running list and
+    # scheduled earlier in this very step (FCFS would take c, the newest).
+    arrivals = {0: [request("b", 2, 6, 5)], 1: [request("a", 3, 6, 0)], 2: [request("c", 1, 6, 1)]}
+    scheduler = priority_scheduler(6, 2)
+    output = step_to_preemption(scheduler, arrivals, 3)
     assert [p.request_id for p in output.preemptions] == ["b"]
-    # b was scheduled before c in this step: its token and blocks went back, a and c decode.
-    assert dict(output.num_scheduled_tokens) == {"a": 1, "c": 1}
+    assert dict(output.num_scheduled_tokens) == {"a": 1, "c": 1}  # b's token and block went back
     assert "b" not in output.scheduled_cached_reqs.req_ids
     assert scheduler.requests["b"].num_computed_tokens == 0  # recompute: it prefills again
     assert [r.request_id for r in scheduler.waiting] == ["b"]
+    assert scheduler.memory.num_free_blocks == 6 - 3 - 1  # a holds 3, c 1: b's 3 are back
+    fcfs = Scheduler(KVCacheManager(7, 2))
+    plain = {
+        i: [EngineCoreRequest(r.request_id, r.num_prompt_tokens, 6) for r in rs] for i, rs in arrivals.items()
+    }
+    assert [p.request_id for p in step_to_preemption(fcfs, plain, 3).preemptions] == ["c"]
 
 
 def test_a_request_that_preempts_itself_lets_the_higher_ranked_ones_after_it_try():
@@ -87,14 +103,12 @@ def test_a_request_that_preempts_itself_lets_the_higher_ranked_ones_after_it_try
 
 
 def test_a_preempted_request_waits_in_its_rank_not_at_the_front():
-    scheduler = priority_scheduler(4, 2)
-    for r in (request("a", 2, 4, 0), request("b", 2, 4, 5), request("c", 2, 4, 1)):
-        scheduler.add_request(r)
-    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({"a": 1, "b": 1, "c": 1}))
-    scheduler.add_request(request("d", 2, 4, 3))  # arrives ranked above b
-    output = scheduler.schedule()
+    arrivals = {0: [request("b", 2, 6, 5)], 1: [request("a", 3, 6, 0)], 2: [request("c", 1, 6, 1)]}
+    arrivals[3] = [request("d", 2, 4, 3), request("e", 2, 4, 7)]  # ranked above b, and below
+    scheduler = priority_scheduler(6, 2)
+    output = step_to_preemption(scheduler, arrivals, 3)
     assert [p.request_id for p in output.preemptions] == ["b"]
-    assert [r.request_id for r in scheduler.waiting] == ["d", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["d", "b", "e"]
 
 
 @st.composite
