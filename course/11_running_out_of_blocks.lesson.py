@@ -17,7 +17,8 @@
 # 3. explain the admission watermark, why it is kept only while other requests run, and measure how
 #    it trades running sequences for preemptions;
 # 4. read the preemptions, steps and running sequences of a workload against the memory budget,
-#    from the smallest budget that can serve it to one where nothing is ever preempted.
+#    from the smallest budget that can serve it to one where nothing is ever preempted;
+# 5. say whose blocks vLLM's priority policy takes, and what it changes (who waits, not the text).
 #
 # A GPU is used when there is one; nothing needs it.
 
@@ -310,13 +311,11 @@ print(
 # a resumed request comes back in one step either way: its prefill fits the budget of 64 tokens,
 # as a swap-in takes one step to copy the K/V back and decode.
 #
-# On a real model the bytes are what matter. A 7B model's block of 16 tokens holds 8 MiB of K/V
-# (lesson 00: half a mebibyte per token), and a PCIe 4.0 link moves roughly 25 GB/s, so a
-# 1,000-token sequence takes about 20 ms to swap out and as long to come back. The PagedAttention
-# paper compares the two ways on a GPU: swapping suffers with small blocks, because many small
-# copies cannot use the bus's bandwidth; recomputation costs the same whatever the block size; for
-# blocks of 16 to 64 tokens the two perform about the same. vLLM's current engine (v1) preempts by
-# recomputation only, which needs no host memory at all.
+# On a real model the bytes are what matter: a 7B model holds half a mebibyte of K/V per token
+# (lesson 00), and a PCIe 4.0 link moves roughly 25 GB/s, so a 1,000-token sequence takes about
+# 20 ms to swap out and as long to come back. The PagedAttention paper finds swapping slow with
+# small blocks (many small copies) and the two even for blocks of 16 to 64 tokens; vLLM v1
+# preempts by recomputation only, which needs no host memory.
 #
 # A recomputed request often finds part of its K/V still there. Its freed blocks keep their hashes
 # (lesson 08's prefix cache: a freed block stays cached on the free list until it is reused), so
@@ -352,14 +351,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Both start alike: the burst is admitted as far as the prompts fit, and the first preemptions
-# come as the sequences outgrow the pool. A recomputed request returns to the *waiting* queue and
-# is admitted again like any other, when its whole sequence fits. A swapped sequence waits in its
-# own queue, the *swapped* line, which comes before the waiting one: it comes back first, in a step
-# in which nobody was preempted, as soon as its blocks and its next token fit, and no new request
-# is admitted while any sequence is still swapped out (vLLM V0's order), so that the oldest work
-# finishes first. Utilisation stays high in both: paging wastes little of what it holds, however
-# often it preempts.
+# Both start alike: the burst is admitted as far as the prompts fit, and preemptions come as the
+# sequences outgrow the pool. A recomputed request returns to the *waiting* queue and is admitted
+# again when its whole sequence fits. A swapped sequence waits in its own queue, the *swapped*
+# line, which comes first: no new request is admitted while any is swapped out (vLLM V0's order).
+# Utilisation stays high in both: paging wastes little of what it holds, however often it preempts.
 
 # %% [markdown]
 # ## 3. The admission watermark
@@ -476,10 +472,56 @@ plt.show()
 # even (the swap line lies on the recompute one). What separates them is the rest of the bill, the
 # tokens recompute computes again against the blocks swap copies twice over the bus.
 #
-# The two vertical lines, dashed and dotted, bound the range where preemption matters. Below
-# `min_num_blocks` some request cannot run at all; above "all at their longest" the bet cannot fail.
-# A real server sits in between, much nearer the left line than the right: holding every sequence
-# at its longest is exactly the waste that paging set out to avoid.
+# The dashed and dotted lines bound where preemption matters: below `min_num_blocks` some request
+# cannot run, above "all at their longest" the bet cannot fail. A real server sits much nearer the
+# left line: holding every sequence at its longest is the waste paging avoids.
+
+# %% [markdown]
+# ## 5. Whose blocks are taken: priority
+#
+# Newest first is vLLM's default, `--scheduling-policy fcfs`. Under `--scheduling-policy priority`
+# each request has a `priority`, lower first: the waiting queue is ordered by `(priority,
+# arrival_time)`, and the victim is the running request with the largest `(priority,
+# arrival_time)`, wherever it stands, even one scheduled earlier in the step (its tokens and blocks
+# go back). Admission still never preempts. Below, every third request of the burst is urgent
+# (priority 0, the rest 1).
+
+# %%
+tier = {r.request_id: 0 if i % 3 == 2 else 1 for i, r in enumerate(requests)}  # 0: urgent
+
+
+def by_class(policy):
+    """Each class's preemptions and mean finishing step, on the scheduler with a counting runner."""
+    scheduler = Scheduler(
+        KVCacheManager(NUM_BLOCKS, BLOCK_SIZE), policy=policy, max_num_batched_tokens=BUDGET
+    )
+    rank = tier if policy == "priority" else dict.fromkeys(tier, 0)
+    arrivals = [
+        (0, EngineCoreRequest(r.request_id, len(r.prompt), r.max_tokens, priority=rank[r.request_id]))
+        for r in requests
+    ]
+    preempted, finish = [0, 0], [[], []]
+    for step, (output, result) in enumerate(run_steps(scheduler, CountingRunner(), arrivals)):
+        for p in output.preemptions:
+            preempted[tier[p.request_id]] += 1
+        for request_id, _ in result.finished:
+            finish[tier[request_id]].append(step)
+    return preempted, [sum(f) / len(f) for f in finish]
+
+
+for policy in ("fcfs", "priority"):
+    (urgent, rest), (done_urgent, done_rest) = by_class(policy)
+    print(f"{policy:<9} preempted: urgent {urgent:>2}, others {rest:>2}; ", end="")
+    print(f"mean finishing step: urgent {done_urgent:.0f}, others {done_rest:.0f}")
+ranked = [EngineRequest(r.request_id, r.prompt, r.max_tokens, priority=tier[r.request_id]) for r in requests]
+by_rank = Engine(model, **settings, max_num_batched_tokens=BUDGET, scheduling_policy="priority").run(ranked)
+print(f"the engine under priority: {by_rank.preemptions} preemptions; same text: {by_rank.tokens == alone}")
+
+# %% [markdown]
+# First come first served preempts whoever is newest: 6 of its 14 victims are urgent, who finish
+# no sooner than the rest (step 50 on average, against 48). Under priority the urgent ones are
+# admitted first and preempted once, when only urgent requests run, and finish at step 20; the
+# others take 15 preemptions and finish at 59. The policy decides who waits, never the text.
 
 # %% [markdown]
 # ## In vLLM
@@ -491,7 +533,9 @@ plt.show()
 #   calling `KVCacheManager.allocate_slots` for each request's new tokens; while it returns `None`
 #   it pops the newest, `self.running.pop()` (under the default first-come-first-served policy),
 #   until the request fits or is itself the victim (`preempted_req == request`): section 1's loop.
-#   Waiting requests are scheduled only `if not preempted_reqs`;
+#   Under `SchedulingPolicy.PRIORITY` the victim is `max(self.running, key=lambda r: (r.priority,
+#   r.arrival_time))` and the waiting queue a `PriorityRequestQueue`
+#   (`vllm/v1/core/sched/request_queue.py`), section 5's. Waiting requests are scheduled only `if not preempted_reqs`;
 # * `Scheduler._preempt_request` frees the victim's blocks, sets its `num_computed_tokens` to 0 and
 #   puts it at the front of the waiting queue (`prepend_request`). Resumed, it schedules
 #   `request.num_tokens` minus its prefix-cache hits, "to consider the resumed requests, which have
@@ -518,9 +562,8 @@ plt.show()
 # too. The course's engine gives a request the same tokens however often it is preempted and
 # whatever runs beside it; vLLM does not promise that, since a recomputed prefill and the decodes
 # it replaces run other batch shapes, whose reductions may round differently, unless
-# `VLLM_BATCH_INVARIANT` (`vllm/envs.py`, off by default) selects batch-invariant kernels. The course's watermark rounds up where
-# vLLM's rounds down, and the course has only the first-come-first-served policy: vLLM's priority
-# policy preempts the running request of lowest priority instead of the newest.
+# `VLLM_BATCH_INVARIANT` (`vllm/envs.py`, off by default) selects batch-invariant kernels. The
+# course's watermark rounds up where vLLM's rounds down.
 
 # %% [markdown]
 # ## Recap
@@ -543,6 +586,9 @@ plt.show()
 #   running on average instead of 3.55 and 90 steps instead of 83.
 # * Against the budget: from 20 preemptions and 177 steps at 12 blocks to none and 37 steps at 100;
 #   swap takes the same steps as recompute at every budget.
+# * Under `--scheduling-policy priority` the victim is the running request with the largest
+#   `(priority, arrival_time)`: urgent requests lost their blocks once instead of 6 times and
+#   finished at step 20 instead of 50, the others at 59; the same text.
 #
 # **Next, lesson 12:** writing the kernel. Every decode step above ends in attention over the
 # paged cache, which a serving engine hands to one kernel, whose programs load the block ids from
