@@ -8,8 +8,11 @@ same routes over an :class:`~paged_kv.serving.async_llm.AsyncLLM`:
 =========================  ===========================================================================
 ``GET /health``            200 and an empty body while the engine loop is alive, else 503
 ``GET /v1/models``         the served model, OpenAI's list format, with ``max_model_len``
+``GET /v1/models/{id}``    the served model's card; another id, a 404 in the error format
 ``POST /v1/completions``   :mod:`~paged_kv.entrypoints.openai.serving_completion`
 ``POST /v1/chat/...``      ``/v1/chat/completions``: :mod:`~paged_kv.entrypoints.openai.serving_chat`
+``POST /tokenize``         ``/tokenize`` and ``/detokenize``: :mod:`~.serving_tokenization`
+``GET /version``           ``{"version": paged_kv.__version__}`` (vLLM answers its own version)
 ``GET /metrics``           vLLM's Prometheus metrics (:mod:`~paged_kv.entrypoints.openai.metrics`)
 ``GET /kv``                the live page of the pool, when :mod:`paged_kv.entrypoints.kv_page` exists
 =========================  ===========================================================================
@@ -21,7 +24,10 @@ Invariants the app keeps:
   ``BadRequestError`` 400 or, for an unknown model, a ``NotFoundError`` 404. A body FastAPI cannot
   read (malformed JSON, a field of the wrong type) is a 400 too, not FastAPI's 422: the handler
   replaces FastAPI's, as vLLM's does (``serve/exception_handling/handlers/validation.py``), with
-  vLLM's type, ``"Bad Request"``, and the field at fault as ``param``;
+  vLLM's type, ``"Bad Request"``, and the field at fault as ``param`` (the one a model validator's
+  :class:`~paged_kv.entrypoints.openai.protocol.ParamError` names, else the error's location);
+* **no field is dropped in silence**: each is served, a no-op, or refused when set
+  (:mod:`~paged_kv.entrypoints.openai.fields`), and one no model declares is logged;
 * **a client that hangs up aborts its request**, whose blocks are free before the engine's next
   step. A stream's generator is closed when Starlette stops sending it (see
   :class:`~paged_kv.entrypoints.openai.serving.ClosingStreamingResponse`); a request that is not
@@ -51,19 +57,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+import paged_kv
 from paged_kv.entrypoints.openai.launcher import ServerThread
 from paged_kv.entrypoints.openai.metrics import PrometheusStatLogger
 from paged_kv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ParamError,
+    TokenizeRequest,
 )
-from paged_kv.entrypoints.openai.serving import error_json
+from paged_kv.entrypoints.openai.serving import check_model, error_json
 from paged_kv.entrypoints.openai.serving_chat import OpenAIServingChat
 from paged_kv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from paged_kv.entrypoints.openai.serving_tokenization import ServingTokenization
 from paged_kv.serving.async_llm import AsyncLLM
 
 __all__ = ["ServerThread", "build_app"]
@@ -110,6 +121,13 @@ def build_app(
     settings = {"model_name": model_name, "encode": encode}
     completions = OpenAIServingCompletion(async_llm, **settings)
     chat = OpenAIServingChat(async_llm, **settings)
+    tokenization = ServingTokenization(
+        **settings,
+        decode=async_llm.llm_engine.output_processor.decode,
+        max_model_len=max_model_len,
+        vocab_size=async_llm.vllm_config.model_config.vocab_size,
+    )
+    card = ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
 
     @app.get("/health")
     async def health() -> Response:
@@ -118,16 +136,35 @@ def build_app(
 
     @app.get("/v1/models")
     async def show_available_models() -> JSONResponse:
-        card = ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        try:
+            check_model(model_id, model_name)
+        except ValueError as error:
+            return error_json(error)
+        return JSONResponse(card.model_dump())
+
+    @app.get("/version")
+    async def show_version() -> JSONResponse:
+        return JSONResponse({"version": paged_kv.__version__})
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await until_disconnected(raw_request, completions.create_completion(request))
+        return await until_disconnected(raw_request, completions.create_completion(request, raw_request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await until_disconnected(raw_request, chat.create_chat_completion(request))
+        return await until_disconnected(raw_request, chat.create_chat_completion(request, raw_request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return await tokenization.create_tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return await tokenization.create_detokenize(request)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -197,7 +234,10 @@ async def validation_exception_handler(_request: Request, exc: RequestValidation
         lines.append(f"  {shown}")
     label = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {label}:\n" + "\n".join(lines) if errors else "Validation error"
-    param = _param(errors[0]["loc"]) if errors and errors[0].get("loc") else None
+    named = (err.get("ctx", {}).get("error") for err in errors)
+    param = next((error.parameter for error in named if isinstance(error, ParamError)), None)
+    if param is None and errors and errors[0].get("loc"):
+        param = _param(errors[0]["loc"])
     error = ErrorInfo(
         message=message, type=HTTPStatus.BAD_REQUEST.phrase, param=param, code=HTTPStatus.BAD_REQUEST
     )

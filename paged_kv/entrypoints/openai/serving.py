@@ -28,22 +28,28 @@ frees its blocks), or collected whole.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from http import HTTPStatus
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from paged_kv.entrypoints.openai.fields import check_fields
 from paged_kv.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
+    ParamError,
     SamplingFields,
     UsageInfo,
     random_uuid,
 )
 from paged_kv.serving.async_llm import AsyncLLM, EngineDeadError
+from paged_kv.serving.logprobs import Logprob, PromptLogprobs
 from paged_kv.serving.output_processor import RequestOutput
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.sampling_params import RequestOutputKind, SamplingParams
@@ -52,6 +58,22 @@ logger = logging.getLogger("paged_kv.entrypoints.openai")
 
 Encode = Callable[[str], list[int]]
 """A tokenizer's ``encode``: text to token ids."""
+PRIORITY_HEADER = "X-Vllm-Priority"
+"""A request's priority in a header, which wins over the body's when it is an integer (vLLM's)."""
+REQUEST_ID_HEADER = "X-Request-Id"
+"""A request's id in a header, which wins over the body's ``request_id`` (vLLM's)."""
+MIN_LOGPROB = -9999.0
+"""The least log-probability a response carries (vLLM's, OpenAI's stand-in for ``-inf``)."""
+_MESSAGE_PARAMS = (
+    ("Requested sample logprobs", "logprobs"),
+    ("Requested prompt logprobs", "prompt_logprobs"),
+    ("in logit_bias", "logit_bias"),
+    ("specified as bad", "bad_words"),
+    ("priority", "priority"),
+    ("'cache_salt'", "cache_salt"),
+)
+"""Words of the engine's refusals that name a request's field, the first that matches wins
+(vLLM's errors carry the field, ``VLLMValidationError.parameter``; the engine's name it in words)."""
 
 
 class RequestError(ValueError):
@@ -69,15 +91,43 @@ class RequestError(ValueError):
         self.err_type, self.status_code, self.param = err_type, status_code, param
 
 
+def param_of(message: str, fields: Sequence[str]) -> str | None:
+    """The request field an engine's refusal names: its first word when that is a field
+    (``"presence_penalty must be in [-2, 2], got 3.0."``), else the field its words name, else None.
+
+    >>> param_of("Requested sample logprobs of 30, which is greater than max allowed: 20", ["logprobs"])
+    'logprobs'
+    """
+    first = message.split(" ", 1)[0].strip("`'")
+    if first in fields:
+        return first
+    return next((param for words, param in _MESSAGE_PARAMS if words in message), None)
+
+
+def check_model(model: str | None, served: str) -> None:
+    """Raises a 404 :class:`RequestError` unless ``model`` is the ``served`` name (or left out), in
+    vLLM's words ("The model `X` does not exist.")."""
+    if model and model != served:
+        raise RequestError(
+            f"The model `{model}` does not exist.",
+            err_type="NotFoundError",
+            status_code=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
+
+
 def create_error_response(error: str | BaseException) -> ErrorResponse:
     """The :class:`ErrorResponse` of an error (vLLM: ``create_error_response``): a
-    :class:`RequestError` as it says; any other ``ValueError`` or ``TypeError``, a 400
-    ``BadRequestError``; :class:`~paged_kv.serving.async_llm.EngineDeadError` and anything else, a
-    500 ``InternalServerError``."""
+    :class:`RequestError` as it says; a :class:`~.protocol.ParamError` a 400 naming its field; any
+    other ``ValueError`` or ``TypeError``, a 400 ``BadRequestError``;
+    :class:`~paged_kv.serving.async_llm.EngineDeadError` and anything else, a 500
+    ``InternalServerError``."""
     if isinstance(error, str):
         error = RequestError(error)
     if isinstance(error, RequestError):
         err_type, status, param = error.err_type, error.status_code, error.param
+    elif isinstance(error, ParamError):
+        err_type, status, param = "BadRequestError", HTTPStatus.BAD_REQUEST, error.parameter
     elif isinstance(error, EngineDeadError):
         err_type, status, param = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR, None
     elif isinstance(error, (ValueError, TypeError)):
@@ -108,6 +158,45 @@ def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
+def clamp_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:
+    """The prompt's log-probabilities with ``-inf`` as :data:`MIN_LOGPROB` (vLLM's
+    ``clamp_prompt_logprobs``: JSON has no infinity)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            t: Logprob(max(lp.logprob, MIN_LOGPROB), lp.rank, lp.decoded_token) for t, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+    """``(i, item)`` for each item of each iterator ``i``, as they come (vLLM's
+    ``merge_async_iterators``). Closed early or failed, it closes every iterator: each request
+    still running is aborted."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A ``StreamingResponse`` that closes its body's generator however the response ends.
 
@@ -129,90 +218,149 @@ class ClosingStreamingResponse(StreamingResponse):
 
 class OpenAIServing:
     """The checks and the serving shared by :class:`~.serving_completion.OpenAIServingCompletion`
-    and :class:`~.serving_chat.OpenAIServingChat` (see the module)."""
+    and :class:`~.serving_chat.OpenAIServingChat` (see the module). ``api`` names the endpoint's
+    rows of :data:`~paged_kv.entrypoints.openai.fields.FIELDS`."""
 
     request_id_prefix = "cmpl"
+    api = "completions"
 
     def __init__(self, async_llm: AsyncLLM, *, model_name: str, encode: Encode) -> None:
         self.async_llm = async_llm
         self.model_name = model_name
         self.encode = encode
+        self.decode = async_llm.llm_engine.output_processor.decode
 
     # ------------------------------------------------------------------------------ the checks
 
-    def check_model(self, model: str | None) -> None:
-        """Raises a 404 :class:`RequestError` unless ``model`` is the served name (or left out)."""
-        if model and model != self.model_name:
-            raise RequestError(
-                f"The model `{model}` does not exist.",
-                err_type="NotFoundError",
-                status_code=HTTPStatus.NOT_FOUND,
-                param="model",
-            )
+    def check_request(self, request: BaseModel) -> None:
+        """Steps 1 and 2 of the module's list: the model's name, then every field the server does
+        not implement left at its default (:func:`~.fields.check_fields`)."""
+        check_model(request.model, self.model_name)
+        check_fields(request, self.api)
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None) -> SamplingParams:
-        """The request's :class:`SamplingParams`: OpenAI's defaults for what it leaves out, ``DELTA``
-        outputs for a stream and ``FINAL_ONLY`` otherwise.
+    def sampling_params(
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The request's :class:`SamplingParams`: OpenAI's and vLLM's defaults for what it leaves out
+        (``_DEFAULT_SAMPLING_PARAMS``), ``DELTA`` outputs for a stream and ``FINAL_ONLY`` otherwise,
+        ``bad_words`` tokenized with the served ``encode``.
 
         Raises:
             ValueError: a parameter out of range, in vLLM's words.
         """
-        stop = request.stop if request.stop is not None else ()
         top_k = request.top_k if request.top_k is not None else 0
-        return SamplingParams(
+
+        def given(value: float | None, default: float) -> float:
+            return default if value is None else value
+
+        params = SamplingParams(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=given(request.temperature, 1.0),
+            top_p=given(request.top_p, 1.0),
             top_k=0 if top_k == -1 else top_k,  # vLLM takes -1 for "every token" too
             seed=request.seed,
-            stop=stop,
+            stop=request.stop if request.stop is not None else (),
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            presence_penalty=given(request.presence_penalty, 0.0),
+            frequency_penalty=given(request.frequency_penalty, 0.0),
+            repetition_penalty=given(request.repetition_penalty, 1.0),
+            min_p=given(request.min_p, 0.0),
+            min_tokens=request.min_tokens,
+            logit_bias=request.logit_bias,
+            bad_words=tuple(request.bad_words),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+        return params.update_from_tokenizer(self.encode)
 
     def prepare(
-        self, request: SamplingFields, prompt_token_ids: list[int], max_tokens: int | None
-    ) -> EngineCoreRequest:
-        """Steps 2 and 3 of the module (the model was checked first): the request under a fresh id,
-        checked once by the engine's input processor, as the engine core will take it.
+        self,
+        request: SamplingFields,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int | None,
+        raw_request: Request | None = None,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> tuple[str, list[EngineCoreRequest]]:
+        """Steps 3 and 4 of the module (the request was checked first): the response's id
+        (``X-Request-Id``, else the body's ``request_id``, else a fresh one, after the prefix) and
+        one request per prompt, each checked by the engine's input processor, as the engine core
+        will take them; none is queued. A completion's requests are ``f"{id}-{i}"``, as vLLM names
+        them; a chat's is the id.
 
         Raises:
             RequestError, ValueError: the request is refused; nothing changed.
         """
-        params = self.sampling_params(request, max_tokens)
-        request_id = f"{self.request_id_prefix}-{random_uuid()}"
-        return self.async_llm.check(request_id, prompt_token_ids, params)
+        params = self.sampling_params(request, max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        headers = raw_request.headers if raw_request is not None else {}
+        base = headers.get(REQUEST_ID_HEADER) or request.request_id or random_uuid()
+        response_id = f"{self.request_id_prefix}-{base}"
+        priority = request.priority
+        header = headers.get(PRIORITY_HEADER)
+        if header is not None:
+            with contextlib.suppress(ValueError):  # not an integer: vLLM falls back on the body's
+                priority = int(header)
+        ids = (
+            [f"{response_id}-{i}" for i in range(len(prompts))]
+            if self.api == "completions"
+            else [response_id]
+        )
+        core_requests = [
+            self.async_llm.check(request_id, prompt, params, priority=priority, cache_salt=request.cache_salt)
+            for request_id, prompt in zip(ids, prompts, strict=True)
+        ]
+        return response_id, core_requests
+
+    def named(self, error: ValueError, request: BaseModel) -> ValueError:
+        """``error`` with the field it names as its ``param`` (:func:`param_of`), a 400."""
+        if isinstance(error, (RequestError, ParamError)):
+            return error
+        return RequestError(str(error), param=param_of(str(error), list(type(request).model_fields)))
 
     # ------------------------------------------------------------------------------ serving
 
-    async def respond(self, request, core_request: EngineCoreRequest):
+    async def respond(self, request, response_id: str, core_requests: list[EngineCoreRequest], context):
         """The answer to a checked request: a stream of server-sent events (``stream_chunks``) or the
-        whole response (``response``), each endpoint's own."""
+        whole response (``response``), each endpoint's own, given the endpoint's ``context`` (a
+        completion's prompts, a chat's role and echo)."""
         created = int(time.time())
         if request.stream:
             return ClosingStreamingResponse(
-                self.stream_chunks(request, core_request, created), media_type="text/event-stream"
+                self.stream_chunks(request, response_id, core_requests, created, context),
+                media_type="text/event-stream",
             )
         try:
-            final = await self.final_output(core_request)
+            finals = await self.final_outputs(core_requests)
         except (ValueError, EngineDeadError) as error:
             return error_json(error)
-        return JSONResponse(self.response(request, core_request.request_id, created, final).model_dump())
+        return JSONResponse(self.response(request, response_id, created, finals, context).model_dump())
 
-    async def final_output(self, core_request: EngineCoreRequest) -> RequestOutput:
-        """Serve a ``FINAL_ONLY`` request to its end; its one output. Cancelled (the client hung
-        up), the generator is closed and the request aborted."""
-        final = None
-        generator = self.async_llm.generate(core_request)
-        try:
-            async for output in generator:
-                final = output
-        finally:
-            await generator.aclose()
-        assert final is not None and final.finished
-        return final
+    async def final_outputs(self, core_requests: list[EngineCoreRequest]) -> list[RequestOutput]:
+        """Serve ``FINAL_ONLY`` requests to their end, together; each one's output, in order.
+        Cancelled (the client hung up), every generator is closed and every request aborted."""
+        finals: list[RequestOutput | None] = [None] * len(core_requests)
+        async for i, output in merge_async_iterators(*map(self.async_llm.generate, core_requests)):
+            finals[i] = output
+        assert all(final is not None and final.finished for final in finals)
+        return finals
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool | None = False) -> str:
+        """A token's text in log-probabilities (vLLM's ``_get_decoded_token``): ``token_id:<id>``
+        when asked for, else the text the engine decoded, else the tokenizer's."""
+        if as_id:
+            return f"token_id:{token_id}"
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.decode([token_id])
 
     @staticmethod
     def stream_error(error: Exception) -> str:
