@@ -18,6 +18,7 @@ from typing import NoReturn
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.env_check import report
 from paged_kv.errors import OutOfBlocksError
+from paged_kv.serving.scheduler import SCHEDULING_POLICIES
 from paged_kv.simulation.fragmentation import fragmentation_report
 from paged_kv.simulation.workload import WORKLOADS, compare_policies, format_table
 
@@ -54,6 +55,8 @@ def _whole_number(minimum: int) -> Callable[[str], int]:
 
 _positive_int = _whole_number(1)
 _non_negative_int = _whole_number(0)
+_logprobs_limit = _whole_number(-1)
+"""``--max-logprobs``: a whole number, -1 for the whole vocabulary (vLLM's)."""
 
 
 def _positive_float(text: str) -> float:
@@ -227,6 +230,20 @@ def _add_serve_parser(commands) -> None:
         help="reuse the cached blocks of a shared prompt prefix (on by default, as in vLLM v1)",
     )
     serve.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="the order of waiting requests: fcfs (arrival), or priority (a request's priority, lower "
+        "first; the running request of the largest (priority, arrival) is preempted first), as vLLM's",
+    )
+    serve.add_argument(
+        "--max-logprobs",
+        type=_logprobs_limit,
+        default=20,
+        help="the most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
+        "prompt_logprobs); -1: the whole vocabulary (20, vLLM's default)",
+    )
+    serve.add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's log level (info)"
     )
 
@@ -336,6 +353,8 @@ def build_serve_app(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
     )
     async_llm = AsyncLLM.from_engine_args(model, engine_args, decode=decode)
     app = build_app(async_llm, model_name=name, encode=encode)
