@@ -15,6 +15,9 @@ One module a concept, as vLLM splits them:
 * :mod:`~paged_kv.entrypoints.openai.serving_completion` and
   :mod:`~paged_kv.entrypoints.openai.serving_chat`: ``/v1/completions`` and ``/v1/chat/completions``,
   whole or streamed as server-sent events;
+* :mod:`~paged_kv.entrypoints.openai.serving_tokenization`: ``/tokenize`` and ``/detokenize``;
+* :mod:`~paged_kv.entrypoints.openai.fields`: what the server does with every request field
+  (served, a no-op, or refused by name), the table ``docs/server_fields.md`` is made from;
 * :mod:`~paged_kv.entrypoints.openai.metrics`: ``/metrics``, vLLM's Prometheus metrics;
 * :mod:`~paged_kv.entrypoints.openai.api_server`: :func:`build_app`, the routes and the error handlers;
 * :mod:`~paged_kv.entrypoints.openai.launcher`: uvicorn, in the foreground or in a

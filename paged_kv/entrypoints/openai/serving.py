@@ -7,23 +7,31 @@ no block, no step and no place in any queue.
 
 1. the model name: a name other than the served one is a 404 ``NotFoundError`` ("The model `X`
    does not exist."); no name at all is the served model, as in vLLM;
-2. the :class:`~paged_kv.serving.sampling_params.SamplingParams` from the request's fields, whose own
-   checks raise vLLM's messages (``temperature``, ``top_p``, ``n``, ``max_tokens``...);
+2. every field the server does not implement is at its default
+   (:func:`~paged_kv.entrypoints.openai.fields.check_fields`: else a 400 naming it);
+3. the :class:`~paged_kv.serving.sampling_params.SamplingParams` from the request's fields, whose own
+   checks raise vLLM's messages (``temperature``, ``top_p``, ``n``, ``max_tokens``, the penalties,
+   ``min_p``, ``logit_bias``...), ``bad_words`` tokenized with the served ``encode``;
    ``max_tokens`` passes as the client sent it, ``None`` when left out;
-3. the request itself, once, by the engine's input processor
+4. each prompt's request, once, by the engine's input processor
    (:meth:`AsyncLLM.check <paged_kv.serving.async_llm.AsyncLLM.check>`): token ids outside the
    vocabulary, a prompt too long for ``max_model_len`` or with no room for one token, a request the
-   pool could not hold alone; ``max_tokens`` settled there, ``None`` as many as the context leaves
-   (vLLM's ``get_max_tokens``), a larger number capped there. (vLLM's front end measures the prompt
-   earlier too, in its renderer, and words that refusal "This model's maximum context length is X
-   tokens..."; the course checks a request in one place, so its server answers the input
-   processor's words.)
+   pool could not hold alone, ``logprobs`` above ``max_logprobs``, a ``priority`` without the
+   priority policy, a bad ``cache_salt``; ``max_tokens`` settled there, ``None`` as many as the
+   context leaves (vLLM's ``get_max_tokens``), a larger number capped there. (vLLM's front end
+   measures the prompt earlier too, in its renderer, and words that refusal "This model's maximum
+   context length is X tokens..."; the course checks a request in one place, so its server answers
+   the input processor's words.) The ``priority`` is the body's unless an ``X-Vllm-Priority``
+   header holds an integer, and the id the body's ``request_id`` unless an ``X-Request-Id``
+   header is there, as in vLLM.
 
 Each failure is a :class:`~paged_kv.entrypoints.openai.protocol.ErrorResponse` (vLLM:
-``create_error_response``: a ``ValueError`` is a 400 ``BadRequestError``). Only then is the request
-handed to ``AsyncLLM.generate``, streamed as server-sent events by a :class:`ClosingStreamingResponse`,
-which closes the stream's generator whatever ends it (so a client that hangs up aborts its request and
-frees its blocks), or collected whole.
+``create_error_response``: a ``ValueError`` is a 400 ``BadRequestError``), whose ``param`` is the
+field the refusal names (:func:`param_of`). Only then are the requests handed to
+``AsyncLLM.generate``, merged (:func:`merge_async_iterators`: a completion's several prompts run
+together), streamed as server-sent events by a :class:`ClosingStreamingResponse`, which closes the
+stream's generators whatever ends it (so a client that hangs up aborts its requests and frees their
+blocks), or collected whole.
 """
 
 from __future__ import annotations
