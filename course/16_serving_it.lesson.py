@@ -13,12 +13,14 @@
 #
 # 1. drive an online engine by hand (`add_request`, `step`, `abort_request`) and say where vLLM
 #    splits the same loop between a front end and an engine core;
-# 2. explain what each sampling parameter does to a request, and why `n` completions of one prompt
-#    share its blocks;
+# 2. explain what each sampling parameter does to a request, where its log-probabilities come
+#    from, and why `n` completions of one prompt share its blocks;
 # 3. serve the model with the course's cache behind an OpenAI-compatible API and send it requests,
 #    streamed and not, with the real `openai` client;
-# 4. show that a client who hangs up frees its blocks before the next step;
-# 5. read the server's `/metrics` by vLLM's names and watch the pool live at `/kv`.
+# 4. say what a server does with each field a client sends, and how `cache_salt` keeps two
+#    tenants from sharing (and timing) each other's blocks;
+# 5. show that a client who hangs up frees its blocks before the next step;
+# 6. read the server's `/metrics` by vLLM's names and watch the pool live at `/kv`.
 #
 # The cells take about 10 s on a 2-core CPU; nothing needs a GPU or a network.
 
@@ -177,7 +179,53 @@ display(HTML(render_allocator(pool.snapshot(), caption="after A and C finished a
 # | `stop`, `stop_token_ids` | none | end the completion at a string (left out of the text) or a token (kept) |
 # | `ignore_eos` | False | go on past the model's end-of-sequence tokens |
 # | `n` | 1 | that many completions of the prompt |
+# | `presence_penalty`, `frequency_penalty` | 0.0 | in [-2, 2]: subtracted from the logit of each token already in the output, once (presence) or once per occurrence (frequency) |
+# | `repetition_penalty` | 1.0 | above 0: a token already in the prompt or the output has its logit divided by it when positive, multiplied when negative |
+# | `min_p` | 0.0 | drop the tokens less likely than `min_p` times the most likely one |
+# | `min_tokens` | 0 | no stop token or stop string before that many tokens |
+# | `logit_bias` | none | `{token_id: bias}` added to the logits, each bias clamped to [-100, 100] |
+# | `bad_words` | none | words never generated: a word's last token is banned once the output ends with the rest of it |
+# | `logprobs` | none | each sampled token's log-probability and rank, and the `logprobs` most likely tokens' (-1: every token; at most `max_logprobs`, 20) |
+# | `prompt_logprobs` | none | the same for each prompt token but the first, scored from the position before it |
 #
+# The sampler applies them in Model Runner V2's order: the bias, the `min_tokens` mask, the
+# penalties and the banned words change the logits, then temperature, top-k, min-p and top-p shape
+# the distribution it draws from. The log-probabilities are taken before any of it, from the raw
+# logits (vLLM's default `logprobs_mode="raw_logprobs"`), so they say what the *model* thinks of a
+# token, whatever the request did to its draw. A greedy probe of 3 tokens with its top 2 at every
+# step, and every prompt token scored (`prompt_logprobs=0`: the token itself only):
+
+# %%
+probe = encode("A block")
+llm.add_request("probe", probe, SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=0))
+while llm.has_unfinished_requests():
+    (final,) = llm.step()
+completion = final.outputs[0]
+for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+    top = sorted(position.items(), key=lambda item: item[1].rank)[:2]
+    print(f"sampled {token:>3}: {position[token].logprob:.3f}, rank {position[token].rank}; top 2:", end=" ")
+    print(", ".join(f"{t} ({lp.logprob:.3f})" for t, lp in top))
+scored = [
+    None if p is None else round(p[t].logprob, 3) for t, p in zip(probe, final.prompt_logprobs, strict=True)
+]
+print("the prompt's tokens:", scored)
+
+# %% [markdown]
+# A greedy token is always of rank 1; the prompt's first token has no position before it, hence
+# `None`. They are the log-softmax of the logits a plain forward of the whole sequence gives, which
+# is how `tests/test_logprobs.py` checks them against Hugging Face's Llama:
+
+# %%
+with torch.no_grad():
+    sequence = probe + completion.token_ids
+    reference = model(torch.tensor([sequence[:-1]], device=device))[0].log_softmax(-1)
+engine_says = [p[t].logprob for t, p in zip(probe[1:], final.prompt_logprobs[1:], strict=True)]
+engine_says += [p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs, strict=True)]
+gap = max(abs(a - reference[i, sequence[i + 1]].item()) for i, a in enumerate(engine_says))
+print(f"within 1e-5 of a plain forward's log-softmax at every position: {gap < 1e-5}")
+print(f"cumulative_logprob {completion.cumulative_logprob:.3f}")
+
+# %% [markdown]
 # The course's model runner draws a random request's tokens from the request's own `torch.Generator`,
 # kept from its first step to its last, through preemptions, as vLLM's V1 runner did. Model Runner
 # V2, 0.33.0's default, keeps no generator: it samples by the Gumbel-max trick, adding to every logit
@@ -237,7 +285,8 @@ print("same tokens alone and in a crowd:", alone == crowd["crowd"])
 # ## 3. An OpenAI-compatible server
 #
 # `vllm serve MODEL` starts an HTTP server (FastAPI on uvicorn) that speaks OpenAI's API:
-# `/v1/models`, `/v1/completions`, `/v1/chat/completions`, plus `/health` and `/metrics`. Any
+# `/v1/models`, `/v1/completions`, `/v1/chat/completions`, plus `/health`, `/metrics`,
+# `/tokenize`, `/detokenize` and `/version`. Any
 # client of OpenAI's API can use it by changing one URL. `paged-kv serve` is the course's: the same
 # routes, FastAPI and uvicorn as vLLM's, over `AsyncLLM` and the cache you built. From a terminal:
 #
@@ -309,13 +358,106 @@ print(
 )
 
 # %% [markdown]
-# ## 4. A client who hangs up
+# ## 4. What clients send: log-probabilities, tenants and ranks
+#
+# A client sends more than a prompt, and a server that drops a field in silence answers a question
+# nobody asked. Every field of OpenAI's requests and vLLM's extra ones is served here, accepted
+# where its value changes nothing, or refused with a 400 that names it
+# (`docs/server_fields.md` lists them all); a field no API declares is ignored and logged, as vLLM
+# logs it. Log-probabilities come back in OpenAI's shapes: a chat answer's `logprobs.content`, a
+# completion's `tokens` and `token_logprobs`, and with `echo=True` the prompt's tokens scored
+# first, which is how evaluation harnesses score a text without generating one:
+
+# %%
+chat = client.chat.completions.create(
+    model="tiny-gpt",
+    messages=[{"role": "user", "content": "Hi"}],
+    max_tokens=2,
+    temperature=0.0,
+    logprobs=True,
+    top_logprobs=2,
+)
+for entry in chat.choices[0].logprobs.content:
+    print(
+        f"{entry.token!r}: {entry.logprob:.3f}; top 2:",
+        [(t.token, round(t.logprob, 3)) for t in entry.top_logprobs],
+    )
+scored = client.completions.create(
+    model="tiny-gpt", prompt="A block", max_tokens=0, echo=True, logprobs=1, temperature=0.0
+)
+logprobs = scored.choices[0].logprobs
+print("echo:", logprobs.tokens, [None if lp is None else round(lp, 3) for lp in logprobs.token_logprobs])
+
+# %% [markdown]
+# The echoed prompt's scores are the prompt log-probabilities of section 2's probe, the same
+# prompt on the same model. Two of vLLM's extra fields are the KV cache's own business.
+#
+# **`cache_salt`.** Prefix caching shares a block between any two requests whose prefixes match,
+# whoever sent them, and a hit answers sooner. So the time to first token tells a client whether
+# someone sent that prefix lately: a side channel between the tenants of one server. vLLM closes
+# it with a salt per tenant. The salt enters the hash of the request's first block, as one of its
+# *extra keys* (`generate_block_hash_extra_keys`); every later block's hash chains its parent's, so
+# the whole chain differs and two salts never share a block, while one salt shares as before. A
+# LoRA adapter's name is an extra key of every block, so that two adapters' K/V never mix. On the
+# engine of section 1, a long system prompt sent by tenant A twice, then by tenant B:
+
+# %%
+system = encode("You are tenant A's support bot; its customer list is private. " * 4)
+
+
+def first_step(request_id: str, salt: str) -> tuple[int, float, list[int]]:
+    """Add one request under ``salt``: its cached tokens, first step's seconds and full blocks."""
+    llm.add_request(request_id, system, SamplingParams(temperature=0.0, max_tokens=2), cache_salt=salt)
+    start = time.perf_counter()
+    (out,) = llm.step()
+    seconds = time.perf_counter() - start
+    blocks = list(pool.get_block_ids(request_id)[0][: len(system) // settings.block_size])
+    while llm.has_unfinished_requests():
+        llm.step()
+    return out.num_cached_tokens, seconds, blocks
+
+
+tenants = {
+    rid: first_step(rid, salt) for rid, salt in (("a1", "tenant-a"), ("a2", "tenant-a"), ("b1", "tenant-b"))
+}
+for request_id, (cached, _, blocks) in tenants.items():
+    print(f"{request_id}: {cached:>3} of {len(system)} prompt tokens from the cache; full blocks {blocks}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print("first step: " + ", ".join(f"{rid} {1e3 * seconds:.1f} ms" for rid, (_, seconds, _) in tenants.items()))
+
+# %% [markdown]
+# Tenant A's second request finds the 15 full blocks of A's first, 240 tokens, and computes only
+# the 8 tokens of its last, partial block; tenant B computes all 248 in blocks of its own, its first
+# step about as slow as a miss: the hit B could have timed is not there for B. A client sends the salt as vLLM's extra body field,
+# `extra_body={"cache_salt": "tenant-a"}`; an empty salt, or one with `@`, `/`, `\` or a NUL in
+# it, is refused with vLLM's message.
+#
+# **`priority`.** `--scheduling-policy priority` orders the waiting requests by `(priority,
+# arrival_time)` and takes the blocks of the running request with the largest (lesson 11,
+# section 5). This server runs vLLM's default, first come first served, and there a priority
+# other than 0 is refused rather than ignored, as vLLM's API documents; `paged-kv serve
+# --scheduling-policy priority` takes it. Three requests the server refuses, each by name:
+
+# %%
+refused = [{"priority": -1}, {"cache_salt": ""}, {"response_format": {"type": "json_object"}}]
+for extra in refused:
+    try:
+        client.chat.completions.create(
+            model="tiny-gpt", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body=extra
+        )
+    except openai.BadRequestError as error:
+        print(f"{error.status_code}, param {error.body['param']!r}: {error.body['message']}")
+
+# %% [markdown]
+# ## 5. A client who hangs up
 #
 # A user closes the tab in the middle of an answer. The server sees the connection close, the
 # coroutine that was waiting for the request's next output is cancelled, and it aborts the request
 # (vLLM: `AsyncLLM.abort`). The abort is applied before the engine's next step, so the request's
 # blocks are free before anything else is scheduled. The server's `/kv/state` (the numbers of the
-# live page of section 6) shows it: open a stream of up to 200 tokens, read five chunks, and hang up.
+# live page of section 7) shows it: open a stream of up to 200 tokens, read five chunks, and hang up.
 
 
 # %%
@@ -346,7 +488,7 @@ print(f"after it hung up: {after['num_running']} running, usage {after['kv_cache
 # in `vllm/v1/core/single_type_kv_cache_manager.py` defaults to an empty list).
 
 # %% [markdown]
-# ## 5. `/metrics`, by vLLM's names
+# ## 6. `/metrics`, by vLLM's names
 #
 # A vLLM server publishes its counters, gauges and histograms at `/metrics`, in Prometheus' text
 # format, and Grafana dashboards read them. Lesson 15 computed each from a finished run; the
@@ -379,7 +521,7 @@ for line in metrics.splitlines():
 # client's hang-up leaves no trace in `vllm:request_success`; the course's server does the same.
 
 # %% [markdown]
-# ## 6. The KV cache, live
+# ## 7. The KV cache, live
 #
 # The server also serves a page, `/kv`, that draws the pool with lesson 02's picture and updates it
 # after every step, by server-sent events: each running request's blocks in its colour, its block
@@ -433,14 +575,28 @@ print("stopped; KV cache usage:", async_llm.kv_view.kv_cache_usage)
 # * `vllm/sampling_params.py`: `SamplingParams` with the defaults and messages of section 2
 #   (`n must be 1 when using greedy sampling`).
 # * `vllm/entrypoints/openai/`: the API server's routers (`completion/`, `chat_completion/`,
-#   `models/`); `vllm/entrypoints/serve/engine/protocol.py` has `ErrorResponse`, the error format.
+#   `models/`); `vllm/entrypoints/serve/engine/protocol.py` has `ErrorResponse`, the error format,
+#   and `OpenAIBaseModel`, which logs "The following fields were present in the request but
+#   ignored".
+# * `vllm/entrypoints/openai/chat_completion/serving.py`: `_create_chat_logprobs`, and
+#   `vllm/entrypoints/openai/completion/serving.py`: `_create_completion_logprobs`, shape section
+#   4's log-probabilities.
+# * `vllm/v1/engine/logprobs.py`: `LogprobsProcessor` keeps a request's sample and prompt
+#   log-probabilities; `vllm/v1/sample/logits_processor/builtin.py` has `LogitBiasLogitsProcessor`,
+#   `MinTokensLogitsProcessor` and `MinPLogitsProcessor`, and `vllm/v1/sample/ops/penalties.py`
+#   `apply_all_penalties`: section 2's table.
+# * `vllm/v1/core/kv_cache_utils.py`: `generate_block_hash_extra_keys` puts a request's LoRA name
+#   in every block's extra keys and its `cache_salt` in the first block's; `hash_block_tokens`
+#   hashes the parent's hash, the block's tokens and those keys: section 4's tenants.
 # * `vllm/v1/metrics/loggers.py`: `PrometheusStatLogger` declares the `vllm:` metrics read in
-#   section 5.
+#   section 6.
 #
 # What the course leaves out or does differently: one process, the engine stepping in a worker
 # thread, where vLLM runs the engine core in a process of its own behind ZeroMQ (and its API server
 # can run several front-end processes); a plain chat template instead of the tokenizer's; no
-# logprobs, tool calls, structured output, LoRA adapters or API keys; a stream sends a chunk per
+# tool calls, structured output, LoRA adapters (the name is only a hash key) or API keys, each
+# refused by name when asked for; a priority under FCFS is refused, as vLLM's API documents (its
+# 0.33.0 code lets it through); a stream sends a chunk per
 # step, where vLLM can batch them (`stream_interval`); `n` children share blocks through prefix
 # caching only, as in vLLM v1, not through lesson 08's fork.
 
@@ -450,8 +606,11 @@ print("stopped; KV cache usage:", async_llm.kv_view.kv_cache_usage)
 # * An online engine has three entry points: `add_request` queues, `step` runs one step and returns
 #   each moved request's output, `abort_request` finishes requests wherever they are and frees a
 #   running one's blocks at once.
-# * Sampling parameters change how a token is chosen, not how the cache works; `n` completions of
-#   one prompt share its full blocks through prefix caching.
+# * Sampling parameters change how a token is chosen, not how the cache works; log-probabilities
+#   come from the raw logits, before any of them; `n` completions of one prompt share its full
+#   blocks through prefix caching.
+# * Every request field is served, a no-op, or refused by name. `cache_salt` enters the first
+#   block's hash: tenant A's second request found 240 of its 248 tokens cached, tenant B none.
 # * `paged-kv serve` puts the cache you built behind OpenAI's API: the `openai` client talks to it
 #   unchanged, streams by server-sent events, and a client that hangs up frees its blocks before
 #   the next step.
