@@ -23,6 +23,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_allocator  # noqa: E402
 import bench_attention  # noqa: E402
+import bench_cache_salt  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_hf  # noqa: E402
 import bench_overhead  # noqa: E402
@@ -393,6 +394,28 @@ def test_prefix_cache_bench_rows_report_flatness_and_hit_rate(quick_run):
     assert hit.ratio == pytest.approx(hit.measured / hit.baseline) and hit.met
     for row in rows:
         assert row.measured > 0 and row.baseline > 0 and row.ratio > 0
+
+
+@pytest.mark.lesson08
+def test_cache_salt_bench_hits_under_its_salt_and_misses_under_a_new_one():
+    model = TinyGPT(GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=64), seed=0)
+    timer = bench_cache_salt.FirstTokenTimer(model, list(range(40, 73)), block_size=8, num_blocks=32)
+    first = timer.first_token("hit")  # the shared salt's first request: nothing cached yet
+    assert timer.computed["hit"] == {33}
+    timer.computed["hit"].clear()
+    assert [timer.first_token(kind) for kind in ("hit", "miss", "miss", "hit")] == [first] * 4
+    assert timer.computed == {"hit": {1}, "miss": {33}}  # 4 blocks hit, the last token computed
+    assert first == generate(model, [list(range(40, 73))], 1, cache="contiguous").tokens[0][0]
+
+
+@pytest.mark.lesson08
+def test_cache_salt_bench_rows_count_the_tokens_a_hit_saves_and_time_both(quick_run):
+    timing, counting = quick_run.rows(bench_cache_salt)
+    quick = bench_cache_salt.QUICK
+    assert (counting.measured, counting.baseline) == (16, quick["prompt_tokens"])  # one block computed
+    assert counting.ratio == counting.baseline / counting.measured
+    assert timing.unit == "ms" and timing.measured > 0 and timing.baseline > 0
+    assert timing.spread[0] <= timing.ratio <= timing.spread[1] and timing.met == (timing.ratio > 1)
 
 
 @pytest.mark.lesson09
