@@ -217,7 +217,7 @@ class BlockPool(BlockAllocator):
         Returns:
             Whether the chain goes on (``False``: it ended, and the caller drops it).
         """
-        tail = chain.tail
+        tail, keys = chain.tail, chain.extra_keys
         tail.extend(token_ids)
         while len(tail) >= block_size:
             tokens = tuple(tail[:block_size])
@@ -228,7 +228,7 @@ class BlockPool(BlockAllocator):
                 block_ids[chain.num_blocks],
                 group=group,
                 evicted_parent=evicted_parent,
-                extra_keys=chain.extra_keys.for_block(chain.num_blocks),
+                extra_keys=keys.rest if chain.num_blocks else keys.first,
             )
             chain.num_blocks += 1
             if chain.last is None:

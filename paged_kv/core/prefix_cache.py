@@ -78,19 +78,13 @@ def block_hash(parent_hash: int, token_ids: TokenIds, extra_keys: ExtraKeys = No
     Without extra keys the hash is ``hash((parent_hash, token_ids))``, as it has always been.
     Python hashes ints and tuples of ints the same way in every process (hash randomisation only
     applies to strings and bytes), so the chain is reproducible run to run; the extra keys, which
-    hold strings, enter as a SHA-256 digest of their text, reproducible too.
+    hold strings, enter as a SHA-256 digest of their text, reproducible too. The module calls it
+    with two arguments where a block has no extra keys (a test may put a two-argument hash in its
+    place).
     """
     if extra_keys is None:
         return hash((parent_hash, token_ids))
     return hash((parent_hash, token_ids, _digest(extra_keys)))
-
-
-def _chained(parent_hash: int, token_ids: TokenIds, extra_keys: ExtraKeys) -> int:
-    """:func:`block_hash`, called with two arguments where there are no extra keys: the module's
-    ``block_hash`` is looked up at each call, so a test may put a two-argument hash in its place."""
-    if extra_keys is None:
-        return block_hash(parent_hash, token_ids)
-    return block_hash(parent_hash, token_ids, extra_keys)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,7 +174,8 @@ def chain_hashes(blocks: Sequence[TokenIds], extra_keys: RequestExtraKeys = NO_E
     hashes: list[int] = []
     parent = ROOT_HASH
     for index, tokens in enumerate(blocks):
-        parent = _chained(parent, tokens, extra_keys.for_block(index))
+        keys = extra_keys.first if index == 0 else extra_keys.rest
+        parent = block_hash(parent, tokens) if keys is None else block_hash(parent, tokens, keys)
         hashes.append(parent)
     return hashes
 
@@ -383,17 +378,19 @@ class PrefixCache:
         """
         hits: list[CachedBlock] = []
         parent = None
-        for index, (tokens, block_hash_) in enumerate(zip(blocks[:max_blocks], hashes, strict=False)):
+        keys = extra_keys.first
+        for tokens, block_hash_ in zip(blocks[:max_blocks], hashes, strict=False):
             entry = self._by_hash.get((block_hash_, group))
             if (
                 entry is None
                 or entry.parent is not parent
                 or entry.token_ids != tokens
-                or entry.extra_keys != extra_keys.for_block(index)
+                or entry.extra_keys != keys
             ):
                 break
             hits.append(entry)
             parent = entry
+            keys = extra_keys.rest
         return hits
 
     def match_window(
@@ -478,7 +475,12 @@ class PrefixCache:
         if parent is not None and not evicted_parent and self._by_block.get(parent.block_id) is not parent:
             return None
         if block_hash_ is None:
-            block_hash_ = _chained(ROOT_HASH if parent is None else parent.block_hash, tokens, extra_keys)
+            parent_hash = ROOT_HASH if parent is None else parent.block_hash
+            block_hash_ = (
+                block_hash(parent_hash, tokens)
+                if extra_keys is None
+                else block_hash(parent_hash, tokens, extra_keys)
+            )
         entry = self._by_hash.get((block_hash_, group))
         if entry is not None:
             same = entry.parent is parent and entry.token_ids == tokens and entry.extra_keys == extra_keys
