@@ -21,8 +21,8 @@ OpenAI server all go through it, and the scheduler trusts what it made. It check
    vocabulary), ``logit_bias`` keys in the vocabulary, ``bad_words`` tokenized
    (:meth:`SamplingParams.update_from_tokenizer`), a ``priority`` other than 0 only under the
    ``"priority"`` policy (vLLM's protocol documents this error, its 0.33.0 code does not raise
-   it: the course does, so that no priority is ignored in silence), a ``cache_salt`` that is a non-empty string of at most 128 characters
-   without ``@``, ``/``, ``\\`` or NUL.
+   it: the course does, so that no priority is ignored in silence), a ``cache_salt`` that is a
+   non-empty string of at most 128 characters without ``@``, ``/``, ``\\`` or NUL.
 
 Whether an id is in use is the engine's state, not the request's: the engine that holds the live
 requests checks it (:class:`~paged_kv.serving.output_processor.OutputProcessor`).
