@@ -577,10 +577,9 @@ print("stopped; KV cache usage:", async_llm.kv_view.kv_cache_usage)
 # * `vllm/entrypoints/openai/`: the API server's routers (`completion/`, `chat_completion/`,
 #   `models/`); `vllm/entrypoints/serve/engine/protocol.py` has `ErrorResponse`, the error format,
 #   and `OpenAIBaseModel`, which logs "The following fields were present in the request but
-#   ignored".
-# * `vllm/entrypoints/openai/chat_completion/serving.py`: `_create_chat_logprobs`, and
-#   `vllm/entrypoints/openai/completion/serving.py`: `_create_completion_logprobs`, shape section
-#   4's log-probabilities.
+#   ignored"; `vllm/entrypoints/openai/chat_completion/serving.py` has `_create_chat_logprobs`
+#   and `vllm/entrypoints/openai/completion/serving.py` `_create_completion_logprobs`, the shapes
+#   of section 4's log-probabilities.
 # * `vllm/v1/engine/logprobs.py`: `LogprobsProcessor` keeps a request's sample and prompt
 #   log-probabilities; `vllm/v1/sample/logits_processor/builtin.py` has `LogitBiasLogitsProcessor`,
 #   `MinTokensLogitsProcessor` and `MinPLogitsProcessor`, and `vllm/v1/sample/ops/penalties.py`
