@@ -7,12 +7,29 @@ The rules, shared by every class in the package:
 * an unknown sequence raises :class:`UnknownSequenceError` (a ``KeyError``);
 * a duplicate sequence id, a negative count, an out-of-range position or a tensor of the wrong
   shape, dtype or device raises ``ValueError`` naming the argument;
+* a request's bad value (a sampling parameter, a priority, a salt) raises :class:`ValidationError`
+  (a ``ValueError``) whose ``parameter`` names the field, so a server can name it in its answer;
 * a call that raises changes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+
+
+class ValidationError(ValueError):
+    """A request's value refused (vLLM: ``VLLMValidationError`` in ``vllm/exceptions.py``).
+
+    Attributes:
+        parameter: the request's field at fault, by its name in vLLM's ``SamplingParams`` or
+            request (``"temperature"``, ``"logprobs"``, ``"cache_salt"``), or ``None``.
+        value: the value refused, when one is.
+    """
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: object = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
 
 
 class OutOfBlocksError(RuntimeError):

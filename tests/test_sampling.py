@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_kv.errors import ValidationError
 from paged_kv.serving.sampler import SamplingState, new_generator, sample
 from paged_kv.serving.sampling_params import (
     MAX_N_SEQUENCES,
@@ -75,10 +76,11 @@ def test_the_defaults_are_vllms():
     ],
 )
 def test_a_bad_parameter_is_refused_with_vllms_message_naming_it(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+    with pytest.raises(ValidationError, match=re.escape(message)) as caught:
         SamplingParams(**kwargs)
     name = message.split()[0]
     assert str(caught.value).startswith(name) and name in kwargs  # the message names the argument
+    assert caught.value.parameter == name  # and the error carries it, for a server's answer
 
 
 def test_stop_sequences_are_normalised_to_tuples_and_the_params_are_frozen():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
+from paged_kv.errors import ValidationError
 from paged_kv.model.generation import is_token
 from paged_kv.serving.config import ModelConfig
 from paged_kv.serving.request import EngineCoreRequest
@@ -90,11 +91,15 @@ class InputProcessor:
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+            raise ValidationError(
+                f"sampling_params must be a SamplingParams, got {params!r}", parameter="sampling_params"
+            )
         check_hashable("request_id", request_id)
         prompt = self._check_prompt(prompt_token_ids)
         if params.stop and not self.can_detokenize:
-            raise ValueError("stop strings need a tokenizer: give the engine a decode function")
+            raise ValidationError(
+                "stop strings need a tokenizer: give the engine a decode function", parameter="stop"
+            )
         self._check_sampling(params)
         self._check_scheduling(priority, cache_salt, lora_name)
         room = self.model_config.max_model_len - len(prompt)
@@ -129,45 +134,57 @@ class InputProcessor:
             asked = getattr(params, name)
             asked = vocab if asked == -1 else asked
             if asked and asked > most:
-                raise ValueError(
-                    f"Requested {what} logprobs of {asked}, which is greater than max allowed: {most}"
+                raise ValidationError(
+                    f"Requested {what} logprobs of {asked}, which is greater than max allowed: {most}",
+                    parameter=name,
                 )
         if params.logit_bias:
             outside = [t for t in params.logit_bias if not 0 <= t < vocab]
             if outside:
-                raise ValueError(
+                raise ValidationError(
                     f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
-                    f"Vocabulary size: {vocab}"
+                    f"Vocabulary size: {vocab}",
+                    parameter="logit_bias",
                 )
         if params.bad_words and params.bad_words_token_ids is None:
-            raise ValueError("bad_words need a tokenizer: call SamplingParams.update_from_tokenizer(encode)")
+            raise ValidationError(
+                "bad_words need a tokenizer: call SamplingParams.update_from_tokenizer(encode)",
+                parameter="bad_words",
+            )
         bad = [t for ids in params.bad_words_token_ids or () for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(
+            raise ValidationError(
                 f"The model vocabulary size is {vocab}, but the following tokens were specified as "
                 f"bad: {bad}. All token id values should be integers satisfying: "
-                f"0 <= token_id <= {vocab - 1}."
+                f"0 <= token_id <= {vocab - 1}.",
+                parameter="bad_words",
             )
 
     def _check_scheduling(self, priority: object, cache_salt: object, lora_name: object) -> None:
         """Step 6's checks of what the scheduler and the prefix cache read."""
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ValidationError(f"priority must be an integer, got {priority!r}", parameter="priority")
         if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(
+            raise ValidationError(
                 f"Got priority {priority} but Priority scheduling is not enabled: start the engine "
-                "with scheduling_policy='priority' (--scheduling-policy priority)"
+                "with scheduling_policy='priority' (--scheduling-policy priority)",
+                parameter="priority",
             )
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+                raise ValidationError(
+                    "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
+                )
             if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
-                raise ValueError(
+                raise ValidationError(
                     "Parameter 'cache_salt' must be at most 128 characters and must not contain "
-                    "'@', '/', '\\\\', or NUL."
+                    "'@', '/', '\\\\', or NUL.",
+                    parameter="cache_salt",
                 )
         if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
-            raise ValueError(f"lora_name must be a non-empty string or None, got {lora_name!r}")
+            raise ValidationError(
+                f"lora_name must be a non-empty string or None, got {lora_name!r}", parameter="lora_name"
+            )
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list of ints, if the model can run it: vLLM's messages."""
@@ -176,21 +193,27 @@ class InputProcessor:
             or not isinstance(prompt_token_ids, Sequence)
             or not prompt_token_ids
         ):
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            raise ValidationError(
+                "prompt_token_ids must be a non-empty list of token ids", parameter="prompt_token_ids"
+            )
         vocab = self.model_config.vocab_size
         if not all(is_token(t, vocab) for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must hold token ids in [0, {vocab})")
+            raise ValidationError(
+                f"prompt_token_ids must hold token ids in [0, {vocab})", parameter="prompt_token_ids"
+            )
         length, limit = len(prompt_token_ids), self.model_config.max_model_len
         if length > limit:
-            raise ValueError(
+            raise ValidationError(
                 f"The decoder prompt (length {length}) is longer than the maximum model length of "
-                f"{limit}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+                f"{limit}. Make sure that `max_model_len` is no smaller than the number of text tokens.",
+                parameter="prompt_token_ids",
             )
         if length == limit:
-            raise ValueError(
+            raise ValidationError(
                 f"The decoder prompt (length {length}) plus the number of requested output tokens "
                 f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
                 "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
-                "output tokens)."
+                "output tokens).",
+                parameter="prompt_token_ids",
             )
         return [int(t) for t in prompt_token_ids]

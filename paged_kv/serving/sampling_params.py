@@ -45,6 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from paged_kv.errors import ValidationError
+
 MAX_N_SEQUENCES = 16
 """The largest ``n`` (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there: a small engine serves fewer)."""
 
@@ -96,84 +98,125 @@ class SamplingParams:
         set_field = object.__setattr__  # frozen: normalise the sequences once, here
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValidationError(
+                f"stop must be a string or a list of strings, got {self.stop!r}", parameter="stop"
+            )
         if not all(stop):
-            raise ValueError("stop cannot contain an empty string.")
+            raise ValidationError("stop cannot contain an empty string.", parameter="stop")
         set_field(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
-            raise ValueError(f"stop_token_ids must contain only integers, got {ids!r}.")
+            raise ValidationError(
+                f"stop_token_ids must contain only integers, got {ids!r}.", parameter="stop_token_ids"
+            )
         if any(t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise ValidationError(
+                f"stop_token_ids must be a list of token ids, got {ids!r}", parameter="stop_token_ids"
+            )
         set_field(self, "stop_token_ids", tuple(int(t) for t in ids))
         _check_int("n", self.n)
         if self.n > MAX_N_SEQUENCES:
-            raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
+            raise ValidationError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.", parameter="n")
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise ValueError(f"temperature must be a number, got {temperature!r}")
+            raise ValidationError(
+                f"temperature must be a number, got {temperature!r}", parameter="temperature"
+            )
         if not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number, got {temperature}.")
+            raise ValidationError(
+                f"temperature must be a finite number, got {temperature}.", parameter="temperature"
+            )
         if temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {temperature}.")
+            raise ValidationError(
+                f"temperature must be non-negative, got {temperature}.", parameter="temperature"
+            )
         if temperature > 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {temperature}.")
+            raise ValidationError(
+                f"temperature must be in [0, 2], got {temperature}.", parameter="temperature"
+            )
         if 0.0 < temperature < MIN_TEMPERATURE:  # vLLM's _MAX_TEMP: 1 / T must stay finite
             set_field(self, "temperature", MIN_TEMPERATURE)
         top_p = self.top_p
         if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+            raise ValidationError(f"top_p must be in (0, 1], got {top_p}.", parameter="top_p")
         if not _is_int(self.top_k):
-            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+            raise ValidationError(
+                f"top_k must be an integer, got {type(self.top_k).__name__}", parameter="top_k"
+            )
         if self.top_k < -1:  # vLLM quietly accepts -1 as 0 (disabled)
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+            raise ValidationError(
+                f"top_k must be 0 (disable), or at least 1, got {self.top_k}.", parameter="top_k"
+            )
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise ValidationError(f"seed must be an integer or None, got {self.seed!r}", parameter="seed")
         if self.seed == -1:  # vLLM's "no seed"
             set_field(self, "seed", None)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise ValidationError(
+                f"ignore_eos must be True or False, got {self.ignore_eos!r}", parameter="ignore_eos"
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise ValidationError(
+                f"max_tokens must be at least 1, got {self.max_tokens}.", parameter="max_tokens"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            raise ValidationError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", parameter="output_kind"
+            )
         self._check_processing(set_field)
         if self.greedy and self.n > 1:
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+            raise ValidationError(f"n must be 1 when using greedy sampling, got {self.n}.", parameter="n")
 
     def _check_processing(self, set_field: Callable[[object, str, object], None]) -> None:
         """The checks of the logits processing and of the log-probabilities (see the module)."""
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ValidationError(f"{name} must be a number, got {value!r}", parameter=name)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+                raise ValidationError(
+                    f"{name} must be in [-2, 2], got {getattr(self, name)}.", parameter=name
+                )
         if not math.isfinite(self.repetition_penalty):
-            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+            raise ValidationError(
+                f"repetition_penalty must be a finite number, got {self.repetition_penalty}.",
+                parameter="repetition_penalty",
+            )
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            raise ValidationError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+                parameter="repetition_penalty",
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise ValidationError(f"min_p must be in [0, 1], got {self.min_p}.", parameter="min_p")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            raise ValidationError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+                parameter="min_tokens",
+            )
         if self.max_tokens is not None and _is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise ValidationError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
+                f"got {self.min_tokens}.",
+                parameter="min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or (value < 0 and value != -1)):
-                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+                raise ValidationError(f"{name} must be non-negative or -1, got {value}.", parameter=name)
         if self.logit_bias is not None:
             set_field(self, "logit_bias", _logit_bias(self.logit_bias))
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            raise ValidationError(
+                f"bad_words must be a list of strings, got {self.bad_words!r}", parameter="bad_words"
+            )
         if not all(words):
-            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+            raise ValidationError(
+                f"bad_words cannot contain an empty string. Got bad_words={list(words)}",
+                parameter="bad_words",
+            )
         set_field(self, "bad_words", tuple(words))
 
     def update_from_tokenizer(self, encode: Callable[[str], Sequence[int]]) -> SamplingParams:
@@ -190,7 +233,9 @@ class SamplingParams:
         for word in self.bad_words:
             alone = tuple(encode(word.lstrip()))
             if not alone:
-                raise ValueError("bad_words entries must tokenize to at least one token.")
+                raise ValidationError(
+                    "bad_words entries must tokenize to at least one token.", parameter="bad_words"
+                )
             ids.append(alone)
             spaced = tuple(encode(" " + word.lstrip()))
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
@@ -225,7 +270,9 @@ def _logit_bias(bias: object) -> dict[int, float]:
     """``logit_bias`` with int keys (OpenAI's JSON sends them as strings) and each bias clamped to
     [-100, 100], as vLLM's ``from_optional`` converts it."""
     if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+        raise ValidationError(
+            f"logit_bias must be a mapping of token ids to biases, got {bias!r}", parameter="logit_bias"
+        )
     converted, invalid = {}, []
     for token, value in bias.items():
         try:
@@ -234,11 +281,15 @@ def _logit_bias(bias: object) -> dict[int, float]:
             invalid.append(token)
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"logit_bias must map token ids to finite numbers, got {value!r} for {token!r}")
+            raise ValidationError(
+                f"logit_bias must map token ids to finite numbers, got {value!r} for {token!r}",
+                parameter="logit_bias",
+            )
         converted[token_id] = min(100.0, max(-100.0, float(value)))
     if invalid:
-        raise ValueError(
-            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}"
+        raise ValidationError(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}",
+            parameter="logit_bias",
         )
     return converted
 
@@ -249,6 +300,6 @@ def _is_int(value: object) -> bool:
 
 def _check_int(name: str, value: object) -> None:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an int, but is of type {type(value)}")
+        raise ValidationError(f"{name} must be an int, but is of type {type(value)}", parameter=name)
     if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}.")
+        raise ValidationError(f"{name} must be at least 1, got {value}.", parameter=name)

@@ -25,7 +25,7 @@ Invariants the app keeps:
   read (malformed JSON, a field of the wrong type) is a 400 too, not FastAPI's 422: the handler
   replaces FastAPI's, as vLLM's does (``serve/exception_handling/handlers/validation.py``), with
   vLLM's type, ``"Bad Request"``, and the field at fault as ``param`` (the one a model validator's
-  :class:`~paged_kv.entrypoints.openai.protocol.ParamError` names, else the error's location);
+  :class:`~paged_kv.errors.ValidationError` names, else the error's location);
 * **no field is dropped in silence**: each is served, a no-op, or refused when set
   (:mod:`~paged_kv.entrypoints.openai.fields`), and one no model declares is logged;
 * **a client that hangs up aborts its request**, whose blocks are free before the engine's next
@@ -68,13 +68,13 @@ from paged_kv.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    ParamError,
     TokenizeRequest,
 )
 from paged_kv.entrypoints.openai.serving import check_model, error_json
 from paged_kv.entrypoints.openai.serving_chat import OpenAIServingChat
 from paged_kv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from paged_kv.entrypoints.openai.serving_tokenization import ServingTokenization
+from paged_kv.errors import ValidationError
 from paged_kv.serving.async_llm import AsyncLLM
 
 __all__ = ["ServerThread", "build_app"]
@@ -235,7 +235,7 @@ async def validation_exception_handler(_request: Request, exc: RequestValidation
     label = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {label}:\n" + "\n".join(lines) if errors else "Validation error"
     named = (err.get("ctx", {}).get("error") for err in errors)
-    param = next((error.parameter for error in named if isinstance(error, ParamError)), None)
+    param = next((error.parameter for error in named if isinstance(error, ValidationError)), None)
     if param is None and errors and errors[0].get("loc"):
         param = _param(errors[0]["loc"])
     error = ErrorInfo(

@@ -28,10 +28,10 @@ from paged_kv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ParamError,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from paged_kv.errors import ValidationError
 
 SERVED, NO_OP, REFUSED = "served", "no-op", "refused"
 OPENAI, VLLM, OPENAI_ONLY = "OpenAI", "vLLM", "OpenAI (not in vLLM)"
@@ -332,7 +332,7 @@ def check_fields(request: BaseModel, api: str) -> None:
     """Refuse a request that sets a ``refused`` field of ``api`` to a value the server does not serve.
 
     Raises:
-        ParamError: naming the first such field, in the table's words; nothing is changed.
+        ValidationError: naming the first such field, in the table's words; nothing is changed.
     """
     defaults = type(request).model_fields
     for name, rule in FIELDS[api].items():
@@ -343,7 +343,7 @@ def check_fields(request: BaseModel, api: str) -> None:
             continue
         if rule.allowed is not None and rule.allowed(value, request):
             continue
-        raise ParamError(
+        raise ValidationError(
             f"paged_kv's server does not implement `{name}` ({rule.note}); got {value!r}", parameter=name
         )
 

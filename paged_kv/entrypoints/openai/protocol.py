@@ -15,7 +15,7 @@ and ``serve/tokenize/protocol.py``):
   completion, whatever room the context leaves (vLLM's ``get_max_tokens``);
 * the checks vLLM makes on the request itself (``check_logprobs``, ``validate_stream_options``,
   ``check_generation_prompt``, ``check_tool_usage``'s first) are model validators with vLLM's
-  messages, each raising a :class:`ParamError` that names the field, which the app's handler puts
+  messages, each raising a :class:`ValidationError` that names the field, which the app's handler puts
   in the error's ``param`` (``cache_salt``, ``priority`` and the sampling parameters are the
   engine's to check: the input processor and
   :class:`~paged_kv.serving.sampling_params.SamplingParams` word them);
@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from paged_kv.errors import ValidationError
 from paged_kv.serving.logprobs import Logprob
 
 logger = logging.getLogger("paged_kv.entrypoints.openai")
@@ -50,14 +51,6 @@ def random_uuid() -> str:
 
 def _now() -> int:
     return int(time.time())
-
-
-class ParamError(ValueError):
-    """A request's field refused, with the field's name (vLLM: ``VLLMValidationError``'s ``parameter``)."""
-
-    def __init__(self, message: str, *, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
 
 
 class OpenAIBaseModel(BaseModel):
@@ -143,9 +136,9 @@ def _check_logprob_count(data: dict, name: str) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ParamError(f"`{name}` must be an integer.", parameter=name)
+        raise ValidationError(f"`{name}` must be an integer.", parameter=name)
     if value < 0 and value != -1:
-        raise ParamError(f"`{name}` must be a positive value or -1.", parameter=name)
+        raise ValidationError(f"`{name}` must be a positive value or -1.", parameter=name)
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -210,7 +203,7 @@ class SamplingFields(OpenAIBaseModel):
     @classmethod
     def validate_stream_options(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
-            raise ParamError(
+            raise ValidationError(
                 "Stream options can only be defined when `stream=True`.", parameter="stream_options"
             )
         return data
@@ -225,7 +218,7 @@ class SamplingFields(OpenAIBaseModel):
         _check_logprob_count(data, "prompt_logprobs")
         asked = data.get("prompt_logprobs")
         if asked is not None and data.get("stream") and (asked > 0 or asked == -1):
-            raise ParamError(
+            raise ValidationError(
                 "`prompt_logprobs` are not available when `stream=True`.", parameter="prompt_logprobs"
             )
         return data
@@ -354,7 +347,7 @@ class ChatTemplateFields(OpenAIBaseModel):
             and data.get("continue_final_message")
             and data.get("add_generation_prompt")
         ):
-            raise ParamError(
+            raise ValidationError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 parameter="continue_final_message",
             )
@@ -405,7 +398,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         _check_logprob_count(data, "top_logprobs")
         top = data.get("top_logprobs")
         if top is not None and (top == -1 or top > 0) and not data.get("logprobs"):
-            raise ParamError(
+            raise ValidationError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
             )
         return data
@@ -417,7 +410,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         if not isinstance(data, dict):
             return data
         if data.get("tools") == []:
-            raise ParamError(
+            raise ValidationError(
                 "`tools` must not be an empty array. Either provide at least one tool or omit the field "
                 "entirely.",
                 parameter="tools",

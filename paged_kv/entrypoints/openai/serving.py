@@ -27,11 +27,11 @@ no block, no step and no place in any queue.
 
 Each failure is a :class:`~paged_kv.entrypoints.openai.protocol.ErrorResponse` (vLLM:
 ``create_error_response``: a ``ValueError`` is a 400 ``BadRequestError``), whose ``param`` is the
-field the refusal names (:func:`param_of`). Only then are the requests handed to
-``AsyncLLM.generate``, merged (:func:`merge_async_iterators`: a completion's several prompts run
-together), streamed as server-sent events by a :class:`ClosingStreamingResponse`, which closes the
-stream's generators whatever ends it (so a client that hangs up aborts its requests and frees their
-blocks), or collected whole.
+field the refusal names (a :class:`~paged_kv.errors.ValidationError`'s ``parameter``). Only then
+are the requests handed to ``AsyncLLM.generate``, merged (:func:`merge_async_iterators`: a
+completion's several prompts run together), streamed as server-sent events by a
+:class:`ClosingStreamingResponse`, which closes the stream's generators whatever ends it (so a
+client that hangs up aborts its requests and frees their blocks), or collected whole.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from paged_kv.entrypoints.openai.fields import check_fields
 from paged_kv.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
-    ParamError,
     SamplingFields,
     UsageInfo,
     random_uuid,
 )
+from paged_kv.errors import ValidationError
 from paged_kv.serving.async_llm import AsyncLLM, EngineDeadError
 from paged_kv.serving.logprobs import Logprob, PromptLogprobs
 from paged_kv.serving.output_processor import RequestOutput
@@ -72,16 +72,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 """A request's id in a header, which wins over the body's ``request_id`` (vLLM's)."""
 MIN_LOGPROB = -9999.0
 """The least log-probability a response carries (vLLM's, OpenAI's stand-in for ``-inf``)."""
-_MESSAGE_PARAMS = (
-    ("Requested sample logprobs", "logprobs"),
-    ("Requested prompt logprobs", "prompt_logprobs"),
-    ("in logit_bias", "logit_bias"),
-    ("specified as bad", "bad_words"),
-    ("priority", "priority"),
-    ("'cache_salt'", "cache_salt"),
-)
-"""Words of the engine's refusals that name a request's field, the first that matches wins
-(vLLM's errors carry the field, ``VLLMValidationError.parameter``; the engine's name it in words)."""
 
 
 class RequestError(ValueError):
@@ -99,19 +89,6 @@ class RequestError(ValueError):
         self.err_type, self.status_code, self.param = err_type, status_code, param
 
 
-def param_of(message: str, fields: Sequence[str]) -> str | None:
-    """The request field an engine's refusal names: its first word when that is a field
-    (``"presence_penalty must be in [-2, 2], got 3.0."``), else the field its words name, else None.
-
-    >>> param_of("Requested sample logprobs of 30, which is greater than max allowed: 20", ["logprobs"])
-    'logprobs'
-    """
-    first = message.split(" ", 1)[0].strip("`'")
-    if first in fields:
-        return first
-    return next((param for words, param in _MESSAGE_PARAMS if words in message), None)
-
-
 def check_model(model: str | None, served: str) -> None:
     """Raises a 404 :class:`RequestError` unless ``model`` is the ``served`` name (or left out), in
     vLLM's words ("The model `X` does not exist.")."""
@@ -126,7 +103,7 @@ def check_model(model: str | None, served: str) -> None:
 
 def create_error_response(error: str | BaseException) -> ErrorResponse:
     """The :class:`ErrorResponse` of an error (vLLM: ``create_error_response``): a
-    :class:`RequestError` as it says; a :class:`~.protocol.ParamError` a 400 naming its field; any
+    :class:`RequestError` as it says; a :class:`~paged_kv.errors.ValidationError` a 400 naming its field; any
     other ``ValueError`` or ``TypeError``, a 400 ``BadRequestError``;
     :class:`~paged_kv.serving.async_llm.EngineDeadError` and anything else, a 500
     ``InternalServerError``."""
@@ -134,7 +111,7 @@ def create_error_response(error: str | BaseException) -> ErrorResponse:
         error = RequestError(error)
     if isinstance(error, RequestError):
         err_type, status, param = error.err_type, error.status_code, error.param
-    elif isinstance(error, ParamError):
+    elif isinstance(error, ValidationError):
         err_type, status, param = "BadRequestError", HTTPStatus.BAD_REQUEST, error.parameter
     elif isinstance(error, EngineDeadError):
         err_type, status, param = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR, None
@@ -328,11 +305,15 @@ class OpenAIServing:
         ]
         return response_id, core_requests
 
-    def named(self, error: ValueError, request: BaseModel) -> ValueError:
-        """``error`` with the field it names as its ``param`` (:func:`param_of`), a 400."""
-        if isinstance(error, (RequestError, ParamError)):
+    @staticmethod
+    def named(error: ValueError, request: BaseModel) -> ValueError:
+        """``error`` as a 400 whose ``param`` is the field at fault: a
+        :class:`~paged_kv.errors.ValidationError`'s ``parameter`` when the request has a field of that
+        name (the engine's ``prompt_token_ids`` is no field of a chat request), else none."""
+        if isinstance(error, RequestError):
             return error
-        return RequestError(str(error), param=param_of(str(error), list(type(request).model_fields)))
+        parameter = error.parameter if isinstance(error, ValidationError) else None
+        return RequestError(str(error), param=parameter if parameter in type(request).model_fields else None)
 
     # ------------------------------------------------------------------------------ serving
 
