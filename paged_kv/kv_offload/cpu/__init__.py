@@ -1,0 +1,1 @@
+"""The host (CPU memory) tier: its manager, worker and sizing (vLLM's ``vllm/v1/kv_offload/cpu/``)."""
