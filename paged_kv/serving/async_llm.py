@@ -222,9 +222,32 @@ class AsyncLLM:
         """Requests the clients are waiting on."""
         return len(self._queues)
 
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget every cached prefix, in the engine's thread between two steps; whether it did (vLLM:
+        ``AsyncLLM.reset_prefix_cache``; see :meth:`LLMEngine.reset_prefix_cache
+        <paged_kv.serving.llm_engine.LLMEngine.reset_prefix_cache>`). Requests it preempts go on
+        in the next steps, their clients none the wiser but for the wait.
+
+        Raises:
+            EngineDeadError: the engine loop failed.
+        """
+        if self.errored is not None:
+            raise EngineDeadError("the engine loop failed") from self.errored
+        return await asyncio.to_thread(self._reset_prefix_cache, reset_running_requests, reset_connector)
+
+    def _reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool) -> bool:
+        with self._engine_lock:
+            reset = self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+            self.kv_view = self._view()
+        return reset
+
     async def shutdown(self) -> None:
         """Stop the engine loop; abort every request left (their blocks freed, their iterators ended
-        with an ``"abort"`` output). After an engine failure the running requests' blocks are freed."""
+        with an ``"abort"`` output). After an engine failure the running requests' blocks are freed. The
+        engine is shut down last (:meth:`LLMEngine.shutdown
+        <paged_kv.serving.llm_engine.LLMEngine.shutdown>`: its event publisher closed)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # a failure is kept in errored
@@ -239,6 +262,7 @@ class AsyncLLM:
         with self._lock:
             self._ops.clear()
         self._deliver(await asyncio.to_thread(self._abort_all))
+        await asyncio.to_thread(self.llm_engine.shutdown)  # a publisher's thread is joined: not on the loop
 
     def _abort_all(self) -> list[tuple[_Queue, RequestOutput]]:
         engine = self.llm_engine

@@ -58,6 +58,10 @@ that only with ``VLLM_BATCH_INVARIANT``; it is off by default). **Metrics, by vL
 <paged_kv.serving.engine_result.EngineResult.metrics>` gathers a run's as vLLM's ``/metrics`` would
 show them. With ``log_stats_interval`` the engine logs vLLM's periodic line (logger
 ``paged_kv.engine``, INFO), and preemptions log vLLM V0's WARNING there, the first and every 50th.
+**KV-cache events** (``kv_events_config``, vLLM's ``--kv-events-config``): the engine's publisher is
+made once, with the engine (its socket bound then, so a subscriber can connect before the first
+run), and shared by its runs; each run's pool is new, so each run ends with an
+``AllBlocksCleared``. :meth:`Engine.shutdown` (or leaving a ``with Engine(...)`` block) closes it.
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ import torch
 
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec
 from paged_kv.core.kv_cache_manager import blocks_alone, watermark_blocks
+from paged_kv.distributed.kv_events import EventPublisherFactory
 from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.kv.startup import KVCacheReport
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.progress import progress_bar
+from paged_kv.serving.config import KVEventsConfig
 from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.engine_result import EngineResult, StepRecorder
 from paged_kv.serving.kv_cache_planning import get_kv_cache_config, sized
@@ -136,6 +142,10 @@ class Engine:
     engine's wall clock (a float; vLLM's ``VLLM_LOG_STATS_INTERVAL``, 10.0 by default), and once
     more at the end of a run; None (the default) logs none.
 
+    ``kv_events_config`` (a :class:`~paged_kv.serving.config.KVEventsConfig`, a dict or its JSON
+    text) publishes the pool's KV-cache events (see the module); the publisher starts here, last,
+    once every argument passed, and stops at :meth:`shutdown`.
+
     Raises:
         ValueError: a bad argument, named in the message.
     """
@@ -162,6 +172,7 @@ class Engine:
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
         scheduling_policy: str = "fcfs",
+        kv_events_config: KVEventsConfig | dict | str | None = None,
     ) -> None:
         self.model = as_causal_lm(model)
         self.log_stats_interval = check_interval(log_stats_interval)
@@ -185,11 +196,25 @@ class Engine:
             attention_backend=attention_backend,
             device=device,
             scheduling_policy=scheduling_policy,
+            kv_events_config=kv_events_config,
         )
         vllm_config = self.engine_args.create_engine_config(self.model)
         self.kv_cache_config = get_kv_cache_config(vllm_config, self.model)
         """The cache's plan, made once: its groups, its block count, vLLM's start-up report."""
         self.vllm_config = sized(vllm_config, self.kv_cache_config)
+        self.kv_event_publisher = EventPublisherFactory.create(self.vllm_config.kv_events_config)
+        """The runs' KV-cache event publisher (a ``NullEventPublisher`` with events off)."""
+
+    def shutdown(self) -> None:
+        """Stop the event publisher (its thread ended, its sockets closed); idempotent. A run after
+        it publishes nothing more (it fails: the publisher is closed)."""
+        self.kv_event_publisher.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     # The settings, read from the one configuration and the one plan.
     mode = property(lambda self: self.vllm_config.cache_config.mode)
@@ -246,7 +271,12 @@ class Engine:
 
     def new_llm_engine(self) -> LLMEngine:
         """A fresh online engine on this engine's config and plan: what each :meth:`run` steps."""
-        return LLMEngine(self.vllm_config, self.model, kv_cache_config=self.kv_cache_config)
+        return LLMEngine(
+            self.vllm_config,
+            self.model,
+            kv_cache_config=self.kv_cache_config,
+            kv_event_publisher=self.kv_event_publisher,
+        )
 
     def run(self, requests: Sequence[EngineRequest], progress: bool = False) -> EngineResult:
         """Serve ``requests`` until every one has finished; ``progress=True`` shows a tqdm bar.
@@ -300,7 +330,7 @@ class Engine:
             if stat_logger is not None:
                 stat_logger.flush(result.elapsed_seconds)
         finally:
-            llm.engine_core.free_all()
+            llm.shutdown()  # every request forgotten; with events, the run's pool cleared on the wire
             if bar is not None:
                 bar.close()
         result.tokens = {r.request_id: result.tokens[r.request_id] for r in requests}  # request order

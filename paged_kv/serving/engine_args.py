@@ -11,7 +11,10 @@ the course's two additions (``mode``, ``preemption``): the offline
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -24,13 +27,17 @@ from paged_kv.serving.config import (
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from paged_kv.serving.metrics import ENGINE_LOGGER
 from paged_kv.serving.scheduler import PREEMPTIONS, SCHEDULING_POLICIES, check_budget
 from paged_kv.validate import check_count
+
+_LOGGER = logging.getLogger(ENGINE_LOGGER)
 
 MODES = ("paged", "contiguous")
 """The course's two memories: paged blocks, or one contiguous reservation per request."""
@@ -45,6 +52,8 @@ class EngineArgs:
     device's memory from which the weights and the activation peak are taken, as vLLM sizes it.
     ``max_model_len`` defaults to the model's longest. ``attention_backend`` is a backend's name or
     ``None`` (the platform picks); ``device`` must be the model's (``None``: the model's).
+    ``kv_events_config`` is a :class:`~paged_kv.serving.config.KVEventsConfig`, a dict of its fields
+    or their JSON text (vLLM's ``--kv-events-config``), or ``None``: no events.
     """
 
     block_size: int = 16
@@ -66,6 +75,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     device: str | torch.device | None = None
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
 
     def create_engine_config(self, model: CausalLM) -> VllmConfig:
         """The :class:`~paged_kv.serving.config.VllmConfig` of an engine serving ``model`` with these
@@ -122,7 +132,24 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size),
             device_config=DeviceConfig(self._device(model)),
             attention_config=AttentionConfig(self.attention_backend),
+            kv_events_config=self._kv_events_config(),
         )
+
+    def _kv_events_config(self) -> KVEventsConfig | None:
+        """``kv_events_config`` as a :class:`KVEventsConfig`, with vLLM's two warnings: events on
+        without prefix caching (nothing is ever stored), and a publisher with events off."""
+        config = kv_events_config(self.kv_events_config)
+        if config is not None and config.enable_kv_cache_events and not self.enable_prefix_caching:
+            _LOGGER.warning(
+                "KV cache events are on, but prefix caching is not enabled. Use --enable-prefix-caching "
+                "to enable."
+            )
+        if config is not None and config.publisher != "null" and not config.enable_kv_cache_events:
+            _LOGGER.warning(
+                "KV cache events are disabled, but the scheduler is configured to publish them. Modify "
+                "KVEventsConfig.enable_kv_cache_events to True to enable."
+            )
+        return config
 
     def _model_config(self, model: CausalLM) -> ModelConfig:
         limit = model.config.max_len
@@ -170,3 +197,36 @@ class EngineArgs:
                 f"device {device} differs from the model's {model_device}; call model.to(device)"
             )
         return device
+
+
+_KV_EVENTS_FIELDS = tuple(f.name for f in fields(KVEventsConfig))
+
+
+def kv_events_config(value: object) -> KVEventsConfig | None:
+    """``value`` as a :class:`~paged_kv.serving.config.KVEventsConfig`: one already, a dict of its
+    fields, or that dict's JSON text (``--kv-events-config '{"enable_kv_cache_events": true}'``);
+    ``None`` stays ``None``.
+
+    Raises:
+        ValueError: text that is not a JSON object, an unknown field or a bad value, naming
+            ``kv_events_config`` and the field.
+    """
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_events_config must be a KVEventsConfig, a dict or its JSON text, got {value!r}")
+    unknown = sorted(set(value) - set(_KV_EVENTS_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"kv_events_config has no field {', '.join(map(repr, unknown))}: its fields are "
+            f"{', '.join(_KV_EVENTS_FIELDS)}"
+        )
+    try:
+        return KVEventsConfig(**value)
+    except ValueError as error:
+        raise ValueError(f"kv_events_config: {error}") from None

@@ -14,7 +14,14 @@ executor of the model, and runs one step at a time (``EngineCore.step``: ``sched
    over one block pool), or the course's contiguous baseline;
 3. **the storage and the runner**: a :class:`~paged_kv.kv.storage.KVStorage` of the plan's tensors,
    and a :class:`~paged_kv.serving.model_runner.ModelRunner` with its persistent block table;
-4. :meth:`EngineCore.step`: one step of the three calls, which returns what the scheduler saw.
+4. :meth:`EngineCore.step`: one step of the three calls, which returns what the scheduler saw;
+5. **KV-cache events**, with ``kv_events_config`` on: a
+   :class:`~paged_kv.distributed.kv_events.KVCacheEvents` listens to the paged memory's pool
+   (medium ``"GPU"``), and the scheduler publishes its events each step through the config's
+   publisher (vLLM's scheduler makes it, ``EventPublisherFactory.create``), or one handed in and
+   shared by several cores in turn (the offline ``Engine``'s runs). :meth:`EngineCore.shutdown`
+   ends it: the pool goes with the core, told as a last ``AllBlocksCleared``, and a publisher of
+   the core's own is shut down.
 
 Nothing here checks a request: they come checked, from the input processor.
 """
@@ -25,6 +32,13 @@ from collections.abc import Hashable, Iterable
 
 from paged_kv.core.block import blocks_for_tokens
 from paged_kv.core.kv_cache_manager import KVCacheManager
+from paged_kv.distributed.kv_events import (
+    MEDIUM_GPU,
+    EventPublisher,
+    EventPublisherFactory,
+    KVCacheEvents,
+    NullEventPublisher,
+)
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import VllmConfig
@@ -42,13 +56,20 @@ class EngineCore:
 
     ``kv_cache_config`` is a plan made already (the offline engine plans once and runs many times);
     ``None`` plans now. :attr:`vllm_config` is the config with the block count settled.
+    ``kv_event_publisher`` publishes the events instead of one made from the config (it outlives the
+    core: :meth:`shutdown` leaves it open).
 
     Invariant between steps: the scheduler's memory holds blocks for exactly its running requests,
     and the runner has a row of the block table for exactly them.
     """
 
     def __init__(
-        self, vllm_config: VllmConfig, model: CausalLM, kv_cache_config: KVCacheConfig | None = None
+        self,
+        vllm_config: VllmConfig,
+        model: CausalLM,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        kv_event_publisher: EventPublisher | None = None,
     ) -> None:
         self.model = model
         self.kv_cache_config = (
@@ -57,6 +78,9 @@ class EngineCore:
         self.vllm_config = vllm_config = sized(vllm_config, self.kv_cache_config)
         cache, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
         plan = self.kv_cache_config
+        events = vllm_config.kv_events_config
+        self.kv_cache_events = KVCacheEvents(MEDIUM_GPU) if events and events.enable_kv_cache_events else None
+        """The pool's events, queued for the scheduler (``None``: events off, or no pool)."""
         self.memory: KVMemory = self._make_memory()
         config = model.config
         self.storage = KVStorage(
@@ -77,6 +101,7 @@ class EngineCore:
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
             policy=scheduler_config.policy,
+            kv_cache_events=self.kv_cache_events,
         )
         self.model_runner = ModelRunner(
             model,
@@ -88,25 +113,36 @@ class EngineCore:
             kv_cache_groups=plan.kv_cache_groups,
         )
         """The runner of the model (vLLM: each worker's ``model_runner``, behind the core's executor)."""
+        self._owns_publisher = kv_event_publisher is None
+        self._shut_down = False
+        # Last: a publisher binds its sockets and starts a thread, and nothing after it may fail.
+        self.scheduler.kv_event_publisher = (
+            EventPublisherFactory.create(events) if kv_event_publisher is None else kv_event_publisher
+        )
 
     def _make_memory(self) -> KVMemory:
         cache, scheduler_config = self.vllm_config.cache_config, self.vllm_config.scheduler_config
         plan = self.kv_cache_config
         if cache.mode == "contiguous":
             max_model_len = self.vllm_config.model_config.max_model_len
-            return ContiguousMemory(
+            memory = ContiguousMemory(
                 plan.num_blocks * cache.block_size,
                 lambda _: max_model_len,
                 seat_tokens=max_model_len,
                 block_size=cache.block_size,
             )
-        return KVCacheManager(
+            self.kv_cache_events = None  # no pool, no prefix cache: nothing to tell
+            return memory
+        manager = KVCacheManager(
             plan.num_blocks,
             kv_cache_groups=plan.kv_cache_groups,
             enable_caching=cache.enable_prefix_caching,
             watermark=scheduler_config.watermark,
             max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
         )
+        if self.kv_cache_events is not None:
+            manager.add_listener(self.kv_cache_events)
+        return manager
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a checked request in the scheduler (vLLM: ``EngineCore.add_request``)."""
@@ -129,3 +165,25 @@ class EngineCore:
         """Free every running request's blocks and forget every request (after an error, or at the
         end of an offline run)."""
         self.scheduler.free_all()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix; whether it did (vLLM: ``EngineCore.reset_prefix_cache``): see
+        :meth:`Scheduler.reset_prefix_cache <paged_kv.serving.scheduler.Scheduler.reset_prefix_cache>`."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def shutdown(self) -> None:
+        """The core's end (vLLM: ``EngineCore.shutdown``): every request forgotten; with events on,
+        the pool's blocks go with it, published as ``AllBlocksCleared``, and a publisher of the core's
+        own is shut down (its thread ended, its sockets closed). Idempotent; a step after it
+        publishes nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.scheduler.free_all()
+        scheduler = self.scheduler
+        if self.kv_cache_events is not None:
+            self.kv_cache_events.all_blocks_cleared()
+            scheduler.publish_kv_events()
+        if self._owns_publisher:
+            scheduler.kv_event_publisher.shutdown()
+        scheduler.kv_event_publisher = NullEventPublisher()

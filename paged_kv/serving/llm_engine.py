@@ -18,7 +18,10 @@ three parts in a row:
 
 :meth:`LLMEngine.abort_request` finishes requests wherever they are: a running one's blocks go
 back to the pool at once, before the next step; a waiting or preempted one just leaves. An id is
-refused only while a request with it is live. Each step leaves vLLM's two records of it:
+refused only while a request with it is live. :meth:`LLMEngine.reset_prefix_cache` is vLLM's
+(refused while a request holds a block, unless the running ones are preempted first), and with
+``kv_events_config`` on each step's KV-cache events go out on the config's publisher until
+:meth:`LLMEngine.shutdown`. Each step leaves vLLM's two records of it:
 :attr:`LLMEngine.last_stats`, the scheduler's :class:`~paged_kv.serving.metrics.SchedulerStats`, and
 :attr:`LLMEngine.last_iteration`, an :class:`~paged_kv.serving.metrics.IterationStats` of the
 wall-clock latencies the step completed (times to first token from each request's arrival,
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import replace
 
+from paged_kv.distributed.kv_events import EventPublisher
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.serving.config import VllmConfig
 from paged_kv.serving.engine_args import EngineArgs
@@ -65,7 +69,8 @@ class LLMEngine:
     ``decode`` is the tokenizer's ``decode`` (token ids to text); without it the outputs have no
     text and stop strings are refused. The scheduler, the runner and the K/V storage are built once,
     here, and live as long as this object. ``clock`` gives the wall-clock seconds the latencies are
-    measured on.
+    measured on. ``kv_event_publisher`` publishes the KV-cache events instead of one made from the
+    config's ``kv_events_config``, and outlives the engine.
 
     Invariant between steps: the engine core holds exactly the unfinished children of the requests
     the output processor tracks, and the pool holds blocks for the running ones only.
@@ -79,9 +84,12 @@ class LLMEngine:
         decode: Decode | None = None,
         clock: Callable[[], float] = time.perf_counter,
         kv_cache_config: KVCacheConfig | None = None,
+        kv_event_publisher: EventPublisher | None = None,
     ) -> None:
         self.model = model = as_causal_lm(model)
-        self.engine_core = EngineCore(vllm_config, model, kv_cache_config)
+        self.engine_core = EngineCore(
+            vllm_config, model, kv_cache_config, kv_event_publisher=kv_event_publisher
+        )
         self.vllm_config = self.engine_core.vllm_config
         """The config, its block count settled."""
         memory = self.engine_core.memory
@@ -199,6 +207,22 @@ class LLMEngine:
         self.last_iteration = IterationStats()
         self._forget(children)
         return outputs
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix; whether it did (vLLM: ``LLMEngine.reset_prefix_cache``).
+
+        Refused (``False``, nothing changes) while a request holds a block; with
+        ``reset_running_requests`` the running requests are preempted first (by recompute: they
+        resume in a later step with the same tokens) and it succeeds. Its ``AllBlocksCleared`` is
+        published at once. ``reset_connector``: there is no connector, nothing more to reset.
+        Call it between steps.
+        """
+        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def shutdown(self) -> None:
+        """End the engine (vLLM: ``LLMEngine``'s ``shutdown`` of its core): every request forgotten,
+        the event publisher made from the config shut down. Idempotent."""
+        self.engine_core.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits, runs or is swapped out."""

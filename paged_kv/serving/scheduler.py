@@ -53,6 +53,16 @@ the tokens a step schedules; each admitted request takes at least one of them, s
 requests never outnumber the budget and every decode gets its token. Without a budget (``None``,
 the default) a step prefills every admitted prompt whole.
 
+**KV-cache events** (vLLM's ``--kv-events-config``): the memory's events since the last step
+(:class:`~paged_kv.distributed.kv_events.KVCacheEvents`, listening to its pool) are taken once at
+the end of each step, in :meth:`Scheduler.update_from_output`, and published as one
+``KVEventBatch`` (vLLM does the same there); a reset publishes its ``AllBlocksCleared`` at once.
+
+**Reset** (:meth:`Scheduler.reset_prefix_cache`, vLLM's): the prefix cache forgets every hash
+only when no request holds a block, unless the running requests are preempted first (by
+recompute, whatever ``preemption`` says, as vLLM's ``_preempt_request``); the runner hears of
+them in the next step's ``preemptions``.
+
 **Recompute resumes by prefill**, as the PagedAttention paper (§4.5) and vLLM do: a request
 preempted by recompute keeps the tokens it generated, its computed count goes back to 0, and when
 it is admitted again it prefills its prompt *and* those tokens, then samples the next one. With
@@ -61,6 +71,7 @@ prefix caching its blocks are mostly still cached: freed blocks keep their hashe
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
@@ -69,6 +80,7 @@ from operator import attrgetter
 from types import MappingProxyType
 
 from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.distributed.kv_events import EventPublisher, KVCacheEvents, KVEventBatch, NullEventPublisher
 from paged_kv.serving.logprobs import TokenLogprobs
 from paged_kv.serving.outputs import (
     CachedRequestData,
@@ -122,7 +134,10 @@ class Scheduler:
     running requests and ``max_num_batched_tokens`` (None: no budget) the tokens a step schedules,
     as vLLM's settings of those names; ``reserve_full_prompt`` is vLLM's
     ``scheduler_reserve_full_isl`` (on by default: a request is admitted only when its whole prompt
-    fits); ``policy`` is ``"fcfs"`` or ``"priority"`` (vLLM's ``SchedulerConfig.policy``). Requests are
+    fits); ``policy`` is ``"fcfs"`` or ``"priority"`` (vLLM's ``SchedulerConfig.policy``).
+    ``kv_cache_events`` are the memory's events, listening to its pool (``None``: none), published
+    by ``kv_event_publisher`` (vLLM's attribute; ``None``: a
+    :class:`~paged_kv.distributed.kv_events.NullEventPublisher`). Requests are
     added with :meth:`add_request` and wait, oldest first (best ranked first under ``"priority"``).
 
     Invariant between steps: every request in :attr:`requests` (the live ones, by id, as vLLM's
@@ -145,6 +160,8 @@ class Scheduler:
         max_num_batched_tokens: int | None = None,
         reserve_full_prompt: bool = True,
         policy: str = "fcfs",
+        kv_cache_events: KVCacheEvents | None = None,
+        kv_event_publisher: EventPublisher | None = None,
     ) -> None:
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
@@ -169,6 +186,11 @@ class Scheduler:
         self._step = 0
         self._output: SchedulerOutput | None = None  # the step scheduled and not yet updated
         self._scheduled: _Step | None = None  # what schedule() gathered for it
+        self._reset_preemptions: list[Preemption] = []  # preempted by a reset, for the next step's output
+        self.kv_cache_events = kv_cache_events
+        self.kv_event_publisher: EventPublisher = (
+            NullEventPublisher() if kv_event_publisher is None else kv_event_publisher
+        )
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -218,12 +240,13 @@ class Scheduler:
             sum(step.num_scheduled.values()),
             tuple(step.new_reqs),
             CachedRequestData(tuple(step.cached), tuple(step.cached_blocks), tuple(step.cached_computed)),
-            tuple(step.preemptions),
+            (*self._reset_preemptions, *step.preemptions),
             MappingProxyType(dict(step.swap_out)),
             MappingProxyType(dict(step.swap_in)),
             frozenset(self._finished_ids),
         )
         self._finished_ids.clear()
+        self._reset_preemptions.clear()
         self._output, self._scheduled = output, step
         return output
 
@@ -272,7 +295,47 @@ class Scheduler:
         )
         self._step += 1
         self._output = self._scheduled = None
+        self.publish_kv_events()
         return step
+
+    def publish_kv_events(self) -> None:
+        """Publish the memory's events since the last batch as one ``KVEventBatch`` stamped now, if
+        there are any (vLLM: the end of ``update_from_output``)."""
+        if self.kv_cache_events is None:
+            return
+        events = self.kv_cache_events.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (vLLM: ``Scheduler.reset_prefix_cache``, after a weight update
+        or between benchmark runs); return whether it did. Its ``AllBlocksCleared`` is published now.
+
+        Refused (``False``, nothing changes) while a request holds a block, unless
+        ``reset_running_requests``: then every running request is preempted first, newest first, by
+        recompute (its computed tokens back to 0, to the front of the queue with the tokens it
+        generated), so the reset succeeds and the requests go on with the same tokens. Swapped-out
+        requests hold no block and stay swapped out. ``reset_connector`` would reset a KV
+        connector's cache too: there is none here, so it changes nothing (vLLM treats a missing
+        connector as a success).
+
+        Raises:
+            RuntimeError: a step is scheduled and not yet updated (reset between steps); or the
+                memory refused although nothing ran (vLLM's message).
+        """
+        if self._output is not None:
+            raise RuntimeError(f"step {self._step} is scheduled: reset the prefix cache between steps")
+        if reset_running_requests:
+            while self.running:
+                self._reset_preemptions.append(self._requeue(self.running.pop()))
+        reset = self.memory.reset_prefix_cache()
+        if reset_running_requests and not reset:
+            raise RuntimeError(
+                "Failed to reset KV cache even when all the running requests are preempted and moved "
+                "to the waiting queue."
+            )
+        self.publish_kv_events()
+        return reset
 
     def finish_requests(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
         """Finish ``request_ids`` now, wherever they are (vLLM: ``Scheduler.finish_requests``, for an
@@ -317,6 +380,7 @@ class Scheduler:
         self.waiting.clear()
         self.swapped.clear()
         self.requests.clear()
+        self._reset_preemptions.clear()
 
     # ------------------------------------------------------------------------------ the phases
 
@@ -468,18 +532,25 @@ class Scheduler:
         """Swap out or free ``victim``, the newest running request. A request still prefilling is
         always requeued (its K/V is not worth moving); a requeued one keeps its generated tokens."""
         request_id = victim.request_id
-        victim.num_preemptions += 1
         prefilling = victim.num_computed_tokens < victim.num_tokens - 1 or not victim.output_token_ids
         if self.preemption == "swap" and not prefilling:
+            victim.num_preemptions += 1
             step.swap_out[request_id] = self.memory.get_block_ids(request_id)
             self.memory.free(request_id)
             self._enqueue(self.swapped, victim, front=True)  # older victims come first
             step.preemptions.append(Preemption(request_id, "swap", victim.num_computed_tokens))
             return
-        self.memory.free(request_id)
-        step.preemptions.append(Preemption(request_id, "recompute", victim.num_computed_tokens))
+        step.preemptions.append(self._requeue(victim))
+
+    def _requeue(self, victim: Request) -> Preemption:
+        """Preempt ``victim`` by recompute: its blocks freed, its computed tokens back to 0, to the
+        front of the waiting queue (in its rank under ``"priority"``)."""
+        victim.num_preemptions += 1
+        self.memory.free(victim.request_id)
+        preemption = Preemption(victim.request_id, "recompute", victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         self._enqueue(self.waiting, victim, front=True)
+        return preemption
 
     def _enqueue(self, queue: deque[Request], request: Request, *, front: bool) -> None:
         """Put ``request`` in ``queue``: under ``"fcfs"`` at its front (a victim) or back (an arrival),

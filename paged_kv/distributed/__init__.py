@@ -1,0 +1,2 @@
+"""What leaves the engine's process (vLLM: ``vllm/distributed/``): the KV-cache events a router reads
+(:mod:`~paged_kv.distributed.kv_events`)."""
