@@ -12,10 +12,11 @@ with torch's indexing, one call per tensor per transfer and never one per block:
 * a **load** gathers the host blocks with one ``index_select`` (into pinned memory, on CUDA), moves
   them to the device in one copy and scatters them into every layer's K and V (``index_copy_``).
 
-The copies work on the tensors' bytes (a ``uint8`` view), so any dtype the storage holds, fp8
-included, comes back bit for bit. A transfer completes before ``submit_store`` / ``submit_load``
-returns (vLLM's run asynchronously on their own stream; :meth:`~CPUOffloadingWorker.get_finished`
-reports them in the same shape).
+The copies work on the tensors' bytes, each block one row of words (8 bytes wide where its size
+allows), so any dtype the storage holds, fp8 included, comes back bit for bit, and torch's CPU
+``index_copy_``, which moves one element at a time, moves 8 bytes at once. A transfer completes before
+``submit_store`` / ``submit_load`` returns (vLLM's run asynchronously on their own stream;
+:meth:`~CPUOffloadingWorker.get_finished` reports them in the same shape).
 
 Invariant: ``k_caches[layer][b]`` and ``v_caches[layer][b]`` hold host block ``b`` of ``layer`` with
 the shape and dtype of one block of the storage's ``k_caches[layer]``; layers that share a device
@@ -37,8 +38,7 @@ from paged_kv.validate import check_count
 class CPUOffloadingWorker(OffloadingWorker):
     """``num_cpu_blocks`` host blocks for ``storage``'s K/V, and the copies between the two.
 
-    The host memory is pinned when the storage is on CUDA, so that the copies run at the bus's
-    speed and may overlap the device's work.
+    The host memory is pinned when the storage is on CUDA, so that the copies run at the bus's speed.
 
     Raises:
         ValueError: ``storage`` is not a :class:`~paged_kv.kv.storage.KVStorage`,
@@ -66,11 +66,12 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.v_caches: tuple[torch.Tensor, ...] = tuple(kv[1, t] for t in storage.layer_tensors)
         # The bytes the copies move: the host's as one (2 * tensors, blocks, ...) tensor, the
         # device's as each tensor's K, then each one's V, in the same order.
-        self._host_bytes = _bytes(kv).flatten(0, 1)
-        self._device_bytes = [
-            _bytes(caches[layer]) for caches in (storage.k_caches, storage.v_caches) for layer in first_layer
+        self._host_words = _words(kv).flatten(0, 1)
+        self._device_words = [
+            _words(caches[layer]) for caches in (storage.k_caches, storage.v_caches) for layer in first_layer
         ]
         self._finished: list[TransferResult] = []
+        self._buffers: dict[torch.device, torch.Tensor] = {}  # staging, by device: see _staging
 
     def __repr__(self) -> str:
         pinned = ", pinned" if self.pin_memory else ""
@@ -79,7 +80,7 @@ class CPUOffloadingWorker(OffloadingWorker):
     @property
     def nbytes(self) -> int:
         """The host memory the tier's blocks take."""
-        return self._host_bytes.numel()
+        return self._host_words.nbytes
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:
         """Copy device blocks ``src_spec.block_ids[i]`` to host blocks ``dst_spec.block_ids[i]``,
@@ -92,13 +93,12 @@ class CPUOffloadingWorker(OffloadingWorker):
         device_index, host_index = self._indices(job_id, src_spec, dst_spec, store=True)
         start = time.perf_counter()
         if len(host_index):
-            gathered = self._staging(len(host_index), self.storage.device, pin_memory=False)
-            for tensor, blocks in zip(self._device_bytes, gathered, strict=True):
+            gathered = self._staging(self.storage.device, len(host_index))
+            for tensor, blocks in zip(self._device_words, gathered, strict=True):
                 torch.index_select(tensor, 0, device_index, out=blocks)
             if self.pin_memory:
-                host = self._staging(len(host_index), torch.device("cpu"), pin_memory=True)
-                gathered = host.copy_(gathered)
-            self._host_bytes.index_copy_(1, host_index, gathered)
+                gathered = self._staging(_CPU, len(host_index)).copy_(gathered)
+            self._host_words.index_copy_(1, host_index, gathered)
         return self._done(job_id, len(host_index), start)
 
     def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -108,10 +108,11 @@ class CPUOffloadingWorker(OffloadingWorker):
         device_index, host_index = self._indices(job_id, dst_spec, src_spec, store=False)
         start = time.perf_counter()
         if len(host_index):
-            staged = self._staging(len(host_index), torch.device("cpu"), pin_memory=self.pin_memory)
-            torch.index_select(self._host_bytes, 1, host_index, out=staged)
-            staged = staged.to(self.storage.device, non_blocking=True)
-            for tensor, blocks in zip(self._device_bytes, staged, strict=True):
+            staged = self._staging(_CPU, len(host_index))
+            torch.index_select(self._host_words, 1, host_index, out=staged)
+            if self.pin_memory:
+                staged = self._staging(self.storage.device, len(host_index)).copy_(staged, non_blocking=True)
+            for tensor, blocks in zip(self._device_words, staged, strict=True):
                 tensor.index_copy_(0, device_index, blocks)
         return self._done(job_id, len(host_index), start)
 
@@ -150,10 +151,19 @@ class CPUOffloadingWorker(OffloadingWorker):
         device_index = torch.tensor(device_spec.block_ids, dtype=torch.long, device=self.storage.device)
         return device_index, torch.tensor(host_spec.block_ids, dtype=torch.long)
 
-    def _staging(self, num_blocks: int, device: torch.device, pin_memory: bool) -> torch.Tensor:
-        """An empty ``(2 * tensors, num_blocks, ...)`` byte tensor: a transfer's blocks, gathered."""
-        shape = (self._host_bytes.shape[0], num_blocks, *self._host_bytes.shape[2:])
-        return torch.empty(shape, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    def _staging(self, device: torch.device, num_blocks: int) -> torch.Tensor:
+        """A ``(2 * tensors, num_blocks, words)`` tensor on ``device`` (pinned, the host's beside a
+        CUDA device) to gather a transfer's blocks into: a view of a buffer kept from one transfer to
+        the next and grown to the largest, so that the memory is not allocated and faulted in again
+        every step (vLLM pools its transfers' buffers likewise)."""
+        rows, words = self._host_words.shape[0], self._host_words.shape[2]
+        numel = rows * num_blocks * words
+        buffer = self._buffers.get(device)
+        if buffer is None or buffer.numel() < numel:
+            pin_memory = self.pin_memory and device == _CPU
+            buffer = torch.empty(numel, dtype=self._host_words.dtype, device=device, pin_memory=pin_memory)
+            self._buffers[device] = buffer
+        return buffer[:numel].view(rows, num_blocks, words)
 
     def _done(self, job_id: int, num_blocks: int, start: float) -> bool:
         """Finish a transfer of ``num_blocks`` blocks started at ``start``: wait for the device,
@@ -165,6 +175,14 @@ class CPUOffloadingWorker(OffloadingWorker):
         return True
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes: a ``uint8`` view, its last dimension ``itemsize`` times longer."""
-    return tensor.view(torch.uint8)
+_CPU = torch.device("cpu")
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s blocks, its last three dimensions, each as one row of words: a view of the
+    widest integer dtype (up to 8 bytes) whose size divides a block's bytes."""
+    rows = tensor.view(torch.uint8).flatten(-3)
+    word = next(
+        w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if rows.shape[-1] % w.itemsize == 0
+    )
+    return rows.view(word)
