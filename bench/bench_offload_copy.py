@@ -85,10 +85,8 @@ def run(
         threads=threads,
     )
     where = "device to pinned host" if device.type == "cuda" else "RAM to RAM"
-    block_mib = storage.bytes_per_block / 2**20
-    shape = (
-        f"{num_blocks} blocks of {block_mib:.2f} MiB ({num_layers} layers, {device.type}, {threads} thread)"
-    )
+    block_kib = storage.bytes_per_block / 1024
+    shape = f"{num_blocks} blocks of {block_kib:g} KiB ({num_layers} layers, {device.type}, {threads} thread)"
     rows = []
     for name, direction in (("store", where), ("load", "back")):
         pairs = zip(timings.samples[f"plain {name}"], timings.samples[name], strict=True)
