@@ -86,6 +86,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _kv_events_config(text: str):
+    """``--kv-events-config``: vLLM's JSON object of ``KVEventsConfig`` fields, checked now."""
+    from paged_kv.serving.engine_args import kv_events_config
+
+    try:
+        return kv_events_config(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _token_counts(text: str) -> list[int]:
     counts = []
     for item in text.split(","):
@@ -244,6 +254,15 @@ def _add_serve_parser(commands) -> None:
         "prompt_logprobs); -1: the whole vocabulary (20, vLLM's default)",
     )
     serve.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish the pool's KV-cache events, as vLLM's: a JSON object of KVEventsConfig fields, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\' (a ZMQ PUB socket on '
+        'tcp://127.0.0.1:5557 unless "endpoint" says otherwise; off by default)',
+    )
+    serve.add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's log level (info)"
     )
 
@@ -355,6 +374,7 @@ def build_serve_app(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
+        kv_events_config=args.kv_events_config,
     )
     async_llm = AsyncLLM.from_engine_args(model, engine_args, decode=decode)
     app = build_app(async_llm, model_name=name, encode=encode)
@@ -368,6 +388,9 @@ def build_serve_app(args: argparse.Namespace):
         f"on {config.device_config.device}",
         f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
     ]
+    publisher = async_llm.llm_engine.engine_core.scheduler.kv_event_publisher.get_publisher_config()
+    if publisher is not None:
+        lines.insert(2, f"KV-cache events published on {publisher.endpoint} (topic {publisher.topic!r})")
     return app, lines
 
 

@@ -15,7 +15,17 @@ same routes over an :class:`~paged_kv.serving.async_llm.AsyncLLM`:
 ``GET /version``           ``{"version": paged_kv.__version__}`` (vLLM answers its own version)
 ``GET /metrics``           vLLM's Prometheus metrics (:mod:`~paged_kv.entrypoints.openai.metrics`)
 ``GET /kv``                the live page of the pool, when :mod:`paged_kv.entrypoints.kv_page` exists
+``POST /reset_prefix_...``  ``/reset_prefix_cache``, with ``VLLM_SERVER_DEV_MODE=1`` only (see below)
 =========================  ===========================================================================
+
+**The development endpoint** (vLLM's ``vllm/entrypoints/serve/dev/cache/api_router.py``, mounted
+only when the environment has ``VLLM_SERVER_DEV_MODE=1``, read when the app is built; without it
+the route does not exist, a 404): ``POST /reset_prefix_cache?reset_running_requests=false&
+reset_external=false`` calls :meth:`AsyncLLM.reset_prefix_cache
+<paged_kv.serving.async_llm.AsyncLLM.reset_prefix_cache>` (``reset_external`` is its
+``reset_connector``) and answers 200 with ``{"success": bool}``: ``false`` while a request holds
+blocks, unless ``reset_running_requests=true`` preempts the running ones first. A router of KV
+events then reads ``AllBlocksCleared``.
 
 Invariants the app keeps:
 
@@ -49,10 +59,12 @@ import asyncio
 import contextlib
 import importlib
 import importlib.util
+import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -80,6 +92,24 @@ from paged_kv.serving.async_llm import AsyncLLM
 __all__ = ["ServerThread", "build_app"]
 
 KV_PAGE_MODULE = "paged_kv.entrypoints.kv_page"
+DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+"""vLLM's switch of its development endpoints: ``1`` mounts them, ``0`` (the default) does not."""
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def server_dev_mode() -> bool:
+    """Whether ``VLLM_SERVER_DEV_MODE`` asks for the development endpoints (vLLM reads it as
+    ``bool(int(value))``, ``"0"`` when unset).
+
+    Raises:
+        ValueError: the variable is set to something other than an integer, named.
+    """
+    value = os.environ.get(DEV_MODE_VARIABLE, "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"{DEV_MODE_VARIABLE} must be 0 or 1, got {value!r}") from None
 
 
 def build_app(
@@ -98,8 +128,9 @@ def build_app(
     and keeps it, the ``AsyncLLM`` and the settings in ``app.state``.
 
     Raises:
-        ValueError: the engine has no ``decode``.
+        ValueError: the engine has no ``decode``, or ``VLLM_SERVER_DEV_MODE`` is not an integer.
     """
+    dev_mode = server_dev_mode()
     max_model_len = async_llm.vllm_config.model_config.max_model_len
     if async_llm.llm_engine.output_processor.decode is None:
         raise ValueError("the server needs the tokenizer's decode: build the engine with decode=...")
@@ -169,6 +200,17 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=stat_logger.content_type)
+
+    if dev_mode:
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(
+            reset_running_requests: bool = Query(default=False),
+            reset_external: bool = Query(default=False),
+        ) -> JSONResponse:
+            _LOGGER.info("Resetting prefix cache...")
+            success = await async_llm.reset_prefix_cache(reset_running_requests, reset_external)
+            return JSONResponse({"success": bool(success)})
 
     init_exception_handlers(app)
     if importlib.util.find_spec(KV_PAGE_MODULE) is not None:  # the live page, once it is written
