@@ -1,9 +1,10 @@
 # %% [markdown]
 # # Exercise 11 · Running out of blocks
 #
-# In this exercise you write the three decisions of lesson 11 that keep a paged engine going when
-# its blocks run out: the admission rule with a watermark, the choice of which sequences to preempt
-# (and where they wait afterwards), and the swap of a sequence's K/V to host memory and back. Each
+# In this exercise you write the decisions of lesson 11 that keep a paged engine going when its
+# blocks run out: the admission rule with a watermark, the choice of which sequences to preempt
+# (and where they wait afterwards), the swap of a sequence's K/V to host memory and back, and the
+# victims of vLLM's priority policy. Each
 # task says what to build and how it is checked; the cell after it runs the check and prints a
 # tick, or tells you which call gave which wrong answer.
 #
@@ -175,6 +176,51 @@ def swap_in(allocator: PagedKVCacheAllocator, seq_id, saved: tuple[torch.Tensor,
 
 # %%
 check("11.swap_round_trip", swap_out, swap_in)
+
+# %% [markdown]
+# ## Task 4 · Whose blocks under priority
+#
+# Under `--scheduling-policy priority` (lesson 11, section 5) a victim is no longer the newest: it
+# is the running sequence with the **largest** `(priority, arrival)`, wherever it stands in the
+# running list (a lower priority is served first), then the next largest, until the others' next
+# tokens fit; each victim's blocks become free and its own need goes, as in Task 2. Under priority
+# the running list is in admission order, which is not arrival order: an urgent request that
+# arrived late is admitted early.
+#
+# Write `priority_victims(running, num_free_blocks)`. Each entry of `running` is a tuple
+# `(seq_id, blocks, needs_block, priority, arrival)`: Task 2's three, an int `priority` and a
+# distinct `arrival` time. Return the victims' ids in the order they are preempted (`[]` when the
+# step fits). When only one sequence is left and it still does not fit, raise
+# `OutOfBlocksError(needed, free)`.
+#
+# **Checked:** a step that fits; a victim in the middle of the list; equal priorities told apart by
+# arrival, in an order that is not the list's; a victim admitted first but arrived last; two
+# victims; a case where the last one left does not fit (`OutOfBlocksError`); agreement with the
+# package's answer on 300 random cases (the priority scheduler preempts exactly these: the
+# package's tests check it step by step).
+
+
+# %%
+def priority_victims(running: list[tuple], num_free_blocks: int) -> list:
+    """The ids of the sequences to preempt, the largest (priority, arrival) first, until the others fit."""
+    ### BEGIN SOLUTION: sort the entries by (priority, arrival), largest first; take them in that order while more blocks are needed than are free, as in choose_victims (never the last one left: raise OutOfBlocksError)
+    order = sorted(running, key=lambda entry: (entry[3], entry[4]), reverse=True)
+    needed = sum(entry[2] for entry in running)
+    free = num_free_blocks
+    victims = []
+    while needed > free:
+        if len(victims) == len(running) - 1:
+            raise OutOfBlocksError(needed, free, "the last running sequence alone")
+        seq_id, blocks, needs, _, _ = order[len(victims)]
+        victims.append(seq_id)
+        free += blocks
+        needed -= needs
+    return victims
+    ### END SOLUTION
+
+
+# %%
+check("11.priority_victims", priority_victims)
 
 # %% [markdown]
 # ## Putting it together

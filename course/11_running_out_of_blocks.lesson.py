@@ -596,4 +596,5 @@ print(f"the engine under priority: {by_rank.preemptions} preemptions; same text:
 # C; `GATHER` does lesson 03's address translation with PyTorch operations instead. Lesson 12
 # writes such a kernel in Triton. The exercise for this lesson,
 # `exercises/11_running_out_of_blocks.ipynb`, has you write the watermark rule, the choice of
-# victims and their requeueing, and the swap of a sequence out to host memory and back.
+# victims and their requeueing, the swap of a sequence out to host memory and back, and the
+# victims under priority.

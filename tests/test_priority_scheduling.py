@@ -8,6 +8,8 @@ that preempts itself lets the ones after it try. The policy changes who waits, n
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.reference.lesson11 import priority_victims
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.model_runner import CountingRunner
 from paged_kv.serving.request import EngineCoreRequest
@@ -186,3 +189,37 @@ def test_an_fcfs_engine_refuses_a_priority_and_a_priority_engine_an_odd_one(mode
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.add_request("a", [1, 2], SamplingParams(max_tokens=2), priority=1.5)
     assert not llm.has_unfinished_requests()
+
+
+@settings(max_examples=max_examples(40), deadline=None)
+@given(st.integers(0, 10_000), st.integers(5, 14), st.sampled_from([2, 4]))
+def test_the_scheduler_preempts_exactly_the_victims_priority_victims_names(seed, num_blocks, block_size):
+    # As test_preemption's check of FCFS: without a budget every running request decodes at each
+    # step, so the step's preemptions are priority_victims's answer on the state before the step.
+    rng = random.Random(seed)
+    largest = num_blocks * block_size
+    scheduler = priority_scheduler(num_blocks, block_size)
+    memory = scheduler.memory
+    for i in range(rng.randint(2, 6)):
+        prompt = rng.randint(1, largest // 2)
+        scheduler.add_request(
+            request(
+                f"r{i}", prompt, rng.randint(1, largest - prompt + 1), rng.randint(0, 2), i + rng.random()
+            )
+        )
+    runner = CountingRunner()
+    while scheduler.has_unfinished_requests:
+        running = [
+            (
+                r.request_id,
+                len(memory.get_block_ids(r.request_id)[0]),
+                r.num_computed_tokens % block_size == 0,
+                r.request.priority,
+                r.request.arrival_time,
+            )
+            for r in scheduler.running
+        ]
+        expected = priority_victims(running, memory.num_free_blocks)
+        output = scheduler.schedule()
+        assert [p.request_id for p in output.preemptions] == expected
+        scheduler.update_from_output(output, runner.execute_model(output))

@@ -1,4 +1,5 @@
-"""Checks of exercise 11: admission with a watermark, victims and their requeueing, swapping K/V out and in.
+"""Checks of exercise 11: admission with a watermark, victims and their requeueing, swapping K/V out and in,
+and the victims of vLLM's priority policy.
 
 The admission rule is vLLM's, the engine's: the prompt's blocks, and the watermark's blocks only while
 another request runs, with no headroom for the running requests' growth. It is checked on examples at
@@ -29,6 +30,7 @@ from paged_kv.device import default_device
 from paged_kv.errors import OutOfBlocksError
 from paged_kv.kv.cache import PagedKVCacheAllocator
 from paged_kv.reference.lesson11 import choose_victims as package_victims
+from paged_kv.reference.lesson11 import priority_victims as package_priority_victims
 from paged_kv.serving.request import EngineCoreRequest
 
 # ------------------------------------------------------------------------------- Task 1
@@ -603,3 +605,132 @@ def _swap_round_trip(c: Checker, swap_out, swap_in) -> None:
         KeyError,
         "an unknown sequence is a KeyError (read_kv raises UnknownSequenceError) and frees nothing",
     )
+
+
+# ------------------------------------------------------------------------------- Task 4
+
+PRIORITY_RULE = (
+    "take the running sequence with the largest (priority, arrival) first, wherever it stands in running "
+    "(vLLM: max(self.running, key=lambda r: (r.priority, r.arrival_time))), then the next largest, until "
+    "the others' next tokens fit: each victim's blocks become free and its need goes"
+)
+PRIORITY_MISTAKES: list[tuple[Callable[[list, int], list], str]] = [
+    (
+        lambda running, free: _ranked(running, free, key=lambda i, e: i),
+        "you took the newest first, the first-come-first-served rule: under priority the victim is the "
+        "running sequence with the largest (priority, arrival), wherever it stands",
+    ),
+    (
+        lambda running, free: _ranked(running, free, key=lambda i, e: (-e[3], -e[4])),
+        "you took the most urgent first: a lower priority value is served first (vLLM's rule), so the "
+        "victim is the one with the largest (priority, arrival)",
+    ),
+    (
+        lambda running, free: _ranked(running, free, key=lambda i, e: (e[3], -i)),
+        "equal priorities are ordered by arrival: among them the latest arrival goes first, whatever its "
+        "place in running (admission order is not arrival order under priority)",
+    ),
+    (
+        lambda running, free: _ranked(running, free, key=lambda i, e: e[4]),
+        "you ranked by arrival alone: the priority comes first, the arrival only breaks ties",
+    ),
+    (
+        lambda running, free: _ranked(running, free, frees=False),
+        "a victim's blocks become free: add its blocks to the free count, and the sequences left may fit",
+    ),
+]
+
+# (running, num_free_blocks, expected victims): each case tells one mistake from the rule
+PRIORITY_CASES = [
+    ([("a", 2, True, 0, 0.0), ("b", 1, True, 1, 1.0)], 2, []),
+    ([("a", 2, True, 1, 0.0), ("b", 1, True, 0, 1.0), ("c", 1, True, 0, 2.0)], 2, ["a"]),
+    ([("b", 1, True, 1, 2.0), ("a", 1, True, 1, 5.0), ("c", 1, True, 0, 9.0)], 2, ["a"]),
+    ([("a", 1, True, 0, 3.0), ("b", 1, True, 0, 1.0)], 1, ["a"]),
+    (
+        [("a", 3, True, 0, 0.0), ("b", 1, False, 2, 1.0), ("c", 1, True, 1, 2.0), ("d", 1, True, 0, 3.0)],
+        0,
+        ["b", "c"],
+    ),
+]
+
+
+def _ranked(running: list, free: int, *, key=lambda i, e: (e[3], e[4]), frees=True) -> list:
+    """The rule, or a classic mistake: another ranking ``key(index, entry)``, or no blocks freed."""
+    order = sorted(range(len(running)), key=lambda i: key(i, running[i]), reverse=True)
+    needed = sum(entry[2] for entry in running)
+    victims = []
+    while needed > free:
+        if len(victims) == len(running) - 1:
+            raise OutOfBlocksError(needed, free)
+        _, blocks, needs, *_ = running[order[len(victims)]]
+        victims.append(running[order[len(victims)]][0])
+        free += blocks if frees else 0
+        needed -= needs
+    return victims
+
+
+def _random_priority_cases(count: int, seed: int) -> list[tuple[list, int]]:
+    """Random cases, distinct arrivals, where the last left fits, so that every answer is a list."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        size = rng.randint(1, 8)
+        arrivals = rng.sample(range(100), size)
+        running = [
+            (f"s{i}", rng.randint(0, 5), rng.random() < 0.6, rng.randint(0, 2), float(arrivals[i]))
+            for i in range(size)
+        ]
+        free = rng.randint(0, 4)
+        try:
+            package_priority_victims(running, free)
+        except OutOfBlocksError:
+            continue
+        cases.append((running, free))
+    return cases
+
+
+def _priority_hint(choose: Callable[..., object]) -> str:
+    """The classic mistake that ``choose`` makes on the examples and random cases, else the rule."""
+    cases = [(running, free) for running, free, _ in PRIORITY_CASES] + _random_priority_cases(100, 83)
+    answers = [_outcome(choose, *case) for case in cases]
+    for mistake, hint in PRIORITY_MISTAKES:
+        if answers == [_outcome(mistake, *case) for case in cases]:
+            return hint
+    return PRIORITY_RULE
+
+
+@task("11.priority_victims", "whose blocks the priority policy takes", needs=("priority_victims",))
+def _priority_victims(c: Checker, priority_victims) -> None:
+    hint = _priority_hint(priority_victims)
+    for running, free, expected in PRIORITY_CASES:
+        c.equal(
+            f"priority_victims({running}, {free})",
+            lambda running=running, free=free: priority_victims(list(running), free),
+            expected,
+            hint,
+        )
+    running = [("a", 5, True, 0, 0.0), ("b", 0, False, 9, 1.0)]
+    c.raises(
+        f"priority_victims({running}, 0)  # even 'a' alone does not fit",
+        lambda: priority_victims(list(running), 0),
+        OutOfBlocksError,
+        "when only one sequence is left and it still does not fit, raise OutOfBlocksError(needed, free)",
+    )
+    cases = _random_priority_cases(300, 82)
+    call = "priority_victims(running, free) on 300 random cases"
+    wrong = c.run(
+        call,
+        lambda: next(
+            (case for case in cases if _outcome(priority_victims, *case) != package_priority_victims(*case)),
+            None,
+        ),
+    )
+    if wrong is not None:
+        running, free = wrong
+        c.equal(
+            f"priority_victims({running}, {free})",
+            lambda: priority_victims(list(running), free),
+            package_priority_victims(running, free),
+            hint,
+        )
+    c.holds(call, wrong is None, "the package's answers (the priority scheduler's preemption)", wrong)

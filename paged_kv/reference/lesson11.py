@@ -3,7 +3,9 @@ the prompt's blocks, and the watermark's ``ceil(watermark * num_blocks)`` blocks
 runs, :class:`paged_kv.core.kv_cache_manager.KVCacheManager`); ``choose_victims`` is the scheduler's
 preemption on plain numbers (it pops the newest running request until the others' next tokens fit:
 :meth:`paged_kv.serving.scheduler.Scheduler.schedule`), and ``requeue`` puts the victims back at the
-front of the queue the way the scheduler does (``appendleft``, newest first);
+front of the queue the way the scheduler does (``appendleft``, newest first); ``priority_victims`` is
+the same preemption under vLLM's ``"priority"`` policy (the running request with the largest
+``(priority, arrival_time)`` first, wherever it stands);
 ``swap_out`` and ``swap_in`` are :mod:`paged_kv.kv.swap` on one allocator, with the saved K/V as a
 ``(k, v)`` pair instead of a :class:`~paged_kv.kv.swap.SwappedKV`.
 """
@@ -21,7 +23,7 @@ from paged_kv.kv.cache import PagedKVCacheAllocator as _PagedKVCacheAllocator
 from paged_kv.validate import check_count as _check_count
 from paged_kv.validate import check_hashable as _check_hashable
 
-__all__ = ["admit_with_watermark", "choose_victims", "requeue", "swap_in", "swap_out"]
+__all__ = ["admit_with_watermark", "choose_victims", "priority_victims", "requeue", "swap_in", "swap_out"]
 
 
 def admit_with_watermark(
@@ -87,6 +89,55 @@ def choose_victims(running: _Sequence[_Candidate], num_free_blocks: int) -> list
         if len(victims) == len(candidates) - 1:
             raise _OutOfBlocksError(needed, free, "the oldest running sequence alone")
         seq_id, blocks, needs = candidates[-1 - len(victims)]
+        victims.append(seq_id)
+        free += blocks
+        needed -= needs
+    return victims
+
+
+def priority_victims(running: _Sequence[tuple], num_free_blocks: int) -> list[_Hashable]:
+    """The sequences to preempt under the ``"priority"`` policy, in the order they are preempted.
+
+    ``running`` lists the running sequences in admission order, each as a ``(seq_id, blocks,
+    needs_block, priority, arrival)`` tuple: :func:`choose_victims`'s three, the request's
+    ``priority`` (an int, lower first) and its ``arrival`` time (distinct for distinct sequences).
+    Victims are taken by the largest ``(priority, arrival)`` first, wherever they stand in the list
+    (vLLM: ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``), until the others'
+    next tokens fit; the last sequence left is never taken.
+
+    Invariant of the answer: the victims are the shortest run of ``running`` sorted by ``(priority,
+    arrival)``, from the largest, whose removal makes the step fit; each ranks below every sequence
+    left. The scheduler's loop, which preempts only when a request finds no block, takes the same.
+
+    Raises:
+        ValueError: a malformed ``running`` (as :func:`choose_victims`, and an int ``priority`` and
+            a real ``arrival`` each), or ``num_free_blocks`` not a count; named.
+        OutOfBlocksError: the last sequence left alone needs more blocks than are free.
+    """
+    free = _check_count("num_free_blocks", num_free_blocks)
+    if isinstance(running, str | bytes) or not isinstance(running, _Sequence):
+        raise ValueError(f"running must be a list of 5-tuples, got {running!r}")
+    ranks = []
+    for index, entry in enumerate(running):
+        if not isinstance(entry, tuple) or len(entry) != 5:
+            raise ValueError(
+                f"running[{index}] must be a (seq_id, blocks, needs_block, priority, arrival) tuple, "
+                f"got {entry!r}"
+            )
+        priority, arrival = entry[3:]
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"running[{index}]'s priority must be an int, got {priority!r}")
+        if isinstance(arrival, bool) or not isinstance(arrival, int | float):
+            raise ValueError(f"running[{index}]'s arrival must be a number, got {arrival!r}")
+        ranks.append((priority, arrival, index))  # ties (not expected) go to the later admitted
+    candidates = _check_running([entry[:3] for entry in running])
+    order = sorted(range(len(candidates)), key=ranks.__getitem__, reverse=True)
+    needed = sum(needs for _, _, needs in candidates)
+    victims: list[_Hashable] = []
+    while needed > free:
+        if len(victims) == len(candidates) - 1:
+            raise _OutOfBlocksError(needed, free, "the last running sequence alone")
+        seq_id, blocks, needs = candidates[order[len(victims)]]
         victims.append(seq_id)
         free += blocks
         needed -= needs
