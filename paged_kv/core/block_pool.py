@@ -30,7 +30,10 @@ maps from hash to block):
 * **The hook.** Every store, eviction and reset is told to the pool's listeners
   (:class:`BlockPoolListener`): which block, under which hash and group, with which tokens and
   parent. vLLM turns the same moments into its KV-cache events (``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``).
+  ``AllBlocksCleared``, queued in its pool until ``take_events``); so does the listener
+  :class:`~paged_kv.distributed.kv_events.KVCacheEvents`, which the engine adds when its events
+  are on: one eviction is one ``BlockRemoved``, a reset one ``AllBlocksCleared`` (no removal per
+  block).
 
 Invariants, on top of :class:`~paged_kv.core.block_allocator.BlockAllocator`'s, true after every
 call and unchanged by a call that raises: a block holds at most one hash, and only while caching is
@@ -268,17 +271,24 @@ class BlockPool(BlockAllocator):
         """Forget every hash at once, held blocks' too, and zero the counters; return how many blocks
         held one. Live requests keep their blocks; the free list keeps its order."""
         dropped = self.prefix_cache.reset()
-        for listener in self.listeners:
-            listener.all_blocks_cleared()
+        self._tell_cleared()
         return dropped
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset (``BlockPool.reset_prefix_cache``): forget every hash, only when no request
-        holds a block; return whether it did."""
+        holds a block; return whether it did. The counters go on: they count every lookup since the
+        pool was built (vLLM's ``vllm:prefix_cache_queries`` is a counter, which never goes back),
+        so a reader of their differences (``make_prefix_cache_stats``) never sees one below 0."""
         if self.num_free_blocks != self.num_usable_blocks:
             return False
-        self.clear_prefix_cache()
+        for block_id in list(self.prefix_cache.cached_blocks()):
+            self.prefix_cache.evict(block_id)
+        self._tell_cleared()
         return True
+
+    def _tell_cleared(self) -> None:
+        for listener in self.listeners:
+            listener.all_blocks_cleared()
 
 
 _LISTENER_METHODS = ("block_stored", "block_removed", "all_blocks_cleared")
