@@ -8,6 +8,7 @@ down and checks that no publisher thread is left.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -524,3 +525,15 @@ def test_serve_refuses_a_bad_kv_events_config_in_one_line(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "publisher must be one of ('null', 'zmq'), got 'kafka'" in err
+
+
+def test_serve_prints_where_the_events_are_published():
+    from paged_kv.cli import build_serve_app
+
+    args = build_parser().parse_args(["serve", "--tiny", "--kv-events-config", json.dumps(EVENTS)])
+    app, lines = build_serve_app(args)
+    try:
+        publisher = app.state.async_llm.llm_engine.engine_core.scheduler.kv_event_publisher
+        assert f"KV-cache events published on {publisher.endpoint} (topic '')" in lines
+    finally:
+        helpers.run_async(app.state.async_llm.shutdown())

@@ -11,6 +11,7 @@ subscriber to the KV-cache events reads ``AllBlocksCleared`` after every reset t
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -23,6 +24,7 @@ from paged_kv.model.generation import generate
 from paged_kv.model.tiny_gpt import TinyGPT, decode, encode
 from paged_kv.serving.engine import EngineRequest
 from paged_kv.serving.llm_engine import LLMEngine
+from paged_kv.serving.metrics import ENGINE_LOGGER
 from paged_kv.serving.sampling_params import SamplingParams
 
 from . import helpers
@@ -62,7 +64,8 @@ def finish(llm: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
-def test_reset_is_refused_while_a_request_holds_blocks_and_changes_nothing(model):
+def test_reset_is_refused_while_a_request_holds_blocks_and_changes_nothing(model, caplog):
+    caplog.set_level(logging.INFO, logger=ENGINE_LOGGER)
     llm = online(model, events=True)
     subscriber = Subscriber(llm.engine_core.scheduler.kv_event_publisher)
     try:
@@ -74,12 +77,14 @@ def test_reset_is_refused_while_a_request_holds_blocks_and_changes_nothing(model
         assert held and llm.reset_prefix_cache() is False
         assert pool_index(llm) == held and llm.engine_core.memory.prefix_cache_stats == stats
         assert subscriber.events() == []  # nothing cleared, nothing published
+        assert "Failed to reset prefix cache because some blocks (3) are not freed yet" in caplog.text
         assert finish(llm)["a"] == alone(model, PROMPTS[0], 8)
         subscriber.events()
         counted = llm.engine_core.memory.prefix_cache_stats
         assert llm.reset_prefix_cache() is True  # nothing runs: the reset goes through
         assert pool_index(llm) == set() and len(llm.engine_core.memory.block_pool.prefix_cache) == 0
         assert llm.engine_core.memory.prefix_cache_stats == counted  # counters never go back (vLLM's)
+        assert "Successfully reset prefix cache" in caplog.text
         assert subscriber.events() == [AllBlocksCleared()]
         llm.add_request("b", PROMPTS[0], greedy(2))
         llm.step()

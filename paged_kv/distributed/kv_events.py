@@ -53,8 +53,9 @@ import zmq
 
 from paged_kv.core.prefix_cache import CachedBlock, ExtraKeys
 from paged_kv.serving.config import KVEventsConfig, split_zmq_path
+from paged_kv.serving.metrics import ENGINE_LOGGER
 
-_LOGGER = logging.getLogger(__name__)
+_LOGGER = logging.getLogger(ENGINE_LOGGER)
 
 MEDIUM_GPU = "GPU"
 """The medium of the device pool's events (vLLM's ``BlockPool`` default, on any device)."""
@@ -299,6 +300,7 @@ class ZmqEventPublisher(EventPublisher):
             raise
         self._config = replace(config, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint)
         self._running = True
+        _LOGGER.info("Starting ZMQ publisher thread")
         self._thread = threading.Thread(target=self._publisher_thread, name="zmq-publisher", daemon=True)
         self._thread.start()
 

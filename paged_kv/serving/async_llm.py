@@ -19,6 +19,9 @@ to it through queues; :class:`AsyncLLM` keeps the same shape in one process:
   anything else runs. :meth:`AsyncLLM.abort` does the same by request id, and the request's
   iterator ends with its last output, ``finish_reason`` ``"abort"``, as vLLM's does.
 
+:meth:`AsyncLLM.reset_prefix_cache` (vLLM's, behind the server's ``POST /reset_prefix_cache``) runs
+in the worker thread between two steps, as every change to the engine does.
+
 :attr:`AsyncLLM.kv_view` is the pool as the last step left it (a :class:`KVCacheView`), for the
 live page; :meth:`AsyncLLM.stat_loggers` get every step's stats (the Prometheus metrics). A request's
 id is refused only while its client listens; everything kept per request leaves with it.

@@ -71,6 +71,7 @@ prefix caching its blocks are mostly still cached: freed blocks keep their hashe
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import insort
 from collections import deque
@@ -82,6 +83,7 @@ from types import MappingProxyType
 from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.distributed.kv_events import EventPublisher, KVCacheEvents, KVEventBatch, NullEventPublisher
 from paged_kv.serving.logprobs import TokenLogprobs
+from paged_kv.serving.metrics import ENGINE_LOGGER
 from paged_kv.serving.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -92,6 +94,8 @@ from paged_kv.serving.outputs import (
 from paged_kv.serving.protocols import KVMemory, Runner
 from paged_kv.serving.request import EngineCoreRequest, Request
 from paged_kv.validate import check_count
+
+_LOGGER = logging.getLogger(ENGINE_LOGGER)
 
 PREEMPTIONS = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -333,6 +337,13 @@ class Scheduler:
             raise RuntimeError(
                 "Failed to reset KV cache even when all the running requests are preempted and moved "
                 "to the waiting queue."
+            )
+        if reset:
+            _LOGGER.info("Successfully reset prefix cache")
+        else:
+            _LOGGER.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self.memory.reserved_tokens // self.memory.block_size,
             )
         self.publish_kv_events()
         return reset
