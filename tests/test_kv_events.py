@@ -48,7 +48,7 @@ pytestmark = pytest.mark.lesson16
 BLOCK_SIZE = 4
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
 EVENTS = {"enable_kv_cache_events": True, "endpoint": LOOPBACK_ANY_PORT}
-QUIET_MS = 150  # a subscriber has all of a burst once nothing came for this long
+QUIET_MS = 100  # a subscriber has all of a burst once nothing came for this long
 VLLM_KV_EVENTS = Path("/work/vllm-0.33.0/vllm/distributed/kv_events.py")  # tools/check_vllm_refs.py's tree
 
 
@@ -255,6 +255,27 @@ def test_a_request_of_two_full_blocks_stores_their_hashes_in_chain_order(engine)
         group_idx=0,
     )
     assert set(stored.block_hashes) == pool_index(llm)
+
+
+def test_the_events_of_a_request_are_the_same_on_every_device(device):
+    """The hashes are the tokens', whatever device holds the K/V: medium ``"GPU"`` names the device
+    pool, as vLLM's default does on every platform."""
+    model = TinyGPT(GPTConfig(num_layers=1, num_heads=2, head_dim=8, max_len=32), seed=2).to(device)
+    llm = LLMEngine.from_engine_args(
+        model,
+        helpers.engine_args(6, block_size=BLOCK_SIZE, enable_prefix_caching=True, kv_events_config=EVENTS),
+    )
+    subscriber = Subscriber(llm.engine_core.scheduler.kv_event_publisher)
+    try:
+        prompt = list(range(30, 43))
+        tokens = serve(llm, "a", prompt, max_tokens=4)
+        prefill, decode = subscriber.events()  # three blocks in the prefill's step, one in a decode's
+        assert prefill.block_hashes + decode.block_hashes == hashes(prompt + tokens[:3])  # 16 tokens
+        assert decode.parent_block_hash == prefill.block_hashes[-1]
+        assert prefill.medium == decode.medium == MEDIUM_GPU
+    finally:
+        llm.shutdown()
+        subscriber.close()
 
 
 def test_a_request_after_a_hit_stores_its_new_blocks_after_the_hit(engine):
