@@ -24,6 +24,8 @@ from paged_kv.model.hub import HUB_URL, hub_offline_by_setting, hub_reachable
 # (distribution, minimum version, the extra of pyproject.toml that installs it)
 REQUIREMENTS: tuple[tuple[str, str, str], ...] = (
     ("torch", "2.4", "core"),
+    ("msgspec", "0.18", "core"),
+    ("pyzmq", "25", "core"),
     ("ipywidgets", "8.0", "course"),
     ("matplotlib", "3.7", "course"),
     ("jupyterlab", "4.0", "course"),

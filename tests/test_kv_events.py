@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from paged_kv.cli import build_parser, main
 from paged_kv.core.prefix_cache import chain_hashes, full_blocks
+from paged_kv.distributed.config import DEFAULT_KV_EVENTS_ENDPOINT, KVEventsConfig
 from paged_kv.distributed.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -36,7 +37,6 @@ from paged_kv.distributed.kv_events import (
 )
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
-from paged_kv.serving.config import DEFAULT_KV_EVENTS_ENDPOINT, KVEventsConfig
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.sampling_params import SamplingParams

@@ -22,11 +22,13 @@ LAYERS = {
     "kv": {"core"},
     "attention": {"core", "kv"},  # attention reads the cache's formats (fp8, lesson 10)
     "model": {"core", "kv", "attention"},
-    "serving": {"core", "kv", "attention", "model"},
+    "distributed": {"core"},  # KV-cache events on the wire (lesson 16's server; the issue's connector next)
+    "kv_offload": {"core", "kv"},  # the host tier of KV offloading
+    "serving": {"core", "kv", "attention", "model", "distributed", "kv_offload"},
     "simulation": {"core", "kv", "serving"},
     "pictures": {"core", "kv"},
     # the server of lesson 15 (entrypoints/openai/, entrypoints/kv_page.py): the top of the stack
-    "entrypoints": {"core", "kv", "attention", "model", "serving", "pictures"},
+    "entrypoints": {"core", "kv", "attention", "model", "serving", "pictures", "distributed"},
 }
 LAYERED = sorted(path for layer in LAYERS for path in (PACKAGE / layer).rglob("*.py"))
 

@@ -1,4 +1,4 @@
-"""KV-cache events: what the pool stored and evicted, published on ZMQ in vLLM's wire format.
+"""KV-cache events: what the pool stored and evicted, published on ZMQ in vLLM's wire format (lessons 08, 16).
 
 A KV-aware router (llm-d, NVIDIA Dynamo) sends a request to the instance that already holds its
 prefix. It learns what each instance holds from the instance's *KV-cache events*: vLLM 0.33.0's
@@ -27,7 +27,7 @@ one and an ``AllBlocksCleared`` when its prefix cache is reset (``vllm/v1/core/b
   big-endian sequence number (0, 1, 2... per publisher) and the batch in msgpack; an optional
   ROUTER socket that sends the batches from a sequence number on again, from a buffer of the last
   ``buffer_steps``. :class:`EventPublisherFactory` makes one from a
-  :class:`~paged_kv.serving.config.KVEventsConfig`.
+  :class:`~paged_kv.distributed.config.KVEventsConfig`.
 
 **Bind or connect.** vLLM binds an endpoint with a wildcard host (``tcp://*:5557``) or an ``ipc``
 or ``inproc`` one, and connects to any other (a proxy that gathers several instances' events).
@@ -52,10 +52,9 @@ import msgspec
 import zmq
 
 from paged_kv.core.prefix_cache import CachedBlock, ExtraKeys
-from paged_kv.serving.config import KVEventsConfig, split_zmq_path
-from paged_kv.serving.metrics import ENGINE_LOGGER
+from paged_kv.distributed.config import KVEventsConfig, split_zmq_path
 
-_LOGGER = logging.getLogger(ENGINE_LOGGER)
+_LOGGER = logging.getLogger(__name__)  # under the package's logger, silent unless configured
 
 MEDIUM_GPU = "GPU"
 """The medium of the device pool's events (vLLM's ``BlockPool`` default, on any device)."""
@@ -403,7 +402,7 @@ def _binds(endpoint: str) -> bool:
 
 
 class EventPublisherFactory:
-    """Makes the publisher a :class:`~paged_kv.serving.config.KVEventsConfig` names (vLLM's)."""
+    """Makes the publisher a :class:`~paged_kv.distributed.config.KVEventsConfig` names (vLLM's)."""
 
     _registry: ClassVar[dict[str, type[EventPublisher]]] = {
         "null": NullEventPublisher,

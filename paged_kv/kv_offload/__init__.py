@@ -1,5 +1,5 @@
-"""The CPU offload tier (vLLM's native KV offloading, ``--kv-offloading-size``), as vLLM 0.33.0 lays
-out ``vllm/v1/kv_offload/``:
+"""The CPU offload tier (vLLM's native KV offloading, ``--kv-offloading-size``, which lesson 11
+names), as vLLM 0.33.0 lays out ``vllm/v1/kv_offload/``:
 
 * :mod:`~paged_kv.kv_offload.base`: the two halves' interfaces and what passes between them
   (``OffloadingManager``, ``OffloadingWorker``, the load/store specs, events, transfer results);

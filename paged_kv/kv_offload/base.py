@@ -1,4 +1,4 @@
-"""The offloading tier's two halves and what passes between them, by vLLM 0.33.0's names.
+"""The offloading tier's two halves and what passes between them, by vLLM 0.33.0's names (lesson 11).
 
 vLLM's native KV offloading (``--kv-offloading-size``, ``vllm/v1/kv_offload/base.py``) splits a
 tier in two:

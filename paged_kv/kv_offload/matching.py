@@ -1,4 +1,4 @@
-"""How many tokens past the device's prefix-cache hit the host tier can supply.
+"""How many tokens past the device's prefix-cache hit the host tier can supply (lesson 11).
 
 vLLM's scheduler first asks its own prefix cache (``get_computed_blocks``: ``num_computed_tokens``,
 whole blocks), then the connector: ``get_num_new_matched_tokens(request, num_computed_tokens)``,

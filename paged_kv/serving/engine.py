@@ -75,12 +75,12 @@ import torch
 
 from paged_kv.core.kv_cache_groups import KVCacheGroupSpec
 from paged_kv.core.kv_cache_manager import blocks_alone, watermark_blocks
+from paged_kv.distributed.config import KVEventsConfig
 from paged_kv.distributed.kv_events import EventPublisherFactory
 from paged_kv.kv.sizing import KVCacheSpec
 from paged_kv.kv.startup import KVCacheReport
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.progress import progress_bar
-from paged_kv.serving.config import KVEventsConfig
 from paged_kv.serving.engine_args import EngineArgs
 from paged_kv.serving.engine_result import EngineResult, StepRecorder
 from paged_kv.serving.kv_cache_planning import get_kv_cache_config, sized
@@ -142,7 +142,7 @@ class Engine:
     engine's wall clock (a float; vLLM's ``VLLM_LOG_STATS_INTERVAL``, 10.0 by default), and once
     more at the end of a run; None (the default) logs none.
 
-    ``kv_events_config`` (a :class:`~paged_kv.serving.config.KVEventsConfig`, a dict or its JSON
+    ``kv_events_config`` (a :class:`~paged_kv.distributed.config.KVEventsConfig`, a dict or its JSON
     text) publishes the pool's KV-cache events (see the module); the publisher starts here, last,
     once every argument passed, and stops at :meth:`shutdown`.
 

@@ -21,13 +21,13 @@ import torch
 from paged_kv.attention.registry import check_backend_name
 from paged_kv.core.kv_cache_manager import check_watermark
 from paged_kv.device import resolve_device
+from paged_kv.distributed.config import KVEventsConfig
 from paged_kv.kv.fp8 import kv_cache_dtype_str_to_dtype
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import (
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
-    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -52,7 +52,7 @@ class EngineArgs:
     device's memory from which the weights and the activation peak are taken, as vLLM sizes it.
     ``max_model_len`` defaults to the model's longest. ``attention_backend`` is a backend's name or
     ``None`` (the platform picks); ``device`` must be the model's (``None``: the model's).
-    ``kv_events_config`` is a :class:`~paged_kv.serving.config.KVEventsConfig`, a dict of its fields
+    ``kv_events_config`` is a :class:`~paged_kv.distributed.config.KVEventsConfig`, a dict of its fields
     or their JSON text (vLLM's ``--kv-events-config``), or ``None``: no events.
     """
 
@@ -203,7 +203,7 @@ _KV_EVENTS_FIELDS = tuple(f.name for f in fields(KVEventsConfig))
 
 
 def kv_events_config(value: object) -> KVEventsConfig | None:
-    """``value`` as a :class:`~paged_kv.serving.config.KVEventsConfig`: one already, a dict of its
+    """``value`` as a :class:`~paged_kv.distributed.config.KVEventsConfig`: one already, a dict of its
     fields, or that dict's JSON text (``--kv-events-config '{"enable_kv_cache_events": true}'``);
     ``None`` stays ``None``.
 

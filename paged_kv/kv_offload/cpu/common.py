@@ -1,4 +1,5 @@
-"""What the host tier's two halves share: the spec naming its blocks (vLLM's ``cpu/common.py``)."""
+"""What the host tier's two halves share: the spec naming its blocks (vLLM's ``cpu/common.py``;
+lesson 11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The host tier's worker: host tensors in the device storage's layout, and batched block copies.
+"""The host tier's worker: host tensors in the device storage's layout, and batched block copies (lesson 11).
 
 vLLM 0.33.0's ``CPUOffloadingWorker`` (``vllm/v1/kv_offload/cpu/gpu_worker.py``) allocates, per KV
 cache tensor, a host tensor of ``num_cpu_chunks`` pages (pinned, on CUDA) and copies a transfer's

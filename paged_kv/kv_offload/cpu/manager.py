@@ -1,4 +1,4 @@
-"""The host tier's manager: an LRU of block hashes over a fixed number of host blocks.
+"""The host tier's manager: an LRU of block hashes over a fixed number of host blocks (lesson 11).
 
 vLLM 0.33.0's ``CPUOffloadingManager`` (``vllm/v1/kv_offload/cpu/manager.py``) keeps, per block hash,
 a status with two fields, ``ref_cnt`` and ``chunk_id``, and delegates the eviction order to a cache

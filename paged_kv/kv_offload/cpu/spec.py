@@ -1,4 +1,4 @@
-"""Sizing the host tier from ``kv_offloading_size`` as vLLM does, and building its two halves.
+"""Sizing the host tier from ``kv_offloading_size`` as vLLM does, and building its two halves (lesson 11).
 
 vLLM 0.33.0's arithmetic, in three places:
 
