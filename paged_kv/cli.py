@@ -96,6 +96,18 @@ def _kv_events_config(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _kv_offloading_size(text: str) -> float:
+    """``--kv-offloading-size``: GiB of host memory for the offloaded KV cache, a positive number."""
+    from paged_kv.kv_offload.cpu.spec import cpu_bytes_to_use
+
+    try:
+        size = float(text)
+        cpu_bytes_to_use(size)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"kv_offloading_size: {error}") from None
+    return size
+
+
 def _token_counts(text: str) -> list[int]:
     counts = []
     for item in text.split(","):
@@ -263,6 +275,20 @@ def _add_serve_parser(commands) -> None:
         'tcp://127.0.0.1:5557 unless "endpoint" says otherwise; off by default)',
     )
     serve.add_argument(
+        "--kv-offloading-size",
+        type=_kv_offloading_size,
+        default=None,
+        metavar="GIB",
+        help="keep evicted KV blocks in this many GiB of host memory and load a prefix hit from there, "
+        "as vLLM's native offloading (off by default)",
+    )
+    serve.add_argument(
+        "--kv-offloading-backend",
+        choices=("native",),
+        default="native",
+        help="the offloading connector's backend (vLLM's native one, the only one here)",
+    )
+    serve.add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's log level (info)"
     )
 
@@ -375,6 +401,8 @@ def build_serve_app(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
         kv_events_config=args.kv_events_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
     )
     async_llm = AsyncLLM.from_engine_args(model, engine_args, decode=decode)
     app = build_app(async_llm, model_name=name, encode=encode)

@@ -22,7 +22,7 @@ LAYERS = {
     "kv": {"core"},
     "attention": {"core", "kv"},  # attention reads the cache's formats (fp8, lesson 10)
     "model": {"core", "kv", "attention"},
-    "distributed": {"core"},  # KV-cache events on the wire (lesson 16's server; the issue's connector next)
+    "distributed": {"core", "kv", "kv_offload"},  # KV-cache events; the KV connector over the host tier
     "kv_offload": {"core", "kv"},  # the host tier of KV offloading
     "serving": {"core", "kv", "attention", "model", "distributed", "kv_offload"},
     "simulation": {"core", "kv", "serving"},

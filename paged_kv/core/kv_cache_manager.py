@@ -304,6 +304,7 @@ class KVCacheManager:
         num_tokens_to_fit: int | None = None,
         has_scheduled_reqs: bool = True,
         preempted: bool = False,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         """Take the blocks, in every group, for ``num_new_tokens`` more tokens of ``request``, all or
         none (vLLM: ``KVCacheManager.allocate_slots``; see the module).
@@ -320,7 +321,9 @@ class KVCacheManager:
         ``token_ids`` and caching, and unless it skips the cache for ``prompt_logprobs``), apart
         when ``preempted`` says it resumes after a preemption, as vLLM counts it. A new request's
         blocks are hashed with its extra keys (``cache_salt``, ``lora_name``) from now on, decode
-        included.
+        included. ``delay_cache_blocks`` (vLLM's, for a new request whose ``num_new_tokens`` are
+        external, loaded by a KV connector later) caches none of the new tokens' blocks now: the
+        scheduler calls :meth:`cache_blocks` once they are loaded.
 
         Returns:
             The block ids each group gained, in table order (for a new request, all of them, hits and
@@ -335,7 +338,7 @@ class KVCacheManager:
         if not self.enable_caching:
             token_ids = None
         request_id = request.request_id
-        if new_computed_blocks is None and num_tokens_to_fit is None:
+        if new_computed_blocks is None and num_tokens_to_fit is None and not delay_cache_blocks:
             try:
                 held = self._held.get(request_id)
             except TypeError:  # not hashable: the message every call gives
@@ -374,7 +377,15 @@ class KVCacheManager:
             num_tokens_to_fit,
             has_scheduled_reqs,
             preempted,
+            delay_cache_blocks,
         )
+
+    def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Cache the full blocks that ``token_ids``, the held request's tokens after those cached
+        so far, fill: the external tokens of an :meth:`allocate_slots` with ``delay_cache_blocks``,
+        once their K/V is loaded (vLLM: ``KVCacheManager.cache_blocks``). Nothing without caching."""
+        if self.enable_caching and request_id in self._held:
+            self.coordinator.cache_blocks(request_id, token_ids)
 
     def free(self, request_id: Hashable) -> list[int]:
         """Give back every block of the request in every group (an unknown id is a no-op); return
@@ -404,6 +415,7 @@ class KVCacheManager:
         num_tokens_to_fit: int | None,
         has_scheduled_reqs: bool,
         preempted: bool,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         """:meth:`allocate_slots` for a new request or a full-sequence check: vLLM's steps in order."""
         coordinator = self.coordinator
@@ -445,7 +457,7 @@ class KVCacheManager:
             held = self._held[request_id] = _Held()
         held.num_tokens = end
         held.capacity = coordinator.num_held_blocks(request_id) * self.block_size
-        if token_ids is not None and end > start:
+        if token_ids is not None and end > start and not delay_cache_blocks:
             coordinator.cache_blocks(request_id, token_ids[start:end])
         return gained
 

@@ -51,6 +51,8 @@ class CacheConfig:
     ``"fp8_e4m3"``, ``"fp8_e5m2"``), and ``calculate_kv_scales`` whether an fp8 cache measures each
     layer's scales from its first write (else 1.0). ``mode`` is the course's: ``"paged"`` blocks,
     or the ``"contiguous"`` baseline of one reservation of ``max_model_len`` per request.
+    ``kv_offloading_size`` (GiB, vLLM's name; ``None``: off) is the host tier's size, through the
+    offloading connector of ``kv_offloading_backend`` (``"native"``, the only one here).
     """
 
     block_size: int = 16
@@ -62,6 +64,8 @@ class CacheConfig:
     cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     mode: str = "paged"
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
 
 @dataclass(frozen=True)

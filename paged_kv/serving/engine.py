@@ -144,7 +144,9 @@ class Engine:
 
     ``kv_events_config`` (a :class:`~paged_kv.distributed.config.KVEventsConfig`, a dict or its JSON
     text) publishes the pool's KV-cache events (see the module); the publisher starts here, last,
-    once every argument passed, and stops at :meth:`shutdown`.
+    once every argument passed, and stops at :meth:`shutdown`. ``kv_offloading_size`` (GiB; ``None``:
+    off) keeps blocks in a host tier for the run (each run's engine core makes its own), through the
+    offloading connector (``kv_offloading_backend="native"``).
 
     Raises:
         ValueError: a bad argument, named in the message.
@@ -173,6 +175,8 @@ class Engine:
         calculate_kv_scales: bool = False,
         scheduling_policy: str = "fcfs",
         kv_events_config: KVEventsConfig | dict | str | None = None,
+        kv_offloading_size: float | None = None,
+        kv_offloading_backend: str = "native",
     ) -> None:
         self.model = as_causal_lm(model)
         self.log_stats_interval = check_interval(log_stats_interval)
@@ -197,6 +201,8 @@ class Engine:
             device=device,
             scheduling_policy=scheduling_policy,
             kv_events_config=kv_events_config,
+            kv_offloading_size=kv_offloading_size,
+            kv_offloading_backend=kv_offloading_backend,
         )
         vllm_config = self.engine_args.create_engine_config(self.model)
         self.kv_cache_config = get_kv_cache_config(vllm_config, self.model)

@@ -23,6 +23,7 @@ from paged_kv.core.kv_cache_manager import check_watermark
 from paged_kv.device import resolve_device
 from paged_kv.distributed.config import KVEventsConfig
 from paged_kv.kv.fp8 import kv_cache_dtype_str_to_dtype
+from paged_kv.kv_offload.cpu.spec import cpu_bytes_to_use
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import (
     AttentionConfig,
@@ -39,6 +40,8 @@ from paged_kv.validate import check_count
 
 _LOGGER = logging.getLogger(ENGINE_LOGGER)
 
+KV_OFFLOADING_BACKENDS = ("native",)
+"""The host tier's backends (vLLM's ``KVOffloadingBackend`` has ``"lmcache"`` too)."""
 MODES = ("paged", "contiguous")
 """The course's two memories: paged blocks, or one contiguous reservation per request."""
 
@@ -54,6 +57,8 @@ class EngineArgs:
     ``None`` (the platform picks); ``device`` must be the model's (``None``: the model's).
     ``kv_events_config`` is a :class:`~paged_kv.distributed.config.KVEventsConfig`, a dict of its fields
     or their JSON text (vLLM's ``--kv-events-config``), or ``None``: no events.
+    ``kv_offloading_size`` (GiB, vLLM's ``--kv-offloading-size``; ``None``: off) keeps blocks in a host
+    tier through the offloading connector of ``kv_offloading_backend`` (``"native"``; paged mode).
     """
 
     block_size: int = 16
@@ -76,6 +81,8 @@ class EngineArgs:
     attention_backend: str | None = None
     device: str | torch.device | None = None
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def create_engine_config(self, model: CausalLM) -> VllmConfig:
         """The :class:`~paged_kv.serving.config.VllmConfig` of an engine serving ``model`` with these
@@ -110,6 +117,17 @@ class EngineArgs:
             )
         if self.enable_prefix_caching and self.mode != "paged":
             raise ValueError("enable_prefix_caching is a setting of the paged mode: use it with mode='paged'")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(
+                f"kv_offloading_backend must be one of {KV_OFFLOADING_BACKENDS}, "
+                f"got {self.kv_offloading_backend!r}"
+            )
+        if self.kv_offloading_size is not None:
+            cpu_bytes_to_use(self.kv_offloading_size)  # a ValueError naming it
+            if self.mode != "paged":
+                raise ValueError(
+                    "kv_offloading_size is a setting of the paged mode: use it with mode='paged'"
+                )
         check_backend_name(self.attention_backend, "attention_backend")
         if check_count("tensor_parallel_size", self.tensor_parallel_size, minimum=1) != 1:
             raise ValueError(
@@ -187,6 +205,8 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
             mode=self.mode,
+            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend,
         )
 
     def _device(self, model: CausalLM) -> torch.device:

@@ -21,7 +21,12 @@ executor of the model, and runs one step at a time (``EngineCore.step``: ``sched
    publisher (vLLM's scheduler makes it, ``EventPublisherFactory.create``), or one handed in and
    shared by several cores in turn (the offline ``Engine``'s runs). :meth:`EngineCore.shutdown`
    ends it: the pool goes with the core, told as a last ``AllBlocksCleared``, and a publisher of
-   the core's own is shut down.
+   the core's own is shut down;
+6. **the host tier**, with ``kv_offloading_size``: a
+   :class:`~paged_kv.kv_offload.cpu.spec.CPUOffloadingSpec` for the storage's blocks, and an
+   :class:`~paged_kv.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector`
+   per role over it: the scheduler's half in the scheduler, the worker's in the runner (vLLM makes
+   them in its scheduler and in each worker). Its stores and evictions are events too, medium ``"CPU"``.
 
 Nothing here checks a request: they come checked, from the input processor.
 """
@@ -39,7 +44,10 @@ from paged_kv.distributed.kv_events import (
     KVCacheEvents,
     NullEventPublisher,
 )
+from paged_kv.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from paged_kv.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from paged_kv.kv.storage import KVStorage
+from paged_kv.kv_offload.cpu.spec import CPUOffloadingSpec
 from paged_kv.model.causal_lm import CausalLM
 from paged_kv.serving.config import VllmConfig
 from paged_kv.serving.contiguous_memory import ContiguousMemory
@@ -81,6 +89,11 @@ class EngineCore:
         events = vllm_config.kv_events_config
         self.kv_cache_events = KVCacheEvents(MEDIUM_GPU) if events and events.enable_kv_cache_events else None
         """The pool's events, queued for the scheduler (``None``: events off, or no pool)."""
+        if cache.kv_offloading_size is not None and len(plan.kv_cache_groups) != 1:
+            raise ValueError(
+                f"kv_offloading_size needs a model of one KV-cache group, this one has "
+                f"{len(plan.kv_cache_groups)}"
+            )
         self.memory: KVMemory = self._make_memory()
         config = model.config
         self.storage = KVStorage(
@@ -94,6 +107,17 @@ class EngineCore:
             layer_tensors=plan.layer_tensors(config.num_layers),
             calculate_kv_scales=cache.calculate_kv_scales,
         )
+        self.offloading_spec: CPUOffloadingSpec | None = None
+        """The host tier (``None``: ``kv_offloading_size`` off)."""
+        connectors = (None, None)
+        if cache.kv_offloading_size is not None:
+            spec = self.offloading_spec = CPUOffloadingSpec.for_storage(
+                cache.kv_offloading_size, self.storage, enable_events=self.kv_cache_events is not None
+            )
+            connectors = tuple(
+                OffloadingConnector(role, spec, cache.block_size)
+                for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+            )
         self.scheduler = Scheduler(
             self.memory,
             preemption=scheduler_config.preemption,
@@ -102,6 +126,7 @@ class EngineCore:
             reserve_full_prompt=scheduler_config.scheduler_reserve_full_isl,
             policy=scheduler_config.policy,
             kv_cache_events=self.kv_cache_events,
+            connector=connectors[0],
         )
         self.model_runner = ModelRunner(
             model,
@@ -111,6 +136,7 @@ class EngineCore:
             max_blocks_per_req=blocks_for_tokens(vllm_config.model_config.max_model_len, cache.block_size),
             attention_backend=vllm_config.attention_config.backend,
             kv_cache_groups=plan.kv_cache_groups,
+            kv_connector=connectors[1],
         )
         """The runner of the model (vLLM: each worker's ``model_runner``, behind the core's executor)."""
         self._owns_publisher = kv_event_publisher is None

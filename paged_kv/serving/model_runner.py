@@ -32,12 +32,14 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from itertools import compress, repeat
 
 import torch
 
 from paged_kv.core.kv_cache_coordinator import BlockIds
 from paged_kv.core.kv_cache_groups import FullAttentionSpec, KVCacheGroupSpec
+from paged_kv.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorOutput
 from paged_kv.kv import swap
 from paged_kv.kv.storage import KVStorage
 from paged_kv.model.attend import step_attend
@@ -110,6 +112,9 @@ class ModelRunner:
     table has a row per group for each request, and each layer writes and reads through its
     group's. :attr:`last_metadata` is the :class:`~paged_kv.model.step.AttentionMetadata` of the
     last step that ran (its first group's: the groups share all but the block table and slots).
+    ``kv_connector`` is a KV connector's worker half (``None``: none, and the step is as without
+    one): it is given ``storage`` (``register_kv_caches``) and runs its loads before each forward
+    and its stores after it.
 
     Invariant between steps: :attr:`block_tables` has a row for exactly the running requests, built from
     the scheduler's block ids, and :attr:`state` the computed tokens the scheduler counts.
@@ -124,8 +129,12 @@ class ModelRunner:
         max_blocks_per_req: int,
         attention_backend: str | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        kv_connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         self.model, self.storage, self.attention_backend = model, storage, attention_backend
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(storage)
         self.block_size = storage.block_size
         self.device = storage.device
         num_layers = model.config.num_layers
@@ -169,7 +178,31 @@ class ModelRunner:
         self._check(output)
         self._update_states(output)
         scheduled = output.num_scheduled_tokens
+        if self.kv_connector is not None:
+            return self._run_with_connector(output)
         return self._run(list(scheduled), list(scheduled.values())) if scheduled else ModelRunnerOutput({})
+
+    def _run_with_connector(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step with a KV connector (vLLM's ``KVConnectorModelRunnerMixin``): its metadata bound,
+        its loads before the forward (``start_load_kv``), its stores after (``wait_for_save``), and
+        what its worker finished in the output."""
+        connector, scheduled = self.kv_connector, output.num_scheduled_tokens
+        connector.bind_connector_metadata(output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            result = ModelRunnerOutput({})
+            if scheduled:
+                result = self._run(list(scheduled), list(scheduled.values()))
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(set(output.finished_req_ids))
+        finally:
+            connector.clear_connector_metadata()
+        kv_output = KVConnectorOutput(
+            frozenset(sending or ()),
+            frozenset(recving or ()),
+            frozenset(connector.get_block_ids_with_load_errors()),
+        )
+        return replace(result, kv_connector_output=kv_output)
 
     def _run(self, req_ids: list[Hashable], query_lens: list[int]) -> ModelRunnerOutput:
         """One forward over ``query_lens[b]`` tokens of each request ``req_ids[b]``, in that order;

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorOutput
 from paged_kv.serving.logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -73,7 +74,8 @@ class SchedulerOutput:
     to host memory before the forward (vLLM V0's name), and ``blocks_to_swap_in`` each request
     swapped back to the blocks it copies them into, one tuple per KV-cache group.
     ``finished_req_ids`` are the requests that finished since the last step: the runner drops
-    their rows. Frozen: the runner needs nothing else from the scheduler.
+    their rows. ``kv_connector_metadata`` is the KV connector's work for the step (its loads and
+    stores; ``None``: no connector). Frozen: the runner needs nothing else from the scheduler.
     """
 
     step: int
@@ -85,6 +87,7 @@ class SchedulerOutput:
     blocks_to_swap_out: Mapping[Hashable, BlockIds] = field(default_factory=dict)
     blocks_to_swap_in: Mapping[Hashable, BlockIds] = field(default_factory=dict)
     finished_req_ids: frozenset[Hashable] = frozenset()
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def preempted_req_ids(self) -> frozenset[Hashable]:
@@ -102,8 +105,10 @@ class ModelRunnerOutput:
     each request that asked for them; ``prompt_logprobs`` those of the prompt tokens this step
     scored, in order, for each request that asked for them (a chunk of positions ``c .. e - 1``
     scores prompt tokens ``c + 1 .. e``: token 0 is never scored, and the logits at the prompt's
-    last position predict the first output token instead)."""
+    last position predict the first output token instead). ``kv_connector_output`` is what the KV
+    connector's worker finished in the step (``None``: no connector)."""
 
     sampled_token_ids: Mapping[Hashable, int]
     logprobs: Mapping[Hashable, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: Mapping[Hashable, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None

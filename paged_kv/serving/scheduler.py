@@ -63,6 +63,22 @@ only when no request holds a block, unless the running requests are preempted fi
 recompute, whatever ``preemption`` says, as vLLM's ``_preempt_request``); the runner hears of
 them in the next step's ``preemptions``.
 
+**A KV connector** (``connector``, vLLM's ``Scheduler.connector``: the offloading connector of
+``--kv-offloading-size``): at admission, after the prefix cache, the connector is asked how many
+tokens past the device's hit it can supply (``get_num_new_matched_tokens``: the request's
+``num_external_computed_tokens``). With some, the request's blocks are allocated for its computed
+and external tokens (the external ones not cached yet: ``delay_cache_blocks``), the connector
+plans their load (``update_state_after_alloc``), and the request waits out the step in
+:attr:`Scheduler.waiting_for_remote_kvs` (vLLM's ``WAITING_FOR_REMOTE_KVS``), scheduling nothing,
+while the runner loads them. When the runner reports the load done
+(``ModelRunnerOutput.kv_connector_output``), its blocks are cached and it goes back to the front
+of the queue with its computed tokens advanced, to be scheduled from there at the next step; a
+load that failed (``invalid_block_ids``) frees its blocks and requeues it with no external hit
+(recomputed: the same tokens). Each step's connector work is ``build_connector_meta``'s
+metadata in the :class:`SchedulerOutput`; a finished request is told (``request_finished``); the
+connector's events join the pool's batch; a reset with ``reset_connector`` resets its cache. With
+no connector (the default), none of this runs.
+
 **Recompute resumes by prefill**, as the PagedAttention paper (§4.5) and vLLM do: a request
 preempted by recompute keeps the tokens it generated, its computed count goes back to 0, and when
 it is admitted again it prefills its prompt *and* those tokens, then samples the next one. With
@@ -76,12 +92,13 @@ import time
 from bisect import insort
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from types import MappingProxyType
 
-from paged_kv.core.kv_cache_coordinator import BlockIds
+from paged_kv.core.kv_cache_coordinator import BlockIds, ComputedBlocks
 from paged_kv.distributed.kv_events import EventPublisher, KVCacheEvents, KVEventBatch, NullEventPublisher
+from paged_kv.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorOutput
 from paged_kv.serving.logprobs import TokenLogprobs
 from paged_kv.serving.metrics import ENGINE_LOGGER
 from paged_kv.serving.outputs import (
@@ -141,14 +158,17 @@ class Scheduler:
     fits); ``policy`` is ``"fcfs"`` or ``"priority"`` (vLLM's ``SchedulerConfig.policy``).
     ``kv_cache_events`` are the memory's events, listening to its pool (``None``: none), published
     by ``kv_event_publisher`` (vLLM's attribute; ``None``: a
-    :class:`~paged_kv.distributed.kv_events.NullEventPublisher`). Requests are
+    :class:`~paged_kv.distributed.kv_events.NullEventPublisher`). ``connector`` is a KV connector's
+    scheduler half (``None``: none; see the module), over a paged memory. Requests are
     added with :meth:`add_request` and wait, oldest first (best ranked first under ``"priority"``).
 
     Invariant between steps: every request in :attr:`requests` (the live ones, by id, as vLLM's
-    ``Scheduler.requests``) is in exactly one of waiting, running or swapped, and leaves
-    :attr:`requests` when it finishes, so the scheduler's state is bounded by the live requests
-    however long it serves; the memory holds exactly the running requests' blocks, for their
-    computed tokens; under a budget every step schedules at most ``max_num_batched_tokens`` tokens.
+    ``Scheduler.requests``) is in exactly one of waiting, running, swapped or
+    :attr:`waiting_for_remote_kvs`, and leaves :attr:`requests` when it finishes, so the scheduler's
+    state is bounded by the live requests however long it serves; the memory holds exactly the
+    blocks of the running requests, for their computed tokens, and of the requests whose external
+    tokens a connector loads or has loaded (waiting, those, for their next scheduling); under a
+    budget every step schedules at most ``max_num_batched_tokens`` tokens.
 
     Raises:
         ValueError: a bad ``preemption``, ``policy``, ``max_num_seqs`` or ``max_num_batched_tokens`` (a
@@ -166,6 +186,7 @@ class Scheduler:
         policy: str = "fcfs",
         kv_cache_events: KVCacheEvents | None = None,
         kv_event_publisher: EventPublisher | None = None,
+        connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         if preemption not in PREEMPTIONS:
             raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {preemption!r}")
@@ -195,11 +216,18 @@ class Scheduler:
         self.kv_event_publisher: EventPublisher = (
             NullEventPublisher() if kv_event_publisher is None else kv_event_publisher
         )
+        self.connector = connector
+        self.waiting_for_remote_kvs: dict[Hashable, Request] = {}
+        """The requests whose external tokens the connector loads this step (vLLM's
+        ``WAITING_FOR_REMOTE_KVS``), by id."""
+        self._num_external: dict[Hashable, int] = {}  # each loading request's external tokens
+        self._loaded: set[Hashable] = set()  # waiting with their external tokens loaded: blocks held
+        self._skip_external: set[Hashable] = set()  # a load failed: recompute, no external hit
 
     @property
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits, runs or is swapped out."""
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue ``request`` behind the waiting ones (vLLM: ``Scheduler.add_request``). Its content was
@@ -228,11 +256,13 @@ class Scheduler:
             raise RuntimeError(f"step {self._step} was scheduled already: call update_from_output first")
         step = _Step(self.max_num_batched_tokens)
         self._schedule_running(step)
+        if self._loaded:  # even after a preemption: they hold blocks a preempted request may wait on
+            self._admit_loaded(step)
         if not step.preemptions:
             self._swap_in(step)
             if not self.swapped:
                 self._admit(step)
-        if not step.num_scheduled and self.has_unfinished_requests:
+        if not step.num_scheduled and self.has_unfinished_requests and not self.waiting_for_remote_kvs:
             raise RuntimeError(
                 f"step {self._step}: nothing can run, yet requests wait; the memory has "
                 f"{self.memory.describe_free()}"
@@ -249,6 +279,8 @@ class Scheduler:
             MappingProxyType(dict(step.swap_in)),
             frozenset(self._finished_ids),
         )
+        if self.connector is not None:
+            output = replace(output, kv_connector_metadata=self.connector.build_connector_meta(output))
         self._finished_ids.clear()
         self._reset_preemptions.clear()
         self._output, self._scheduled = output, step
@@ -269,6 +301,9 @@ class Scheduler:
         except KeyError:
             missing = [r.request_id for r in sampling if r.request_id not in sampled]
             raise ValueError(f"the runner's result has no sampled token for {missing!r}") from None
+        if self.connector is not None and result.kv_connector_output is not None:
+            self.connector.update_connector_output(result.kv_connector_output)
+            self._update_waiting_for_remote_kv(result.kv_connector_output)
         first, new_tokens, done = [], {}, []
         for request, token in zip(sampling, tokens, strict=True):  # only a request that sampled can finish
             output_ids, request_id = request.output_token_ids, request.request_id
@@ -302,12 +337,35 @@ class Scheduler:
         self.publish_kv_events()
         return step
 
+    def _update_waiting_for_remote_kv(self, kv_output: KVConnectorOutput) -> None:
+        """Move the requests whose load finished back to the front of the queue (vLLM:
+        ``_update_waiting_for_remote_kv``): their external tokens cached and computed, or, when the
+        load left an invalid block, their blocks freed, to be recomputed without an external hit."""
+        done = [r for rid, r in self.waiting_for_remote_kvs.items() if rid in kv_output.finished_recving]
+        for request in reversed(done):  # to the front, the oldest first
+            request_id = request.request_id
+            del self.waiting_for_remote_kvs[request_id]
+            num_external = self._num_external.pop(request_id)
+            if kv_output.invalid_block_ids.intersection(self.memory.get_block_ids(request_id)[0]):
+                self.memory.free(request_id)
+                request.num_computed_tokens = 0
+                self._skip_external.add(request_id)
+            else:
+                start = request.num_computed_tokens
+                self.memory.cache_blocks(request_id, request.all_token_ids[start : start + num_external])
+                request.num_computed_tokens = start + num_external
+                self._loaded.add(request_id)
+            self._enqueue(self.waiting, request, front=True)
+
     def publish_kv_events(self) -> None:
-        """Publish the memory's events since the last batch as one ``KVEventBatch`` stamped now, if
-        there are any (vLLM: the end of ``update_from_output``)."""
+        """Publish the memory's events since the last batch, then the connector's (the host tier's,
+        medium ``"CPU"``), as one ``KVEventBatch`` stamped now, if there are any (vLLM: the end of
+        ``update_from_output``)."""
         if self.kv_cache_events is None:
             return
         events = self.kv_cache_events.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
@@ -318,10 +376,13 @@ class Scheduler:
         Refused (``False``, nothing changes) while a request holds a block, unless
         ``reset_running_requests``: then every running request is preempted first, newest first, by
         recompute (its computed tokens back to 0, to the front of the queue with the tokens it
-        generated), so the reset succeeds and the requests go on with the same tokens. Swapped-out
-        requests hold no block and stay swapped out. ``reset_connector`` would reset a KV
-        connector's cache too: there is none here, so it changes nothing (vLLM treats a missing
-        connector as a success).
+        generated), so the reset succeeds and the requests go on with the same tokens, and the
+        waiting requests whose external tokens were loaded give their blocks back too (to be
+        admitted afresh). Swapped-out requests hold no block and stay swapped out.
+        ``reset_connector`` resets the KV connector's cache too (the host tier forgets every block;
+        vLLM's ``reset_connector_cache``), whether or not the pool's reset succeeded, and the answer
+        is both's; without a connector it changes nothing (vLLM treats a missing connector as a
+        success).
 
         Raises:
             RuntimeError: a step is scheduled and not yet updated (reset between steps); or the
@@ -332,6 +393,10 @@ class Scheduler:
         if reset_running_requests:
             while self.running:
                 self._reset_preemptions.append(self._requeue(self.running.pop()))
+            for request_id in self._loaded:
+                self.memory.free(request_id)
+                self.requests[request_id].num_computed_tokens = 0
+            self._loaded.clear()
         reset = self.memory.reset_prefix_cache()
         if reset_running_requests and not reset:
             raise RuntimeError(
@@ -345,6 +410,8 @@ class Scheduler:
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
                 self.memory.reserved_tokens // self.memory.block_size,
             )
+        if reset_connector and self.connector is not None:
+            reset = self.connector.reset_cache() is not False and reset
         self.publish_kv_events()
         return reset
 
@@ -364,22 +431,23 @@ class Scheduler:
         asked = set(wanted)
         found = {
             r.request_id: r
-            for queue in (self.running, self.waiting, self.swapped)
+            for queue in (self.running, self.waiting, self.swapped, self.waiting_for_remote_kvs.values())
             for r in queue
             if r.request_id in asked
         }
         if not found:
             return []
-        running = {r.request_id for r in self.running}
-        for request_id in found:
-            if request_id in running:
+        holding = {r.request_id for r in self.running} | self._loaded | self.waiting_for_remote_kvs.keys()
+        for request_id, request in found.items():
+            if request_id in holding:
                 self.memory.free(request_id)
-            self._finished_ids.add(request_id)
-            del self.requests[request_id]
+            self._forget(request)
         gone = {id(request) for request in found.values()}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         self.swapped = deque(r for r in self.swapped if id(r) not in gone)
+        for request_id in found:
+            self.waiting_for_remote_kvs.pop(request_id, None)
         return [request_id for request_id in wanted if request_id in found]
 
     def free_all(self) -> None:
@@ -387,10 +455,19 @@ class Scheduler:
         the end of an offline run: a finished run holds nothing)."""
         for request in self.running:
             self.memory.free(request.request_id)
+        for request_id in self._loaded | self.waiting_for_remote_kvs.keys():
+            self.memory.free(request_id)
+        if self.connector is not None:
+            for request in self.requests.values():
+                self.connector.request_finished(request, None)
         self.running = []
         self.waiting.clear()
         self.swapped.clear()
         self.requests.clear()
+        self.waiting_for_remote_kvs.clear()
+        self._num_external.clear()
+        self._loaded.clear()
+        self._skip_external.clear()
         self._reset_preemptions.clear()
 
     # ------------------------------------------------------------------------------ the phases
@@ -480,10 +557,21 @@ class Scheduler:
 
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests in the queue's order, while they fit and the budget lasts."""
+        connector = self.connector
         while self.waiting and self._has_room() and step.budget_left != 0:
             request = self.waiting[0]
             token_ids = request.token_ids
+            if request.request_id in self._loaded:  # it did not fit in _admit_loaded
+                break
             computed = self.memory.get_computed_blocks(request.request, token_ids)
+            if connector is not None and request.request_id not in self._skip_external:
+                num_external, _ = connector.get_num_new_matched_tokens(request, computed.num_tokens)
+                if num_external is None:  # the connector asks again at a later step
+                    break
+                if num_external:
+                    if not self._admit_loading(request, computed, num_external):
+                        break
+                    continue
             num_new = step.clip(request.num_tokens - computed.num_tokens)
             block_ids = self.memory.allocate_slots(
                 request.request,
@@ -498,6 +586,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = computed.num_tokens
+            if connector is not None:
+                self._skip_external.discard(request.request_id)
+                connector.update_state_after_alloc(request, block_ids, 0)
             request.num_prefill_tokens = request.num_tokens
             self.running.append(request)
             step.new_reqs.append(
@@ -510,6 +601,61 @@ class Scheduler:
                 )
             )
             step.schedule(request, num_new)
+
+    def _admit_loading(self, request: Request, computed: ComputedBlocks, num_external: int) -> bool:
+        """Allocate the blocks of ``request``'s computed and ``num_external`` external tokens (its
+        whole prompt's reserved as for any admission) and have the connector load the external
+        ones: the request waits in :attr:`waiting_for_remote_kvs`. False: they do not fit."""
+        block_ids = self.memory.allocate_slots(
+            request.request,
+            num_external,
+            request.token_ids,
+            new_computed_blocks=computed,
+            num_tokens_to_fit=request.num_tokens if self.reserve_full_prompt else None,
+            has_scheduled_reqs=bool(self.running),
+            preempted=request.num_preemptions > 0,
+            delay_cache_blocks=True,
+        )
+        if block_ids is None:
+            return False
+        self.waiting.popleft()
+        request_id = request.request_id
+        request.num_computed_tokens = computed.num_tokens  # the device's hit; the load adds the rest
+        request.num_cached_tokens = computed.num_tokens + num_external
+        request.num_prefill_tokens = request.num_tokens
+        self.waiting_for_remote_kvs[request_id] = request
+        self._num_external[request_id] = num_external
+        self.connector.update_state_after_alloc(request, self.memory.get_block_ids(request_id), num_external)
+        return True
+
+    def _admit_loaded(self, step: _Step) -> None:
+        """Schedule the requests whose external tokens were loaded (their blocks held), in the
+        queue's order wherever they wait, from their computed tokens on, as new requests to the
+        runner, while their next tokens' slots fit and the budget and ``max_num_seqs`` allow."""
+        for request in [r for r in self.waiting if r.request_id in self._loaded]:
+            if not (self._has_room() and step.budget_left != 0 and self._schedule_loaded(request, step)):
+                break
+
+    def _schedule_loaded(self, request: Request, step: _Step) -> bool:
+        """:meth:`_admit_loaded` for one request; False: its slots do not fit."""
+        request_id = request.request_id
+        num_new = step.clip(request.num_tokens - request.num_computed_tokens)
+        if self.memory.allocate_slots(request.request, num_new, request.token_ids) is None:
+            return False
+        self.waiting.remove(request)
+        self._loaded.discard(request_id)
+        self.running.append(request)
+        step.new_reqs.append(
+            NewRequestData(
+                request_id,
+                request.token_ids,
+                self.memory.get_block_ids(request_id),
+                request.num_computed_tokens,
+                request.request.sampling_params,
+            )
+        )
+        step.schedule(request, num_new)
+        return True
 
     @staticmethod
     def _unschedule(request: Request, step: _Step) -> tuple[int, int]:
@@ -580,11 +726,21 @@ class Scheduler:
             return ()
         for request in done:
             self.memory.free(request.request_id)
-            self._finished_ids.add(request.request_id)
-            del self.requests[request.request_id]
+            self._forget(request)
         gone = {id(request) for request in done}
         self.running = [request for request in self.running if id(request) not in gone]
         return tuple((r.request_id, tuple(r.output_token_ids)) for r in done)
+
+    def _forget(self, request: Request) -> None:
+        """A finished request leaves (its blocks freed already): the runner and the connector are told."""
+        request_id = request.request_id
+        self._finished_ids.add(request_id)
+        del self.requests[request_id]
+        if self.connector is not None:
+            self.connector.request_finished(request, None)
+            self._loaded.discard(request_id)
+            self._skip_external.discard(request_id)
+            self._num_external.pop(request_id, None)
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""The KV connector and the host tier in the engine (``kv_offloading_size``, vLLM's native offloading).
+
+A block evicted from the device pool is still in the host tier: a returning prompt loads it from
+there (fewer prefill tokens, counted as external hits) instead of computing it again, and the
+tokens never change, under eviction, either preemption and a token budget, and when a load fails
+(its tokens recomputed). The tier's stores and evictions are KV-cache events with medium ``"CPU"``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paged_kv.cli import build_parser
+from paged_kv.distributed.kv_events import BlockRemoved, BlockStored
+from paged_kv.kv_offload.base import TransferResult
+from paged_kv.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+from paged_kv.model.config import GPTConfig
+from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.serving.engine import Engine, EngineRequest
+from paged_kv.serving.llm_engine import LLMEngine
+from paged_kv.serving.sampling_params import SamplingParams
+
+from . import helpers
+from .helpers import built
+
+pytestmark = pytest.mark.lesson11
+
+CONFIG = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=128)
+BLOCK_SIZE = 4
+TIER = 0.001  # GiB: a few hundred host blocks, far more than the device's 12
+
+
+@pytest.fixture
+def model(device: torch.device) -> TinyGPT:
+    return TinyGPT(CONFIG, seed=1).to(device)
+
+
+def chats(num_turns: int = 3, num_users: int = 5, seed: int = 0) -> list[EngineRequest]:
+    """Users who come back: each turn's prompt is the user's previous prompt plus a few new tokens,
+    so the working set (every user's prefix) is larger than the device pool."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(60) for _ in range(rng.randrange(9, 18))] for _ in range(num_users)]
+    requests = []
+    for turn in range(num_turns):
+        for user, prompt in enumerate(prompts):
+            prompt.extend(rng.randrange(60) for _ in range(3))
+            step = (turn * num_users + user) * 3
+            requests.append(EngineRequest(f"u{user}t{turn}", list(prompt), 4, arrival_step=step))
+    return requests
+
+
+def served(model: TinyGPT, requests: list[EngineRequest], **settings):
+    """The run's result and its engine core."""
+    engine = Engine(model, block_size=BLOCK_SIZE, enable_prefix_caching=True, **settings)
+    made = built(engine)
+    result = engine.run(requests)
+    return result, made[0].engine_core
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("budget", [None, 6])
+def test_the_same_tokens_with_and_without_the_tier(model, preemption, budget):
+    requests = chats()
+    settings = {"num_blocks": 12, "preemption": preemption, "max_num_batched_tokens": budget}
+    without, _ = served(model, requests, **settings)
+    with_tier, core = served(model, requests, kv_offloading_size=TIER, **settings)
+    assert with_tier.tokens == without.tokens
+    preempted = sum(without.preemptions_by_reason.values()) + sum(with_tier.preemptions_by_reason.values())
+    assert preempted, "the pool is too large to preempt"
+    assert core.scheduler.connector.stats.hits > 0
+
+
+def test_a_returning_prompt_evicted_from_the_device_hits_in_the_tier(model):
+    requests = chats()
+    without, _ = served(model, requests, num_blocks=12)
+    with_tier, core = served(model, requests, num_blocks=12, kv_offloading_size=TIER)
+    stats = core.scheduler.connector.stats
+    assert with_tier.tokens == without.tokens
+    assert stats.hits >= BLOCK_SIZE and stats.num_loads > 0 and stats.num_failed_loads == 0
+    assert stats.requests == len(requests)
+    assert with_tier.prefill_tokens_computed < without.prefill_tokens_computed
+    # every hit token is one the device did not compute
+    assert without.prefill_tokens_computed - with_tier.prefill_tokens_computed <= stats.hits
+    assert not core.scheduler.waiting_for_remote_kvs and not core.memory.request_ids
+
+
+def test_a_failed_load_is_recomputed_with_the_same_tokens(model, monkeypatch):
+    requests = chats()
+    without, _ = served(model, requests, num_blocks=12)
+
+    def failing_load(self, job_id, src_spec, dst_spec):  # copies nothing, reports failure
+        self._finished.append(TransferResult(job_id, False))
+        return True
+
+    monkeypatch.setattr(CPUOffloadingWorker, "submit_load", failing_load)
+    failed, core = served(model, requests, num_blocks=12, kv_offloading_size=TIER)
+    stats = core.scheduler.connector.stats
+    assert failed.tokens == without.tokens
+    assert stats.num_failed_loads == stats.num_loads > 0
+    assert failed.prefill_tokens_computed == without.prefill_tokens_computed
+
+
+def test_off_by_default_nothing_changes(model):
+    engine = Engine(model, num_blocks=12, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    made = built(engine)
+    engine.run(chats(num_turns=1))
+    core = made[0].engine_core
+    assert core.scheduler.connector is None and core.model_runner.kv_connector is None
+    assert core.offloading_spec is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "name"),
+    [
+        ({"kv_offloading_size": -1}, "kv_offloading_size"),
+        ({"kv_offloading_size": 0}, "kv_offloading_size"),
+        ({"kv_offloading_size": "2"}, "kv_offloading_size"),
+        ({"kv_offloading_size": float("nan")}, "kv_offloading_size"),
+        ({"kv_offloading_size": 1e-9}, "kv_offloading_size"),
+        ({"kv_offloading_size": 1, "kv_offloading_backend": "lmcache"}, "kv_offloading_backend"),
+        ({"kv_offloading_size": 1, "mode": "contiguous", "max_model_len": 32}, "kv_offloading_size"),
+    ],
+)
+def test_bad_config_is_a_value_error_naming_it(settings, name):
+    model = TinyGPT(CONFIG, seed=1)
+    with pytest.raises(ValueError, match=name):
+        engine = Engine(model, num_blocks=12, block_size=BLOCK_SIZE, **settings)
+        engine.run(chats(num_turns=1))  # a tier too small for one block is found when it is built
+
+
+def test_serve_takes_the_offloading_flags(capsys):
+    args = build_parser().parse_args(["serve", "--kv-offloading-size", "0.5"])
+    assert args.kv_offloading_size == 0.5 and args.kv_offloading_backend == "native"
+    assert build_parser().parse_args(["serve"]).kv_offloading_size is None
+    for bad in (
+        ["--kv-offloading-size", "-1"],
+        ["--kv-offloading-size", "lots"],
+        ["--kv-offloading-backend", "x"],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
+        assert "kv-offloading" in capsys.readouterr().err
+
+
+def test_the_tiers_events_carry_medium_cpu_and_a_reset_empties_it(model):
+    events = {"enable_kv_cache_events": True, "publisher": "null"}
+    llm = LLMEngine.from_engine_args(
+        model,
+        helpers.engine_args(
+            12,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=True,
+            kv_events_config=events,
+            kv_offloading_size=TIER,
+        ),
+    )
+    batches = []
+    llm.engine_core.scheduler.kv_event_publisher.publish = batches.append
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    try:
+        for request in chats(num_turns=2):
+            llm.add_request(request.request_id, request.prompt, params)
+            while llm.has_unfinished_requests():
+                llm.step()
+        published = [event for batch in batches for event in batch.events]
+        cpu = [e for e in published if isinstance(e, BlockStored) and e.medium == "CPU"]
+        gpu = [e for e in published if isinstance(e, BlockStored) and e.medium == "GPU"]
+        assert cpu and gpu
+        assert {h for e in cpu for h in e.block_hashes} <= {h for e in gpu for h in e.block_hashes}
+        assert all(e.medium == "GPU" for e in published if isinstance(e, BlockRemoved))  # the tier is large
+        manager = llm.engine_core.scheduler.connector.manager
+        assert len(manager) == len({h for e in cpu for h in e.block_hashes})
+        assert llm.reset_prefix_cache(reset_connector=False) and len(manager)
+        assert llm.reset_prefix_cache(reset_connector=True) and not len(manager)
+    finally:
+        llm.shutdown()
