@@ -177,3 +177,17 @@ def test_the_tiers_events_carry_medium_cpu_and_a_reset_empties_it(model):
         assert llm.reset_prefix_cache(reset_connector=True) and not len(manager)
     finally:
         llm.shutdown()
+
+
+def test_the_log_line_shows_the_external_hit_rate_with_the_tier_only(model, caplog):
+    requests = chats(num_turns=2)
+    with caplog.at_level("INFO", logger="paged_kv.engine"):
+        served(model, requests, num_blocks=12, log_stats_interval=1000)
+        plain = [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+        caplog.clear()
+        _, core = served(model, requests, num_blocks=12, kv_offloading_size=TIER, log_stats_interval=1000)
+        tiered = [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    assert plain and not any("External" in line for line in plain)
+    stats = core.scheduler.connector.stats
+    rate = f"External prefix cache hit rate: {100 * stats.hits / stats.queries:.1f}%"
+    assert tiered and tiered[-1].endswith(rate), tiered

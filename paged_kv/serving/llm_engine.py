@@ -278,8 +278,11 @@ class LLMEngine:
                     self.num_preemptions + 1,
                 )
             self.num_preemptions += 1
+        connector = self.engine_core.scheduler.connector
+        external = None if connector is None else connector.make_connector_prefix_cache_stats()
         return self._pool_stats(
             prefix_cache_stats=self.engine_core.memory.make_prefix_cache_stats(),
+            connector_prefix_cache_stats=external,
             num_preempted_reqs=len(output.preemptions),
             num_generation_tokens=len(step.new_tokens),
             num_prompt_tokens=prompt_tokens,

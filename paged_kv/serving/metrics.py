@@ -258,7 +258,9 @@ class SchedulerStats:
     memory's ``usage``: blocks in use over the pool's blocks, a fraction from 0 to 1, where a free
     block that still holds a cached prefix counts as free, and a hybrid model's null block is left
     out of both (vLLM: ``BlockPool.get_usage``). ``prefix_cache_stats`` counts the step's lookups,
-    in tokens, a resumed request's apart (``preempted_queries``, ``preempted_hits``).
+    in tokens, a resumed request's apart (``preempted_queries``, ``preempted_hits``), and
+    ``connector_prefix_cache_stats`` the KV connector's lookups past the device's hits (the host
+    tier's; ``None``: no connector), vLLM's "External prefix cache hit rate".
 
     ``num_preempted_reqs`` counts the step's preemptions; ``num_generation_tokens`` the tokens it
     sampled (first tokens included); ``num_prompt_tokens`` the prompt tokens of the requests whose
@@ -278,6 +280,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_swapped_reqs: int = 0
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -328,6 +331,7 @@ def _log_line(
     prefix_cache_hit_rate: float | None,
     kv_cache_device: str,
     engine_index: int,
+    external_prefix_cache_hit_rate: float | None = None,
 ) -> tuple[str, list[int | float | str]]:
     """The format and arguments of the line, built as ``LoggingStatLogger.log`` builds them."""
     log_parts = [
@@ -350,6 +354,9 @@ def _log_line(
     if prefix_cache_hit_rate is not None:
         log_parts.append("Prefix cache hit rate: %.1f%%")
         log_args.append(prefix_cache_hit_rate * 100)
+    if external_prefix_cache_hit_rate is not None:
+        log_parts.append("External prefix cache hit rate: %.1f%%")
+        log_args.append(external_prefix_cache_hit_rate * 100)
     return "Engine {:03d}: ".format(engine_index) + ", ".join(log_parts), log_args  # noqa: UP032 (vLLM's)
 
 
@@ -364,6 +371,7 @@ def format_log_line(
     prefix_cache_hit_rate: float | None = None,
     kv_cache_device: str = "GPU",
     engine_index: int = 0,
+    external_prefix_cache_hit_rate: float | None = None,
 ) -> str:
     """vLLM's periodic log line (``LoggingStatLogger.log``), exactly:
 
@@ -372,8 +380,9 @@ def format_log_line(
     rate: 50.0%``
 
     ``Preemptions`` appears when the interval preempted (``num_preemptions > 0``) and the hit rate
-    when the prefix cache was looked up (not ``None``); ``kv_cache_usage`` and the hit rate are
-    fractions, printed as percentages.
+    when the prefix cache was looked up (not ``None``), then vLLM's ``External prefix cache hit rate:
+    N%`` when a KV connector was (``external_prefix_cache_hit_rate``); ``kv_cache_usage`` and the hit
+    rates are fractions, printed as percentages.
     """
     fmt, args = _log_line(
         prompt_throughput,
@@ -385,6 +394,7 @@ def format_log_line(
         prefix_cache_hit_rate,
         kv_cache_device,
         engine_index,
+        external_prefix_cache_hit_rate,
     )
     return fmt % tuple(args)
 
@@ -464,6 +474,7 @@ class LoggingStatLogger:
         self.engine_index = engine_index
         self.logger = logger if logger is not None else logging.getLogger(ENGINE_LOGGER)
         self.prefix_caching_metrics = CachingMetrics()
+        self.connector_prefix_caching_metrics = CachingMetrics()
         self.last_scheduler_stats = SchedulerStats()
         self.last_prompt_throughput = self.last_generation_throughput = 0.0
         self.engine_is_idle = False
@@ -480,6 +491,8 @@ class LoggingStatLogger:
         self.num_generation_tokens += stats.num_generation_tokens
         self.num_preemptions += stats.num_preempted_reqs
         self.prefix_caching_metrics.observe(stats.prefix_cache_stats)
+        if stats.connector_prefix_cache_stats is not None:
+            self.connector_prefix_caching_metrics.observe(stats.connector_prefix_cache_stats)
         self.last_scheduler_stats = stats
         self.num_steps += 1
         if isinstance(self.interval, int):
@@ -517,7 +530,7 @@ class LoggingStatLogger:
             generation_throughput,
         )
         stats = self.last_scheduler_stats
-        caching = self.prefix_caching_metrics
+        caching, external = self.prefix_caching_metrics, self.connector_prefix_caching_metrics
         fmt, args = _log_line(
             prompt_throughput,
             generation_throughput,
@@ -528,6 +541,7 @@ class LoggingStatLogger:
             None if caching.empty else caching.hit_rate,
             self.kv_cache_device,
             self.engine_index,
+            None if external.empty else external.hit_rate,
         )
         log_fn = self.logger.debug if self.engine_is_idle else self.logger.info
         log_fn(fmt, *args)

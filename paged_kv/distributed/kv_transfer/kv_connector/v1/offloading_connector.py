@@ -35,11 +35,11 @@ vLLM's ``delay_free_blocks`` is never needed); the counters only grow.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from paged_kv.core.kv_cache_manager import skip_reading_prefix_cache
-from paged_kv.core.prefix_cache import chain_hashes, full_blocks, request_extra_keys
+from paged_kv.core.prefix_cache import PrefixCacheStats, chain_hashes, full_blocks, request_extra_keys
 from paged_kv.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, to_external_block_hash
 from paged_kv.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -127,6 +127,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.manager = spec.get_manager() if role is KVConnectorRole.SCHEDULER else None
         self.worker = None  # the worker's half: register_kv_caches makes it
         self.stats = ConnectorPrefixCacheStats()
+        self._step_stats = PrefixCacheStats()
         self._reqs: dict[Hashable, _ReqState] = {}
         self._loads: dict[Hashable, tuple[list[OffloadKey], tuple[int, ...]]] = {}  # planned, not done
         self._stores: dict[Hashable, list[list[OffloadKey]]] = {}  # submitted, not done
@@ -164,10 +165,25 @@ class OffloadingConnector(KVConnectorBase_V1):
         """Plan the load of ``num_external_tokens`` past the device's hit into ``blocks`` (the
         request's block ids, group 0's first): the host blocks are pinned until it completes. The
         lookup is counted in :attr:`stats` (as vLLM counts it: a resumed request's is not)."""
-        if not request.num_preemptions:
+        if request.num_preemptions:
+            step = self._step_stats
+            self._step_stats = replace(
+                step,
+                preempted_requests=step.preempted_requests + 1,
+                preempted_queries=step.preempted_queries + request.num_tokens,
+                preempted_hits=step.preempted_hits + num_external_tokens,
+            )
+        else:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
             self.stats.hits += num_external_tokens
+            step = self._step_stats
+            self._step_stats = replace(
+                step,
+                requests=step.requests + 1,
+                queries=step.queries + request.num_tokens,
+                hits=step.hits + num_external_tokens,
+            )
         if not num_external_tokens:
             return
         state = self._reqs[request.request_id]
@@ -196,6 +212,12 @@ class OffloadingConnector(KVConnectorBase_V1):
         ]
         loads, self._new_loads = tuple(self._new_loads), []
         return OffloadingConnectorMetadata(loads, tuple(stores))
+
+    def make_connector_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The lookups since the last call (vLLM's scheduler: ``connector_prefix_cache_stats``, taken
+        each step for the "External prefix cache hit rate"), a resumed request's apart."""
+        stats, self._step_stats = self._step_stats, PrefixCacheStats()
+        return stats
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Complete the loads and stores the worker finished; a load that left an invalid block is
