@@ -127,8 +127,14 @@ def test_off_by_default_nothing_changes(model):
 def test_bad_config_is_a_value_error_naming_it(settings, name):
     model = TinyGPT(CONFIG, seed=1)
     with pytest.raises(ValueError, match=name):
-        engine = Engine(model, num_blocks=12, block_size=BLOCK_SIZE, **settings)
-        engine.run(chats(num_turns=1))  # a tier too small for one block is found when it is built
+        Engine(model, num_blocks=12, block_size=BLOCK_SIZE, **settings)
+
+
+def test_a_sliding_window_model_has_no_tier():
+    config = GPTConfig(num_layers=2, num_heads=2, head_dim=8, max_len=128, sliding_windows=(8, None))
+    model = TinyGPT(config, seed=1)
+    with pytest.raises(ValueError, match="kv_offloading_size needs a model of one full-attention"):
+        Engine(model, num_blocks=12, block_size=BLOCK_SIZE, kv_offloading_size=TIER)
 
 
 def test_serve_takes_the_offloading_flags(capsys):

@@ -82,6 +82,7 @@ from paged_kv.kv.startup import KVCacheReport
 from paged_kv.model.causal_lm import CausalLM, as_causal_lm
 from paged_kv.progress import progress_bar
 from paged_kv.serving.engine_args import EngineArgs
+from paged_kv.serving.engine_core import check_kv_offloading
 from paged_kv.serving.engine_result import EngineResult, StepRecorder
 from paged_kv.serving.kv_cache_planning import get_kv_cache_config, sized
 from paged_kv.serving.llm_engine import LLMEngine
@@ -208,6 +209,7 @@ class Engine:
         self.kv_cache_config = get_kv_cache_config(vllm_config, self.model)
         """The cache's plan, made once: its groups, its block count, vLLM's start-up report."""
         self.vllm_config = sized(vllm_config, self.kv_cache_config)
+        check_kv_offloading(self.vllm_config, self.kv_cache_config)  # a tier too small fails now
         self.kv_event_publisher = EventPublisherFactory.create(self.vllm_config.kv_events_config)
         """The runs' KV-cache event publisher (a ``NullEventPublisher`` with events off)."""
 

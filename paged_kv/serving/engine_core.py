@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 from paged_kv.core.block import blocks_for_tokens
+from paged_kv.core.kv_cache_groups import FullAttentionSpec
 from paged_kv.core.kv_cache_manager import KVCacheManager
 from paged_kv.distributed.kv_events import (
     MEDIUM_GPU,
@@ -57,6 +58,29 @@ from paged_kv.serving.outputs import SchedulerOutput
 from paged_kv.serving.protocols import KVMemory
 from paged_kv.serving.request import EngineCoreRequest
 from paged_kv.serving.scheduler import Scheduler, StepResult
+
+
+def check_kv_offloading(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, enable_events: bool = False
+) -> CPUOffloadingSpec | None:
+    """The host tier's spec for ``vllm_config``'s ``kv_offloading_size`` over the plan's blocks
+    (``None``: off), holding no memory yet (the runner's connector allocates it).
+
+    Raises:
+        ValueError: a model of several KV-cache groups or of a sliding window (the tier offloads
+            one full-attention group's blocks), or a size too small for one block (named).
+    """
+    size = vllm_config.cache_config.kv_offloading_size
+    if size is None:
+        return None
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
+        raise ValueError(
+            f"kv_offloading_size needs a model of one full-attention KV-cache group, this one has "
+            f"{', '.join(type(g.spec).__name__ for g in groups)}"
+        )
+    bytes_per_block = kv_cache_config.kv_cache_spec.bytes_per_block(vllm_config.cache_config.block_size)
+    return CPUOffloadingSpec(size, bytes_per_block, enable_events=enable_events)
 
 
 class EngineCore:
@@ -89,11 +113,7 @@ class EngineCore:
         events = vllm_config.kv_events_config
         self.kv_cache_events = KVCacheEvents(MEDIUM_GPU) if events and events.enable_kv_cache_events else None
         """The pool's events, queued for the scheduler (``None``: events off, or no pool)."""
-        if cache.kv_offloading_size is not None and len(plan.kv_cache_groups) != 1:
-            raise ValueError(
-                f"kv_offloading_size needs a model of one KV-cache group, this one has "
-                f"{len(plan.kv_cache_groups)}"
-            )
+        check_kv_offloading(vllm_config, plan)
         self.memory: KVMemory = self._make_memory()
         config = model.config
         self.storage = KVStorage(
@@ -111,8 +131,8 @@ class EngineCore:
         """The host tier (``None``: ``kv_offloading_size`` off)."""
         connectors = (None, None)
         if cache.kv_offloading_size is not None:
-            spec = self.offloading_spec = CPUOffloadingSpec.for_storage(
-                cache.kv_offloading_size, self.storage, enable_events=self.kv_cache_events is not None
+            spec = self.offloading_spec = check_kv_offloading(
+                vllm_config, plan, enable_events=self.kv_cache_events is not None
             )
             connectors = tuple(
                 OffloadingConnector(role, spec, cache.block_size)
