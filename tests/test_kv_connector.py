@@ -12,6 +12,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from paged_kv.cli import build_parser
 from paged_kv.distributed.kv_events import BlockRemoved, BlockStored
@@ -24,7 +26,7 @@ from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.sampling_params import SamplingParams
 
 from . import helpers
-from .helpers import built
+from .helpers import alone, built, max_examples
 
 pytestmark = pytest.mark.lesson11
 
@@ -90,17 +92,64 @@ def test_a_returning_prompt_evicted_from_the_device_hits_in_the_tier(model):
 def test_a_failed_load_is_recomputed_with_the_same_tokens(model, monkeypatch):
     requests = chats()
     without, _ = served(model, requests, num_blocks=12)
-
-    def failing_load(self, job_id, src_spec, dst_spec):  # copies nothing, reports failure
-        self._finished.append(TransferResult(job_id, False))
-        return True
-
-    monkeypatch.setattr(CPUOffloadingWorker, "submit_load", failing_load)
+    monkeypatch.setattr(CPUOffloadingWorker, "submit_load", _failing_load)
     failed, core = served(model, requests, num_blocks=12, kv_offloading_size=TIER)
     stats = core.scheduler.connector.stats
     assert failed.tokens == without.tokens
     assert stats.num_failed_loads == stats.num_loads > 0
     assert failed.prefill_tokens_computed == without.prefill_tokens_computed
+
+
+@settings(
+    max_examples=max_examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 10**6),
+    num_blocks=st.integers(10, 16),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    budget=st.sampled_from([None, 5, 9]),
+    fail_loads=st.booleans(),
+)
+def test_any_workload_gives_each_request_its_tokens_alone(
+    model, monkeypatch, seed, num_blocks, preemption, policy, budget, fail_loads
+):
+    """Under any pool, preemption, policy and budget, with loads that succeed or all fail, every
+    request gets the tokens of its prompt generated alone, and the run leaves nothing held."""
+    rng = random.Random(seed)
+    requests = [
+        EngineRequest(
+            r.request_id,
+            r.prompt,
+            r.max_tokens,
+            rng.randrange(20),
+            priority=rng.randrange(3) if policy == "priority" else 0,
+        )
+        for r in chats(num_turns=2, num_users=4, seed=seed)
+    ]
+    with monkeypatch.context() as patch:
+        if fail_loads:
+            patch.setattr(CPUOffloadingWorker, "submit_load", _failing_load)
+        result, core = served(
+            model,
+            requests,
+            num_blocks=num_blocks,
+            kv_offloading_size=TIER,
+            preemption=preemption,
+            scheduling_policy=policy,
+            max_num_batched_tokens=budget,
+        )
+    for request in requests:
+        assert result.tokens[request.request_id] == alone(model, request), request.request_id
+    stats = core.scheduler.connector.stats
+    assert stats.num_failed_loads == (stats.num_loads if fail_loads else 0)
+    assert not core.memory.request_ids and core.memory.num_free_blocks == core.memory.num_blocks - 1
+
+
+def _failing_load(self, job_id, src_spec, dst_spec):
+    """A load that copies nothing and reports its failure (vLLM's ``TransferResult(success=False)``)."""
+    self._finished.append(TransferResult(job_id, False))
+    return True
 
 
 def test_off_by_default_nothing_changes(model):
@@ -197,3 +246,27 @@ def test_the_log_line_shows_the_external_hit_rate_with_the_tier_only(model, capl
     stats = core.scheduler.connector.stats
     rate = f"External prefix cache hit rate: {100 * stats.hits / stats.queries:.1f}%"
     assert tiered and tiered[-1].endswith(rate), tiered
+
+
+def test_a_request_aborted_with_its_external_tokens_loaded_gives_its_blocks_back(model):
+    llm = LLMEngine.from_engine_args(
+        model,
+        helpers.engine_args(12, block_size=BLOCK_SIZE, enable_prefix_caching=True, kv_offloading_size=TIER),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(60) for _ in range(16)] for _ in range(4)]
+    try:
+        for index, prompt in enumerate(prompts):  # the last three evict the first from the device
+            llm.add_request(f"p{index}", prompt, params)
+            while llm.has_unfinished_requests():
+                llm.step()
+        scheduler = llm.engine_core.scheduler
+        llm.add_request("again", prompts[0] + [1, 2], params)
+        llm.step()  # admitted: its blocks allocated, its tokens loaded from the tier
+        assert "again" in scheduler._loaded and llm.engine_core.memory.request_ids == ("again",)
+        llm.abort_request(["again"])
+        assert not llm.engine_core.memory.request_ids and not scheduler._loaded
+        assert "again" not in scheduler.connector._reqs and not scheduler.has_unfinished_requests
+    finally:
+        llm.shutdown()
