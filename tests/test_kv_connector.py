@@ -21,12 +21,13 @@ from paged_kv.kv_offload.base import TransferResult
 from paged_kv.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from paged_kv.model.config import GPTConfig
 from paged_kv.model.tiny_gpt import TinyGPT
+from paged_kv.serving.async_llm import AsyncLLM
 from paged_kv.serving.engine import Engine, EngineRequest
 from paged_kv.serving.llm_engine import LLMEngine
 from paged_kv.serving.sampling_params import SamplingParams
 
 from . import helpers
-from .helpers import alone, built, max_examples
+from .helpers import alone, built, max_examples, run_async
 
 pytestmark = pytest.mark.lesson11
 
@@ -270,3 +271,31 @@ def test_a_request_aborted_with_its_external_tokens_loaded_gives_its_blocks_back
         assert "again" not in scheduler.connector._reqs and not scheduler.has_unfinished_requests
     finally:
         llm.shutdown()
+
+
+def test_the_served_engine_reports_the_tiers_hits_as_cached_tokens(model):
+    """Through AsyncLLM (what ``paged-kv serve --kv-offloading-size`` runs): a returning prompt the
+    device evicted is served from the tier, with the same tokens, its hit in ``num_cached_tokens``."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(60) for _ in range(16)] for _ in range(4)]
+    returning = [*prompts[0], 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def main():
+        llm = AsyncLLM.from_engine_args(
+            model,
+            helpers.engine_args(
+                12, block_size=BLOCK_SIZE, enable_prefix_caching=True, kv_offloading_size=TIER
+            ),
+        )
+        try:
+            for prompt in prompts:
+                [out async for out in llm.generate(prompt, params)]
+            return [out async for out in llm.generate(returning, params)][-1], llm
+        finally:
+            await llm.shutdown()
+
+    final, llm = run_async(main())
+    assert final.outputs[0].token_ids == alone(model, EngineRequest("x", returning, 3))
+    assert final.num_cached_tokens == 16  # four blocks: the device had none of them, the tier all
+    assert llm.llm_engine.engine_core.scheduler.connector.stats.num_loads == 1
