@@ -98,6 +98,7 @@ def test_a_failed_load_is_recomputed_with_the_same_tokens(model, monkeypatch):
     stats = core.scheduler.connector.stats
     assert failed.tokens == without.tokens
     assert stats.num_failed_loads == stats.num_loads > 0
+    assert stats.requests == len(requests)  # a retry after a failed load is not counted again
     assert failed.prefill_tokens_computed == without.prefill_tokens_computed
 
 

@@ -564,7 +564,8 @@ class Scheduler:
             if request.request_id in self._loaded:  # it did not fit in _admit_loaded
                 break
             computed = self.memory.get_computed_blocks(request.request, token_ids)
-            if connector is not None and request.request_id not in self._skip_external:
+            retry = request.request_id in self._skip_external  # its load failed: counted already
+            if connector is not None and not retry:
                 num_external, _ = connector.get_num_new_matched_tokens(request, computed.num_tokens)
                 if num_external is None:  # the connector asks again at a later step
                     break
@@ -580,14 +581,15 @@ class Scheduler:
                 new_computed_blocks=computed,
                 num_tokens_to_fit=request.num_tokens if self.reserve_full_prompt else None,
                 has_scheduled_reqs=bool(self.running),
-                preempted=request.num_preemptions > 0,
+                preempted=request.num_preemptions > 0 or retry,
             )
             if block_ids is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = computed.num_tokens
-            if connector is not None:
+            if retry:
                 self._skip_external.discard(request.request_id)
+            elif connector is not None:
                 connector.update_state_after_alloc(request, block_ids, 0)
             request.num_prefill_tokens = request.num_tokens
             self.running.append(request)
