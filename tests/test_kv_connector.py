@@ -88,6 +88,12 @@ def test_a_returning_prompt_evicted_from_the_device_hits_in_the_tier(model):
     # every hit token is one the device did not compute
     assert without.prefill_tokens_computed - with_tier.prefill_tokens_computed <= stats.hits
     assert not core.scheduler.waiting_for_remote_kvs and not core.memory.request_ids
+    external = with_tier.metrics().external_prefix_cache_stats  # vLLM's external counters
+    assert (external.queries, external.hits) == (stats.queries, stats.hits)
+    assert without.metrics().external_prefix_cache_stats.queries == 0
+    text = with_tier.metrics().prometheus_text()
+    labels = '{engine="0",model_name="paged_kv"}'
+    assert f"vllm:external_prefix_cache_hits_total{labels} {float(stats.hits)}" in text
 
 
 def test_a_failed_load_is_recomputed_with_the_same_tokens(model, monkeypatch):

@@ -80,6 +80,16 @@ def test_the_names_are_vllm_0_33_0s() -> None:
             "Prefix cache queries, in terms of number of queried tokens.",
         ),
         "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+        "vllm:external_prefix_cache_queries": (
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+            "number of queried tokens.",
+        ),
+        "vllm:external_prefix_cache_hits": (
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+            "number of cached tokens.",
+        ),
         "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
         "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
         "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
@@ -554,7 +564,7 @@ def test_the_metrics_import_without_prometheus_client() -> None:
         "print(len(METRICS))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert (done.returncode, done.stdout.strip()) == (0, "12"), done.stderr
+    assert (done.returncode, done.stdout.strip()) == (0, "14"), done.stderr
 
 
 def test_a_text_without_prometheus_client_says_what_to_install(monkeypatch) -> None:

@@ -223,6 +223,14 @@ class EngineResult:
             num_computed_prompt_tokens=sum(
                 stats.num_computed_prompt_tokens for stats in self.scheduler_stats
             ),
+            external_prefix_cache_stats=sum(
+                (
+                    s.connector_prefix_cache_stats
+                    for s in self.scheduler_stats
+                    if s.connector_prefix_cache_stats
+                ),
+                PrefixCacheStats(),
+            ),
         )
 
 

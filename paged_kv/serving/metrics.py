@@ -59,6 +59,8 @@ KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
 """A gauge that holds a fraction, 0 to 1, despite its name ("KV-cache usage. 1 means 100 percent usage.")."""
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 """A counter: exposed as ``vllm:num_preemptions_total``, as every counter gains ``_total``."""
 PROMPT_TOKENS = "vllm:prompt_tokens"
@@ -157,6 +159,18 @@ METRICS: tuple[MetricSpec, ...] = (
         PREFIX_CACHE_QUERIES, "counter", "Prefix cache queries, in terms of number of queried tokens."
     ),
     MetricSpec(PREFIX_CACHE_HITS, "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    MetricSpec(
+        EXTERNAL_PREFIX_CACHE_QUERIES,
+        "counter",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+        "number of queried tokens.",
+    ),
+    MetricSpec(
+        EXTERNAL_PREFIX_CACHE_HITS,
+        "counter",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+        "number of cached tokens.",
+    ),
     MetricSpec(NUM_PREEMPTIONS, "counter", "Cumulative number of preemption from the engine."),
     MetricSpec(PROMPT_TOKENS, "counter", "Number of prefill tokens processed."),
     MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Number of cached prompt tokens (local + external)."),
@@ -601,6 +615,9 @@ class RunMetrics:
     inter_token_latency_seconds: tuple[float, ...] = ()
     e2e_request_latency_seconds: tuple[float, ...] = ()
     num_computed_prompt_tokens: int = 0
+    external_prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    """The KV connector's lookups past the device's hits, summed over the run (the host tier's;
+    zero without one): ``vllm:external_prefix_cache_queries`` and ``_hits``."""
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -644,6 +661,8 @@ class RunMetrics:
             KV_CACHE_USAGE_PERC: self.kv_cache_usage_perc,
             PREFIX_CACHE_QUERIES: self.prefix_cache_stats.queries,
             PREFIX_CACHE_HITS: self.prefix_cache_stats.hits,
+            EXTERNAL_PREFIX_CACHE_QUERIES: self.external_prefix_cache_stats.queries,
+            EXTERNAL_PREFIX_CACHE_HITS: self.external_prefix_cache_stats.hits,
             NUM_PREEMPTIONS: self.num_preemptions,
             PROMPT_TOKENS: self.prompt_tokens,
             PROMPT_TOKENS_CACHED: self.prompt_tokens - self.num_computed_prompt_tokens,

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from paged_kv.core.prefix_cache import PrefixCacheStats
 from paged_kv.serving.metrics import (
     E2E_REQUEST_LATENCY_SECONDS,
+    EXTERNAL_PREFIX_CACHE_HITS,
+    EXTERNAL_PREFIX_CACHE_QUERIES,
     FINISH_REASONS,
     GENERATION_TOKENS,
     INTER_TOKEN_LATENCY_SECONDS,
@@ -70,12 +73,15 @@ class PrometheusStatLogger:
 
     def __call__(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """Record one step (vLLM: ``PrometheusStatLogger.record``)."""
+        external = stats.connector_prefix_cache_stats or PrefixCacheStats()  # no connector: no lookups
         values = {
             NUM_REQUESTS_RUNNING: stats.num_running_reqs,
             NUM_REQUESTS_WAITING: stats.num_waiting_reqs,
             KV_CACHE_USAGE_PERC: stats.kv_cache_usage,
             PREFIX_CACHE_QUERIES: stats.prefix_cache_stats.queries,
             PREFIX_CACHE_HITS: stats.prefix_cache_stats.hits,
+            EXTERNAL_PREFIX_CACHE_QUERIES: external.queries,
+            EXTERNAL_PREFIX_CACHE_HITS: external.hits,
             NUM_PREEMPTIONS: stats.num_preempted_reqs,
             PROMPT_TOKENS: iteration.num_prompt_tokens,
             PROMPT_TOKENS_CACHED: stats.num_cached_prompt_tokens,
