@@ -28,6 +28,7 @@ from paged_kv.serving.sampling_params import SamplingParams
 
 from . import helpers
 from .helpers import alone, built, max_examples, run_async
+from .test_server import MAX_MODEL_LEN, MODEL, GatedGPT, Served
 
 pytestmark = pytest.mark.lesson11
 
@@ -306,3 +307,29 @@ def test_the_served_engine_reports_the_tiers_hits_as_cached_tokens(model):
     assert final.outputs[0].token_ids == alone(model, EngineRequest("x", returning, 3))
     assert final.num_cached_tokens == 16  # four blocks: the device had none of them, the tier all
     assert llm.llm_engine.engine_core.scheduler.connector.stats.num_loads == 1
+
+
+def test_the_server_serves_a_returning_prompt_from_the_tier_to_the_openai_client():
+    served = Served(GatedGPT(), num_blocks=8, max_model_len=MAX_MODEL_LEN, kv_offloading_size=TIER)
+    try:
+        prompt = "The host tier keeps the blocks the device evicts. " * 2  # 5 full blocks of 16 bytes
+
+        def complete(text: str) -> str:
+            answer = served.client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0)
+            return answer.choices[0].text
+
+        first = complete(prompt)
+        for other in (
+            "Another prompt takes the pool's blocks for itself. " * 2,
+            "And a third evicts the rest. " * 3,
+        ):
+            complete(other)  # 7 blocks to give out: the first prompt's are evicted from the device
+        assert complete(prompt) == first
+        samples = served.metrics()
+        assert samples["vllm:external_prefix_cache_hits_total{}"] >= 16  # at least a block from the tier
+        assert (
+            samples["vllm:external_prefix_cache_queries_total{}"]
+            >= samples["vllm:external_prefix_cache_hits_total{}"]
+        )
+    finally:
+        served.stop()
