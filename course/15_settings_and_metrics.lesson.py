@@ -194,8 +194,10 @@ print(f"hit rate of first lookups: {stats.hit_rate:.1%}; readmissions apart: {st
 # Counters end in `_total`, as Prometheus names them. The 4,245 prompt tokens are each prompt
 # counted once, and 3,008 of them came from the cache (`vllm:prompt_tokens_cached`), so the log
 # line's prompt throughput counted the other 1,237; the 19 readmissions looked up 1,738 tokens more, of which the cache had 1,280, and
-# they stay out of the rate a dashboard shows. `run.metrics().summary()` prints the latencies in the
-# layout of `vllm bench serve`.
+# they stay out of the rate a dashboard shows. `vllm:external_prefix_cache_queries` and `_hits`
+# count the lookups a KV connector answers past the device's pool (a host-memory tier, with
+# `kv_offloading_size`); vLLM declares them always, and without a connector they stay at 0.
+# `run.metrics().summary()` prints the latencies in the layout of `vllm bench serve`.
 
 # %% [markdown]
 # ## 3. Two settings that trade
