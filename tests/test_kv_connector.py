@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paged_kv.cli import build_parser
@@ -120,6 +120,8 @@ def test_a_failed_load_is_recomputed_with_the_same_tokens(model, monkeypatch):
     budget=st.sampled_from([None, 5, 9]),
     fail_loads=st.booleans(),
 )
+# Loaded requests holding blocks none of them could run on, with nothing running: a deadlock once.
+@example(seed=55585, num_blocks=10, preemption="recompute", policy="fcfs", budget=None, fail_loads=False)
 def test_any_workload_gives_each_request_its_tokens_alone(
     model, monkeypatch, seed, num_blocks, preemption, policy, budget, fail_loads
 ):

@@ -262,6 +262,14 @@ class Scheduler:
             self._swap_in(step)
             if not self.swapped:
                 self._admit(step)
+        if not step.num_scheduled and self._loaded and not self.running:
+            # Loaded requests hold blocks that none of them can run on, and nothing runs to free
+            # more: give their blocks back (their K/V stays cached on the free queue) and admit
+            # again, from a pool with every block free.
+            self._release_loaded()
+            self._swap_in(step)
+            if not self.swapped:
+                self._admit(step)
         if not step.num_scheduled and self.has_unfinished_requests and not self.waiting_for_remote_kvs:
             raise RuntimeError(
                 f"step {self._step}: nothing can run, yet requests wait; the memory has "
@@ -393,10 +401,7 @@ class Scheduler:
         if reset_running_requests:
             while self.running:
                 self._reset_preemptions.append(self._requeue(self.running.pop()))
-            for request_id in self._loaded:
-                self.memory.free(request_id)
-                self.requests[request_id].num_computed_tokens = 0
-            self._loaded.clear()
+            self._release_loaded()
         reset = self.memory.reset_prefix_cache()
         if reset_running_requests and not reset:
             raise RuntimeError(
@@ -629,6 +634,15 @@ class Scheduler:
         self._num_external[request_id] = num_external
         self.connector.update_state_after_alloc(request, self.memory.get_block_ids(request_id), num_external)
         return True
+
+    def _release_loaded(self) -> None:
+        """Free the blocks of every request whose external tokens were loaded: each waits in its
+        place to be admitted again from nothing computed (its blocks cached, so a hit brings most
+        of it back)."""
+        for request_id in self._loaded:
+            self.memory.free(request_id)
+            self.requests[request_id].num_computed_tokens = 0
+        self._loaded.clear()
 
     def _admit_loaded(self, step: _Step) -> None:
         """Schedule the requests whose external tokens were loaded (their blocks held), in the
