@@ -231,13 +231,18 @@ NEVER_OLDEST = (
 
 def _victims(running: list, free: int, *, newest_first=True, frees=True, need_leaves=True) -> list:
     """The rule, or a classic mistake (a keyword set to False); raises when the oldest alone does not fit."""
-    order = running[::-1] if newest_first else running
-    needed = sum(needs for _, _, needs in running)
+    return _take(running[::-1] if newest_first else running, free, frees=frees, need_leaves=need_leaves)
+
+
+def _take(order: list, free: int, *, frees=True, need_leaves=True) -> list:
+    """Take the entries of ``order`` (``(seq_id, blocks, needs_block, ...)``, the first preempted
+    first) until the others' needs fit; raises when only the last one is left and it does not."""
+    needed = sum(entry[2] for entry in order)
     victims = []
     while needed > free:
-        if len(victims) == len(running) - 1:
+        if len(victims) == len(order) - 1:
             raise OutOfBlocksError(needed, free)
-        seq_id, blocks, needs = order[len(victims)]
+        seq_id, blocks, needs, *_ = order[len(victims)]
         victims.append(seq_id)
         free += blocks if frees else 0
         needed -= needs if need_leaves else 0
@@ -657,16 +662,7 @@ PRIORITY_CASES = [
 def _ranked(running: list, free: int, *, key=lambda i, e: (e[3], e[4]), frees=True) -> list:
     """The rule, or a classic mistake: another ranking ``key(index, entry)``, or no blocks freed."""
     order = sorted(range(len(running)), key=lambda i: key(i, running[i]), reverse=True)
-    needed = sum(entry[2] for entry in running)
-    victims = []
-    while needed > free:
-        if len(victims) == len(running) - 1:
-            raise OutOfBlocksError(needed, free)
-        _, blocks, needs, *_ = running[order[len(victims)]]
-        victims.append(running[order[len(victims)]][0])
-        free += blocks if frees else 0
-        needed -= needs
-    return victims
+    return _take([running[i] for i in order], free, frees=frees)
 
 
 def _random_priority_cases(count: int, seed: int) -> list[tuple[list, int]]:

@@ -83,16 +83,7 @@ def choose_victims(running: _Sequence[_Candidate], num_free_blocks: int) -> list
     """
     free = _check_count("num_free_blocks", num_free_blocks)
     candidates = _check_running(running)
-    needed = sum(needs for _, _, needs in candidates)
-    victims: list[_Hashable] = []
-    while needed > free:
-        if len(victims) == len(candidates) - 1:
-            raise _OutOfBlocksError(needed, free, "the oldest running sequence alone")
-        seq_id, blocks, needs = candidates[-1 - len(victims)]
-        victims.append(seq_id)
-        free += blocks
-        needed -= needs
-    return victims
+    return _take_victims(candidates[::-1], free, "the oldest running sequence alone")
 
 
 def priority_victims(running: _Sequence[tuple], num_free_blocks: int) -> list[_Hashable]:
@@ -132,12 +123,19 @@ def priority_victims(running: _Sequence[tuple], num_free_blocks: int) -> list[_H
         ranks.append((priority, arrival, index))  # ties (not expected) go to the later admitted
     candidates = _check_running([entry[:3] for entry in running])
     order = sorted(range(len(candidates)), key=ranks.__getitem__, reverse=True)
-    needed = sum(needs for _, _, needs in candidates)
+    return _take_victims([candidates[i] for i in order], free, "the last running sequence alone")
+
+
+def _take_victims(order: list[_Candidate], free: int, last: str) -> list[_Hashable]:
+    """The one rule of both policies: take the candidates in ``order`` (the first is preempted
+    first) until the others' next tokens fit, each victim's blocks freed and its need gone; never
+    the last one left (``last`` says which it is, in the error)."""
+    needed = sum(needs for _, _, needs in order)
     victims: list[_Hashable] = []
     while needed > free:
-        if len(victims) == len(candidates) - 1:
-            raise _OutOfBlocksError(needed, free, "the last running sequence alone")
-        seq_id, blocks, needs = candidates[order[len(victims)]]
+        if len(victims) == len(order) - 1:
+            raise _OutOfBlocksError(needed, free, last)
+        seq_id, blocks, needs = order[len(victims)]
         victims.append(seq_id)
         free += blocks
         needed -= needs
